@@ -1,0 +1,59 @@
+// The layout of one group's segment, as a struct with named offsets (STYLE.md
+// rule 5). Every rank computes the same layout from (capacity, chunk bytes).
+//
+//   [header: doorbells]
+//   [flags: for each plane and peer p, a ready flag (messages p has posted to
+//    us) and an ack flag (our messages p has consumed), 64 bytes apart]
+//   [slots: for each plane, peer p and slot s, a 64-byte MsgHeader + chunk]
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "transport/segment.h"
+
+namespace mooncake {
+
+enum class Plane : int { kCollective = 0, kP2P = 1 };
+constexpr int kNumPlanes = 2;
+constexpr int kSlotsPerChannel = 2;  // double buffering: a peer fills one slot while we read the other
+constexpr size_t kFlagStride = 64;   // one cache line per flag: writers never share a line
+
+// The header in front of every message.
+struct MsgHeader {
+  uint64_t op_seq;      // collective: the op's sequence number; p2p: tag
+  uint32_t op_type;     // collective op; p2p: 1 on a message's first chunk
+  uint8_t dtype;
+  uint8_t redop;
+  uint16_t reserved0;
+  int32_t root;
+  uint32_t len;         // payload bytes in this message
+  uint64_t numel;       // collective: size the op was called with; p2p: total message bytes
+  uint64_t edge_bytes;  // collective: bytes the sender sends us in this op
+  uint64_t edge_expect; // collective: bytes the sender expects from us in this op
+  uint64_t reserved1[2];
+};
+static_assert(sizeof(MsgHeader) == 64);
+
+struct Layout {
+  int capacity = 0;       // ranks the segment has room for
+  size_t chunk_bytes = 0; // payload bytes of one slot
+
+  size_t flags_begin() const { return kSegmentHeaderBytes; }
+  size_t ready_flag(Plane plane, int peer) const {
+    return flags_begin() + ((static_cast<size_t>(plane) * capacity + peer) * 2) * kFlagStride;
+  }
+  size_t ack_flag(Plane plane, int peer) const { return ready_flag(plane, peer) + kFlagStride; }
+  size_t slots_begin() const {
+    return flags_begin() + static_cast<size_t>(kNumPlanes) * capacity * 2 * kFlagStride;
+  }
+  size_t slot_bytes() const { return sizeof(MsgHeader) + chunk_bytes; }
+  // Where messages from `src` on `plane` land, slot `slot`.
+  size_t slot(Plane plane, int src, int slot_index) const {
+    size_t index = (static_cast<size_t>(plane) * capacity + src) * kSlotsPerChannel + slot_index;
+    return slots_begin() + index * slot_bytes();
+  }
+  size_t total_bytes() const { return slot(Plane::kCollective, 0, 0) + static_cast<size_t>(kNumPlanes) * capacity * kSlotsPerChannel * slot_bytes(); }
+};
+
+}  // namespace mooncake

@@ -1,0 +1,139 @@
+#include "collectives/request.h"
+
+#include <chrono>
+
+#include "core/error.h"
+
+namespace mooncake {
+
+bool Request::wait(int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (timeout_ms < 0) {
+    cv_.wait(lock, [&] { return done_; });
+    return true;
+  }
+  return cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return done_; });
+}
+
+bool Request::done() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+std::exception_ptr Request::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+int Request::source_rank() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return source_rank_;
+}
+
+void Request::set_source_rank(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  source_rank_ = rank;
+}
+
+void Request::complete(std::exception_ptr error) {
+  std::vector<std::function<void(std::exception_ptr)>> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    done_ = true;
+    error_ = error;
+    callbacks.swap(callbacks_);
+  }
+  cv_.notify_all();
+  for (auto& fn : callbacks) fn(error);
+}
+
+void Request::on_complete(std::function<void(std::exception_ptr)> fn) {
+  std::exception_ptr error;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!done_) {
+      callbacks_.push_back(std::move(fn));
+      return;
+    }
+    error = error_;
+  }
+  fn(error);
+}
+
+std::shared_ptr<Request> all_of(const std::vector<std::shared_ptr<Request>>& parts) {
+  auto all = std::make_shared<Request>();
+  if (parts.empty()) {
+    all->complete();
+    return all;
+  }
+  struct State {
+    std::mutex mu;
+    size_t left;
+    std::exception_ptr first_error;
+  };
+  auto state = std::make_shared<State>();
+  state->left = parts.size();
+  for (auto& part : parts)
+    part->on_complete([all, state](std::exception_ptr e) {
+      std::exception_ptr finished_error;
+      bool last;
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        if (e && !state->first_error) state->first_error = e;
+        last = --state->left == 0;
+        finished_error = state->first_error;
+      }
+      if (last) all->complete(finished_error);
+    });
+  return all;
+}
+
+std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
+  auto request = std::make_shared<Request>();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) {
+    request->complete(std::make_exception_ptr(
+        Error(ErrorKind::kPeerFailed, "the process group was shut down")));
+    return request;
+  }
+  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  tasks_.emplace_back(std::move(task), request);
+  cv_.notify_one();
+  return request;
+}
+
+void OpQueue::run() {
+  for (;;) {
+    std::pair<std::function<void()>, std::shared_ptr<Request>> item;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      item = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    std::exception_ptr error;
+    try {
+      item.first();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    item.second->complete(error);
+  }
+}
+
+void OpQueue::stop(const char* reason) {
+  std::deque<std::pair<std::function<void()>, std::shared_ptr<Request>>> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    dropped.swap(tasks_);
+  }
+  cv_.notify_all();
+  for (auto& item : dropped)
+    item.second->complete(std::make_exception_ptr(Error(ErrorKind::kPeerFailed, reason)));
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+}  // namespace mooncake

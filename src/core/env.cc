@@ -1,0 +1,51 @@
+#include "core/env.h"
+
+#include <cstdlib>
+
+#include "core/error.h"
+
+namespace mooncake {
+
+const std::vector<EnvVar>& env_registry() {
+  static const std::vector<EnvVar> vars = {
+      {"MOONCAKE_LOG_LEVEL", "warn", "Log level: error, warn, info, debug."},
+      {"MOONCAKE_TRANSPORT", "auto",
+       "auto: shared memory for peers on this host, tcp otherwise; tcp: force tcp for every "
+       "peer (tests the cross-host path on one machine)."},
+      {"MOONCAKE_PG_TIMEOUT_MS", "0",
+       "Default op timeout in ms when > 0; otherwise the timeout given to "
+       "init_process_group (torch's default is 30 minutes)."},
+      {"MOONCAKE_CHUNK_BYTES", "262144",
+       "Bytes of one message slot per peer channel; larger tensors are pipelined through it."},
+      {"MOONCAKE_SMALL_MSG_BYTES", "65536",
+       "all_reduce/broadcast at or below this size use the direct algorithm; above it, "
+       "reduce-scatter + all-gather (each rank moves O(size))."},
+      {"MOONCAKE_SPIN_US", "20", "How long a wait spins before it blocks on a futex."},
+      {"MOONCAKE_HOST_IP", "",
+       "Address the tcp transport listens on and publishes (default: the host's name)."},
+  };
+  return vars;
+}
+
+static const EnvVar& find_var(const char* name) {
+  for (const auto& v : env_registry())
+    if (std::string(v.name) == name) return v;
+  MC_ASSERT(false, "undeclared environment variable ", name);
+}
+
+std::string env_string(const char* name) {
+  const EnvVar& var = find_var(name);
+  const char* value = std::getenv(var.name);
+  return value != nullptr && *value != '\0' ? std::string(value) : std::string(var.default_value);
+}
+
+int64_t env_int(const char* name) {
+  std::string value = env_string(name);
+  char* end = nullptr;
+  long long parsed = std::strtoll(value.c_str(), &end, 10);
+  MC_CHECK_ARG(end != value.c_str() && *end == '\0', "environment variable ", name,
+               " must be an integer, got '", value, "'");
+  return parsed;
+}
+
+}  // namespace mooncake

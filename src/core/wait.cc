@@ -1,0 +1,70 @@
+#include "core/wait.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
+
+#include "core/env.h"
+
+namespace mooncake {
+
+namespace {
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ms) {
+  struct timespec ts;
+  ts.tv_sec = timeout_ms / 1000;
+  ts.tv_nsec = (timeout_ms % 1000) * 1000000;
+  // Shared futex (no FUTEX_PRIVATE_FLAG): the word may be in a shared mapping.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+}  // namespace
+
+void ring(Doorbell* bell) {
+  bell->seq.fetch_add(1, std::memory_order_seq_cst);
+  if (bell->sleepers.load(std::memory_order_seq_cst) != 0)
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell->seq), FUTEX_WAKE, INT_MAX, nullptr,
+            nullptr, 0);
+}
+
+int64_t spin_budget_us() {
+  static const int64_t us = env_int("MOONCAKE_SPIN_US");
+  return us;
+}
+
+bool wait_on(Doorbell* bell, const std::function<bool()>& ready, const Deadline& deadline,
+             const std::function<bool()>& poll, int64_t poll_ms) {
+  if (ready()) return true;
+  const int64_t spin_until = now_us() + spin_budget_us();
+  while (now_us() < spin_until) {
+    for (int i = 0; i < 64; ++i) cpu_relax();
+    if (ready()) return true;
+  }
+  int64_t next_poll = now_us() + poll_ms * 1000;
+  for (;;) {
+    uint32_t seen = bell->seq.load(std::memory_order_seq_cst);
+    if (ready()) return true;
+    if (deadline.expired()) return false;
+    bell->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (!ready()) futex_wait(&bell->seq, seen, deadline.remaining_ms(poll_ms) + 1);
+    bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return true;
+    if (poll && now_us() >= next_poll) {
+      next_poll = now_us() + poll_ms * 1000;
+      if (poll()) return ready();
+    }
+  }
+}
+
+}  // namespace mooncake

@@ -1,0 +1,64 @@
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "store/store.h"
+
+namespace mooncake {
+
+FileStore::FileStore(std::string dir) : dir_(std::move(dir)) { ::mkdir(dir_.c_str(), 0700); }
+
+std::string FileStore::path(const std::string& key) const {
+  std::string safe;
+  for (char c : key) safe += (c == '/' ? '%' : c);
+  return dir_ + "/" + safe;
+}
+
+void FileStore::set(const std::string& key, const std::string& value) {
+  std::string tmp = path(key) + ".tmp." + std::to_string(getpid());
+  {
+    std::ofstream out(tmp, std::ios::binary);
+    out << value;
+  }
+  MC_SYSCHECK(::rename(tmp.c_str(), path(key).c_str()));
+}
+
+std::string FileStore::get(const std::string& key, int64_t timeout_ms) {
+  Deadline deadline = Deadline::after_ms(timeout_ms);
+  for (;;) {
+    std::ifstream in(path(key), std::ios::binary);
+    if (in) {
+      std::stringstream ss;
+      ss << in.rdbuf();
+      return ss.str();
+    }
+    if (deadline.expired())
+      throw_error(ErrorKind::kTimeout, -1, "store: key '", key, "' did not appear within ",
+                  timeout_ms, " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+int64_t FileStore::add(const std::string& key, int64_t delta) {
+  std::string lock_path = path(key) + ".lock";
+  int fd = MC_SYSCHECK(::open(lock_path.c_str(), O_CREAT | O_RDWR, 0600));
+  MC_SYSCHECK(::flock(fd, LOCK_EX));
+  int64_t value = 0;
+  if (check(key)) value = std::stoll(get(key, 0));
+  value += delta;
+  set(key, std::to_string(value));
+  ::flock(fd, LOCK_UN);
+  ::close(fd);
+  return value;
+}
+
+bool FileStore::check(const std::string& key) { return ::access(path(key).c_str(), F_OK) == 0; }
+
+}  // namespace mooncake

@@ -1,0 +1,712 @@
+#include "torch/backend.h"
+
+#include <numeric>
+
+#include "core/error.h"
+#include "store/store.h"
+
+namespace mooncake {
+
+namespace {
+
+// --- the store ------------------------------------------------------------------
+
+class C10dStore : public Store {
+ public:
+  explicit C10dStore(c10::intrusive_ptr<c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override {
+    store_->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  std::string get(const std::string& key, int64_t timeout_ms) override {
+    try {
+      store_->wait({key}, std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 1)));
+    } catch (const std::exception& e) {
+      throw_error(ErrorKind::kTimeout, -1, "store: key '", key, "' did not appear within ",
+                  timeout_ms, " ms (", e.what(), ")");
+    }
+    auto v = store_->get(key);
+    return std::string(v.begin(), v.end());
+  }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  bool check(const std::string& key) override { return store_->check({key}); }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+};
+
+// --- Work -----------------------------------------------------------------------
+
+class MooncakeWork : public c10d::Work {
+ public:
+  MooncakeWork(int rank, c10d::OpType type, std::shared_ptr<Request> request,
+               std::vector<at::Tensor> outputs)
+      : Work(rank, type), request_(std::move(request)), outputs_(std::move(outputs)) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{});
+    auto future = future_;
+    auto outputs_copy = outputs_;
+    request_->on_complete([future, outputs_copy](std::exception_ptr error) {
+      if (error)
+        future->setError(error);
+      else
+        future->markCompleted(c10::IValue(outputs_copy));
+    });
+  }
+
+  bool isCompleted() override { return request_->done(); }
+  bool isSuccess() const override { return request_->done() && !request_->error(); }
+  std::exception_ptr exception() const override { return request_->error(); }
+  int sourceRank() const override { return request_->source_rank(); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    int64_t ms = timeout == kNoTimeout ? -1 : timeout.count();
+    if (!request_->wait(ms))
+      throw_error(ErrorKind::kTimeout, -1, "Work.wait: the operation did not finish within ", ms,
+                  " ms");
+    if (auto error = request_->error()) std::rethrow_exception(error);
+    return true;
+  }
+  void synchronize() override {}
+  const std::shared_ptr<Request>& request() const { return request_; }
+
+ private:
+  std::shared_ptr<Request> request_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// --- tensors -----------------------------------------------------------------------
+
+DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
+  switch (t) {
+    case at::kBool: return DType::kBool;
+    case at::kByte: return DType::kUInt8;
+    case at::kChar: return DType::kInt8;
+    case at::kShort: return DType::kInt16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    case at::kUInt16: return DType::kUInt16;
+    case at::kUInt32: return DType::kUInt32;
+    case at::kUInt64: return DType::kUInt64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kComplexFloat: return DType::kFloat32;   // moved as pairs of floats
+    case at::kComplexDouble: return DType::kFloat64;
+    default:
+      throw_error(ErrorKind::kInvalidArgument, -1, op, ": ", arg, " has dtype ",
+                  c10::toString(t), ", which mooncake does not support");
+  }
+}
+
+// Elements of the core dtype a tensor holds (complex counts twice).
+size_t elems(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * (t.is_complex() ? 2 : 1);
+}
+
+RedOp to_redop(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) {
+  RedOp r;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: r = RedOp::kSum; break;
+    case c10d::ReduceOp::AVG: r = RedOp::kAvg; break;
+    case c10d::ReduceOp::PRODUCT: r = RedOp::kProduct; break;
+    case c10d::ReduceOp::MIN: r = RedOp::kMin; break;
+    case c10d::ReduceOp::MAX: r = RedOp::kMax; break;
+    case c10d::ReduceOp::BAND: r = RedOp::kBand; break;
+    case c10d::ReduceOp::BOR: r = RedOp::kBor; break;
+    case c10d::ReduceOp::BXOR: r = RedOp::kBxor; break;
+    default:
+      throw_error(ErrorKind::kInvalidArgument, -1, name,
+                  ": op must be SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR; PREMUL_SUM is "
+                  "not supported");
+  }
+  MC_CHECK_ARG(!t.is_complex() || r == RedOp::kSum || r == RedOp::kAvg, name,
+               ": complex tensors support only SUM and AVG");
+  DType dt = to_dtype(t.scalar_type(), name, "tensor");
+  MC_CHECK_ARG(redop_supported(r, dt), name, ": op ", redop_name(r),
+               " is not defined for dtype ", c10::toString(t.scalar_type()),
+               r == RedOp::kAvg ? " (AVG needs a floating-point tensor)"
+                                : " (bitwise ops need an integer or bool tensor)");
+  return r;
+}
+
+// A contiguous tensor to write results into, and how to copy them back.
+struct OutBuf {
+  at::Tensor user, buf;
+  explicit OutBuf(const at::Tensor& t) : user(t), buf(t.is_contiguous() ? t : t.contiguous()) {}
+  void* ptr() const { return buf.data_ptr(); }
+  void commit() const {
+    if (!buf.is_same(user)) user.copy_(buf);
+  }
+};
+
+void check_count(size_t got, size_t want, const char* name, const char* what) {
+  MC_CHECK_ARG(got == want, name, ": ", what, " must have ", want, " entries, got ", got);
+}
+
+}  // namespace
+
+// --- options --------------------------------------------------------------------------
+
+MooncakeBackendOptions::MooncakeBackendOptions(at::Tensor active, bool extension,
+                                               std::optional<int64_t> max_world)
+    : Options("mooncake"), active_ranks(std::move(active)), is_extension(extension),
+      max_world_size(max_world) {
+  if (active_ranks.defined()) {
+    MC_CHECK_ARG(active_ranks.scalar_type() == at::kInt,
+                 "MooncakeBackendOptions: active_ranks must be a torch.int32 tensor, got ",
+                 c10::toString(active_ranks.scalar_type()));
+    MC_CHECK_ARG(active_ranks.dim() == 1,
+                 "MooncakeBackendOptions: active_ranks must be 1-D, got ",
+                 active_ranks.dim(), " dims");
+  }
+  if (max_world_size.has_value())
+    MC_CHECK_ARG(*max_world_size >= 1, "MooncakeBackendOptions: max_world_size must be >= 1, got ",
+                 *max_world_size);
+}
+
+// --- the backend ----------------------------------------------------------------------
+
+MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                 int size, std::chrono::milliseconds timeout,
+                                 c10::intrusive_ptr<MooncakeBackendOptions> options,
+                                 std::shared_ptr<TransferEngine> engine, bool cuda)
+    : Backend(rank, size),
+      store_(std::make_unique<C10dStore>(store)),
+      engine_(std::move(engine)),
+      options_(std::move(options)),
+      cuda_(cuda) {
+  const char* name = cuda ? "mooncake" : "mooncake-cpu";
+  if (!options_) options_ = c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), false, std::nullopt);
+  if (options_->max_world_size.has_value())
+    MC_CHECK_ARG(*options_->max_world_size >= size, name, ": max_world_size (",
+                 *options_->max_world_size, ") must be >= the world size (", size, ")");
+  const int64_t slots = options_->max_world_size.value_or(size);
+  MC_CHECK_ARG(!options_->is_extension, name,
+               ": is_extension=True (joining a running group) is not implemented yet");
+  MC_CHECK_ARG(slots == size, name,
+               ": max_world_size > world size (reserved slots) is not implemented yet");
+  if (options_->active_ranks.defined()) {
+    const at::Tensor& a = options_->active_ranks;
+    MC_CHECK_ARG(a.numel() == slots, name, ": active_ranks must have ", slots,
+                 " entries (max_world_size, or the world size), got ", a.numel());
+    MC_CHECK_ARG(a.device().is_cpu() != cuda, name, ": active_ranks must be on ",
+                 cuda ? "the CUDA device" : "the CPU", ", got ", a.device().str());
+    active_ranks_ = a;
+    active_ranks_.fill_(1);
+  } else {
+    active_ranks_ = at::ones({slots}, at::TensorOptions().dtype(at::kInt));
+  }
+  options_->timeout = timeout;
+  timeout_ms_ = CommConfig::from_env(timeout.count()).timeout_ms;
+  comm_ = std::make_unique<Communicator>(*engine_, *store_, "mooncake/", rank, size,
+                                         CommConfig::from_env(timeout_ms_));
+}
+
+MooncakeBackend::~MooncakeBackend() { shutdown(); }
+
+const std::string MooncakeBackend::getBackendName() const {
+  return cuda_ ? "mooncake" : "mooncake-cpu";
+}
+
+void MooncakeBackend::shutdown() {
+  if (shut_down_.exchange(true)) return;
+  if (comm_) comm_->stop();
+  queue_.stop();
+  std::lock_guard<std::mutex> lock(p2p_mu_);
+  if (p2p_) p2p_->stop();
+  p2p_.reset();
+  comm_.reset();
+}
+
+void MooncakeBackend::setTimeout(std::chrono::milliseconds timeout) { timeout_ms_ = timeout.count(); }
+
+int64_t MooncakeBackend::op_timeout_ms(std::chrono::milliseconds t) const {
+  return t == c10d::kUnsetTimeout ? timeout_ms_ : t.count();
+}
+
+int MooncakeBackend::num_synced_ranks() const {
+  return static_cast<int>(active_ranks_.sum().item<int64_t>());
+}
+
+std::string MooncakeBackend::transport_of(int peer) const {
+  MC_CHECK_ARG(peer >= 0 && peer < size_, "peer must be in [0, ", size_, "), got ", peer);
+  MC_CHECK_ARG(comm_ != nullptr, "the process group was shut down");
+  return comm_->transport_of(peer);
+}
+
+void MooncakeBackend::check_tensor(const at::Tensor& t, const char* op, const char* arg) const {
+  MC_CHECK_ARG(t.defined(), op, ": ", arg, " is undefined");
+  MC_CHECK_ARG(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor");
+  if (cuda_)
+    MC_CHECK_ARG(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor for backend mooncake, got ",
+                 t.device().str());
+  else
+    MC_CHECK_ARG(t.device().is_cpu(), op, ": ", arg,
+                 " must be a CPU tensor for backend mooncake-cpu, got ", t.device().str());
+  to_dtype(t.scalar_type(), op, arg);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::wrap(std::shared_ptr<Request> request,
+                                                     c10d::OpType type,
+                                                     std::vector<at::Tensor> outputs) {
+  if (coalescing_) coalesced_.push_back(request);
+  return c10::make_intrusive<MooncakeWork>(rank_, type, std::move(request), std::move(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::enqueue(c10d::OpType type, Task task,
+                                                        std::vector<at::Tensor> outputs) {
+  MC_CHECK_ARG(!shut_down_.load(), getBackendName(), ": the process group was shut down");
+  return wrap(queue_.submit(std::move(task)), type, std::move(outputs));
+}
+
+void MooncakeBackend::startCoalescing() {
+  MC_CHECK_ARG(!coalescing_, "startCoalescing: already coalescing");
+  coalescing_ = true;
+  coalesced_.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::endCoalescing() {
+  MC_CHECK_ARG(coalescing_, "endCoalescing: startCoalescing was not called");
+  coalescing_ = false;
+  auto parts = std::move(coalesced_);
+  coalesced_.clear();
+  return c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED, all_of(parts),
+                                           std::vector<at::Tensor>{});
+}
+
+// --- collectives ------------------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  check_count(tensors.size(), 1, "broadcast", "tensors");
+  check_tensor(tensors[0], "broadcast", "tensor");
+  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: src must be in [0, ",
+               size_, "), got ", opts.rootRank);
+  at::Tensor t = tensors[0];
+  DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
+  int root = static_cast<int>(opts.rootRank);
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::BROADCAST, [this, t, dt, root, timeout] {
+    OutBuf out(t);
+    comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
+    out.commit();
+  }, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  check_count(tensors.size(), 1, "all_reduce", "tensors");
+  check_tensor(tensors[0], "all_reduce", "tensor");
+  at::Tensor t = tensors[0];
+  DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
+  RedOp op = to_redop(opts.reduceOp, t, "all_reduce");
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::ALLREDUCE, [this, t, dt, op, timeout] {
+    OutBuf out(t);
+    comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+    out.commit();
+  }, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  std::vector<std::tuple<at::Tensor, DType, RedOp>> items;
+  for (auto& t : tensors) {
+    check_tensor(t, "all_reduce_coalesced", "tensors");
+    items.emplace_back(t, to_dtype(t.scalar_type(), "all_reduce_coalesced", "tensors"),
+                       to_redop(opts.reduceOp, t, "all_reduce_coalesced"));
+  }
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, [this, items, timeout] {
+    for (auto& [t, dt, op] : items) {
+      OutBuf out(t);
+      comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+      out.commit();
+    }
+  }, tensors);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  check_count(tensors.size(), 1, "reduce", "tensors");
+  check_tensor(tensors[0], "reduce", "tensor");
+  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "reduce: dst must be in [0, ", size_,
+               "), got ", opts.rootRank);
+  at::Tensor t = tensors[0];
+  DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
+  RedOp op = to_redop(opts.reduceOp, t, "reduce");
+  int root = static_cast<int>(opts.rootRank);
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::REDUCE, [this, t, dt, op, root, timeout] {
+    OutBuf out(t);
+    comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
+    if (rank_ == root) out.commit();
+  }, {t});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  check_count(inputs.size(), 1, "all_gather", "input tensors");
+  check_count(outputs.size(), 1, "all_gather", "output tensor lists");
+  check_count(outputs[0].size(), static_cast<size_t>(size_), "all_gather", "tensor_list");
+  at::Tensor in = inputs[0];
+  check_tensor(in, "all_gather", "tensor");
+  for (auto& o : outputs[0]) {
+    check_tensor(o, "all_gather", "tensor_list");
+    MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
+                 "all_gather: every tensor in tensor_list must match the input tensor (",
+                 in.numel(), " elements of ", c10::toString(in.scalar_type()), "), got ",
+                 o.numel(), " elements of ", c10::toString(o.scalar_type()));
+  }
+  DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
+  std::vector<at::Tensor> outs = outputs[0];
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::ALLGATHER, [this, in, outs, dt, timeout] {
+    at::Tensor src = in.contiguous();
+    std::vector<OutBuf> bufs;
+    std::vector<void*> ptrs;
+    for (auto& o : outs) {
+      bufs.emplace_back(o);
+      ptrs.push_back(bufs.back().ptr());
+    }
+    comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+    for (auto& b : bufs) b.commit();
+  }, outs);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output,
+                                                                at::Tensor& input,
+                                                                const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outs{output}, ins{input};
+  return allgather_into_tensor_coalesced(outs, ins, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  check_count(outputs.size(), inputs.size(), "all_gather_coalesced", "output_tensor_lists");
+  std::vector<std::shared_ptr<Request>> parts;
+  std::vector<at::Tensor> results;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    std::vector<std::vector<at::Tensor>> o{outputs[i]};
+    std::vector<at::Tensor> in{inputs[i]};
+    auto work = allgather(o, in, opts);
+    parts.push_back(static_cast<MooncakeWork*>(work.get())->request());
+    results.insert(results.end(), outputs[i].begin(), outputs[i].end());
+  }
+  return c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::ALLGATHER_COALESCED,
+                                           all_of(parts), results);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  check_count(outputs.size(), inputs.size(), "all_gather_into_tensor", "output tensors");
+  std::vector<std::tuple<at::Tensor, at::Tensor, DType>> items;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], "all_gather_into_tensor", "input_tensor");
+    check_tensor(outputs[i], "all_gather_into_tensor", "output_tensor");
+    MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
+                 "all_gather_into_tensor: output_tensor dtype ",
+                 c10::toString(outputs[i].scalar_type()), " differs from input_tensor dtype ",
+                 c10::toString(inputs[i].scalar_type()));
+    MC_CHECK_ARG(outputs[i].numel() == inputs[i].numel() * size_,
+                 "all_gather_into_tensor: output_tensor must have world_size * input numel = ",
+                 inputs[i].numel() * size_, " elements, got ", outputs[i].numel());
+    items.emplace_back(outputs[i], inputs[i],
+                       to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"));
+  }
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::_ALLGATHER_BASE, [this, items, timeout] {
+    for (auto& [output, input, dt] : items) {
+      at::Tensor src = input.contiguous();
+      OutBuf out(output);
+      size_t bytes = src.nbytes();
+      std::vector<void*> ptrs;
+      for (int p = 0; p < size_; ++p) ptrs.push_back(static_cast<uint8_t*>(out.ptr()) + p * bytes);
+      comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+      out.commit();
+    }
+  }, outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  check_count(inputs.size(), 1, "gather", "input tensors");
+  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "gather: dst must be in [0, ", size_,
+               "), got ", opts.rootRank);
+  at::Tensor in = inputs[0];
+  check_tensor(in, "gather", "tensor");
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    check_count(outputs.size(), 1, "gather", "output tensor lists");
+    check_count(outputs[0].size(), static_cast<size_t>(size_), "gather", "gather_list");
+    for (auto& o : outputs[0]) {
+      check_tensor(o, "gather", "gather_list");
+      MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
+                   "gather: every tensor in gather_list must match the input tensor");
+    }
+    outs = outputs[0];
+  } else {
+    MC_CHECK_ARG(outputs.empty() || outputs[0].empty(),
+                 "gather: gather_list must be empty on non-destination ranks");
+  }
+  DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::GATHER, [this, in, outs, dt, root, timeout] {
+    at::Tensor src = in.contiguous();
+    std::vector<OutBuf> bufs;
+    std::vector<void*> ptrs;
+    for (auto& o : outs) {
+      bufs.emplace_back(o);
+      ptrs.push_back(bufs.back().ptr());
+    }
+    comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout);
+    for (auto& b : bufs) b.commit();
+  }, outs);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  check_count(outputs.size(), 1, "scatter", "output tensors");
+  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "scatter: src must be in [0, ", size_,
+               "), got ", opts.rootRank);
+  at::Tensor out = outputs[0];
+  check_tensor(out, "scatter", "tensor");
+  int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    check_count(inputs.size(), 1, "scatter", "input tensor lists");
+    check_count(inputs[0].size(), static_cast<size_t>(size_), "scatter", "scatter_list");
+    for (auto& i : inputs[0]) {
+      check_tensor(i, "scatter", "scatter_list");
+      MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
+                   "scatter: every tensor in scatter_list must match the output tensor");
+      ins.push_back(i.contiguous());
+    }
+  } else {
+    MC_CHECK_ARG(inputs.empty() || inputs[0].empty(),
+                 "scatter: scatter_list must be empty on non-source ranks");
+  }
+  DType dt = to_dtype(out.scalar_type(), "scatter", "tensor");
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::SCATTER, [this, out, ins, dt, root, timeout] {
+    OutBuf buf(out);
+    std::vector<const void*> ptrs;
+    for (auto& i : ins) ptrs.push_back(i.data_ptr());
+    comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout);
+    buf.commit();
+  }, {out});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  check_count(outputs.size(), 1, "reduce_scatter", "output tensors");
+  check_count(inputs.size(), 1, "reduce_scatter", "input tensor lists");
+  check_count(inputs[0].size(), static_cast<size_t>(size_), "reduce_scatter", "input_list");
+  at::Tensor out = outputs[0];
+  check_tensor(out, "reduce_scatter", "output");
+  std::vector<at::Tensor> ins;
+  for (auto& i : inputs[0]) {
+    check_tensor(i, "reduce_scatter", "input_list");
+    MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
+                 "reduce_scatter: every tensor in input_list must match the output tensor (",
+                 out.numel(), " elements of ", c10::toString(out.scalar_type()), ")");
+    ins.push_back(i.contiguous());
+  }
+  DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
+  RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::REDUCE_SCATTER, [this, out, ins, dt, op, timeout] {
+    OutBuf buf(out);
+    std::vector<const void*> ptrs;
+    for (auto& i : ins) ptrs.push_back(i.data_ptr());
+    comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout);
+    buf.commit();
+  }, {out});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outs{output}, ins{input};
+  return reduce_scatter_tensor_coalesced(outs, ins, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  check_count(outputs.size(), inputs.size(), "reduce_scatter_tensor", "output tensors");
+  std::vector<std::tuple<at::Tensor, at::Tensor, DType, RedOp>> items;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], "reduce_scatter_tensor", "input");
+    check_tensor(outputs[i], "reduce_scatter_tensor", "output");
+    MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
+                 "reduce_scatter_tensor: output dtype differs from input dtype");
+    MC_CHECK_ARG(inputs[i].numel() == outputs[i].numel() * size_,
+                 "reduce_scatter_tensor: input must have world_size * output numel = ",
+                 outputs[i].numel() * size_, " elements, got ", inputs[i].numel());
+    items.emplace_back(outputs[i], inputs[i],
+                       to_dtype(inputs[i].scalar_type(), "reduce_scatter_tensor", "input"),
+                       to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"));
+  }
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, [this, items, timeout] {
+    for (auto& [output, input, dt, op] : items) {
+      at::Tensor src = input.contiguous();
+      OutBuf out(output);
+      size_t bytes = out.buf.nbytes();
+      std::vector<const void*> ptrs;
+      for (int p = 0; p < size_; ++p)
+        ptrs.push_back(static_cast<const uint8_t*>(src.data_ptr()) + p * bytes);
+      comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout);
+      out.commit();
+    }
+  }, outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+    std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  check_tensor(input, "all_to_all_single", "input");
+  check_tensor(output, "all_to_all_single", "output");
+  MC_CHECK_ARG(input.scalar_type() == output.scalar_type(),
+               "all_to_all_single: output dtype differs from input dtype");
+  // Splits are along dim 0, in rows of the remaining dims.
+  auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* arg) {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    std::vector<size_t> counts(static_cast<size_t>(size_));
+    const size_t row = rows == 0 ? 0 : elems(t) / static_cast<size_t>(rows);
+    if (given.empty()) {
+      MC_CHECK_ARG(rows % size_ == 0, "all_to_all_single: ", arg, " dim 0 (", rows,
+                   ") must be divisible by the world size (", size_, ") when no splits are given");
+      for (auto& c : counts) c = static_cast<size_t>(rows / size_) * row;
+    } else {
+      check_count(given.size(), static_cast<size_t>(size_), "all_to_all_single", arg);
+      int64_t total = 0;
+      for (int p = 0; p < size_; ++p) {
+        MC_CHECK_ARG(given[p] >= 0, "all_to_all_single: ", arg, " must be >= 0, got ", given[p]);
+        counts[p] = static_cast<size_t>(given[p]) * row;
+        total += given[p];
+      }
+      MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total,
+                   " but dim 0 has ", rows, " rows");
+    }
+    return counts;
+  };
+  std::vector<size_t> in_counts = splits(input, input_split_sizes, "input_split_sizes");
+  std::vector<size_t> out_counts = splits(output, output_split_sizes, "output_split_sizes");
+  DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  at::Tensor in = input, out = output;
+  return enqueue(c10d::OpType::ALLTOALL_BASE, [this, in, out, in_counts, out_counts, dt, timeout] {
+    at::Tensor src = in.contiguous();
+    OutBuf buf(out);
+    const size_t esize = dtype_size(dt);
+    std::vector<const void*> ins;
+    std::vector<void*> outs;
+    size_t a = 0, b = 0;
+    for (int p = 0; p < size_; ++p) {
+      ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
+      outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
+      a += in_counts[p];
+      b += out_counts[p];
+    }
+    comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(), dt, timeout);
+    buf.commit();
+  }, {output});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  check_count(outputs.size(), static_cast<size_t>(size_), "all_to_all", "output_tensor_list");
+  check_count(inputs.size(), static_cast<size_t>(size_), "all_to_all", "input_tensor_list");
+  for (auto& t : inputs) check_tensor(t, "all_to_all", "input_tensor_list");
+  for (auto& t : outputs) {
+    check_tensor(t, "all_to_all", "output_tensor_list");
+    MC_CHECK_ARG(t.scalar_type() == inputs[0].scalar_type(),
+                 "all_to_all: every tensor must have the same dtype");
+  }
+  DType dt = to_dtype(inputs[0].scalar_type(), "all_to_all", "input_tensor_list");
+  std::vector<at::Tensor> ins, outs = outputs;
+  for (auto& t : inputs) {
+    MC_CHECK_ARG(t.scalar_type() == inputs[0].scalar_type(),
+                 "all_to_all: every tensor must have the same dtype");
+    ins.push_back(t.contiguous());
+  }
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::ALLTOALL, [this, ins, outs, dt, timeout] {
+    std::vector<OutBuf> bufs;
+    std::vector<const void*> in_ptrs;
+    std::vector<void*> out_ptrs;
+    std::vector<size_t> in_counts, out_counts;
+    for (int p = 0; p < size_; ++p) {
+      bufs.emplace_back(outs[p]);
+      in_ptrs.push_back(ins[p].data_ptr());
+      in_counts.push_back(elems(ins[p]));
+      out_ptrs.push_back(bufs.back().ptr());
+      out_counts.push_back(elems(outs[p]));
+    }
+    comm_->all_to_all(in_ptrs.data(), in_counts.data(), out_ptrs.data(), out_counts.data(), dt,
+                      timeout);
+    for (auto& b : bufs) b.commit();
+  }, outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {
+  int64_t timeout = op_timeout_ms(opts.timeout);
+  return enqueue(c10d::OpType::BARRIER, [this, timeout] { comm_->barrier(timeout); }, {});
+}
+
+// --- point to point -------------------------------------------------------------------------
+
+P2P& MooncakeBackend::p2p() {
+  std::lock_guard<std::mutex> lock(p2p_mu_);
+  MC_CHECK_ARG(comm_ != nullptr, getBackendName(), ": the process group was shut down");
+  if (!p2p_) p2p_ = std::make_unique<P2P>(comm_->p2p_channels(), rank_, size_, timeout_ms_);
+  return *p2p_;
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& tensors, int dst,
+                                                     int tag) {
+  check_count(tensors.size(), 1, "send", "tensors");
+  check_tensor(tensors[0], "send", "tensor");
+  MC_CHECK_ARG(dst >= 0 && dst < size_, "send: dst must be in [0, ", size_, "), got ", dst);
+  at::Tensor t = tensors[0].contiguous();
+  auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
+  request->on_complete([t](std::exception_ptr) {});  // keeps the tensor alive until sent
+  return wrap(request, c10d::OpType::SEND, {tensors[0]});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int src,
+                                                     int tag) {
+  check_count(tensors.size(), 1, "recv", "tensors");
+  check_tensor(tensors[0], "recv", "tensor");
+  MC_CHECK_ARG(src >= -1 && src < size_, "recv: src must be in [0, ", size_, "), got ", src);
+  at::Tensor user = tensors[0];
+  at::Tensor buf = user.is_contiguous() ? user : user.contiguous();
+  auto request = p2p().recv(buf.data_ptr(), buf.nbytes(), src, static_cast<uint64_t>(tag));
+  auto done = std::make_shared<Request>();
+  request->on_complete([user, buf, request, done](std::exception_ptr e) {
+    if (!e && !buf.is_same(user)) user.copy_(buf);
+    done->set_source_rank(request->source_rank());
+    done->complete(e);
+  });
+  return wrap(done, c10d::OpType::RECV, {user});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                              int tag) {
+  return recv(tensors, -1, tag);
+}
+
+}  // namespace mooncake

@@ -1,0 +1,125 @@
+// The c10d::Backend for mooncake-cpu (and, later, mooncake on CUDA). The only
+// C++ besides module.cc that includes torch: it converts tensors to raw
+// buffers, validates arguments, and queues the core's collectives.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <optional>
+
+#include "collectives/communicator.h"
+#include "collectives/p2p.h"
+#include "collectives/request.h"
+#include "transport/engine.h"
+
+namespace mooncake {
+
+// pg.MooncakeBackendOptions(active_ranks[, is_extension[, max_world_size]]).
+struct MooncakeBackendOptions : c10d::Backend::Options {
+  MooncakeBackendOptions(at::Tensor active_ranks, bool is_extension,
+                         std::optional<int64_t> max_world_size);
+  at::Tensor active_ranks;  // undefined: all ranks active
+  bool is_extension = false;
+  std::optional<int64_t> max_world_size;
+};
+
+class MooncakeBackend : public c10d::Backend {
+ public:
+  MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  std::chrono::milliseconds timeout,
+                  c10::intrusive_ptr<MooncakeBackendOptions> options,
+                  std::shared_ptr<TransferEngine> engine, bool cuda);
+  ~MooncakeBackend() override;
+
+  const std::string getBackendName() const override;
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  void shutdown() override;
+  void abort() override { shutdown(); }
+
+  // The spec's pg.* helpers.
+  at::Tensor active_ranks() const { return active_ranks_; }
+  int num_synced_ranks() const;
+  std::string transport_of(int peer) const;
+  const std::shared_ptr<TransferEngine>& engine() const { return engine_; }
+
+ private:
+  using Task = std::function<void()>;
+  // Queues `task` on the collective thread; `outputs` become the Work's result.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
+                                         std::vector<at::Tensor> outputs);
+  c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
+                                      std::vector<at::Tensor> outputs);
+  void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
+  P2P& p2p();
+  int64_t op_timeout_ms(std::chrono::milliseconds op_timeout) const;
+
+  std::unique_ptr<Store> store_;
+  std::shared_ptr<TransferEngine> engine_;
+  std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<P2P> p2p_;
+  std::mutex p2p_mu_;
+  OpQueue queue_;
+  c10::intrusive_ptr<MooncakeBackendOptions> options_;
+  at::Tensor active_ranks_;
+  bool cuda_;
+  int64_t timeout_ms_;
+  bool coalescing_ = false;
+  std::vector<std::shared_ptr<Request>> coalesced_;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace mooncake

@@ -1,0 +1,44 @@
+// The narrow transport interface (STYLE.md rule 4): a connection from this
+// rank to one peer's segment. Algorithms only see this; they never branch on
+// which transport serves a peer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/clock.h"
+
+namespace mooncake {
+
+// What a rank publishes about itself so peers can reach it.
+struct PeerAddress {
+  int rank = -1;
+  std::string host_key;  // boot id + network and pid namespaces: "same host"
+  int pid = 0;
+  int segment_fd = -1;
+  uint64_t segment_bytes = 0;
+  std::string tcp_host;
+  int tcp_port = 0;
+
+  std::string encode() const;
+  static PeerAddress decode(const std::string& text);
+};
+
+// This machine's host key.
+const std::string& local_host_key();
+
+class PeerLink {
+ public:
+  virtual ~PeerLink() = default;
+  virtual const char* transport() const = 0;
+  // One-sided write of `len` bytes into the peer's segment at `offset`.
+  virtual void write(size_t offset, const void* src, size_t len, const Deadline& deadline) = 0;
+  // Stores `value` into the peer's 64-bit flag at `offset` after every earlier
+  // write on this link is visible, then rings the peer's doorbell `bell`.
+  virtual void signal(size_t offset, uint64_t value, int bell, const Deadline& deadline) = 0;
+  // False once the peer is known to be gone (process exited, connection closed).
+  virtual bool alive() = 0;
+};
+
+}  // namespace mooncake

@@ -1,0 +1,55 @@
+#include "transport/segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "core/error.h"
+
+namespace mooncake {
+
+Segment::Segment(size_t bytes) : size_(bytes) {
+  MC_ASSERT(bytes >= kSegmentHeaderBytes);
+  fd_ = MC_SYSCHECK(::memfd_create("mooncake-segment", MFD_CLOEXEC));
+  if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
+    int e = errno;
+    ::close(fd_);
+    throw_error(ErrorKind::kSystem, -1, "ftruncate of a ", bytes, "-byte segment failed: ",
+                std::strerror(e));
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    int e = errno;
+    ::close(fd_);
+    throw_error(ErrorKind::kSystem, -1, "mmap of a ", bytes, "-byte segment failed: ",
+                std::strerror(e));
+  }
+  base_ = static_cast<uint8_t*>(p);
+}
+
+Segment::~Segment() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes) : size_(bytes) {
+  std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (local < 0)
+    throw_error(ErrorKind::kSystem, -1, "cannot open peer segment ", path, ": ",
+                std::strerror(errno));
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
+  int e = errno;
+  ::close(local);
+  if (p == MAP_FAILED)
+    throw_error(ErrorKind::kSystem, -1, "cannot map peer segment ", path, ": ", std::strerror(e));
+  base_ = static_cast<uint8_t*>(p);
+}
+
+RemoteMapping::~RemoteMapping() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+}
+
+}  // namespace mooncake

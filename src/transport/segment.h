@@ -1,0 +1,64 @@
+// The local memory region that peers write into. It is backed by a memfd so a
+// peer on the same host can map it through /proc/<pid>/fd/<fd>: no name in
+// /dev/shm, so nothing is left behind when a process dies. Its first bytes
+// hold the doorbells that signals ring; the rest is laid out by the layer
+// above (collectives/layout.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/wait.h"
+
+namespace mooncake {
+
+constexpr int kNumBells = 4;             // one per plane (collectives, p2p, ...)
+constexpr size_t kSegmentHeaderBytes = 64;
+
+struct SegmentHeader {
+  Doorbell bells[kNumBells];
+};
+static_assert(sizeof(SegmentHeader) <= kSegmentHeaderBytes);
+
+class Segment {
+ public:
+  explicit Segment(size_t bytes);
+  ~Segment();
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  uint8_t* base() const { return base_; }
+  size_t size() const { return size_; }
+  int fd() const { return fd_; }
+  Doorbell* bell(int i) const { return &reinterpret_cast<SegmentHeader*>(base_)->bells[i]; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  size_t size_ = 0;
+  int fd_ = -1;
+};
+
+// Maps another process's segment (same host). RAII.
+class RemoteMapping {
+ public:
+  RemoteMapping(int pid, int fd, size_t bytes);
+  ~RemoteMapping();
+  RemoteMapping(const RemoteMapping&) = delete;
+  RemoteMapping& operator=(const RemoteMapping&) = delete;
+  uint8_t* base() const { return base_; }
+  size_t size() const { return size_; }
+
+ private:
+  uint8_t* base_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Release-ordered 64-bit flag store / acquire load in (shared) memory.
+inline void store_flag(uint8_t* base, size_t offset, uint64_t value) {
+  __atomic_store_n(reinterpret_cast<uint64_t*>(base + offset), value, __ATOMIC_RELEASE);
+}
+inline uint64_t load_flag(const uint8_t* base, size_t offset) {
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(base + offset), __ATOMIC_ACQUIRE);
+}
+
+}  // namespace mooncake

@@ -1,0 +1,87 @@
+#include "transport/shm.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace mooncake {
+
+namespace {
+
+class ShmLink : public PeerLink {
+ public:
+  explicit ShmLink(const PeerAddress& addr)
+      : pid_(addr.pid), mapping_(addr.pid, addr.segment_fd, addr.segment_bytes) {
+    pidfd_ = static_cast<int>(::syscall(SYS_pidfd_open, addr.pid, 0));
+  }
+  ~ShmLink() override {
+    if (pidfd_ >= 0) ::close(pidfd_);
+  }
+  const char* transport() const override { return "shm"; }
+
+  void write(size_t offset, const void* src, size_t len, const Deadline&) override {
+    MC_ASSERT(offset + len <= mapping_.size(), "write past the peer segment");
+    if (len != 0) std::memcpy(mapping_.base() + offset, src, len);
+  }
+
+  void signal(size_t offset, uint64_t value, int bell, const Deadline&) override {
+    store_flag(mapping_.base(), offset, value);
+    ring(&reinterpret_cast<SegmentHeader*>(mapping_.base())->bells[bell]);
+  }
+
+  bool alive() override {
+    if (dead_) return false;
+    if (pidfd_ >= 0) {
+      struct pollfd p = {pidfd_, POLLIN, 0};
+      dead_ = ::poll(&p, 1, 0) > 0;  // readable once the process has exited
+    } else {
+      dead_ = ::kill(pid_, 0) != 0 && errno == ESRCH;
+    }
+    return !dead_;
+  }
+
+ private:
+  int pid_;
+  int pidfd_ = -1;
+  bool dead_ = false;
+  RemoteMapping mapping_;
+};
+
+class SelfLink : public PeerLink {
+ public:
+  explicit SelfLink(Segment& segment) : segment_(segment) {}
+  const char* transport() const override { return "self"; }
+  void write(size_t offset, const void* src, size_t len, const Deadline&) override {
+    MC_ASSERT(offset + len <= segment_.size(), "write past the segment");
+    if (len != 0) std::memcpy(segment_.base() + offset, src, len);
+  }
+  void signal(size_t offset, uint64_t value, int bell, const Deadline&) override {
+    store_flag(segment_.base(), offset, value);
+    ring(segment_.bell(bell));
+  }
+  bool alive() override { return true; }
+
+ private:
+  Segment& segment_;
+};
+
+}  // namespace
+
+bool shm_can_reach(const PeerAddress& addr) {
+  return addr.host_key == local_host_key() && addr.pid > 0 && addr.segment_fd >= 0;
+}
+
+std::unique_ptr<PeerLink> shm_connect(const PeerAddress& addr) {
+  return std::make_unique<ShmLink>(addr);
+}
+
+std::unique_ptr<PeerLink> self_link(Segment& segment) {
+  return std::make_unique<SelfLink>(segment);
+}
+
+}  // namespace mooncake

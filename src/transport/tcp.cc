@@ -1,0 +1,250 @@
+#include "transport/tcp.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <mutex>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace mooncake {
+
+namespace {
+
+enum FrameType : uint32_t { kHello = 1, kWrite = 2, kSignal = 3 };
+
+struct Frame {
+  uint32_t type;
+  uint32_t bell;
+  uint64_t offset;
+  uint64_t arg;  // hello: rank; write: length; signal: value
+};
+static_assert(sizeof(Frame) == 24);
+
+void set_nonblocking(int fd) {
+  int flags = MC_SYSCHECK(::fcntl(fd, F_GETFL));
+  MC_SYSCHECK(::fcntl(fd, F_SETFL, flags | O_NONBLOCK));
+}
+
+}  // namespace
+
+struct TcpReceiver::Conn {
+  int fd = -1;
+  int rank = -1;
+  Frame frame{};
+  size_t frame_got = 0;
+  uint64_t payload_done = 0;
+  bool in_payload = false;
+};
+
+TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host)
+    : segment_(segment),
+      closed_(new std::atomic<bool>[static_cast<size_t>(world_capacity)]),
+      capacity_(world_capacity) {
+  for (int i = 0; i < capacity_; ++i) closed_[i] = false;
+  listen_fd_ = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  int one = 1;
+  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = 0;
+  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (!bind_host.empty() && ::inet_pton(AF_INET, bind_host.c_str(), &sa.sin_addr) != 1)
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  MC_SYSCHECK(::bind(listen_fd_, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)));
+  MC_SYSCHECK(::listen(listen_fd_, 128));
+  socklen_t len = sizeof(sa);
+  MC_SYSCHECK(::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&sa), &len));
+  port_ = ntohs(sa.sin_port);
+  set_nonblocking(listen_fd_);
+  wake_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  thread_ = std::thread([this] { run(); });
+}
+
+TcpReceiver::~TcpReceiver() {
+  uint64_t one = 1;
+  if (::write(wake_fd_, &one, sizeof(one)) < 0) { /* thread may be gone */ }
+  if (thread_.joinable()) thread_.join();
+  ::close(wake_fd_);
+  ::close(listen_fd_);
+}
+
+// Reads whatever is available on `c`; false when the connection is finished.
+bool TcpReceiver::drain(Conn& c) {
+  for (;;) {
+    if (!c.in_payload) {
+      ssize_t n = ::recv(c.fd, reinterpret_cast<char*>(&c.frame) + c.frame_got,
+                         sizeof(Frame) - c.frame_got, 0);
+      if (n == 0) return false;
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      c.frame_got += static_cast<size_t>(n);
+      if (c.frame_got < sizeof(Frame)) continue;
+      c.frame_got = 0;
+      switch (c.frame.type) {
+        case kHello:
+          c.rank = static_cast<int>(c.frame.arg);
+          if (c.rank < 0 || c.rank >= capacity_) return false;
+          break;
+        case kSignal:
+          if (c.frame.offset + 8 > segment_.size() || c.frame.bell >= kNumBells) return false;
+          store_flag(segment_.base(), c.frame.offset, c.frame.arg);
+          ring(segment_.bell(static_cast<int>(c.frame.bell)));
+          break;
+        case kWrite:
+          if (c.frame.offset + c.frame.arg > segment_.size()) return false;
+          c.in_payload = c.frame.arg > 0;
+          c.payload_done = 0;
+          break;
+        default:
+          return false;
+      }
+    } else {
+      ssize_t n = ::recv(c.fd, segment_.base() + c.frame.offset + c.payload_done,
+                         c.frame.arg - c.payload_done, 0);
+      if (n == 0) return false;
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      c.payload_done += static_cast<uint64_t>(n);
+      if (c.payload_done == c.frame.arg) c.in_payload = false;
+    }
+  }
+}
+
+void TcpReceiver::run() {
+  std::vector<Conn> conns;
+  std::vector<pollfd> fds;
+  for (;;) {
+    fds.clear();
+    fds.push_back({wake_fd_, POLLIN, 0});
+    fds.push_back({listen_fd_, POLLIN, 0});
+    for (auto& c : conns) fds.push_back({c.fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
+    if (fds[0].revents != 0) break;
+    if (fds[1].revents & POLLIN) {
+      for (;;) {
+        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;
+        int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        Conn c;
+        c.fd = fd;
+        conns.push_back(c);
+      }
+    }
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      Conn& c = conns[i - 2];
+      if (!drain(c)) {
+        MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
+        if (c.rank >= 0) closed_[c.rank].store(true, std::memory_order_release);
+        ::close(c.fd);
+        c.fd = -1;
+        for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
+      }
+    }
+    std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
+  }
+  for (auto& c : conns) ::close(c.fd);
+}
+
+namespace {
+
+class TcpLink : public PeerLink {
+ public:
+  TcpLink(int fd, int peer, TcpReceiver& receiver) : fd_(fd), peer_(peer), receiver_(receiver) {}
+  ~TcpLink() override { ::close(fd_); }
+  const char* transport() const override { return "tcp"; }
+
+  void write(size_t offset, const void* src, size_t len, const Deadline& deadline) override {
+    Frame f{kWrite, 0, offset, len};
+    std::lock_guard<std::mutex> lock(mu_);
+    send_all(&f, sizeof(f), deadline);
+    send_all(src, len, deadline);
+  }
+
+  void signal(size_t offset, uint64_t value, int bell, const Deadline& deadline) override {
+    Frame f{kSignal, static_cast<uint32_t>(bell), offset, value};
+    std::lock_guard<std::mutex> lock(mu_);
+    send_all(&f, sizeof(f), deadline);
+  }
+
+  bool alive() override { return !broken_ && !receiver_.peer_closed(peer_); }
+
+  void send_all(const void* data, size_t len, const Deadline& deadline) {
+    const char* p = static_cast<const char*>(data);
+    while (len > 0) {
+      if (broken_) throw_error(ErrorKind::kPeerFailed, peer_, "tcp link to rank ", peer_, " is closed");
+      ssize_t n = ::send(fd_, p, len, MSG_NOSIGNAL);
+      if (n > 0) {
+        p += n;
+        len -= static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        if (deadline.expired())
+          throw_error(ErrorKind::kTimeout, peer_, "tcp send to rank ", peer_, " timed out");
+        if (!alive())
+          throw_error(ErrorKind::kPeerFailed, peer_, "rank ", peer_, " closed its connection");
+        pollfd pfd{fd_, POLLOUT, 0};
+        ::poll(&pfd, 1, static_cast<int>(deadline.remaining_ms(50)));
+        continue;
+      }
+      broken_ = true;
+      throw_error(ErrorKind::kPeerFailed, peer_, "tcp send to rank ", peer_, " failed: ",
+                  std::strerror(errno));
+    }
+  }
+
+ private:
+  int fd_;
+  int peer_;
+  TcpReceiver& receiver_;
+  std::mutex mu_;
+  bool broken_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank,
+                                      TcpReceiver& receiver, const Deadline& deadline) {
+  std::string host = addr.host_key == local_host_key() ? "127.0.0.1" : addr.tcp_host;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), std::to_string(addr.tcp_port).c_str(), &hints, &res);
+  if (rc != 0)
+    throw_error(ErrorKind::kSystem, addr.rank, "cannot resolve ", host, " for rank ", addr.rank,
+                ": ", gai_strerror(rc));
+  int fd = -1;
+  for (;;) {
+    fd = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) break;
+    int e = errno;
+    ::close(fd);
+    if (deadline.expired()) {
+      ::freeaddrinfo(res);
+      throw_error(ErrorKind::kTimeout, addr.rank, "cannot connect to rank ", addr.rank, " at ",
+                  host, ":", addr.tcp_port, ": ", std::strerror(e));
+    }
+    ::usleep(10000);
+  }
+  ::freeaddrinfo(res);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  set_nonblocking(fd);
+  auto link = std::make_unique<TcpLink>(fd, addr.rank, receiver);
+  Frame hello{kHello, 0, 0, static_cast<uint64_t>(my_rank)};
+  link->send_all(&hello, sizeof(hello), deadline);
+  return link;
+}
+
+}  // namespace mooncake
