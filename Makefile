@@ -1,0 +1,68 @@
+# The two commands: `make demo` and `make test`. Everything else is set up on
+# the way: a .venv with torch 2.13 (CPU) and the test tools, GoogleTest, and
+# an incremental CMake build of the core and the torch extension.
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+BUILD := build
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: all demo test test-cpp test-py build bench stress gpu-check doctor lint clean deps
+
+all: build
+
+$(VENV)/.ready: requirements-dev.txt
+	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip >/dev/null
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# GoogleTest for the C++ tests (Debian package; needs root, as CI has).
+deps:
+	@if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then \
+	  echo "installing libgtest-dev"; \
+	  (apt-get update -qq && apt-get install -y -qq libgtest-dev) >/dev/null || \
+	  echo "warning: could not install libgtest-dev; C++ tests will be skipped"; \
+	fi
+
+$(BUILD)/build.ninja: CMakeLists.txt $(VENV)/.ready | deps
+	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(abspath $(PY)) >/dev/null
+
+build: $(BUILD)/build.ninja
+	cmake --build $(BUILD)
+	@$(PY) -c "import site,os; open(os.path.join(site.getsitepackages()[0],'mooncake-dev.pth'),'w').write(os.path.abspath('python')+'\n')"
+
+test: build test-cpp test-py
+
+test-cpp: build
+	@if [ -x $(BUILD)/mooncake_tests ]; then cd $(BUILD) && ctest --output-on-failure -j2; \
+	else echo "C++ tests not built (GoogleTest missing)"; exit 1; fi
+
+test-py: build
+	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m mooncake demo
+
+bench: build
+	$(PY) bench/bench_pg.py
+
+stress: build
+	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)
+
+doctor: build
+	$(PY) -m mooncake doctor
+
+# Build + test + benchmark on the GPU machine (see scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh
+
+lint: $(VENV)/.ready
+	$(VENV)/bin/ruff check python tests bench examples
+	$(VENV)/bin/ruff format --check python tests bench examples
+
+clean:
+	rm -rf $(BUILD) python/mooncake/_pg_torch*.so
