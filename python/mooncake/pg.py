@@ -224,8 +224,8 @@ def _register() -> None:
         dist.Backend.register_backend(
             "mooncake-cpu", _create(False), extended_api=True, devices=["cpu"]
         )
-    if _ext.build_info()["cuda"] and "mooncake" not in registered:
-        dist.Backend.register_backend("mooncake", _create(True), extended_api=True, devices=["cuda"])
+    # The CUDA backend ("mooncake") is registered once its device data path
+    # exists; until then CUDA tensors are rejected with a clear error.
 
 
 _register()

@@ -58,6 +58,9 @@ const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const cha
   const MsgHeader* msg = poll(peer);
   if (msg != nullptr) return msg;
   bool ok = wait_on(bell(), [&] { return (msg = poll(peer)) != nullptr; }, deadline, [&] {
+    // A peer that exited after posting its last message is not a failure:
+    // everything it sent arrived before it was seen gone, so look once more.
+    if (!endpoint_.alive(peer) && (msg = poll(peer)) != nullptr) return true;
     check_peer(peer, what);
     return false;
   });
@@ -68,8 +71,14 @@ const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const cha
 
 void Channels::release(int peer, const Deadline& deadline) {
   received_[peer] += 1;
-  endpoint_.link(peer).signal(layout_.ack_flag(plane_, endpoint_.rank()), received_[peer],
-                              static_cast<int>(plane_), deadline);
+  try {
+    endpoint_.link(peer).signal(layout_.ack_flag(plane_, endpoint_.rank()), received_[peer],
+                                static_cast<int>(plane_), deadline);
+  } catch (const Error& e) {
+    // Only the sender needs the ack, to reuse the slot; a sender that is
+    // gone needs nothing, and the message itself was received in full.
+    if (e.kind() != ErrorKind::kPeerFailed) throw;
+  }
 }
 
 }  // namespace mooncake

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/log.h"
 
 namespace mooncake {
 
@@ -229,8 +230,8 @@ void P2P::progress_loop() {
         on_message(src, msg);
         try {
           ch_.release(src, Deadline::after_ms(default_timeout_ms_));
-        } catch (const Error&) {
-          // The source is gone; its own sends fail on their side.
+        } catch (const Error& e) {
+          MC_LOG(kWarn, "p2p: cannot acknowledge a message from rank ", src, ": ", e.what());
         }
         progressed = true;
       }

@@ -103,24 +103,41 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
   return request;
 }
 
-void OpQueue::run() {
-  for (;;) {
-    std::pair<std::function<void()>, std::shared_ptr<Request>> item;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;
-      item = std::move(tasks_.front());
-      tasks_.pop_front();
-    }
-    std::exception_ptr error;
-    try {
-      item.first();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    item.second->complete(error);
+bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
+  if (running_ || tasks_.empty()) return false;
+  auto item = std::move(tasks_.front());
+  tasks_.pop_front();
+  running_ = true;
+  lock.unlock();
+  std::exception_ptr error;
+  try {
+    item.first();
+  } catch (...) {
+    error = std::current_exception();
   }
+  item.second->complete(error);
+  lock.lock();
+  running_ = false;
+  cv_.notify_all();
+  return true;
+}
+
+void OpQueue::run() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || (!running_ && !tasks_.empty()); });
+    if (stopping_ && tasks_.empty()) return;
+    run_head_locked(lock);
+  }
+}
+
+bool OpQueue::wait(const std::shared_ptr<Request>& request, int64_t timeout_ms) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!request->done() && run_head_locked(lock)) {
+    }
+  }
+  return request->wait(timeout_ms);
 }
 
 void OpQueue::stop(const char* reason) {
@@ -134,6 +151,8 @@ void OpQueue::stop(const char* reason) {
   for (auto& item : dropped)
     item.second->complete(std::make_exception_ptr(Error(ErrorKind::kPeerFailed, reason)));
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !running_; });  // a waiter may be running one inline
 }
 
 }  // namespace mooncake

@@ -44,15 +44,23 @@ class OpQueue {
   OpQueue() = default;
   ~OpQueue() { stop(); }
   std::shared_ptr<Request> submit(std::function<void()> task);
+  // Runs queued tasks on the calling thread, in order, until `request` is
+  // done or the queue's own thread is busy; then waits as Request::wait does.
+  // A caller that blocks anyway does the work itself and saves two thread
+  // hand-offs per op.
+  bool wait(const std::shared_ptr<Request>& request, int64_t timeout_ms);
   // Fails what is still queued with `reason`, finishes the running task, joins.
   void stop(const char* reason = "the process group was shut down");
 
  private:
   void run();
+  // Pops the head task if no one is running one; false otherwise.
+  bool run_head_locked(std::unique_lock<std::mutex>& lock);
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::pair<std::function<void()>, std::shared_ptr<Request>>> tasks_;
   bool stopping_ = false;
+  bool running_ = false;  // a task is being run (by the thread or a waiter)
   std::thread thread_;
 };
 

@@ -38,9 +38,13 @@ class C10dStore : public Store {
 
 class MooncakeWork : public c10d::Work {
  public:
+  // `queue`, when given, is the queue the request runs on: wait() then helps run it.
   MooncakeWork(int rank, c10d::OpType type, std::shared_ptr<Request> request,
-               std::vector<at::Tensor> outputs)
-      : Work(rank, type), request_(std::move(request)), outputs_(std::move(outputs)) {
+               std::vector<at::Tensor> outputs, std::weak_ptr<OpQueue> queue = {})
+      : Work(rank, type),
+        request_(std::move(request)),
+        outputs_(std::move(outputs)),
+        queue_(std::move(queue)) {
     future_ = c10::make_intrusive<c10::ivalue::Future>(
         c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{});
     auto future = future_;
@@ -62,7 +66,9 @@ class MooncakeWork : public c10d::Work {
 
   bool wait(std::chrono::milliseconds timeout) override {
     int64_t ms = timeout == kNoTimeout ? -1 : timeout.count();
-    if (!request_->wait(ms))
+    auto queue = queue_.lock();
+    bool done = queue ? queue->wait(request_, ms) : request_->wait(ms);
+    if (!done)
       throw_error(ErrorKind::kTimeout, -1, "Work.wait: the operation did not finish within ", ms,
                   " ms");
     if (auto error = request_->error()) std::rethrow_exception(error);
@@ -75,6 +81,7 @@ class MooncakeWork : public c10d::Work {
   std::shared_ptr<Request> request_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::weak_ptr<OpQueue> queue_;
 };
 
 // --- tensors -----------------------------------------------------------------------
@@ -215,7 +222,7 @@ const std::string MooncakeBackend::getBackendName() const {
 void MooncakeBackend::shutdown() {
   if (shut_down_.exchange(true)) return;
   if (comm_) comm_->stop();
-  queue_.stop();
+  queue_->stop();
   std::lock_guard<std::mutex> lock(p2p_mu_);
   if (p2p_) p2p_->stop();
   p2p_.reset();
@@ -260,7 +267,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::wrap(std::shared_ptr<Request> re
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::enqueue(c10d::OpType type, Task task,
                                                         std::vector<at::Tensor> outputs) {
   MC_CHECK_ARG(!shut_down_.load(), getBackendName(), ": the process group was shut down");
-  return wrap(queue_.submit(std::move(task)), type, std::move(outputs));
+  auto request = queue_->submit(std::move(task));
+  if (coalescing_) coalesced_.push_back(request);
+  return c10::make_intrusive<MooncakeWork>(rank_, type, std::move(request), std::move(outputs),
+                                           queue_);
 }
 
 void MooncakeBackend::startCoalescing() {

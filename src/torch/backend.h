@@ -112,7 +112,7 @@ class MooncakeBackend : public c10d::Backend {
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<P2P> p2p_;
   std::mutex p2p_mu_;
-  OpQueue queue_;
+  std::shared_ptr<OpQueue> queue_ = std::make_shared<OpQueue>();
   c10::intrusive_ptr<MooncakeBackendOptions> options_;
   at::Tensor active_ranks_;
   bool cuda_;
