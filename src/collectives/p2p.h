@@ -44,7 +44,7 @@ class P2P {
   int rank_;
   int size_;
   int64_t default_timeout_ms_;
-  OpQueue sender_;
+  OpQueue sender_{0};  // sends start at once: their callers rarely wait right away
   std::mutex mu_;
   std::list<std::shared_ptr<Posted>> posted_;
   std::list<std::shared_ptr<Incoming>> unexpected_;

@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "core/clock.h"
+#include "core/env.h"
 #include "core/error.h"
 
 namespace mooncake {
@@ -89,6 +91,14 @@ std::shared_ptr<Request> all_of(const std::vector<std::shared_ptr<Request>>& par
   return all;
 }
 
+namespace {
+constexpr int64_t kPollUs = 200;      // the thread's poll period while active
+constexpr int64_t kLingerUs = 20000;  // how long it keeps polling after activity
+}  // namespace
+
+OpQueue::OpQueue(int64_t start_delay_us)
+    : start_delay_us_(start_delay_us >= 0 ? start_delay_us : env_int("MOONCAKE_ASYNC_DELAY_US")) {}
+
 std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
   auto request = std::make_shared<Request>();
   std::lock_guard<std::mutex> lock(mu_);
@@ -97,37 +107,58 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
         Error(ErrorKind::kPeerFailed, "the process group was shut down")));
     return request;
   }
-  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
-  tasks_.emplace_back(std::move(task), request);
-  cv_.notify_one();
+  tasks_.push_back(Item{std::move(task), request, now_us()});
+  if (!thread_.joinable())
+    thread_ = std::thread([this] { run(); });
+  else if (thread_asleep_)
+    cv_.notify_all();
   return request;
 }
 
 bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   if (running_ || tasks_.empty()) return false;
-  auto item = std::move(tasks_.front());
+  Item item = std::move(tasks_.front());
   tasks_.pop_front();
   running_ = true;
   lock.unlock();
   std::exception_ptr error;
   try {
-    item.first();
+    item.task();
   } catch (...) {
     error = std::current_exception();
   }
-  item.second->complete(error);
+  item.request->complete(error);
   lock.lock();
   running_ = false;
-  cv_.notify_all();
+  if (stopping_ || thread_asleep_) cv_.notify_all();
   return true;
 }
 
 void OpQueue::run() {
   std::unique_lock<std::mutex> lock(mu_);
+  int64_t last_activity = now_us();
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || (!running_ && !tasks_.empty()); });
     if (stopping_ && tasks_.empty()) return;
-    run_head_locked(lock);
+    const int64_t now = now_us();
+    if (!running_ && !tasks_.empty()) {
+      const int64_t age = now - tasks_.front().submitted_us;
+      if (age >= start_delay_us_ || stopping_) {
+        run_head_locked(lock);
+        last_activity = now_us();
+      } else {
+        cv_.wait_for(lock, std::chrono::microseconds(start_delay_us_ - age));
+      }
+      continue;
+    }
+    if (running_ || now - last_activity < kLingerUs) {
+      if (running_) last_activity = now;
+      cv_.wait_for(lock, std::chrono::microseconds(kPollUs));
+      continue;
+    }
+    thread_asleep_ = true;
+    cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+    thread_asleep_ = false;
+    last_activity = now_us();
   }
 }
 
@@ -141,7 +172,7 @@ bool OpQueue::wait(const std::shared_ptr<Request>& request, int64_t timeout_ms) 
 }
 
 void OpQueue::stop(const char* reason) {
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<Request>>> dropped;
+  std::deque<Item> dropped;
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -149,7 +180,7 @@ void OpQueue::stop(const char* reason) {
   }
   cv_.notify_all();
   for (auto& item : dropped)
-    item.second->complete(std::make_exception_ptr(Error(ErrorKind::kPeerFailed, reason)));
+    item.request->complete(std::make_exception_ptr(Error(ErrorKind::kPeerFailed, reason)));
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return !running_; });  // a waiter may be running one inline

@@ -37,30 +37,45 @@ class Request {
 // A request that completes when all of `parts` have, with the first error.
 std::shared_ptr<Request> all_of(const std::vector<std::shared_ptr<Request>>& parts);
 
-// One thread that runs submitted tasks in submission order; each task's
-// outcome completes its Request.
+// Runs submitted tasks one at a time, in submission order, on its own thread
+// or on the thread of a caller that waits for one of them.
+//
+// A caller that is about to block anyway (a synchronous collective) runs the
+// task itself, which saves two thread hand-offs per op: on two cores shared
+// by eight ranks each hand-off is a context switch. So the queue's thread
+// leaves a fresh task alone for `start_delay_us`, giving the caller time to
+// come and wait; a task nobody waits for (async_op=True) starts after that.
+// After activity the thread polls for a while instead of sleeping, so
+// submitting needs no wake-up syscall in a busy loop.
 class OpQueue {
  public:
-  OpQueue() = default;
+  // start_delay_us < 0: MOONCAKE_ASYNC_DELAY_US.
+  explicit OpQueue(int64_t start_delay_us = -1);
   ~OpQueue() { stop(); }
   std::shared_ptr<Request> submit(std::function<void()> task);
   // Runs queued tasks on the calling thread, in order, until `request` is
-  // done or the queue's own thread is busy; then waits as Request::wait does.
-  // A caller that blocks anyway does the work itself and saves two thread
-  // hand-offs per op.
+  // done or another thread is running one; then waits as Request::wait does.
   bool wait(const std::shared_ptr<Request>& request, int64_t timeout_ms);
-  // Fails what is still queued with `reason`, finishes the running task, joins.
+  // Fails what is still queued with `reason`, lets the running task finish, joins.
   void stop(const char* reason = "the process group was shut down");
 
  private:
+  struct Item {
+    std::function<void()> task;
+    std::shared_ptr<Request> request;
+    int64_t submitted_us;
+  };
   void run();
-  // Pops the head task if no one is running one; false otherwise.
+  // Pops and runs the head task if no one is running one; false otherwise.
   bool run_head_locked(std::unique_lock<std::mutex>& lock);
+
+  const int64_t start_delay_us_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<std::function<void()>, std::shared_ptr<Request>>> tasks_;
+  std::deque<Item> tasks_;
   bool stopping_ = false;
-  bool running_ = false;  // a task is being run (by the thread or a waiter)
+  bool running_ = false;     // a task is being run (by the thread or a waiter)
+  bool thread_asleep_ = false;  // the thread waits without a timeout: submit must wake it
   std::thread thread_;
 };
 

@@ -20,6 +20,9 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_SMALL_MSG_BYTES", "65536",
        "all_reduce/broadcast at or below this size use the direct algorithm; above it, "
        "reduce-scatter + all-gather (each rank moves O(size))."},
+      {"MOONCAKE_ASYNC_DELAY_US", "100",
+       "An op nobody waits on yet (async_op=True) starts after this many us; a caller that "
+       "waits sooner runs it on its own thread, saving two thread hand-offs."},
       {"MOONCAKE_SPIN_US", "20", "How long a wait spins before it blocks on a futex."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},

@@ -1,0 +1,44 @@
+"""Session wiring for the multi-process tests.
+
+* Items marked ``stress`` are deselected unless ``MOONCAKE_STRESS=1``
+  (``make stress`` sets it), so ``make test`` stays short.
+* After selection, the launcher learns which cases of each launch will run,
+  so that ``-k`` on a few cases starts the ranks for just those.
+* At the end, a summary lists each launch's wall time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import launcher
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("MOONCAKE_STRESS") == "1":
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if item.get_closest_marker("stress") else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_collection_finish(session):
+    launcher.note_selected(session.items)
+
+
+def pytest_terminal_summary(terminalreporter):
+    runs = launcher.results()
+    if not runs:
+        return
+    terminalreporter.section("mooncake launches")
+    for launch, result in runs.items():
+        n_cases = sum(1 for r in result.ranks[0].records if r["event"] == "end")
+        terminalreporter.write_line(
+            f"{launch.label:<28} world {launch.world_size}  {n_cases:>5} cases  "
+            f"{result.seconds:6.1f} s"
+        )
+

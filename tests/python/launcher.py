@@ -1,0 +1,319 @@
+"""Runs many test cases inside one launch of N ranks, the way torchrun does.
+
+Starting a rank costs seconds (python, torch, the backend's rendezvous), so a
+launch starts its N ranks once and runs a whole list of cases in them. The
+parent (the pytest process) hosts the ``torch.distributed.TCPStore``, as
+torchrun's agent does, so that no rank is special; each rank is a
+subprocess running ``worker.py``, which connects to the store, calls
+``init_process_group("mooncake-cpu", ...)``, runs the cases in order and
+appends one JSON line per event to its own result file. After every case
+the ranks compare verdicts through the store; a case that raised on some
+rank is followed by a probe all_reduce, and the launch stops if the group
+no longer works.
+
+Each case becomes one pytest item (see :func:`parametrize`); the first item
+of a launch pays for the launch, and every item reports its own case with
+the verdict and messages of every rank. A launch is bounded: ranks that are
+still running at the deadline, or a grace period after another rank died,
+are killed, and the case each one was in is named.
+
+Environment knobs that change the data path (``MOONCAKE_CHUNK_BYTES``, ...)
+are taken from :attr:`Launch.env` only, never from the caller's
+environment, so that case names mean the same thing on every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+#: Knobs a launch must set explicitly (stripped from the inherited environment).
+CONTROLLED_ENV = (
+    "MOONCAKE_TRANSPORT",
+    "MOONCAKE_CHUNK_BYTES",
+    "MOONCAKE_SMALL_MSG_BYTES",
+    "MOONCAKE_PG_TIMEOUT_MS",
+    "MOONCAKE_SPIN_US",
+)
+#: Environment of the chunked launches: 4 KiB slots make "larger than the
+#: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,
+#: reduce and broadcast through reduce-scatter + all-gather.
+SMALL_CHUNKS = (("MOONCAKE_CHUNK_BYTES", "4096"), ("MOONCAKE_SMALL_MSG_BYTES", "2048"))
+#: How long the other ranks may run on after one rank died.
+GRACE_S = 20.0
+TEARDOWN = "<teardown>"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One test case: ``fn(ctx)`` runs on every rank (``ctx`` is a ``worker.RankContext``)."""
+
+    name: str
+    fn: Callable
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of ``world_size`` ranks that runs the cases ``builder`` lists.
+
+    ``builder(world_size, **params)`` must return the same list of
+    :class:`Case` in the parent and in every rank (it is called in each).
+    """
+
+    builder: Callable[..., list[Case]]
+    world_size: int
+    label: str
+    env: tuple[tuple[str, str], ...] = ()
+    params: tuple[tuple[str, object], ...] = ()
+    #: False: the worker does not create the default group (cases do).
+    init_pg: bool = True
+    #: Default deadline of one collective (``init_process_group(timeout=...)``).
+    op_timeout_s: float = 60.0
+    #: Deadline of the whole launch.
+    timeout_s: float = 300.0
+    stress: bool = False
+
+    def cases(self) -> list[Case]:
+        return self.builder(self.world_size, **dict(self.params))
+
+
+@dataclass
+class RankRun:
+    """What one rank left behind."""
+
+    rank: int
+    returncode: int | None = None
+    killed: str = ""
+    records: list[dict] = field(default_factory=list)
+    log: str = ""
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(self.log.rstrip().splitlines()[-lines:])
+
+    def end_of(self, case: str) -> dict | None:
+        return next((r for r in self.records if r["event"] == "end" and r["case"] == case), None)
+
+    def started(self, case: str) -> bool:
+        return any(r["event"] == "start" and r["case"] == case for r in self.records)
+
+    def has(self, event: str) -> dict | None:
+        return next((r for r in self.records if r["event"] == event), None)
+
+    def why_stopped(self) -> str:
+        abort = self.has("abort")
+        if abort:
+            return f"rank {self.rank} stopped the launch: {abort['reason']}"
+        if self.killed:
+            return f"rank {self.rank} was killed ({self.killed})"
+        return f"rank {self.rank} exited with code {self.returncode}"
+
+
+@dataclass
+class LaunchResult:
+    launch: Launch
+    ranks: list[RankRun]
+    seconds: float
+
+    def verdict(self, case: str) -> tuple[bool, str]:
+        """(passed, explanation naming the case and each failing rank)."""
+        if case == TEARDOWN:
+            return self._teardown()
+        problems = []
+        for run in self.ranks:
+            end = run.end_of(case)
+            if end is None:
+                if run.started(case):
+                    problems.append(
+                        f"rank {run.rank} did not finish the case: {run.why_stopped()}\n"
+                        f"--- rank {run.rank} log tail ---\n{run.log_tail()}"
+                    )
+                else:
+                    problems.append(f"rank {run.rank} did not run the case: {run.why_stopped()}")
+            elif end["status"] != "ok":
+                text = "\n".join(end["messages"])
+                problems.append(f"rank {run.rank} {end['status']}:\n{text}")
+        if not problems:
+            return True, ""
+        head = f"case {case!r} of launch {self.launch.label} (world {self.launch.world_size})"
+        return False, head + "\n" + "\n".join(problems)
+
+    def _teardown(self) -> tuple[bool, str]:
+        problems = []
+        for run in self.ranks:
+            if run.returncode != 0 or run.killed or not run.has("exit"):
+                problems.append(
+                    f"rank {run.rank}: {run.why_stopped()}; finished all cases: "
+                    f"{bool(run.has('done'))}, returned from destroy_process_group: "
+                    f"{bool(run.has('exit'))}\n--- log tail ---\n{run.log_tail()}"
+                )
+        return not problems, "\n".join(problems)
+
+
+def parametrize(launches: Iterable[Launch]) -> list:
+    """One ``pytest.param(launch, case_name)`` per case, plus one teardown item per launch.
+
+    Use with ``@pytest.mark.parametrize(("launch", "case"), parametrize(...))``
+    and call :func:`check` in the test. Launches with ``stress=True`` get the
+    ``stress`` mark.
+    """
+    params = []
+    for launch in launches:
+        marks = [pytest.mark.stress] if launch.stress else []
+        names = [c.name for c in launch.cases()] + [TEARDOWN]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"launch {launch.label}: duplicate case names {dups[:5]}")
+        for name in names:
+            params.append(pytest.param(launch, name, id=f"{launch.label}:{name}", marks=marks))
+    return params
+
+
+_selected: dict[Launch, list[str]] = {}
+_results: dict[Launch, LaunchResult] = {}
+
+
+def note_selected(items) -> None:
+    """Records which cases of each launch the session will run (from conftest)."""
+    _selected.clear()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or not isinstance(callspec.params.get("launch"), Launch):
+            continue
+        launch, case = callspec.params["launch"], callspec.params["case"]
+        if case != TEARDOWN:
+            _selected.setdefault(launch, []).append(case)
+        else:
+            _selected.setdefault(launch, [])
+
+
+def check(launch: Launch, case: str) -> None:
+    """Fails the calling test unless ``case`` passed on every rank of ``launch``."""
+    if launch not in _results:
+        _results[launch] = run(launch, _selected.get(launch))
+    passed, why = _results[launch].verdict(case)
+    if not passed:
+        pytest.fail(why, pytrace=False)
+
+
+def results() -> dict[Launch, LaunchResult]:
+    """The launches run so far in this session."""
+    return _results
+
+
+def _child_env(launch: Launch) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+    env.update(dict(launch.env))
+    return env
+
+
+def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
+    """Starts ``launch.world_size`` ranks, runs the (selected) cases, collects every rank's records.
+
+    Never hangs: ranks are killed at ``launch.timeout_s``, or ``GRACE_S``
+    after another rank exited with an error.
+    """
+    import torch.distributed as dist
+
+    n = launch.world_size
+    store = dist.TCPStore(
+        "127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="mooncake-launch-"))
+    config = {
+        "module": launch.builder.__module__,
+        "builder": launch.builder.__qualname__,
+        "params": dict(launch.params),
+        "world_size": n,
+        "port": store.port,
+        "init_pg": launch.init_pg,
+        "op_timeout_s": launch.op_timeout_s,
+        "selected": selected,
+        "out": str(tmp / "rank{rank}.jsonl"),
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    env = _child_env(launch)
+    runs = [RankRun(rank) for rank in range(n)]
+    procs: list[subprocess.Popen] = []
+    start = time.monotonic()
+    try:
+        for rank in range(n):
+            log = open(tmp / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "worker.py"), str(tmp / "config.json"), str(rank)],
+                    cwd=REPO,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            log.close()
+        _supervise(procs, runs, start + launch.timeout_s)
+    finally:
+        for proc, rr in zip(procs, runs, strict=False):
+            if proc.poll() is None:
+                _kill(proc)
+                rr.killed = rr.killed or "the test session was interrupted"
+            rr.returncode = proc.wait()
+        del store
+    for rr in runs:
+        path = tmp / f"rank{rr.rank}.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rr.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut short by a kill
+        log_path = tmp / f"rank{rr.rank}.log"
+        rr.log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    for path in tmp.iterdir():
+        path.unlink()
+    tmp.rmdir()
+    return LaunchResult(launch, runs, time.monotonic() - start)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _supervise(procs: list[subprocess.Popen], runs: list[RankRun], deadline: float) -> None:
+    first_error_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return
+        now = time.monotonic()
+        if first_error_at is None and any(c not in (None, 0) for c in codes):
+            first_error_at = now
+        reason = ""
+        if now > deadline:
+            reason = "the launch ran past its deadline"
+        elif first_error_at is not None and now - first_error_at > GRACE_S:
+            reason = f"another rank died and this one did not exit within {GRACE_S:.0f} s"
+        if reason:
+            for proc, rr in zip(procs, runs, strict=True):
+                if proc.poll() is None:
+                    _kill(proc)
+                    rr.killed = reason
+            return
+        time.sleep(0.05)
