@@ -209,7 +209,12 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   }
   options_->timeout = timeout;
   timeout_ms_ = CommConfig::from_env(timeout.count()).timeout_ms;
-  comm_ = std::make_unique<Communicator>(*engine_, *store_, "mooncake/", rank, size,
+  // The same store (and group name) may serve several incarnations of a group
+  // (init, destroy, init again): number them so no rank reads another's keys.
+  // Every rank of one incarnation draws a ticket before any rank of the next.
+  const int64_t ticket = store_->add("mooncake/tickets", 1) - 1;
+  const std::string prefix = "mooncake/" + std::to_string(ticket / size) + "/";
+  comm_ = std::make_unique<Communicator>(*engine_, *store_, prefix, rank, size,
                                          CommConfig::from_env(timeout_ms_));
 }
 

@@ -1,0 +1,77 @@
+// Process groups for collective and p2p tests: N forked ranks, each with a
+// Communicator connected through the run's store, over shared memory or over
+// forced tcp. Tests are parameterised over world size × transport.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "harness.h"
+
+namespace mctest {
+
+struct GroupParam {
+  int ranks;
+  bool tcp;
+};
+
+// "shm_3ranks", "tcp_2ranks": the suffix of a parameterised test's name.
+std::string group_param_name(const testing::TestParamInfo<GroupParam>& info);
+
+// World sizes {1, 2, 3, 4, 7} over shared memory, and a sample of them over tcp.
+std::vector<GroupParam> every_world_size();
+// A smaller sample, for tests whose point is not the world size.
+std::vector<GroupParam> some_world_sizes();
+
+struct GroupOptions {
+  bool tcp = false;
+  size_t chunk_bytes = 256;   // small, so modest tensors take many chunks
+  size_t small_bytes = 512;   // all_reduce/reduce/broadcast above this go two-phase
+  int64_t op_timeout_ms = 10000;
+  RunLimits limits = {};
+};
+
+// The element counts every op is run with: empty, one, odd, larger than a chunk.
+const std::vector<size_t>& sample_counts();
+
+// Connects a group of `ranks` processes and runs `body` on each. Checks that
+// every peer is served by the transport the options ask for.
+void run_group(int ranks, const GroupOptions& options,
+               const std::function<void(mooncake::Communicator&, Rank&)>& body);
+
+// A parameterised test over GroupParam.
+class GroupTest : public testing::TestWithParam<GroupParam> {
+ protected:
+  GroupOptions options() const {
+    GroupOptions o;
+    o.tcp = GetParam().tcp;
+    return o;
+  }
+  void run(const std::function<void(mooncake::Communicator&, Rank&)>& body) {
+    run_group(GetParam().ranks, options(), body);
+  }
+  void run(const GroupOptions& o,
+           const std::function<void(mooncake::Communicator&, Rank&)>& body) {
+    run_group(GetParam().ranks, o, body);
+  }
+};
+
+// Pointers to each element of a vector of buffers.
+template <typename Buffers>
+std::vector<const void*> const_pointers(const Buffers& buffers) {
+  std::vector<const void*> out;
+  for (const auto& b : buffers) out.push_back(b.data());
+  return out;
+}
+template <typename Buffers>
+std::vector<void*> pointers(Buffers& buffers) {
+  std::vector<void*> out;
+  for (auto& b : buffers) out.push_back(b.data());
+  return out;
+}
+
+}  // namespace mctest
