@@ -63,7 +63,11 @@ def doctor() -> int:
         return f"loopback works; publishes {host}"
 
     _check("tcp transport", tcp_ok)
-    rdma = sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+    rdma = (
+        sorted(os.listdir("/sys/class/infiniband"))
+        if os.path.isdir("/sys/class/infiniband")
+        else []
+    )
     print(f"  RDMA devices: {rdma or 'none'} (this build has no RDMA transport)")
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
@@ -73,9 +77,9 @@ def doctor() -> int:
             print(f"  peer access 0->1: {torch.cuda.can_device_access_peer(0, 1)}")
     else:
         print("  GPUs: none visible to torch (CUDA IPC unavailable)")
-    from mooncake import pg  # noqa: F401
-
     import torch.distributed as dist
+
+    from mooncake import pg  # noqa: F401
 
     print(f"  registered backends: {[b for b in dist.Backend.backend_list if 'mooncake' in b]}")
     print("  environment variables:")

@@ -55,8 +55,7 @@ def load_extension():
         if others:
             built = ", ".join("torch==" + t.replace("_", ".") for t in others)
             raise ImportError(
-                f"mooncake was built against {built}, but torch=={running} is running; "
-                f"{_REBUILD}"
+                f"mooncake was built against {built}, but torch=={running} is running; {_REBUILD}"
             ) from None
         raise ImportError(
             f"mooncake's extension is not built (looked for _pg_torch{tag} for "

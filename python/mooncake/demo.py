@@ -49,7 +49,9 @@ def _rank_main(rank: int, world_size: int, port: int) -> list[str]:
     y = torch.ones(1)
     dist.all_reduce(y)
     say(f"...and the group still works: all_reduce = {y.item():g}")
-    say(f"active ranks {pg.get_active_ranks(group).tolist()}, synced {pg.get_num_synced_ranks(group)}")
+    say(
+        f"active ranks {pg.get_active_ranks(group).tolist()}, synced {pg.get_num_synced_ranks(group)}"
+    )
     dist.destroy_process_group()
     return lines
 

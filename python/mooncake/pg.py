@@ -96,8 +96,7 @@ def set_device_filter(filters: list[str]) -> None:
     missing = [f for f in filters if f not in present]
     warnings.warn(
         "mooncake: set_device_filter has no effect: this build moves data with shared memory "
-        "and tcp, not RDMA"
-        + (f"; devices not present on this host: {missing}" if missing else ""),
+        "and tcp, not RDMA" + (f"; devices not present on this host: {missing}" if missing else ""),
         RuntimeWarning,
         stacklevel=2,
     )
