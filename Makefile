@@ -9,7 +9,7 @@ BUILD := build
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-cpp test-py build bench stress gpu-check doctor lint clean deps
+.PHONY: all demo test test-cpp test-py build bench stress gpu-check doctor lint format clean deps
 
 all: build
 
@@ -60,9 +60,16 @@ doctor: build
 gpu-check:
 	bash scripts/gpu_check.sh
 
+CXX_SOURCES = $(shell find src tests/cpp -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
+
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check python tests bench examples
 	$(VENV)/bin/ruff format --check python tests bench examples
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: $(VENV)/.ready
+	$(VENV)/bin/ruff format python tests bench examples
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 clean:
 	rm -rf $(BUILD) python/mooncake/_pg_torch*.so

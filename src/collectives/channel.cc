@@ -57,15 +57,16 @@ const MsgHeader* Channels::poll(int peer) {
 const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const char* what) {
   const MsgHeader* msg = poll(peer);
   if (msg != nullptr) return msg;
-  bool ok = wait_on(bell(), [&] { return (msg = poll(peer)) != nullptr; }, deadline, [&] {
-    // A peer that exited after posting its last message is not a failure:
-    // everything it sent arrived before it was seen gone, so look once more.
-    if (!endpoint_.alive(peer) && (msg = poll(peer)) != nullptr) return true;
-    check_peer(peer, what);
-    return false;
-  });
-  if (!ok)
-    throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer);
+  bool ok = wait_on(
+      bell(), [&] { return (msg = poll(peer)) != nullptr; }, deadline,
+      [&] {
+        // A peer that exited after posting its last message is not a failure:
+        // everything it sent arrived before it was seen gone, so look once more.
+        if (!endpoint_.alive(peer) && (msg = poll(peer)) != nullptr) return true;
+        check_peer(peer, what);
+        return false;
+      });
+  if (!ok) throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer);
   return msg;
 }
 

@@ -32,7 +32,10 @@ class Channels {
   void release(int peer, const Deadline& deadline);
 
   // Set when the group shuts down: blocked waits return with an error.
-  void set_stopping() { stopping_.store(true); ring(endpoint_.bell(static_cast<int>(plane_))); }
+  void set_stopping() {
+    stopping_.store(true);
+    ring(endpoint_.bell(static_cast<int>(plane_)));
+  }
   bool stopping() const { return stopping_.load(); }
   Doorbell* bell() const { return endpoint_.bell(static_cast<int>(plane_)); }
   Endpoint& endpoint() { return endpoint_; }

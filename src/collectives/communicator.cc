@@ -115,14 +115,16 @@ std::string Communicator::validate(const OpMeta& meta, const MsgHeader& h, int p
                " elements, rank ", rank_, " has ", meta.numel);
   if (h.edge_bytes != expect_recv || h.edge_expect != expect_send)
     return str(meta.name, ": split sizes disagree between ranks ", peer, " and ", rank_, ": rank ",
-               peer, " sends ", h.edge_bytes, " bytes and expects ", h.edge_expect,
-               ", rank ", rank_, " expects ", expect_recv, " bytes and sends ", expect_send);
+               peer, " sends ", h.edge_bytes, " bytes and expects ", h.edge_expect, ", rank ",
+               rank_, " expects ", expect_recv, " bytes and sends ", expect_send);
   return {};
 }
 
 namespace {
 
-size_t pieces(size_t bytes, size_t chunk) { return bytes == 0 ? 1 : (bytes + chunk - 1) / chunk; }
+size_t pieces(size_t bytes, size_t chunk) {
+  return bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
+}
 size_t piece_len(size_t bytes, size_t chunk, size_t k) {
   size_t begin = k * chunk;
   return begin >= bytes ? 0 : std::min(chunk, bytes - begin);
@@ -137,8 +139,7 @@ void Communicator::exchange(const OpMeta& meta, const void* const* send, const s
   if (send_bytes[rank_] != 0 || recv_bytes[rank_] != 0) {
     MC_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], meta.name, ": rank ", rank_,
                  " sends itself ", send_bytes[rank_], " bytes but expects ", recv_bytes[rank_]);
-    if (send[rank_] != recv[rank_])
-      std::memmove(recv[rank_], send[rank_], send_bytes[rank_]);
+    if (send[rank_] != recv[rank_]) std::memmove(recv[rank_], send[rank_], send_bytes[rank_]);
   }
   size_t steps = 1;
   for (int p = 0; p < n; ++p) {
@@ -228,8 +229,8 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
       if (k != 0 && len == 0) continue;
       h.edge_bytes = bytes;
       h.edge_expect = my_bytes;
-      coll_->send(p, h, static_cast<const uint8_t*>(shard_src[p]) + k * chunk, len,
-                  meta.deadline, meta.name);
+      coll_->send(p, h, static_cast<const uint8_t*>(shard_src[p]) + k * chunk, len, meta.deadline,
+                  meta.name);
     }
     size_t len = piece_len(my_bytes, chunk, k);
     if (k != 0 && len == 0) continue;
@@ -265,8 +266,7 @@ void Communicator::even_shards(size_t count, std::vector<size_t>& offsets,
   }
 }
 
-void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op,
-                              int64_t timeout_ms) {
+void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
   MC_CHECK_ARG(redop_supported(op, dtype), "all_reduce: op ", redop_name(op),
                " is not supported for dtype ", dtype_name(dtype));
   OpMeta meta = begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms);
@@ -335,8 +335,7 @@ void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int r
   exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
 }
 
-void Communicator::broadcast(void* data, size_t count, DType dtype, int root,
-                             int64_t timeout_ms) {
+void Communicator::broadcast(void* data, size_t count, DType dtype, int root, int64_t timeout_ms) {
   check_root(root, "broadcast");
   OpMeta meta = begin(OpType::kBroadcast, dtype, RedOp::kSum, root, count, timeout_ms);
   const size_t esize = dtype_size(dtype);
@@ -397,7 +396,8 @@ void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, v
                               const size_t* out_counts, DType dtype, int64_t timeout_ms) {
   OpMeta meta = begin(OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms);
   const size_t esize = dtype_size(dtype);
-  std::vector<size_t> send_bytes(static_cast<size_t>(size_)), recv_bytes(static_cast<size_t>(size_));
+  std::vector<size_t> send_bytes(static_cast<size_t>(size_)),
+      recv_bytes(static_cast<size_t>(size_));
   for (int p = 0; p < size_; ++p) {
     send_bytes[p] = in_counts[p] * esize;
     recv_bytes[p] = out_counts[p] * esize;

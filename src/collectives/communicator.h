@@ -31,15 +31,22 @@
 namespace mooncake {
 
 enum class OpType : uint32_t {
-  kBarrier = 1, kAllReduce, kBroadcast, kAllGather, kReduceScatter, kAllToAll, kReduce, kGather,
+  kBarrier = 1,
+  kAllReduce,
+  kBroadcast,
+  kAllGather,
+  kReduceScatter,
+  kAllToAll,
+  kReduce,
+  kGather,
   kScatter
 };
 const char* op_name(OpType t);
 
 struct CommConfig {
-  int64_t timeout_ms = 30000;   // default deadline of one op; < 0: none
-  size_t chunk_bytes = 0;       // 0: MOONCAKE_CHUNK_BYTES
-  size_t small_bytes = 0;       // 0: MOONCAKE_SMALL_MSG_BYTES
+  int64_t timeout_ms = 30000;  // default deadline of one op; < 0: none
+  size_t chunk_bytes = 0;      // 0: MOONCAKE_CHUNK_BYTES
+  size_t small_bytes = 0;      // 0: MOONCAKE_SMALL_MSG_BYTES
   static CommConfig from_env(int64_t timeout_ms);
 };
 
@@ -84,8 +91,8 @@ class Communicator {
   OpMeta begin(OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms);
   void exchange(const OpMeta& meta, const void* const* send, const size_t* send_bytes,
                 void* const* recv, const size_t* recv_bytes, bool agree_on_sizes);
-  void reduce_exchange(const OpMeta& meta, const void* const* shard_src,
-                       const size_t* shard_counts, void* out);
+  void reduce_exchange(const OpMeta& meta, const void* const* shard_src, const size_t* shard_counts,
+                       void* out);
   void check_root(int root, const char* what) const;
   std::string validate(const OpMeta& meta, const MsgHeader& h, int peer, size_t expect_recv,
                        size_t expect_send) const;

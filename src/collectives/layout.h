@@ -16,28 +16,29 @@ namespace mooncake {
 
 enum class Plane : int { kCollective = 0, kP2P = 1 };
 constexpr int kNumPlanes = 2;
-constexpr int kSlotsPerChannel = 2;  // double buffering: a peer fills one slot while we read the other
-constexpr size_t kFlagStride = 64;   // one cache line per flag: writers never share a line
+constexpr int kSlotsPerChannel =
+    2;  // double buffering: a peer fills one slot while we read the other
+constexpr size_t kFlagStride = 64;  // one cache line per flag: writers never share a line
 
 // The header in front of every message.
 struct MsgHeader {
-  uint64_t op_seq;      // collective: the op's sequence number; p2p: tag
-  uint32_t op_type;     // collective op; p2p: 1 on a message's first chunk
+  uint64_t op_seq;   // collective: the op's sequence number; p2p: tag
+  uint32_t op_type;  // collective op; p2p: 1 on a message's first chunk
   uint8_t dtype;
   uint8_t redop;
   uint16_t reserved0;
   int32_t root;
-  uint32_t len;         // payload bytes in this message
-  uint64_t numel;       // collective: size the op was called with; p2p: total message bytes
-  uint64_t edge_bytes;  // collective: bytes the sender sends us in this op
-  uint64_t edge_expect; // collective: bytes the sender expects from us in this op
+  uint32_t len;          // payload bytes in this message
+  uint64_t numel;        // collective: size the op was called with; p2p: total message bytes
+  uint64_t edge_bytes;   // collective: bytes the sender sends us in this op
+  uint64_t edge_expect;  // collective: bytes the sender expects from us in this op
   uint64_t reserved1[2];
 };
 static_assert(sizeof(MsgHeader) == 64);
 
 struct Layout {
-  int capacity = 0;       // ranks the segment has room for
-  size_t chunk_bytes = 0; // payload bytes of one slot
+  int capacity = 0;        // ranks the segment has room for
+  size_t chunk_bytes = 0;  // payload bytes of one slot
 
   size_t flags_begin() const { return kSegmentHeaderBytes; }
   size_t ready_flag(Plane plane, int peer) const {
@@ -53,7 +54,10 @@ struct Layout {
     size_t index = (static_cast<size_t>(plane) * capacity + src) * kSlotsPerChannel + slot_index;
     return slots_begin() + index * slot_bytes();
   }
-  size_t total_bytes() const { return slot(Plane::kCollective, 0, 0) + static_cast<size_t>(kNumPlanes) * capacity * kSlotsPerChannel * slot_bytes(); }
+  size_t total_bytes() const {
+    return slot(Plane::kCollective, 0, 0) +
+           static_cast<size_t>(kNumPlanes) * capacity * kSlotsPerChannel * slot_bytes();
+  }
 };
 
 }  // namespace mooncake

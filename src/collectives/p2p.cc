@@ -21,8 +21,8 @@ struct P2P::Incoming {
   uint64_t tag;
   uint64_t total;
   uint64_t got = 0;
-  std::vector<uint8_t> buffer;         // when no receive matched on arrival
-  std::shared_ptr<Posted> posted;      // the receive it is landing in, if any
+  std::vector<uint8_t> buffer;     // when no receive matched on arrival
+  std::shared_ptr<Posted> posted;  // the receive it is landing in, if any
   bool complete = false;
   std::shared_ptr<Posted> claimed_by;  // a receive that claimed it while in flight
   bool discard = false;                // the rest of a wrong-sized message
@@ -37,7 +37,9 @@ P2P::P2P(Channels& channels, int rank, int size, int64_t default_timeout_ms)
   progress_ = std::thread([this] { progress_loop(); });
 }
 
-P2P::~P2P() { stop(); }
+P2P::~P2P() {
+  stop();
+}
 
 void P2P::stop() {
   if (stopping_.exchange(true)) return;
@@ -114,9 +116,9 @@ namespace {
 
 std::exception_ptr size_error(int src, uint64_t tag, uint64_t got, size_t want) {
   return std::make_exception_ptr(
-      Error(ErrorKind::kInvalidArgument, str("recv: the message from rank ", src, " with tag ",
-                                             tag, " has ", got, " bytes but the tensor has ",
-                                             want, " bytes")));
+      Error(ErrorKind::kInvalidArgument,
+            str("recv: the message from rank ", src, " with tag ", tag, " has ", got,
+                " bytes but the tensor has ", want, " bytes")));
 }
 
 }  // namespace
@@ -126,7 +128,8 @@ std::exception_ptr size_error(int src, uint64_t tag, uint64_t got, size_t want) 
 void P2P::finish(const std::shared_ptr<Incoming>& in) {
   auto& p = in->claimed_by;
   p->request->set_source_rank(in->src);
-  if (in->total != p->bytes) return p->request->complete(size_error(in->src, in->tag, in->total, p->bytes));
+  if (in->total != p->bytes)
+    return p->request->complete(size_error(in->src, in->tag, in->total, p->bytes));
   if (in->total != 0) std::memcpy(p->data, in->buffer.data(), in->total);
   p->request->complete();
 }
@@ -134,9 +137,9 @@ void P2P::finish(const std::shared_ptr<Incoming>& in) {
 void P2P::on_message(int src, const MsgHeader* msg) {
   const auto* payload = reinterpret_cast<const uint8_t*>(msg + 1);
   std::shared_ptr<Incoming> in;
-  std::shared_ptr<Request> done;          // a receive to complete once unlocked
+  std::shared_ptr<Request> done;  // a receive to complete once unlocked
   std::exception_ptr done_error;
-  std::shared_ptr<Incoming> claimed_done; // an unexpected message whose receive is waiting
+  std::shared_ptr<Incoming> claimed_done;  // an unexpected message whose receive is waiting
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (msg->op_type == 1) {
@@ -195,15 +198,15 @@ void P2P::housekeeping() {
     for (auto it = posted_.begin(); it != posted_.end();) {
       auto& p = *it;
       if (p->deadline.expired()) {
-        failed.emplace_back(p, Error(ErrorKind::kTimeout,
-                                     p->src >= 0 ? str("recv from rank ", p->src, " with tag ",
-                                                       p->tag, " timed out")
-                                                 : str("recv from any source with tag ", p->tag,
-                                                       " timed out"),
-                                     p->src));
+        failed.emplace_back(
+            p,
+            Error(ErrorKind::kTimeout,
+                  p->src >= 0 ? str("recv from rank ", p->src, " with tag ", p->tag, " timed out")
+                              : str("recv from any source with tag ", p->tag, " timed out"),
+                  p->src));
       } else if (p->src >= 0 && !ch_.endpoint().alive(p->src)) {
-        failed.emplace_back(p, Error(ErrorKind::kPeerFailed,
-                                     str("recv: rank ", p->src, " has failed"), p->src));
+        failed.emplace_back(
+            p, Error(ErrorKind::kPeerFailed, str("recv: rank ", p->src, " has failed"), p->src));
       } else {
         ++it;
         continue;

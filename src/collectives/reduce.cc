@@ -41,17 +41,28 @@ namespace {
 
 constexpr size_t kBlock = 2048;
 
-struct Half { uint16_t bits; };
-struct BFloat { uint16_t bits; };
+struct Half {
+  uint16_t bits;
+};
+struct BFloat {
+  uint16_t bits;
+};
 
 // How an element type is loaded into and stored from its accumulator type.
-template <typename T> struct Acc { using type = T; static T load(T v) { return v; } static T store(T v) { return v; } };
-template <> struct Acc<Half> {
+template <typename T>
+struct Acc {
+  using type = T;
+  static T load(T v) { return v; }
+  static T store(T v) { return v; }
+};
+template <>
+struct Acc<Half> {
   using type = float;
   static float load(Half v) { return half_to_float(v.bits); }
   static Half store(float v) { return Half{float_to_half(v)}; }
 };
-template <> struct Acc<BFloat> {
+template <>
+struct Acc<BFloat> {
   using type = float;
   static float load(BFloat v) { return bf16_to_float(v.bits); }
   static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
@@ -61,14 +72,19 @@ template <typename A>
 A combine(RedOp op, A a, A b) {
   if constexpr (std::is_same_v<A, bool>) {
     switch (op) {
-      case RedOp::kSum: case RedOp::kMax: case RedOp::kBor: return a || b;
-      case RedOp::kProduct: case RedOp::kMin: case RedOp::kBand: return a && b;
+      case RedOp::kSum:
+      case RedOp::kMax:
+      case RedOp::kBor: return a || b;
+      case RedOp::kProduct:
+      case RedOp::kMin:
+      case RedOp::kBand: return a && b;
       case RedOp::kBxor: return a != b;
       default: return a;
     }
   } else if constexpr (std::is_floating_point_v<A>) {
     switch (op) {
-      case RedOp::kSum: case RedOp::kAvg: return a + b;
+      case RedOp::kSum:
+      case RedOp::kAvg: return a + b;
       case RedOp::kProduct: return a * b;
       case RedOp::kMin: return (std::isnan(b) || b < a) ? b : a;
       case RedOp::kMax: return (std::isnan(b) || b > a) ? b : a;

@@ -103,8 +103,8 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
   auto request = std::make_shared<Request>();
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) {
-    request->complete(std::make_exception_ptr(
-        Error(ErrorKind::kPeerFailed, "the process group was shut down")));
+    request->complete(
+        std::make_exception_ptr(Error(ErrorKind::kPeerFailed, "the process group was shut down")));
     return request;
   }
   tasks_.push_back(Item{std::move(task), request, now_us()});

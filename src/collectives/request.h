@@ -74,7 +74,7 @@ class OpQueue {
   std::condition_variable cv_;
   std::deque<Item> tasks_;
   bool stopping_ = false;
-  bool running_ = false;     // a task is being run (by the thread or a waiter)
+  bool running_ = false;        // a task is being run (by the thread or a waiter)
   bool thread_asleep_ = false;  // the thread waits without a timeout: submit must wake it
   std::thread thread_;
 };

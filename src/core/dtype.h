@@ -7,8 +7,19 @@
 namespace mooncake {
 
 enum class DType : uint8_t {
-  kBool, kUInt8, kInt8, kInt16, kInt32, kInt64, kUInt16, kUInt32, kUInt64,
-  kFloat16, kBFloat16, kFloat32, kFloat64,
+  kBool,
+  kUInt8,
+  kInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kUInt16,
+  kUInt32,
+  kUInt64,
+  kFloat16,
+  kBFloat16,
+  kFloat32,
+  kFloat64,
   kCount
 };
 

@@ -56,29 +56,29 @@ template <typename... Args>
 }  // namespace mooncake
 
 // Bad input from a user: names the argument and the rule it broke.
-#define MC_CHECK_ARG(cond, ...)                                                       \
-  do {                                                                                \
-    if (!(cond)) ::mooncake::throw_error(::mooncake::ErrorKind::kInvalidArgument, -1, \
-                                         __VA_ARGS__);                                \
+#define MC_CHECK_ARG(cond, ...)                                                          \
+  do {                                                                                   \
+    if (!(cond))                                                                         \
+      ::mooncake::throw_error(::mooncake::ErrorKind::kInvalidArgument, -1, __VA_ARGS__); \
   } while (0)
 
 // An invariant of the library itself.
-#define MC_ASSERT(cond, ...)                                                              \
-  do {                                                                                    \
-    if (!(cond))                                                                          \
-      ::mooncake::throw_error(::mooncake::ErrorKind::kInternal, -1, "internal error at ", \
-                              __FILE__, ":", __LINE__, ": ", #cond, " failed. ",          \
-                              ##__VA_ARGS__);                                             \
+#define MC_ASSERT(cond, ...)                                                                     \
+  do {                                                                                           \
+    if (!(cond))                                                                                 \
+      ::mooncake::throw_error(::mooncake::ErrorKind::kInternal, -1, "internal error at ",        \
+                              __FILE__, ":", __LINE__, ": ", #cond, " failed. ", ##__VA_ARGS__); \
   } while (0)
 
 // A syscall returning -1 on failure (errno set).
-#define MC_SYSCHECK(expr, ...)                                                                  \
-  ([&]() {                                                                                      \
-    auto mc_rv_ = (expr);                                                                       \
-    if (mc_rv_ == -1) {                                                                         \
-      int mc_errno_ = errno;                                                                    \
-      ::mooncake::throw_error(::mooncake::ErrorKind::kSystem, -1, #expr, " failed: ",           \
-                              std::strerror(mc_errno_), " (errno ", mc_errno_, ") ", ##__VA_ARGS__); \
-    }                                                                                           \
-    return mc_rv_;                                                                              \
+#define MC_SYSCHECK(expr, ...)                                                                    \
+  ([&]() {                                                                                        \
+    auto mc_rv_ = (expr);                                                                         \
+    if (mc_rv_ == -1) {                                                                           \
+      int mc_errno_ = errno;                                                                      \
+      ::mooncake::throw_error(::mooncake::ErrorKind::kSystem, -1, #expr,                          \
+                              " failed: ", std::strerror(mc_errno_), " (errno ", mc_errno_, ") ", \
+                              ##__VA_ARGS__);                                                     \
+    }                                                                                             \
+    return mc_rv_;                                                                                \
   }())

@@ -12,9 +12,9 @@ void log_line(LogLevel level, const std::string& line);
 
 }  // namespace mooncake
 
-#define MC_LOG(level, ...)                                                  \
-  do {                                                                      \
-    if (static_cast<int>(::mooncake::LogLevel::level) <=                    \
-        static_cast<int>(::mooncake::log_level()))                          \
+#define MC_LOG(level, ...)                                                             \
+  do {                                                                                 \
+    if (static_cast<int>(::mooncake::LogLevel::level) <=                               \
+        static_cast<int>(::mooncake::log_level()))                                     \
       ::mooncake::log_line(::mooncake::LogLevel::level, ::mooncake::str(__VA_ARGS__)); \
   } while (0)

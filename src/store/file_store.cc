@@ -13,7 +13,9 @@
 
 namespace mooncake {
 
-FileStore::FileStore(std::string dir) : dir_(std::move(dir)) { ::mkdir(dir_.c_str(), 0700); }
+FileStore::FileStore(std::string dir) : dir_(std::move(dir)) {
+  ::mkdir(dir_.c_str(), 0700);
+}
 
 std::string FileStore::path(const std::string& key) const {
   std::string safe;
@@ -59,6 +61,8 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   return value;
 }
 
-bool FileStore::check(const std::string& key) { return ::access(path(key).c_str(), F_OK) == 0; }
+bool FileStore::check(const std::string& key) {
+  return ::access(path(key).c_str(), F_OK) == 0;
+}
 
 }  // namespace mooncake

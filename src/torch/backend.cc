@@ -101,11 +101,11 @@ DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
     case at::kBFloat16: return DType::kBFloat16;
     case at::kFloat: return DType::kFloat32;
     case at::kDouble: return DType::kFloat64;
-    case at::kComplexFloat: return DType::kFloat32;   // moved as pairs of floats
+    case at::kComplexFloat: return DType::kFloat32;  // moved as pairs of floats
     case at::kComplexDouble: return DType::kFloat64;
     default:
-      throw_error(ErrorKind::kInvalidArgument, -1, op, ": ", arg, " has dtype ",
-                  c10::toString(t), ", which mooncake does not support");
+      throw_error(ErrorKind::kInvalidArgument, -1, op, ": ", arg, " has dtype ", c10::toString(t),
+                  ", which mooncake does not support");
   }
 }
 
@@ -133,8 +133,8 @@ RedOp to_redop(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) 
   MC_CHECK_ARG(!t.is_complex() || r == RedOp::kSum || r == RedOp::kAvg, name,
                ": complex tensors support only SUM and AVG");
   DType dt = to_dtype(t.scalar_type(), name, "tensor");
-  MC_CHECK_ARG(redop_supported(r, dt), name, ": op ", redop_name(r),
-               " is not defined for dtype ", c10::toString(t.scalar_type()),
+  MC_CHECK_ARG(redop_supported(r, dt), name, ": op ", redop_name(r), " is not defined for dtype ",
+               c10::toString(t.scalar_type()),
                r == RedOp::kAvg ? " (AVG needs a floating-point tensor)"
                                 : " (bitwise ops need an integer or bool tensor)");
   return r;
@@ -160,14 +160,15 @@ void check_count(size_t got, size_t want, const char* name, const char* what) {
 
 MooncakeBackendOptions::MooncakeBackendOptions(at::Tensor active, bool extension,
                                                std::optional<int64_t> max_world)
-    : Options("mooncake"), active_ranks(std::move(active)), is_extension(extension),
+    : Options("mooncake"),
+      active_ranks(std::move(active)),
+      is_extension(extension),
       max_world_size(max_world) {
   if (active_ranks.defined()) {
     MC_CHECK_ARG(active_ranks.scalar_type() == at::kInt,
                  "MooncakeBackendOptions: active_ranks must be a torch.int32 tensor, got ",
                  c10::toString(active_ranks.scalar_type()));
-    MC_CHECK_ARG(active_ranks.dim() == 1,
-                 "MooncakeBackendOptions: active_ranks must be 1-D, got ",
+    MC_CHECK_ARG(active_ranks.dim() == 1, "MooncakeBackendOptions: active_ranks must be 1-D, got ",
                  active_ranks.dim(), " dims");
   }
   if (max_world_size.has_value())
@@ -177,8 +178,8 @@ MooncakeBackendOptions::MooncakeBackendOptions(at::Tensor active, bool extension
 
 // --- the backend ----------------------------------------------------------------------
 
-MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                 int size, std::chrono::milliseconds timeout,
+MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 std::chrono::milliseconds timeout,
                                  c10::intrusive_ptr<MooncakeBackendOptions> options,
                                  std::shared_ptr<TransferEngine> engine, bool cuda)
     : Backend(rank, size),
@@ -187,7 +188,8 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
       options_(std::move(options)),
       cuda_(cuda) {
   const char* name = cuda ? "mooncake" : "mooncake-cpu";
-  if (!options_) options_ = c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), false, std::nullopt);
+  if (!options_)
+    options_ = c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), false, std::nullopt);
   if (options_->max_world_size.has_value())
     MC_CHECK_ARG(*options_->max_world_size >= size, name, ": max_world_size (",
                  *options_->max_world_size, ") must be >= the world size (", size, ")");
@@ -218,7 +220,9 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
                                          CommConfig::from_env(timeout_ms_));
 }
 
-MooncakeBackend::~MooncakeBackend() { shutdown(); }
+MooncakeBackend::~MooncakeBackend() {
+  shutdown();
+}
 
 const std::string MooncakeBackend::getBackendName() const {
   return cuda_ ? "mooncake" : "mooncake-cpu";
@@ -234,7 +238,9 @@ void MooncakeBackend::shutdown() {
   comm_.reset();
 }
 
-void MooncakeBackend::setTimeout(std::chrono::milliseconds timeout) { timeout_ms_ = timeout.count(); }
+void MooncakeBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ms_ = timeout.count();
+}
 
 int64_t MooncakeBackend::op_timeout_ms(std::chrono::milliseconds t) const {
   return t == c10d::kUnsetTimeout ? timeout_ms_ : t.count();
@@ -299,17 +305,19 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
                                                           const c10d::BroadcastOptions& opts) {
   check_count(tensors.size(), 1, "broadcast", "tensors");
   check_tensor(tensors[0], "broadcast", "tensor");
-  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: src must be in [0, ",
-               size_, "), got ", opts.rootRank);
+  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: src must be in [0, ", size_,
+               "), got ", opts.rootRank);
   at::Tensor t = tensors[0];
   DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
   int root = static_cast<int>(opts.rootRank);
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::BROADCAST, [this, t, dt, root, timeout] {
-    OutBuf out(t);
-    comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
-    out.commit();
-  }, {t});
+  return enqueue(c10d::OpType::BROADCAST,
+                 [this, t, dt, root, timeout] {
+                   OutBuf out(t);
+                   comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
+                   out.commit();
+                 },
+                 {t});
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -320,11 +328,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
   DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
   RedOp op = to_redop(opts.reduceOp, t, "all_reduce");
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::ALLREDUCE, [this, t, dt, op, timeout] {
-    OutBuf out(t);
-    comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
-    out.commit();
-  }, {t});
+  return enqueue(c10d::OpType::ALLREDUCE,
+                 [this, t, dt, op, timeout] {
+                   OutBuf out(t);
+                   comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+                   out.commit();
+                 },
+                 {t});
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
@@ -336,13 +346,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
                        to_redop(opts.reduceOp, t, "all_reduce_coalesced"));
   }
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::ALLREDUCE_COALESCED, [this, items, timeout] {
-    for (auto& [t, dt, op] : items) {
-      OutBuf out(t);
-      comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
-      out.commit();
-    }
-  }, tensors);
+  return enqueue(
+      c10d::OpType::ALLREDUCE_COALESCED,
+      [this, items, timeout] {
+        for (auto& [t, dt, op] : items) {
+          OutBuf out(t);
+          comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+          out.commit();
+        }
+      },
+      tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -356,11 +369,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
   RedOp op = to_redop(opts.reduceOp, t, "reduce");
   int root = static_cast<int>(opts.rootRank);
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::REDUCE, [this, t, dt, op, root, timeout] {
-    OutBuf out(t);
-    comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
-    if (rank_ == root) out.commit();
-  }, {t});
+  return enqueue(c10d::OpType::REDUCE,
+                 [this, t, dt, op, root, timeout] {
+                   OutBuf out(t);
+                   comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
+                   if (rank_ == root) out.commit();
+                 },
+                 {t});
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
@@ -375,28 +390,30 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
     check_tensor(o, "all_gather", "tensor_list");
     MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
                  "all_gather: every tensor in tensor_list must match the input tensor (",
-                 in.numel(), " elements of ", c10::toString(in.scalar_type()), "), got ",
-                 o.numel(), " elements of ", c10::toString(o.scalar_type()));
+                 in.numel(), " elements of ", c10::toString(in.scalar_type()), "), got ", o.numel(),
+                 " elements of ", c10::toString(o.scalar_type()));
   }
   DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
   std::vector<at::Tensor> outs = outputs[0];
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::ALLGATHER, [this, in, outs, dt, timeout] {
-    at::Tensor src = in.contiguous();
-    std::vector<OutBuf> bufs;
-    std::vector<void*> ptrs;
-    for (auto& o : outs) {
-      bufs.emplace_back(o);
-      ptrs.push_back(bufs.back().ptr());
-    }
-    comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
-    for (auto& b : bufs) b.commit();
-  }, outs);
+  return enqueue(
+      c10d::OpType::ALLGATHER,
+      [this, in, outs, dt, timeout] {
+        at::Tensor src = in.contiguous();
+        std::vector<OutBuf> bufs;
+        std::vector<void*> ptrs;
+        for (auto& o : outs) {
+          bufs.emplace_back(o);
+          ptrs.push_back(bufs.back().ptr());
+        }
+        comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+        for (auto& b : bufs) b.commit();
+      },
+      outs);
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output,
-                                                                at::Tensor& input,
-                                                                const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> outs{output}, ins{input};
   return allgather_into_tensor_coalesced(outs, ins, opts);
 }
@@ -414,8 +431,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
     parts.push_back(static_cast<MooncakeWork*>(work.get())->request());
     results.insert(results.end(), outputs[i].begin(), outputs[i].end());
   }
-  return c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::ALLGATHER_COALESCED,
-                                           all_of(parts), results);
+  return c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::ALLGATHER_COALESCED, all_of(parts),
+                                           results);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
@@ -437,17 +454,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
                        to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"));
   }
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::_ALLGATHER_BASE, [this, items, timeout] {
-    for (auto& [output, input, dt] : items) {
-      at::Tensor src = input.contiguous();
-      OutBuf out(output);
-      size_t bytes = src.nbytes();
-      std::vector<void*> ptrs;
-      for (int p = 0; p < size_; ++p) ptrs.push_back(static_cast<uint8_t*>(out.ptr()) + p * bytes);
-      comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
-      out.commit();
-    }
-  }, outputs);
+  return enqueue(
+      c10d::OpType::_ALLGATHER_BASE,
+      [this, items, timeout] {
+        for (auto& [output, input, dt] : items) {
+          at::Tensor src = input.contiguous();
+          OutBuf out(output);
+          size_t bytes = src.nbytes();
+          std::vector<void*> ptrs;
+          for (int p = 0; p < size_; ++p)
+            ptrs.push_back(static_cast<uint8_t*>(out.ptr()) + p * bytes);
+          comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+          out.commit();
+        }
+      },
+      outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
@@ -475,17 +496,20 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
   }
   DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::GATHER, [this, in, outs, dt, root, timeout] {
-    at::Tensor src = in.contiguous();
-    std::vector<OutBuf> bufs;
-    std::vector<void*> ptrs;
-    for (auto& o : outs) {
-      bufs.emplace_back(o);
-      ptrs.push_back(bufs.back().ptr());
-    }
-    comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout);
-    for (auto& b : bufs) b.commit();
-  }, outs);
+  return enqueue(
+      c10d::OpType::GATHER,
+      [this, in, outs, dt, root, timeout] {
+        at::Tensor src = in.contiguous();
+        std::vector<OutBuf> bufs;
+        std::vector<void*> ptrs;
+        for (auto& o : outs) {
+          bufs.emplace_back(o);
+          ptrs.push_back(bufs.back().ptr());
+        }
+        comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout);
+        for (auto& b : bufs) b.commit();
+      },
+      outs);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
@@ -513,13 +537,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
   }
   DType dt = to_dtype(out.scalar_type(), "scatter", "tensor");
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::SCATTER, [this, out, ins, dt, root, timeout] {
-    OutBuf buf(out);
-    std::vector<const void*> ptrs;
-    for (auto& i : ins) ptrs.push_back(i.data_ptr());
-    comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout);
-    buf.commit();
-  }, {out});
+  return enqueue(c10d::OpType::SCATTER,
+                 [this, out, ins, dt, root, timeout] {
+                   OutBuf buf(out);
+                   std::vector<const void*> ptrs;
+                   for (auto& i : ins) ptrs.push_back(i.data_ptr());
+                   comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout);
+                   buf.commit();
+                 },
+                 {out});
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
@@ -541,13 +567,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
   DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
   RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::REDUCE_SCATTER, [this, out, ins, dt, op, timeout] {
-    OutBuf buf(out);
-    std::vector<const void*> ptrs;
-    for (auto& i : ins) ptrs.push_back(i.data_ptr());
-    comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout);
-    buf.commit();
-  }, {out});
+  return enqueue(c10d::OpType::REDUCE_SCATTER,
+                 [this, out, ins, dt, op, timeout] {
+                   OutBuf buf(out);
+                   std::vector<const void*> ptrs;
+                   for (auto& i : ins) ptrs.push_back(i.data_ptr());
+                   comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout);
+                   buf.commit();
+                 },
+                 {out});
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(
@@ -574,18 +602,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
                        to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"));
   }
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::_REDUCE_SCATTER_BASE, [this, items, timeout] {
-    for (auto& [output, input, dt, op] : items) {
-      at::Tensor src = input.contiguous();
-      OutBuf out(output);
-      size_t bytes = out.buf.nbytes();
-      std::vector<const void*> ptrs;
-      for (int p = 0; p < size_; ++p)
-        ptrs.push_back(static_cast<const uint8_t*>(src.data_ptr()) + p * bytes);
-      comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout);
-      out.commit();
-    }
-  }, outputs);
+  return enqueue(
+      c10d::OpType::_REDUCE_SCATTER_BASE,
+      [this, items, timeout] {
+        for (auto& [output, input, dt, op] : items) {
+          at::Tensor src = input.contiguous();
+          OutBuf out(output);
+          size_t bytes = out.buf.nbytes();
+          std::vector<const void*> ptrs;
+          for (int p = 0; p < size_; ++p)
+            ptrs.push_back(static_cast<const uint8_t*>(src.data_ptr()) + p * bytes);
+          comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout);
+          out.commit();
+        }
+      },
+      outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
@@ -612,8 +643,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
         counts[p] = static_cast<size_t>(given[p]) * row;
         total += given[p];
       }
-      MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total,
-                   " but dim 0 has ", rows, " rows");
+      MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total, " but dim 0 has ",
+                   rows, " rows");
     }
     return counts;
   };
@@ -622,22 +653,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
   DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
   int64_t timeout = op_timeout_ms(opts.timeout);
   at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::ALLTOALL_BASE, [this, in, out, in_counts, out_counts, dt, timeout] {
-    at::Tensor src = in.contiguous();
-    OutBuf buf(out);
-    const size_t esize = dtype_size(dt);
-    std::vector<const void*> ins;
-    std::vector<void*> outs;
-    size_t a = 0, b = 0;
-    for (int p = 0; p < size_; ++p) {
-      ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
-      outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
-      a += in_counts[p];
-      b += out_counts[p];
-    }
-    comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(), dt, timeout);
-    buf.commit();
-  }, {output});
+  return enqueue(c10d::OpType::ALLTOALL_BASE,
+                 [this, in, out, in_counts, out_counts, dt, timeout] {
+                   at::Tensor src = in.contiguous();
+                   OutBuf buf(out);
+                   const size_t esize = dtype_size(dt);
+                   std::vector<const void*> ins;
+                   std::vector<void*> outs;
+                   size_t a = 0, b = 0;
+                   for (int p = 0; p < size_; ++p) {
+                     ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
+                     outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
+                     a += in_counts[p];
+                     b += out_counts[p];
+                   }
+                   comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(),
+                                     dt, timeout);
+                   buf.commit();
+                 },
+                 {output});
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -659,22 +693,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
     ins.push_back(t.contiguous());
   }
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::ALLTOALL, [this, ins, outs, dt, timeout] {
-    std::vector<OutBuf> bufs;
-    std::vector<const void*> in_ptrs;
-    std::vector<void*> out_ptrs;
-    std::vector<size_t> in_counts, out_counts;
-    for (int p = 0; p < size_; ++p) {
-      bufs.emplace_back(outs[p]);
-      in_ptrs.push_back(ins[p].data_ptr());
-      in_counts.push_back(elems(ins[p]));
-      out_ptrs.push_back(bufs.back().ptr());
-      out_counts.push_back(elems(outs[p]));
-    }
-    comm_->all_to_all(in_ptrs.data(), in_counts.data(), out_ptrs.data(), out_counts.data(), dt,
-                      timeout);
-    for (auto& b : bufs) b.commit();
-  }, outputs);
+  return enqueue(
+      c10d::OpType::ALLTOALL,
+      [this, ins, outs, dt, timeout] {
+        std::vector<OutBuf> bufs;
+        std::vector<const void*> in_ptrs;
+        std::vector<void*> out_ptrs;
+        std::vector<size_t> in_counts, out_counts;
+        for (int p = 0; p < size_; ++p) {
+          bufs.emplace_back(outs[p]);
+          in_ptrs.push_back(ins[p].data_ptr());
+          in_counts.push_back(elems(ins[p]));
+          out_ptrs.push_back(bufs.back().ptr());
+          out_counts.push_back(elems(outs[p]));
+        }
+        comm_->all_to_all(in_ptrs.data(), in_counts.data(), out_ptrs.data(), out_counts.data(), dt,
+                          timeout);
+        for (auto& b : bufs) b.commit();
+      },
+      outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -19,14 +19,15 @@ namespace {
 
 c10::intrusive_ptr<MooncakeBackend> create_backend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    std::chrono::milliseconds timeout, std::optional<c10::intrusive_ptr<MooncakeBackendOptions>> options,
+    std::chrono::milliseconds timeout,
+    std::optional<c10::intrusive_ptr<MooncakeBackendOptions>> options,
     std::shared_ptr<TransferEngine> engine, bool cuda) {
   MC_CHECK_ARG(engine != nullptr, "create_backend: engine is None");
   MC_CHECK_ARG(!cuda || MOONCAKE_WITH_CUDA,
                "backend 'mooncake' needs CUDA, but this build of mooncake has none; use "
                "'mooncake-cpu' for CPU tensors");
-  return c10::make_intrusive<MooncakeBackend>(store, rank, size, timeout,
-                                              options.value_or(nullptr), std::move(engine), cuda);
+  return c10::make_intrusive<MooncakeBackend>(store, rank, size, timeout, options.value_or(nullptr),
+                                              std::move(engine), cuda);
 }
 
 }  // namespace
@@ -48,19 +49,22 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
     }
   });
 
-  py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(m, "TransferEngine",
+  py::class_<TransferEngine, std::shared_ptr<TransferEngine>>(
+      m, "TransferEngine",
       "Transport policy shared by the process groups that use it: which transports to use, "
       "which host address to publish, which RDMA devices to consider.")
       .def(py::init([] { return std::make_shared<TransferEngine>(EngineOptions::from_env()); }))
-      .def_property("host_ip", [](const TransferEngine& e) { return e.options().host_ip; },
-                    [](TransferEngine& e, const std::string& ip) { e.mutable_options().host_ip = ip; })
-      .def_property("force_tcp", [](const TransferEngine& e) { return e.options().force_tcp; },
-                    [](TransferEngine& e, bool v) { e.mutable_options().force_tcp = v; })
-      .def_property("device_filter",
-                    [](const TransferEngine& e) { return e.options().device_filter; },
-                    [](TransferEngine& e, const std::vector<std::string>& f) {
-                      e.mutable_options().device_filter = f;
-                    })
+      .def_property(
+          "host_ip", [](const TransferEngine& e) { return e.options().host_ip; },
+          [](TransferEngine& e, const std::string& ip) { e.mutable_options().host_ip = ip; })
+      .def_property(
+          "force_tcp", [](const TransferEngine& e) { return e.options().force_tcp; },
+          [](TransferEngine& e, bool v) { e.mutable_options().force_tcp = v; })
+      .def_property(
+          "device_filter", [](const TransferEngine& e) { return e.options().device_filter; },
+          [](TransferEngine& e, const std::vector<std::string>& f) {
+            e.mutable_options().device_filter = f;
+          })
       .def_static("available_transports", &TransferEngine::available_transports);
 
   py::class_<MooncakeBackendOptions, c10d::Backend::Options,
@@ -83,8 +87,8 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
         return copy;
       });
 
-  py::class_<MooncakeBackend, c10d::Backend, c10::intrusive_ptr<MooncakeBackend>>(
-      m, "MooncakeBackend")
+  py::class_<MooncakeBackend, c10d::Backend, c10::intrusive_ptr<MooncakeBackend>>(m,
+                                                                                  "MooncakeBackend")
       .def("active_ranks", &MooncakeBackend::active_ranks)
       .def("num_synced_ranks", &MooncakeBackend::num_synced_ranks)
       .def("transport_of", &MooncakeBackend::transport_of, py::arg("peer"))

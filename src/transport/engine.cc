@@ -50,8 +50,13 @@ const std::string& local_host_key() {
 
 std::string PeerAddress::encode() const {
   std::ostringstream os;
-  os << rank << '\n' << host_key << '\n' << pid << '\n' << segment_fd << '\n' << segment_bytes
-     << '\n' << tcp_host << '\n' << tcp_port << '\n';
+  os << rank << '\n'
+     << host_key << '\n'
+     << pid << '\n'
+     << segment_fd << '\n'
+     << segment_bytes << '\n'
+     << tcp_host << '\n'
+     << tcp_port << '\n';
   return os.str();
 }
 
@@ -83,10 +88,12 @@ EngineOptions EngineOptions::from_env() {
   return o;
 }
 
-std::vector<std::string> TransferEngine::available_transports() { return {"shm", "tcp"}; }
+std::vector<std::string> TransferEngine::available_transports() {
+  return {"shm", "tcp"};
+}
 
-Endpoint::Endpoint(const TransferEngine& engine, Store& store, const std::string& prefix,
-                   int rank, int size, size_t segment_bytes, const Deadline& deadline)
+Endpoint::Endpoint(const TransferEngine& engine, Store& store, const std::string& prefix, int rank,
+                   int size, size_t segment_bytes, const Deadline& deadline)
     : rank_(rank), size_(size), segment_(segment_bytes) {
   const EngineOptions& opts = engine.options();
   receiver_ = std::make_unique<TcpReceiver>(segment_, size, opts.host_ip);
@@ -108,8 +115,8 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, const std::string
     }
     PeerAddress addr = PeerAddress::decode(
         store.get(prefix + "addr/" + std::to_string(peer), deadline.remaining_ms(1L << 40)));
-    MC_CHECK_ARG(addr.segment_bytes == segment_bytes, "rank ", peer, " uses a ",
-                 addr.segment_bytes, "-byte segment but rank ", rank, " uses ", segment_bytes,
+    MC_CHECK_ARG(addr.segment_bytes == segment_bytes, "rank ", peer, " uses a ", addr.segment_bytes,
+                 "-byte segment but rank ", rank, " uses ", segment_bytes,
                  ": the group's size or MOONCAKE_CHUNK_BYTES differs between ranks");
     if (!opts.force_tcp && shm_can_reach(addr))
       links_[peer] = shm_connect(addr);

@@ -17,8 +17,8 @@
 namespace mooncake {
 
 struct EngineOptions {
-  bool force_tcp = false;  // MOONCAKE_TRANSPORT=tcp
-  std::string host_ip;     // MOONCAKE_HOST_IP or pg.set_host_ip
+  bool force_tcp = false;                  // MOONCAKE_TRANSPORT=tcp
+  std::string host_ip;                     // MOONCAKE_HOST_IP or pg.set_host_ip
   std::vector<std::string> device_filter;  // RDMA devices to use (none exist yet)
 
   static EngineOptions from_env();

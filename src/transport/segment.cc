@@ -16,15 +16,15 @@ Segment::Segment(size_t bytes) : size_(bytes) {
   if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
     int e = errno;
     ::close(fd_);
-    throw_error(ErrorKind::kSystem, -1, "ftruncate of a ", bytes, "-byte segment failed: ",
-                std::strerror(e));
+    throw_error(ErrorKind::kSystem, -1, "ftruncate of a ", bytes,
+                "-byte segment failed: ", std::strerror(e));
   }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) {
     int e = errno;
     ::close(fd_);
-    throw_error(ErrorKind::kSystem, -1, "mmap of a ", bytes, "-byte segment failed: ",
-                std::strerror(e));
+    throw_error(ErrorKind::kSystem, -1, "mmap of a ", bytes,
+                "-byte segment failed: ", std::strerror(e));
   }
   base_ = static_cast<uint8_t*>(p);
 }

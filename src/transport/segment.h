@@ -12,7 +12,7 @@
 
 namespace mooncake {
 
-constexpr int kNumBells = 4;             // one per plane (collectives, p2p, ...)
+constexpr int kNumBells = 4;  // one per plane (collectives, p2p, ...)
 constexpr size_t kSegmentHeaderBytes = 64;
 
 struct SegmentHeader {

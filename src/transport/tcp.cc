@@ -72,7 +72,8 @@ TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string
 
 TcpReceiver::~TcpReceiver() {
   uint64_t one = 1;
-  if (::write(wake_fd_, &one, sizeof(one)) < 0) { /* thread may be gone */ }
+  if (::write(wake_fd_, &one, sizeof(one)) < 0) { /* thread may be gone */
+  }
   if (thread_.joinable()) thread_.join();
   ::close(wake_fd_);
   ::close(listen_fd_);
@@ -104,8 +105,7 @@ bool TcpReceiver::drain(Conn& c) {
           c.in_payload = c.frame.arg > 0;
           c.payload_done = 0;
           break;
-        default:
-          return false;
+        default: return false;
       }
     } else {
       ssize_t n = ::recv(c.fd, segment_.base() + c.frame.offset + c.payload_done,
@@ -181,7 +181,8 @@ class TcpLink : public PeerLink {
   void send_all(const void* data, size_t len, const Deadline& deadline) {
     const char* p = static_cast<const char*>(data);
     while (len > 0) {
-      if (broken_) throw_error(ErrorKind::kPeerFailed, peer_, "tcp link to rank ", peer_, " is closed");
+      if (broken_)
+        throw_error(ErrorKind::kPeerFailed, peer_, "tcp link to rank ", peer_, " is closed");
       ssize_t n = ::send(fd_, p, len, MSG_NOSIGNAL);
       if (n > 0) {
         p += n;
@@ -198,8 +199,8 @@ class TcpLink : public PeerLink {
         continue;
       }
       broken_ = true;
-      throw_error(ErrorKind::kPeerFailed, peer_, "tcp send to rank ", peer_, " failed: ",
-                  std::strerror(errno));
+      throw_error(ErrorKind::kPeerFailed, peer_, "tcp send to rank ", peer_,
+                  " failed: ", std::strerror(errno));
     }
   }
 
@@ -213,8 +214,8 @@ class TcpLink : public PeerLink {
 
 }  // namespace
 
-std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank,
-                                      TcpReceiver& receiver, const Deadline& deadline) {
+std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, TcpReceiver& receiver,
+                                      const Deadline& deadline) {
   std::string host = addr.host_key == local_host_key() ? "127.0.0.1" : addr.tcp_host;
   addrinfo hints{};
   hints.ai_family = AF_INET;

@@ -42,7 +42,7 @@ class TcpReceiver {
 };
 
 // Connects to the receiver of the peer at `addr` and introduces this rank.
-std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank,
-                                      TcpReceiver& receiver, const Deadline& deadline);
+std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, TcpReceiver& receiver,
+                                      const Deadline& deadline);
 
 }  // namespace mooncake
