@@ -14,9 +14,14 @@ Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane)
 void Channels::check_peer(int peer, const char* what) {
   if (stopping_.load())
     throw_error(ErrorKind::kPeerFailed, -1, what, ": the process group is shutting down");
-  if (!endpoint_.alive(peer))
-    throw_error(ErrorKind::kPeerFailed, peer, what, ": rank ", peer,
-                " has failed (its process exited or its connection closed)");
+  // Every rank, not only the one awaited: a peer that waits on a dead rank
+  // stops sending to us too, so any death dooms the op.
+  for (int i = 0; i < endpoint_.size(); ++i) {
+    int p = (peer + i) % endpoint_.size();
+    if (!endpoint_.alive(p))
+      throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,
+                  " has failed (its process exited or its connection closed)");
+  }
 }
 
 void Channels::send(int peer, const MsgHeader& header, const void* payload, size_t len,

@@ -41,7 +41,8 @@ class Channels {
   Endpoint& endpoint() { return endpoint_; }
   const Layout& layout() const { return layout_; }
 
-  // Throws a PeerFailed error if `peer` is gone, or the group is stopping.
+  // Throws a PeerFailed error if any rank (`peer` first) is gone, or the
+  // group is stopping.
   void check_peer(int peer, const char* what);
 
  private:

@@ -54,6 +54,20 @@ struct Communicator::OpMeta {
   uint64_t seq;
   Deadline deadline;
   const char* name;
+  std::string local_error;  // this rank rejected its own arguments
+};
+
+// What one rank sends to and receives from each rank in an exchange.
+struct Communicator::Plan {
+  explicit Plan(int n)
+      : send(static_cast<size_t>(n), nullptr),
+        recv(static_cast<size_t>(n), nullptr),
+        send_bytes(static_cast<size_t>(n), 0),
+        recv_bytes(static_cast<size_t>(n), 0) {}
+  std::vector<const void*> send;
+  std::vector<void*> recv;
+  std::vector<size_t> send_bytes;
+  std::vector<size_t> recv_bytes;
 };
 
 Communicator::Communicator(const TransferEngine& engine, Store& store, const std::string& prefix,
@@ -66,6 +80,9 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
     if (config_.chunk_bytes == 0) config_.chunk_bytes = env.chunk_bytes;
     if (config_.small_bytes == 0) config_.small_bytes = env.small_bytes;
   }
+  MC_CHECK_ARG(config_.chunk_bytes >= 64 && config_.chunk_bytes % 64 == 0,
+               "CommConfig.chunk_bytes must be a positive multiple of 64, got ",
+               config_.chunk_bytes);
   Layout layout = make_layout(size, config_.chunk_bytes);
   endpoint_ = std::make_unique<Endpoint>(engine, store, prefix, rank, size, layout.total_bytes(),
                                          Deadline::after_ms(config_.timeout_ms));
@@ -81,18 +98,35 @@ void Communicator::stop() {
 }
 
 Communicator::OpMeta Communicator::begin(OpType type, DType dtype, RedOp op, int root,
-                                         uint64_t numel, int64_t timeout_ms) {
+                                         uint64_t numel, int64_t timeout_ms,
+                                         std::string local_error) {
   int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
-  return OpMeta{type, dtype, op, root, numel, ++op_seq_, Deadline::after_ms(t), op_name(type)};
+  return OpMeta{type,
+                dtype,
+                op,
+                root,
+                numel,
+                ++op_seq_,
+                Deadline::after_ms(t),
+                op_name(type),
+                std::move(local_error)};
 }
 
-void Communicator::check_root(int root, const char* what) const {
-  MC_CHECK_ARG(root >= 0 && root < size_, what, ": root rank must be in [0, ", size_, "), got ",
-               root);
+std::string Communicator::root_error(int root, const char* what) const {
+  if (root >= 0 && root < size_) return {};
+  return str(what, ": root rank must be in [0, ", size_, "), got ", root);
+}
+
+std::string Communicator::redop_error(RedOp op, DType dtype, const char* what) const {
+  if (redop_supported(op, dtype)) return {};
+  return str(what, ": op ", redop_name(op), " is not supported for dtype ", dtype_name(dtype));
 }
 
 std::string Communicator::validate(const OpMeta& meta, const MsgHeader& h, int peer,
                                    size_t expect_recv, size_t expect_send) const {
+  if (h.flags & kMsgRejected)  // the payload is that rank's own error
+    return str(meta.name, ": the op was not run: rank ", peer, " rejected its arguments: ",
+               std::string(reinterpret_cast<const char*>(&h + 1), h.len));
   if (h.op_type != static_cast<uint32_t>(meta.type))
     return str(meta.name, ": rank ", peer, " called ", op_name(static_cast<OpType>(h.op_type)),
                " while rank ", rank_, " called ", meta.name);
@@ -132,20 +166,7 @@ size_t piece_len(size_t bytes, size_t chunk, size_t k) {
 
 }  // namespace
 
-void Communicator::exchange(const OpMeta& meta, const void* const* send, const size_t* send_bytes,
-                            void* const* recv, const size_t* recv_bytes, bool agree_on_sizes) {
-  const size_t chunk = coll_->layout().chunk_bytes;
-  const int n = size_;
-  if (send_bytes[rank_] != 0 || recv_bytes[rank_] != 0) {
-    MC_CHECK_ARG(send_bytes[rank_] == recv_bytes[rank_], meta.name, ": rank ", rank_,
-                 " sends itself ", send_bytes[rank_], " bytes but expects ", recv_bytes[rank_]);
-    if (send[rank_] != recv[rank_]) std::memmove(recv[rank_], send[rank_], send_bytes[rank_]);
-  }
-  size_t steps = 1;
-  for (int p = 0; p < n; ++p) {
-    if (p == rank_) continue;
-    steps = std::max({steps, pieces(send_bytes[p], chunk), pieces(recv_bytes[p], chunk)});
-  }
+MsgHeader Communicator::header(const OpMeta& meta) const {
   MsgHeader h{};
   h.op_seq = meta.seq;
   h.op_type = static_cast<uint32_t>(meta.type);
@@ -153,54 +174,80 @@ void Communicator::exchange(const OpMeta& meta, const void* const* send, const s
   h.redop = static_cast<uint8_t>(meta.redop);
   h.root = meta.root;
   h.numel = meta.numel;
-  std::string error;
+  if (!meta.local_error.empty()) h.flags |= kMsgRejected;
+  return h;
+}
+
+void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes) {
+  const size_t chunk = coll_->layout().chunk_bytes;
+  const int n = size_;
+  const bool rejected = !meta.local_error.empty();
+  if (!rejected && plan.send_bytes[rank_] != 0 && plan.send[rank_] != plan.recv[rank_])
+    std::memmove(plan.recv[rank_], plan.send[rank_], plan.send_bytes[rank_]);
+  size_t steps = 1;
+  for (int p = 0; p < n && !rejected; ++p) {
+    if (p == rank_) continue;
+    steps = std::max({steps, pieces(plan.send_bytes[p], chunk), pieces(plan.recv_bytes[p], chunk)});
+  }
+  MsgHeader h = header(meta);
+  std::string error = meta.local_error;
+  bool peer_rejected = false;
   for (size_t k = 0; k < steps; ++k) {
     for (int i = 1; i < n; ++i) {
       int p = (rank_ + i) % n;
-      size_t len = piece_len(send_bytes[p], chunk, k);
+      if (rejected) {
+        send_rejection(meta, h, p);
+        continue;
+      }
+      size_t len = piece_len(plan.send_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
-      h.edge_bytes = send_bytes[p];
-      h.edge_expect = recv_bytes[p];
-      coll_->send(p, h, static_cast<const uint8_t*>(send[p]) + k * chunk, len, meta.deadline,
+      h.edge_bytes = plan.send_bytes[p];
+      h.edge_expect = plan.recv_bytes[p];
+      coll_->send(p, h, static_cast<const uint8_t*>(plan.send[p]) + k * chunk, len, meta.deadline,
                   meta.name);
     }
     for (int i = 1; i < n; ++i) {
       int p = (rank_ - i + n) % n;
-      size_t len = piece_len(recv_bytes[p], chunk, k);
+      size_t len = piece_len(plan.recv_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
       const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
       if (k == 0) {
-        std::string e = validate(meta, *msg, p, recv_bytes[p], send_bytes[p]);
+        peer_rejected |= (msg->flags & kMsgRejected) != 0;
+        std::string e = validate(meta, *msg, p, plan.recv_bytes[p], plan.send_bytes[p]);
         if (error.empty()) error = e;
       }
       if (error.empty()) {
         MC_ASSERT(msg->len == len, meta.name, " message from rank ", p, " has ", msg->len,
                   " bytes, expected ", len);
-        std::memcpy(static_cast<uint8_t*>(recv[p]) + k * chunk, msg + 1, len);
+        std::memcpy(static_cast<uint8_t*>(plan.recv[p]) + k * chunk, msg + 1, len);
       }
       coll_->release(p, meta.deadline);
     }
-    if (k == 0 && agree_on_sizes && n > 1) {
-      // Sizes here differ per edge, so a mismatch may be visible to only some
-      // ranks: share each rank's verdict before anyone moves on.
-      MsgHeader v = h;
-      v.edge_bytes = v.edge_expect = 0;
-      v.numel = error.empty() ? 0 : 1;
-      for (int i = 1; i < n; ++i)
-        coll_->send((rank_ + i) % n, v, nullptr, 0, meta.deadline, meta.name);
-      int bad_peer = -1;
-      for (int i = 1; i < n; ++i) {
-        int p = (rank_ - i + n) % n;
-        const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
-        if (msg->numel != 0 && bad_peer < 0) bad_peer = p;
-        coll_->release(p, meta.deadline);
-      }
-      if (error.empty() && bad_peer >= 0)
-        error = str(meta.name, ": rank ", bad_peer,
-                    " found that split sizes disagree between ranks; the op was not run");
-    }
+    // Sizes that differ per edge may be wrong on some edges only, so not every
+    // rank sees the mismatch: share verdicts before anyone moves on. A rank
+    // that rejected its arguments is seen by all in step 0, so then everyone
+    // skips this round alike.
+    if (k == 0 && agree_on_sizes && n > 1 && !rejected && !peer_rejected) agree(meta, h, error);
     if (k == 0 && !error.empty()) throw_error(ErrorKind::kInvalidArgument, -1, error);
   }
+}
+
+void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& error) {
+  const int n = size_;
+  MsgHeader v = h;
+  v.edge_bytes = v.edge_expect = 0;
+  v.numel = error.empty() ? 0 : 1;
+  for (int i = 1; i < n; ++i) coll_->send((rank_ + i) % n, v, nullptr, 0, meta.deadline, meta.name);
+  int bad_peer = -1;
+  for (int i = 1; i < n; ++i) {
+    int p = (rank_ - i + n) % n;
+    const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
+    if (msg->numel != 0 && bad_peer < 0) bad_peer = p;
+    coll_->release(p, meta.deadline);
+  }
+  if (error.empty() && bad_peer >= 0)
+    error = str(meta.name, ": rank ", bad_peer,
+                " found that split sizes disagree between ranks; the op was not run");
 }
 
 void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_src,
@@ -208,22 +255,21 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
   const size_t esize = dtype_size(meta.dtype);
   const size_t chunk = coll_->layout().chunk_bytes;
   const int n = size_;
-  const size_t my_bytes = shard_counts[rank_] * esize;
+  const bool rejected = !meta.local_error.empty();
+  const size_t my_bytes = rejected ? 0 : shard_counts[rank_] * esize;
   size_t steps = pieces(my_bytes, chunk);
-  for (int p = 0; p < n; ++p)
+  for (int p = 0; p < n && !rejected; ++p)
     if (p != rank_) steps = std::max(steps, pieces(shard_counts[p] * esize, chunk));
-  MsgHeader h{};
-  h.op_seq = meta.seq;
-  h.op_type = static_cast<uint32_t>(meta.type);
-  h.dtype = static_cast<uint8_t>(meta.dtype);
-  h.redop = static_cast<uint8_t>(meta.redop);
-  h.root = meta.root;
-  h.numel = meta.numel;
+  MsgHeader h = header(meta);
   std::vector<const void*> srcs(static_cast<size_t>(n));
-  std::string error;
+  std::string error = meta.local_error;
   for (size_t k = 0; k < steps; ++k) {
     for (int i = 1; i < n; ++i) {
       int p = (rank_ + i) % n;
+      if (rejected) {
+        send_rejection(meta, h, p);
+        continue;
+      }
       size_t bytes = shard_counts[p] * esize;
       size_t len = piece_len(bytes, chunk, k);
       if (k != 0 && len == 0) continue;
@@ -236,7 +282,7 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
     if (k != 0 && len == 0) continue;
     for (int p = 0; p < n; ++p) {
       if (p == rank_) {
-        srcs[p] = static_cast<const uint8_t*>(shard_src[p]) + k * chunk;
+        srcs[p] = rejected ? nullptr : static_cast<const uint8_t*>(shard_src[p]) + k * chunk;
         continue;
       }
       const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
@@ -253,6 +299,17 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
   }
 }
 
+void Communicator::send_rejection(const OpMeta& meta, const MsgHeader& h, int peer) {
+  const size_t len = std::min(meta.local_error.size(), coll_->layout().chunk_bytes);
+  coll_->send(peer, h, meta.local_error.data(), len, meta.deadline, meta.name);
+}
+
+void Communicator::reject(const std::string& reason, int64_t timeout_ms) {
+  MC_ASSERT(!reason.empty());
+  OpMeta meta = begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms, reason);
+  exchange(meta, Plan(size_), false);
+}
+
 void Communicator::even_shards(size_t count, std::vector<size_t>& offsets,
                                std::vector<size_t>& counts) const {
   offsets.assign(static_cast<size_t>(size_), 0);
@@ -266,14 +323,17 @@ void Communicator::even_shards(size_t count, std::vector<size_t>& offsets,
   }
 }
 
+bool Communicator::direct(size_t count, DType dtype) const {
+  return count * dtype_size(dtype) <= config_.small_bytes || static_cast<size_t>(size_) > count;
+}
+
 void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
-  MC_CHECK_ARG(redop_supported(op, dtype), "all_reduce: op ", redop_name(op),
-               " is not supported for dtype ", dtype_name(dtype));
-  OpMeta meta = begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms);
+  OpMeta meta = begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
+                      redop_error(op, dtype, "all_reduce"));
   const size_t esize = dtype_size(dtype);
   const int n = size_;
   auto* bytes = static_cast<uint8_t*>(data);
-  if (count * esize <= config_.small_bytes || static_cast<size_t>(n) > count) {
+  if (!meta.local_error.empty() || direct(count, dtype)) {
     // Direct: everyone reduces the whole buffer.
     std::vector<const void*> src(static_cast<size_t>(n), data);
     std::vector<size_t> counts(static_cast<size_t>(n), count);
@@ -284,32 +344,31 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, i
   even_shards(count, offsets, counts);
   std::vector<const void*> src(static_cast<size_t>(n));
   for (int p = 0; p < n; ++p) src[p] = bytes + offsets[p] * esize;
-  reduce_exchange(meta, src.data(), counts.data(), bytes + offsets[rank_] * esize);
+  uint8_t* mine = bytes + offsets[rank_] * esize;
+  reduce_exchange(meta, src.data(), counts.data(), mine);
   // All-gather the reduced shards in place.
-  std::vector<const void*> send(static_cast<size_t>(n), bytes + offsets[rank_] * esize);
-  std::vector<size_t> send_bytes(static_cast<size_t>(n), counts[rank_] * esize);
-  std::vector<void*> recv(static_cast<size_t>(n));
-  std::vector<size_t> recv_bytes(static_cast<size_t>(n));
+  Plan plan(n);
   for (int p = 0; p < n; ++p) {
-    recv[p] = bytes + offsets[p] * esize;
-    recv_bytes[p] = counts[p] * esize;
+    plan.send[p] = mine;
+    plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
+    plan.recv[p] = bytes + offsets[p] * esize;
+    plan.recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
   }
-  exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
+  exchange(meta, plan, false);
 }
 
 void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int root,
                           int64_t timeout_ms) {
-  check_root(root, "reduce");
-  MC_CHECK_ARG(redop_supported(op, dtype), "reduce: op ", redop_name(op),
-               " is not supported for dtype ", dtype_name(dtype));
-  OpMeta meta = begin(OpType::kReduce, dtype, op, root, count, timeout_ms);
+  std::string error = root_error(root, "reduce");
+  if (error.empty()) error = redop_error(op, dtype, "reduce");
+  OpMeta meta = begin(OpType::kReduce, dtype, op, root, count, timeout_ms, error);
   const size_t esize = dtype_size(dtype);
   const int n = size_;
   auto* bytes = static_cast<uint8_t*>(data);
   std::vector<const void*> src(static_cast<size_t>(n), data);
-  if (count * esize <= config_.small_bytes || static_cast<size_t>(n) > count) {
+  if (!meta.local_error.empty() || direct(count, dtype)) {
     std::vector<size_t> counts(static_cast<size_t>(n), 0);
-    counts[root] = count;
+    if (meta.local_error.empty()) counts[root] = count;
     reduce_exchange(meta, src.data(), counts.data(), data);
     return;
   }
@@ -317,139 +376,142 @@ void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int r
   std::vector<size_t> offsets, counts;
   even_shards(count, offsets, counts);
   for (int p = 0; p < n; ++p) src[p] = bytes + offsets[p] * esize;
-  std::vector<uint8_t> mine(rank_ == root ? 0 : counts[rank_] * esize);
-  uint8_t* my_out = rank_ == root ? bytes + offsets[rank_] * esize : mine.data();
-  reduce_exchange(meta, src.data(), counts.data(), my_out);
-  std::vector<const void*> send(static_cast<size_t>(n), my_out);
-  std::vector<size_t> send_bytes(static_cast<size_t>(n), 0), recv_bytes(static_cast<size_t>(n), 0);
-  std::vector<void*> recv(static_cast<size_t>(n), nullptr);
-  send_bytes[root] = counts[rank_] * esize;
-  if (rank_ == root)
+  std::vector<uint8_t> scratch(rank_ == root ? 0 : counts[rank_] * esize);
+  uint8_t* mine = rank_ == root ? bytes + offsets[rank_] * esize : scratch.data();
+  reduce_exchange(meta, src.data(), counts.data(), mine);
+  Plan plan(n);
+  if (rank_ == root) {
     for (int p = 0; p < n; ++p) {
-      recv[p] = bytes + offsets[p] * esize;
-      recv_bytes[p] = counts[p] * esize;
+      plan.recv[p] = bytes + offsets[p] * esize;
+      plan.recv_bytes[p] = p == root ? 0 : counts[p] * esize;
     }
-  else
-    send_bytes[rank_] = 0;
-  if (rank_ != root) recv[rank_] = my_out;
-  exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
+  } else {
+    plan.send[root] = mine;
+    plan.send_bytes[root] = counts[rank_] * esize;
+  }
+  exchange(meta, plan, false);
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root, int64_t timeout_ms) {
-  check_root(root, "broadcast");
-  OpMeta meta = begin(OpType::kBroadcast, dtype, RedOp::kSum, root, count, timeout_ms);
+  OpMeta meta = begin(OpType::kBroadcast, dtype, RedOp::kSum, root, count, timeout_ms,
+                      root_error(root, "broadcast"));
   const size_t esize = dtype_size(dtype);
   const int n = size_;
   auto* bytes = static_cast<uint8_t*>(data);
-  std::vector<const void*> send(static_cast<size_t>(n), data);
-  std::vector<void*> recv(static_cast<size_t>(n), data);
-  std::vector<size_t> send_bytes(static_cast<size_t>(n), 0), recv_bytes(static_cast<size_t>(n), 0);
-  if (count * esize <= config_.small_bytes || static_cast<size_t>(n) > count) {
-    if (rank_ == root)
-      for (int p = 0; p < n; ++p) send_bytes[p] = p == root ? 0 : count * esize;
-    else
-      recv_bytes[root] = count * esize;
-    exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
-    return;
+  Plan plan(n);
+  if (!meta.local_error.empty()) return exchange(meta, plan, false);
+  if (direct(count, dtype)) {
+    if (rank_ == root) {
+      for (int p = 0; p < n; ++p) {
+        plan.send[p] = data;
+        plan.send_bytes[p] = p == root ? 0 : count * esize;
+      }
+    } else {
+      plan.recv[root] = data;
+      plan.recv_bytes[root] = count * esize;
+    }
+    return exchange(meta, plan, false);
   }
   // Scatter the shards from the root, then all-gather them.
   std::vector<size_t> offsets, counts;
   even_shards(count, offsets, counts);
   if (rank_ == root) {
     for (int p = 0; p < n; ++p) {
-      send[p] = bytes + offsets[p] * esize;
-      send_bytes[p] = p == root ? 0 : counts[p] * esize;
+      plan.send[p] = bytes + offsets[p] * esize;
+      plan.send_bytes[p] = p == root ? 0 : counts[p] * esize;
     }
   } else {
-    recv[root] = bytes + offsets[rank_] * esize;
-    recv_bytes[root] = counts[rank_] * esize;
+    plan.recv[root] = bytes + offsets[rank_] * esize;
+    plan.recv_bytes[root] = counts[rank_] * esize;
   }
-  exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
+  exchange(meta, plan, false);
   for (int p = 0; p < n; ++p) {
-    send[p] = bytes + offsets[rank_] * esize;
-    send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
-    recv[p] = bytes + offsets[p] * esize;
-    recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
+    plan.send[p] = bytes + offsets[rank_] * esize;
+    plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
+    plan.recv[p] = bytes + offsets[p] * esize;
+    plan.recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
   }
-  exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
+  exchange(meta, plan, false);
 }
 
 void Communicator::all_gather(const void* in, size_t count, DType dtype, void* const* outs,
                               int64_t timeout_ms) {
   OpMeta meta = begin(OpType::kAllGather, dtype, RedOp::kSum, -1, count, timeout_ms);
   const size_t bytes = count * dtype_size(dtype);
-  std::vector<const void*> send(static_cast<size_t>(size_), in);
-  std::vector<size_t> sizes(static_cast<size_t>(size_), bytes);
-  exchange(meta, send.data(), sizes.data(), outs, sizes.data(), false);
+  Plan plan(size_);
+  for (int p = 0; p < size_; ++p) {
+    plan.send[p] = in;
+    plan.recv[p] = outs[p];
+    plan.send_bytes[p] = plan.recv_bytes[p] = bytes;
+  }
+  exchange(meta, plan, false);
 }
 
 void Communicator::reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype,
                                   RedOp op, int64_t timeout_ms) {
-  MC_CHECK_ARG(redop_supported(op, dtype), "reduce_scatter: op ", redop_name(op),
-               " is not supported for dtype ", dtype_name(dtype));
-  OpMeta meta = begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms);
+  OpMeta meta = begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms,
+                      redop_error(op, dtype, "reduce_scatter"));
   std::vector<size_t> counts(static_cast<size_t>(size_), count);
   reduce_exchange(meta, ins, counts.data(), out);
 }
 
 void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, void* const* outs,
                               const size_t* out_counts, DType dtype, int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms);
+  std::string error;
+  if (in_counts[rank_] != out_counts[rank_])
+    error = str("all_to_all: rank ", rank_, " sends itself ", in_counts[rank_],
+                " elements but expects ", out_counts[rank_]);
+  OpMeta meta = begin(OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms, error);
   const size_t esize = dtype_size(dtype);
-  std::vector<size_t> send_bytes(static_cast<size_t>(size_)),
-      recv_bytes(static_cast<size_t>(size_));
+  Plan plan(size_);
   for (int p = 0; p < size_; ++p) {
-    send_bytes[p] = in_counts[p] * esize;
-    recv_bytes[p] = out_counts[p] * esize;
+    plan.send[p] = ins[p];
+    plan.recv[p] = outs[p];
+    plan.send_bytes[p] = in_counts[p] * esize;
+    plan.recv_bytes[p] = out_counts[p] * esize;
   }
-  exchange(meta, ins, send_bytes.data(), outs, recv_bytes.data(), true);
+  exchange(meta, plan, true);
 }
 
 void Communicator::gather(const void* in, size_t count, DType dtype, void* const* outs, int root,
                           int64_t timeout_ms) {
-  check_root(root, "gather");
-  OpMeta meta = begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms);
+  OpMeta meta = begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms,
+                      root_error(root, "gather"));
   const size_t bytes = count * dtype_size(dtype);
-  const size_t n = static_cast<size_t>(size_);
-  std::vector<const void*> send(n, in);
-  std::vector<void*> recv(n, nullptr);
-  std::vector<size_t> send_bytes(n, 0), recv_bytes(n, 0);
-  send_bytes[root] = bytes;
-  if (rank_ == root) {
-    for (size_t p = 0; p < n; ++p) {
-      recv[p] = outs[p];
-      recv_bytes[p] = bytes;
-    }
+  Plan plan(size_);
+  if (meta.local_error.empty()) {
+    plan.send[root] = in;
+    plan.send_bytes[root] = bytes;
+    if (rank_ == root)
+      for (int p = 0; p < size_; ++p) {
+        plan.recv[p] = outs[p];
+        plan.recv_bytes[p] = bytes;
+      }
   }
-  exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
+  exchange(meta, plan, false);
 }
 
 void Communicator::scatter(const void* const* ins, void* out, size_t count, DType dtype, int root,
                            int64_t timeout_ms) {
-  check_root(root, "scatter");
-  OpMeta meta = begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms);
+  OpMeta meta = begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms,
+                      root_error(root, "scatter"));
   const size_t bytes = count * dtype_size(dtype);
-  const size_t n = static_cast<size_t>(size_);
-  std::vector<const void*> send(n, nullptr);
-  std::vector<void*> recv(n, out);
-  std::vector<size_t> send_bytes(n, 0), recv_bytes(n, 0);
-  recv_bytes[root] = bytes;
-  if (rank_ == root) {
-    for (size_t p = 0; p < n; ++p) {
-      send[p] = ins[p];
-      send_bytes[p] = bytes;
-    }
+  Plan plan(size_);
+  if (meta.local_error.empty()) {
+    plan.recv[root] = out;
+    plan.recv_bytes[root] = bytes;
+    if (rank_ == root)
+      for (int p = 0; p < size_; ++p) {
+        plan.send[p] = ins[p];
+        plan.send_bytes[p] = bytes;
+      }
   }
-  exchange(meta, send.data(), send_bytes.data(), recv.data(), recv_bytes.data(), false);
+  exchange(meta, plan, false);
 }
 
 void Communicator::barrier(int64_t timeout_ms) {
   OpMeta meta = begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms);
-  const size_t n = static_cast<size_t>(size_);
-  std::vector<const void*> send(n, nullptr);
-  std::vector<void*> recv(n, nullptr);
-  std::vector<size_t> zero(n, 0);
-  exchange(meta, send.data(), zero.data(), recv.data(), zero.data(), false);
+  exchange(meta, Plan(size_), false);
 }
 
 }  // namespace mooncake

@@ -85,18 +85,33 @@ class Communicator {
   void scatter(const void* const* ins, void* out, size_t count, DType dtype, int root,
                int64_t timeout_ms = -1);
   void barrier(int64_t timeout_ms = -1);
+  // Takes this rank's part in the next collective without running it: every
+  // rank's call of it fails with an invalid-argument error that names this
+  // rank, and the group stays in step. For arguments that the layer above
+  // rejected on this rank only.
+  void reject(const std::string& reason, int64_t timeout_ms = -1);
 
  private:
   struct OpMeta;
-  OpMeta begin(OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms);
-  void exchange(const OpMeta& meta, const void* const* send, const size_t* send_bytes,
-                void* const* recv, const size_t* recv_bytes, bool agree_on_sizes);
+  struct Plan;
+  // Starts an op. A non-empty `local_error` means this rank rejected its
+  // arguments: the op then only tells the others and throws that error.
+  OpMeta begin(OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
+               std::string local_error = {});
+  MsgHeader header(const OpMeta& meta) const;
+  // Step 0 of an op this rank rejected: the header, flagged, carries the error.
+  void send_rejection(const OpMeta& meta, const MsgHeader& h, int peer);
+  void exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes);
+  void agree(const OpMeta& meta, const MsgHeader& h, std::string& error);
   void reduce_exchange(const OpMeta& meta, const void* const* shard_src, const size_t* shard_counts,
                        void* out);
-  void check_root(int root, const char* what) const;
+  std::string root_error(int root, const char* what) const;
+  std::string redop_error(RedOp op, DType dtype, const char* what) const;
   std::string validate(const OpMeta& meta, const MsgHeader& h, int peer, size_t expect_recv,
                        size_t expect_send) const;
   void even_shards(size_t count, std::vector<size_t>& offsets, std::vector<size_t>& counts) const;
+  // Whether an op of `count` elements goes direct (one hop) rather than sharded.
+  bool direct(size_t count, DType dtype) const;
 
   int rank_;
   int size_;

@@ -20,13 +20,15 @@ constexpr int kSlotsPerChannel =
     2;  // double buffering: a peer fills one slot while we read the other
 constexpr size_t kFlagStride = 64;  // one cache line per flag: writers never share a line
 
+constexpr uint16_t kMsgRejected = 1;  // the sender rejected its own arguments for this op
+
 // The header in front of every message.
 struct MsgHeader {
   uint64_t op_seq;   // collective: the op's sequence number; p2p: tag
   uint32_t op_type;  // collective op; p2p: 1 on a message's first chunk
   uint8_t dtype;
   uint8_t redop;
-  uint16_t reserved0;
+  uint16_t flags;  // kMsg* bits
   int32_t root;
   uint32_t len;          // payload bytes in this message
   uint64_t numel;        // collective: size the op was called with; p2p: total message bytes

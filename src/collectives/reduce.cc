@@ -91,7 +91,9 @@ A combine(RedOp op, A a, A b) {
       default: return a;
     }
   } else {
-    using U = std::make_unsigned_t<A>;  // wrap-around arithmetic, as torch does
+    // Wrap-around arithmetic, as torch does, in an unsigned type at least as
+    // wide as int so that narrow types are not promoted to (signed) int.
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
     switch (op) {
       case RedOp::kSum: return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
       case RedOp::kProduct: return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));

@@ -1,5 +1,6 @@
 #include "collectives/request.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "core/clock.h"
@@ -120,6 +121,7 @@ bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   Item item = std::move(tasks_.front());
   tasks_.pop_front();
   running_ = true;
+  running_thread_ = std::this_thread::get_id();
   lock.unlock();
   std::exception_ptr error;
   try {
@@ -142,7 +144,7 @@ void OpQueue::run() {
     const int64_t now = now_us();
     if (!running_ && !tasks_.empty()) {
       const int64_t age = now - tasks_.front().submitted_us;
-      if (age >= start_delay_us_ || stopping_) {
+      if (age >= start_delay_us_ || tasks_.front().due || stopping_) {
         run_head_locked(lock);
         last_activity = now_us();
       } else {
@@ -165,7 +167,16 @@ void OpQueue::run() {
 bool OpQueue::wait(const std::shared_ptr<Request>& request, int64_t timeout_ms) {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    while (!request->done() && run_head_locked(lock)) {
+    if (timeout_ms < 0) {
+      while (!request->done() && run_head_locked(lock)) {
+      }
+    } else {
+      auto it = std::find_if(tasks_.begin(), tasks_.end(),
+                             [&](const Item& item) { return item.request == request; });
+      if (it != tasks_.end()) {  // still queued: it and all before it are due now
+        for (auto at = tasks_.begin(); at != std::next(it); ++at) at->due = true;
+        cv_.notify_all();
+      }
     }
   }
   return request->wait(timeout_ms);
@@ -181,9 +192,16 @@ void OpQueue::stop(const char* reason) {
   cv_.notify_all();
   for (auto& item : dropped)
     item.request->complete(std::make_exception_ptr(Error(ErrorKind::kPeerFailed, reason)));
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  const auto self = std::this_thread::get_id();
+  if (thread_.joinable()) {
+    if (thread_.get_id() != self)
+      thread_.join();
+    else
+      thread_.detach();  // stop() from a task's completion callback on the queue's thread
+  }
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !running_; });  // a waiter may be running one inline
+  // A waiter may be running a task inline; unless that is this very thread.
+  cv_.wait(lock, [&] { return !running_ || running_thread_ == self; });
 }
 
 }  // namespace mooncake

@@ -53,8 +53,11 @@ class OpQueue {
   explicit OpQueue(int64_t start_delay_us = -1);
   ~OpQueue() { stop(); }
   std::shared_ptr<Request> submit(std::function<void()> task);
-  // Runs queued tasks on the calling thread, in order, until `request` is
-  // done or another thread is running one; then waits as Request::wait does.
+  // Waits for `request` up to timeout_ms (< 0: for ever); true when done.
+  // Waiting for ever, the caller runs queued tasks itself, in order, while no
+  // other thread runs one. With a deadline it cannot (a task it ran could
+  // not be left at the deadline), so it has the queue's thread start the
+  // tasks up to `request` at once instead.
   bool wait(const std::shared_ptr<Request>& request, int64_t timeout_ms);
   // Fails what is still queued with `reason`, lets the running task finish, joins.
   void stop(const char* reason = "the process group was shut down");
@@ -64,6 +67,7 @@ class OpQueue {
     std::function<void()> task;
     std::shared_ptr<Request> request;
     int64_t submitted_us;
+    bool due = false;  // a waiter wants it started now
   };
   void run();
   // Pops and runs the head task if no one is running one; false otherwise.
@@ -74,8 +78,9 @@ class OpQueue {
   std::condition_variable cv_;
   std::deque<Item> tasks_;
   bool stopping_ = false;
-  bool running_ = false;        // a task is being run (by the thread or a waiter)
-  bool thread_asleep_ = false;  // the thread waits without a timeout: submit must wake it
+  bool running_ = false;            // a task is being run (by the thread or a waiter)
+  std::thread::id running_thread_;  // the thread running it
+  bool thread_asleep_ = false;      // the thread waits without a timeout: submit must wake it
   std::thread thread_;
 };
 

@@ -1,5 +1,6 @@
 #include "core/env.h"
 
+#include <cerrno>
 #include <cstdlib>
 
 #include "core/error.h"
@@ -45,9 +46,10 @@ std::string env_string(const char* name) {
 int64_t env_int(const char* name) {
   std::string value = env_string(name);
   char* end = nullptr;
+  errno = 0;
   long long parsed = std::strtoll(value.c_str(), &end, 10);
-  MC_CHECK_ARG(end != value.c_str() && *end == '\0', "environment variable ", name,
-               " must be an integer, got '", value, "'");
+  MC_CHECK_ARG(end != value.c_str() && *end == '\0' && errno != ERANGE, "environment variable ",
+               name, " must be a 64-bit integer, got '", value, "'");
   return parsed;
 }
 

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -13,18 +14,38 @@
 
 namespace mooncake {
 
+// Keys live in <dir>/keys, lock files in <dir>/locks and files being
+// written in <dir>/tmp, so that no file of one kind is mistaken for another.
 FileStore::FileStore(std::string dir) : dir_(std::move(dir)) {
-  ::mkdir(dir_.c_str(), 0700);
+  for (const char* sub : {"", "/keys", "/locks", "/tmp"}) ::mkdir((dir_ + sub).c_str(), 0700);
 }
 
+namespace {
+
+// A key as a file name: '%' and '/' percent-encoded, all else as is.
+std::string encode_key(const std::string& key) {
+  std::string out;
+  for (char c : key) {
+    if (c == '%')
+      out += "%25";
+    else if (c == '/')
+      out += "%2F";
+    else
+      out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string FileStore::path(const std::string& key) const {
-  std::string safe;
-  for (char c : key) safe += (c == '/' ? '%' : c);
-  return dir_ + "/" + safe;
+  return dir_ + "/keys/" + encode_key(key);
 }
 
 void FileStore::set(const std::string& key, const std::string& value) {
-  std::string tmp = path(key) + ".tmp." + std::to_string(getpid());
+  static std::atomic<uint64_t> counter{0};
+  std::string tmp = dir_ + "/tmp/" + std::to_string(getpid()) + "." +
+                    std::to_string(counter.fetch_add(1)) + "." + encode_key(key);
   {
     std::ofstream out(tmp, std::ios::binary);
     out << value;
@@ -49,7 +70,7 @@ std::string FileStore::get(const std::string& key, int64_t timeout_ms) {
 }
 
 int64_t FileStore::add(const std::string& key, int64_t delta) {
-  std::string lock_path = path(key) + ".lock";
+  std::string lock_path = dir_ + "/locks/" + encode_key(key);
   int fd = MC_SYSCHECK(::open(lock_path.c_str(), O_CREAT | O_RDWR, 0600));
   MC_SYSCHECK(::flock(fd, LOCK_EX));
   int64_t value = 0;

@@ -86,6 +86,11 @@ class MooncakeWork : public c10d::Work {
 
 // --- tensors -----------------------------------------------------------------------
 
+// "torch.int8", as Python users know the dtype.
+std::string dtype_str(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
 DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
   switch (t) {
     case at::kBool: return DType::kBool;
@@ -104,7 +109,7 @@ DType to_dtype(at::ScalarType t, const char* op, const char* arg) {
     case at::kComplexFloat: return DType::kFloat32;  // moved as pairs of floats
     case at::kComplexDouble: return DType::kFloat64;
     default:
-      throw_error(ErrorKind::kInvalidArgument, -1, op, ": ", arg, " has dtype ", c10::toString(t),
+      throw_error(ErrorKind::kInvalidArgument, -1, op, ": ", arg, " has dtype ", dtype_str(t),
                   ", which mooncake does not support");
   }
 }
@@ -134,7 +139,7 @@ RedOp to_redop(const c10d::ReduceOp& op, const at::Tensor& t, const char* name) 
                ": complex tensors support only SUM and AVG");
   DType dt = to_dtype(t.scalar_type(), name, "tensor");
   MC_CHECK_ARG(redop_supported(r, dt), name, ": op ", redop_name(r), " is not defined for dtype ",
-               c10::toString(t.scalar_type()),
+               dtype_str(t.scalar_type()),
                r == RedOp::kAvg ? " (AVG needs a floating-point tensor)"
                                 : " (bitwise ops need an integer or bool tensor)");
   return r;
@@ -167,7 +172,7 @@ MooncakeBackendOptions::MooncakeBackendOptions(at::Tensor active, bool extension
   if (active_ranks.defined()) {
     MC_CHECK_ARG(active_ranks.scalar_type() == at::kInt,
                  "MooncakeBackendOptions: active_ranks must be a torch.int32 tensor, got ",
-                 c10::toString(active_ranks.scalar_type()));
+                 dtype_str(active_ranks.scalar_type()));
     MC_CHECK_ARG(active_ranks.dim() == 1, "MooncakeBackendOptions: active_ranks must be 1-D, got ",
                  active_ranks.dim(), " dims");
   }
@@ -303,113 +308,123 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::endCoalescing() {
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
-  check_count(tensors.size(), 1, "broadcast", "tensors");
-  check_tensor(tensors[0], "broadcast", "tensor");
-  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: src must be in [0, ", size_,
-               "), got ", opts.rootRank);
-  at::Tensor t = tensors[0];
-  DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
-  int root = static_cast<int>(opts.rootRank);
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::BROADCAST,
-                 [this, t, dt, root, timeout] {
-                   OutBuf out(t);
-                   comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
-                   out.commit();
-                 },
-                 {t});
+  return collective([&] {
+    check_count(tensors.size(), 1, "broadcast", "tensors");
+    check_tensor(tensors[0], "broadcast", "tensor");
+    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: src must be in [0, ",
+                 size_, "), got ", opts.rootRank);
+    at::Tensor t = tensors[0];
+    DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
+    int root = static_cast<int>(opts.rootRank);
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(c10d::OpType::BROADCAST,
+                   [this, t, dt, root, timeout] {
+                     OutBuf out(t);
+                     comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
+                     out.commit();
+                   },
+                   {t});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  check_count(tensors.size(), 1, "all_reduce", "tensors");
-  check_tensor(tensors[0], "all_reduce", "tensor");
-  at::Tensor t = tensors[0];
-  DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
-  RedOp op = to_redop(opts.reduceOp, t, "all_reduce");
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::ALLREDUCE,
-                 [this, t, dt, op, timeout] {
-                   OutBuf out(t);
-                   comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
-                   out.commit();
-                 },
-                 {t});
+  return collective([&] {
+    check_count(tensors.size(), 1, "all_reduce", "tensors");
+    check_tensor(tensors[0], "all_reduce", "tensor");
+    at::Tensor t = tensors[0];
+    DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
+    RedOp op = to_redop(opts.reduceOp, t, "all_reduce");
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(c10d::OpType::ALLREDUCE,
+                   [this, t, dt, op, timeout] {
+                     OutBuf out(t);
+                     comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+                     out.commit();
+                   },
+                   {t});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  std::vector<std::tuple<at::Tensor, DType, RedOp>> items;
-  for (auto& t : tensors) {
-    check_tensor(t, "all_reduce_coalesced", "tensors");
-    items.emplace_back(t, to_dtype(t.scalar_type(), "all_reduce_coalesced", "tensors"),
-                       to_redop(opts.reduceOp, t, "all_reduce_coalesced"));
-  }
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(
-      c10d::OpType::ALLREDUCE_COALESCED,
-      [this, items, timeout] {
-        for (auto& [t, dt, op] : items) {
-          OutBuf out(t);
-          comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
-          out.commit();
-        }
-      },
-      tensors);
+  return collective([&] {
+    std::vector<std::tuple<at::Tensor, DType, RedOp>> items;
+    for (auto& t : tensors) {
+      check_tensor(t, "all_reduce_coalesced", "tensors");
+      items.emplace_back(t, to_dtype(t.scalar_type(), "all_reduce_coalesced", "tensors"),
+                         to_redop(opts.reduceOp, t, "all_reduce_coalesced"));
+    }
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(
+        c10d::OpType::ALLREDUCE_COALESCED,
+        [this, items, timeout] {
+          for (auto& [t, dt, op] : items) {
+            OutBuf out(t);
+            comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+            out.commit();
+          }
+        },
+        tensors);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
-  check_count(tensors.size(), 1, "reduce", "tensors");
-  check_tensor(tensors[0], "reduce", "tensor");
-  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "reduce: dst must be in [0, ", size_,
-               "), got ", opts.rootRank);
-  at::Tensor t = tensors[0];
-  DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
-  RedOp op = to_redop(opts.reduceOp, t, "reduce");
-  int root = static_cast<int>(opts.rootRank);
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::REDUCE,
-                 [this, t, dt, op, root, timeout] {
-                   OutBuf out(t);
-                   comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
-                   if (rank_ == root) out.commit();
-                 },
-                 {t});
+  return collective([&] {
+    check_count(tensors.size(), 1, "reduce", "tensors");
+    check_tensor(tensors[0], "reduce", "tensor");
+    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "reduce: dst must be in [0, ", size_,
+                 "), got ", opts.rootRank);
+    at::Tensor t = tensors[0];
+    DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
+    RedOp op = to_redop(opts.reduceOp, t, "reduce");
+    int root = static_cast<int>(opts.rootRank);
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(c10d::OpType::REDUCE,
+                   [this, t, dt, op, root, timeout] {
+                     OutBuf out(t);
+                     comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
+                     if (rank_ == root) out.commit();
+                   },
+                   {t});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  check_count(inputs.size(), 1, "all_gather", "input tensors");
-  check_count(outputs.size(), 1, "all_gather", "output tensor lists");
-  check_count(outputs[0].size(), static_cast<size_t>(size_), "all_gather", "tensor_list");
-  at::Tensor in = inputs[0];
-  check_tensor(in, "all_gather", "tensor");
-  for (auto& o : outputs[0]) {
-    check_tensor(o, "all_gather", "tensor_list");
-    MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
-                 "all_gather: every tensor in tensor_list must match the input tensor (",
-                 in.numel(), " elements of ", c10::toString(in.scalar_type()), "), got ", o.numel(),
-                 " elements of ", c10::toString(o.scalar_type()));
-  }
-  DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
-  std::vector<at::Tensor> outs = outputs[0];
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(
-      c10d::OpType::ALLGATHER,
-      [this, in, outs, dt, timeout] {
-        at::Tensor src = in.contiguous();
-        std::vector<OutBuf> bufs;
-        std::vector<void*> ptrs;
-        for (auto& o : outs) {
-          bufs.emplace_back(o);
-          ptrs.push_back(bufs.back().ptr());
-        }
-        comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
-        for (auto& b : bufs) b.commit();
-      },
-      outs);
+  return collective([&] {
+    check_count(inputs.size(), 1, "all_gather", "input tensors");
+    check_count(outputs.size(), 1, "all_gather", "output tensor lists");
+    check_count(outputs[0].size(), static_cast<size_t>(size_), "all_gather", "tensor_list");
+    at::Tensor in = inputs[0];
+    check_tensor(in, "all_gather", "tensor");
+    for (auto& o : outputs[0]) {
+      check_tensor(o, "all_gather", "tensor_list");
+      MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
+                   "all_gather: every tensor in tensor_list must match the input tensor (",
+                   in.numel(), " elements of ", dtype_str(in.scalar_type()), "), got ", o.numel(),
+                   " elements of ", dtype_str(o.scalar_type()));
+    }
+    DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
+    std::vector<at::Tensor> outs = outputs[0];
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(
+        c10d::OpType::ALLGATHER,
+        [this, in, outs, dt, timeout] {
+          at::Tensor src = in.contiguous();
+          std::vector<OutBuf> bufs;
+          std::vector<void*> ptrs;
+          for (auto& o : outs) {
+            bufs.emplace_back(o);
+            ptrs.push_back(bufs.back().ptr());
+          }
+          comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+          for (auto& b : bufs) b.commit();
+        },
+        outs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(
@@ -438,144 +453,153 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  check_count(outputs.size(), inputs.size(), "all_gather_into_tensor", "output tensors");
-  std::vector<std::tuple<at::Tensor, at::Tensor, DType>> items;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(inputs[i], "all_gather_into_tensor", "input_tensor");
-    check_tensor(outputs[i], "all_gather_into_tensor", "output_tensor");
-    MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
-                 "all_gather_into_tensor: output_tensor dtype ",
-                 c10::toString(outputs[i].scalar_type()), " differs from input_tensor dtype ",
-                 c10::toString(inputs[i].scalar_type()));
-    MC_CHECK_ARG(outputs[i].numel() == inputs[i].numel() * size_,
-                 "all_gather_into_tensor: output_tensor must have world_size * input numel = ",
-                 inputs[i].numel() * size_, " elements, got ", outputs[i].numel());
-    items.emplace_back(outputs[i], inputs[i],
-                       to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"));
-  }
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(
-      c10d::OpType::_ALLGATHER_BASE,
-      [this, items, timeout] {
-        for (auto& [output, input, dt] : items) {
-          at::Tensor src = input.contiguous();
-          OutBuf out(output);
-          size_t bytes = src.nbytes();
-          std::vector<void*> ptrs;
-          for (int p = 0; p < size_; ++p)
-            ptrs.push_back(static_cast<uint8_t*>(out.ptr()) + p * bytes);
-          comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
-          out.commit();
-        }
-      },
-      outputs);
+  return collective([&] {
+    check_count(outputs.size(), inputs.size(), "all_gather_into_tensor", "output tensors");
+    std::vector<std::tuple<at::Tensor, at::Tensor, DType>> items;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_tensor(inputs[i], "all_gather_into_tensor", "input_tensor");
+      check_tensor(outputs[i], "all_gather_into_tensor", "output_tensor");
+      MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
+                   "all_gather_into_tensor: output_tensor dtype ",
+                   dtype_str(outputs[i].scalar_type()), " differs from input_tensor dtype ",
+                   dtype_str(inputs[i].scalar_type()));
+      MC_CHECK_ARG(outputs[i].numel() == inputs[i].numel() * size_,
+                   "all_gather_into_tensor: output_tensor must have world_size * input numel = ",
+                   inputs[i].numel() * size_, " elements, got ", outputs[i].numel());
+      items.emplace_back(
+          outputs[i], inputs[i],
+          to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"));
+    }
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(
+        c10d::OpType::_ALLGATHER_BASE,
+        [this, items, timeout] {
+          for (auto& [output, input, dt] : items) {
+            at::Tensor src = input.contiguous();
+            OutBuf out(output);
+            size_t bytes = src.nbytes();
+            std::vector<void*> ptrs;
+            for (int p = 0; p < size_; ++p)
+              ptrs.push_back(static_cast<uint8_t*>(out.ptr()) + p * bytes);
+            comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+            out.commit();
+          }
+        },
+        outputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  check_count(inputs.size(), 1, "gather", "input tensors");
-  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "gather: dst must be in [0, ", size_,
-               "), got ", opts.rootRank);
-  at::Tensor in = inputs[0];
-  check_tensor(in, "gather", "tensor");
-  int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> outs;
-  if (rank_ == root) {
-    check_count(outputs.size(), 1, "gather", "output tensor lists");
-    check_count(outputs[0].size(), static_cast<size_t>(size_), "gather", "gather_list");
-    for (auto& o : outputs[0]) {
-      check_tensor(o, "gather", "gather_list");
-      MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
-                   "gather: every tensor in gather_list must match the input tensor");
+  return collective([&] {
+    check_count(inputs.size(), 1, "gather", "input tensors");
+    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "gather: dst must be in [0, ", size_,
+                 "), got ", opts.rootRank);
+    at::Tensor in = inputs[0];
+    check_tensor(in, "gather", "tensor");
+    int root = static_cast<int>(opts.rootRank);
+    std::vector<at::Tensor> outs;
+    if (rank_ == root) {
+      check_count(outputs.size(), 1, "gather", "output tensor lists");
+      check_count(outputs[0].size(), static_cast<size_t>(size_), "gather", "gather_list");
+      for (auto& o : outputs[0]) {
+        check_tensor(o, "gather", "gather_list");
+        MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
+                     "gather: every tensor in gather_list must match the input tensor");
+      }
+      outs = outputs[0];
+    } else {
+      MC_CHECK_ARG(outputs.empty() || outputs[0].empty(),
+                   "gather: gather_list must be empty on non-destination ranks");
     }
-    outs = outputs[0];
-  } else {
-    MC_CHECK_ARG(outputs.empty() || outputs[0].empty(),
-                 "gather: gather_list must be empty on non-destination ranks");
-  }
-  DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(
-      c10d::OpType::GATHER,
-      [this, in, outs, dt, root, timeout] {
-        at::Tensor src = in.contiguous();
-        std::vector<OutBuf> bufs;
-        std::vector<void*> ptrs;
-        for (auto& o : outs) {
-          bufs.emplace_back(o);
-          ptrs.push_back(bufs.back().ptr());
-        }
-        comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout);
-        for (auto& b : bufs) b.commit();
-      },
-      outs);
+    DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(
+        c10d::OpType::GATHER,
+        [this, in, outs, dt, root, timeout] {
+          at::Tensor src = in.contiguous();
+          std::vector<OutBuf> bufs;
+          std::vector<void*> ptrs;
+          for (auto& o : outs) {
+            bufs.emplace_back(o);
+            ptrs.push_back(bufs.back().ptr());
+          }
+          comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout);
+          for (auto& b : bufs) b.commit();
+        },
+        outs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  check_count(outputs.size(), 1, "scatter", "output tensors");
-  MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "scatter: src must be in [0, ", size_,
-               "), got ", opts.rootRank);
-  at::Tensor out = outputs[0];
-  check_tensor(out, "scatter", "tensor");
-  int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> ins;
-  if (rank_ == root) {
-    check_count(inputs.size(), 1, "scatter", "input tensor lists");
-    check_count(inputs[0].size(), static_cast<size_t>(size_), "scatter", "scatter_list");
-    for (auto& i : inputs[0]) {
-      check_tensor(i, "scatter", "scatter_list");
-      MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
-                   "scatter: every tensor in scatter_list must match the output tensor");
-      ins.push_back(i.contiguous());
+  return collective([&] {
+    check_count(outputs.size(), 1, "scatter", "output tensors");
+    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "scatter: src must be in [0, ", size_,
+                 "), got ", opts.rootRank);
+    at::Tensor out = outputs[0];
+    check_tensor(out, "scatter", "tensor");
+    int root = static_cast<int>(opts.rootRank);
+    std::vector<at::Tensor> ins;
+    if (rank_ == root) {
+      check_count(inputs.size(), 1, "scatter", "input tensor lists");
+      check_count(inputs[0].size(), static_cast<size_t>(size_), "scatter", "scatter_list");
+      for (auto& i : inputs[0]) {
+        check_tensor(i, "scatter", "scatter_list");
+        MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
+                     "scatter: every tensor in scatter_list must match the output tensor");
+        ins.push_back(i.contiguous());
+      }
+    } else {
+      MC_CHECK_ARG(inputs.empty() || inputs[0].empty(),
+                   "scatter: scatter_list must be empty on non-source ranks");
     }
-  } else {
-    MC_CHECK_ARG(inputs.empty() || inputs[0].empty(),
-                 "scatter: scatter_list must be empty on non-source ranks");
-  }
-  DType dt = to_dtype(out.scalar_type(), "scatter", "tensor");
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::SCATTER,
-                 [this, out, ins, dt, root, timeout] {
-                   OutBuf buf(out);
-                   std::vector<const void*> ptrs;
-                   for (auto& i : ins) ptrs.push_back(i.data_ptr());
-                   comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout);
-                   buf.commit();
-                 },
-                 {out});
+    DType dt = to_dtype(out.scalar_type(), "scatter", "tensor");
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(c10d::OpType::SCATTER,
+                   [this, out, ins, dt, root, timeout] {
+                     OutBuf buf(out);
+                     std::vector<const void*> ptrs;
+                     for (auto& i : ins) ptrs.push_back(i.data_ptr());
+                     comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout);
+                     buf.commit();
+                   },
+                   {out});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  check_count(outputs.size(), 1, "reduce_scatter", "output tensors");
-  check_count(inputs.size(), 1, "reduce_scatter", "input tensor lists");
-  check_count(inputs[0].size(), static_cast<size_t>(size_), "reduce_scatter", "input_list");
-  at::Tensor out = outputs[0];
-  check_tensor(out, "reduce_scatter", "output");
-  std::vector<at::Tensor> ins;
-  for (auto& i : inputs[0]) {
-    check_tensor(i, "reduce_scatter", "input_list");
-    MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
-                 "reduce_scatter: every tensor in input_list must match the output tensor (",
-                 out.numel(), " elements of ", c10::toString(out.scalar_type()), ")");
-    ins.push_back(i.contiguous());
-  }
-  DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
-  RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::REDUCE_SCATTER,
-                 [this, out, ins, dt, op, timeout] {
-                   OutBuf buf(out);
-                   std::vector<const void*> ptrs;
-                   for (auto& i : ins) ptrs.push_back(i.data_ptr());
-                   comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout);
-                   buf.commit();
-                 },
-                 {out});
+  return collective([&] {
+    check_count(outputs.size(), 1, "reduce_scatter", "output tensors");
+    check_count(inputs.size(), 1, "reduce_scatter", "input tensor lists");
+    check_count(inputs[0].size(), static_cast<size_t>(size_), "reduce_scatter", "input_list");
+    at::Tensor out = outputs[0];
+    check_tensor(out, "reduce_scatter", "output");
+    std::vector<at::Tensor> ins;
+    for (auto& i : inputs[0]) {
+      check_tensor(i, "reduce_scatter", "input_list");
+      MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
+                   "reduce_scatter: every tensor in input_list must match the output tensor (",
+                   out.numel(), " elements of ", dtype_str(out.scalar_type()), ")");
+      ins.push_back(i.contiguous());
+    }
+    DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
+    RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(c10d::OpType::REDUCE_SCATTER,
+                   [this, out, ins, dt, op, timeout] {
+                     OutBuf buf(out);
+                     std::vector<const void*> ptrs;
+                     for (auto& i : ins) ptrs.push_back(i.data_ptr());
+                     comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout);
+                     buf.commit();
+                   },
+                   {out});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(
@@ -587,131 +611,138 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  check_count(outputs.size(), inputs.size(), "reduce_scatter_tensor", "output tensors");
-  std::vector<std::tuple<at::Tensor, at::Tensor, DType, RedOp>> items;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    check_tensor(inputs[i], "reduce_scatter_tensor", "input");
-    check_tensor(outputs[i], "reduce_scatter_tensor", "output");
-    MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
-                 "reduce_scatter_tensor: output dtype differs from input dtype");
-    MC_CHECK_ARG(inputs[i].numel() == outputs[i].numel() * size_,
-                 "reduce_scatter_tensor: input must have world_size * output numel = ",
-                 outputs[i].numel() * size_, " elements, got ", inputs[i].numel());
-    items.emplace_back(outputs[i], inputs[i],
-                       to_dtype(inputs[i].scalar_type(), "reduce_scatter_tensor", "input"),
-                       to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"));
-  }
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(
-      c10d::OpType::_REDUCE_SCATTER_BASE,
-      [this, items, timeout] {
-        for (auto& [output, input, dt, op] : items) {
-          at::Tensor src = input.contiguous();
-          OutBuf out(output);
-          size_t bytes = out.buf.nbytes();
-          std::vector<const void*> ptrs;
-          for (int p = 0; p < size_; ++p)
-            ptrs.push_back(static_cast<const uint8_t*>(src.data_ptr()) + p * bytes);
-          comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout);
-          out.commit();
-        }
-      },
-      outputs);
+  return collective([&] {
+    check_count(outputs.size(), inputs.size(), "reduce_scatter_tensor", "output tensors");
+    std::vector<std::tuple<at::Tensor, at::Tensor, DType, RedOp>> items;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_tensor(inputs[i], "reduce_scatter_tensor", "input");
+      check_tensor(outputs[i], "reduce_scatter_tensor", "output");
+      MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
+                   "reduce_scatter_tensor: output dtype differs from input dtype");
+      MC_CHECK_ARG(inputs[i].numel() == outputs[i].numel() * size_,
+                   "reduce_scatter_tensor: input must have world_size * output numel = ",
+                   outputs[i].numel() * size_, " elements, got ", inputs[i].numel());
+      items.emplace_back(outputs[i], inputs[i],
+                         to_dtype(inputs[i].scalar_type(), "reduce_scatter_tensor", "input"),
+                         to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"));
+    }
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(
+        c10d::OpType::_REDUCE_SCATTER_BASE,
+        [this, items, timeout] {
+          for (auto& [output, input, dt, op] : items) {
+            at::Tensor src = input.contiguous();
+            OutBuf out(output);
+            size_t bytes = out.buf.nbytes();
+            std::vector<const void*> ptrs;
+            for (int p = 0; p < size_; ++p)
+              ptrs.push_back(static_cast<const uint8_t*>(src.data_ptr()) + p * bytes);
+            comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout);
+            out.commit();
+          }
+        },
+        outputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
-  check_tensor(input, "all_to_all_single", "input");
-  check_tensor(output, "all_to_all_single", "output");
-  MC_CHECK_ARG(input.scalar_type() == output.scalar_type(),
-               "all_to_all_single: output dtype differs from input dtype");
-  // Splits are along dim 0, in rows of the remaining dims.
-  auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* arg) {
-    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    std::vector<size_t> counts(static_cast<size_t>(size_));
-    const size_t row = rows == 0 ? 0 : elems(t) / static_cast<size_t>(rows);
-    if (given.empty()) {
-      MC_CHECK_ARG(rows % size_ == 0, "all_to_all_single: ", arg, " dim 0 (", rows,
-                   ") must be divisible by the world size (", size_, ") when no splits are given");
-      for (auto& c : counts) c = static_cast<size_t>(rows / size_) * row;
-    } else {
-      check_count(given.size(), static_cast<size_t>(size_), "all_to_all_single", arg);
-      int64_t total = 0;
-      for (int p = 0; p < size_; ++p) {
-        MC_CHECK_ARG(given[p] >= 0, "all_to_all_single: ", arg, " must be >= 0, got ", given[p]);
-        counts[p] = static_cast<size_t>(given[p]) * row;
-        total += given[p];
+  return collective([&] {
+    check_tensor(input, "all_to_all_single", "input");
+    check_tensor(output, "all_to_all_single", "output");
+    MC_CHECK_ARG(input.scalar_type() == output.scalar_type(),
+                 "all_to_all_single: output dtype differs from input dtype");
+    // Splits are along dim 0, in rows of the remaining dims.
+    auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* arg) {
+      const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+      std::vector<size_t> counts(static_cast<size_t>(size_));
+      const size_t row = rows == 0 ? 0 : elems(t) / static_cast<size_t>(rows);
+      if (given.empty()) {
+        MC_CHECK_ARG(rows % size_ == 0, "all_to_all_single: ", arg, " dim 0 (", rows,
+                     ") must be divisible by the world size (", size_,
+                     ") when no splits are given");
+        for (auto& c : counts) c = static_cast<size_t>(rows / size_) * row;
+      } else {
+        check_count(given.size(), static_cast<size_t>(size_), "all_to_all_single", arg);
+        int64_t total = 0;
+        for (int p = 0; p < size_; ++p) {
+          MC_CHECK_ARG(given[p] >= 0, "all_to_all_single: ", arg, " must be >= 0, got ", given[p]);
+          counts[p] = static_cast<size_t>(given[p]) * row;
+          total += given[p];
+        }
+        MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total,
+                     " but dim 0 has ", rows, " rows");
       }
-      MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total, " but dim 0 has ",
-                   rows, " rows");
-    }
-    return counts;
-  };
-  std::vector<size_t> in_counts = splits(input, input_split_sizes, "input_split_sizes");
-  std::vector<size_t> out_counts = splits(output, output_split_sizes, "output_split_sizes");
-  DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  at::Tensor in = input, out = output;
-  return enqueue(c10d::OpType::ALLTOALL_BASE,
-                 [this, in, out, in_counts, out_counts, dt, timeout] {
-                   at::Tensor src = in.contiguous();
-                   OutBuf buf(out);
-                   const size_t esize = dtype_size(dt);
-                   std::vector<const void*> ins;
-                   std::vector<void*> outs;
-                   size_t a = 0, b = 0;
-                   for (int p = 0; p < size_; ++p) {
-                     ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
-                     outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
-                     a += in_counts[p];
-                     b += out_counts[p];
-                   }
-                   comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(),
-                                     dt, timeout);
-                   buf.commit();
-                 },
-                 {output});
+      return counts;
+    };
+    std::vector<size_t> in_counts = splits(input, input_split_sizes, "input_split_sizes");
+    std::vector<size_t> out_counts = splits(output, output_split_sizes, "output_split_sizes");
+    DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    at::Tensor in = input, out = output;
+    return enqueue(c10d::OpType::ALLTOALL_BASE,
+                   [this, in, out, in_counts, out_counts, dt, timeout] {
+                     at::Tensor src = in.contiguous();
+                     OutBuf buf(out);
+                     const size_t esize = dtype_size(dt);
+                     std::vector<const void*> ins;
+                     std::vector<void*> outs;
+                     size_t a = 0, b = 0;
+                     for (int p = 0; p < size_; ++p) {
+                       ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
+                       outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
+                       a += in_counts[p];
+                       b += out_counts[p];
+                     }
+                     comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(),
+                                       dt, timeout);
+                     buf.commit();
+                   },
+                   {output});
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
-  check_count(outputs.size(), static_cast<size_t>(size_), "all_to_all", "output_tensor_list");
-  check_count(inputs.size(), static_cast<size_t>(size_), "all_to_all", "input_tensor_list");
-  for (auto& t : inputs) check_tensor(t, "all_to_all", "input_tensor_list");
-  for (auto& t : outputs) {
-    check_tensor(t, "all_to_all", "output_tensor_list");
-    MC_CHECK_ARG(t.scalar_type() == inputs[0].scalar_type(),
-                 "all_to_all: every tensor must have the same dtype");
-  }
-  DType dt = to_dtype(inputs[0].scalar_type(), "all_to_all", "input_tensor_list");
-  std::vector<at::Tensor> ins, outs = outputs;
-  for (auto& t : inputs) {
-    MC_CHECK_ARG(t.scalar_type() == inputs[0].scalar_type(),
-                 "all_to_all: every tensor must have the same dtype");
-    ins.push_back(t.contiguous());
-  }
-  int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(
-      c10d::OpType::ALLTOALL,
-      [this, ins, outs, dt, timeout] {
-        std::vector<OutBuf> bufs;
-        std::vector<const void*> in_ptrs;
-        std::vector<void*> out_ptrs;
-        std::vector<size_t> in_counts, out_counts;
-        for (int p = 0; p < size_; ++p) {
-          bufs.emplace_back(outs[p]);
-          in_ptrs.push_back(ins[p].data_ptr());
-          in_counts.push_back(elems(ins[p]));
-          out_ptrs.push_back(bufs.back().ptr());
-          out_counts.push_back(elems(outs[p]));
-        }
-        comm_->all_to_all(in_ptrs.data(), in_counts.data(), out_ptrs.data(), out_counts.data(), dt,
-                          timeout);
-        for (auto& b : bufs) b.commit();
-      },
-      outputs);
+  return collective([&] {
+    check_count(outputs.size(), static_cast<size_t>(size_), "all_to_all", "output_tensor_list");
+    check_count(inputs.size(), static_cast<size_t>(size_), "all_to_all", "input_tensor_list");
+    for (auto& t : inputs) check_tensor(t, "all_to_all", "input_tensor_list");
+    for (auto& t : outputs) {
+      check_tensor(t, "all_to_all", "output_tensor_list");
+      MC_CHECK_ARG(t.scalar_type() == inputs[0].scalar_type(),
+                   "all_to_all: every tensor must have the same dtype");
+    }
+    DType dt = to_dtype(inputs[0].scalar_type(), "all_to_all", "input_tensor_list");
+    std::vector<at::Tensor> ins, outs = outputs;
+    for (auto& t : inputs) {
+      MC_CHECK_ARG(t.scalar_type() == inputs[0].scalar_type(),
+                   "all_to_all: every tensor must have the same dtype");
+      ins.push_back(t.contiguous());
+    }
+    int64_t timeout = op_timeout_ms(opts.timeout);
+    return enqueue(
+        c10d::OpType::ALLTOALL,
+        [this, ins, outs, dt, timeout] {
+          std::vector<OutBuf> bufs;
+          std::vector<const void*> in_ptrs;
+          std::vector<void*> out_ptrs;
+          std::vector<size_t> in_counts, out_counts;
+          for (int p = 0; p < size_; ++p) {
+            bufs.emplace_back(outs[p]);
+            in_ptrs.push_back(ins[p].data_ptr());
+            in_counts.push_back(elems(ins[p]));
+            out_ptrs.push_back(bufs.back().ptr());
+            out_counts.push_back(elems(outs[p]));
+          }
+          comm_->all_to_all(in_ptrs.data(), in_counts.data(), out_ptrs.data(), out_counts.data(),
+                            dt, timeout);
+          for (auto& b : bufs) b.commit();
+        },
+        outputs);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {

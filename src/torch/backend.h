@@ -11,6 +11,7 @@
 #include "collectives/communicator.h"
 #include "collectives/p2p.h"
 #include "collectives/request.h"
+#include "core/error.h"
 #include "transport/engine.h"
 
 namespace mooncake {
@@ -94,6 +95,22 @@ class MooncakeBackend : public c10d::Backend {
 
  private:
   using Task = std::function<void()>;
+  // Builds and queues a collective. When this rank rejects its arguments
+  // (ValueError here), it still takes its part in the collective so the
+  // other ranks fail at once with an error naming this rank, rather than
+  // waiting out their timeout, and the group stays in step.
+  template <typename Build>
+  c10::intrusive_ptr<c10d::Work> collective(Build&& build) {
+    try {
+      return build();
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::kInvalidArgument && !shut_down_.load() && comm_) {
+        std::string reason = e.what();
+        queue_->submit([this, reason] { comm_->reject(reason, timeout_ms_); });
+      }
+      throw;
+    }
+  }
   // Queues `task` on the collective thread; `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
                                          std::vector<at::Tensor> outputs);

@@ -61,6 +61,14 @@ std::string PeerAddress::encode() const {
 }
 
 PeerAddress PeerAddress::decode(const std::string& text) {
+  try {
+    return decode_fields(text);
+  } catch (const std::logic_error& e) {  // std::stoi and friends
+    throw_error(ErrorKind::kInternal, -1, "malformed peer address in the store: ", e.what());
+  }
+}
+
+PeerAddress PeerAddress::decode_fields(const std::string& text) {
   std::istringstream is(text);
   PeerAddress a;
   std::string line;

@@ -23,6 +23,9 @@ struct PeerAddress {
 
   std::string encode() const;
   static PeerAddress decode(const std::string& text);
+
+ private:
+  static PeerAddress decode_fields(const std::string& text);
 };
 
 // This machine's host key.

@@ -30,6 +30,8 @@ class ShmLink : public PeerLink {
   }
 
   void signal(size_t offset, uint64_t value, int bell, const Deadline&) override {
+    MC_ASSERT(offset + 8 <= mapping_.size() && bell >= 0 && bell < kNumBells,
+              "signal past the peer segment");
     store_flag(mapping_.base(), offset, value);
     ring(&reinterpret_cast<SegmentHeader*>(mapping_.base())->bells[bell]);
   }

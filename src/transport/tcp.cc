@@ -159,11 +159,13 @@ namespace {
 
 class TcpLink : public PeerLink {
  public:
-  TcpLink(int fd, int peer, TcpReceiver& receiver) : fd_(fd), peer_(peer), receiver_(receiver) {}
+  TcpLink(int fd, int peer, uint64_t peer_bytes, TcpReceiver& receiver)
+      : fd_(fd), peer_(peer), peer_bytes_(peer_bytes), receiver_(receiver) {}
   ~TcpLink() override { ::close(fd_); }
   const char* transport() const override { return "tcp"; }
 
   void write(size_t offset, const void* src, size_t len, const Deadline& deadline) override {
+    MC_ASSERT(offset + len <= peer_bytes_, "write past the peer segment");
     Frame f{kWrite, 0, offset, len};
     std::lock_guard<std::mutex> lock(mu_);
     send_all(&f, sizeof(f), deadline);
@@ -171,6 +173,8 @@ class TcpLink : public PeerLink {
   }
 
   void signal(size_t offset, uint64_t value, int bell, const Deadline& deadline) override {
+    MC_ASSERT(offset + 8 <= peer_bytes_ && bell >= 0 && bell < kNumBells,
+              "signal past the peer segment");
     Frame f{kSignal, static_cast<uint32_t>(bell), offset, value};
     std::lock_guard<std::mutex> lock(mu_);
     send_all(&f, sizeof(f), deadline);
@@ -207,6 +211,7 @@ class TcpLink : public PeerLink {
  private:
   int fd_;
   int peer_;
+  uint64_t peer_bytes_;
   TcpReceiver& receiver_;
   std::mutex mu_;
   bool broken_ = false;
@@ -242,7 +247,7 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, TcpR
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   set_nonblocking(fd);
-  auto link = std::make_unique<TcpLink>(fd, addr.rank, receiver);
+  auto link = std::make_unique<TcpLink>(fd, addr.rank, addr.segment_bytes, receiver);
   Frame hello{kHello, 0, 0, static_cast<uint64_t>(my_rank)};
   link->send_all(&hello, sizeof(hello), deadline);
   return link;

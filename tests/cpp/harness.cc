@@ -36,6 +36,10 @@ TempDir::~TempDir() {
 
 namespace {
 
+// In a rank's process: the run's directory and the rank.
+std::string current_run_dir;
+int current_rank = -1;
+
 std::string message_path(const std::string& dir, int rank) {
   return dir + "/rank" + std::to_string(rank) + ".failure";
 }
@@ -118,6 +122,8 @@ void run_ranks(int size, const std::function<void(Rank&)>& body, RunLimits limit
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(3);
       Rank r{rank, size, store, dir.path()};
+      current_run_dir = dir.path();
+      current_rank = rank;
       int code = run_child(r, body);
       std::fflush(nullptr);
       ::_exit(code);
@@ -164,7 +170,8 @@ void run_ranks(int size, const std::function<void(Rank&)>& body, RunLimits limit
     ++failures;
     report << "rank " << rank << " of " << size;
     if (c.killed && grace_started)
-      report << " was killed: still running " << limits.grace_ms << " ms after another rank failed\n";
+      report << " was killed: still running " << limits.grace_ms
+             << " ms after another rank failed\n";
     else if (c.killed)
       report << " was killed: still running at the time limit of " << limits.timeout_ms << " ms\n";
     else if (WIFSIGNALED(c.status))
@@ -173,7 +180,14 @@ void run_ranks(int size, const std::function<void(Rank&)>& body, RunLimits limit
       report << " failed (exit " << WEXITSTATUS(c.status) << "):\n"
              << read_file(message_path(dir.path(), rank));
   }
-  if (failures != 0) ADD_FAILURE() << failures << " of " << size << " ranks failed\n" << report.str();
+  if (failures != 0)
+    ADD_FAILURE() << failures << " of " << size << " ranks failed\n" << report.str();
+}
+
+void fail_rank_now(const std::string& message) {
+  std::ofstream(message_path(current_run_dir, current_rank), std::ios::app) << message << "\n";
+  std::fflush(nullptr);
+  ::_exit(1);
 }
 
 void exit_rank_abruptly() {

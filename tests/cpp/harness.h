@@ -48,6 +48,10 @@ void run_ranks(int size, const std::function<void(Rank&)>& body, RunLimits limit
 // the process is gone, as after a crash, while the run still counts it as passed.
 [[noreturn]] void exit_rank_abruptly();
 
+// Fails the current rank at once with `message`, without running destructors:
+// for a rank stuck in a way its destructors would not survive (a deadlock).
+[[noreturn]] void fail_rank_now(const std::string& message);
+
 // Blocks until every rank of the run has reached the barrier called `name`.
 void store_barrier(mooncake::Store& store, const std::string& name, int rank, int size,
                    int64_t timeout_ms = 10000);

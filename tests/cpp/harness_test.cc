@@ -28,11 +28,9 @@ TEST(Harness, EveryRankRunsInItsOwnProcessAndSharesTheStore) {
 }
 
 TEST(Harness, AFailedExpectationInARankFailsTheRun) {
-  EXPECT_NONFATAL_FAILURE(mctest::run_ranks(3,
-                                            [](Rank& r) {
-                                              EXPECT_NE(r.rank, 1) << "marker-from-rank-1";
-                                            }),
-                          "marker-from-rank-1");
+  EXPECT_NONFATAL_FAILURE(
+      mctest::run_ranks(3, [](Rank& r) { EXPECT_NE(r.rank, 1) << "marker-from-rank-1"; }),
+      "marker-from-rank-1");
 }
 
 TEST(Harness, AnExceptionInARankFailsTheRunWithItsMessage) {
@@ -46,13 +44,13 @@ TEST(Harness, AnExceptionInARankFailsTheRunWithItsMessage) {
 
 TEST(Harness, AHungRankIsKilledAtTheTimeLimit) {
   const int64_t start = mooncake::now_us();
-  EXPECT_NONFATAL_FAILURE(mctest::run_ranks(2,
-                                            [](Rank& r) {
-                                              if (r.rank == 1)
-                                                std::this_thread::sleep_for(std::chrono::seconds(60));
-                                            },
-                                            {.timeout_ms = 300, .grace_ms = 300}),
-                          "rank 1 of 2 was killed: still running at the time limit");
+  EXPECT_NONFATAL_FAILURE(
+      mctest::run_ranks(2,
+                        [](Rank& r) {
+                          if (r.rank == 1) std::this_thread::sleep_for(std::chrono::seconds(60));
+                        },
+                        {.timeout_ms = 300, .grace_ms = 300}),
+      "rank 1 of 2 was killed: still running at the time limit");
   EXPECT_LT(mooncake::now_us() - start, 5'000'000);
 }
 
@@ -66,6 +64,15 @@ TEST(Harness, AFailedRankCutsTheRunShortAfterTheGracePeriod) {
                                             {.timeout_ms = 60000, .grace_ms = 200}),
                           "early");
   EXPECT_LT(mooncake::now_us() - start, 5'000'000);
+}
+
+TEST(Harness, ARankFailedOnTheSpotReportsItsMessage) {
+  EXPECT_NONFATAL_FAILURE(mctest::run_ranks(2,
+                                            [](Rank& r) {
+                                              if (r.rank == 1)
+                                                mctest::fail_rank_now("stuck-rank-1");
+                                            }),
+                          "stuck-rank-1");
 }
 
 TEST(Harness, ARankThatExitsAbruptlyStillPasses) {

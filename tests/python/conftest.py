@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import launcher
-import pytest
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,9 +35,16 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("mooncake launches")
     for launch, result in runs.items():
-        n_cases = sum(1 for r in result.ranks[0].records if r["event"] == "end")
-        terminalreporter.write_line(
-            f"{launch.label:<28} world {launch.world_size}  {n_cases:>5} cases  "
+        records = result.ranks[0].records if result.ranks else []
+        n_cases = sum(1 for r in records if r["event"] == "end")
+        slowest = max(
+            (r for r in records if r["event"] == "end"), key=lambda r: r["seconds"], default=None
+        )
+        line = (
+            f"{launch.builder.__module__ + ':' + launch.label:<38} world {launch.world_size}  "
+            f"{n_cases:>5} cases  "
             f"{result.seconds:6.1f} s"
         )
-
+        if slowest:
+            line += f"  (slowest on rank 0: {slowest['case']} {slowest['seconds']:.2f} s)"
+        terminalreporter.write_line(line + ("  LAUNCH ERROR" if result.error else ""))

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,13 +50,12 @@ CONTROLLED_ENV = (
     "MOONCAKE_SMALL_MSG_BYTES",
     "MOONCAKE_PG_TIMEOUT_MS",
     "MOONCAKE_SPIN_US",
+    "MOONCAKE_ASYNC_DELAY_US",
 )
 #: Environment of the chunked launches: 4 KiB slots make "larger than the
 #: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,
 #: reduce and broadcast through reduce-scatter + all-gather.
 SMALL_CHUNKS = (("MOONCAKE_CHUNK_BYTES", "4096"), ("MOONCAKE_SMALL_MSG_BYTES", "2048"))
-#: How long the other ranks may run on after one rank died.
-GRACE_S = 20.0
 TEARDOWN = "<teardown>"
 
 
@@ -85,6 +86,8 @@ class Launch:
     op_timeout_s: float = 60.0
     #: Deadline of the whole launch.
     timeout_s: float = 300.0
+    #: How long the other ranks may run on after one rank died.
+    grace_s: float = 20.0
     stress: bool = False
 
     def cases(self) -> list[Case]:
@@ -100,6 +103,18 @@ class RankRun:
     killed: str = ""
     records: list[dict] = field(default_factory=list)
     log: str = ""
+
+    def collect(self, tmp: Path) -> None:
+        """Reads the rank's result file and log from the launch folder."""
+        path = tmp / f"rank{self.rank}.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    self.records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass  # a line cut short by a kill
+        log = tmp / f"rank{self.rank}.log"
+        self.log = log.read_text(errors="replace") if log.exists() else ""
 
     def log_tail(self, lines: int = 25) -> str:
         return "\n".join(self.log.rstrip().splitlines()[-lines:])
@@ -127,9 +142,13 @@ class LaunchResult:
     launch: Launch
     ranks: list[RankRun]
     seconds: float
+    #: Set when the launch itself could not be run.
+    error: str = ""
 
     def verdict(self, case: str) -> tuple[bool, str]:
         """(passed, explanation naming the case and each failing rank)."""
+        if self.error:
+            return False, f"launch {self.launch.label} could not run:\n{self.error}"
         if case == TEARDOWN:
             return self._teardown()
         problems = []
@@ -203,7 +222,10 @@ def note_selected(items) -> None:
 def check(launch: Launch, case: str) -> None:
     """Fails the calling test unless ``case`` passed on every rank of ``launch``."""
     if launch not in _results:
-        _results[launch] = run(launch, _selected.get(launch))
+        try:
+            _results[launch] = run(launch, _selected.get(launch))
+        except Exception:  # every case of the launch reports it
+            _results[launch] = LaunchResult(launch, [], 0.0, traceback.format_exc())
     passed, why = _results[launch].verdict(case)
     if not passed:
         pytest.fail(why, pytrace=False)
@@ -224,69 +246,65 @@ def _child_env(launch: Launch) -> dict[str, str]:
 def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
     """Starts ``launch.world_size`` ranks, runs the (selected) cases, collects every rank's records.
 
-    Never hangs: ranks are killed at ``launch.timeout_s``, or ``GRACE_S``
+    Never hangs: ranks are killed at ``launch.timeout_s``, or ``launch.grace_s``
     after another rank exited with an error.
     """
     import torch.distributed as dist
 
     n = launch.world_size
-    store = dist.TCPStore(
-        "127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-    )
-    tmp = Path(tempfile.mkdtemp(prefix="mooncake-launch-"))
-    config = {
-        "module": launch.builder.__module__,
-        "builder": launch.builder.__qualname__,
-        "params": dict(launch.params),
-        "world_size": n,
-        "port": store.port,
-        "init_pg": launch.init_pg,
-        "op_timeout_s": launch.op_timeout_s,
-        "selected": selected,
-        "out": str(tmp / "rank{rank}.jsonl"),
-    }
-    (tmp / "config.json").write_text(json.dumps(config))
+    with tempfile.TemporaryDirectory(prefix="mooncake-launch-") as tmpdir:
+        tmp = Path(tmpdir)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        config = {
+            "launch": launch,  # pickled by reference: the builder is a module-level function
+            "port": store.port,
+            "selected": selected,
+            "out": str(tmp / "rank{rank}.jsonl"),
+        }
+        (tmp / "config.pkl").write_bytes(pickle.dumps(config))
+        runs = [RankRun(rank) for rank in range(n)]
+        start = time.monotonic()
+        try:
+            _start_and_supervise(launch, tmp, runs)
+        finally:
+            del store
+        for rr in runs:
+            rr.collect(tmp)
+    return LaunchResult(launch, runs, time.monotonic() - start)
+
+
+def _start_and_supervise(launch: Launch, tmp: Path, runs: list[RankRun]) -> None:
     env = _child_env(launch)
-    runs = [RankRun(rank) for rank in range(n)]
     procs: list[subprocess.Popen] = []
     start = time.monotonic()
     try:
-        for rank in range(n):
-            log = open(tmp / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / "worker.py"), str(tmp / "config.json"), str(rank)],
-                    cwd=REPO,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
+        for rr in runs:
+            with open(tmp / f"rank{rr.rank}.log", "wb") as log:  # the child keeps its own copy
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(HERE / "worker.py"),
+                            str(tmp / "config.pkl"),
+                            str(rr.rank),
+                        ],
+                        cwd=REPO,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
                 )
-            )
-            log.close()
-        _supervise(procs, runs, start + launch.timeout_s)
+        _supervise(procs, runs, start + launch.timeout_s, launch.grace_s)
     finally:
         for proc, rr in zip(procs, runs, strict=False):
             if proc.poll() is None:
                 _kill(proc)
                 rr.killed = rr.killed or "the test session was interrupted"
             rr.returncode = proc.wait()
-        del store
-    for rr in runs:
-        path = tmp / f"rank{rr.rank}.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rr.records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut short by a kill
-        log_path = tmp / f"rank{rr.rank}.log"
-        rr.log = log_path.read_text(errors="replace") if log_path.exists() else ""
-    for path in tmp.iterdir():
-        path.unlink()
-    tmp.rmdir()
-    return LaunchResult(launch, runs, time.monotonic() - start)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -296,7 +314,9 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def _supervise(procs: list[subprocess.Popen], runs: list[RankRun], deadline: float) -> None:
+def _supervise(
+    procs: list[subprocess.Popen], runs: list[RankRun], deadline: float, grace_s: float
+) -> None:
     first_error_at = None
     while True:
         codes = [p.poll() for p in procs]
@@ -308,8 +328,8 @@ def _supervise(procs: list[subprocess.Popen], runs: list[RankRun], deadline: flo
         reason = ""
         if now > deadline:
             reason = "the launch ran past its deadline"
-        elif first_error_at is not None and now - first_error_at > GRACE_S:
-            reason = f"another rank died and this one did not exit within {GRACE_S:.0f} s"
+        elif first_error_at is not None and now - first_error_at > grace_s:
+            reason = f"another rank died and this one did not exit within {grace_s:.0f} s"
         if reason:
             for proc, rr in zip(procs, runs, strict=True):
                 if proc.poll() is None:

@@ -11,8 +11,15 @@ mid-size tensors take the reduce-scatter + all-gather path). The
 default-slot launches add tensors over 64 KiB and over 256 KiB.
 
 Layouts: contiguous, strided (every other element of a buffer, whose other
-elements must be left alone) and transposed views, for a subset of dtypes.
-Rooted ops run every root at world sizes up to 4, and roots {0, 3, N-1} at 8.
+elements must be left alone), transposed, offset (a slice in the middle of a
+buffer) and 0-dim tensors, for a subset of dtypes. Rooted ops run every root
+at world sizes up to 4, and roots {0, 3, N-1} at 8.
+
+Also: the coalesced forms, torch's functional collectives, in-place
+all-gather/reduce-scatter (FSDP/ZeRO style), the object helpers
+(``all_gather_object``...), barrier semantics, which transport serves each
+peer, and a latency bound that catches a backend that crawls when 8 ranks
+share 2 cores.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
 from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize
 from reference import (
     COMPLEX_DTYPES,
@@ -41,6 +49,8 @@ SIZES = (0, 1, 7, 1001, 5000)
 BIG_SIZES = (20_000, 70_000)
 LAYOUT_DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool)
 LAYOUT_SIZES = (7, 1001, 5000)
+#: Non-contiguous views, and a contiguous one that starts inside a larger buffer.
+LAYOUTS = ("strided", "transposed", "offset")
 BIG_DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int8)
 
 
@@ -48,19 +58,27 @@ BIG_DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int8)
 
 
 def shape_of(n: int, layout: str) -> tuple[int, ...]:
-    """Logical shape of an n-row tensor in ``layout`` (transposed ones have 3 columns)."""
-    return (n, 3) if layout == "transposed" else (n,)
+    """Logical shape of an n-row tensor in ``layout`` (transposed ones have 3 columns,
+    scalars are 0-dim)."""
+    return {"transposed": (n, 3), "scalar": ()}.get(layout, (n,))
 
 
 def placed(values: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, view): ``view`` holds ``values`` laid out as ``layout`` inside ``base``.
 
-    ``strided`` puts the values in every other element of ``base``; the
-    elements in between hold a sentinel pattern that no op may touch.
+    ``strided`` puts the values in every other element of ``base``, and
+    ``offset`` in the middle of a larger ``base``; the other elements hold a
+    sentinel pattern that no op may touch.
     """
-    if layout == "contig":
+    if layout in ("contig", "scalar"):
         t = values.clone()
         return t, t
+    if layout == "offset":
+        k = values.numel()
+        base = make_tensor((k + 10,), values.dtype, seed_of("sentinel", k))
+        view = base[5 : 5 + k].view(values.shape)
+        view.copy_(values)
+        return base, view
     if layout == "strided":
         base = make_tensor((*values.shape, 2), values.dtype, seed_of("sentinel", values.numel()))
         view = base[..., 0]
@@ -176,6 +194,51 @@ def reduce_scatter_tensor(ctx, dtype, op, n, form="flat"):
     ctx.expect_equal(out, reduce_ref(parts, op))
 
 
+def all_gather_in_place(ctx, dtype, n):
+    """FSDP-style: the input is this rank's slice of the output."""
+    world, me = ctx.world_size, ctx.rank
+    _, out = garbage((world * n,), dtype)
+    mine = out[me * n : (me + 1) * n]
+    mine.copy_(ctx.input((n,), dtype))
+    dist.all_gather_into_tensor(out, mine)
+    ctx.expect_equal(out, torch.cat(ctx.inputs((n,), dtype)))
+
+
+def reduce_scatter_in_place(ctx, dtype, op, n):
+    """ZeRO-style: the output is this rank's slice of the input."""
+    world, me = ctx.world_size, ctx.rank
+    full = ctx.input((world * n,), dtype)
+    out = full[me * n : (me + 1) * n]
+    dist.reduce_scatter_tensor(out, full, op=redop(op))
+    parts = [t[me * n : (me + 1) * n] for t in ctx.inputs((world * n,), dtype)]
+    ctx.expect_equal(out, reduce_ref(parts, op))
+
+
+def objects(ctx):
+    """The pickling helpers (which move uint8 tensors of per-rank sizes) round-trip."""
+    world, me = ctx.world_size, ctx.rank
+
+    def obj(r):
+        return {"rank": r, "payload": list(range(r * 37)), "text": "x" * (r * 1000)}
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, obj(me))
+    ctx.expect(gathered == [obj(r) for r in range(world)], "all_gather_object")
+    root = world - 1
+    items = [obj(root), "two", 3] if me == root else [None, None, None]
+    dist.broadcast_object_list(items, src=root)
+    ctx.expect(items == [obj(root), "two", 3], f"broadcast_object_list gave {items!r:.200}")
+    out = [None] * world if me == 0 else None
+    dist.gather_object(obj(me), out, dst=0)
+    if me == 0:
+        ctx.expect(out == [obj(r) for r in range(world)], "gather_object")
+    got = [None]
+    dist.scatter_object_list(
+        got, [obj(10 + r) for r in range(world)] if me == root else None, src=root
+    )
+    ctx.expect(got == [obj(10 + me)], "scatter_object_list")
+
+
 def split_sizes(n: int, world: int, mode: str) -> list[list[int]]:
     """``s[src][dst]``: rows ``src`` sends to ``dst``; uneven modes include zeros."""
     if mode.startswith("even"):
@@ -218,7 +281,9 @@ def all_to_all_single(ctx, dtype, n, mode):
         dist.all_to_all_single(out, x)
     else:
         dist.all_to_all_single(
-            out, x, output_split_sizes=[s[src][me] for src in range(world)],
+            out,
+            x,
+            output_split_sizes=[s[src][me] for src in range(world)],
             input_split_sizes=s[me],
         )
     want = []
@@ -257,13 +322,15 @@ def barrier(ctx):
     ctx.expect(all(arrived), f"left the barrier before ranks {arrived} had all arrived")
 
 
-def coalesced_all_reduce(ctx, n):
+def coalesced_all_reduce(ctx, n, async_ops=False):
     """Mixed dtypes in one coalesced all_reduce (the backend's allreduce_coalesced)."""
     dtypes = (torch.float32, torch.int64, torch.bfloat16, torch.uint8)
     xs = [ctx.input((n + i,), dt, tag=str(i)) for i, dt in enumerate(dtypes)]
-    with dist._coalescing_manager():
+    with dist._coalescing_manager(async_ops=async_ops) as cm:
         for x in xs:
             dist.all_reduce(x)
+    if async_ops:
+        cm.wait()
     for i, (x, dt) in enumerate(zip(xs, dtypes, strict=True)):
         ctx.expect_equal(x, reduce_ref(ctx.inputs((n + i,), dt, str(i)), "SUM"), dtype_name(dt))
 
@@ -332,6 +399,19 @@ def functional(ctx, n):
     ctx.expect_equal(x, ctx.input((world * n,), torch.float32), "input (must not change)")
 
 
+def latency(ctx, iters: int = 200, bound_ms: float = 20.0):
+    """Small all_reduces do not crawl, even with 8 ranks on 2 cores (a wait that spins
+    starves the peer it waits for). Measured: ~0.02 ms at 2 ranks, ~0.6 ms at 8; gloo
+    takes ~1.8 ms at 8. The bound is generous so a busy machine does not fail it."""
+    x = torch.ones(1)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    mean_ms = (time.perf_counter() - start) / iters * 1e3
+    ctx.expect(mean_ms < bound_ms, f"small all_reduce takes {mean_ms:.2f} ms on average")
+
+
 def transport(ctx, expected):
     """Which transport the backend chose for every peer."""
     from mooncake import pg
@@ -373,28 +453,53 @@ def matrix(
             for op in reduce_ops_for(dtype):
                 add(f"all_reduce/{d}/{op}/n{n}", all_reduce, dtype=dtype, op=op, n=n)
                 add(f"reduce/{d}/{op}/n{n}/root{rot}", reduce, dtype=dtype, op=op, n=n, root=rot)
-                add(f"reduce_scatter_tensor/{d}/{op}/n{n}", reduce_scatter_tensor,
-                    dtype=dtype, op=op, n=n)
+                add(
+                    f"reduce_scatter_tensor/{d}/{op}/n{n}",
+                    reduce_scatter_tensor,
+                    dtype=dtype,
+                    op=op,
+                    n=n,
+                )
             add(f"reduce_scatter/{d}/SUM/n{n}", reduce_scatter, dtype=dtype, op="SUM", n=n)
             add(f"broadcast/{d}/n{n}/root{rot}", broadcast, dtype=dtype, n=n, root=rot)
             add(f"all_gather/{d}/n{n}", all_gather, dtype=dtype, n=n)
-            add(f"all_gather_into_tensor/{d}/n{n}", all_gather_into_tensor,
-                dtype=dtype, n=n, form="flat")
+            add(
+                f"all_gather_into_tensor/{d}/n{n}",
+                all_gather_into_tensor,
+                dtype=dtype,
+                n=n,
+                form="flat",
+            )
             add(f"gather/{d}/n{n}/root{rot}", gather, dtype=dtype, n=n, root=rot)
             add(f"scatter/{d}/n{n}/root{rot}", scatter, dtype=dtype, n=n, root=rot)
             for mode in ("even", "uneven"):
                 add(f"all_to_all/{d}/n{n}/{mode}", all_to_all, dtype=dtype, n=n, mode=mode)
-                add(f"all_to_all_single/{d}/n{n}/{mode}", all_to_all_single,
-                    dtype=dtype, n=n, mode=mode)
+                add(
+                    f"all_to_all_single/{d}/n{n}/{mode}",
+                    all_to_all_single,
+                    dtype=dtype,
+                    n=n,
+                    mode=mode,
+                )
     if not extras:
         return cases
     for n in sizes:
         # Every root, every op of two dtypes (one through fp32 accumulation).
         for root in roots:
-            for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int16, "MAX")):
+            for dtype, op in (
+                (torch.float32, "SUM"),
+                (torch.bfloat16, "AVG"),
+                (torch.int16, "MAX"),
+            ):
                 d = dtype_name(dtype)
-                add(f"reduce/{d}/{op}/n{n}/root{root}/sweep", reduce,
-                    dtype=dtype, op=op, n=n, root=root)
+                add(
+                    f"reduce/{d}/{op}/n{n}/root{root}/sweep",
+                    reduce,
+                    dtype=dtype,
+                    op=op,
+                    n=n,
+                    root=root,
+                )
             for dtype in (torch.float64, torch.uint8):
                 d = dtype_name(dtype)
                 add(f"broadcast/{d}/n{n}/root{root}/sweep", broadcast, dtype=dtype, n=n, root=root)
@@ -405,23 +510,64 @@ def matrix(
             for op in reduce_ops_for(dtype)[1:]:  # SUM is in the matrix above
                 add(f"reduce_scatter/{d}/{op}/n{n}", reduce_scatter, dtype=dtype, op=op, n=n)
         for form in ("stacked", "stacked_t"):
-            add(f"all_gather_into_tensor/float32/n{n}/{form}", all_gather_into_tensor,
-                dtype=torch.float32, n=n, form=form)
+            add(
+                f"all_gather_into_tensor/float32/n{n}/{form}",
+                all_gather_into_tensor,
+                dtype=torch.float32,
+                n=n,
+                form=form,
+            )
         for form in ("stacked", "transposed"):
-            add(f"reduce_scatter_tensor/int64/SUM/n{n}/{form}", reduce_scatter_tensor,
-                dtype=torch.int64, op="SUM", n=n, form=form)
+            add(
+                f"reduce_scatter_tensor/int64/SUM/n{n}/{form}",
+                reduce_scatter_tensor,
+                dtype=torch.int64,
+                op="SUM",
+                n=n,
+                form=form,
+            )
         for mode in ("even_2d", "uneven_2d", "uneven_t", "one_sender"):
-            add(f"all_to_all_single/float64/n{n}/{mode}", all_to_all_single,
-                dtype=torch.float64, n=n, mode=mode)
+            add(
+                f"all_to_all_single/float64/n{n}/{mode}",
+                all_to_all_single,
+                dtype=torch.float64,
+                n=n,
+                mode=mode,
+            )
         for dtype in COMPLEX_DTYPES:
             d = dtype_name(dtype)
             for op in reduce_ops_for(dtype):
                 add(f"all_reduce/{d}/{op}/n{n}", all_reduce, dtype=dtype, op=op, n=n)
             add(f"broadcast/{d}/n{n}/root{world - 1}", broadcast, dtype=dtype, n=n, root=world - 1)
             add(f"all_gather/{d}/n{n}", all_gather, dtype=dtype, n=n)
-            add(f"all_to_all_single/{d}/n{n}/uneven", all_to_all_single,
-                dtype=dtype, n=n, mode="uneven")
+            add(f"reduce/{d}/AVG/n{n}/root0", reduce, dtype=dtype, op="AVG", n=n, root=0)
+            add(
+                f"reduce_scatter_tensor/{d}/SUM/n{n}",
+                reduce_scatter_tensor,
+                dtype=dtype,
+                op="SUM",
+                n=n,
+            )
+            add(
+                f"all_to_all_single/{d}/n{n}/uneven",
+                all_to_all_single,
+                dtype=dtype,
+                n=n,
+                mode="uneven",
+            )
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):
+            d = dtype_name(dtype)
+            add(f"all_gather_in_place/{d}/n{n}", all_gather_in_place, dtype=dtype, n=n)
+            op = "AVG" if dtype.is_floating_point else "BXOR"
+            add(
+                f"reduce_scatter_in_place/{d}/{op}/n{n}",
+                reduce_scatter_in_place,
+                dtype=dtype,
+                op=op,
+                n=n,
+            )
         add(f"coalesced/all_reduce/n{n}", coalesced_all_reduce, n=n)
+        add(f"coalesced/all_reduce_async/n{n}", coalesced_all_reduce, n=n, async_ops=True)
         add(f"coalesced/all_reduce_legacy/n{n}", coalesced_all_reduce_legacy, n=n)
         add(f"coalesced/all_gather_into_tensor/n{n}", coalesced_all_gather_into_tensor, n=n)
         add(f"coalesced/reduce_scatter_tensor/n{n}", coalesced_reduce_scatter_tensor, n=n)
@@ -430,29 +576,28 @@ def matrix(
     if layouts:
         for dtype in LAYOUT_DTYPES:
             d = dtype_name(dtype)
-            for n in (s for s in sizes if s in LAYOUT_SIZES):
-                root = seed_of("layout", d, n) % world
-                for layout in ("strided", "transposed"):
-                    tail = f"n{n}/{layout}"
-                    op = "MAX" if dtype == torch.bool else "SUM"
-                    add(f"all_reduce/{d}/{op}/{tail}", all_reduce, dtype=dtype, op=op, n=n,
-                        layout=layout)
-                    add(f"broadcast/{d}/{tail}/root{root}", broadcast, dtype=dtype, n=n,
-                        root=root, layout=layout)
-                    add(f"reduce/{d}/{op}/{tail}/root{root}", reduce, dtype=dtype, op=op, n=n,
-                        root=root, layout=layout)
-                    add(f"all_gather/{d}/{tail}", all_gather, dtype=dtype, n=n, layout=layout)
-                    add(f"gather/{d}/{tail}/root{root}", gather, dtype=dtype, n=n, root=root,
-                        layout=layout)
-                    add(f"scatter/{d}/{tail}/root{root}", scatter, dtype=dtype, n=n, root=root,
-                        layout=layout)
+            op = "MAX" if dtype == torch.bool else "SUM"
+            shapes = [
+                (f"n{n}/{lay}", n, lay) for n in sizes if n in LAYOUT_SIZES for lay in LAYOUTS
+            ]
+            for tail, n, layout in [*shapes, ("scalar", 1, "scalar")]:
+                root = seed_of("layout", d, tail) % world
+                kw = {"dtype": dtype, "n": n, "layout": layout}
+                add(f"all_reduce/{d}/{op}/{tail}", all_reduce, op=op, **kw)
+                add(f"reduce/{d}/{op}/{tail}/root{root}", reduce, op=op, root=root, **kw)
+                add(f"broadcast/{d}/{tail}/root{root}", broadcast, root=root, **kw)
+                add(f"all_gather/{d}/{tail}", all_gather, **kw)
+                add(f"gather/{d}/{tail}/root{root}", gather, root=root, **kw)
+                add(f"scatter/{d}/{tail}/root{root}", scatter, root=root, **kw)
     add("barrier", barrier)
+    add("objects", objects)
+    add("latency/all_reduce_x200", latency)
     if world > 1:
         add(f"transport/{transport_name}", transport, expected=transport_name)
     return cases
 
 
-def big(world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES) -> list[Case]:
+def big(world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES, transport_name="shm") -> list[Case]:
     """Tensors beyond the default 64 KiB threshold and the default 256 KiB slot."""
     cases: list[Case] = []
     add = functools.partial(_case, cases)
@@ -465,19 +610,48 @@ def big(world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES) -> list[Case]:
                 add(f"all_reduce/{d}/{op}/n{n}", all_reduce, dtype=dtype, op=op, n=n)
             add(f"reduce/{d}/SUM/n{n}/root{root}", reduce, dtype=dtype, op="SUM", n=n, root=root)
             add(f"broadcast/{d}/n{n}/root{root}", broadcast, dtype=dtype, n=n, root=root)
-            add(f"reduce_scatter_tensor/{d}/MIN/n{n}", reduce_scatter_tensor,
-                dtype=dtype, op="MIN", n=n)
-            add(f"all_gather_into_tensor/{d}/n{n}", all_gather_into_tensor,
-                dtype=dtype, n=n, form="flat")
-            add(f"all_to_all_single/{d}/n{n}/uneven", all_to_all_single,
-                dtype=dtype, n=n, mode="uneven")
+            add(
+                f"reduce_scatter_tensor/{d}/MIN/n{n}",
+                reduce_scatter_tensor,
+                dtype=dtype,
+                op="MIN",
+                n=n,
+            )
+            add(
+                f"all_gather_into_tensor/{d}/n{n}",
+                all_gather_into_tensor,
+                dtype=dtype,
+                n=n,
+                form="flat",
+            )
+            add(
+                f"all_to_all_single/{d}/n{n}/uneven",
+                all_to_all_single,
+                dtype=dtype,
+                n=n,
+                mode="uneven",
+            )
             add(f"gather/{d}/n{n}/root{root}", gather, dtype=dtype, n=n, root=root)
             add(f"scatter/{d}/n{n}/root{root}", scatter, dtype=dtype, n=n, root=root)
     n = BIG_SIZES[-1]
-    add(f"all_reduce/float32/SUM/n{n}/strided", all_reduce, dtype=torch.float32, op="SUM", n=n,
-        layout="strided")
-    add(f"broadcast/bfloat16/n{n}/transposed/root0", broadcast, dtype=torch.bfloat16, n=n,
-        root=0, layout="transposed")
+    add(
+        f"all_reduce/float32/SUM/n{n}/strided",
+        all_reduce,
+        dtype=torch.float32,
+        op="SUM",
+        n=n,
+        layout="strided",
+    )
+    add(
+        f"broadcast/bfloat16/n{n}/transposed/root0",
+        broadcast,
+        dtype=torch.bfloat16,
+        n=n,
+        root=0,
+        layout="transposed",
+    )
+    if world > 1:
+        add(f"transport/{transport_name}", transport, expected=transport_name)
     return cases
 
 
@@ -489,11 +663,28 @@ SAMPLE_DTYPES = (torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.floa
 
 LAUNCHES = [
     *(Launch(matrix, w, f"w{w}-chunk4k", env=SMALL_CHUNKS) for w in (1, 2, 3, 4)),
-    Launch(matrix, 8, "w8-chunk4k-sample", env=SMALL_CHUNKS,
-           params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("layouts", False))),
+    Launch(
+        matrix,
+        8,
+        "w8-chunk4k-sample",
+        env=SMALL_CHUNKS,
+        params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("layouts", False)),
+    ),
     Launch(big, 3, "w3-default"),
-    Launch(matrix, 3, "w3-tcp-sample", env=TCP,
-           params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "tcp"))),
+    Launch(
+        big,
+        3,
+        "w3-tcp-default",
+        env=(("MOONCAKE_TRANSPORT", "tcp"),),
+        params=(("transport_name", "tcp"),),
+    ),
+    Launch(
+        matrix,
+        3,
+        "w3-tcp-sample",
+        env=TCP,
+        params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "tcp")),
+    ),
     # make stress: the full matrix at 8 ranks, and the big tensors at 4 and 8.
     Launch(matrix, 8, "w8-chunk4k", env=SMALL_CHUNKS, timeout_s=590, stress=True),
     Launch(big, 4, "w4-default", stress=True),

@@ -15,9 +15,9 @@ order and appends one JSON line per event to its result file:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -27,9 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from reference import make_tensor, mismatch, seed_of  # noqa: E402
+from reference import make_tensor, mismatch, seed_of  # worker.py's folder is sys.path[0]
 
 
 class RankContext:
@@ -84,29 +82,37 @@ class RankContext:
             self.fail(f"{what}: {problem}")
 
     @contextlib.contextmanager
-    def expect_raises(self, exc_type: type[BaseException], *words: str):
-        """Records a failure unless the block raises ``exc_type`` whose message has all ``words``."""
+    def expect_raises(self, exc_type: type[BaseException], *words: str | tuple[str, ...]):
+        """Records a failure unless the block raises ``exc_type`` whose message contains
+        every one of ``words`` (case-insensitive; a tuple means any one of its strings)."""
         try:
             yield
         except exc_type as e:
             text = str(e).lower()
-            missing = [w for w in words if w.lower() not in text]
+            missing = [
+                w
+                for w in words
+                if not any(a.lower() in text for a in (w if isinstance(w, tuple) else (w,)))
+            ]
             if missing:
                 self.fail(f"{exc_type.__name__} does not mention {missing}: {e}")
-        except Exception as e:  # noqa: BLE001 - reported as the wrong kind of error
+        except Exception as e:  # reported as the wrong kind of error
             self.fail(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}")
         else:
-            self.fail(f"expected {exc_type.__name__} ({', '.join(words)}), nothing was raised")
+            self.fail(f"expected {exc_type.__name__} ({words}), nothing was raised")
 
     # --- groups and out-of-band sync ---------------------------------------
 
-    def init_pg(self, **kwargs) -> None:
-        """``init_process_group("mooncake-cpu")`` over a fresh store namespace."""
+    def init_pg(self, store_prefix: str | None = None, **kwargs) -> None:
+        """``init_process_group("mooncake-cpu")`` over a fresh store namespace, or over
+        ``store_prefix`` (the same one each time, as a re-initialising job would)."""
+        import mooncake.pg  # noqa: F401 - registers the backend
+
         self._pg_count += 1
         kwargs.setdefault("timeout", timedelta(seconds=self.op_timeout_s))
         dist.init_process_group(
             "mooncake-cpu",
-            store=dist.PrefixStore(f"pg{self._pg_count}", self._root_store),
+            store=dist.PrefixStore(store_prefix or f"pg{self._pg_count}", self._root_store),
             rank=self.rank,
             world_size=self.world_size,
             **kwargs,
@@ -128,7 +134,7 @@ def _probe(world_size: int, timeout_s: float) -> str:
         dist.all_reduce(t, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
         want = world_size * (world_size + 1) / 2
         return "" if t.item() == want else f"probe all_reduce gave {t.item()}, expected {want}"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"probe all_reduce raised {type(e).__name__}: {e}"
 
 
@@ -141,35 +147,30 @@ def _agree(store: dist.Store, key: str, rank: int, world: int, value: str, timeo
 
 
 def main() -> None:
-    config = json.loads(Path(sys.argv[1]).read_text())
+    config = pickle.loads(Path(sys.argv[1]).read_bytes())
+    launch = config["launch"]
     rank = int(sys.argv[2])
-    world = config["world_size"]
-    out = open(config["out"].format(rank=rank), "a", buffering=1)  # noqa: SIM115
+    world = launch.world_size
+    out = open(config["out"].format(rank=rank), "a", buffering=1)
 
     def record(**fields) -> None:
         out.write(json.dumps(fields) + "\n")
         out.flush()
 
     torch.set_num_threads(1)
-    module = importlib.import_module(config["module"])
-    builder = module
-    for part in config["builder"].split("."):
-        builder = getattr(builder, part)
-    cases = builder(world, **config["params"])
+    cases = launch.cases()
     if config["selected"] is not None:
         wanted = set(config["selected"])
         cases = [c for c in cases if c.name in wanted]
 
-    op_timeout_s = config["op_timeout_s"]
+    op_timeout_s = launch.op_timeout_s
     sync_timeout_s = op_timeout_s * 2 + 60
     store = dist.TCPStore(
         "127.0.0.1", config["port"], world, is_master=False, timeout=timedelta(seconds=120)
     )
     harness = dist.PrefixStore("harness", store)
     ctx = RankContext(rank, world, store, op_timeout_s)
-    if config["init_pg"]:
-        import mooncake.pg  # noqa: F401 - registers the backend
-
+    if launch.init_pg:
         ctx.init_pg()
 
     for i, case in enumerate(cases):
@@ -179,7 +180,7 @@ def main() -> None:
         try:
             case.fn(ctx)
             status = "fail" if ctx.failures else "ok"
-        except Exception:  # noqa: BLE001 - reported with the case
+        except Exception:  # reported with the case
             status = "error"
             ctx.failures.append(traceback.format_exc())
         record(

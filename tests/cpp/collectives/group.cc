@@ -5,8 +5,7 @@
 namespace mctest {
 
 std::string group_param_name(const testing::TestParamInfo<GroupParam>& info) {
-  return std::string(info.param.tcp ? "tcp_" : "shm_") + std::to_string(info.param.ranks) +
-         "ranks";
+  return std::string(info.param.tcp ? "tcp_" : "shm_") + std::to_string(info.param.ranks) + "ranks";
 }
 
 std::vector<GroupParam> every_world_size() {

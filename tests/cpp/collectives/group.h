@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,10 @@ struct GroupParam {
   bool tcp;
 };
 
+inline void PrintTo(const GroupParam& p, std::ostream* os) {
+  *os << p.ranks << " ranks over " << (p.tcp ? "tcp" : "shm");
+}
+
 // "shm_3ranks", "tcp_2ranks": the suffix of a parameterised test's name.
 std::string group_param_name(const testing::TestParamInfo<GroupParam>& info);
 
@@ -29,8 +34,8 @@ std::vector<GroupParam> some_world_sizes();
 
 struct GroupOptions {
   bool tcp = false;
-  size_t chunk_bytes = 256;   // small, so modest tensors take many chunks
-  size_t small_bytes = 512;   // all_reduce/reduce/broadcast above this go two-phase
+  size_t chunk_bytes = 256;  // small, so modest tensors take many chunks
+  size_t small_bytes = 512;  // all_reduce/reduce/broadcast above this go two-phase
   int64_t op_timeout_ms = 10000;
   RunLimits limits = {};
 };
@@ -54,24 +59,9 @@ class GroupTest : public testing::TestWithParam<GroupParam> {
   void run(const std::function<void(mooncake::Communicator&, Rank&)>& body) {
     run_group(GetParam().ranks, options(), body);
   }
-  void run(const GroupOptions& o,
-           const std::function<void(mooncake::Communicator&, Rank&)>& body) {
+  void run(const GroupOptions& o, const std::function<void(mooncake::Communicator&, Rank&)>& body) {
     run_group(GetParam().ranks, o, body);
   }
 };
-
-// Pointers to each element of a vector of buffers.
-template <typename Buffers>
-std::vector<const void*> const_pointers(const Buffers& buffers) {
-  std::vector<const void*> out;
-  for (const auto& b : buffers) out.push_back(b.data());
-  return out;
-}
-template <typename Buffers>
-std::vector<void*> pointers(Buffers& buffers) {
-  std::vector<void*> out;
-  for (auto& b : buffers) out.push_back(b.data());
-  return out;
-}
 
 }  // namespace mctest

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <type_traits>
 
 namespace mctest {
@@ -77,8 +78,12 @@ void store(std::vector<uint8_t>& out, size_t i, T v) {
 
 bool bool_combine(RedOp op, bool a, bool b) {
   switch (op) {
-    case RedOp::kSum: case RedOp::kMax: case RedOp::kBor: return a || b;
-    case RedOp::kProduct: case RedOp::kMin: case RedOp::kBand: return a && b;
+    case RedOp::kSum:
+    case RedOp::kMax:
+    case RedOp::kBor: return a || b;
+    case RedOp::kProduct:
+    case RedOp::kMin:
+    case RedOp::kBand: return a && b;
     case RedOp::kBxor: return a != b;
     default: throw std::logic_error("no such bool op");
   }
@@ -104,7 +109,8 @@ T int_combine(RedOp op, T a, T b) {
 template <typename F>
 F float_combine(RedOp op, F a, F b) {
   switch (op) {
-    case RedOp::kSum: case RedOp::kAvg: return a + b;
+    case RedOp::kSum:
+    case RedOp::kAvg: return a + b;
     case RedOp::kProduct: return a * b;
     case RedOp::kMin:
       if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<F>::quiet_NaN();
@@ -124,9 +130,12 @@ std::vector<uint8_t> reduce_plain(RedOp op, const std::vector<const void*>& srcs
     T acc = load<T>(srcs[0], i);
     for (size_t s = 1; s < srcs.size(); ++s) {
       T v = load<T>(srcs[s], i);
-      if constexpr (std::is_same_v<T, bool>) acc = bool_combine(op, acc, v);
-      else if constexpr (std::is_floating_point_v<T>) acc = float_combine(op, acc, v);
-      else acc = int_combine(op, acc, v);
+      if constexpr (std::is_same_v<T, bool>)
+        acc = bool_combine(op, acc, v);
+      else if constexpr (std::is_floating_point_v<T>)
+        acc = float_combine(op, acc, v);
+      else
+        acc = int_combine(op, acc, v);
     }
     if constexpr (std::is_floating_point_v<T>)
       if (op == RedOp::kAvg) acc = acc / static_cast<T>(divisor);
@@ -135,9 +144,8 @@ std::vector<uint8_t> reduce_plain(RedOp op, const std::vector<const void*>& srcs
   return out;
 }
 
-std::vector<uint8_t> reduce_16bit(const Format16& f, RedOp op,
-                                  const std::vector<const void*>& srcs, size_t count,
-                                  int divisor) {
+std::vector<uint8_t> reduce_16bit(const Format16& f, RedOp op, const std::vector<const void*>& srcs,
+                                  size_t count, int divisor) {
   std::vector<uint8_t> out(count * 2);
   for (size_t i = 0; i < count; ++i) {
     float acc = static_cast<float>(f.decode(load<uint16_t>(srcs[0], i)));
@@ -151,10 +159,18 @@ std::vector<uint8_t> reduce_16bit(const Format16& f, RedOp op,
 
 }  // namespace
 
-float ref_half_to_float(uint16_t bits) { return static_cast<float>(kHalf.decode(bits)); }
-float ref_bf16_to_float(uint16_t bits) { return static_cast<float>(kBFloat16.decode(bits)); }
-uint16_t ref_float_to_half(float value) { return kHalf.encode(value); }
-uint16_t ref_float_to_bf16(float value) { return kBFloat16.encode(value); }
+float ref_half_to_float(uint16_t bits) {
+  return static_cast<float>(kHalf.decode(bits));
+}
+float ref_bf16_to_float(uint16_t bits) {
+  return static_cast<float>(kBFloat16.decode(bits));
+}
+uint16_t ref_float_to_half(float value) {
+  return kHalf.encode(value);
+}
+uint16_t ref_float_to_bf16(float value) {
+  return kBFloat16.encode(value);
+}
 
 std::vector<uint8_t> reference_reduce(DType dtype, RedOp op, const std::vector<const void*>& srcs,
                                       size_t count, int divisor) {
@@ -184,7 +200,8 @@ std::vector<DType> all_dtypes() {
 
 std::vector<RedOp> all_ops() {
   std::vector<RedOp> out;
-  for (int op = 0; op < static_cast<int>(RedOp::kCount); ++op) out.push_back(static_cast<RedOp>(op));
+  for (int op = 0; op < static_cast<int>(RedOp::kCount); ++op)
+    out.push_back(static_cast<RedOp>(op));
   return out;
 }
 
@@ -193,8 +210,8 @@ std::vector<DtypeOp> supported_pairs() {
   // floating type, the bitwise ops an integer or bool type.
   std::vector<DtypeOp> out;
   for (DType t : all_dtypes()) {
-    const bool floating = t == DType::kFloat16 || t == DType::kBFloat16 ||
-                          t == DType::kFloat32 || t == DType::kFloat64;
+    const bool floating = t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 ||
+                          t == DType::kFloat64;
     for (RedOp op : all_ops()) {
       const bool bitwise = op == RedOp::kBand || op == RedOp::kBor || op == RedOp::kBxor;
       if ((op == RedOp::kAvg && !floating) || (bitwise && floating)) continue;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <sstream>
+#include <stdexcept>
 
 #include "collectives/reference.h"
 
@@ -50,19 +51,26 @@ std::vector<uint8_t> sample_input(DType dtype, size_t count, int rank, uint64_t 
   for (size_t i = 0; i < count; ++i) {
     const uint64_t r = mix(seed * 0x100000001b3ull ^ mix(static_cast<uint64_t>(rank) << 40 ^ i));
     uint8_t* e = out.data() + i * esize;
-    // +-[0.5, 2) in steps of 1/64: exact in every floating type.
-    float f = (32.0f + static_cast<float>(r % 96)) / 64.0f * ((r >> 20) & 1 ? -1.0f : 1.0f);
-    if (with_nan && rank == 1 && i % 61 == 7) f = NAN;
+    // +-[0.5, 2) with a full random mantissa, so that sums round and the
+    // order in which sources are combined shows in the result.
+    double d = (1.0 + static_cast<double>(r >> 11) / 9007199254740992.0) * ((r & 1) ? 0.5 : 1.0) *
+               ((r & 2) ? -1.0 : 1.0);
+    if (with_nan && rank == 1 && i % 61 == 7) d = NAN;
+    const float f = static_cast<float>(d);
     switch (dtype) {
       case DType::kBool: put<bool>(e, (r >> 7) & 1); break;
-      case DType::kUInt8: case DType::kInt8: put<uint8_t>(e, static_cast<uint8_t>(r)); break;
-      case DType::kInt16: case DType::kUInt16: put<uint16_t>(e, static_cast<uint16_t>(r)); break;
-      case DType::kInt32: case DType::kUInt32: put<uint32_t>(e, static_cast<uint32_t>(r)); break;
-      case DType::kInt64: case DType::kUInt64: put<uint64_t>(e, r); break;
+      case DType::kUInt8:
+      case DType::kInt8: put<uint8_t>(e, static_cast<uint8_t>(r)); break;
+      case DType::kInt16:
+      case DType::kUInt16: put<uint16_t>(e, static_cast<uint16_t>(r)); break;
+      case DType::kInt32:
+      case DType::kUInt32: put<uint32_t>(e, static_cast<uint32_t>(r)); break;
+      case DType::kInt64:
+      case DType::kUInt64: put<uint64_t>(e, r); break;
       case DType::kFloat16: put<uint16_t>(e, ref_float_to_half(f)); break;
       case DType::kBFloat16: put<uint16_t>(e, ref_float_to_bf16(f)); break;
       case DType::kFloat32: put<float>(e, f); break;
-      case DType::kFloat64: put<double>(e, f); break;
+      case DType::kFloat64: put<double>(e, d); break;
       default: throw std::logic_error("no such dtype");
     }
   }
@@ -97,8 +105,8 @@ std::string format_element(DType dtype, const uint8_t* e) {
 testing::AssertionResult same_elements(DType dtype, const std::vector<uint8_t>& got,
                                        const std::vector<uint8_t>& want) {
   if (got.size() != want.size())
-    return testing::AssertionFailure() << "sizes differ: " << got.size() << " vs " << want.size()
-                                       << " bytes";
+    return testing::AssertionFailure()
+           << "sizes differ: " << got.size() << " vs " << want.size() << " bytes";
   const size_t esize = mooncake::dtype_size(dtype);
   const size_t count = got.size() / esize;
   size_t mismatches = 0;
@@ -112,9 +120,9 @@ testing::AssertionResult same_elements(DType dtype, const std::vector<uint8_t>& 
             << format_element(dtype, w);
   }
   if (mismatches == 0) return testing::AssertionSuccess();
-  return testing::AssertionFailure() << mismatches << " of " << count << " "
-                                     << mooncake::dtype_name(dtype) << " elements differ"
-                                     << first.str();
+  return testing::AssertionFailure()
+         << mismatches << " of " << count << " " << mooncake::dtype_name(dtype)
+         << " elements differ" << first.str();
 }
 
 }  // namespace mctest

@@ -15,9 +15,10 @@
 namespace mctest {
 
 // `count` elements of `dtype` for (rank, seed). Integers span their whole
-// range (so sums and products wrap); floats are +-[0.5, 2) with fractions
-// (so rounding shows, and a product over 7 ranks stays finite); bools are
-// 0 or 1. With `with_nan`, rank 1 puts a NaN in every 61st floating element.
+// range (so sums and products wrap); floats are +-[0.5, 2) with a full
+// random mantissa (so sums round, the combining order shows, and a product
+// over 7 ranks stays finite); bools are 0 or 1. With `with_nan`, rank 1 puts
+// a NaN in every 61st floating element.
 std::vector<uint8_t> sample_input(mooncake::DType dtype, size_t count, int rank, uint64_t seed,
                                   bool with_nan = false);
 
@@ -30,5 +31,19 @@ testing::AssertionResult same_elements(mooncake::DType dtype, const std::vector<
 
 // One element, printed as its value.
 std::string format_element(mooncake::DType dtype, const uint8_t* element);
+
+// Pointers to each element of a vector of buffers.
+template <typename Buffers>
+std::vector<const void*> const_pointers(const Buffers& buffers) {
+  std::vector<const void*> out;
+  for (const auto& b : buffers) out.push_back(b.data());
+  return out;
+}
+template <typename Buffers>
+std::vector<void*> pointers(Buffers& buffers) {
+  std::vector<void*> out;
+  for (auto& b : buffers) out.push_back(b.data());
+  return out;
+}
 
 }  // namespace mctest

@@ -1,0 +1,24 @@
+// Checking the library's typed errors in tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <ostream>
+
+#include "core/error.h"
+
+namespace mooncake {
+// gtest prints an ErrorKind by name ("timeout"), not as bytes.
+inline void PrintTo(ErrorKind kind, std::ostream* os) {
+  *os << error_kind_name(kind);
+}
+}  // namespace mooncake
+
+namespace mctest {
+
+// Success when `fn` throws a mooncake::Error of `kind`; otherwise says what
+// happened instead (no error, another kind, another exception).
+testing::AssertionResult throws_error(mooncake::ErrorKind kind, const std::function<void()>& fn);
+
+}  // namespace mctest

@@ -1,0 +1,111 @@
+// Endpoint and engine: peers on this host are reached through shared memory
+// unless tcp is forced, a rank reaches itself directly, addresses survive
+// the store, ranks that disagree on the segment size cannot connect, and
+// MOONCAKE_TRANSPORT is validated.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "errors.h"
+#include "scoped_env.h"
+#include "transport/endpoint_group.h"
+#include "transport/engine.h"
+
+namespace mctest {
+namespace {
+
+using mooncake::EngineOptions;
+using mooncake::ErrorKind;
+using mooncake::PeerAddress;
+
+class EndpointTransport : public TransportTest {};
+
+TEST_P(EndpointTransport, PeersUseTheChosenTransportAndARankReachesItselfDirectly) {
+  run_ranks(3, [this](Rank& r) {
+    auto ep = connect_endpoint(r, tcp(), 4096);
+    EXPECT_EQ(ep->rank(), r.rank);
+    EXPECT_EQ(ep->size(), r.size);
+    for (int peer = 0; peer < r.size; ++peer)
+      EXPECT_STREQ(ep->transport_of(peer), peer == r.rank ? "self"
+                                           : tcp()        ? "tcp"
+                                                          : "shm")
+          << "peer " << peer;
+    store_barrier(r.store, "checked", r.rank, r.size);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, EndpointTransport, testing::Bool(), transport_name);
+
+TEST(Endpoint, RanksThatDisagreeOnTheSegmentSizeCannotConnect) {
+  run_ranks(2, [](Rank& r) {
+    EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument,
+                             [&] { connect_endpoint(r, false, r.rank == 0 ? 4096 : 8192); }));
+  });
+}
+
+TEST(PeerAddress, EncodeDecodeRoundTrips) {
+  PeerAddress a;
+  a.rank = 6;
+  a.host_key = mooncake::local_host_key();
+  a.pid = 4242;
+  a.segment_fd = 17;
+  a.segment_bytes = uint64_t{1} << 40;
+  a.tcp_host = "10.1.2.3";
+  a.tcp_port = 65000;
+  PeerAddress b = PeerAddress::decode(a.encode());
+  EXPECT_EQ(b.rank, a.rank);
+  EXPECT_EQ(b.host_key, a.host_key);
+  EXPECT_EQ(b.pid, a.pid);
+  EXPECT_EQ(b.segment_fd, a.segment_fd);
+  EXPECT_EQ(b.segment_bytes, a.segment_bytes);
+  EXPECT_EQ(b.tcp_host, a.tcp_host);
+  EXPECT_EQ(b.tcp_port, a.tcp_port);
+}
+
+TEST(PeerAddress, ATruncatedAddressIsAnError) {
+  PeerAddress a;
+  a.rank = 1;
+  std::string text = a.encode();
+  text.resize(text.size() / 2);
+  EXPECT_THROW(PeerAddress::decode(text), mooncake::Error);
+}
+
+TEST(HostKey, IsStableAndNamesThisBoot) {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string boot_id;
+  std::getline(in, boot_id);
+  EXPECT_EQ(mooncake::local_host_key(), mooncake::local_host_key());
+  EXPECT_EQ(mooncake::local_host_key().rfind(boot_id, 0), 0u) << mooncake::local_host_key();
+}
+
+TEST(EngineOptions, TransportComesFromTheEnvironment) {
+  {
+    ScopedEnv t("MOONCAKE_TRANSPORT", "tcp");
+    EXPECT_TRUE(EngineOptions::from_env().force_tcp);
+  }
+  for (const char* v : {"auto", "shm"}) {
+    ScopedEnv t("MOONCAKE_TRANSPORT", v);
+    EXPECT_FALSE(EngineOptions::from_env().force_tcp) << v;
+  }
+  ScopedEnv unset("MOONCAKE_TRANSPORT", std::nullopt);
+  EXPECT_FALSE(EngineOptions::from_env().force_tcp);
+}
+
+TEST(EngineOptions, AnUnknownTransportIsAnInvalidArgument) {
+  ScopedEnv t("MOONCAKE_TRANSPORT", "rdma-please");
+  EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument, [] { EngineOptions::from_env(); }));
+}
+
+TEST(EngineOptions, HostIpComesFromTheEnvironment) {
+  ScopedEnv ip("MOONCAKE_HOST_IP", "127.0.0.1");
+  EXPECT_EQ(EngineOptions::from_env().host_ip, "127.0.0.1");
+}
+
+TEST(TransferEngine, OffersSharedMemoryAndTcp) {
+  auto t = mooncake::TransferEngine::available_transports();
+  EXPECT_NE(std::find(t.begin(), t.end(), "shm"), t.end());
+  EXPECT_NE(std::find(t.begin(), t.end(), "tcp"), t.end());
+}
+
+}  // namespace
+}  // namespace mctest

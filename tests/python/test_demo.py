@@ -1,0 +1,39 @@
+"""The quick-start example runs under torchrun, as its docstring says, and passes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_pg_quickstart_under_torchrun():
+    """``torchrun --standalone --nproc-per-node=2 examples/pg_quickstart.py`` exits 0 and
+    both ranks print every result and OK."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen(
+        [str(torchrun), "--standalone", "--nproc-per-node=2", "examples/pg_quickstart.py"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a hang can be ended with the ranks torchrun started
+    )
+    try:
+        out, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError("torchrun did not finish within 180 s:\n" + out[-4000:]) from None
+    assert proc.returncode == 0, out[-4000:]
+    for rank in (0, 1):
+        assert f"rank={rank} all_reduce=3" in out, out[-4000:]
+        assert f"rank={rank} ring_exchange=" in out, out[-4000:]
+        assert f"rank={rank} OK" in out, out[-4000:]

@@ -1,0 +1,93 @@
+"""The harness itself: failures are reported against the right case and rank, and a
+launch whose ranks crash or hang is bounded and says so.
+
+A harness that cannot fail hides bugs, so these launches fail on purpose
+and the tests check the verdicts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from launcher import Case, Launch, run
+
+
+def _ok(ctx):
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    ctx.expect(t.item() == ctx.world_size * (ctx.world_size + 1) / 2, f"sum is {t.item()}")
+
+
+def _wrong_on_rank1(ctx):
+    t = torch.arange(4.0)
+    ctx.expect_equal(t, t + (1 if ctx.rank == 1 else 0), "deliberate")
+
+
+def _raises_everywhere(ctx):
+    raise RuntimeError(f"deliberate error on rank {ctx.rank}")
+
+
+def _crash_rank1(ctx):
+    if ctx.rank == 1:
+        os._exit(7)
+
+
+def _sleep(ctx):
+    time.sleep(120)
+
+
+def failing(world: int) -> list[Case]:
+    return [
+        Case("ok", _ok),
+        Case("wrong", _wrong_on_rank1),
+        Case("raises", _raises_everywhere),
+        Case("ok_after_raise", _ok),
+        Case("crash", _crash_rank1),
+        Case("never_run", _ok),
+    ]
+
+
+def hanging(world: int) -> list[Case]:
+    return [Case("ok", _ok), Case("sleep", _sleep), Case("never_run", _ok)]
+
+
+def test_verdicts_name_case_rank_and_cause():
+    """A wrong result fails only its case and names the rank; an exception on every rank is
+    reported and the launch goes on (the group still works); a crashed rank fails its case
+    with the exit code, later cases report that they did not run, and the teardown fails."""
+    result = run(Launch(failing, 2, "selftest-failing", grace_s=3, timeout_s=120))
+    verdict = {
+        c: result.verdict(c)
+        for c in ("ok", "wrong", "raises", "ok_after_raise", "crash", "never_run", "<teardown>")
+    }
+    assert verdict["ok"] == (True, ""), verdict["ok"][1]
+    passed, why = verdict["wrong"]
+    assert not passed and "rank 1 fail" in why and "deliberate" in why and "rank 0" not in why
+    passed, why = verdict["raises"]
+    assert (
+        not passed and "deliberate error on rank 0" in why and "deliberate error on rank 1" in why
+    )
+    assert verdict["ok_after_raise"] == (True, "")
+    passed, why = verdict["crash"]
+    assert not passed and "exited with code 7" in why, why
+    passed, why = verdict["never_run"]
+    assert not passed and "did not run" in why, why
+    assert not verdict["<teardown>"][0]
+    assert result.seconds < 60
+
+
+def test_hanging_rank_is_killed_at_the_deadline():
+    """A case that never returns is killed at the launch deadline and named."""
+    start = time.monotonic()
+    result = run(Launch(hanging, 2, "selftest-hanging", timeout_s=12))
+    assert time.monotonic() - start < 30
+    assert result.verdict("ok") == (True, "")
+    passed, why = result.verdict("sleep")
+    assert not passed and "did not finish" in why and "deadline" in why, why
+    passed, why = result.verdict("never_run")
+    assert not passed and "did not run" in why, why
+    assert not result.verdict("<teardown>")[0]
