@@ -36,6 +36,6 @@ step "Python tests"
 
 step "benchmark"
 if [ -f bench/bench_pg.py ]; then
-  "$PY" bench/bench_pg.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+  "$PY" bench/bench_pg.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
 fi
 exit $status
