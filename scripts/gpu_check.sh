@@ -17,7 +17,14 @@ step "machine"
 { nvidia-smi || true; nproc; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
 
 step "build"
+# Build with the system g++, whose libstdc++ is the one torch loads: a
+# toolchain that links its own libstdc++ statically (the image's CXX points at
+# one) puts a second copy of the C++ runtime in the module, and iostreams then
+# crash inside torch's process.
+CXX_BIN=${MOONCAKE_CXX:-/usr/bin/g++}
+echo "compiler: $CXX_BIN ($("$CXX_BIN" --version | head -1)); CXX in env: ${CXX:-unset}"
 cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
+  -DCMAKE_CXX_COMPILER="$CXX_BIN" \
   -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" 2>&1 | tee "$OUT/build.log" >/dev/null
 cmake --build build-gpu -j"$(nproc)" 2>&1 | tee -a "$OUT/build.log" | tail -3 || status=1
 
