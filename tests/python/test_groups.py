@@ -96,6 +96,10 @@ def no_leaks(ctx, cycles: int = 2):
     import mooncake.pg  # noqa: F401 - registers the backend
 
     torch.ones(1000).sum()  # torch's own lazy threads, if any, before the baseline
+    if torch.cuda.is_available():
+        # With a CUDA torch, init_process_group brings up the CUDA driver (its
+        # device fds, pipes and thread live for the process): torch's, not ours.
+        torch.cuda.init()
     before = snapshot()
     for cycle in range(cycles):
         ctx.init_pg(store_prefix="lifecycle")
