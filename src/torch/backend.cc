@@ -273,6 +273,18 @@ void MooncakeBackend::check_tensor(const at::Tensor& t, const char* op, const ch
   to_dtype(t.scalar_type(), op, arg);
 }
 
+void MooncakeBackend::check_list(const std::vector<at::Tensor>& list, const at::Tensor& like,
+                                 const char* op, const char* arg, const char* like_name) const {
+  check_count(list.size(), static_cast<size_t>(size_), op, arg);
+  for (const auto& t : list) {
+    check_tensor(t, op, arg);
+    MC_CHECK_ARG(t.numel() == like.numel() && t.scalar_type() == like.scalar_type(), op,
+                 ": every tensor in ", arg, " must match the ", like_name, " (", like.numel(),
+                 " elements of ", dtype_str(like.scalar_type()), "), got ", t.numel(),
+                 " elements of ", dtype_str(t.scalar_type()));
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::wrap(std::shared_ptr<Request> request,
                                                      c10d::OpType type,
                                                      std::vector<at::Tensor> outputs) {
@@ -397,16 +409,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
   return collective([&] {
     check_count(inputs.size(), 1, "all_gather", "input tensors");
     check_count(outputs.size(), 1, "all_gather", "output tensor lists");
-    check_count(outputs[0].size(), static_cast<size_t>(size_), "all_gather", "tensor_list");
     at::Tensor in = inputs[0];
     check_tensor(in, "all_gather", "tensor");
-    for (auto& o : outputs[0]) {
-      check_tensor(o, "all_gather", "tensor_list");
-      MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
-                   "all_gather: every tensor in tensor_list must match the input tensor (",
-                   in.numel(), " elements of ", dtype_str(in.scalar_type()), "), got ", o.numel(),
-                   " elements of ", dtype_str(o.scalar_type()));
-    }
+    check_list(outputs[0], in, "all_gather", "tensor_list", "input tensor");
     DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
     std::vector<at::Tensor> outs = outputs[0];
     int64_t timeout = op_timeout_ms(opts.timeout);
@@ -502,12 +507,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
     std::vector<at::Tensor> outs;
     if (rank_ == root) {
       check_count(outputs.size(), 1, "gather", "output tensor lists");
-      check_count(outputs[0].size(), static_cast<size_t>(size_), "gather", "gather_list");
-      for (auto& o : outputs[0]) {
-        check_tensor(o, "gather", "gather_list");
-        MC_CHECK_ARG(o.numel() == in.numel() && o.scalar_type() == in.scalar_type(),
-                     "gather: every tensor in gather_list must match the input tensor");
-      }
+      check_list(outputs[0], in, "gather", "gather_list", "input tensor");
       outs = outputs[0];
     } else {
       MC_CHECK_ARG(outputs.empty() || outputs[0].empty(),
@@ -545,13 +545,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
     std::vector<at::Tensor> ins;
     if (rank_ == root) {
       check_count(inputs.size(), 1, "scatter", "input tensor lists");
-      check_count(inputs[0].size(), static_cast<size_t>(size_), "scatter", "scatter_list");
-      for (auto& i : inputs[0]) {
-        check_tensor(i, "scatter", "scatter_list");
-        MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
-                     "scatter: every tensor in scatter_list must match the output tensor");
-        ins.push_back(i.contiguous());
-      }
+      check_list(inputs[0], out, "scatter", "scatter_list", "output tensor");
+      for (auto& i : inputs[0]) ins.push_back(i.contiguous());
     } else {
       MC_CHECK_ARG(inputs.empty() || inputs[0].empty(),
                    "scatter: scatter_list must be empty on non-source ranks");
@@ -580,13 +575,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
     at::Tensor out = outputs[0];
     check_tensor(out, "reduce_scatter", "output");
     std::vector<at::Tensor> ins;
-    for (auto& i : inputs[0]) {
-      check_tensor(i, "reduce_scatter", "input_list");
-      MC_CHECK_ARG(i.numel() == out.numel() && i.scalar_type() == out.scalar_type(),
-                   "reduce_scatter: every tensor in input_list must match the output tensor (",
-                   out.numel(), " elements of ", dtype_str(out.scalar_type()), ")");
-      ins.push_back(i.contiguous());
-    }
+    check_list(inputs[0], out, "reduce_scatter", "input_list", "output tensor");
+    for (auto& i : inputs[0]) ins.push_back(i.contiguous());
     DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
     RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
     int64_t timeout = op_timeout_ms(opts.timeout);
