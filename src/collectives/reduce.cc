@@ -68,48 +68,40 @@ struct Acc<BFloat> {
   static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
 };
 
-template <typename A>
-A combine(RedOp op, A a, A b) {
+// One op on two accumulators. The op is a template argument so that the
+// loops below have no branch per element and the compiler can vectorise them.
+template <RedOp Op, typename A>
+A combine(A a, A b) {
   if constexpr (std::is_same_v<A, bool>) {
-    switch (op) {
-      case RedOp::kSum:
-      case RedOp::kMax:
-      case RedOp::kBor: return a || b;
-      case RedOp::kProduct:
-      case RedOp::kMin:
-      case RedOp::kBand: return a && b;
-      case RedOp::kBxor: return a != b;
-      default: return a;
-    }
+    if constexpr (Op == RedOp::kSum || Op == RedOp::kMax || Op == RedOp::kBor) return a || b;
+    if constexpr (Op == RedOp::kProduct || Op == RedOp::kMin || Op == RedOp::kBand) return a && b;
+    if constexpr (Op == RedOp::kBxor) return a != b;
+    return a;
   } else if constexpr (std::is_floating_point_v<A>) {
-    switch (op) {
-      case RedOp::kSum:
-      case RedOp::kAvg: return a + b;
-      case RedOp::kProduct: return a * b;
-      case RedOp::kMin: return (std::isnan(b) || b < a) ? b : a;
-      case RedOp::kMax: return (std::isnan(b) || b > a) ? b : a;
-      default: return a;
-    }
+    if constexpr (Op == RedOp::kSum || Op == RedOp::kAvg) return a + b;
+    if constexpr (Op == RedOp::kProduct) return a * b;
+    if constexpr (Op == RedOp::kMin) return (std::isnan(b) || b < a) ? b : a;
+    if constexpr (Op == RedOp::kMax) return (std::isnan(b) || b > a) ? b : a;
+    return a;
   } else {
     // Wrap-around arithmetic, as torch does, in an unsigned type at least as
     // wide as int so that narrow types are not promoted to (signed) int.
     using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
-    switch (op) {
-      case RedOp::kSum: return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
-      case RedOp::kProduct: return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
-      case RedOp::kMin: return b < a ? b : a;
-      case RedOp::kMax: return b > a ? b : a;
-      case RedOp::kBand: return a & b;
-      case RedOp::kBor: return a | b;
-      case RedOp::kBxor: return a ^ b;
-      default: return a;
-    }
+    if constexpr (Op == RedOp::kSum) return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+    if constexpr (Op == RedOp::kProduct)
+      return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+    if constexpr (Op == RedOp::kMin) return b < a ? b : a;
+    if constexpr (Op == RedOp::kMax) return b > a ? b : a;
+    if constexpr (Op == RedOp::kBand) return a & b;
+    if constexpr (Op == RedOp::kBor) return a | b;
+    if constexpr (Op == RedOp::kBxor) return a ^ b;
+    return a;
   }
 }
 
-template <typename T>
-void reduce_typed(RedOp op, void* out_v, const void* const* srcs_v, int nsrc, size_t count,
-                  int avg_divisor) {
+template <typename T, RedOp Op>
+void reduce_typed_op(void* out_v, const void* const* srcs_v, int nsrc, size_t count,
+                     int avg_divisor) {
   using A = typename Acc<T>::type;
   T* out = static_cast<T*>(out_v);
   A acc[kBlock];
@@ -119,13 +111,28 @@ void reduce_typed(RedOp op, void* out_v, const void* const* srcs_v, int nsrc, si
     for (size_t i = 0; i < n; ++i) acc[i] = Acc<T>::load(s0[i]);
     for (int s = 1; s < nsrc; ++s) {
       const T* src = static_cast<const T*>(srcs_v[s]) + base;
-      for (size_t i = 0; i < n; ++i) acc[i] = combine<A>(op, acc[i], Acc<T>::load(src[i]));
+      for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(acc[i], Acc<T>::load(src[i]));
     }
-    if constexpr (std::is_floating_point_v<A>) {
-      if (op == RedOp::kAvg)
-        for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / static_cast<A>(avg_divisor);
-    }
+    if constexpr (std::is_floating_point_v<A> && Op == RedOp::kAvg)
+      for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / static_cast<A>(avg_divisor);
     for (size_t i = 0; i < n; ++i) out[base + i] = Acc<T>::store(acc[i]);
+  }
+}
+
+template <typename T>
+void reduce_typed(RedOp op, void* out, const void* const* srcs, int nsrc, size_t count,
+                  int avg_divisor) {
+  switch (op) {
+    case RedOp::kSum: return reduce_typed_op<T, RedOp::kSum>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kProduct:
+      return reduce_typed_op<T, RedOp::kProduct>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kMin: return reduce_typed_op<T, RedOp::kMin>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kMax: return reduce_typed_op<T, RedOp::kMax>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kAvg: return reduce_typed_op<T, RedOp::kAvg>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kBand: return reduce_typed_op<T, RedOp::kBand>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kBor: return reduce_typed_op<T, RedOp::kBor>(out, srcs, nsrc, count, avg_divisor);
+    case RedOp::kBxor: return reduce_typed_op<T, RedOp::kBxor>(out, srcs, nsrc, count, avg_divisor);
+    default: MC_ASSERT(false, "unknown reduce op");
   }
 }
 

@@ -1,0 +1,518 @@
+"""nccl-tests-style benchmark of the ``mooncake-cpu`` backend against gloo, with floors.
+
+For each world size, each backend is launched once the way torchrun does it:
+this process hosts the ``TCPStore`` and every rank is a subprocess (this file
+with ``--worker``) that runs every op and size inside one process group. Each
+point is timed as: barrier, warm-up ops, then a few timed loops of
+back-to-back ops, each between barriers. A loop's time is the slowest rank's
+mean; a point's is its fastest loop's (the others are kept in the JSON).
+
+Beside every row stands a floor measured in the same run (see ``floors.py``
+and ``bench/README.md``): the wake-up hand-offs the algorithm needs, and the
+bytes it must copy at this host's memcpy bandwidth. Results go to
+``<out-dir>/pg.json``, ``pg.png`` and ``pg_table.md``.
+
+    .venv/bin/python bench/bench_pg.py            # the full run, about 10 minutes
+    .venv/bin/python bench/bench_pg.py --quick    # world 4, five sizes, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import floors
+import report
+
+HERE = Path(__file__).resolve().parent
+OPS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
+ALIASES = {"all_gather": OPS[1], "reduce_scatter": OPS[2], "all_to_all": OPS[3]}
+BACKENDS = ("mooncake-cpu", "gloo")
+# Knobs of the library the floor models depend on (defaults as in src/core/env.cc).
+MOONCAKE_ENV_DEFAULTS = {
+    "MOONCAKE_SMALL_MSG_BYTES": "65536",
+    "MOONCAKE_CHUNK_BYTES": "262144",
+    "MOONCAKE_SPIN_US": "20",
+    "MOONCAKE_ASYNC_DELAY_US": "100",
+}
+QUICK_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20)
+FAILURE_GRACE_S = 30
+# Copy rates from cache-sized to DRAM-sized (below 256 KiB the call costs more than the bytes).
+COPY_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+# --- command line ------------------------------------------------------------------
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '4K', '4KiB', '64M', '1G' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    return int(float(t[:-1] if scale != 1 else t) * scale)
+
+
+def parse_list(text: str, allowed: tuple[str, ...], aliases: dict[str, str]) -> list[str]:
+    names = [aliases.get(n.strip(), n.strip()) for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad:
+        raise ValueError(f"unknown {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return names
+
+
+def sizes_between(lo: int, hi: int, factor: int) -> list[int]:
+    """``hi``, ``hi / factor``, ... down to ``lo``, with ``lo`` itself, ascending."""
+    sizes = {lo}
+    s = hi
+    while s > lo:
+        sizes.add(s)
+        s //= factor
+    return sorted(sizes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="nccl-tests-style benchmark of mooncake-cpu against gloo, with floors "
+        "measured in the same run (see bench/README.md).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--world-sizes", default="2,4,8", help="comma-separated world sizes")
+    p.add_argument("--min-bytes", default="8", help="smallest message size (K/M/G suffixes)")
+    p.add_argument("--max-bytes", default="64M", help="largest message size")
+    p.add_argument("--step-factor", type=int, default=4, choices=(2, 4), help="size step")
+    p.add_argument("--sizes", default="", help="explicit comma-separated sizes (overrides range)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up ops (1 above 1 MiB)")
+    p.add_argument("--min-iters", type=int, default=3, help="fewest timed ops per point")
+    p.add_argument("--max-iters", type=int, default=1000, help="most timed ops per point")
+    p.add_argument(
+        "--point-seconds", type=float, default=0.2, help="timed seconds per point, all loops"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed loops per point; the fastest is reported"
+    )
+    p.add_argument(
+        "--no-overhead", action="store_true", help="skip the world-size-1 per-op overhead probe"
+    )
+    p.add_argument("--out-dir", default=str(HERE / "results"), help="where results go")
+    p.add_argument("--no-plot", action="store_true", help="skip pg.png")
+    p.add_argument(
+        "--launch-timeout", type=float, default=900, help="seconds before a launch is killed"
+    )
+    p.add_argument("--op-timeout", type=float, default=120, help="backend op timeout, seconds")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="world 4, sizes 8 B/4K/64K/1M/16M, short loops: a smoke run of about a minute",
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+# --- one rank -----------------------------------------------------------------------
+
+
+def make_op(name: str, nbytes: int, world: int):
+    """The op to time, its actual size in bytes and its nccl-tests count.
+
+    Sizes follow nccl-tests: all_gather's size is its output, reduce_scatter's
+    its input, all_to_all's one rank's whole buffer; those three move whole
+    elements per rank, so a size below ``4 * world`` bytes grows to it.
+    """
+    import torch
+    import torch.distributed as dist
+
+    elems = max(1, nbytes // 4)
+    per_rank = max(1, elems // world)
+    zeros = torch.zeros  # written, so every page is touched before timing
+    if name == "all_reduce":
+        t = zeros(elems)
+        return (lambda: dist.all_reduce(t)), 4 * elems, elems
+    if name == "broadcast":
+        t = zeros(elems)
+        return (lambda: dist.broadcast(t, src=0)), 4 * elems, elems
+    if name == "all_gather_into_tensor":
+        out, inp = zeros(per_rank * world), zeros(per_rank)
+        return (lambda: dist.all_gather_into_tensor(out, inp)), 4 * per_rank * world, per_rank
+    if name == "reduce_scatter_tensor":
+        out, inp = zeros(per_rank), zeros(per_rank * world)
+        return (lambda: dist.reduce_scatter_tensor(out, inp)), 4 * per_rank * world, per_rank
+    if name == "all_to_all_single":
+        out, inp = zeros(per_rank * world), zeros(per_rank * world)
+        return (lambda: dist.all_to_all_single(out, inp)), 4 * per_rank * world, per_rank
+    raise ValueError(f"unknown op {name}")
+
+
+def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
+    """Mean seconds per call of ``fn`` in each timed loop, the calls per loop, and this
+    rank's sleeps, preemptions and CPU time per call (see :func:`usage_now`).
+
+    Every rank makes the same calls: the loop length comes from the slowest
+    rank's warm-up, agreed through an all_reduce(MAX). The budget of
+    ``point_seconds`` is split into up to ``repeats`` loops, each between
+    barriers, so that one disturbed loop on a shared host can be told apart.
+    """
+    import torch
+    import torch.distributed as dist
+
+    warmup = cfg["warmup"] if nbytes <= (1 << 20) else 1
+    dist.barrier()
+    fn()  # first call: first touch of buffers and peer slots
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+    estimate = torch.tensor([(time.perf_counter() - t0) / max(warmup, 1)], dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+    total = int(cfg["point_seconds"] / max(estimate.item(), 1e-7))
+    total = max(cfg["min_iters"], min(cfg["max_iters"], total))
+    repeats = max(1, min(cfg["repeats"], total // cfg["min_iters"]))
+    iters = max(cfg["min_iters"], total // repeats)
+    means, usage = [], [0.0, 0.0, 0.0]
+    for _ in range(repeats):
+        dist.barrier()
+        before = usage_now()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        means.append((time.perf_counter() - t0) / iters)
+        after = usage_now()
+        usage = [u + a - b for u, a, b in zip(usage, after, before, strict=True)]
+    dist.barrier()
+    calls = repeats * iters
+    return (
+        means,
+        iters,
+        {
+            "sleeps": round(usage[0] / calls, 2),
+            "preempted": round(usage[1] / calls, 2),
+            "cpu_us": round(usage[2] / calls * 1e6, 2),
+        },
+    )
+
+
+def usage_now() -> tuple[int, int, float]:
+    """This process's (voluntary, involuntary) context switches and CPU seconds so far.
+
+    A voluntary switch is a thread going to sleep (here: waiting for a peer or
+    for its own worker thread), so per op it counts the hand-offs the op took;
+    CPU seconds (user + system, all threads) include time spent spinning.
+    """
+    voluntary = involuntary = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except OSError:  # the thread exited
+            continue
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches"):
+                voluntary += int(line.split()[1])
+            elif line.startswith("nonvoluntary_ctxt_switches"):
+                involuntary += int(line.split()[1])
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return voluntary, involuntary, ru.ru_utime + ru.ru_stime
+
+
+def us(seconds: list[float]) -> list[float]:
+    return [round(s * 1e6, 3) for s in seconds]
+
+
+def run_worker(cfg: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # torch 2.13 steers all_gather_into_tensor/reduce_scatter_tensor users to *_single.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    if cfg["backend"].startswith("mooncake"):
+        from mooncake import pg  # noqa: F401  (registers the backend)
+
+    rank, world = cfg["rank"], cfg["world"]
+    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False)
+    dist.init_process_group(
+        cfg["backend"],
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=cfg["op_timeout"]),
+    )
+    points: list[dict] = []
+
+    def record(point: dict) -> None:
+        points.append(point)
+        store.set(f"result/{rank}", json.dumps(points))
+        if rank == 0:
+            print(
+                f"[{cfg['backend']} world {world}] {point['op']:<23} {point['bytes']:>10} B "
+                f"{min(point['loops_us']):>11.1f} us  ({len(point['loops_us'])} x "
+                f"{point['iters']} calls)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    # Per-op costs with no data: an all_reduce of 0 elements, and a barrier.
+    empty = torch.zeros(0)
+    probes = {"all_reduce_0B": lambda: dist.all_reduce(empty), "barrier": dist.barrier}
+    for name, fn in probes.items():
+        means, iters, usage = time_point(fn, 0, cfg)
+        record(
+            {
+                "op": name,
+                "bytes": 0,
+                "count": 0,
+                "loops_us": us(means),
+                "iters": iters,
+                "usage": usage,
+            }
+        )
+    for op in cfg["ops"]:
+        for size in cfg["sizes"]:
+            fn, nbytes, count = make_op(op, size, world)
+            means, iters, usage = time_point(fn, nbytes, cfg)
+            record(
+                {
+                    "op": op,
+                    "bytes": nbytes,
+                    "count": count,
+                    "loops_us": us(means),
+                    "iters": iters,
+                    "usage": usage,
+                }
+            )
+            del fn
+    dist.destroy_process_group()
+
+
+# --- the launcher ---------------------------------------------------------------------
+
+
+def launch(backend: str, world: int, cfg: dict, timeout: float) -> dict:
+    """Runs one group of ``world`` ranks; returns each rank's points and any error."""
+    import torch.distributed as dist
+
+    started, load = time.monotonic(), os.getloadavg()[0]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    procs = []
+    for rank in range(world):
+        rank_cfg = dict(cfg, backend=backend, rank=rank, world=world, port=store.port)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(rank_cfg)],
+                env=env,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    error = None
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            error = f"timed out after {timeout:.0f} s"
+            break
+        if any(p.returncode not in (None, 0) for p in procs):
+            # A rank died: the others should fail fast; give them a grace period.
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        time.sleep(0.1)
+    for p in procs:  # only the ranks this launch started
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    if error is None and any(codes):
+        error = f"ranks exited with codes {codes}"
+    per_rank = []
+    for rank in range(world):
+        key = f"result/{rank}"
+        per_rank.append(json.loads(store.get(key)) if store.check([key]) else [])
+    return {
+        "backend": backend,
+        "world": world,
+        "error": error,
+        "per_rank": per_rank,
+        "wall_s": round(time.monotonic() - started, 1),
+        "loadavg": [load, os.getloadavg()[0]],
+    }
+
+
+def merge(launch_result: dict) -> dict[tuple[str, int], dict]:
+    """(op, bytes) -> the point: per loop, the slowest rank's mean; the fastest such loop."""
+    merged: dict[tuple[str, int], dict] = {}
+    ranks = launch_result["per_rank"]
+    complete = min((len(points) for points in ranks), default=0)
+    for i in range(complete):
+        rows = [points[i] for points in ranks]
+        first = rows[0]
+        loops = [max(r["loops_us"][k] for r in rows) for k in range(len(first["loops_us"]))]
+        best = loops.index(min(loops))
+        merged[(first["op"], first["bytes"])] = {
+            "op": first["op"],
+            "bytes": first["bytes"],
+            "count": first["count"],
+            "iters": first["iters"],
+            "time_us": loops[best],
+            "loops_us": loops,
+            "per_rank_us": [r["loops_us"][best] for r in rows],
+            # per op: sleeps and preemptions per rank (mean), CPU time of all ranks (sum)
+            "sleeps_per_op": round(sum(r["usage"]["sleeps"] for r in rows) / len(rows), 2),
+            "preempted_per_op": round(sum(r["usage"]["preempted"] for r in rows) / len(rows), 2),
+            "cpu_us_per_op": round(sum(r["usage"]["cpu_us"] for r in rows), 1),
+        }
+    return merged
+
+
+def library_version() -> dict:
+    """Which mooncake was measured: the checkout's commit and the extension's build time."""
+    repo = HERE.parent
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    built = sorted((repo / "python" / "mooncake").glob("_pg_torch*.so"))
+    return {
+        "commit": commit,
+        "extensions": {
+            p.name: time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(p.stat().st_mtime))
+            for p in built
+        },
+    }
+
+
+def measure_floors(worlds: list[int], quick: bool) -> dict:
+    cores = floors.host_cores()
+    print(f"# measuring floors on {cores} cores ...", file=sys.stderr, flush=True)
+    copy = floors.measure_copy(COPY_SIZES, trials=3 if quick else 5)
+    loop_us = floors.loop_overhead_us()
+    handoff = {
+        n: floors.measure_handoff(n, trials=5 if quick else 15, loop_us=loop_us)
+        for n in sorted({w for w in worlds if w >= 2})
+    }
+    return {"cores": cores, "copy": copy, "handoff": handoff}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.worker:
+        run_worker(json.loads(args.worker))
+        return 0
+    if args.quick:
+        args.world_sizes = "4"
+        args.sizes = args.sizes or ",".join(str(s) for s in QUICK_SIZES)
+        args.point_seconds = min(args.point_seconds, 0.05)
+        args.warmup = min(args.warmup, 2)
+    try:
+        worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()})
+        ops = parse_list(args.ops, OPS, ALIASES)
+        backends = parse_list(args.backends, BACKENDS, {})
+        if args.sizes:
+            sizes = sorted({parse_bytes(s) for s in args.sizes.split(",") if s.strip()})
+        else:
+            sizes = sizes_between(
+                parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor
+            )
+    except ValueError as e:
+        parser.error(str(e))
+    if not worlds or min(worlds) < 1 or not sizes or min(sizes) < 1:
+        parser.error("world sizes and message sizes must be >= 1")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.time()
+    load_start = os.getloadavg()
+    # Before any TCPStore exists: the floor micro-benchmarks fork.
+    measured = measure_floors(worlds, args.quick)
+    mooncake_env = {k: os.environ.get(k, v) for k, v in MOONCAKE_ENV_DEFAULTS.items()}
+    model = floors.FloorModel(
+        cores=measured["cores"],
+        copy=measured["copy"],
+        handoff=measured["handoff"],
+        small_bytes=int(mooncake_env["MOONCAKE_SMALL_MSG_BYTES"]),
+    )
+    report.print_floors(model, load_start)
+    import torch  # after the floors: they fork, and want a light parent
+
+    cfg = {
+        "ops": ops,
+        "sizes": sizes,
+        "warmup": args.warmup,
+        "min_iters": args.min_iters,
+        "max_iters": args.max_iters,
+        "repeats": args.repeats,
+        "point_seconds": args.point_seconds,
+        "op_timeout": args.op_timeout,
+    }
+    errors, launches = [], []
+    by_world: dict[int, dict[str, dict]] = {}
+    probe_worlds = ([] if args.no_overhead or 1 in worlds else [1]) + worlds
+    for world in probe_worlds:
+        world_cfg = dict(cfg, ops=ops if world in worlds else [])
+        by_backend = by_world.setdefault(world, {})
+        for backend in backends:
+            print(f"# launching {backend}, world {world} ...", file=sys.stderr, flush=True)
+            result = launch(backend, world, world_cfg, args.launch_timeout)
+            launches.append({k: v for k, v in result.items() if k != "per_rank"})
+            if result["error"]:
+                print(f"# {backend} world {world}: {result['error']}", file=sys.stderr)
+                errors.append({"backend": backend, "world": world, "error": result["error"]})
+            by_backend[backend] = merge(result)
+        if world in worlds and world >= 2:
+            report.print_world(model, world, ops, backends, by_backend)
+
+    results = report.collect(model, by_world, ops)
+    targets = report.check_targets(results, backends)
+    report.print_overheads(results["overhead"], backends)
+    report.print_targets(targets)
+    document = {
+        "meta": {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+            "duration_s": round(time.time() - started, 1),
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cores": measured["cores"],
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "args": vars(args),
+            "mooncake_env": mooncake_env,
+            "mooncake": library_version(),
+            "dtype": "float32",
+            "time": "per timed loop of back-to-back ops, the slowest rank's mean; per point, "
+            "the fastest of its loops (loops_us lists them all)",
+        },
+        "launches": launches,
+        "floors": report.floors_json(model),
+        "overhead": results["overhead"],
+        "results": results["rows"],
+        "targets": targets,
+        "errors": errors,
+    }
+    (out_dir / "pg.json").write_text(json.dumps(document, indent=1))
+    (out_dir / "pg_table.md").write_text(report.markdown_table(results["rows"], backends))
+    if not args.no_plot:
+        report.plot(results["rows"], backends, out_dir / "pg.png")
+    print(f"# wrote {out_dir}/pg.json, pg_table.md" + ("" if args.no_plot else ", pg.png"))
+    print(f"# total {time.time() - started:.0f} s", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""Tables, JSON rows, the Markdown snippet, target checks and the plot for bench_pg.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from floors import FloorModel
+
+MOONCAKE = "mooncake-cpu"
+GLOO = "gloo"
+BUSBW_FACTOR = {  # nccl-tests' bus bandwidth factors
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+KEY_WORLD = 4
+KEY_ROWS = [("all_reduce", s) for s in (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)] + [
+    (op, s)
+    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
+    for s in (4 << 10, 16 << 20)
+]
+TARGETS = {  # world 4 all_reduce
+    "small_max_bytes": 4 << 10,
+    "small_floor_ratio": 4.0,
+    "small_gloo_speedup": 50.0,
+    "large_min_bytes": 16 << 20,
+    "large_floor_ratio": 1.5,
+    "large_gloo_speedup": 1.0,
+}
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def fmt_us(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t:.1f}" if t < 1e5 else f"{t:.0f}"
+
+
+def fmt_ratio(r: float | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r:.2f}" if r < 100 else f"{r:.0f}"
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+# --- rows -----------------------------------------------------------------------------
+
+
+def make_row(model: FloorModel, op: str, world: int, points: dict[str, dict]) -> dict:
+    """One JSON row: every backend's time and bandwidths, the floor, the ratios."""
+    first = next(iter(points.values()))
+    nbytes = first["bytes"]
+    row: dict = {"op": op, "world": world, "bytes": nbytes, "count": first["count"]}
+    for backend, p in points.items():
+        algbw = nbytes / p["time_us"] / 1e3
+        row[backend] = {
+            "time_us": p["time_us"],
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * BUSBW_FACTOR[op](world),
+            "iters": p["iters"],
+            "loops_us": p["loops_us"],
+            "per_rank_us": p["per_rank_us"],
+            "sleeps_per_op": p["sleeps_per_op"],
+            "preempted_per_op": p["preempted_per_op"],
+            "cpu_us_per_op": p["cpu_us_per_op"],
+        }
+    row["floor"] = model.floor(op, nbytes, world) if world >= 2 else None
+    mc, gl = row.get(MOONCAKE), row.get(GLOO)
+    row["ratios"] = {
+        "mooncake_over_floor": mc["time_us"] / row["floor"]["floor_us"]
+        if mc and row["floor"] and row["floor"]["floor_us"] > 0
+        else None,
+        "gloo_over_mooncake": gl["time_us"] / mc["time_us"] if mc and gl else None,
+    }
+    return row
+
+
+def world_rows(
+    model: FloorModel, world: int, ops: list[str], by_backend: dict[str, dict]
+) -> list[dict]:
+    rows = []
+    for op in ops:
+        sizes = sorted({b for pts in by_backend.values() for (o, b) in pts if o == op})
+        for nbytes in sizes:
+            points = {k: pts[(op, nbytes)] for k, pts in by_backend.items() if (op, nbytes) in pts}
+            rows.append(make_row(model, op, world, points))
+    return rows
+
+
+def collect(model: FloorModel, by_world: dict[int, dict[str, dict]], ops: list[str]) -> dict:
+    """Result rows for ``ops``, and the per-op overhead probes (the points of other names).
+
+    ``by_world[world][backend]`` maps (op, bytes) to the merged point of that launch.
+    """
+    rows, overhead = [], []
+    for world, by_backend in sorted(by_world.items()):
+        for backend, pts in by_backend.items():
+            for (op, _), p in pts.items():
+                if op not in ops:
+                    overhead.append(
+                        {
+                            "backend": backend,
+                            "world": world,
+                            "probe": op,
+                            "time_us": p["time_us"],
+                            "sleeps_per_op": p["sleeps_per_op"],
+                            "preempted_per_op": p["preempted_per_op"],
+                            "cpu_us_per_op": p["cpu_us_per_op"],
+                        }
+                    )
+        rows += world_rows(model, world, ops, by_backend)
+    return {"rows": rows, "overhead": overhead}
+
+
+# --- the text tables ------------------------------------------------------------------
+
+
+def print_floors(model: FloorModel, load: tuple[float, float, float]) -> None:
+    say(f"# mooncake-cpu vs gloo on {model.cores} cores; load average at start {load[0]:.2f}")
+    if load[0] > 0.5 * model.cores:
+        say("# WARNING: the host is busy; times and floors are noisy")
+    say("# floors, measured now:")
+    for n, h in sorted(model.handoff.items()):
+        trials = sorted(h.trials_us)
+        say(
+            f"#   hand-off, ring of {n}: {h.hop_us:.1f} us/hop (fastest of {len(trials)} trials "
+            f"{h.raw_hop_us:.1f} - loop body {h.loop_us:.1f}; median trial "
+            f"{trials[len(trials) // 2]:.1f})"
+        )
+    say(
+        f"#   copy bandwidth (numpy.copyto), GB/s copied: 1 process / {model.cores} at once, summed"
+    )
+    say(
+        "#     "
+        + ", ".join(
+            f"{fmt_bytes(c.nbytes)} {c.single_gbps:.1f}/{c.aggregate_gbps:.1f}" for c in model.copy
+        )
+    )
+    say("# floor = max(hand-off, copy)")
+    say(
+        "#   hand-off = rounds x max(1, N/cores) x hop(N); rounds = 1 (direct: one message to "
+        "every peer at once),"
+    )
+    say(
+        f"#     2 for all_reduce/broadcast above {fmt_bytes(model.small_bytes)} "
+        "(reduce-scatter + all-gather, scatter + all-gather)"
+    )
+    say(
+        "#   copy = max(all ranks' traffic / bandwidth of min(N, cores) processes, "
+        "busiest rank's / 1 process);"
+    )
+    say(
+        "#     traffic = bytes read + written when each byte crossing ranks is copied once "
+        "and a reduction reads each input once"
+    )
+    say("#   staged = the copy floor of mooncake's two-copy path (into the peer's slot, out of it)")
+    say("#   mc/flr = mooncake / floor; gl/mc = gloo / mooncake (> 1: mooncake is faster)")
+
+
+def print_world(
+    model: FloorModel, world: int, ops: list[str], backends: list[str], by_backend: dict
+) -> None:
+    both = MOONCAKE in backends and GLOO in backends
+    for op in ops:
+        rows = world_rows(model, world, [op], by_backend)
+        say()
+        say(f"# {op}, world {world}, float32" + (", sum" if "reduce" in op else ""))
+        head1 = f"#{'':>10} {'':>10} {'':>5}"
+        head2 = f"#{'size':>10} {'count':>10} {'type':>5}"
+        head3 = f"#{'(B)':>10} {'(elems)':>10} {'':>5}"
+        for b in backends:
+            head1 += f" |{b:>24}"
+            head2 += f" |{'time':>8} {'algbw':>7} {'busbw':>7}"
+            head3 += f" |{'(us)':>8} {'(GB/s)':>7} {'(GB/s)':>7}"
+        head1 += f" |{'floor':>17} {'':>8}"
+        head2 += f" |{'hand':>8} {'copy':>8} {'staged':>8}"
+        head3 += f" |{'(us)':>8} {'(us)':>8} {'(us)':>8}"
+        if both:
+            head1 += f" |{'ratios':>15}"
+            head2 += f" |{'mc/flr':>7} {'gl/mc':>7}"
+        for h in (head1, head2, head3):
+            say(h)
+        for row in rows:
+            line = f" {row['bytes']:>10} {row['count']:>10} {'float':>5}"
+            for b in backends:
+                p = row.get(b)
+                if p:
+                    line += f"  {fmt_us(p['time_us']):>8} {p['algbw_gbps']:>7.2f} "
+                    line += f"{p['busbw_gbps']:>7.2f}"
+                else:
+                    line += f"  {'-':>8} {'-':>7} {'-':>7}"
+            f = row["floor"]
+            line += f"  {fmt_us(f['handoff_us']):>8} {fmt_us(f['copy_us']):>8}"
+            line += f" {fmt_us(f['staged_copy_us']):>8}"
+            if both:
+                r = row["ratios"]
+                line += f"  {fmt_ratio(r['mooncake_over_floor']):>7}"
+                line += f" {fmt_ratio(r['gloo_over_mooncake']):>7}"
+            say(line)
+    sys.stdout.flush()
+
+
+def print_overheads(overhead: list[dict], backends: list[str]) -> None:
+    if not overhead:
+        return
+    worlds = sorted({o["world"] for o in overhead})
+    say()
+    say("# per-op cost with no data, as time (us, slowest rank) / sleeps per rank / CPU (us, all")
+    say("#   ranks); a sleep is a voluntary context switch: a hand-off. World 1: the call alone.")
+    say(f"#{'probe':>14} {'backend':>13} " + " ".join(f"{'world ' + str(w):>20}" for w in worlds))
+    for probe in ("all_reduce_0B", "barrier"):
+        for b in backends:
+            cells = []
+            for w in worlds:
+                hit = [
+                    o for o in overhead if (o["probe"], o["backend"], o["world"]) == (probe, b, w)
+                ]
+                cell = "-"
+                if hit:
+                    o = hit[0]
+                    cell = (
+                        f"{fmt_us(o['time_us'])} / {o['sleeps_per_op']:.1f} / "
+                        f"{o['cpu_us_per_op']:.0f}"
+                    )
+                cells.append(f"{cell:>20}")
+            say(f" {probe:>14} {b:>13} " + " ".join(cells))
+
+
+# --- targets --------------------------------------------------------------------------
+
+
+def check_targets(results: dict, backends: list[str]) -> list[dict]:
+    """The world-4 all_reduce targets: each with the measured worst case and a verdict."""
+    t = TARGETS
+    rows = [r for r in results["rows"] if r["op"] == "all_reduce" and r["world"] == KEY_WORLD]
+    small = [r for r in rows if r["bytes"] <= t["small_max_bytes"] and MOONCAKE in r]
+    large = [r for r in rows if r["bytes"] >= t["large_min_bytes"] and MOONCAKE in r]
+
+    def verdict(name, selected, value, limit, better) -> dict:
+        values = [(r["bytes"], value(r)) for r in selected if value(r) is not None]
+        if not values:
+            return {"target": name, "met": None, "worst": None, "at_bytes": None}
+        pick = min if better == "high" else max
+        at, worst = pick(values, key=lambda v: v[1])
+        met = worst >= limit if better == "high" else worst <= limit
+        return {"target": name, "met": met, "worst": worst, "at_bytes": at, "limit": limit}
+
+    out = [
+        verdict(
+            f"all_reduce <= {fmt_bytes(t['small_max_bytes'])}: mooncake <= "
+            f"{t['small_floor_ratio']:g}x hand-off floor",
+            small,
+            lambda r: r[MOONCAKE]["time_us"] / r["floor"]["handoff_us"],
+            t["small_floor_ratio"],
+            "low",
+        ),
+        verdict(
+            f"all_reduce >= {fmt_bytes(t['large_min_bytes'])}: mooncake <= "
+            f"{t['large_floor_ratio']:g}x copy floor",
+            large,
+            lambda r: r[MOONCAKE]["time_us"] / r["floor"]["copy_us"],
+            t["large_floor_ratio"],
+            "low",
+        ),
+    ]
+    if GLOO in backends:
+
+        def speedup(r: dict) -> float | None:
+            return r["ratios"]["gloo_over_mooncake"]
+
+        out.insert(
+            1,
+            verdict(
+                f"all_reduce <= {fmt_bytes(t['small_max_bytes'])}: gloo / mooncake >= "
+                f"{t['small_gloo_speedup']:g}",
+                small,
+                speedup,
+                t["small_gloo_speedup"],
+                "high",
+            ),
+        )
+        out.append(
+            verdict(
+                f"all_reduce >= {fmt_bytes(t['large_min_bytes'])}: gloo / mooncake > 1",
+                large,
+                speedup,
+                t["large_gloo_speedup"],
+                "high",
+            )
+        )
+    return out
+
+
+def print_targets(targets: list[dict]) -> None:
+    say()
+    say(f"# targets (world {KEY_WORLD}; worst size shown)")
+    for t in targets:
+        if t["met"] is None:
+            say(f"#   n/a   {t['target']}: not measured")
+            continue
+        mark = "met " if t["met"] else "MISS"
+        say(f"#   {mark}  {t['target']}: {t['worst']:.2f} at {fmt_bytes(t['at_bytes'])}")
+
+
+# --- JSON, Markdown, plot -----------------------------------------------------------------
+
+
+def floors_json(model: FloorModel) -> dict:
+    return {
+        "cores": model.cores,
+        "handoff": {
+            str(n): {
+                "hop_us": h.hop_us,
+                "raw_hop_us": h.raw_hop_us,
+                "loop_us": h.loop_us,
+                "trials_us": h.trials_us,
+            }
+            for n, h in sorted(model.handoff.items())
+        },
+        "copy": [
+            {
+                "bytes": c.nbytes,
+                "single_gbps": c.single_gbps,
+                "aggregate_gbps": c.aggregate_gbps,
+                "processes": c.processes,
+            }
+            for c in model.copy
+        ],
+        "small_msg_bytes": model.small_bytes,
+        "model": {
+            "floor": "max(handoff_us, copy_us)",
+            "handoff_us": "rounds * max(1, N / cores) * hop_us(N); rounds = 1 for the direct "
+            "algorithms, 2 for all_reduce (reduce-scatter + all-gather) and broadcast "
+            "(scatter + all-gather) above small_msg_bytes",
+            "copy_us": "max(sum(traffic_bytes_per_rank) / (2 * copy_gbps(size, min(N, cores))), "
+            "max(traffic_bytes_per_rank) / (2 * copy_gbps(size, 1))); traffic = bytes read + "
+            "written when every byte crossing ranks is copied once and a reduction reads each "
+            "input once",
+            "staged_copy_us": "the same, for mooncake's two-copy path (sender into the peer's "
+            "slot, receiver out of it)",
+        },
+    }
+
+
+def markdown_table(rows: list[dict], backends: list[str]) -> str:
+    """The README's key rows: world 4, all_reduce over sizes, the other ops at 4 KiB and 16 MiB."""
+    index = {(r["op"], r["bytes"]): r for r in rows if r["world"] == KEY_WORLD}
+    cols = ["op", "size"] + [f"{b} (us)" for b in backends]
+    cols += ["floor (us)", "bound by"]
+    if MOONCAKE in backends:
+        cols += ["mooncake / floor"]
+    if GLOO in backends and MOONCAKE in backends:
+        cols += ["gloo / mooncake"]
+    if MOONCAKE in backends:
+        cols += ["mooncake busbw (GB/s)"]
+    lines = [
+        f"World size {KEY_WORLD}, float32; time = the slowest rank's mean over a timed loop "
+        "(the fastest of the point's loops).",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|",
+    ]
+    for op, nbytes in KEY_ROWS:
+        r = index.get((op, nbytes))
+        if r is None:
+            continue
+        cells = [f"`{op}`", fmt_bytes(nbytes)]
+        cells += [fmt_us(r[b]["time_us"]) if b in r else "-" for b in backends]
+        cells += [fmt_us(r["floor"]["floor_us"]), r["floor"]["bound"]]
+        if MOONCAKE in backends:
+            cells.append(fmt_ratio(r["ratios"]["mooncake_over_floor"]))
+        if GLOO in backends and MOONCAKE in backends:
+            cells.append(fmt_ratio(r["ratios"]["gloo_over_mooncake"]))
+        if MOONCAKE in backends:
+            cells.append(f"{r[MOONCAKE]['busbw_gbps']:.2f}" if MOONCAKE in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], backends: list[str], path: Path) -> None:
+    """Time vs size: one subplot per (op, world size), each backend and the floor a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows if r["world"] >= 2))
+    worlds = sorted({r["world"] for r in rows if r["world"] >= 2})
+    if not ops or not worlds:
+        return
+    fig, axes = plt.subplots(
+        len(ops),
+        len(worlds),
+        figsize=(4.6 * len(worlds), 3.3 * len(ops)),
+        squeeze=False,
+        sharex=True,
+    )
+    style = {MOONCAKE: ("tab:blue", "o"), GLOO: ("tab:orange", "s")}
+    for i, op in enumerate(ops):
+        for j, world in enumerate(worlds):
+            ax = axes[i][j]
+            sel = sorted(
+                (r for r in rows if r["op"] == op and r["world"] == world), key=lambda r: r["bytes"]
+            )
+            x = [r["bytes"] for r in sel]
+            for b in backends:
+                have = [r for r in sel if b in r]
+                if have:
+                    color, marker = style.get(b, ("tab:green", "^"))
+                    xs, ys = [r["bytes"] for r in have], [r[b]["time_us"] for r in have]
+                    ax.plot(xs, ys, marker=marker, ms=3.5, color=color, label=b)
+            if sel and sel[0]["floor"]:
+                ax.plot(x, [r["floor"]["floor_us"] for r in sel], "k--", lw=1.2, label="floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_title(f"{op}, world {world}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("time (us)")
+            if i == len(ops) - 1:
+                ax.set_xlabel("size (bytes)")
+            ticks = [t for t in (8, 1 << 8, 1 << 12, 1 << 16, 1 << 20, 1 << 24) if x and t <= x[-1]]
+            ax.set_xticks(ticks, [fmt_bytes(t).replace(" ", "") for t in ticks])
+    axes[0][0].legend(fontsize=8, loc="upper left")
+    fig.suptitle("mooncake-cpu vs gloo vs floor (float32, this host)", fontsize=12)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
