@@ -273,6 +273,12 @@ void MooncakeBackend::check_tensor(const at::Tensor& t, const char* op, const ch
   to_dtype(t.scalar_type(), op, arg);
 }
 
+void MooncakeBackend::check_rank(int64_t rank, const char* op, const char* arg,
+                                 bool allow_any) const {
+  MC_CHECK_ARG((rank >= 0 && rank < size_) || (allow_any && rank == -1), op, ": ", arg,
+               " must be in [0, ", size_, ")", allow_any ? " or any source" : "", ", got ", rank);
+}
+
 void MooncakeBackend::check_list(const std::vector<at::Tensor>& list, const at::Tensor& like,
                                  const char* op, const char* arg, const char* like_name) const {
   check_count(list.size(), static_cast<size_t>(size_), op, arg);
@@ -323,8 +329,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
   return collective([&] {
     check_count(tensors.size(), 1, "broadcast", "tensors");
     check_tensor(tensors[0], "broadcast", "tensor");
-    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "broadcast: src must be in [0, ",
-                 size_, "), got ", opts.rootRank);
+    check_rank(opts.rootRank, "broadcast", "src");
     at::Tensor t = tensors[0];
     DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
     int root = static_cast<int>(opts.rootRank);
@@ -386,8 +391,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
   return collective([&] {
     check_count(tensors.size(), 1, "reduce", "tensors");
     check_tensor(tensors[0], "reduce", "tensor");
-    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "reduce: dst must be in [0, ", size_,
-                 "), got ", opts.rootRank);
+    check_rank(opts.rootRank, "reduce", "dst");
     at::Tensor t = tensors[0];
     DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
     RedOp op = to_redop(opts.reduceOp, t, "reduce");
@@ -499,8 +503,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
     const c10d::GatherOptions& opts) {
   return collective([&] {
     check_count(inputs.size(), 1, "gather", "input tensors");
-    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "gather: dst must be in [0, ", size_,
-                 "), got ", opts.rootRank);
+    check_rank(opts.rootRank, "gather", "dst");
     at::Tensor in = inputs[0];
     check_tensor(in, "gather", "tensor");
     int root = static_cast<int>(opts.rootRank);
@@ -537,8 +540,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
     const c10d::ScatterOptions& opts) {
   return collective([&] {
     check_count(outputs.size(), 1, "scatter", "output tensors");
-    MC_CHECK_ARG(opts.rootRank >= 0 && opts.rootRank < size_, "scatter: src must be in [0, ", size_,
-                 "), got ", opts.rootRank);
+    check_rank(opts.rootRank, "scatter", "src");
     at::Tensor out = outputs[0];
     check_tensor(out, "scatter", "tensor");
     int root = static_cast<int>(opts.rootRank);
@@ -753,7 +755,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& te
                                                      int tag) {
   check_count(tensors.size(), 1, "send", "tensors");
   check_tensor(tensors[0], "send", "tensor");
-  MC_CHECK_ARG(dst >= 0 && dst < size_, "send: dst must be in [0, ", size_, "), got ", dst);
+  check_rank(dst, "send", "dst");
   at::Tensor t = tensors[0].contiguous();
   auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
   request->on_complete([t](std::exception_ptr) {});  // keeps the tensor alive until sent
@@ -764,7 +766,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& te
                                                      int tag) {
   check_count(tensors.size(), 1, "recv", "tensors");
   check_tensor(tensors[0], "recv", "tensor");
-  MC_CHECK_ARG(src >= -1 && src < size_, "recv: src must be in [0, ", size_, "), got ", src);
+  check_rank(src, "recv", "src", /*allow_any=*/true);
   at::Tensor user = tensors[0];
   at::Tensor buf = user.is_contiguous() ? user : user.contiguous();
   auto request = p2p().recv(buf.data_ptr(), buf.nbytes(), src, static_cast<uint64_t>(tag));

@@ -117,6 +117,8 @@ class MooncakeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
                                       std::vector<at::Tensor> outputs);
   void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
+  // `rank` names a rank of this group (or, with allow_any, -1: any source).
+  void check_rank(int64_t rank, const char* op, const char* arg, bool allow_any = false) const;
   // `list` holds world-size tensors, each with the size and dtype of `like`.
   void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* op,
                   const char* arg, const char* like_name) const;
