@@ -32,7 +32,7 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   const size_t ack = layout_.ack_flag(plane_, peer);
   auto has_slot = [&] { return m - load_flag(base, ack) < kSlotsPerChannel; };
   if (!has_slot()) {
-    bool ok = wait_on(bell(), has_slot, deadline, [&] {
+    bool ok = wait_on(ack_bell(), has_slot, deadline, [&] {
       check_peer(peer, what);
       return false;
     });
@@ -47,7 +47,7 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   h.len = static_cast<uint32_t>(len);
   link.write(at, &h, sizeof(h), deadline);
   link.write(at + sizeof(MsgHeader), payload, len, deadline);
-  link.signal(layout_.ready_flag(plane_, me), m + 1, static_cast<int>(plane_), deadline);
+  link.signal(layout_.ready_flag(plane_, me), m + 1, data_bell_index(), deadline);
   sent_[peer] = m + 1;
 }
 
@@ -79,7 +79,7 @@ void Channels::release(int peer, const Deadline& deadline) {
   received_[peer] += 1;
   try {
     endpoint_.link(peer).signal(layout_.ack_flag(plane_, endpoint_.rank()), received_[peer],
-                                static_cast<int>(plane_), deadline);
+                                ack_bell_index(), deadline);
   } catch (const Error& e) {
     // Only the sender needs the ack, to reuse the slot; a sender that is
     // gone needs nothing, and the message itself was received in full.

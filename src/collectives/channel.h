@@ -34,10 +34,15 @@ class Channels {
   // Set when the group shuts down: blocked waits return with an error.
   void set_stopping() {
     stopping_.store(true);
-    ring(endpoint_.bell(static_cast<int>(plane_)));
+    ring(bell());
+    ring(ack_bell());
   }
   bool stopping() const { return stopping_.load(); }
-  Doorbell* bell() const { return endpoint_.bell(static_cast<int>(plane_)); }
+  // Rung when a message arrives on this plane.
+  Doorbell* bell() const { return endpoint_.bell(data_bell_index()); }
+  // Rung when a peer takes one of our messages (frees a slot). Apart from the
+  // data bell so that a rank waiting for data is not woken by acks.
+  Doorbell* ack_bell() const { return endpoint_.bell(ack_bell_index()); }
   Endpoint& endpoint() { return endpoint_; }
   const Layout& layout() const { return layout_; }
 
@@ -46,6 +51,9 @@ class Channels {
   void check_peer(int peer, const char* what);
 
  private:
+  int data_bell_index() const { return static_cast<int>(plane_); }
+  int ack_bell_index() const { return kNumPlanes + static_cast<int>(plane_); }
+
   Endpoint& endpoint_;
   Layout layout_;
   Plane plane_;

@@ -16,6 +16,7 @@ namespace mooncake {
 
 enum class Plane : int { kCollective = 0, kP2P = 1 };
 constexpr int kNumPlanes = 2;
+static_assert(2 * kNumPlanes <= kNumBells, "a data bell and an ack bell per plane");
 constexpr int kSlotsPerChannel =
     2;  // double buffering: a peer fills one slot while we read the other
 constexpr size_t kFlagStride = 64;  // one cache line per flag: writers never share a line
