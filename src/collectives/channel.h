@@ -37,7 +37,6 @@ class Channels {
     ring(bell());
     ring(ack_bell());
   }
-  bool stopping() const { return stopping_.load(); }
   // Rung when a message arrives on this plane.
   Doorbell* bell() const { return endpoint_.bell(data_bell_index()); }
   // Rung when a peer takes one of our messages (frees a slot). Apart from the

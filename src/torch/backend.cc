@@ -293,18 +293,17 @@ void MooncakeBackend::check_list(const std::vector<at::Tensor>& list, const at::
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::wrap(std::shared_ptr<Request> request,
                                                      c10d::OpType type,
-                                                     std::vector<at::Tensor> outputs) {
+                                                     std::vector<at::Tensor> outputs,
+                                                     std::weak_ptr<OpQueue> queue) {
   if (coalescing_) coalesced_.push_back(request);
-  return c10::make_intrusive<MooncakeWork>(rank_, type, std::move(request), std::move(outputs));
+  return c10::make_intrusive<MooncakeWork>(rank_, type, std::move(request), std::move(outputs),
+                                           std::move(queue));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::enqueue(c10d::OpType type, Task task,
                                                         std::vector<at::Tensor> outputs) {
   MC_CHECK_ARG(!shut_down_.load(), getBackendName(), ": the process group was shut down");
-  auto request = queue_->submit(std::move(task));
-  if (coalescing_) coalesced_.push_back(request);
-  return c10::make_intrusive<MooncakeWork>(rank_, type, std::move(request), std::move(outputs),
-                                           queue_);
+  return wrap(queue_->submit(std::move(task)), type, std::move(outputs), queue_);
 }
 
 void MooncakeBackend::startCoalescing() {

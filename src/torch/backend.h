@@ -114,8 +114,11 @@ class MooncakeBackend : public c10d::Backend {
   // Queues `task` on the collective thread; `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
                                          std::vector<at::Tensor> outputs);
+  // A Work for `request` (counted in a coalescing block); `queue` is the
+  // queue it runs on, if any, so that a waiter can help run it.
   c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
-                                      std::vector<at::Tensor> outputs);
+                                      std::vector<at::Tensor> outputs,
+                                      std::weak_ptr<OpQueue> queue = {});
   void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
   // `rank` names a rank of this group (or, with allow_any, -1: any source).
   void check_rank(int64_t rank, const char* op, const char* arg, bool allow_any = false) const;
