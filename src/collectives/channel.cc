@@ -4,33 +4,72 @@
 
 namespace mooncake {
 
-Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane)
+Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, bool watch_all,
+                   int64_t hang_ms)
     : endpoint_(endpoint),
       layout_(layout),
       plane_(plane),
+      watch_all_(watch_all),
+      hang_ms_(hang_ms),
+      target_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
+      send_gen_(static_cast<size_t>(layout.capacity), 1),
+      recv_gen_(static_cast<size_t>(layout.capacity), 1),
       sent_(static_cast<size_t>(layout.capacity), 0),
-      received_(static_cast<size_t>(layout.capacity), 0) {}
+      received_(static_cast<size_t>(layout.capacity), 0) {
+  for (int p = 0; p < layout.capacity; ++p) target_gen_[p].store(1);
+}
+
+void Channels::restart(int peer, uint64_t gen) {
+  MC_ASSERT(gen > 0 && gen < (uint64_t{1} << (64 - kFlagCountBits)), "channel generation ", gen);
+  target_gen_[peer].store(gen, std::memory_order_release);
+}
+
+void Channels::sync_send(int peer) {
+  const uint64_t gen = target_gen_[peer].load(std::memory_order_acquire);
+  if (gen == send_gen_[peer]) return;
+  send_gen_[peer] = gen;
+  sent_[peer] = 0;
+}
+
+void Channels::sync_recv(int peer) {
+  const uint64_t gen = target_gen_[peer].load(std::memory_order_acquire);
+  if (gen == recv_gen_[peer]) return;
+  recv_gen_[peer] = gen;
+  received_[peer] = 0;
+}
+
+void Channels::check_one(int p, const char* what) {
+  if (!endpoint_.alive(p))
+    throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,
+                endpoint_.link(p) ? " has failed (its process exited or its connection closed)"
+                                  : " is not an active member of the group");
+  if (hang_ms_ > 0) {
+    const int64_t silent = endpoint_.silent_ms(p);
+    if (silent >= hang_ms_)
+      throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,
+                  " is not responding: its heartbeat has stood still for ", silent,
+                  " ms (a stopped or hung process; MOONCAKE_HANG_MS=", hang_ms_, ")");
+  }
+}
 
 void Channels::check_peer(int peer, const char* what) {
   if (stopping_.load())
     throw_error(ErrorKind::kPeerFailed, -1, what, ": the process group is shutting down");
-  // Every rank, not only the one awaited: a peer that waits on a dead rank
-  // stops sending to us too, so any death dooms the op.
-  for (int i = 0; i < endpoint_.size(); ++i) {
-    int p = (peer + i) % endpoint_.size();
-    if (!endpoint_.alive(p))
-      throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,
-                  " has failed (its process exited or its connection closed)");
-  }
+  check_one(peer, what);
+  if (watch_all_)
+    for (int p : watched_) check_one(p, what);
 }
 
 void Channels::send(int peer, const MsgHeader& header, const void* payload, size_t len,
                     const Deadline& deadline, const char* what) {
   MC_ASSERT(len <= layout_.chunk_bytes);
-  const uint64_t m = sent_[peer];
+  sync_send(peer);
+  std::shared_ptr<PeerLink> link = endpoint_.link(peer);
+  if (!link) check_one(peer, what);
+  const uint64_t m = sent_[peer], gen = send_gen_[peer];
   const uint8_t* base = endpoint_.base();
   const size_t ack = layout_.ack_flag(plane_, peer);
-  auto has_slot = [&] { return m - load_flag(base, ack) < kSlotsPerChannel; };
+  auto has_slot = [&] { return m - flag_count(load_flag(base, ack), gen) < kSlotsPerChannel; };
   if (!has_slot()) {
     bool ok = wait_on(ack_bell(), has_slot, deadline, [&] {
       check_peer(peer, what);
@@ -42,19 +81,20 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   }
   const int me = endpoint_.rank();
   const size_t at = layout_.slot(plane_, me, static_cast<int>(m % kSlotsPerChannel));
-  PeerLink& link = endpoint_.link(peer);
   MsgHeader h = header;
   h.len = static_cast<uint32_t>(len);
-  link.write(at, &h, sizeof(h), deadline);
-  link.write(at + sizeof(MsgHeader), payload, len, deadline);
-  link.signal(layout_.ready_flag(plane_, me), m + 1, data_bell_index(), deadline);
+  link->write(at, &h, sizeof(h), deadline);
+  link->write(at + sizeof(MsgHeader), payload, len, deadline);
+  link->signal(layout_.ready_flag(plane_, me), flag_value(gen, m + 1), data_bell_index(), deadline);
   sent_[peer] = m + 1;
 }
 
 const MsgHeader* Channels::poll(int peer) {
+  sync_recv(peer);
   const uint64_t next = received_[peer] + 1;
   uint8_t* base = endpoint_.base();
-  if (load_flag(base, layout_.ready_flag(plane_, peer)) < next) return nullptr;
+  if (flag_count(load_flag(base, layout_.ready_flag(plane_, peer)), recv_gen_[peer]) < next)
+    return nullptr;
   return reinterpret_cast<const MsgHeader*>(
       base + layout_.slot(plane_, peer, static_cast<int>(received_[peer] % kSlotsPerChannel)));
 }
@@ -77,9 +117,11 @@ const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const cha
 
 void Channels::release(int peer, const Deadline& deadline) {
   received_[peer] += 1;
+  std::shared_ptr<PeerLink> link = endpoint_.link(peer);
+  if (!link) return;  // the sender left the group: it needs no ack
   try {
-    endpoint_.link(peer).signal(layout_.ack_flag(plane_, endpoint_.rank()), received_[peer],
-                                ack_bell_index(), deadline);
+    link->signal(layout_.ack_flag(plane_, endpoint_.rank()),
+                 flag_value(recv_gen_[peer], received_[peer]), ack_bell_index(), deadline);
   } catch (const Error& e) {
     // Only the sender needs the ack, to reuse the slot; a sender that is
     // gone needs nothing, and the message itself was received in full.

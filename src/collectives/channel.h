@@ -2,12 +2,16 @@
 // peer, up to kSlotsPerChannel messages in flight. A sender waits for a free
 // slot (the receiver's ack), writes header + payload into the peer's slot and
 // signals the peer's ready flag; a receiver waits for its ready flag, reads
-// the message in place and acks it. Counters are monotonic for the life of
-// the group, so no message of one op can be mistaken for another's.
+// the message in place and acks it.
+//
+// Counters restart when the membership changes. Every flag value carries the
+// generation it was written in (high bits) and its count (low bits), and a
+// flag of another generation reads as zero, so a late write of an abandoned
+// op, or of a slot's previous process, is never mistaken for a new message.
 #pragma once
 
 #include <atomic>
-#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,9 +21,31 @@
 
 namespace mooncake {
 
+constexpr int kFlagCountBits = 40;
+inline uint64_t flag_value(uint64_t gen, uint64_t count) {
+  return (gen << kFlagCountBits) | count;
+}
+// The count a flag holds for generation `gen` (0 if it was written in another).
+inline uint64_t flag_count(uint64_t value, uint64_t gen) {
+  return (value >> kFlagCountBits) == gen ? value & ((uint64_t{1} << kFlagCountBits) - 1) : 0;
+}
+
 class Channels {
  public:
-  Channels(Endpoint& endpoint, const Layout& layout, Plane plane);
+  // `watch_all`: any watched rank's death fails a wait (collectives: a peer
+  // that waits on a dead rank stops sending to us too); otherwise only the
+  // peer waited on matters (p2p).
+  // A rank whose heartbeat stood still for `hang_ms` (> 0) counts as failed.
+  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, bool watch_all,
+           int64_t hang_ms);
+
+  // Restarts both directions of the channel to `peer` at generation `gen`.
+  // Safe from any thread: the sending and receiving threads pick it up at
+  // their next use of the channel.
+  void restart(int peer, uint64_t gen);
+  // The ranks whose death fails a wait when watch_all (collective plane; set
+  // by the thread that runs the collectives).
+  void set_watched(std::vector<int> ranks) { watched_ = std::move(ranks); }
 
   // Sends one message (len <= chunk_bytes) to `peer`. `what` names the op for errors.
   void send(int peer, const MsgHeader& header, const void* payload, size_t len,
@@ -45,19 +71,28 @@ class Channels {
   Endpoint& endpoint() { return endpoint_; }
   const Layout& layout() const { return layout_; }
 
-  // Throws a PeerFailed error if any rank (`peer` first) is gone, or the
-  // group is stopping.
+  // Throws a PeerFailed error if `peer` (or, with watch_all, any watched
+  // rank) is gone, or the group is stopping.
   void check_peer(int peer, const char* what);
 
  private:
   int data_bell_index() const { return static_cast<int>(plane_); }
   int ack_bell_index() const { return kNumPlanes + static_cast<int>(plane_); }
+  void check_one(int p, const char* what);
+  // Applies a pending restart to one direction of the channel to `peer`.
+  void sync_send(int peer);
+  void sync_recv(int peer);
 
   Endpoint& endpoint_;
   Layout layout_;
   Plane plane_;
-  std::vector<uint64_t> sent_;      // messages sent to each peer
-  std::vector<uint64_t> received_;  // messages consumed from each peer
+  bool watch_all_;
+  int64_t hang_ms_;
+  std::vector<int> watched_;
+  std::unique_ptr<std::atomic<uint64_t>[]> target_gen_;  // per peer
+  std::vector<uint64_t> send_gen_, recv_gen_;             // generation each side runs in
+  std::vector<uint64_t> sent_;      // messages sent to each peer in send_gen_
+  std::vector<uint64_t> received_;  // messages consumed from each peer in recv_gen_
   std::atomic<bool> stopping_{false};
 };
 

@@ -6,6 +6,7 @@
 #include "collectives/reduce.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/log.h"
 
 namespace mooncake {
 
@@ -20,6 +21,8 @@ const char* op_name(OpType t) {
     case OpType::kReduce: return "reduce";
     case OpType::kGather: return "gather";
     case OpType::kScatter: return "scatter";
+    case OpType::kAdmit: return "recover_ranks";
+    case OpType::kForward: return "result hand-on";
   }
   return "op";
 }
@@ -35,6 +38,12 @@ CommConfig CommConfig::from_env(int64_t timeout_ms) {
   int64_t small = env_int("MOONCAKE_SMALL_MSG_BYTES");
   MC_CHECK_ARG(small >= 0, "MOONCAKE_SMALL_MSG_BYTES must be >= 0, got ", small);
   c.small_bytes = static_cast<size_t>(small);
+  int64_t recover = env_int("MOONCAKE_RECOVER");
+  MC_CHECK_ARG(recover == 0 || recover == 1, "MOONCAKE_RECOVER must be 0 or 1, got ", recover);
+  c.recover = static_cast<int>(recover);
+  int64_t hang = env_int("MOONCAKE_HANG_MS");
+  MC_CHECK_ARG(hang >= 0, "MOONCAKE_HANG_MS must be >= 0, got ", hang);
+  c.hang_ms = hang;
   return c;
 }
 
@@ -45,61 +54,76 @@ Layout make_layout(int capacity, size_t chunk_bytes) {
   return l;
 }
 
-struct Communicator::OpMeta {
-  OpType type;
-  DType dtype;
-  RedOp redop;
-  int root;
-  uint64_t numel;
-  uint64_t seq;
-  Deadline deadline;
-  const char* name;
-  std::string local_error;  // this rank rejected its own arguments
-};
-
-// What one rank sends to and receives from each rank in an exchange.
-struct Communicator::Plan {
-  explicit Plan(int n)
-      : send(static_cast<size_t>(n), nullptr),
-        recv(static_cast<size_t>(n), nullptr),
-        send_bytes(static_cast<size_t>(n), 0),
-        recv_bytes(static_cast<size_t>(n), 0) {}
-  std::vector<const void*> send;
-  std::vector<void*> recv;
-  std::vector<size_t> send_bytes;
-  std::vector<size_t> recv_bytes;
-};
-
 Communicator::Communicator(const TransferEngine& engine, Store& store, const std::string& prefix,
-                           int rank, int size, const CommConfig& config)
-    : rank_(rank), size_(size), config_(config) {
+                           int rank, int size, const CommConfig& config, int capacity,
+                           bool joining)
+    : rank_(rank),
+      size_(size),
+      capacity_(capacity > 0 ? capacity : size),
+      config_(config),
+      store_(store),
+      prefix_(prefix),
+      joining_(joining) {
   MC_CHECK_ARG(size >= 1, "world size must be >= 1, got ", size);
-  MC_CHECK_ARG(rank >= 0 && rank < size, "rank must be in [0, ", size, "), got ", rank);
-  if (config_.chunk_bytes == 0 || config_.small_bytes == 0) {
-    CommConfig env = CommConfig::from_env(config.timeout_ms);
-    if (config_.chunk_bytes == 0) config_.chunk_bytes = env.chunk_bytes;
-    if (config_.small_bytes == 0) config_.small_bytes = env.small_bytes;
-  }
+  MC_CHECK_ARG(capacity_ >= size, "max_world_size (", capacity_, ") must be >= the world size (",
+               size, ")");
+  MC_CHECK_ARG(rank >= 0 && rank < capacity_, "rank must be in [0, ", capacity_, "), got ", rank);
+  MC_CHECK_ARG(joining || rank < size, "rank must be in [0, ", size, "), got ", rank);
+  CommConfig env = CommConfig::from_env(config.timeout_ms);
+  if (config_.chunk_bytes == 0) config_.chunk_bytes = env.chunk_bytes;
+  if (config_.small_bytes == 0) config_.small_bytes = env.small_bytes;
+  if (config_.recover < 0) config_.recover = env.recover;
+  if (config_.hang_ms < 0) config_.hang_ms = env.hang_ms;
   MC_CHECK_ARG(config_.chunk_bytes >= 64 && config_.chunk_bytes % 64 == 0,
                "CommConfig.chunk_bytes must be a positive multiple of 64, got ",
                config_.chunk_bytes);
-  Layout layout = make_layout(size, config_.chunk_bytes);
-  endpoint_ = std::make_unique<Endpoint>(engine, store, prefix, rank, size, layout.total_bytes(),
-                                         Deadline::after_ms(config_.timeout_ms));
-  coll_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective);
-  p2p_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kP2P);
+  Layout layout = make_layout(capacity_, config_.chunk_bytes);
+  if (joining) {
+    // A new process for this slot: its incarnation tells it from the ones before.
+    incarnation_ =
+        static_cast<uint32_t>(store_.add(prefix_ + "slot/" + std::to_string(rank) + "/inc", 1));
+  }
+  endpoint_ = std::make_unique<Endpoint>(engine, store_, prefix_, rank, incarnation_, capacity_,
+                                         layout.total_bytes());
+  coll_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective, true, config_.hang_ms);
+  p2p_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kP2P, false, config_.hang_ms);
+  if (joining) {
+    view_ = View::initial(1, capacity_);  // alone until admitted
+    view_.active[0] = 0;
+    view_.active[rank] = 1;
+    members_ = {rank};
+    store_.set(prefix_ + "waiting/" + std::to_string(rank), std::to_string(incarnation_));
+    return;
+  }
+  endpoint_->connect_all(size, Deadline::after_ms(config_.timeout_ms));
+  view_ = View::initial(size, capacity_);
+  members_ = view_.members();
+  coll_->set_watched(members_);
 }
 
 Communicator::~Communicator() = default;
 
 void Communicator::stop() {
+  stopping_.store(true);
   coll_->set_stopping();
   p2p_->set_stopping();
+}
+
+View Communicator::view() const {
+  std::lock_guard<std::mutex> lock(view_mu_);
+  return view_;
+}
+
+void Communicator::set_view_listener(std::function<void(const View&)> listener) {
+  on_view_ = std::move(listener);
 }
 
 Communicator::OpMeta Communicator::begin(OpType type, DType dtype, RedOp op, int root,
                                          uint64_t numel, int64_t timeout_ms,
                                          std::string local_error) {
+  MC_CHECK_ARG(!joining_, op_name(type),
+               ": this process joins a running group (is_extension=True): call "
+               "pg.join_group() first");
   int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
   return OpMeta{type,
                 dtype,
@@ -107,6 +131,7 @@ Communicator::OpMeta Communicator::begin(OpType type, DType dtype, RedOp op, int
                 root,
                 numel,
                 ++op_seq_,
+                t,
                 Deadline::after_ms(t),
                 op_name(type),
                 std::move(local_error)};
@@ -115,6 +140,12 @@ Communicator::OpMeta Communicator::begin(OpType type, DType dtype, RedOp op, int
 std::string Communicator::root_error(int root, const char* what) const {
   if (root >= 0 && root < size_) return {};
   return str(what, ": root rank must be in [0, ", size_, "), got ", root);
+}
+
+std::string Communicator::width_error(const char* what) const {
+  if (members_.back() < size_) return {};
+  return str(what, ": rank ", members_.back(), " is a member, but this rank's per-rank tensor ",
+             "lists have only ", size_, " entries (the world size it was created with)");
 }
 
 std::string Communicator::redop_error(RedOp op, DType dtype, const char* what) const {
@@ -145,8 +176,11 @@ std::string Communicator::validate(const OpMeta& meta, const MsgHeader& h, int p
     return str(meta.name, ": root ranks differ: rank ", peer, " uses ", h.root, ", rank ", rank_,
                " uses ", meta.root);
   if (h.numel != meta.numel)
-    return str(meta.name, ": tensor sizes differ: rank ", peer, " has ", h.numel,
-               " elements, rank ", rank_, " has ", meta.numel);
+    return meta.type == OpType::kAdmit
+               ? str(meta.name, ": ranks ", peer, " and ", rank_,
+                     " name different ranks to recover (or see different processes waiting)")
+               : str(meta.name, ": tensor sizes differ: rank ", peer, " has ", h.numel,
+                     " elements, rank ", rank_, " has ", meta.numel);
   if (h.edge_bytes != expect_recv || h.edge_expect != expect_send)
     return str(meta.name, ": split sizes disagree between ranks ", peer, " and ", rank_, ": rank ",
                peer, " sends ", h.edge_bytes, " bytes and expects ", h.edge_expect, ", rank ",
@@ -180,13 +214,15 @@ MsgHeader Communicator::header(const OpMeta& meta) const {
 
 void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes) {
   const size_t chunk = coll_->layout().chunk_bytes;
-  const int n = size_;
+  const std::vector<int>& m = members_;
+  const int n = static_cast<int>(m.size());
+  const int me = static_cast<int>(std::find(m.begin(), m.end(), rank_) - m.begin());
   const bool rejected = !meta.local_error.empty();
   if (!rejected && plan.send_bytes[rank_] != 0 && plan.send[rank_] != plan.recv[rank_])
     std::memmove(plan.recv[rank_], plan.send[rank_], plan.send_bytes[rank_]);
   size_t steps = 1;
-  for (int p = 0; p < n && !rejected; ++p) {
-    if (p == rank_) continue;
+  for (int p : m) {
+    if (p == rank_ || rejected) continue;
     steps = std::max({steps, pieces(plan.send_bytes[p], chunk), pieces(plan.recv_bytes[p], chunk)});
   }
   MsgHeader h = header(meta);
@@ -194,7 +230,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
   bool peer_rejected = false;
   for (size_t k = 0; k < steps; ++k) {
     for (int i = 1; i < n; ++i) {
-      int p = (rank_ + i) % n;
+      const int p = m[(me + i) % n];
       if (rejected) {
         send_rejection(meta, h, p);
         continue;
@@ -207,7 +243,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
                   meta.name);
     }
     for (int i = 1; i < n; ++i) {
-      int p = (rank_ - i + n) % n;
+      const int p = m[(me - i + n) % n];
       size_t len = piece_len(plan.recv_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
       const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
@@ -233,14 +269,14 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
 }
 
 void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& error) {
-  const int n = size_;
   MsgHeader v = h;
   v.edge_bytes = v.edge_expect = 0;
   v.numel = error.empty() ? 0 : 1;
-  for (int i = 1; i < n; ++i) coll_->send((rank_ + i) % n, v, nullptr, 0, meta.deadline, meta.name);
+  for (int p : members_)
+    if (p != rank_) coll_->send(p, v, nullptr, 0, meta.deadline, meta.name);
   int bad_peer = -1;
-  for (int i = 1; i < n; ++i) {
-    int p = (rank_ - i + n) % n;
+  for (int p : members_) {
+    if (p == rank_) continue;
     const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
     if (msg->numel != 0 && bad_peer < 0) bad_peer = p;
     coll_->release(p, meta.deadline);
@@ -254,18 +290,20 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
                                    const size_t* shard_counts, void* out) {
   const size_t esize = dtype_size(meta.dtype);
   const size_t chunk = coll_->layout().chunk_bytes;
-  const int n = size_;
+  const std::vector<int>& m = members_;
+  const int n = static_cast<int>(m.size());
+  const int me = static_cast<int>(std::find(m.begin(), m.end(), rank_) - m.begin());
   const bool rejected = !meta.local_error.empty();
   const size_t my_bytes = rejected ? 0 : shard_counts[rank_] * esize;
   size_t steps = pieces(my_bytes, chunk);
-  for (int p = 0; p < n && !rejected; ++p)
-    if (p != rank_) steps = std::max(steps, pieces(shard_counts[p] * esize, chunk));
+  for (int p : m)
+    if (p != rank_ && !rejected) steps = std::max(steps, pieces(shard_counts[p] * esize, chunk));
   MsgHeader h = header(meta);
   std::vector<const void*> srcs(static_cast<size_t>(n));
   std::string error = meta.local_error;
   for (size_t k = 0; k < steps; ++k) {
     for (int i = 1; i < n; ++i) {
-      int p = (rank_ + i) % n;
+      const int p = m[(me + i) % n];
       if (rejected) {
         send_rejection(meta, h, p);
         continue;
@@ -280,20 +318,21 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
     }
     size_t len = piece_len(my_bytes, chunk, k);
     if (k != 0 && len == 0) continue;
-    for (int p = 0; p < n; ++p) {
+    for (int j = 0; j < n; ++j) {  // in rank order: every owner reduces alike
+      const int p = m[j];
       if (p == rank_) {
-        srcs[p] = rejected ? nullptr : static_cast<const uint8_t*>(shard_src[p]) + k * chunk;
+        srcs[j] = rejected ? nullptr : static_cast<const uint8_t*>(shard_src[p]) + k * chunk;
         continue;
       }
       const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
       if (k == 0 && error.empty())
         error = validate(meta, *msg, p, my_bytes, shard_counts[p] * esize);
-      srcs[p] = msg + 1;
+      srcs[j] = msg + 1;
     }
     if (error.empty())
       reduce_arrays(meta.dtype, meta.redop, static_cast<uint8_t*>(out) + k * chunk, srcs.data(), n,
                     len / esize, n);
-    for (int p = 0; p < n; ++p)
+    for (int p : m)
       if (p != rank_) coll_->release(p, meta.deadline);
     if (!error.empty()) throw_error(ErrorKind::kInvalidArgument, -1, error);
   }
@@ -307,54 +346,74 @@ void Communicator::send_rejection(const OpMeta& meta, const MsgHeader& h, int pe
 void Communicator::reject(const std::string& reason, int64_t timeout_ms) {
   MC_ASSERT(!reason.empty());
   OpMeta meta = begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms, reason);
-  exchange(meta, Plan(size_), false);
+  run(meta, Finish::kForward, {}, {}, [&] { exchange(meta, Plan(capacity_), false); });
 }
 
 void Communicator::even_shards(size_t count, std::vector<size_t>& offsets,
                                std::vector<size_t>& counts) const {
-  offsets.assign(static_cast<size_t>(size_), 0);
-  counts.assign(static_cast<size_t>(size_), 0);
-  size_t base = count / static_cast<size_t>(size_), extra = count % static_cast<size_t>(size_);
+  offsets.assign(static_cast<size_t>(capacity_), 0);
+  counts.assign(static_cast<size_t>(capacity_), 0);
+  const size_t n = members_.size();
+  size_t base = count / n, extra = count % n;
   size_t at = 0;
-  for (int p = 0; p < size_; ++p) {
+  for (size_t j = 0; j < n; ++j) {
+    const int p = members_[j];
     offsets[p] = at;
-    counts[p] = base + (static_cast<size_t>(p) < extra ? 1 : 0);
+    counts[p] = base + (j < extra ? 1 : 0);
     at += counts[p];
   }
 }
 
 bool Communicator::direct(size_t count, DType dtype) const {
-  return count * dtype_size(dtype) <= config_.small_bytes || static_cast<size_t>(size_) > count;
+  return count * dtype_size(dtype) <= config_.small_bytes || members_.size() > count;
 }
+
+void Communicator::zero_others(void* const* outs, size_t bytes) const {
+  for (int p = 0; p < size_; ++p)
+    if (!view_.is_member(p) && bytes != 0) std::memset(outs[p], 0, bytes);
+}
+
+void Communicator::zero_others(void* const* outs, const size_t* counts, size_t esize) const {
+  for (int p = 0; p < size_; ++p)
+    if (!view_.is_member(p) && counts[p] != 0) std::memset(outs[p], 0, counts[p] * esize);
+}
+
+// --- the ops ----------------------------------------------------------------------
 
 void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
   OpMeta meta = begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
                       redop_error(op, dtype, "all_reduce"));
   const size_t esize = dtype_size(dtype);
-  const int n = size_;
-  auto* bytes = static_cast<uint8_t*>(data);
-  if (!meta.local_error.empty() || direct(count, dtype)) {
-    // Direct: everyone reduces the whole buffer.
-    std::vector<const void*> src(static_cast<size_t>(n), data);
-    std::vector<size_t> counts(static_cast<size_t>(n), count);
-    reduce_exchange(meta, src.data(), counts.data(), data);
-    return;
-  }
-  std::vector<size_t> offsets, counts;
-  even_shards(count, offsets, counts);
-  std::vector<const void*> src(static_cast<size_t>(n));
-  for (int p = 0; p < n; ++p) src[p] = bytes + offsets[p] * esize;
-  uint8_t* mine = bytes + offsets[rank_] * esize;
-  reduce_exchange(meta, src.data(), counts.data(), mine);
-  // All-gather the reduced shards in place.
-  Plan plan(n);
-  for (int p = 0; p < n; ++p) {
-    plan.send[p] = mine;
-    plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
-    plan.recv[p] = bytes + offsets[p] * esize;
-    plan.recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
-  }
-  exchange(meta, plan, false);
+  const size_t bytes = count * esize;
+  auto* base = static_cast<uint8_t*>(data);
+  // Direct in one step reads the input whole before it writes the result; in
+  // more steps, or sharded, it overwrites input a re-run would need.
+  const bool one_step = direct(count, dtype) && bytes <= config_.chunk_bytes;
+  const Finish finish = one_step ? Finish::kForward : Finish::kCommit;
+  run(meta, finish, {{data, bytes}}, one_step ? Region{} : Region{data, bytes}, [&] {
+    const int cap = capacity_;
+    if (!meta.local_error.empty() || direct(count, dtype)) {
+      std::vector<const void*> src(static_cast<size_t>(cap), data);
+      std::vector<size_t> counts(static_cast<size_t>(cap), count);
+      reduce_exchange(meta, src.data(), counts.data(), data);
+      return;
+    }
+    std::vector<size_t> offsets, counts;
+    even_shards(count, offsets, counts);
+    std::vector<const void*> src(static_cast<size_t>(cap));
+    for (int p : members_) src[p] = base + offsets[p] * esize;
+    uint8_t* mine = base + offsets[rank_] * esize;
+    reduce_exchange(meta, src.data(), counts.data(), mine);
+    // All-gather the reduced shards in place.
+    Plan plan(cap);
+    for (int p : members_) {
+      plan.send[p] = mine;
+      plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
+      plan.recv[p] = base + offsets[p] * esize;
+      plan.recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
+    }
+    exchange(meta, plan, false);
+  });
 }
 
 void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int root,
@@ -363,155 +422,190 @@ void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int r
   if (error.empty()) error = redop_error(op, dtype, "reduce");
   OpMeta meta = begin(OpType::kReduce, dtype, op, root, count, timeout_ms, error);
   const size_t esize = dtype_size(dtype);
-  const int n = size_;
-  auto* bytes = static_cast<uint8_t*>(data);
-  std::vector<const void*> src(static_cast<size_t>(n), data);
-  if (!meta.local_error.empty() || direct(count, dtype)) {
-    std::vector<size_t> counts(static_cast<size_t>(n), 0);
-    if (meta.local_error.empty()) counts[root] = count;
-    reduce_exchange(meta, src.data(), counts.data(), data);
-    return;
-  }
-  // Reduce-scatter into shards, then gather the shards to the root.
-  std::vector<size_t> offsets, counts;
-  even_shards(count, offsets, counts);
-  for (int p = 0; p < n; ++p) src[p] = bytes + offsets[p] * esize;
-  std::vector<uint8_t> scratch(rank_ == root ? 0 : counts[rank_] * esize);
-  uint8_t* mine = rank_ == root ? bytes + offsets[rank_] * esize : scratch.data();
-  reduce_exchange(meta, src.data(), counts.data(), mine);
-  Plan plan(n);
-  if (rank_ == root) {
-    for (int p = 0; p < n; ++p) {
-      plan.recv[p] = bytes + offsets[p] * esize;
-      plan.recv_bytes[p] = p == root ? 0 : counts[p] * esize;
+  auto* base = static_cast<uint8_t*>(data);
+  const Region inplace = rank_ == root ? Region{data, count * esize} : Region{};
+  run(meta, Finish::kCommit, {}, inplace, [&] {
+    const int cap = capacity_;
+    std::vector<const void*> src(static_cast<size_t>(cap), data);
+    if (!meta.local_error.empty() || direct(count, dtype)) {
+      std::vector<size_t> counts(static_cast<size_t>(cap), 0);
+      if (meta.local_error.empty()) counts[root] = count;
+      reduce_exchange(meta, src.data(), counts.data(), data);
+      return;
     }
-  } else {
-    plan.send[root] = mine;
-    plan.send_bytes[root] = counts[rank_] * esize;
-  }
-  exchange(meta, plan, false);
+    // Reduce-scatter into shards, then gather the shards to the root.
+    std::vector<size_t> offsets, counts;
+    even_shards(count, offsets, counts);
+    for (int p : members_) src[p] = base + offsets[p] * esize;
+    std::vector<uint8_t> scratch(rank_ == root ? 0 : counts[rank_] * esize);
+    uint8_t* mine = rank_ == root ? base + offsets[rank_] * esize : scratch.data();
+    reduce_exchange(meta, src.data(), counts.data(), mine);
+    Plan plan(cap);
+    if (rank_ == root) {
+      for (int p : members_) {
+        plan.recv[p] = base + offsets[p] * esize;
+        plan.recv_bytes[p] = p == root ? 0 : counts[p] * esize;
+      }
+    } else {
+      plan.send[root] = mine;
+      plan.send_bytes[root] = counts[rank_] * esize;
+    }
+    exchange(meta, plan, false);
+  });
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root, int64_t timeout_ms) {
   OpMeta meta = begin(OpType::kBroadcast, dtype, RedOp::kSum, root, count, timeout_ms,
                       root_error(root, "broadcast"));
   const size_t esize = dtype_size(dtype);
-  const int n = size_;
-  auto* bytes = static_cast<uint8_t*>(data);
-  Plan plan(n);
-  if (!meta.local_error.empty()) return exchange(meta, plan, false);
-  if (direct(count, dtype)) {
+  auto* base = static_cast<uint8_t*>(data);
+  // The root only reads; the others have no input to keep.
+  const Finish finish = direct(count, dtype) ? Finish::kForward : Finish::kCommit;
+  run(meta, finish, {{data, count * esize}}, {}, [&] {
+    Plan plan(capacity_);
+    if (!meta.local_error.empty()) return exchange(meta, plan, false);
+    if (direct(count, dtype)) {
+      if (rank_ == root) {
+        for (int p : members_) {
+          plan.send[p] = data;
+          plan.send_bytes[p] = p == root ? 0 : count * esize;
+        }
+      } else {
+        plan.recv[root] = data;
+        plan.recv_bytes[root] = count * esize;
+      }
+      return exchange(meta, plan, false);
+    }
+    // Scatter the shards from the root, then all-gather them.
+    std::vector<size_t> offsets, counts;
+    even_shards(count, offsets, counts);
     if (rank_ == root) {
-      for (int p = 0; p < n; ++p) {
-        plan.send[p] = data;
-        plan.send_bytes[p] = p == root ? 0 : count * esize;
+      for (int p : members_) {
+        plan.send[p] = base + offsets[p] * esize;
+        plan.send_bytes[p] = p == root ? 0 : counts[p] * esize;
       }
     } else {
-      plan.recv[root] = data;
-      plan.recv_bytes[root] = count * esize;
+      plan.recv[root] = base + offsets[rank_] * esize;
+      plan.recv_bytes[root] = counts[rank_] * esize;
     }
-    return exchange(meta, plan, false);
-  }
-  // Scatter the shards from the root, then all-gather them.
-  std::vector<size_t> offsets, counts;
-  even_shards(count, offsets, counts);
-  if (rank_ == root) {
-    for (int p = 0; p < n; ++p) {
-      plan.send[p] = bytes + offsets[p] * esize;
-      plan.send_bytes[p] = p == root ? 0 : counts[p] * esize;
+    exchange(meta, plan, false);
+    for (int p : members_) {
+      plan.send[p] = base + offsets[rank_] * esize;
+      plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
+      plan.recv[p] = base + offsets[p] * esize;
+      plan.recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
     }
-  } else {
-    plan.recv[root] = bytes + offsets[rank_] * esize;
-    plan.recv_bytes[root] = counts[rank_] * esize;
-  }
-  exchange(meta, plan, false);
-  for (int p = 0; p < n; ++p) {
-    plan.send[p] = bytes + offsets[rank_] * esize;
-    plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
-    plan.recv[p] = bytes + offsets[p] * esize;
-    plan.recv_bytes[p] = p == rank_ ? 0 : counts[p] * esize;
-  }
-  exchange(meta, plan, false);
+    exchange(meta, plan, false);
+  });
 }
 
 void Communicator::all_gather(const void* in, size_t count, DType dtype, void* const* outs,
                               int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kAllGather, dtype, RedOp::kSum, -1, count, timeout_ms);
+  OpMeta meta = begin(OpType::kAllGather, dtype, RedOp::kSum, -1, count, timeout_ms,
+                      width_error("all_gather"));
   const size_t bytes = count * dtype_size(dtype);
-  Plan plan(size_);
-  for (int p = 0; p < size_; ++p) {
-    plan.send[p] = in;
-    plan.recv[p] = outs[p];
-    plan.send_bytes[p] = plan.recv_bytes[p] = bytes;
-  }
-  exchange(meta, plan, false);
+  std::vector<Region> result;
+  for (int p = 0; p < size_; ++p) result.push_back({outs[p], bytes});
+  const Finish finish =
+      bytes * static_cast<size_t>(size_) <= config_.small_bytes ? Finish::kForward : Finish::kCommit;
+  run(meta, finish, result, {}, [&] {
+    Plan plan(capacity_);
+    if (meta.local_error.empty()) {
+      zero_others(outs, bytes);
+      for (int p : members_) {
+        plan.send[p] = in;
+        plan.recv[p] = outs[p];
+        plan.send_bytes[p] = plan.recv_bytes[p] = bytes;
+      }
+    }
+    exchange(meta, plan, false);
+  });
 }
 
 void Communicator::reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype,
                                   RedOp op, int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms,
-                      redop_error(op, dtype, "reduce_scatter"));
-  std::vector<size_t> counts(static_cast<size_t>(size_), count);
-  reduce_exchange(meta, ins, counts.data(), out);
+  std::string error = redop_error(op, dtype, "reduce_scatter");
+  if (error.empty()) error = width_error("reduce_scatter");
+  OpMeta meta = begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms, error);
+  run(meta, Finish::kCommit, {}, {}, [&] {
+    std::vector<size_t> counts(static_cast<size_t>(capacity_), count);
+    std::vector<const void*> src(static_cast<size_t>(capacity_), nullptr);
+    if (meta.local_error.empty())
+      for (int p : members_) src[p] = ins[p];
+    reduce_exchange(meta, src.data(), counts.data(), out);
+  });
 }
 
 void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, void* const* outs,
                               const size_t* out_counts, DType dtype, int64_t timeout_ms) {
-  std::string error;
-  if (in_counts[rank_] != out_counts[rank_])
+  std::string error = width_error("all_to_all");
+  if (error.empty() && in_counts[rank_] != out_counts[rank_])
     error = str("all_to_all: rank ", rank_, " sends itself ", in_counts[rank_],
                 " elements but expects ", out_counts[rank_]);
   OpMeta meta = begin(OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms, error);
   const size_t esize = dtype_size(dtype);
-  Plan plan(size_);
-  for (int p = 0; p < size_; ++p) {
-    plan.send[p] = ins[p];
-    plan.recv[p] = outs[p];
-    plan.send_bytes[p] = in_counts[p] * esize;
-    plan.recv_bytes[p] = out_counts[p] * esize;
-  }
-  exchange(meta, plan, true);
+  run(meta, Finish::kCommit, {}, {}, [&] {
+    Plan plan(capacity_);
+    if (meta.local_error.empty()) {
+      zero_others(outs, out_counts, esize);
+      for (int p : members_) {
+        plan.send[p] = ins[p];
+        plan.recv[p] = outs[p];
+        plan.send_bytes[p] = in_counts[p] * esize;
+        plan.recv_bytes[p] = out_counts[p] * esize;
+      }
+    }
+    exchange(meta, plan, true);
+  });
 }
 
 void Communicator::gather(const void* in, size_t count, DType dtype, void* const* outs, int root,
                           int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms,
-                      root_error(root, "gather"));
+  std::string error = root_error(root, "gather");
+  if (error.empty() && rank_ == root) error = width_error("gather");
+  OpMeta meta = begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms, error);
   const size_t bytes = count * dtype_size(dtype);
-  Plan plan(size_);
-  if (meta.local_error.empty()) {
-    plan.send[root] = in;
-    plan.send_bytes[root] = bytes;
-    if (rank_ == root)
-      for (int p = 0; p < size_; ++p) {
-        plan.recv[p] = outs[p];
-        plan.recv_bytes[p] = bytes;
+  run(meta, Finish::kCommit, {}, {}, [&] {
+    Plan plan(capacity_);
+    if (meta.local_error.empty()) {
+      plan.send[root] = in;
+      plan.send_bytes[root] = bytes;
+      if (rank_ == root) {
+        zero_others(outs, bytes);
+        for (int p : members_) {
+          plan.recv[p] = outs[p];
+          plan.recv_bytes[p] = bytes;
+        }
       }
-  }
-  exchange(meta, plan, false);
+    }
+    exchange(meta, plan, false);
+  });
 }
 
 void Communicator::scatter(const void* const* ins, void* out, size_t count, DType dtype, int root,
                            int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms,
-                      root_error(root, "scatter"));
+  std::string error = root_error(root, "scatter");
+  if (error.empty() && rank_ == root) error = width_error("scatter");
+  OpMeta meta = begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms, error);
   const size_t bytes = count * dtype_size(dtype);
-  Plan plan(size_);
-  if (meta.local_error.empty()) {
-    plan.recv[root] = out;
-    plan.recv_bytes[root] = bytes;
-    if (rank_ == root)
-      for (int p = 0; p < size_; ++p) {
-        plan.send[p] = ins[p];
-        plan.send_bytes[p] = bytes;
-      }
-  }
-  exchange(meta, plan, false);
+  run(meta, Finish::kCommit, {}, {}, [&] {
+    Plan plan(capacity_);
+    if (meta.local_error.empty()) {
+      plan.recv[root] = out;
+      plan.recv_bytes[root] = bytes;
+      if (rank_ == root)
+        for (int p : members_) {
+          plan.send[p] = ins[p];
+          plan.send_bytes[p] = bytes;
+        }
+    }
+    exchange(meta, plan, false);
+  });
 }
 
 void Communicator::barrier(int64_t timeout_ms) {
   OpMeta meta = begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms);
-  exchange(meta, Plan(size_), false);
+  run(meta, Finish::kForward, {}, {}, [&] { exchange(meta, Plan(capacity_), false); });
 }
 
 }  // namespace mooncake

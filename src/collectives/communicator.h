@@ -1,10 +1,11 @@
-// Collective algorithms over the message channels, on raw CPU buffers.
+// Collective algorithms over the message channels, on raw CPU buffers, among
+// the members of the group's current view.
 //
 // Two shapes of exchange serve every op:
-//  * exchange(): each rank sends an arbitrary byte range to each peer and
+//  * exchange(): each member sends an arbitrary byte range to each peer and
 //    receives one from each (all_gather, all_to_all, gather, scatter,
 //    broadcast, barrier);
-//  * reduce_exchange(): each rank sends each peer its contribution to that
+//  * reduce_exchange(): each member sends each peer its contribution to that
 //    peer's shard; the owner reduces all contributions in rank order.
 // Both are pipelined in chunks through the channels, so tensors of any size
 // pass through fixed slots. Small all_reduce/broadcast go direct (one hop);
@@ -15,16 +16,33 @@
 // all ranks check it before moving data, so mismatched calls (different
 // sizes, dtypes, ops, roots) raise an invalid-argument error on every rank
 // and leave the channels in step for the next op.
+//
+// Failures (see DESIGN.md, "Failure semantics"). An op that sees a member
+// die (or hang, or time out) abandons its attempt; the survivors agree on the
+// next view through the store (membership/agreement.h), the epoch goes up,
+// every channel restarts, and the op runs again among the survivors from its
+// kept inputs. So that every survivor returns a result over the same set of
+// ranks, an op completes in one of two ways:
+//  * kForward (small all_reduce, broadcast, all_gather, barrier: every rank
+//    ends with the same result): the result is kept after the op; if a rank
+//    completed it and another did not, the one that did hands its result on.
+//  * kCommit (everything else): after the data, a round of empty messages;
+//    a rank completes only when every member has all of its data, so if one
+//    completed, every survivor can.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "collectives/channel.h"
 #include "core/dtype.h"
+#include "core/error.h"
+#include "membership/view.h"
 #include "store/store.h"
 #include "transport/engine.h"
 
@@ -39,7 +57,9 @@ enum class OpType : uint32_t {
   kAllToAll,
   kReduce,
   kGather,
-  kScatter
+  kScatter,
+  kAdmit,    // members take in new processes (recover_ranks)
+  kForward,  // a completed op's result, handed to a survivor that missed it
 };
 const char* op_name(OpType t);
 
@@ -47,25 +67,40 @@ struct CommConfig {
   int64_t timeout_ms = 30000;  // default deadline of one op; < 0: none
   size_t chunk_bytes = 0;      // 0: MOONCAKE_CHUNK_BYTES
   size_t small_bytes = 0;      // 0: MOONCAKE_SMALL_MSG_BYTES
+  int recover = -1;            // 1: survivors re-run failed ops; 0: ops fail; < 0: MOONCAKE_RECOVER
+  int64_t hang_ms = -1;        // silence that counts as a failure; 0: never; < 0: MOONCAKE_HANG_MS
   static CommConfig from_env(int64_t timeout_ms);
 };
 
 class Communicator {
  public:
+  // This process holds slot `rank` of a group of `capacity` slots (0: `size`)
+  // whose slots [0, size) start active. With `joining`, the group is already
+  // running and this is a new process for an inactive slot: it publishes
+  // itself and waits in join() until the members admit it.
   Communicator(const TransferEngine& engine, Store& store, const std::string& prefix, int rank,
-               int size, const CommConfig& config);
+               int size, const CommConfig& config, int capacity = 0, bool joining = false);
   ~Communicator();
 
   int rank() const { return rank_; }
+  // The world size the group was created with: per-rank arrays have this many entries.
   int size() const { return size_; }
+  int capacity() const { return capacity_; }
   const CommConfig& config() const { return config_; }
   const char* transport_of(int peer) const { return endpoint_->transport_of(peer); }
   Endpoint& endpoint() { return *endpoint_; }
   Channels& p2p_channels() { return *p2p_; }
+  // The current view (a copy: it changes on the op thread).
+  View view() const;
+  // Called on the op thread after every membership change.
+  void set_view_listener(std::function<void(const View&)> listener);
   // Wakes blocked waits and makes them fail: the group is going away.
   void stop();
 
   // Every op blocks until done. timeout_ms < 0: the configured default.
+  // Per-rank arrays (ins/outs/counts) have size() entries, indexed by rank;
+  // the entries of ranks outside the view are ignored (inputs) or zero-filled
+  // (outputs).
   void all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms = -1);
   void reduce(void* data, size_t count, DType dtype, RedOp op, int root, int64_t timeout_ms = -1);
   void broadcast(void* data, size_t count, DType dtype, int root, int64_t timeout_ms = -1);
@@ -91,13 +126,75 @@ class Communicator {
   // rejected on this rank only.
   void reject(const std::string& reason, int64_t timeout_ms = -1);
 
+  // --- elastic membership (members' side) ---
+  // For each slot, whether a new process has published itself for it and
+  // waits to be admitted. Collective among the members: all get the same answer.
+  std::vector<uint8_t> peer_state(const std::vector<int>& slots, int64_t timeout_ms = -1);
+  // Admits the processes waiting for `slots` (inactive slots whose
+  // peer_state is true): collective among the members; afterwards they are
+  // members too.
+  void admit(const std::vector<int>& slots, int64_t timeout_ms = -1);
+  // --- joining process's side ---
+  bool joining() const { return joining_; }
+  // Blocks until the members admit this process, then connects to them.
+  void join(int64_t timeout_ms = -1);
+
  private:
-  struct OpMeta;
-  struct Plan;
+  struct OpMeta {
+    OpType type;
+    DType dtype;
+    RedOp redop;
+    int root;
+    uint64_t numel;
+    uint64_t seq;
+    int64_t timeout_ms;
+    Deadline deadline;  // of the current attempt
+    const char* name;
+    std::string local_error;  // this rank rejected its own arguments
+  };
+
+  // What one rank sends to and receives from each slot in an exchange.
+  struct Plan {
+    explicit Plan(int n)
+        : send(static_cast<size_t>(n), nullptr),
+          recv(static_cast<size_t>(n), nullptr),
+          send_bytes(static_cast<size_t>(n), 0),
+          recv_bytes(static_cast<size_t>(n), 0) {}
+    std::vector<const void*> send;
+    std::vector<void*> recv;
+    std::vector<size_t> send_bytes;
+    std::vector<size_t> recv_bytes;
+  };
+  struct Region {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+  };
+  enum class Finish { kForward, kCommit };
+
   // Starts an op. A non-empty `local_error` means this rank rejected its
   // arguments: the op then only tells the others and throws that error.
   OpMeta begin(OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
                std::string local_error = {});
+  // Runs `attempt` until it succeeds among the members of the current view,
+  // recovering from failures in between (see the header comment). `inplace`
+  // is input that the attempt overwrites: it is restored before a re-run.
+  void run(OpMeta& meta, Finish finish, const std::vector<Region>& outputs, Region inplace,
+           const std::function<void()>& attempt);
+  // After a failed attempt: agreement, the new view, and handing on results.
+  // True when the op is complete without a re-run.
+  bool recover(const OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
+               const Error& cause);
+  // Records op `seq` as done: with `result` kept (kForward), or failed.
+  void finished(uint64_t seq, const std::vector<Region>* result, bool failed);
+  void send_result(uint64_t seq, int to, const Deadline& deadline);
+  void receive_result(const OpMeta& meta, int from, const std::vector<Region>& outputs);
+  void apply(const View& view);
+  // Connects to the processes of `slots` that `view` names (errors are left
+  // for the ops to find, so every member applies the same view).
+  void connect_new(const View& view, const std::vector<int>& slots, const Deadline& deadline);
+  // The incarnation of the process waiting to join `slot`, or -1.
+  int64_t waiting_incarnation(int slot);
+
   MsgHeader header(const OpMeta& meta) const;
   // Step 0 of an op this rank rejected: the header, flagged, carries the error.
   void send_rejection(const OpMeta& meta, const MsgHeader& h, int peer);
@@ -106,20 +203,43 @@ class Communicator {
   void reduce_exchange(const OpMeta& meta, const void* const* shard_src, const size_t* shard_counts,
                        void* out);
   std::string root_error(int root, const char* what) const;
+  // A member beyond the per-rank arrays (after an extension past the world size).
+  std::string width_error(const char* what) const;
   std::string redop_error(RedOp op, DType dtype, const char* what) const;
   std::string validate(const OpMeta& meta, const MsgHeader& h, int peer, size_t expect_recv,
                        size_t expect_send) const;
+  // Splits `count` over the members; per-slot offsets and counts (0 for others).
   void even_shards(size_t count, std::vector<size_t>& offsets, std::vector<size_t>& counts) const;
   // Whether an op of `count` elements goes direct (one hop) rather than sharded.
   bool direct(size_t count, DType dtype) const;
+  void zero_others(void* const* outs, size_t bytes) const;
+  void zero_others(void* const* outs, const size_t* counts, size_t esize) const;
 
-  int rank_;
-  int size_;
+  const int rank_;
+  const int size_;
+  const int capacity_;
   CommConfig config_;
+  Store& store_;
+  const std::string prefix_;
+  uint32_t incarnation_ = 0;
+  bool joining_ = false;
   std::unique_ptr<Endpoint> endpoint_;
   std::unique_ptr<Channels> coll_;
   std::unique_ptr<Channels> p2p_;
   uint64_t op_seq_ = 0;
+
+  // Membership, owned by the op thread; view_ is also read by others.
+  mutable std::mutex view_mu_;
+  View view_;
+  std::vector<int> members_;  // view_.members()
+  std::function<void(const View&)> on_view_;
+  std::atomic<bool> stopping_{false};
+  // The last completed op, and its result when it finished kForward.
+  uint64_t done_seq_ = 0;
+  bool done_failed_ = false;
+  uint64_t kept_seq_ = 0;
+  bool has_kept_ = false;
+  std::vector<uint8_t> kept_;
 };
 
 // Bytes a group segment needs for `capacity` ranks with `chunk_bytes` slots.

@@ -25,6 +25,12 @@ const std::vector<EnvVar>& env_registry() {
        "An op nobody waits on yet (async_op=True) starts after this many us; a caller that "
        "waits sooner runs it on its own thread, saving two thread hand-offs."},
       {"MOONCAKE_SPIN_US", "20", "How long a wait spins before it blocks on a futex."},
+      {"MOONCAKE_HANG_MS", "2000",
+       "A peer whose heartbeat stands still this long (a stopped or hung process) counts as "
+       "failed, whatever the op's timeout."},
+      {"MOONCAKE_RECOVER", "1",
+       "1: when a rank fails, the survivors agree on the new group and re-run the op; 0: the "
+       "op fails with an error instead."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

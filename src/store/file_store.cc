@@ -82,6 +82,17 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   return value;
 }
 
+std::string FileStore::compare_set(const std::string& key, const std::string& desired) {
+  std::string lock_path = dir_ + "/locks/" + encode_key(key);
+  int fd = MC_SYSCHECK(::open(lock_path.c_str(), O_CREAT | O_RDWR, 0600));
+  MC_SYSCHECK(::flock(fd, LOCK_EX));
+  if (!check(key)) set(key, desired);
+  std::string value = get(key, 0);
+  ::flock(fd, LOCK_UN);
+  ::close(fd);
+  return value;
+}
+
 bool FileStore::check(const std::string& key) {
   return ::access(path(key).c_str(), F_OK) == 0;
 }

@@ -18,6 +18,9 @@ class Store {
   // Atomically adds `delta` to the integer under `key` (0 if missing).
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   virtual bool check(const std::string& key) = 0;
+  // Atomically: if `key` is missing, sets it to `desired`. Returns the value
+  // the key holds afterwards (the winner's, when several ranks race).
+  virtual std::string compare_set(const std::string& key, const std::string& desired) = 0;
 };
 
 // A store in a directory: one file per key, written atomically with rename.
@@ -29,6 +32,7 @@ class FileStore : public Store {
   std::string get(const std::string& key, int64_t timeout_ms) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool check(const std::string& key) override;
+  std::string compare_set(const std::string& key, const std::string& desired) override;
 
  private:
   std::string path(const std::string& key) const;

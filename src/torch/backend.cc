@@ -29,6 +29,10 @@ class C10dStore : public Store {
   }
   int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
   bool check(const std::string& key) override { return store_->check({key}); }
+  std::string compare_set(const std::string& key, const std::string& desired) override {
+    auto v = store_->compareSet(key, {}, std::vector<uint8_t>(desired.begin(), desired.end()));
+    return std::string(v.begin(), v.end());
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -199,18 +203,16 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
     MC_CHECK_ARG(*options_->max_world_size >= size, name, ": max_world_size (",
                  *options_->max_world_size, ") must be >= the world size (", size, ")");
   const int64_t slots = options_->max_world_size.value_or(size);
-  MC_CHECK_ARG(!options_->is_extension, name,
-               ": is_extension=True (joining a running group) is not implemented yet");
-  MC_CHECK_ARG(slots == size, name,
-               ": max_world_size > world size (reserved slots) is not implemented yet");
+  if (options_->is_extension)
+    MC_CHECK_ARG(rank < slots, name, ": rank ", rank, " must be < max_world_size (", slots, ")");
   if (options_->active_ranks.defined()) {
     const at::Tensor& a = options_->active_ranks;
     MC_CHECK_ARG(a.numel() == slots, name, ": active_ranks must have ", slots,
                  " entries (max_world_size, or the world size), got ", a.numel());
     MC_CHECK_ARG(a.device().is_cpu() != cuda, name, ": active_ranks must be on ",
                  cuda ? "the CUDA device" : "the CPU", ", got ", a.device().str());
+    MC_CHECK_ARG(a.is_contiguous(), name, ": active_ranks must be contiguous");
     active_ranks_ = a;
-    active_ranks_.fill_(1);
   } else {
     active_ranks_ = at::ones({slots}, at::TensorOptions().dtype(at::kInt));
   }
@@ -218,11 +220,30 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   timeout_ms_ = CommConfig::from_env(timeout.count()).timeout_ms;
   // The same store (and group name) may serve several incarnations of a group
   // (init, destroy, init again): number them so no rank reads another's keys.
-  // Every rank of one incarnation draws a ticket before any rank of the next.
-  const int64_t ticket = store_->add("mooncake/tickets", 1) - 1;
-  const std::string prefix = "mooncake/" + std::to_string(ticket / size) + "/";
+  // Every rank of one incarnation draws a ticket before any rank of the next;
+  // a process joining a running group takes the latest incarnation.
+  std::string generation;
+  if (options_->is_extension) {
+    generation = store_->get("mooncake/latest", timeout_ms_);
+  } else {
+    const int64_t ticket = store_->add("mooncake/tickets", 1) - 1;
+    generation = std::to_string(ticket / size);
+    store_->set("mooncake/latest", generation);
+  }
+  const std::string prefix = "mooncake/" + generation + "/";
   comm_ = std::make_unique<Communicator>(*engine_, *store_, prefix, rank, size,
-                                         CommConfig::from_env(timeout_ms_));
+                                         CommConfig::from_env(timeout_ms_),
+                                         static_cast<int>(slots), options_->is_extension);
+  extended_size_ = size;
+  show_view(comm_->view());
+  comm_->set_view_listener([this](const View& view) { show_view(view); });
+}
+
+void MooncakeBackend::show_view(const View& view) {
+  std::lock_guard<std::mutex> lock(view_mu_);
+  auto acc = active_ranks_.accessor<int32_t, 1>();
+  for (int i = 0; i < view.capacity(); ++i) acc[i] = view.active[i];
+  num_members_ = view.num_members();
 }
 
 MooncakeBackend::~MooncakeBackend() {
@@ -252,7 +273,51 @@ int64_t MooncakeBackend::op_timeout_ms(std::chrono::milliseconds t) const {
 }
 
 int MooncakeBackend::num_synced_ranks() const {
-  return static_cast<int>(active_ranks_.sum().item<int64_t>());
+  std::lock_guard<std::mutex> lock(view_mu_);
+  return num_members_;
+}
+
+// --- elastic membership --------------------------------------------------------------------
+
+void MooncakeBackend::run_on_queue(const char* what, Task task) {
+  MC_CHECK_ARG(!shut_down_.load() && comm_, what, ": the process group was shut down");
+  auto request = queue_->submit(std::move(task));
+  queue_->wait(request, -1);
+  if (auto error = request->error()) std::rethrow_exception(error);
+}
+
+void MooncakeBackend::extend_group_size_to(int64_t size) {
+  MC_CHECK_ARG(comm_ != nullptr, "extend_group_size_to: the process group was shut down");
+  MC_CHECK_ARG(size >= extended_size_ && size <= comm_->capacity(),
+               "extend_group_size_to: size must be in [", extended_size_, ", max_world_size=",
+               comm_->capacity(), "], got ", size,
+               size > comm_->capacity() ? " (reserve slots with MooncakeBackendOptions("
+                                          "max_world_size=...) when the group is created)"
+                                        : "");
+  extended_size_ = size;
+}
+
+std::vector<bool> MooncakeBackend::get_peer_state(const std::vector<int64_t>& ranks) {
+  std::vector<int> slots(ranks.begin(), ranks.end());
+  std::vector<uint8_t> ready;
+  run_on_queue("get_peer_state", [&] { ready = comm_->peer_state(slots, timeout_ms_); });
+  return std::vector<bool>(ready.begin(), ready.end());
+}
+
+void MooncakeBackend::recover_ranks(const std::vector<int64_t>& ranks) {
+  for (int64_t r : ranks)
+    MC_CHECK_ARG(r < extended_size_ || r >= comm_->capacity(), "recover_ranks: rank ", r,
+                 " is beyond the group's size (", extended_size_,
+                 "): call extend_group_size_to first");
+  std::vector<int> slots(ranks.begin(), ranks.end());
+  run_on_queue("recover_ranks", [&] { comm_->admit(slots, timeout_ms_); });
+}
+
+void MooncakeBackend::join_group() {
+  MC_CHECK_ARG(comm_ != nullptr, "join_group: the process group was shut down");
+  MC_CHECK_ARG(options_->is_extension,
+               "join_group: this process group was not created with is_extension=True");
+  run_on_queue("join_group", [&] { comm_->join(timeout_ms_); });
 }
 
 std::string MooncakeBackend::transport_of(int peer) const {
@@ -746,7 +811,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptio
 P2P& MooncakeBackend::p2p() {
   std::lock_guard<std::mutex> lock(p2p_mu_);
   MC_CHECK_ARG(comm_ != nullptr, getBackendName(), ": the process group was shut down");
-  if (!p2p_) p2p_ = std::make_unique<P2P>(comm_->p2p_channels(), rank_, size_, timeout_ms_);
+  if (!p2p_)
+    p2p_ = std::make_unique<P2P>(comm_->p2p_channels(), rank_, comm_->capacity(), timeout_ms_);
   return *p2p_;
 }
 

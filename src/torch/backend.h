@@ -90,6 +90,13 @@ class MooncakeBackend : public c10d::Backend {
   // The spec's pg.* helpers.
   at::Tensor active_ranks() const { return active_ranks_; }
   int num_synced_ranks() const;
+  void extend_group_size_to(int64_t size);
+  // Collective among the members: whether a process waits to join as each rank.
+  std::vector<bool> get_peer_state(const std::vector<int64_t>& ranks);
+  // Collective among the members: admits the waiting processes.
+  void recover_ranks(const std::vector<int64_t>& ranks);
+  // A process created with is_extension=True: waits until admitted.
+  void join_group();
   std::string transport_of(int peer) const;
   const std::shared_ptr<TransferEngine>& engine() const { return engine_; }
 
@@ -126,6 +133,10 @@ class MooncakeBackend : public c10d::Backend {
   void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* op,
                   const char* arg, const char* like_name) const;
   P2P& p2p();
+  // Copies a view into the active_ranks tensor (on the op thread).
+  void show_view(const View& view);
+  // Runs `task` on the op queue, in order with the collectives, and waits.
+  void run_on_queue(const char* what, Task task);
   int64_t op_timeout_ms(std::chrono::milliseconds op_timeout) const;
 
   std::unique_ptr<Store> store_;
@@ -136,6 +147,9 @@ class MooncakeBackend : public c10d::Backend {
   std::shared_ptr<OpQueue> queue_ = std::make_shared<OpQueue>();
   c10::intrusive_ptr<MooncakeBackendOptions> options_;
   at::Tensor active_ranks_;
+  mutable std::mutex view_mu_;
+  int num_members_ = 0;
+  int64_t extended_size_ = 0;
   bool cuda_;
   int64_t timeout_ms_;
   bool coalescing_ = false;

@@ -91,6 +91,13 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
                                                                                   "MooncakeBackend")
       .def("active_ranks", &MooncakeBackend::active_ranks)
       .def("num_synced_ranks", &MooncakeBackend::num_synced_ranks)
+      .def("extend_group_size_to", &MooncakeBackend::extend_group_size_to, py::arg("size"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("get_peer_state", &MooncakeBackend::get_peer_state, py::arg("ranks"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("recover_ranks", &MooncakeBackend::recover_ranks, py::arg("ranks"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("join_group", &MooncakeBackend::join_group, py::call_guard<py::gil_scoped_release>())
       .def("transport_of", &MooncakeBackend::transport_of, py::arg("peer"))
       .def_property_readonly("engine", &MooncakeBackend::engine);
 

@@ -51,6 +51,7 @@ const std::string& local_host_key() {
 std::string PeerAddress::encode() const {
   std::ostringstream os;
   os << rank << '\n'
+     << incarnation << '\n'
      << host_key << '\n'
      << pid << '\n'
      << segment_fd << '\n'
@@ -77,6 +78,7 @@ PeerAddress PeerAddress::decode_fields(const std::string& text) {
     return line;
   };
   a.rank = std::stoi(next());
+  a.incarnation = static_cast<uint32_t>(std::stoul(next()));
   a.host_key = next();
   a.pid = std::stoi(next());
   a.segment_fd = std::stoi(next());
@@ -100,44 +102,146 @@ std::vector<std::string> TransferEngine::available_transports() {
   return {"shm", "tcp"};
 }
 
-Endpoint::Endpoint(const TransferEngine& engine, Store& store, const std::string& prefix, int rank,
-                   int size, size_t segment_bytes, const Deadline& deadline)
-    : rank_(rank), size_(size), segment_(segment_bytes) {
-  const EngineOptions& opts = engine.options();
-  receiver_ = std::make_unique<TcpReceiver>(segment_, size, opts.host_ip);
+namespace {
+constexpr int64_t kHeartbeatPeriodMs = 20;
+}
+
+Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefix, int rank,
+                   uint32_t incarnation, int capacity, size_t segment_bytes)
+    : options_(engine.options()),
+      store_(store),
+      prefix_(std::move(prefix)),
+      rank_(rank),
+      incarnation_(incarnation),
+      capacity_(capacity),
+      segment_(segment_bytes),
+      links_(static_cast<size_t>(capacity)),
+      pulse_(new Pulse[static_cast<size_t>(capacity)]) {
+  for (int p = 0; p < capacity; ++p) pulse_[p].changed_us.store(now_us());
+  MC_CHECK_ARG(rank >= 0 && rank < capacity, "rank must be in [0, ", capacity, "), got ", rank);
+  receiver_ = std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip);
+  links_[rank] = self_link(segment_);
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
   PeerAddress me;
   me.rank = rank;
+  me.incarnation = incarnation;
   me.host_key = local_host_key();
   me.pid = static_cast<int>(::getpid());
   me.segment_fd = segment_.fd();
   me.segment_bytes = segment_bytes;
-  me.tcp_host = opts.host_ip.empty() ? default_host() : opts.host_ip;
+  me.tcp_host = options_.host_ip.empty() ? default_host() : options_.host_ip;
   me.tcp_port = receiver_->port();
-  store.set(prefix + "addr/" + std::to_string(rank), me.encode());
+  store_.set(prefix_ + "addr/" + std::to_string(rank) + "/" + std::to_string(incarnation),
+             me.encode());
+}
 
-  links_.resize(static_cast<size_t>(size));
-  for (int peer = 0; peer < size; ++peer) {
-    if (peer == rank) {
-      links_[peer] = self_link(segment_);
-      continue;
-    }
-    PeerAddress addr = PeerAddress::decode(
-        store.get(prefix + "addr/" + std::to_string(peer), deadline.remaining_ms(1L << 40)));
-    MC_CHECK_ARG(addr.segment_bytes == segment_bytes, "rank ", peer, " uses a ", addr.segment_bytes,
-                 "-byte segment but rank ", rank, " uses ", segment_bytes,
-                 ": the group's size or MOONCAKE_CHUNK_BYTES differs between ranks");
-    if (!opts.force_tcp && shm_can_reach(addr))
-      links_[peer] = shm_connect(addr);
-    else
-      links_[peer] = tcp_connect(addr, rank, *receiver_, deadline);
-  }
-  store.set(prefix + "connected/" + std::to_string(rank), "1");
+void Endpoint::connect_all(int size, const Deadline& deadline) {
   for (int peer = 0; peer < size; ++peer)
-    store.get(prefix + "connected/" + std::to_string(peer), deadline.remaining_ms(1L << 40));
+    if (peer != rank_) connect(peer, 0, deadline);
+  store_.set(prefix_ + "connected/" + std::to_string(rank_), "1");
+  for (int peer = 0; peer < size; ++peer)
+    store_.get(prefix_ + "connected/" + std::to_string(peer), deadline.remaining_ms(1L << 40));
+}
+
+void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
+  MC_CHECK_ARG(peer >= 0 && peer < capacity_ && peer != rank_, "connect: peer must be another slot in [0, ",
+               capacity_, "), got ", peer);
+  PeerAddress addr = PeerAddress::decode(
+      store_.get(prefix_ + "addr/" + std::to_string(peer) + "/" + std::to_string(inc),
+                 deadline.remaining_ms(1L << 40)));
+  MC_CHECK_ARG(addr.segment_bytes == segment_.size(), "rank ", peer, " uses a ",
+               addr.segment_bytes, "-byte segment but rank ", rank_, " uses ", segment_.size(),
+               ": the group's capacity (max_world_size) or MOONCAKE_CHUNK_BYTES differs between "
+               "ranks");
+  std::shared_ptr<PeerLink> link;
+  if (!options_.force_tcp && shm_can_reach(addr))
+    link = shm_connect(addr);
+  else
+    link = tcp_connect(addr, rank_, incarnation_, *receiver_, deadline);
+  std::lock_guard<std::mutex> lock(mu_);
+  links_[peer] = std::move(link);
+  pulse_[peer].last.store(0);
+  pulse_[peer].changed_us.store(now_us());
+}
+
+void Endpoint::disconnect(int peer) {
+  std::shared_ptr<PeerLink> old;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (peer != rank_) old.swap(links_[peer]);
+}
+
+std::shared_ptr<PeerLink> Endpoint::link(int peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return links_[peer];
+}
+
+bool Endpoint::alive(int peer) const {
+  auto l = link(peer);
+  return l != nullptr && l->alive();
+}
+
+uint64_t Endpoint::heartbeat(int peer) const {
+  auto l = link(peer);
+  return l != nullptr ? l->heartbeat() : 0;
+}
+
+int64_t Endpoint::silent_ms(int peer) const {
+  if (!link(peer)) return 0;
+  return (now_us() - pulse_[peer].changed_us.load(std::memory_order_relaxed)) / 1000;
+}
+
+const char* Endpoint::transport_of(int peer) const {
+  auto l = link(peer);
+  return l != nullptr ? l->transport() : "none";
+}
+
+void Endpoint::wake_all() {
+  for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));
+}
+
+void Endpoint::heartbeat_loop() {
+  auto* header = reinterpret_cast<SegmentHeader*>(segment_.base());
+  std::unique_lock<std::mutex> lock(beat_mu_);
+  int64_t last_round = now_us();
+  while (!stopping_) {
+    lock.unlock();
+    header->heartbeat.fetch_add(1, std::memory_order_relaxed);
+    std::vector<std::shared_ptr<PeerLink>> links;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      links = links_;
+    }
+    const int64_t now = now_us();
+    // After a long gap in our own rounds (this process was stopped or starved)
+    // no peer's silence can be told apart from ours: start everyone afresh.
+    const bool we_stalled = now - last_round > 10 * kHeartbeatPeriodMs * 1000;
+    last_round = now;
+    for (size_t p = 0; p < links.size(); ++p) {
+      if (!links[p]) continue;
+      links[p]->beat();
+      const uint64_t hb = links[p]->heartbeat();
+      if (hb != pulse_[p].last.load(std::memory_order_relaxed) || we_stalled) {
+        pulse_[p].last.store(hb, std::memory_order_relaxed);
+        pulse_[p].changed_us.store(now, std::memory_order_relaxed);
+      }
+    }
+    links.clear();
+    lock.lock();
+    beat_cv_.wait_for(lock, std::chrono::milliseconds(kHeartbeatPeriodMs), [&] { return stopping_; });
+  }
 }
 
 Endpoint::~Endpoint() {
-  links_.clear();
+  {
+    std::lock_guard<std::mutex> lock(beat_mu_);
+    stopping_ = true;
+  }
+  beat_cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    links_.clear();
+  }
   receiver_.reset();
 }
 

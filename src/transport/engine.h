@@ -5,8 +5,11 @@
 // Peers find each other through the Store.
 #pragma once
 
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "store/store.h"
@@ -36,28 +39,71 @@ class TransferEngine {
   EngineOptions options_;
 };
 
+// One group's end of the transport in this process: the local segment, the
+// tcp receiver, one PeerLink per connected slot, and a heartbeat thread that
+// lets peers tell a stopped process from a slow one. Slots are connected and
+// disconnected as the group's membership changes; links are shared, so a
+// thread that holds one keeps it valid while it is replaced.
 class Endpoint {
  public:
-  // Creates this rank's segment, publishes its address under `prefix`, connects
-  // to every rank in [0, size) and waits until all of them have done the same.
-  Endpoint(const TransferEngine& engine, Store& store, const std::string& prefix, int rank,
-           int size, size_t segment_bytes, const Deadline& deadline);
+  // Creates this rank's segment with room for `capacity` slots and publishes
+  // its address under prefix + "addr/<rank>/<incarnation>".
+  Endpoint(const TransferEngine& engine, Store& store, std::string prefix, int rank,
+           uint32_t incarnation, int capacity, size_t segment_bytes);
   ~Endpoint();
+  Endpoint(const Endpoint&) = delete;
+  Endpoint& operator=(const Endpoint&) = delete;
+
+  // The initial rendezvous: connects to slots [0, size) (incarnation 0) and
+  // waits until every one of them has done the same.
+  void connect_all(int size, const Deadline& deadline);
+  // Connects to the process holding slot `peer` as incarnation `inc`,
+  // replacing any earlier link to that slot.
+  void connect(int peer, uint32_t inc, const Deadline& deadline);
+  // Drops the link to `peer` (its memory is unmapped once no thread uses it).
+  void disconnect(int peer);
 
   int rank() const { return rank_; }
-  int size() const { return size_; }
+  uint32_t incarnation() const { return incarnation_; }
+  int capacity() const { return capacity_; }
   uint8_t* base() const { return segment_.base(); }
+  size_t segment_bytes() const { return segment_.size(); }
   Doorbell* bell(int i) const { return segment_.bell(i); }
-  PeerLink& link(int peer) { return *links_[peer]; }
-  bool alive(int peer) { return links_[peer]->alive(); }
-  const char* transport_of(int peer) const { return links_[peer]->transport(); }
+  // The link to `peer`, or null when that slot is not connected.
+  std::shared_ptr<PeerLink> link(int peer) const;
+  // False when `peer` is gone or not connected.
+  bool alive(int peer) const;
+  uint64_t heartbeat(int peer) const;
+  // How long `peer`'s heartbeat has stood still, in ms (sampled every 20 ms
+  // by the heartbeat thread; 0 when not connected).
+  int64_t silent_ms(int peer) const;
+  // "shm", "tcp", "self", or "none" when not connected.
+  const char* transport_of(int peer) const;
+  // Rings every doorbell of the local segment: blocked waits look again.
+  void wake_all();
 
  private:
-  int rank_;
-  int size_;
+  void heartbeat_loop();
+
+  const EngineOptions options_;
+  Store& store_;
+  const std::string prefix_;
+  const int rank_;
+  const uint32_t incarnation_;
+  const int capacity_;
   Segment segment_;
   std::unique_ptr<TcpReceiver> receiver_;
-  std::vector<std::unique_ptr<PeerLink>> links_;
+  mutable std::mutex mu_;
+  std::vector<std::shared_ptr<PeerLink>> links_;
+  struct Pulse {
+    std::atomic<uint64_t> last{0};
+    std::atomic<int64_t> changed_us{0};
+  };
+  std::unique_ptr<Pulse[]> pulse_;  // per slot, written by the heartbeat thread
+  std::mutex beat_mu_;
+  std::condition_variable beat_cv_;
+  bool stopping_ = false;
+  std::thread heartbeat_;
 };
 
 }  // namespace mooncake

@@ -14,6 +14,7 @@ namespace mooncake {
 // What a rank publishes about itself so peers can reach it.
 struct PeerAddress {
   int rank = -1;
+  uint32_t incarnation = 0;  // which process holds the slot: 0 first, then one more per rejoin
   std::string host_key;  // boot id + network and pid namespaces: "same host"
   int pid = 0;
   int segment_fd = -1;
@@ -42,6 +43,12 @@ class PeerLink {
   virtual void signal(size_t offset, uint64_t value, int bell, const Deadline& deadline) = 0;
   // False once the peer is known to be gone (process exited, connection closed).
   virtual bool alive() = 0;
+  // A counter that moves while the peer process runs (its heartbeat thread),
+  // and stands still while it is stopped or hung.
+  virtual uint64_t heartbeat() = 0;
+  // Lets the peer know this process runs (called by the heartbeat thread).
+  // Transports where the peer reads our segment's counter do nothing.
+  virtual void beat() {}
 };
 
 }  // namespace mooncake

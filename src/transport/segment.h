@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 
 #include "core/wait.h"
@@ -17,6 +18,9 @@ constexpr size_t kSegmentHeaderBytes = 64;
 
 struct SegmentHeader {
   Doorbell bells[kNumBells];
+  // Bumped by the owner's heartbeat thread while its process runs: a peer
+  // that sees it stand still knows the process is stopped, not just slow.
+  std::atomic<uint64_t> heartbeat{0};
 };
 static_assert(sizeof(SegmentHeader) <= kSegmentHeaderBytes);
 

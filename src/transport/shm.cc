@@ -47,6 +47,11 @@ class ShmLink : public PeerLink {
     return !dead_;
   }
 
+  uint64_t heartbeat() override {
+    return reinterpret_cast<SegmentHeader*>(mapping_.base())
+        ->heartbeat.load(std::memory_order_relaxed);
+  }
+
  private:
   int pid_;
   int pidfd_ = -1;
@@ -67,6 +72,10 @@ class SelfLink : public PeerLink {
     ring(segment_.bell(bell));
   }
   bool alive() override { return true; }
+  uint64_t heartbeat() override {
+    return reinterpret_cast<SegmentHeader*>(segment_.base())
+        ->heartbeat.load(std::memory_order_relaxed);
+  }
 
  private:
   Segment& segment_;

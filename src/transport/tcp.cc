@@ -20,13 +20,13 @@ namespace mooncake {
 
 namespace {
 
-enum FrameType : uint32_t { kHello = 1, kWrite = 2, kSignal = 3 };
+enum FrameType : uint32_t { kHello = 1, kWrite = 2, kSignal = 3, kHeartbeat = 4 };
 
 struct Frame {
   uint32_t type;
   uint32_t bell;
-  uint64_t offset;
-  uint64_t arg;  // hello: rank; write: length; signal: value
+  uint64_t offset;  // hello: incarnation
+  uint64_t arg;     // hello: rank; write: length; signal: value
 };
 static_assert(sizeof(Frame) == 24);
 
@@ -40,6 +40,7 @@ void set_nonblocking(int fd) {
 struct TcpReceiver::Conn {
   int fd = -1;
   int rank = -1;
+  uint32_t inc = 0;
   Frame frame{};
   size_t frame_got = 0;
   uint64_t payload_done = 0;
@@ -48,9 +49,8 @@ struct TcpReceiver::Conn {
 
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host)
     : segment_(segment),
-      closed_(new std::atomic<bool>[static_cast<size_t>(world_capacity)]),
+      peers_(new PeerState[static_cast<size_t>(world_capacity)]),
       capacity_(world_capacity) {
-  for (int i = 0; i < capacity_; ++i) closed_[i] = false;
   listen_fd_ = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -79,6 +79,19 @@ TcpReceiver::~TcpReceiver() {
   ::close(listen_fd_);
 }
 
+bool TcpReceiver::peer_closed(int rank, uint32_t inc) const {
+  const PeerState& p = peers_[rank];
+  return p.closed_inc.load(std::memory_order_acquire) == inc + 1 ||
+         p.hello_inc.load(std::memory_order_acquire) > inc + 1;
+}
+
+uint64_t TcpReceiver::frames(int rank, uint32_t inc) const {
+  const PeerState& p = peers_[rank];
+  return p.hello_inc.load(std::memory_order_acquire) == inc + 1
+             ? p.frames.load(std::memory_order_relaxed)
+             : 0;
+}
+
 // Reads whatever is available on `c`; false when the connection is finished.
 bool TcpReceiver::drain(Conn& c) {
   for (;;) {
@@ -90,11 +103,19 @@ bool TcpReceiver::drain(Conn& c) {
       c.frame_got += static_cast<size_t>(n);
       if (c.frame_got < sizeof(Frame)) continue;
       c.frame_got = 0;
+      if (c.rank >= 0) peers_[c.rank].frames.fetch_add(1, std::memory_order_relaxed);
       switch (c.frame.type) {
-        case kHello:
+        case kHello: {
+          if (c.rank >= 0 || c.frame.arg >= static_cast<uint64_t>(capacity_)) return false;
           c.rank = static_cast<int>(c.frame.arg);
-          if (c.rank < 0 || c.rank >= capacity_) return false;
+          c.inc = static_cast<uint32_t>(c.frame.offset);
+          PeerState& p = peers_[c.rank];
+          if (p.hello_inc.load() > c.inc + 1) return false;  // a stale incarnation
+          p.frames.store(0);
+          p.hello_inc.store(c.inc + 1, std::memory_order_release);
           break;
+        }
+        case kHeartbeat: break;
         case kSignal:
           if (c.frame.offset + 8 > segment_.size() || c.frame.bell >= kNumBells) return false;
           store_flag(segment_.base(), c.frame.offset, c.frame.arg);
@@ -144,7 +165,7 @@ void TcpReceiver::run() {
       Conn& c = conns[i - 2];
       if (!drain(c)) {
         MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
-        if (c.rank >= 0) closed_[c.rank].store(true, std::memory_order_release);
+        if (c.rank >= 0) peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
         ::close(c.fd);
         c.fd = -1;
         for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
@@ -159,8 +180,8 @@ namespace {
 
 class TcpLink : public PeerLink {
  public:
-  TcpLink(int fd, int peer, uint64_t peer_bytes, TcpReceiver& receiver)
-      : fd_(fd), peer_(peer), peer_bytes_(peer_bytes), receiver_(receiver) {}
+  TcpLink(int fd, int peer, uint32_t inc, uint64_t peer_bytes, TcpReceiver& receiver)
+      : fd_(fd), peer_(peer), inc_(inc), peer_bytes_(peer_bytes), receiver_(receiver) {}
   ~TcpLink() override { ::close(fd_); }
   const char* transport() const override { return "tcp"; }
 
@@ -180,7 +201,20 @@ class TcpLink : public PeerLink {
     send_all(&f, sizeof(f), deadline);
   }
 
-  bool alive() override { return !broken_ && !receiver_.peer_closed(peer_); }
+  bool alive() override { return !broken_ && !receiver_.peer_closed(peer_, inc_); }
+  uint64_t heartbeat() override { return receiver_.frames(peer_, inc_); }
+  void beat() override {
+    // Skipped while an op sends on the link: its own frames tell the peer
+    // this process runs.
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock() || broken_) return;
+    Frame f{kHeartbeat, 0, 0, 0};
+    try {
+      send_all(&f, sizeof(f), Deadline::after_ms(100));
+    } catch (const Error&) {
+      // A peer that cannot take a heartbeat is found out by the ops.
+    }
+  }
 
   void send_all(const void* data, size_t len, const Deadline& deadline) {
     const char* p = static_cast<const char*>(data);
@@ -211,6 +245,7 @@ class TcpLink : public PeerLink {
  private:
   int fd_;
   int peer_;
+  uint32_t inc_;
   uint64_t peer_bytes_;
   TcpReceiver& receiver_;
   std::mutex mu_;
@@ -219,8 +254,8 @@ class TcpLink : public PeerLink {
 
 }  // namespace
 
-std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, TcpReceiver& receiver,
-                                      const Deadline& deadline) {
+std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
+                                      TcpReceiver& receiver, const Deadline& deadline) {
   std::string host = addr.host_key == local_host_key() ? "127.0.0.1" : addr.tcp_host;
   addrinfo hints{};
   hints.ai_family = AF_INET;
@@ -247,8 +282,9 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, TcpR
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   set_nonblocking(fd);
-  auto link = std::make_unique<TcpLink>(fd, addr.rank, addr.segment_bytes, receiver);
-  Frame hello{kHello, 0, 0, static_cast<uint64_t>(my_rank)};
+  auto link =
+      std::make_unique<TcpLink>(fd, addr.rank, addr.incarnation, addr.segment_bytes, receiver);
+  Frame hello{kHello, 0, my_inc, static_cast<uint64_t>(my_rank)};
   link->send_all(&hello, sizeof(hello), deadline);
   return link;
 }

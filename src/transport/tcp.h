@@ -24,8 +24,11 @@ class TcpReceiver {
   TcpReceiver& operator=(const TcpReceiver&) = delete;
 
   int port() const { return port_; }
-  // True once a connection from `rank` was seen and then closed.
-  bool peer_closed(int rank) const { return closed_[rank].load(std::memory_order_acquire); }
+  // True once the connection from incarnation `inc` of slot `rank` was seen
+  // and then closed, or a later incarnation of the slot has connected.
+  bool peer_closed(int rank, uint32_t inc) const;
+  // Frames received from incarnation `inc` of slot `rank` (heartbeats included).
+  uint64_t frames(int rank, uint32_t inc) const;
 
  private:
   struct Conn;
@@ -36,13 +39,19 @@ class TcpReceiver {
   int listen_fd_ = -1;
   int wake_fd_ = -1;  // eventfd to stop the thread
   int port_ = 0;
-  std::unique_ptr<std::atomic<bool>[]> closed_;
+  struct PeerState {
+    std::atomic<uint32_t> hello_inc{0};   // 1 + the latest incarnation that said hello
+    std::atomic<uint32_t> closed_inc{0};  // 1 + the latest incarnation whose connection closed
+    std::atomic<uint64_t> frames{0};      // frames from the latest incarnation
+  };
+  std::unique_ptr<PeerState[]> peers_;
   int capacity_;
   std::thread thread_;
 };
 
-// Connects to the receiver of the peer at `addr` and introduces this rank.
-std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, TcpReceiver& receiver,
-                                      const Deadline& deadline);
+// Connects to the receiver of the peer at `addr` and introduces this rank
+// (slot `my_rank`, incarnation `my_inc`).
+std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
+                                      TcpReceiver& receiver, const Deadline& deadline);
 
 }  // namespace mooncake

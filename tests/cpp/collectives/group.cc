@@ -33,6 +33,8 @@ void run_group(int ranks, const GroupOptions& options,
         config.timeout_ms = options.op_timeout_ms;
         config.chunk_bytes = options.chunk_bytes;
         config.small_bytes = options.small_bytes;
+        config.recover = options.recover ? 1 : 0;
+        config.hang_ms = options.hang_ms;
         mooncake::Communicator comm(engine, r.store, "group/", r.rank, r.size, config);
         for (int peer = 0; peer < r.size; ++peer) {
           const char* want = peer == r.rank ? "self" : options.tcp ? "tcp" : "shm";

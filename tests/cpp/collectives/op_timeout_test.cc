@@ -40,10 +40,11 @@ void expect_timeout_blaming_the_absent_rank(Communicator& comm, Rank& r,
   store_barrier(r.store, "callers done", r.rank, r.size, 10000);
 }
 
+// With recovery off (MOONCAKE_RECOVER=0), failures surface as errors.
 class OpTimeout : public GroupTest {};
 
 TEST_P(OpTimeout, AllReduceWithAPerOpTimeout) {
-  run([](Communicator& comm, Rank& r) {
+  run(fail_fast(), [](Communicator& comm, Rank& r) {
     std::vector<float> data(1001, 1.0f);
     expect_timeout_blaming_the_absent_rank(comm, r, [&] {
       comm.all_reduce(data.data(), data.size(), DType::kFloat32, RedOp::kSum, kTimeoutMs);
@@ -52,7 +53,7 @@ TEST_P(OpTimeout, AllReduceWithAPerOpTimeout) {
 }
 
 TEST_P(OpTimeout, BarrierWithTheGroupsDefaultTimeout) {
-  GroupOptions o = options();
+  GroupOptions o = fail_fast();
   o.op_timeout_ms = kTimeoutMs;
   run(o, [](Communicator& comm, Rank& r) {
     expect_timeout_blaming_the_absent_rank(comm, r, [&] { comm.barrier(); });
@@ -60,7 +61,7 @@ TEST_P(OpTimeout, BarrierWithTheGroupsDefaultTimeout) {
 }
 
 TEST_P(OpTimeout, BroadcastFromAnAbsentRoot) {
-  run([](Communicator& comm, Rank& r) {
+  run(fail_fast(), [](Communicator& comm, Rank& r) {
     std::vector<uint8_t> data(5000);
     expect_timeout_blaming_the_absent_rank(comm, r, [&] {
       comm.broadcast(data.data(), data.size(), DType::kUInt8, r.size - 1, kTimeoutMs);

@@ -15,10 +15,11 @@ using mooncake::DType;
 using mooncake::ErrorKind;
 using mooncake::RedOp;
 
+// With recovery off (MOONCAKE_RECOVER=0), failures surface as errors.
 class PeerFailure : public GroupTest {};
 
 TEST_P(PeerFailure, AllReduceFailsPromptlyWhenAPeerProcessHasExited) {
-  GroupOptions o = options();
+  GroupOptions o = fail_fast();
   o.op_timeout_ms = 20000;
   run(o, [](Communicator& comm, Rank& r) {
     const int dead = r.size - 1;
@@ -44,13 +45,13 @@ TEST_P(PeerFailure, AllReduceFailsPromptlyWhenAPeerProcessHasExited) {
 // another survivor, which then waits for it; so the test above runs on the
 // groups where each survivor finds the failure on its own, and this one
 // isolates the other case.
-class PeerFailureWhileWaitingOnALiveRank : public GroupTest {};
+class PeerFailureWhileWaitingOnALiveRank : public PeerFailure {};
 
 TEST_P(PeerFailureWhileWaitingOnALiveRank, TheOpStillFailsPromptly) {
   // Rank 0 waits for rank 1, which is alive but has not called the op (as
   // when it abandoned the op on seeing the failure first), while the last
   // rank has exited: the op can never complete, and rank 0 can know it.
-  GroupOptions o = options();
+  GroupOptions o = fail_fast();
   o.op_timeout_ms = 3000;
   run(o, [](Communicator& comm, Rank& r) {
     const int dead = r.size - 1;

@@ -17,8 +17,10 @@ inline std::unique_ptr<mooncake::Endpoint> connect_endpoint(Rank& r, bool tcp,
   mooncake::EngineOptions options;
   options.force_tcp = tcp;
   mooncake::TransferEngine engine(options);
-  return std::make_unique<mooncake::Endpoint>(engine, r.store, "ep/", r.rank, r.size, segment_bytes,
-                                              mooncake::Deadline::after_ms(10000));
+  auto ep = std::make_unique<mooncake::Endpoint>(engine, r.store, "ep/", r.rank, 0, r.size,
+                                                 segment_bytes);
+  ep->connect_all(r.size, mooncake::Deadline::after_ms(10000));
+  return ep;
 }
 
 // A test parameterised over the transport.

@@ -24,7 +24,7 @@ TEST_P(EndpointTransport, PeersUseTheChosenTransportAndARankReachesItselfDirectl
   run_ranks(3, [this](Rank& r) {
     auto ep = connect_endpoint(r, tcp(), 4096);
     EXPECT_EQ(ep->rank(), r.rank);
-    EXPECT_EQ(ep->size(), r.size);
+    EXPECT_EQ(ep->capacity(), r.size);
     for (int peer = 0; peer < r.size; ++peer)
       EXPECT_STREQ(ep->transport_of(peer), peer == r.rank ? "self"
                                            : tcp()        ? "tcp"

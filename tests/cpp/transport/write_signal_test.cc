@@ -50,15 +50,15 @@ TEST_P(WriteSignal, APeerThatSeesTheFlagSeesEveryEarlierWrite) {
       if (r.rank == 0) {
         const auto p = pattern(round, kBytes);
         for (size_t k = 0; k < kPieces; ++k)  // several writes, then one signal
-          ep->link(1).write(kData + k * kBytes / kPieces, p.data() + k * kBytes / kPieces,
+          ep->link(1)->write(kData + k * kBytes / kPieces, p.data() + k * kBytes / kPieces,
                             kBytes / kPieces, Deadline::after_ms(5000));
-        ep->link(1).signal(kFlag, round, 0, Deadline::after_ms(5000));
+        ep->link(1)->signal(kFlag, round, 0, Deadline::after_ms(5000));
         ASSERT_TRUE(wait_flag(*ep, kAck, round)) << "no ack for round " << round;
       } else {
         ASSERT_TRUE(wait_flag(*ep, kFlag, round)) << "no signal for round " << round;
         ASSERT_EQ(std::memcmp(ep->base() + kData, pattern(round, kBytes).data(), kBytes), 0)
             << "round " << round << ": the flag was visible before the data";
-        ep->link(0).signal(kAck, round, 0, Deadline::after_ms(5000));
+        ep->link(0)->signal(kAck, round, 0, Deadline::after_ms(5000));
       }
     }
   });
@@ -78,11 +78,11 @@ TEST_P(WriteSignal, AnEmptyWriteChangesNothing) {
     } else {
       store_barrier(r.store, "filled", r.rank, r.size);
       const Deadline d = Deadline::after_ms(5000);
-      ep->link(1).write(kData, nullptr, 0, d);
-      ep->link(1).write(kBytes, nullptr, 0, d);  // at the very end of the segment
-      ep->link(1).write(512, "ABCDEFGH", 8, d);  // the stream is still in step after them
-      ep->link(1).write(600, "ignored", 0, d);
-      ep->link(1).signal(kFlag, 1, 0, d);
+      ep->link(1)->write(kData, nullptr, 0, d);
+      ep->link(1)->write(kBytes, nullptr, 0, d);  // at the very end of the segment
+      ep->link(1)->write(512, "ABCDEFGH", 8, d);  // the stream is still in step after them
+      ep->link(1)->write(600, "ignored", 0, d);
+      ep->link(1)->signal(kFlag, 1, 0, d);
     }
   });
 }
@@ -94,8 +94,8 @@ TEST_P(WriteSignal, WritesOfSeveralMiBArriveWholeInBothDirectionsAtOnce) {
     store_barrier(r.store, "connected", r.rank, r.size);
     const int peer = 1 - r.rank;
     const auto mine = pattern(10 + r.rank, kBytes);
-    ep->link(peer).write(kData, mine.data(), kBytes, Deadline::after_ms(10000));
-    ep->link(peer).signal(kFlag, 1, 0, Deadline::after_ms(10000));
+    ep->link(peer)->write(kData, mine.data(), kBytes, Deadline::after_ms(10000));
+    ep->link(peer)->signal(kFlag, 1, 0, Deadline::after_ms(10000));
     ASSERT_TRUE(wait_flag(*ep, kFlag, 1));
     EXPECT_EQ(std::memcmp(ep->base() + kData, pattern(10 + peer, kBytes).data(), kBytes), 0);
     store_barrier(r.store, "checked", r.rank, r.size);  // the peer is done reading us too
@@ -114,7 +114,7 @@ TEST_P(WriteSignal, TheSignalRingsTheBellItNames) {
     } else {
       store_barrier(r.store, "waiting", r.rank, r.size);
       std::this_thread::sleep_for(std::chrono::milliseconds(30));  // the peer is asleep
-      ep->link(1).signal(kFlag, 1, /*bell=*/2, Deadline::after_ms(5000));
+      ep->link(1)->signal(kFlag, 1, /*bell=*/2, Deadline::after_ms(5000));
     }
     store_barrier(r.store, "done", r.rank, r.size);
   });
@@ -128,11 +128,11 @@ TEST_P(WriteSignal, AWritePastThePeersSegmentIsRefusedAtTheSenderAndTheLinkStill
       const char junk[16] = {};
       EXPECT_TRUE(throws_error(
           mooncake::ErrorKind::kInternal,
-          [&] { ep->link(1).write(kBytes - 8, junk, sizeof(junk), Deadline::after_ms(5000)); }))
+          [&] { ep->link(1)->write(kBytes - 8, junk, sizeof(junk), Deadline::after_ms(5000)); }))
           << "a 16-byte write 8 bytes before the end of a " << kBytes << "-byte segment";
       EXPECT_NO_THROW({
-        ep->link(1).write(512, "ABCDEFGH", 8, Deadline::after_ms(5000));
-        ep->link(1).signal(kFlag, 1, 0, Deadline::after_ms(5000));
+        ep->link(1)->write(512, "ABCDEFGH", 8, Deadline::after_ms(5000));
+        ep->link(1)->signal(kFlag, 1, 0, Deadline::after_ms(5000));
       }) << "the link is unusable after the refused write";
     } else {
       const bool arrived = wait_flag(*ep, kFlag, 1, 0, 50, /*timeout_ms=*/1500);

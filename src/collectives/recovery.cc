@@ -1,0 +1,297 @@
+// The Communicator's membership side: running an op to completion across
+// failures (run/recover), handing on results, and admitting new processes.
+// See "Failures" in communicator.h and membership/agreement.h.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "collectives/communicator.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "membership/agreement.h"
+
+namespace mooncake {
+
+namespace {
+
+bool recoverable(const Error& e) {
+  return e.kind() == ErrorKind::kPeerFailed || e.kind() == ErrorKind::kTimeout;
+}
+
+}  // namespace
+
+void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
+                       Region inplace, const std::function<void()>& attempt) {
+  const bool recover_on = config_.recover != 0;
+  std::vector<uint8_t> saved;
+  if (recover_on && inplace.bytes != 0) {
+    const auto* p = static_cast<const uint8_t*>(inplace.ptr);
+    saved.assign(p, p + inplace.bytes);
+  }
+  // Errors that end the op: bad arguments, a dead root, this rank left out.
+  auto final_error = [&](const Error& e) {
+    return !recover_on || !recoverable(e) || stopping_.load() || e.peer() == rank_ ||
+           (meta.root >= 0 && e.peer() == meta.root && !view_.is_member(meta.root));
+  };
+  for (int attempt_no = 0;; ++attempt_no) {
+    if (attempt_no > 0) {
+      if (!saved.empty()) std::memcpy(inplace.ptr, saved.data(), saved.size());
+      meta.deadline = Deadline::after_ms(meta.timeout_ms);
+    }
+    std::optional<Error> failure;
+    try {
+      if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root))
+        throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
+                    " has failed; the active ranks are ", view_.describe(),
+                    " (no data to return)");
+      attempt();
+      if (finish == Finish::kCommit && members_.size() > 1)
+        exchange(meta, Plan(capacity_), false);  // the commit round
+    } catch (const Error& e) {
+      if (final_error(e)) {
+        finished(meta.seq, nullptr, true);
+        throw;
+      }
+      failure = e;
+    }
+    bool completed = !failure;
+    while (failure) {  // recovering may meet failures of its own
+      MC_LOG(kInfo, meta.name, " #", meta.seq, " failed at epoch ", view_.epoch, ": ",
+             failure->what());
+      try {
+        completed = recover(meta, finish, outputs, *failure);
+        failure.reset();
+      } catch (const Error& e) {
+        if (final_error(e)) {
+          finished(meta.seq, nullptr, true);
+          throw;
+        }
+        failure = e;
+      }
+    }
+    if (!completed) continue;
+    finished(meta.seq, finish == Finish::kForward ? &outputs : nullptr, false);
+    return;
+  }
+}
+
+void Communicator::finished(uint64_t seq, const std::vector<Region>* result, bool failed) {
+  done_seq_ = seq;
+  done_failed_ = failed;
+  has_kept_ = result != nullptr;
+  if (!has_kept_) return;
+  kept_seq_ = seq;
+  kept_.clear();
+  for (const Region& r : *result) {
+    const auto* p = static_cast<const uint8_t*>(r.ptr);
+    kept_.insert(kept_.end(), p, p + r.bytes);
+  }
+}
+
+bool Communicator::recover(const OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
+                           const Error& cause) {
+  Report mine;
+  mine.rank = rank_;
+  mine.pending = meta.seq;
+  mine.done = done_seq_;
+  mine.has_result = has_kept_ && kept_seq_ == done_seq_;
+  mine.failed = done_failed_;
+  const int64_t hang_ms = config_.hang_ms;
+  auto responsive = [&](int q) {
+    return endpoint_->alive(q) && (hang_ms <= 0 || endpoint_->silent_ms(q) < hang_ms);
+  };
+  const int before = view_.num_members();
+  Decision d =
+      agree_on_view(store_, prefix_, view_, mine, responsive, Deadline::after_ms(meta.timeout_ms));
+  d.view.seq = meta.seq;
+  apply(d.view);
+  // The op to settle is the earliest pending one; a member ahead of it has
+  // completed it (ops complete in order and need every member).
+  uint64_t c = meta.seq;
+  for (const Report& r : d.reports) c = std::min(c, r.pending);
+  int source = -1;
+  bool completed_somewhere = false, failed_somewhere = false;
+  for (const Report& r : d.reports) {
+    if (r.done < c) continue;
+    completed_somewhere = true;
+    failed_somewhere |= r.failed;
+    if (r.has_result && source < 0) source = r.rank;
+  }
+  if (!completed_somewhere) {
+    // Nobody completed it: everyone re-runs it, unless nothing changed and
+    // the op merely ran out of time (re-running would time out again).
+    if (d.view.num_members() == before && cause.kind() == ErrorKind::kTimeout) {
+      finished(meta.seq, nullptr, true);
+      throw cause;
+    }
+    return false;
+  }
+  if (meta.seq == c && failed_somewhere) {
+    // It ended in an error where it completed (a rank rejected its arguments).
+    finished(meta.seq, nullptr, true);
+    throw_error(ErrorKind::kInvalidArgument, -1, meta.name,
+                ": the op failed on the other ranks (a rank rejected its arguments) while this "
+                "rank was cut off by a failure");
+  }
+  if (meta.seq == c) {
+    // Behind: op c completed elsewhere. With kCommit every member had all of
+    // its data before anyone completed; with kForward a completed rank hands
+    // its result on.
+    if (finish == Finish::kForward) {
+      MC_ASSERT(source >= 0, meta.name, " #", c, " completed on some rank but none kept it");
+      receive_result(meta, source, outputs);
+    }
+    return true;
+  }
+  // Ahead: this rank completed c; the first one that kept c's result hands it on.
+  if (source == rank_)
+    for (const Report& r : d.reports)
+      if (r.pending == c) send_result(c, r.rank, Deadline::after_ms(meta.timeout_ms));
+  return false;
+}
+
+void Communicator::send_result(uint64_t seq, int to, const Deadline& deadline) {
+  const size_t chunk = coll_->layout().chunk_bytes;
+  MsgHeader h{};
+  h.op_seq = seq;
+  h.op_type = static_cast<uint32_t>(OpType::kForward);
+  h.numel = kept_.size();
+  size_t at = 0;
+  do {
+    const size_t len = std::min(chunk, kept_.size() - at);
+    coll_->send(to, h, kept_.data() + at, len, deadline, "recovery");
+    at += len;
+  } while (at < kept_.size());
+}
+
+void Communicator::receive_result(const OpMeta& meta, int from,
+                                  const std::vector<Region>& outputs) {
+  size_t total = 0;
+  for (const Region& r : outputs) total += r.bytes;
+  size_t at = 0, region = 0, region_at = 0;
+  do {
+    const MsgHeader* msg = coll_->receive(from, meta.deadline, meta.name);
+    MC_ASSERT(msg->op_type == static_cast<uint32_t>(OpType::kForward) && msg->op_seq == meta.seq &&
+                  msg->numel == total,
+              meta.name, ": rank ", from, " handed on a result of op #", msg->op_seq, " (",
+              msg->numel, " bytes), expected #", meta.seq, " (", total, " bytes)");
+    const auto* p = reinterpret_cast<const uint8_t*>(msg + 1);
+    size_t left = msg->len;
+    while (left > 0) {
+      const size_t n = std::min(left, outputs[region].bytes - region_at);
+      std::memcpy(static_cast<uint8_t*>(outputs[region].ptr) + region_at, p, n);
+      p += n;
+      left -= n;
+      region_at += n;
+      if (region_at == outputs[region].bytes) {
+        ++region;
+        region_at = 0;
+      }
+    }
+    at += msg->len;
+    coll_->release(from, meta.deadline);
+  } while (at < total);
+}
+
+void Communicator::apply(const View& view) {
+  const std::vector<int> before = members_;
+  {
+    std::lock_guard<std::mutex> lock(view_mu_);
+    view_ = view;
+    members_ = view.members();
+  }
+  for (int p : before)
+    if (!view.is_member(p)) endpoint_->disconnect(p);
+  for (int p : members_) coll_->restart(p, view.collective_gen());
+  coll_->set_watched(members_);
+  if (on_view_) on_view_(view);
+}
+
+void Communicator::connect_new(const View& view, const std::vector<int>& slots,
+                               const Deadline& deadline) {
+  for (int q : slots) {
+    if (q == rank_ || !view.is_member(q)) continue;
+    try {
+      endpoint_->connect(q, view.incarnation[q], deadline);
+    } catch (const Error& e) {
+      MC_LOG(kWarn, "membership: cannot connect to rank ", q, ": ", e.what());
+      endpoint_->disconnect(q);
+    }
+    p2p_->restart(q, view.p2p_gen(rank_, q));
+  }
+}
+
+int64_t Communicator::waiting_incarnation(int slot) {
+  const std::string key = prefix_ + "waiting/" + std::to_string(slot);
+  if (!store_.check(key)) return -1;
+  const int64_t inc = std::stoll(store_.get(key, 1000));
+  return inc > view_.incarnation[slot] ? inc : -1;
+}
+
+std::vector<uint8_t> Communicator::peer_state(const std::vector<int>& slots, int64_t timeout_ms) {
+  std::vector<uint8_t> ready(slots.size(), 0);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const int q = slots[i];
+    MC_CHECK_ARG(q >= 0 && q < capacity_, "get_peer_state: ranks must be in [0, ",
+                 "max_world_size=", capacity_, "), got ", q);
+    ready[i] = !view_.is_member(q) && waiting_incarnation(q) >= 0;
+  }
+  if (!ready.empty()) all_reduce(ready.data(), ready.size(), DType::kUInt8, RedOp::kMin, timeout_ms);
+  return ready;
+}
+
+void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms) {
+  std::string error;
+  std::vector<uint32_t> incs;
+  uint64_t digest = 1469598103934665603ull;  // FNV-1a over (slot, incarnation) pairs
+  for (size_t i = 0; i < slots.size() && error.empty(); ++i) {
+    const int q = slots[i];
+    int64_t inc = -1;
+    if (q < 0 || q >= capacity_)
+      error = str("recover_ranks: ranks must be in [0, max_world_size=", capacity_, "), got ", q);
+    else if (std::count(slots.begin(), slots.end(), q) > 1)
+      error = str("recover_ranks: rank ", q, " is named twice");
+    else if (view_.is_member(q))
+      error = str("recover_ranks: rank ", q,
+                  " is active; only failed or never-used ranks can be recovered");
+    else if ((inc = waiting_incarnation(q)) < 0)
+      error = str("recover_ranks: no process waits to join as rank ", q,
+                  " (start one with is_extension=True; poll get_peer_state until it is ready)");
+    incs.push_back(static_cast<uint32_t>(inc));
+    for (uint64_t v : {static_cast<uint64_t>(q), static_cast<uint64_t>(inc)})
+      digest = (digest ^ v) * 1099511628211ull;
+  }
+  MC_CHECK_ARG(!slots.empty() || !error.empty(), "recover_ranks: ranks is empty");
+  OpMeta meta = begin(OpType::kAdmit, DType::kUInt8, RedOp::kSum, -1, digest, timeout_ms, error);
+  run(meta, Finish::kCommit, {}, {}, [&] { exchange(meta, Plan(capacity_), false); });
+  View next = view_;
+  next.epoch += 1;
+  next.seq = meta.seq;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    next.active[slots[i]] = 1;
+    next.incarnation[slots[i]] = incs[i];
+  }
+  const Deadline deadline = Deadline::after_ms(meta.timeout_ms);
+  connect_new(next, slots, deadline);
+  for (size_t i = 0; i < slots.size(); ++i)
+    store_.set(prefix_ + "admitted/" + std::to_string(slots[i]) + "/" + std::to_string(incs[i]),
+               next.encode());
+  apply(next);
+}
+
+void Communicator::join(int64_t timeout_ms) {
+  MC_CHECK_ARG(joining_, "join_group: this process is already a member (join_group is for "
+                         "processes created with is_extension=True)");
+  const int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
+  const Deadline deadline = Deadline::after_ms(t);
+  const std::string key =
+      prefix_ + "admitted/" + std::to_string(rank_) + "/" + std::to_string(incarnation_);
+  View view = View::decode(store_.get(key, deadline.remaining_ms(1L << 40)));
+  std::vector<int> others = view.members();
+  connect_new(view, others, deadline);
+  op_seq_ = done_seq_ = view.seq;
+  joining_ = false;
+  apply(view);
+}
+
+}  // namespace mooncake

@@ -1,0 +1,54 @@
+// Survivors agree on the next view through the store, with deadlines and no
+// leader: the death of any rank, rank 0 included, blocks no one.
+//
+// A member whose op failed posts a Report under <prefix>epoch/<e>/report/<rank>
+// and waits. Whoever first sees every member of the current view either
+// reported, gone (process exited, connection closed) or silent (heartbeat
+// standing still for `silence_ms`: a stopped process) proposes the reporters
+// as the next view with one compare_set on <prefix>epoch/<e>/decision. The
+// first proposal wins and everyone adopts it. Members that have not reported
+// when the deadline passes are left out. (Silence is judged by the transport's
+// heartbeats: see Endpoint::silent_ms.)
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/clock.h"
+#include "membership/view.h"
+#include "store/store.h"
+
+namespace mooncake {
+
+// What a member says about itself when one of its ops failed.
+struct Report {
+  int rank = -1;
+  uint64_t pending = 0;      // the op it could not complete
+  uint64_t done = 0;         // the last op it completed
+  bool has_result = false;   // it kept the result of op `done`, to hand on
+  bool failed = false;       // op `done` ended in an error
+  std::string encode() const;
+  static Report decode(const std::string& text);
+};
+
+// The outcome of one round: the next view (epoch + 1) and the report of each
+// of its members, in slot order.
+struct Decision {
+  View view;
+  std::vector<Report> reports;
+  std::string encode() const;
+  static Decision decode(const std::string& text);
+};
+
+// Whether a member may still report: false once its process is gone or has
+// been silent (heartbeat standing still) past the hang limit.
+using Probe = std::function<bool(int)>;
+
+// Runs one round of agreement for `current.epoch`. Throws a peer-failed Error
+// when the decision leaves this rank out (it was taken for dead).
+Decision agree_on_view(Store& store, const std::string& prefix, const View& current, const Report& mine,
+               const Probe& responsive, const Deadline& deadline);
+
+}  // namespace mooncake
