@@ -56,8 +56,12 @@ void Channels::check_peer(int peer, const char* what) {
   if (stopping_.load())
     throw_error(ErrorKind::kPeerFailed, -1, what, ": the process group is shutting down");
   check_one(peer, what);
-  if (watch_all_)
+  if (watch_all_) {
     for (int p : watched_) check_one(p, what);
+    if (endpoint_.epoch_hint() > epoch_)
+      throw_error(ErrorKind::kPeerFailed, -1, what, ": the group has moved on to epoch ",
+                  endpoint_.epoch_hint(), " without this rank (at epoch ", epoch_, ")");
+  }
 }
 
 void Channels::send(int peer, const MsgHeader& header, const void* payload, size_t len,

@@ -45,7 +45,11 @@ class Channels {
   void restart(int peer, uint64_t gen);
   // The ranks whose death fails a wait when watch_all (collective plane; set
   // by the thread that runs the collectives).
-  void set_watched(std::vector<int> ranks) { watched_ = std::move(ranks); }
+  // `epoch` is the view's: a wait fails once a peer tells of a later one.
+  void set_watched(std::vector<int> ranks, uint64_t epoch) {
+    watched_ = std::move(ranks);
+    epoch_ = epoch;
+  }
 
   // Sends one message (len <= chunk_bytes) to `peer`. `what` names the op for errors.
   void send(int peer, const MsgHeader& header, const void* payload, size_t len,
@@ -89,6 +93,7 @@ class Channels {
   bool watch_all_;
   int64_t hang_ms_;
   std::vector<int> watched_;
+  uint64_t epoch_ = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> target_gen_;  // per peer
   std::vector<uint64_t> send_gen_, recv_gen_;             // generation each side runs in
   std::vector<uint64_t> sent_;      // messages sent to each peer in send_gen_

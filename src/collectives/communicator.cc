@@ -98,7 +98,7 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
   endpoint_->connect_all(size, Deadline::after_ms(config_.timeout_ms));
   view_ = View::initial(size, capacity_);
   members_ = view_.members();
-  coll_->set_watched(members_);
+  coll_->set_watched(members_, view_.epoch);
 }
 
 Communicator::~Communicator() = default;

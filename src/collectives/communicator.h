@@ -185,6 +185,8 @@ class Communicator {
   bool recover(const OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
                const Error& cause);
   // Records op `seq` as done: with `result` kept (kForward), or failed.
+  // Throws a recoverable error when peers told of a later epoch than ours.
+  void check_not_left_behind();
   void finished(uint64_t seq, const std::vector<Region>* result, bool failed);
   void send_result(uint64_t seq, int to, const Deadline& deadline);
   void receive_result(const OpMeta& meta, int from, const std::vector<Region>& outputs);

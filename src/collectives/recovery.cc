@@ -47,12 +47,18 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
       attempt();
       if (finish == Finish::kCommit && members_.size() > 1)
         exchange(meta, Plan(capacity_), false);  // the commit round
+      check_not_left_behind();
     } catch (const Error& e) {
-      if (final_error(e)) {
+      // Stale messages from an abandoned attempt can look like a mismatch to
+      // a rank that was left out: it learns so first.
+      if (e.kind() == ErrorKind::kInvalidArgument && endpoint_->epoch_hint() > view_.epoch) {
+        failure = Error(ErrorKind::kPeerFailed, "the group has moved on without this rank");
+      } else if (final_error(e)) {
         finished(meta.seq, nullptr, true);
         throw;
+      } else {
+        failure = e;
       }
-      failure = e;
     }
     bool completed = !failure;
     while (failure) {  // recovering may meet failures of its own
@@ -73,6 +79,13 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
     finished(meta.seq, finish == Finish::kForward ? &outputs : nullptr, false);
     return;
   }
+}
+
+void Communicator::check_not_left_behind() {
+  const uint64_t hint = endpoint_->epoch_hint();
+  if (hint > view_.epoch)
+    throw_error(ErrorKind::kPeerFailed, -1, "the group has moved on to epoch ", hint,
+                " without this rank (at epoch ", view_.epoch, ")");
 }
 
 void Communicator::finished(uint64_t seq, const std::vector<Region>* result, bool failed) {
@@ -200,10 +213,13 @@ void Communicator::apply(const View& view) {
     view_ = view;
     members_ = view.members();
   }
-  for (int p : before)
-    if (!view.is_member(p)) endpoint_->disconnect(p);
-  for (int p : members_) coll_->restart(p, view.collective_gen());
-  coll_->set_watched(members_);
+  for (int p : before) {
+    if (view.is_member(p)) continue;
+    endpoint_->post_epoch_hint(p, view.epoch);  // a rank left out learns so, if it lives
+    endpoint_->disconnect(p);
+  }
+  for (int p : members_) coll_->restart(p, view.collective_gen(rank_, p));
+  coll_->set_watched(members_, view.epoch);
   if (on_view_) on_view_(view);
 }
 
@@ -270,6 +286,7 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms) {
   for (size_t i = 0; i < slots.size(); ++i) {
     next.active[slots[i]] = 1;
     next.incarnation[slots[i]] = incs[i];
+    next.since[slots[i]] = next.epoch;
   }
   const Deadline deadline = Deadline::after_ms(meta.timeout_ms);
   connect_new(next, slots, deadline);

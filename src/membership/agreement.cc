@@ -78,6 +78,7 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
       d.view.epoch = current.epoch + 1;
       for (int q : members) {
         d.view.active[q] = !reports[q].empty();
+        d.view.since[q] = d.view.epoch;  // abandoned ops: every channel restarts
         if (!reports[q].empty()) d.reports.push_back(Report::decode(reports[q]));
       }
       decided = store.compare_set(decision_key, d.encode());

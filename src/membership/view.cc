@@ -13,6 +13,7 @@ View View::initial(int size, int capacity) {
   View v;
   v.active.assign(static_cast<size_t>(capacity), 0);
   v.incarnation.assign(static_cast<size_t>(capacity), 0);
+  v.since.assign(static_cast<size_t>(capacity), 0);
   for (int r = 0; r < size; ++r) v.active[static_cast<size_t>(r)] = 1;
   return v;
 }
@@ -34,7 +35,8 @@ std::string View::encode() const {
   std::ostringstream os;
   os << epoch << ' ' << seq << ' ' << capacity();
   for (int r = 0; r < capacity(); ++r)
-    os << ' ' << int{active[static_cast<size_t>(r)]} << ' ' << incarnation[static_cast<size_t>(r)];
+    os << ' ' << int{active[static_cast<size_t>(r)]} << ' ' << incarnation[static_cast<size_t>(r)]
+       << ' ' << since[static_cast<size_t>(r)];
   return os.str();
 }
 
@@ -47,9 +49,10 @@ View View::decode(const std::string& text) {
     throw_error(ErrorKind::kInternal, -1, "malformed group view in the store: '", text, "'");
   v.active.resize(static_cast<size_t>(capacity));
   v.incarnation.resize(static_cast<size_t>(capacity));
+  v.since.resize(static_cast<size_t>(capacity));
   for (int r = 0; r < capacity; ++r) {
     int a = 0;
-    is >> a >> v.incarnation[static_cast<size_t>(r)];
+    is >> a >> v.incarnation[static_cast<size_t>(r)] >> v.since[static_cast<size_t>(r)];
     v.active[static_cast<size_t>(r)] = a != 0;
   }
   if (!is) throw_error(ErrorKind::kInternal, -1, "malformed group view in the store: '", text, "'");
@@ -57,9 +60,15 @@ View View::decode(const std::string& text) {
 }
 
 std::string View::describe() const {
-  std::string s = "{";
-  for (int r : members()) s += (s.size() > 1 ? "," : "") + std::to_string(r);
-  return s + "}";
+  std::ostringstream os;
+  os << '{';
+  const char* sep = "";
+  for (int r : members()) {
+    os << sep << r;
+    sep = ",";
+  }
+  os << '}';
+  return os.str();
 }
 
 }  // namespace mooncake

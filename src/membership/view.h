@@ -3,6 +3,7 @@
 // change. Every member of one epoch holds the same view.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,6 +17,11 @@ struct View {
   uint64_t seq = 0;
   std::vector<uint8_t> active;        // [capacity], 1 = member
   std::vector<uint32_t> incarnation;  // [capacity]: 0 for the first process, +1 per rejoin
+  // [capacity]: the epoch at which the slot's collective channels last
+  // restarted: every member's at a failure (abandoned ops leave messages
+  // behind), only a newcomer's when one is admitted (the others' channels
+  // may still hold the admitting op's last messages).
+  std::vector<uint64_t> since;
 
   // Slots [0, size) active in a group of `capacity` slots, epoch 0.
   static View initial(int size, int capacity);
@@ -28,9 +34,11 @@ struct View {
   std::vector<int> members() const;
   int num_members() const;
 
-  // The generation that tags collective-plane flags in this epoch: channels
-  // restart from zero on every membership change and ignore older writes.
-  uint64_t collective_gen() const { return epoch + 1; }
+  // The generation that tags the collective-plane flags between two slots:
+  // a channel restarts from zero when it changes, and ignores older writes.
+  uint64_t collective_gen(int a, int b) const {
+    return std::max(since[static_cast<size_t>(a)], since[static_cast<size_t>(b)]) + 1;
+  }
   // The generation of the p2p edge between two slots: it changes only when
   // one of them gets a new process, so p2p between survivors goes on.
   uint64_t p2p_gen(int a, int b) const {

@@ -3,6 +3,7 @@
 #include <netdb.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <fstream>
 #include <sstream>
 
@@ -193,6 +194,21 @@ int64_t Endpoint::silent_ms(int peer) const {
 const char* Endpoint::transport_of(int peer) const {
   auto l = link(peer);
   return l != nullptr ? l->transport() : "none";
+}
+
+uint64_t Endpoint::epoch_hint() const {
+  return reinterpret_cast<SegmentHeader*>(segment_.base())
+      ->epoch_hint.load(std::memory_order_acquire);
+}
+
+void Endpoint::post_epoch_hint(int peer, uint64_t epoch) {
+  auto l = link(peer);
+  if (!l) return;
+  try {
+    l->signal(offsetof(SegmentHeader, epoch_hint), epoch, 0, Deadline::after_ms(100));
+  } catch (const Error&) {
+    // A peer that cannot take it is gone or going: nothing to tell.
+  }
 }
 
 void Endpoint::wake_all() {

@@ -79,6 +79,10 @@ class Endpoint {
   int64_t silent_ms(int peer) const;
   // "shm", "tcp", "self", or "none" when not connected.
   const char* transport_of(int peer) const;
+  // The highest epoch a peer has told this process about (see SegmentHeader).
+  uint64_t epoch_hint() const;
+  // Tells `peer` that the group is at `epoch` (best effort: a dead peer is skipped).
+  void post_epoch_hint(int peer, uint64_t epoch);
   // Rings every doorbell of the local segment: blocked waits look again.
   void wake_all();
 

@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <ostream>
+#include <string>
 
 #include "core/error.h"
 
@@ -17,8 +18,10 @@ inline void PrintTo(ErrorKind kind, std::ostream* os) {
 
 namespace mctest {
 
-// Success when `fn` throws a mooncake::Error of `kind`; otherwise says what
-// happened instead (no error, another kind, another exception).
-testing::AssertionResult throws_error(mooncake::ErrorKind kind, const std::function<void()>& fn);
+// Success when `fn` throws a mooncake::Error of `kind` whose message contains
+// `contains`; otherwise says what happened instead (no error, another kind,
+// another message, another exception).
+testing::AssertionResult throws_error(mooncake::ErrorKind kind, const std::function<void()>& fn,
+                                      const std::string& contains = "");
 
 }  // namespace mctest

@@ -21,21 +21,30 @@ const std::vector<size_t>& sample_counts() {
   return counts;
 }
 
+mooncake::CommConfig comm_config(const GroupOptions& options) {
+  mooncake::CommConfig config;
+  config.timeout_ms = options.op_timeout_ms;
+  config.chunk_bytes = options.chunk_bytes;
+  config.small_bytes = options.small_bytes;
+  config.recover = options.recover ? 1 : 0;
+  config.hang_ms = options.hang_ms;
+  return config;
+}
+
+mooncake::TransferEngine engine_for(const GroupOptions& options) {
+  mooncake::EngineOptions engine_options;
+  engine_options.force_tcp = options.tcp;
+  return mooncake::TransferEngine(engine_options);
+}
+
 void run_group(int ranks, const GroupOptions& options,
                const std::function<void(mooncake::Communicator&, Rank&)>& body) {
   run_ranks(
       ranks,
       [&](Rank& r) {
-        mooncake::EngineOptions engine_options;
-        engine_options.force_tcp = options.tcp;
-        mooncake::TransferEngine engine(engine_options);
-        mooncake::CommConfig config;
-        config.timeout_ms = options.op_timeout_ms;
-        config.chunk_bytes = options.chunk_bytes;
-        config.small_bytes = options.small_bytes;
-        config.recover = options.recover ? 1 : 0;
-        config.hang_ms = options.hang_ms;
-        mooncake::Communicator comm(engine, r.store, "group/", r.rank, r.size, config);
+        mooncake::TransferEngine engine = engine_for(options);
+        mooncake::Communicator comm(engine, r.store, "group/", r.rank, r.size,
+                                    comm_config(options));
         for (int peer = 0; peer < r.size; ++peer) {
           const char* want = peer == r.rank ? "self" : options.tcp ? "tcp" : "shm";
           ASSERT_STREQ(comm.transport_of(peer), want) << "peer " << peer;

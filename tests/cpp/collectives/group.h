@@ -45,6 +45,9 @@ struct GroupOptions {
 // The element counts every op is run with: empty, one, odd, larger than a chunk.
 const std::vector<size_t>& sample_counts();
 
+mooncake::CommConfig comm_config(const GroupOptions& options);
+mooncake::TransferEngine engine_for(const GroupOptions& options);
+
 // Connects a group of `ranks` processes and runs `body` on each. Checks that
 // every peer is served by the transport the options ask for.
 void run_group(int ranks, const GroupOptions& options,
