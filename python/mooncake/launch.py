@@ -1,41 +1,193 @@
 """A local launcher: hosts the rendezvous store in this process (as torchrun
 does, so no rank is special) and runs ``fn(rank, world_size, store_port,
-*args)`` in ``world_size`` spawned processes.
+*args)`` in spawned processes, one per rank.
 
-Used by ``python -m mooncake demo``; handy for experiments::
+Used by ``python -m mooncake demo``, the tests and the benchmarks; handy for
+experiments::
 
     from mooncake.launch import run_local
     results = run_local(my_fn, world_size=4)
+
+:class:`LocalGroup` also kills ranks and starts replacements, to try out
+fault tolerance::
+
+    with LocalGroup(world_size=4) as group:
+        group.start(member_fn)
+        group.kill(2)
+        group.start(joiner_fn, ranks=[2])
+        results = group.results()
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue as queue_mod
+import signal
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
 
-def init_rank(rank: int, world_size: int, port: int, backend: str = "mooncake-cpu", **kwargs):
-    """Joins the group hosted by ``run_local`` (call inside a rank)."""
+def init_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str = "mooncake-cpu",
+    *,
+    max_world_size: int | None = None,
+    is_extension: bool = False,
+    timeout_s: float | None = None,
+    **kwargs,
+):
+    """Joins the group hosted by :func:`run_local` or :class:`LocalGroup` (call inside a rank).
+
+    For mooncake backends, returns the ``active_ranks`` tensor the backend
+    keeps up to date (``[max_world_size or world_size]`` int32); a process
+    started with ``is_extension=True`` then calls ``pg.join_group()``.
+    """
+    import torch
     import torch.distributed as dist
 
-    if backend.startswith("mooncake"):
-        from mooncake import pg  # noqa: F401  (registers the backends)
     store = dist.TCPStore(
         "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60)
     )
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    active = None
+    if backend.startswith("mooncake"):
+        from mooncake import pg
+
+        active = torch.ones(max_world_size or world_size, dtype=torch.int32)
+        kwargs.setdefault(
+            "pg_options", pg.MooncakeBackendOptions(active, is_extension, max_world_size)
+        )
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    return active
 
 
-def _entry(fn, rank, world_size, port, args, env, queue):
+def _entry(fn, key, rank, world_size, port, args, env, queue):
     os.environ.update(env)
     try:
-        queue.put((rank, True, fn(rank, world_size, port, *args)))
+        queue.put((key, True, fn(rank, world_size, port, *args)))
     except BaseException:  # noqa: BLE001  (reported to the parent)
-        queue.put((rank, False, traceback.format_exc()))
+        queue.put((key, False, traceback.format_exc()))
+
+
+class LocalGroup:
+    """Processes on this host that form one group, with the store hosted here.
+
+    Each started process runs ``fn(rank, world_size, port, *args)`` and is
+    known by a key: ``"3"`` for the first process of rank 3, ``"3.1"``,
+    ``"3.2"`` for the ones started for it later (replacements).
+
+    Args:
+        world_size: the group's world size.
+        env: environment variables set in every process before ``fn`` runs.
+    """
+
+    def __init__(self, world_size: int, env: dict[str, str] | None = None):
+        import torch.distributed as dist
+
+        self.world_size = world_size
+        self.env = dict(env or {})
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
+        )
+        self.port = self.store.port
+        self._ctx = mp.get_context("spawn")
+        self._queue = self._ctx.Queue()
+        self._procs: dict[str, Any] = {}
+        self._started: dict[int, int] = {}
+        self._killed: set[str] = set()
+        self._results: dict[str, Any] = {}
+        self._errors: dict[str, str] = {}
+
+    def __enter__(self) -> LocalGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, fn: Callable[..., Any], ranks: Iterable[int] | None = None, args: tuple = ()):
+        """Starts one process per rank (all ranks by default); returns their keys."""
+        keys = []
+        for rank in range(self.world_size) if ranks is None else ranks:
+            n = self._started.get(rank, 0)
+            self._started[rank] = n + 1
+            key = str(rank) if n == 0 else f"{rank}.{n}"
+            p = self._ctx.Process(
+                target=_entry,
+                args=(fn, key, rank, self.world_size, self.port, args, self.env, self._queue),
+            )
+            p.start()
+            self._procs[key] = p
+            keys.append(key)
+        return keys
+
+    def pid(self, key: str) -> int:
+        return self._procs[key].pid
+
+    def kill(self, key: str | int, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` (kill -9 by default) to a process (a rank: its latest process)."""
+        if isinstance(key, int):
+            n = self._started[key] - 1
+            key = str(key) if n == 0 else f"{key}.{n}"
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self._killed.add(key)
+        os.kill(self._procs[key].pid, sig)
+
+    def results(self, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Waits for every process not killed to finish; returns ``{key: fn's result}``.
+
+        Raises:
+            RuntimeError: a process raised (its traceback is included), exited
+                without a result, or the wait took longer than ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self._procs) - self._killed
+        while waiting - set(self._results) - set(self._errors):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                late = sorted(waiting - set(self._results) - set(self._errors))
+                raise RuntimeError(f"LocalGroup: processes {late} did not finish in {timeout_s} s")
+            try:
+                key, ok, value = self._queue.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [
+                    k
+                    for k in waiting
+                    if self._procs[k].exitcode not in (None,)
+                    and k not in self._results
+                    and k not in self._errors
+                ]
+                if dead:
+                    time.sleep(0.5)  # its result may still be in the queue
+                    while not self._queue.empty():
+                        key, ok, value = self._queue.get()
+                        (self._results if ok else self._errors)[key] = value
+                    for k in dead:
+                        if k not in self._results and k not in self._errors:
+                            self._errors[k] = (
+                                f"exited with code {self._procs[k].exitcode} without a result"
+                            )
+                continue
+            (self._results if ok else self._errors)[key] = value
+        if self._errors:
+            raise RuntimeError(
+                "LocalGroup: " + "\n".join(f"process {k}:\n{v}" for k, v in self._errors.items())
+            )
+        return {k: v for k, v in self._results.items() if k in waiting}
+
+    def close(self) -> None:
+        """Kills what still runs and releases the store."""
+        for p in self._procs.values():
+            p.join(timeout=0 if p.exitcode is not None else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def run_local(
@@ -59,49 +211,7 @@ def run_local(
         RuntimeError: a rank raised (its traceback is included), or exited
             without a result, or the run took longer than ``timeout_s``.
     """
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, store.port, args, env or {}, queue))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        import queue as queue_mod
-        import time
-
-        deadline = time.monotonic() + timeout_s
-        while len(results) + len(errors) < world_size:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"run_local: ranks did not finish within {timeout_s} s")
-            try:
-                rank, ok, value = queue.get(timeout=min(left, 1.0))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and all(r not in results for r in dead):
-                    raise RuntimeError(
-                        f"run_local: rank(s) {dead} exited with codes "
-                        f"{[procs[r].exitcode for r in dead]} without a result"
-                    ) from None
-                continue
-            if ok:
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise RuntimeError("run_local: " + "\n".join(errors))
-        return [results[r] for r in range(world_size)]
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        del store
+    with LocalGroup(world_size, env) as group:
+        group.start(fn, args=args)
+        results = group.results(timeout_s)
+    return [results[str(r)] for r in range(world_size)]

@@ -157,7 +157,10 @@ def get_active_ranks(backend=None) -> torch.Tensor:
     """The backend's rank-health mask: int32 ``[max_world_size]``, 1 = active.
 
     It is the tensor passed as ``MooncakeBackendOptions.active_ranks`` when
-    one was given (the backend updates it in place).
+    one was given: the backend updates it in place whenever the group's
+    membership changes (a rank failed and was left out, or ranks were
+    recovered). Every collective result covers exactly the ranks marked 1
+    when it returned.
     """
     return _backend_of(backend).active_ranks()
 
@@ -165,36 +168,126 @@ def get_active_ranks(backend=None) -> torch.Tensor:
 def get_num_synced_ranks(backend=None) -> int:
     """How many ranks the backend's collectives currently run over.
 
-    This is the number of active ranks: every collective result covers
-    exactly these ranks.
+    This is the number of active ranks (the 1s in :func:`get_active_ranks`):
+    the members of the group's current view, which all agreed on it.
     """
     return _backend_of(backend).num_synced_ranks()
 
 
-def _not_yet(name: str):
-    raise NotImplementedError(
-        f"pg.{name}: elastic recovery (reserved slots, joining ranks) is not implemented yet"
-    )
+def _rank_list(name: str, ranks) -> list[int]:
+    if isinstance(ranks, int) or not all(isinstance(r, int) for r in ranks):
+        raise ValueError(f"{name}: ranks must be a list of ints, got {ranks!r}")
+    return list(ranks)
 
 
 def extend_group_size_to(backend, size: int) -> None:
-    """Reserves inactive rank slots up to ``size`` (not implemented yet)."""
-    _not_yet("extend_group_size_to")
+    """Makes ranks up to ``size`` joinable (they stay inactive until recovered).
+
+    The slots themselves are reserved when the group is created, with
+    ``MooncakeBackendOptions(..., max_world_size=N)``; this admits ranks in
+    ``[world size, size)`` to :func:`recover_ranks`. Local to the calling
+    process (call it on every healthy rank).
+
+    Raises:
+        ValueError: ``size`` is below the current size or above ``max_world_size``.
+    """
+    if not isinstance(size, int):
+        raise ValueError(f"extend_group_size_to: size must be an int, got {size!r}")
+    _backend_of(backend).extend_group_size_to(size)
 
 
 def get_peer_state(backend, ranks: list[int]) -> list[bool]:
-    """Whether candidate ranks have published peer metadata (not implemented yet)."""
-    _not_yet("get_peer_state")
+    """For each of ``ranks``, whether a new process waits to join as that rank.
+
+    A process waits once it has created its process group with
+    ``MooncakeBackendOptions(..., is_extension=True)`` (it has published its
+    address). Collective among the current healthy ranks, which all get the
+    same answer: call it on every one of them, in the same order as their
+    other collectives.
+
+    Raises:
+        ValueError: a rank is outside ``[0, max_world_size)``.
+    """
+    return _backend_of(backend).get_peer_state(_rank_list("get_peer_state", ranks))
+
+
+def _is_world(group, b) -> bool:
+    world = dist.group.WORLD
+    return group is None or group is world or b is _backend_of(world)
+
+
+def _mooncake_subgroups():
+    """This process's mooncake subgroups, in creation order, with their rank maps."""
+    world = dist.distributed_c10d._world
+    for group, ranks in world.pg_group_ranks.items():
+        if group is dist.group.WORLD:
+            continue
+        try:
+            yield group, _backend_of(group), ranks
+        except ValueError:
+            continue  # not a mooncake group
 
 
 def recover_ranks(backend, ranks: list[int]) -> None:
-    """Activates ready joining ranks (not implemented yet)."""
-    _not_yet("recover_ranks")
+    """Admits the processes waiting to join as ``ranks`` into the group.
+
+    Collective among the current healthy ranks. Afterwards the ranks are
+    active (``get_active_ranks`` shows them) and take part in every
+    collective; the joining processes return from :func:`join_group`.
+
+    Called on the default group, it then recovers the same processes in every
+    subgroup (``dist.new_group``) that holds them, in creation order; a joining
+    process creates its subgroups, in the same order as the healthy ranks did,
+    before it calls :func:`join_group`.
+
+    Raises:
+        ValueError: on every healthy rank, when a rank is active, out of range,
+            named twice, beyond the extended size, or has no process waiting
+            (poll :func:`get_peer_state` first); the group stays usable.
+    """
+    ranks = _rank_list("recover_ranks", ranks)
+    b = _backend_of(backend)
+    b.recover_ranks(ranks)
+    if not _is_world(backend, b):
+        return
+    for _, sub, rank_map in _mooncake_subgroups():
+        sub_ranks = [rank_map[r] for r in ranks if r in rank_map]
+        if sub_ranks:
+            sub.recover_ranks(sub_ranks, wait=True)
 
 
-def join_group(backend) -> None:
-    """Joiner side of the recovery protocol (not implemented yet)."""
-    _not_yet("join_group")
+def join_group(backend=None) -> None:
+    """Joining side: blocks until the healthy ranks recover this process.
+
+    Call it after ``init_process_group(..., pg_options=MooncakeBackendOptions(
+    active_ranks, is_extension=True, max_world_size=N))``. Returns once the
+    healthy ranks have called :func:`recover_ranks` with this rank; from then
+    on this process is a member like any other. Called on the default group,
+    it then joins every subgroup this process created before (in creation
+    order), as the healthy ranks recover it there.
+
+    Raises:
+        ValueError: the group was not created with ``is_extension=True``.
+        TimeoutError: not recovered within the group's timeout.
+    """
+    b = _backend_of(backend)
+    b.join_group()
+    if not _is_world(backend, b):
+        return
+    for _, sub, _ in _mooncake_subgroups():
+        if sub.joining:
+            sub.join_group()
+
+
+def _joining_default_group() -> bool:
+    """Whether this process's default group still waits in join_group."""
+    default = dist.distributed_c10d._world.default_pg
+    if default is None:
+        return False
+    try:
+        return _backend_of(default).joining
+    except ValueError:
+        return False
 
 
 def _create(cuda: bool):
@@ -204,6 +297,11 @@ def _create(cuda: bool):
                 f"pg_options must be mooncake.pg.MooncakeBackendOptions, got "
                 f"{type(pg_options).__name__}"
             )
+        if pg_options is None and _joining_default_group():
+            # A subgroup created by a process that joins a running group joins
+            # the subgroup as it runs on the healthy ranks (see join_group).
+            active = torch.ones(dist_opts.group_size, dtype=torch.int32)
+            pg_options = MooncakeBackendOptions(active, True)
         return _ext.create_backend(
             dist_opts.store,
             dist_opts.group_rank,

@@ -36,8 +36,7 @@ class Channels {
   // that waits on a dead rank stops sending to us too); otherwise only the
   // peer waited on matters (p2p).
   // A rank whose heartbeat stood still for `hang_ms` (> 0) counts as failed.
-  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, bool watch_all,
-           int64_t hang_ms);
+  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, bool watch_all, int64_t hang_ms);
 
   // Restarts both directions of the channel to `peer` at generation `gen`.
   // Safe from any thread: the sending and receiving threads pick it up at
@@ -95,8 +94,8 @@ class Channels {
   std::vector<int> watched_;
   uint64_t epoch_ = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> target_gen_;  // per peer
-  std::vector<uint64_t> send_gen_, recv_gen_;             // generation each side runs in
-  std::vector<uint64_t> sent_;      // messages sent to each peer in send_gen_
+  std::vector<uint64_t> send_gen_, recv_gen_;            // generation each side runs in
+  std::vector<uint64_t> sent_;                           // messages sent to each peer in send_gen_
   std::vector<uint64_t> received_;  // messages consumed from each peer in recv_gen_
   std::atomic<bool> stopping_{false};
 };

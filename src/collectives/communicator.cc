@@ -55,8 +55,7 @@ Layout make_layout(int capacity, size_t chunk_bytes) {
 }
 
 Communicator::Communicator(const TransferEngine& engine, Store& store, const std::string& prefix,
-                           int rank, int size, const CommConfig& config, int capacity,
-                           bool joining)
+                           int rank, int size, const CommConfig& config, int capacity, bool joining)
     : rank_(rank),
       size_(size),
       capacity_(capacity > 0 ? capacity : size),
@@ -506,8 +505,8 @@ void Communicator::all_gather(const void* in, size_t count, DType dtype, void* c
   const size_t bytes = count * dtype_size(dtype);
   std::vector<Region> result;
   for (int p = 0; p < size_; ++p) result.push_back({outs[p], bytes});
-  const Finish finish =
-      bytes * static_cast<size_t>(size_) <= config_.small_bytes ? Finish::kForward : Finish::kCommit;
+  const Finish finish = bytes * static_cast<size_t>(size_) <= config_.small_bytes ? Finish::kForward
+                                                                                  : Finish::kCommit;
   run(meta, finish, result, {}, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {

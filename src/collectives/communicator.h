@@ -132,8 +132,9 @@ class Communicator {
   std::vector<uint8_t> peer_state(const std::vector<int>& slots, int64_t timeout_ms = -1);
   // Admits the processes waiting for `slots` (inactive slots whose
   // peer_state is true): collective among the members; afterwards they are
-  // members too.
-  void admit(const std::vector<int>& slots, int64_t timeout_ms = -1);
+  // members too. With `wait`, a process not yet waiting is waited for (up to
+  // the timeout) instead of being an error.
+  void admit(const std::vector<int>& slots, int64_t timeout_ms = -1, bool wait = false);
   // --- joining process's side ---
   bool joining() const { return joining_; }
   // Blocks until the members admit this process, then connects to them.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <thread>
 
 #include "collectives/communicator.h"
 #include "core/error.h"
@@ -42,8 +43,7 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
     try {
       if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root))
         throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
-                    " has failed; the active ranks are ", view_.describe(),
-                    " (no data to return)");
+                    " has failed; the active ranks are ", view_.describe(), " (no data to return)");
       attempt();
       if (finish == Finish::kCommit && members_.size() > 1)
         exchange(meta, Plan(capacity_), false);  // the commit round
@@ -252,11 +252,17 @@ std::vector<uint8_t> Communicator::peer_state(const std::vector<int>& slots, int
                  "max_world_size=", capacity_, "), got ", q);
     ready[i] = !view_.is_member(q) && waiting_incarnation(q) >= 0;
   }
-  if (!ready.empty()) all_reduce(ready.data(), ready.size(), DType::kUInt8, RedOp::kMin, timeout_ms);
+  if (!ready.empty())
+    all_reduce(ready.data(), ready.size(), DType::kUInt8, RedOp::kMin, timeout_ms);
   return ready;
 }
 
-void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms) {
+void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool wait) {
+  MC_CHECK_ARG(!slots.empty(), "recover_ranks: ranks is empty");
+  // Settles failures first, so that a rank that died since the last op is
+  // out of the view and can be admitted again.
+  barrier(timeout_ms);
+  const Deadline deadline = Deadline::after_ms(timeout_ms >= 0 ? timeout_ms : config_.timeout_ms);
   std::string error;
   std::vector<uint32_t> incs;
   uint64_t digest = 1469598103934665603ull;  // FNV-1a over (slot, incarnation) pairs
@@ -270,14 +276,18 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms) {
     else if (view_.is_member(q))
       error = str("recover_ranks: rank ", q,
                   " is active; only failed or never-used ranks can be recovered");
-    else if ((inc = waiting_incarnation(q)) < 0)
-      error = str("recover_ranks: no process waits to join as rank ", q,
-                  " (start one with is_extension=True; poll get_peer_state until it is ready)");
+    while (error.empty() && (inc = waiting_incarnation(q)) < 0) {
+      if (!wait || deadline.expired()) {
+        error = str("recover_ranks: no process waits to join as rank ", q,
+                    " (start one with is_extension=True; poll get_peer_state until it is ready)");
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
     incs.push_back(static_cast<uint32_t>(inc));
     for (uint64_t v : {static_cast<uint64_t>(q), static_cast<uint64_t>(inc)})
       digest = (digest ^ v) * 1099511628211ull;
   }
-  MC_CHECK_ARG(!slots.empty() || !error.empty(), "recover_ranks: ranks is empty");
   OpMeta meta = begin(OpType::kAdmit, DType::kUInt8, RedOp::kSum, -1, digest, timeout_ms, error);
   run(meta, Finish::kCommit, {}, {}, [&] { exchange(meta, Plan(capacity_), false); });
   View next = view_;
@@ -288,8 +298,7 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms) {
     next.incarnation[slots[i]] = incs[i];
     next.since[slots[i]] = next.epoch;
   }
-  const Deadline deadline = Deadline::after_ms(meta.timeout_ms);
-  connect_new(next, slots, deadline);
+  connect_new(next, slots, Deadline::after_ms(meta.timeout_ms));
   for (size_t i = 0; i < slots.size(); ++i)
     store_.set(prefix_ + "admitted/" + std::to_string(slots[i]) + "/" + std::to_string(incs[i]),
                next.encode());
@@ -297,8 +306,9 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms) {
 }
 
 void Communicator::join(int64_t timeout_ms) {
-  MC_CHECK_ARG(joining_, "join_group: this process is already a member (join_group is for "
-                         "processes created with is_extension=True)");
+  MC_CHECK_ARG(joining_,
+               "join_group: this process is already a member (join_group is for "
+               "processes created with is_extension=True)");
   const int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
   const Deadline deadline = Deadline::after_ms(t);
   const std::string key =

@@ -47,8 +47,8 @@ Decision Decision::decode(const std::string& text) {
   return d;
 }
 
-Decision agree_on_view(Store& store, const std::string& prefix, const View& current, const Report& mine,
-               const Probe& responsive, const Deadline& deadline) {
+Decision agree_on_view(Store& store, const std::string& prefix, const View& current,
+                       const Report& mine, const Probe& responsive, const Deadline& deadline) {
   const std::string base = prefix + "epoch/" + std::to_string(current.epoch) + "/";
   const std::string decision_key = base + "decision";
   store.set(base + "report/" + std::to_string(mine.rank), mine.encode());

@@ -25,10 +25,10 @@ namespace mooncake {
 // What a member says about itself when one of its ops failed.
 struct Report {
   int rank = -1;
-  uint64_t pending = 0;      // the op it could not complete
-  uint64_t done = 0;         // the last op it completed
-  bool has_result = false;   // it kept the result of op `done`, to hand on
-  bool failed = false;       // op `done` ended in an error
+  uint64_t pending = 0;     // the op it could not complete
+  uint64_t done = 0;        // the last op it completed
+  bool has_result = false;  // it kept the result of op `done`, to hand on
+  bool failed = false;      // op `done` ended in an error
   std::string encode() const;
   static Report decode(const std::string& text);
 };
@@ -48,7 +48,7 @@ using Probe = std::function<bool(int)>;
 
 // Runs one round of agreement for `current.epoch`. Throws a peer-failed Error
 // when the decision leaves this rank out (it was taken for dead).
-Decision agree_on_view(Store& store, const std::string& prefix, const View& current, const Report& mine,
-               const Probe& responsive, const Deadline& deadline);
+Decision agree_on_view(Store& store, const std::string& prefix, const View& current,
+                       const Report& mine, const Probe& responsive, const Deadline& deadline);
 
 }  // namespace mooncake

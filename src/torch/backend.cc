@@ -232,8 +232,8 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   }
   const std::string prefix = "mooncake/" + generation + "/";
   comm_ = std::make_unique<Communicator>(*engine_, *store_, prefix, rank, size,
-                                         CommConfig::from_env(timeout_ms_),
-                                         static_cast<int>(slots), options_->is_extension);
+                                         CommConfig::from_env(timeout_ms_), static_cast<int>(slots),
+                                         options_->is_extension);
   extended_size_ = size;
   show_view(comm_->view());
   comm_->set_view_listener([this](const View& view) { show_view(view); });
@@ -289,8 +289,8 @@ void MooncakeBackend::run_on_queue(const char* what, Task task) {
 void MooncakeBackend::extend_group_size_to(int64_t size) {
   MC_CHECK_ARG(comm_ != nullptr, "extend_group_size_to: the process group was shut down");
   MC_CHECK_ARG(size >= extended_size_ && size <= comm_->capacity(),
-               "extend_group_size_to: size must be in [", extended_size_, ", max_world_size=",
-               comm_->capacity(), "], got ", size,
+               "extend_group_size_to: size must be in [", extended_size_,
+               ", max_world_size=", comm_->capacity(), "], got ", size,
                size > comm_->capacity() ? " (reserve slots with MooncakeBackendOptions("
                                           "max_world_size=...) when the group is created)"
                                         : "");
@@ -304,20 +304,23 @@ std::vector<bool> MooncakeBackend::get_peer_state(const std::vector<int64_t>& ra
   return std::vector<bool>(ready.begin(), ready.end());
 }
 
-void MooncakeBackend::recover_ranks(const std::vector<int64_t>& ranks) {
+void MooncakeBackend::recover_ranks(const std::vector<int64_t>& ranks, bool wait) {
   for (int64_t r : ranks)
     MC_CHECK_ARG(r < extended_size_ || r >= comm_->capacity(), "recover_ranks: rank ", r,
                  " is beyond the group's size (", extended_size_,
                  "): call extend_group_size_to first");
   std::vector<int> slots(ranks.begin(), ranks.end());
-  run_on_queue("recover_ranks", [&] { comm_->admit(slots, timeout_ms_); });
+  run_on_queue("recover_ranks", [&] { comm_->admit(slots, timeout_ms_, wait); });
 }
 
 void MooncakeBackend::join_group() {
   MC_CHECK_ARG(comm_ != nullptr, "join_group: the process group was shut down");
-  MC_CHECK_ARG(options_->is_extension,
-               "join_group: this process group was not created with is_extension=True");
+  MC_CHECK_ARG(comm_->joining(),
+               "join_group: this process group was not created with is_extension=True (or "
+               "has joined already)");
   run_on_queue("join_group", [&] { comm_->join(timeout_ms_); });
+  // A member now: subgroups created from here on start as members too.
+  options_->is_extension = false;
 }
 
 std::string MooncakeBackend::transport_of(int peer) const {

@@ -93,8 +93,10 @@ class MooncakeBackend : public c10d::Backend {
   void extend_group_size_to(int64_t size);
   // Collective among the members: whether a process waits to join as each rank.
   std::vector<bool> get_peer_state(const std::vector<int64_t>& ranks);
-  // Collective among the members: admits the waiting processes.
-  void recover_ranks(const std::vector<int64_t>& ranks);
+  // Collective among the members: admits the waiting processes (with
+  // `wait`, waits for processes that have not shown up yet).
+  void recover_ranks(const std::vector<int64_t>& ranks, bool wait = false);
+  bool joining() const { return comm_ && comm_->joining(); }
   // A process created with is_extension=True: waits until admitted.
   void join_group();
   std::string transport_of(int peer) const;

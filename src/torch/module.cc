@@ -81,8 +81,10 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
       .def_readonly("max_world_size", &MooncakeBackendOptions::max_world_size)
       .def("__deepcopy__", [](const MooncakeBackendOptions& o, py::dict) {
         // new_group() copies the parent's options: a subgroup gets its own
-        // all-active mask sized to its own world.
-        auto copy = c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), false, std::nullopt);
+        // all-active mask sized to its own world, and joins a running group
+        // when its parent still does (see pg.join_group).
+        auto copy =
+            c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), o.is_extension, std::nullopt);
         copy->timeout = o.timeout;
         return copy;
       });
@@ -96,7 +98,8 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
       .def("get_peer_state", &MooncakeBackend::get_peer_state, py::arg("ranks"),
            py::call_guard<py::gil_scoped_release>())
       .def("recover_ranks", &MooncakeBackend::recover_ranks, py::arg("ranks"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("wait") = false, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("joining", &MooncakeBackend::joining)
       .def("join_group", &MooncakeBackend::join_group, py::call_guard<py::gil_scoped_release>())
       .def("transport_of", &MooncakeBackend::transport_of, py::arg("peer"))
       .def_property_readonly("engine", &MooncakeBackend::engine);

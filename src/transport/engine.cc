@@ -145,13 +145,13 @@ void Endpoint::connect_all(int size, const Deadline& deadline) {
 }
 
 void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
-  MC_CHECK_ARG(peer >= 0 && peer < capacity_ && peer != rank_, "connect: peer must be another slot in [0, ",
-               capacity_, "), got ", peer);
+  MC_CHECK_ARG(peer >= 0 && peer < capacity_ && peer != rank_,
+               "connect: peer must be another slot in [0, ", capacity_, "), got ", peer);
   PeerAddress addr = PeerAddress::decode(
       store_.get(prefix_ + "addr/" + std::to_string(peer) + "/" + std::to_string(inc),
                  deadline.remaining_ms(1L << 40)));
-  MC_CHECK_ARG(addr.segment_bytes == segment_.size(), "rank ", peer, " uses a ",
-               addr.segment_bytes, "-byte segment but rank ", rank_, " uses ", segment_.size(),
+  MC_CHECK_ARG(addr.segment_bytes == segment_.size(), "rank ", peer, " uses a ", addr.segment_bytes,
+               "-byte segment but rank ", rank_, " uses ", segment_.size(),
                ": the group's capacity (max_world_size) or MOONCAKE_CHUNK_BYTES differs between "
                "ranks");
   std::shared_ptr<PeerLink> link;
@@ -243,7 +243,8 @@ void Endpoint::heartbeat_loop() {
     }
     links.clear();
     lock.lock();
-    beat_cv_.wait_for(lock, std::chrono::milliseconds(kHeartbeatPeriodMs), [&] { return stopping_; });
+    beat_cv_.wait_for(lock, std::chrono::milliseconds(kHeartbeatPeriodMs),
+                      [&] { return stopping_; });
   }
 }
 

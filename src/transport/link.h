@@ -15,7 +15,7 @@ namespace mooncake {
 struct PeerAddress {
   int rank = -1;
   uint32_t incarnation = 0;  // which process holds the slot: 0 first, then one more per rejoin
-  std::string host_key;  // boot id + network and pid namespaces: "same host"
+  std::string host_key;      // boot id + network and pid namespaces: "same host"
   int pid = 0;
   int segment_fd = -1;
   uint64_t segment_bytes = 0;

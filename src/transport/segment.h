@@ -5,8 +5,8 @@
 // above (collectives/layout.h).
 #pragma once
 
-#include <cstddef>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "core/wait.h"

@@ -10,8 +10,8 @@ testing::AssertionResult throws_error(mooncake::ErrorKind kind, const std::funct
     if (e.kind() == kind && std::string(e.what()).find(contains) != std::string::npos)
       return testing::AssertionSuccess() << e.what();
     if (e.kind() == kind)
-      return testing::AssertionFailure() << "expected the message to contain '" << contains
-                                         << "', got: " << e.what();
+      return testing::AssertionFailure()
+             << "expected the message to contain '" << contains << "', got: " << e.what();
     return testing::AssertionFailure()
            << "expected an error of kind '" << mooncake::error_kind_name(kind) << "', got '"
            << mooncake::error_kind_name(e.kind()) << "': " << e.what();

@@ -37,3 +37,30 @@ def test_pg_quickstart_under_torchrun():
         assert f"rank={rank} all_reduce=3" in out, out[-4000:]
         assert f"rank={rank} ring_exchange=" in out, out[-4000:]
         assert f"rank={rank} OK" in out, out[-4000:]
+
+
+def test_make_demo_shows_a_kill_and_a_replacement():
+    """``python -m mooncake demo`` (what ``make demo`` runs): collectives, rank 2 killed
+    inside an all_reduce that the survivors complete among themselves, a replacement
+    joining, and a full-strength all_reduce again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mooncake", "demo"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for line in (
+        "all_reduce(SUM) of rank+1 over 4 ranks = 10",
+        "all_reduce of 1 << rank covered ranks [0, 1, 3]",
+        "active_ranks = [1, 1, 0, 1], synced ranks = 3",
+        "recover_ranks([2]): active_ranks = [1, 1, 1, 1]",
+        "full strength again: all_reduce covered ranks [0, 1, 2, 3]",
+        "replacement rank 2 joined; its all_reduce covered [0, 1, 2, 3]",
+        "demo finished",
+    ):
+        assert line in out, f"missing {line!r} in:\n{out[-4000:]}"

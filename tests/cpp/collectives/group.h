@@ -37,8 +37,8 @@ struct GroupOptions {
   size_t chunk_bytes = 256;  // small, so modest tensors take many chunks
   size_t small_bytes = 512;  // all_reduce/reduce/broadcast above this go two-phase
   int64_t op_timeout_ms = 10000;
-  bool recover = true;    // survivors re-run ops a failure interrupted
-  int64_t hang_ms = 2000; // heartbeat silence that counts as a failure
+  bool recover = true;     // survivors re-run ops a failure interrupted
+  int64_t hang_ms = 2000;  // heartbeat silence that counts as a failure
   RunLimits limits = {};
 };
 

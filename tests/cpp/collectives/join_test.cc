@@ -4,11 +4,11 @@
 // the members poll peer_state() and then admit() it.
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "collectives/group.h"
 #include "core/clock.h"
 #include "errors.h"
-
-#include <thread>
 
 namespace mctest {
 namespace {
@@ -78,7 +78,8 @@ TEST_P(Join, AReplacementTakesTheDeadRanksSlotAgainAndAgain) {
       comm.join();
       r.store.set("joined/" + std::to_string(cycle), "1");
       EXPECT_EQ(comm.view().members(), (std::vector<int>{0, 1, 2}));
-      EXPECT_EQ(comm.view().incarnation[victims[cycle]], static_cast<uint32_t>(cycle < 2 ? cycle + 1 : 1));
+      EXPECT_EQ(comm.view().incarnation[victims[cycle]],
+                static_cast<uint32_t>(cycle < 2 ? cycle + 1 : 1));
       run_member(comm, cycle + 1);
     }
   });
@@ -135,12 +136,11 @@ TEST_P(Join, AdmittingWhatCannotJoinIsAnErrorOnEveryMember) {
   run_ranks(2, [&](Rank& r) {
     mooncake::TransferEngine engine = engine_for(o);
     Communicator comm(engine, r.store, "g/", r.rank, 2, comm_config(o), 3);
-    EXPECT_TRUE(throws_error(
-        ErrorKind::kInvalidArgument, [&] { comm.admit({1}); }, "is active"));
-    EXPECT_TRUE(throws_error(
-        ErrorKind::kInvalidArgument, [&] { comm.admit({3}); }, "max_world_size=3"));
-    EXPECT_TRUE(throws_error(
-        ErrorKind::kInvalidArgument, [&] { comm.admit({2}); }, "no process waits"));
+    EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument, [&] { comm.admit({1}); }, "is active"));
+    EXPECT_TRUE(
+        throws_error(ErrorKind::kInvalidArgument, [&] { comm.admit({3}); }, "max_world_size=3"));
+    EXPECT_TRUE(
+        throws_error(ErrorKind::kInvalidArgument, [&] { comm.admit({2}); }, "no process waits"));
     EXPECT_TRUE(throws_error(
         ErrorKind::kInvalidArgument, [&] { comm.peer_state({-1}); }, "max_world_size=3"));
     EXPECT_EQ(comm.peer_state({2}), std::vector<uint8_t>{0});

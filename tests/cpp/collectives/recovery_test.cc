@@ -92,8 +92,8 @@ TEST_P(Recovery, SurvivorsCompleteEveryShapeWhenRankZeroAndTheLastHaveExited) {
   GroupOptions o = options();
   o.op_timeout_ms = 20000;
   run(o, [](Communicator& comm, Rank& r) {
-    const std::vector<int> gone = r.size > 2 ? std::vector<int>{0, r.size - 1}
-                                             : std::vector<int>{r.size - 1};
+    const std::vector<int> gone =
+        r.size > 2 ? std::vector<int>{0, r.size - 1} : std::vector<int>{r.size - 1};
     if (std::find(gone.begin(), gone.end(), r.rank) != gone.end()) exit_rank_abruptly();
     const std::vector<int> survivors = all_but(r.size, gone);
     const int64_t start = mooncake::now_us();
@@ -104,8 +104,8 @@ TEST_P(Recovery, SurvivorsCompleteEveryShapeWhenRankZeroAndTheLastHaveExited) {
     EXPECT_LT(mooncake::now_us() - start, 3'000'000) << "far sooner than the 20 s timeout";
     EXPECT_EQ(comm.view().members(), survivors);
     EXPECT_GE(comm.view().epoch, 1u);
-    const int index = static_cast<int>(
-        std::find(survivors.begin(), survivors.end(), r.rank) - survivors.begin());
+    const int index =
+        static_cast<int>(std::find(survivors.begin(), survivors.end(), r.rank) - survivors.begin());
     store_barrier(r.store, "survivors done", index, static_cast<int>(survivors.size()));
   });
 }
@@ -124,7 +124,8 @@ TEST_P(Recovery, RootedOpsFromADeadRootFailOnEverySurvivorAndTheGroupGoesOn) {
         EXPECT_EQ(e.peer(), dead) << e.what();
       }
     };
-    expect_root_error("broadcast", [&] { comm.broadcast(v.data(), v.size(), DType::kInt64, dead); });
+    expect_root_error("broadcast",
+                      [&] { comm.broadcast(v.data(), v.size(), DType::kInt64, dead); });
     expect_root_error("reduce",
                       [&] { comm.reduce(v.data(), v.size(), DType::kInt64, RedOp::kSum, dead); });
     std::vector<int64_t> sum(3, int64_t{1} << r.rank);

@@ -51,7 +51,7 @@ TEST_P(WriteSignal, APeerThatSeesTheFlagSeesEveryEarlierWrite) {
         const auto p = pattern(round, kBytes);
         for (size_t k = 0; k < kPieces; ++k)  // several writes, then one signal
           ep->link(1)->write(kData + k * kBytes / kPieces, p.data() + k * kBytes / kPieces,
-                            kBytes / kPieces, Deadline::after_ms(5000));
+                             kBytes / kPieces, Deadline::after_ms(5000));
         ep->link(1)->signal(kFlag, round, 0, Deadline::after_ms(5000));
         ASSERT_TRUE(wait_flag(*ep, kAck, round)) << "no ack for round " << round;
       } else {
