@@ -243,6 +243,7 @@ class Communicator {
   uint64_t kept_seq_ = 0;
   bool has_kept_ = false;
   std::vector<uint8_t> kept_;
+  std::vector<uint8_t> saved_input_;  // the input of an in-place op, for a re-run
 };
 
 // Bytes a group segment needs for `capacity` ranks with `chunk_bytes` slots.

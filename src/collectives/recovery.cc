@@ -24,10 +24,11 @@ bool recoverable(const Error& e) {
 void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
                        Region inplace, const std::function<void()>& attempt) {
   const bool recover_on = config_.recover != 0;
-  std::vector<uint8_t> saved;
-  if (recover_on && inplace.bytes != 0) {
-    const auto* p = static_cast<const uint8_t*>(inplace.ptr);
-    saved.assign(p, p + inplace.bytes);
+  // The input a re-run needs, in a buffer kept across ops (no page faults).
+  const bool keep_input = recover_on && inplace.bytes != 0;
+  if (keep_input) {
+    if (saved_input_.size() < inplace.bytes) saved_input_.resize(inplace.bytes);
+    std::memcpy(saved_input_.data(), inplace.ptr, inplace.bytes);
   }
   // Errors that end the op: bad arguments, a dead root, this rank left out.
   auto final_error = [&](const Error& e) {
@@ -36,7 +37,7 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
   };
   for (int attempt_no = 0;; ++attempt_no) {
     if (attempt_no > 0) {
-      if (!saved.empty()) std::memcpy(inplace.ptr, saved.data(), saved.size());
+      if (keep_input) std::memcpy(inplace.ptr, saved_input_.data(), inplace.bytes);
       meta.deadline = Deadline::after_ms(meta.timeout_ms);
     }
     std::optional<Error> failure;
