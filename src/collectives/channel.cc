@@ -59,8 +59,9 @@ void Channels::check_peer(int peer, const char* what) {
   if (watch_all_) {
     for (int p : watched_) check_one(p, what);
     if (endpoint_.epoch_hint() > epoch_)
-      throw_error(ErrorKind::kPeerFailed, -1, what, ": the group has moved on to epoch ",
-                  endpoint_.epoch_hint(), " without this rank (at epoch ", epoch_, ")");
+      throw_error(ErrorKind::kPeerFailed, -1, what, ": the group is moving on to epoch ",
+                  endpoint_.epoch_hint(), " (a member failed) while this rank is at epoch ",
+                  epoch_);
   }
 }
 

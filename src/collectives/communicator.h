@@ -183,8 +183,9 @@ class Communicator {
            const std::function<void()>& attempt);
   // After a failed attempt: agreement, the new view, and handing on results.
   // True when the op is complete without a re-run.
+  // `attempts`: re-runs of this op so far.
   bool recover(const OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
-               const Error& cause);
+               const Error& cause, int attempts);
   // Records op `seq` as done: with `result` kept (kForward), or failed.
   // Throws a recoverable error when peers told of a later epoch than ours.
   void check_not_left_behind();

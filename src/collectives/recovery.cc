@@ -15,6 +15,9 @@ namespace mooncake {
 
 namespace {
 
+// Re-runs among unchanged members before an op is given up as timed out.
+constexpr int kMaxStalledAttempts = 2;
+
 bool recoverable(const Error& e) {
   return e.kind() == ErrorKind::kPeerFailed || e.kind() == ErrorKind::kTimeout;
 }
@@ -42,6 +45,7 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
     }
     std::optional<Error> failure;
     try {
+      check_not_left_behind();  // a recovery started while this rank was away
       if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root))
         throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
                     " has failed; the active ranks are ", view_.describe(), " (no data to return)");
@@ -66,7 +70,7 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
       MC_LOG(kInfo, meta.name, " #", meta.seq, " failed at epoch ", view_.epoch, ": ",
              failure->what());
       try {
-        completed = recover(meta, finish, outputs, *failure);
+        completed = recover(meta, finish, outputs, *failure, attempt_no);
         failure.reset();
       } catch (const Error& e) {
         if (final_error(e)) {
@@ -85,8 +89,8 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
 void Communicator::check_not_left_behind() {
   const uint64_t hint = endpoint_->epoch_hint();
   if (hint > view_.epoch)
-    throw_error(ErrorKind::kPeerFailed, -1, "the group has moved on to epoch ", hint,
-                " without this rank (at epoch ", view_.epoch, ")");
+    throw_error(ErrorKind::kPeerFailed, -1, "the group is moving on to epoch ", hint,
+                " (a member failed) while this rank is at epoch ", view_.epoch);
 }
 
 void Communicator::finished(uint64_t seq, const std::vector<Region>* result, bool failed) {
@@ -103,21 +107,25 @@ void Communicator::finished(uint64_t seq, const std::vector<Region>* result, boo
 }
 
 bool Communicator::recover(const OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
-                           const Error& cause) {
+                           const Error& cause, int attempts) {
   Report mine;
   mine.rank = rank_;
   mine.pending = meta.seq;
   mine.done = done_seq_;
   mine.has_result = has_kept_ && kept_seq_ == done_seq_;
   mine.failed = done_failed_;
+  mine.attempts = attempts;
   const int64_t hang_ms = config_.hang_ms;
   auto responsive = [&](int q) {
     return endpoint_->alive(q) && (hang_ms <= 0 || endpoint_->silent_ms(q) < hang_ms);
   };
   const int before = view_.num_members();
+  // Members that are not in an op, or wait for one that cannot complete,
+  // learn at once that a recovery is on and come to report.
+  for (int p : members_)
+    if (p != rank_) endpoint_->post_epoch_hint(p, view_.epoch + 1);
   Decision d =
       agree_on_view(store_, prefix_, view_, mine, responsive, Deadline::after_ms(meta.timeout_ms));
-  d.view.seq = meta.seq;
   apply(d.view);
   // The op to settle is the earliest pending one; a member ahead of it has
   // completed it (ops complete in order and need every member).
@@ -132,11 +140,16 @@ bool Communicator::recover(const OpMeta& meta, Finish finish, const std::vector<
     if (r.has_result && source < 0) source = r.rank;
   }
   if (!completed_somewhere) {
-    // Nobody completed it: everyone re-runs it, unless nothing changed and
-    // the op merely ran out of time (re-running would time out again).
-    if (d.view.num_members() == before && cause.kind() == ErrorKind::kTimeout) {
+    // Nobody completed it: everyone re-runs it, unless it has been re-run
+    // again and again among the same members (it cannot complete in its
+    // timeout). Decided from the reports, so every member decides alike.
+    int most = 0;
+    for (const Report& r : d.reports) most = std::max(most, r.attempts);
+    if (d.view.num_members() == before && most >= kMaxStalledAttempts) {
       finished(meta.seq, nullptr, true);
-      throw cause;
+      throw_error(ErrorKind::kTimeout, -1, meta.name, ": did not complete within its timeout (",
+                  meta.timeout_ms, " ms) in ", most + 1, " attempts among the same ", before,
+                  " ranks (last: ", cause.what(), ")");
     }
     return false;
   }

@@ -11,7 +11,7 @@ namespace mooncake {
 std::string Report::encode() const {
   std::ostringstream os;
   os << rank << ' ' << pending << ' ' << done << ' ' << (has_result ? 1 : 0) << ' '
-     << (failed ? 1 : 0);
+     << (failed ? 1 : 0) << ' ' << attempts;
   return os.str();
 }
 
@@ -19,7 +19,7 @@ Report Report::decode(const std::string& text) {
   std::istringstream is(text);
   Report r;
   int has = 0, failed = 0;
-  is >> r.rank >> r.pending >> r.done >> has >> failed;
+  is >> r.rank >> r.pending >> r.done >> has >> failed >> r.attempts;
   if (!is) throw_error(ErrorKind::kInternal, -1, "malformed agreement report: '", text, "'");
   r.has_result = has != 0;
   r.failed = failed != 0;

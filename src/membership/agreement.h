@@ -29,6 +29,7 @@ struct Report {
   uint64_t done = 0;        // the last op it completed
   bool has_result = false;  // it kept the result of op `done`, to hand on
   bool failed = false;      // op `done` ended in an error
+  int attempts = 0;         // re-runs of op `pending` so far
   std::string encode() const;
   static Report decode(const std::string& text);
 };

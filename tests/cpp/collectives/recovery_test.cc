@@ -185,6 +185,20 @@ TEST_P(Recovery, ARankThatNeverCallsTheOpIsLeftOutAfterTwoTimeouts) {
   });
 }
 
+TEST_P(Recovery, ARankLateByLessThanATimeoutIsWaitedFor) {
+  GroupOptions o = options();
+  o.op_timeout_ms = 400;
+  run(o, [](Communicator& comm, Rank& r) {
+    // The others time out at 400 ms and start a recovery; the late rank comes
+    // at 600 ms, learns of it at once and reports in time (before 800 ms).
+    if (r.rank == r.size - 1) std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    std::vector<int64_t> v(5, int64_t{1} << r.rank);
+    comm.all_reduce(v.data(), v.size(), DType::kInt64, RedOp::kSum);
+    EXPECT_EQ(v[0], mask_of(all_but(r.size, {})));
+    EXPECT_EQ(comm.view().num_members(), r.size);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Worlds, Recovery,
                          testing::Values(GroupParam{2, false}, GroupParam{3, false},
                                          GroupParam{4, false}, GroupParam{7, false},
