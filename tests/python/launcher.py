@@ -51,6 +51,8 @@ CONTROLLED_ENV = (
     "MOONCAKE_PG_TIMEOUT_MS",
     "MOONCAKE_SPIN_US",
     "MOONCAKE_ASYNC_DELAY_US",
+    "MOONCAKE_HANG_MS",
+    "MOONCAKE_RECOVER",
 )
 #: Environment of the chunked launches: 4 KiB slots make "larger than the
 #: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize
+from mooncake import pg
 from reference import (
     COMPLEX_DTYPES,
     DTYPES,
@@ -339,22 +340,46 @@ def mismatch(ctx, name: str):
 # --- timeouts -------------------------------------------------------------------------------------
 
 
-def alone_times_out(ctx, deadline_s: float, group_timeout: timedelta | None = None):
-    """Rank 0 calls all_reduce alone: TimeoutError after about ``deadline_s``. With
-    ``group_timeout`` this happens in a new group, and the default group works after it."""
-    group = dist.new_group(timeout=group_timeout) if group_timeout else None
+def alone_times_out(ctx, deadline_s: float):
+    """With recovery off (MOONCAKE_RECOVER=0), rank 0 calls all_reduce alone: TimeoutError
+    after about ``deadline_s``."""
     if ctx.rank == 0:
         start = time.monotonic()
         with ctx.expect_raises(TimeoutError):
-            dist.all_reduce(torch.ones(5), group=group)
+            dist.all_reduce(torch.ones(5))
         took = time.monotonic() - start
         ctx.expect(
             deadline_s * 0.8 <= took < deadline_s + 10,
             f"timed out after {took:.2f} s, the deadline is {deadline_s} s",
         )
     ctx.store_barrier("timed-out")
+
+
+def absent_rank_left_out(ctx, deadline_s: float, group_timeout: timedelta | None = None):
+    """Rank 0 calls all_reduce while the others, alive, never do: after its deadline it
+    waits as long again for them to report, then completes the op alone, and the others'
+    next op there raises RuntimeError ("left out"). With ``group_timeout`` this happens in
+    a new group, and the default group works after it at full strength."""
+    group = dist.new_group(timeout=group_timeout) if group_timeout else None
+    if ctx.rank == 0:
+        start = time.monotonic()
+        x = torch.ones(5)
+        dist.all_reduce(x, group=group)
+        took = time.monotonic() - start
+        ctx.expect_equal(x, torch.ones(5), "all_reduce among rank 0 alone")
+        ctx.expect(
+            2 * deadline_s * 0.8 <= took < 2 * deadline_s + 10,
+            f"completed alone after {took:.2f} s; the deadline is {deadline_s} s (x2)",
+        )
+        active = pg.get_active_ranks(group).tolist()
+        ctx.expect(active == [1] + [0] * (ctx.world_size - 1), f"active ranks {active}")
+    ctx.store_barrier("alone-done")
+    if ctx.rank != 0:
+        with ctx.expect_raises(RuntimeError, "left out"):
+            dist.all_reduce(torch.ones(5), group=group)
+    ctx.store_barrier("left-out-seen")
     if group_timeout:
-        healthy(ctx, "in the default group after another group timed out")
+        healthy(ctx, "in the default group after another group left ranks out")
 
 
 # --- case lists -------------------------------------------------------------------------------
@@ -382,6 +407,10 @@ def bad_env_cases(world: int) -> list[Case]:
 
 
 def env_timeout_cases(world: int) -> list[Case]:
+    return [Case("env_deadline", functools.partial(absent_rank_left_out, deadline_s=1.5))]
+
+
+def no_recovery_timeout_cases(world: int) -> list[Case]:
     return [Case("env_deadline", functools.partial(alone_times_out, deadline_s=1.5))]
 
 
@@ -389,7 +418,9 @@ def group_timeout_cases(world: int) -> list[Case]:
     return [
         Case(
             "group_deadline",
-            functools.partial(alone_times_out, deadline_s=1.0, group_timeout=timedelta(seconds=1)),
+            functools.partial(
+                absent_rank_left_out, deadline_s=1.0, group_timeout=timedelta(seconds=1)
+            ),
         )
     ]
 
@@ -399,6 +430,12 @@ LAUNCHES = [
     Launch(error_cases, 3, "w3-chunk4k", env=SMALL_CHUNKS, init_pg=False, op_timeout_s=8),
     Launch(error_cases, 4, "w4-default", init_pg=False, op_timeout_s=8),
     Launch(env_timeout_cases, 2, "w2-env-timeout", env=(("MOONCAKE_PG_TIMEOUT_MS", "1500"),)),
+    Launch(
+        no_recovery_timeout_cases,
+        2,
+        "w2-env-timeout-no-recovery",
+        env=(("MOONCAKE_PG_TIMEOUT_MS", "1500"), ("MOONCAKE_RECOVER", "0")),
+    ),
     Launch(
         bad_env_cases, 2, "w2-bad-chunk-env", env=(("MOONCAKE_CHUNK_BYTES", "100"),), init_pg=False
     ),
