@@ -1,15 +1,16 @@
 #include "collectives/channel.h"
 
 #include "core/error.h"
+#include "membership/hints.h"
 
 namespace mooncake {
 
-Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, bool watch_all,
+Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch watch,
                    int64_t hang_ms)
     : endpoint_(endpoint),
       layout_(layout),
       plane_(plane),
-      watch_all_(watch_all),
+      watch_(watch),
       hang_ms_(hang_ms),
       target_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
       send_gen_(static_cast<size_t>(layout.capacity), 1),
@@ -56,12 +57,12 @@ void Channels::check_peer(int peer, const char* what) {
   if (stopping_.load())
     throw_error(ErrorKind::kPeerFailed, -1, what, ": the process group is shutting down");
   check_one(peer, what);
-  if (watch_all_) {
+  if (watch_ == Watch::kAnyWatched)
     for (int p : watched_) check_one(p, what);
-    if (endpoint_.epoch_hint() > epoch_)
-      throw_error(ErrorKind::kPeerFailed, -1, what, ": the group is moving on to epoch ",
-                  endpoint_.epoch_hint(), " (a member failed) while this rank is at epoch ",
-                  epoch_);
+  if (watch_ == Watch::kPeerOrEpoch) {
+    if (agreement_called(endpoint_, epoch_))
+      throw_error(ErrorKind::kPeerFailed, -1, what, ": the members of epoch ", epoch_,
+                  " are agreeing on a new view (a member failed)");
   }
 }
 
@@ -75,14 +76,19 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   const uint8_t* base = endpoint_.base();
   const size_t ack = layout_.ack_flag(plane_, peer);
   auto has_slot = [&] { return m - flag_count(load_flag(base, ack), gen) < kSlotsPerChannel; };
-  if (!has_slot()) {
-    bool ok = wait_on(ack_bell(), has_slot, deadline, [&] {
-      check_peer(peer, what);
-      return false;
-    });
+  while (!has_slot()) {
+    // An alarm (a peer seen gone) ends the wait at once, to look at the peers.
+    const uint64_t alarms = endpoint_.alarms();
+    bool ok = wait_on(
+        ack_bell(), [&] { return has_slot() || endpoint_.alarms() != alarms; }, deadline,
+        [&] {
+          check_peer(peer, what);
+          return false;
+        });
     if (!ok)
       throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer,
                   " to take a message");
+    if (!has_slot()) check_peer(peer, what);
   }
   const int me = endpoint_.rank();
   const size_t at = layout_.slot(plane_, me, static_cast<int>(m % kSlotsPerChannel));
@@ -106,17 +112,22 @@ const MsgHeader* Channels::poll(int peer) {
 
 const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const char* what) {
   const MsgHeader* msg = poll(peer);
-  if (msg != nullptr) return msg;
-  bool ok = wait_on(
-      bell(), [&] { return (msg = poll(peer)) != nullptr; }, deadline,
-      [&] {
-        // A peer that exited after posting its last message is not a failure:
-        // everything it sent arrived before it was seen gone, so look once more.
-        if (!endpoint_.alive(peer) && (msg = poll(peer)) != nullptr) return true;
-        check_peer(peer, what);
-        return false;
-      });
-  if (!ok) throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer);
+  // A peer that exited after posting its last message is not a failure:
+  // everything it sent arrived before it was seen gone, so look once more.
+  auto look = [&] {
+    if (!endpoint_.alive(peer) && (msg = poll(peer)) != nullptr) return true;
+    check_peer(peer, what);
+    return false;
+  };
+  while (msg == nullptr) {
+    // An alarm (a peer seen gone) ends the wait at once, to look at the peers.
+    const uint64_t alarms = endpoint_.alarms();
+    bool ok = wait_on(
+        bell(), [&] { return (msg = poll(peer)) != nullptr || endpoint_.alarms() != alarms; },
+        deadline, look);
+    if (!ok) throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer);
+    if (msg == nullptr) look();
+  }
   return msg;
 }
 

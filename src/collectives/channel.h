@@ -32,18 +32,23 @@ inline uint64_t flag_count(uint64_t value, uint64_t gen) {
 
 class Channels {
  public:
-  // `watch_all`: any watched rank's death fails a wait (collectives: a peer
-  // that waits on a dead rank stops sending to us too); otherwise only the
-  // peer waited on matters (p2p).
+  // Which failures end a wait:
+  //  * kPeer: the peer waited on is gone (p2p);
+  //  * kPeerOrEpoch: that, or a peer told of a later epoch (collectives that
+  //    recover: a peer that waits on a dead rank abandons the op and says
+  //    so, while a rank that exited after sending all its messages is no
+  //    reason to stop);
+  //  * kAnyWatched: any watched rank is gone (collectives that fail fast).
   // A rank whose heartbeat stood still for `hang_ms` (> 0) counts as failed.
-  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, bool watch_all, int64_t hang_ms);
+  enum class Watch { kPeer, kPeerOrEpoch, kAnyWatched };
+  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch watch, int64_t hang_ms);
 
   // Restarts both directions of the channel to `peer` at generation `gen`.
   // Safe from any thread: the sending and receiving threads pick it up at
   // their next use of the channel.
   void restart(int peer, uint64_t gen);
-  // The ranks whose death fails a wait when watch_all (collective plane; set
-  // by the thread that runs the collectives).
+  // The ranks whose death fails a wait with kAnyWatched (set by the thread
+  // that runs the collectives).
   // `epoch` is the view's: a wait fails once a peer tells of a later one.
   void set_watched(std::vector<int> ranks, uint64_t epoch) {
     watched_ = std::move(ranks);
@@ -74,8 +79,8 @@ class Channels {
   Endpoint& endpoint() { return endpoint_; }
   const Layout& layout() const { return layout_; }
 
-  // Throws a PeerFailed error if `peer` (or, with watch_all, any watched
-  // rank) is gone, or the group is stopping.
+  // Throws a PeerFailed error if `peer` (or, see Watch, another rank) is
+  // gone, or the group is stopping.
   void check_peer(int peer, const char* what);
 
  private:
@@ -89,7 +94,7 @@ class Channels {
   Endpoint& endpoint_;
   Layout layout_;
   Plane plane_;
-  bool watch_all_;
+  Watch watch_;
   int64_t hang_ms_;
   std::vector<int> watched_;
   uint64_t epoch_ = 0;

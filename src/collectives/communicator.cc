@@ -84,8 +84,12 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
   }
   endpoint_ = std::make_unique<Endpoint>(engine, store_, prefix_, rank, incarnation_, capacity_,
                                          layout.total_bytes());
-  coll_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective, true, config_.hang_ms);
-  p2p_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kP2P, false, config_.hang_ms);
+  coll_ = std::make_unique<Channels>(
+      *endpoint_, layout, Plane::kCollective,
+      config_.recover ? Channels::Watch::kPeerOrEpoch : Channels::Watch::kAnyWatched,
+      config_.hang_ms);
+  p2p_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kP2P, Channels::Watch::kPeer,
+                                    config_.hang_ms);
   if (joining) {
     view_ = View::initial(1, capacity_);  // alone until admitted
     view_.active[0] = 0;
@@ -385,11 +389,11 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, i
   const size_t esize = dtype_size(dtype);
   const size_t bytes = count * esize;
   auto* base = static_cast<uint8_t*>(data);
-  // Direct in one step reads the input whole before it writes the result; in
-  // more steps, or sharded, it overwrites input a re-run would need.
+  // The input is kept for a re-run even when one step reads it whole before
+  // writing: a recovery may start just after the result was written.
   const bool one_step = direct(count, dtype) && bytes <= config_.chunk_bytes;
   const Finish finish = one_step ? Finish::kForward : Finish::kCommit;
-  run(meta, finish, {{data, bytes}}, one_step ? Region{} : Region{data, bytes}, [&] {
+  run(meta, finish, {{data, bytes}}, Region{data, bytes}, [&] {
     const int cap = capacity_;
     if (!meta.local_error.empty() || direct(count, dtype)) {
       std::vector<const void*> src(static_cast<size_t>(cap), data);

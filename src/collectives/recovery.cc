@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "membership/agreement.h"
+#include "membership/hints.h"
 
 namespace mooncake {
 
@@ -56,7 +57,7 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
     } catch (const Error& e) {
       // Stale messages from an abandoned attempt can look like a mismatch to
       // a rank that was left out: it learns so first.
-      if (e.kind() == ErrorKind::kInvalidArgument && endpoint_->epoch_hint() > view_.epoch) {
+      if (e.kind() == ErrorKind::kInvalidArgument && agreement_called(*endpoint_, view_.epoch)) {
         failure = Error(ErrorKind::kPeerFailed, "the group has moved on without this rank");
       } else if (final_error(e)) {
         finished(meta.seq, nullptr, true);
@@ -87,10 +88,9 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
 }
 
 void Communicator::check_not_left_behind() {
-  const uint64_t hint = endpoint_->epoch_hint();
-  if (hint > view_.epoch)
-    throw_error(ErrorKind::kPeerFailed, -1, "the group is moving on to epoch ", hint,
-                " (a member failed) while this rank is at epoch ", view_.epoch);
+  if (agreement_called(*endpoint_, view_.epoch))
+    throw_error(ErrorKind::kPeerFailed, -1, "the members of epoch ", view_.epoch,
+                " are agreeing on a new view (a member failed)");
 }
 
 void Communicator::finished(uint64_t seq, const std::vector<Region>* result, bool failed) {
@@ -123,7 +123,7 @@ bool Communicator::recover(const OpMeta& meta, Finish finish, const std::vector<
   // Members that are not in an op, or wait for one that cannot complete,
   // learn at once that a recovery is on and come to report.
   for (int p : members_)
-    if (p != rank_) endpoint_->post_epoch_hint(p, view_.epoch + 1);
+    if (p != rank_) announce_recovery(*endpoint_, p, view_.epoch);
   Decision d =
       agree_on_view(store_, prefix_, view_, mine, responsive, Deadline::after_ms(meta.timeout_ms));
   apply(d.view);
@@ -229,7 +229,7 @@ void Communicator::apply(const View& view) {
   }
   for (int p : before) {
     if (view.is_member(p)) continue;
-    endpoint_->post_epoch_hint(p, view.epoch);  // a rank left out learns so, if it lives
+    announce_left_out(*endpoint_, p, view.epoch);  // it learns so, if it lives
     endpoint_->disconnect(p);
   }
   for (int p : members_) coll_->restart(p, view.collective_gen(rank_, p));

@@ -1,8 +1,11 @@
 #include "transport/engine.h"
 
 #include <netdb.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <fstream>
 #include <sstream>
@@ -120,7 +123,8 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
       pulse_(new Pulse[static_cast<size_t>(capacity)]) {
   for (int p = 0; p < capacity; ++p) pulse_[p].changed_us.store(now_us());
   MC_CHECK_ARG(rank >= 0 && rank < capacity, "rank must be in [0, ", capacity, "), got ", rank);
-  receiver_ = std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip);
+  receiver_ = std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, &alarms_);
+  stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   links_[rank] = self_link(segment_);
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
   PeerAddress me;
@@ -196,16 +200,18 @@ const char* Endpoint::transport_of(int peer) const {
   return l != nullptr ? l->transport() : "none";
 }
 
-uint64_t Endpoint::epoch_hint() const {
-  return reinterpret_cast<SegmentHeader*>(segment_.base())
-      ->epoch_hint.load(std::memory_order_acquire);
+uint64_t Endpoint::hint(size_t offset) const {
+  MC_ASSERT(offset + 8 <= kSegmentHeaderBytes && offset % 8 == 0, "hint offset ", offset);
+  return __atomic_load_n(reinterpret_cast<const uint64_t*>(segment_.base() + offset),
+                         __ATOMIC_ACQUIRE);
 }
 
-void Endpoint::post_epoch_hint(int peer, uint64_t epoch) {
+void Endpoint::post_hint(int peer, size_t offset, uint64_t value) {
   auto l = link(peer);
   if (!l) return;
   try {
-    l->signal(offsetof(SegmentHeader, epoch_hint), epoch, 0, Deadline::after_ms(100));
+    for (int bell = 0; bell < kNumBells; ++bell)
+      l->signal(offset, value, bell, Deadline::after_ms(100));
   } catch (const Error&) {
     // A peer that cannot take it is gone or going: nothing to tell.
   }
@@ -217,12 +223,12 @@ void Endpoint::wake_all() {
 
 void Endpoint::heartbeat_loop() {
   auto* header = reinterpret_cast<SegmentHeader*>(segment_.base());
-  std::unique_lock<std::mutex> lock(beat_mu_);
+  std::vector<std::shared_ptr<PeerLink>> links;
+  std::vector<std::weak_ptr<PeerLink>> seen_dead;  // links already reported gone
+  std::vector<pollfd> fds;
   int64_t last_round = now_us();
-  while (!stopping_) {
-    lock.unlock();
+  for (;;) {
     header->heartbeat.fetch_add(1, std::memory_order_relaxed);
-    std::vector<std::shared_ptr<PeerLink>> links;
     {
       std::lock_guard<std::mutex> l(mu_);
       links = links_;
@@ -232,29 +238,47 @@ void Endpoint::heartbeat_loop() {
     // no peer's silence can be told apart from ours: start everyone afresh.
     const bool we_stalled = now - last_round > 10 * kHeartbeatPeriodMs * 1000;
     last_round = now;
+    fds.assign(1, pollfd{stop_fd_, POLLIN, 0});
+    bool newly_dead = false;
     for (size_t p = 0; p < links.size(); ++p) {
-      if (!links[p]) continue;
-      links[p]->beat();
-      const uint64_t hb = links[p]->heartbeat();
+      PeerLink* link = links[p].get();
+      if (!link) continue;
+      const auto& shared = links[p];
+      link->beat();
+      const uint64_t hb = link->heartbeat();
       if (hb != pulse_[p].last.load(std::memory_order_relaxed) || we_stalled) {
         pulse_[p].last.store(hb, std::memory_order_relaxed);
         pulse_[p].changed_us.store(now, std::memory_order_relaxed);
       }
+      const bool known = std::any_of(seen_dead.begin(), seen_dead.end(),
+                                     [&](const auto& d) { return d.lock() == shared; });
+      if (known) continue;
+      if (!link->alive()) {
+        seen_dead.push_back(shared);
+        newly_dead = true;
+      } else if (link->death_fd() >= 0) {
+        fds.push_back(pollfd{link->death_fd(), POLLIN, 0});
+      }
     }
+    // Forget links that were dropped, so the list stays small.
+    std::erase_if(seen_dead, [](const auto& d) { return d.expired(); });
     links.clear();
-    lock.lock();
-    beat_cv_.wait_for(lock, std::chrono::milliseconds(kHeartbeatPeriodMs),
-                      [&] { return stopping_; });
+    if (newly_dead) {
+      alarms_.fetch_add(1, std::memory_order_acq_rel);
+      wake_all();
+    }
+    // Sleep until the next round, a peer process's exit, or stop.
+    int ready = ::poll(fds.data(), fds.size(), static_cast<int>(kHeartbeatPeriodMs));
+    if (ready > 0 && (fds[0].revents & POLLIN)) return;
   }
 }
 
 Endpoint::~Endpoint() {
-  {
-    std::lock_guard<std::mutex> lock(beat_mu_);
-    stopping_ = true;
+  uint64_t one = 1;
+  if (::write(stop_fd_, &one, sizeof(one)) < 0) { /* the thread also stops on close */
   }
-  beat_cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
+  ::close(stop_fd_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     links_.clear();

@@ -5,7 +5,6 @@
 // Peers find each other through the Store.
 #pragma once
 
-#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -79,10 +78,14 @@ class Endpoint {
   int64_t silent_ms(int peer) const;
   // "shm", "tcp", "self", or "none" when not connected.
   const char* transport_of(int peer) const;
-  // The highest epoch a peer has told this process about (see SegmentHeader).
-  uint64_t epoch_hint() const;
-  // Tells `peer` that the group is at `epoch` (best effort: a dead peer is skipped).
-  void post_epoch_hint(int peer, uint64_t epoch);
+  // One of the hint words of the local segment header (see SegmentHeader).
+  uint64_t hint(size_t offset) const;
+  // Stores `value` into hint word `offset` of `peer`'s segment and rings its
+  // doorbells (best effort: a peer that is gone is skipped).
+  void post_hint(int peer, size_t offset, uint64_t value);
+  // Bumped (and every doorbell rung) as soon as a connected peer is seen gone:
+  // a wait that watches it looks at its peers at once, not at its next poll.
+  uint64_t alarms() const { return alarms_.load(std::memory_order_acquire); }
   // Rings every doorbell of the local segment: blocked waits look again.
   void wake_all();
 
@@ -104,9 +107,8 @@ class Endpoint {
     std::atomic<int64_t> changed_us{0};
   };
   std::unique_ptr<Pulse[]> pulse_;  // per slot, written by the heartbeat thread
-  std::mutex beat_mu_;
-  std::condition_variable beat_cv_;
-  bool stopping_ = false;
+  std::atomic<uint64_t> alarms_{0};
+  int stop_fd_ = -1;  // eventfd: stops the heartbeat thread
   std::thread heartbeat_;
 };
 

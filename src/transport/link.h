@@ -46,6 +46,9 @@ class PeerLink {
   // A counter that moves while the peer process runs (its heartbeat thread),
   // and stands still while it is stopped or hung.
   virtual uint64_t heartbeat() = 0;
+  // A file descriptor that becomes readable when the peer process exits
+  // (a pidfd), or -1: the heartbeat thread waits on it to notice at once.
+  virtual int death_fd() const { return -1; }
   // Lets the peer know this process runs (called by the heartbeat thread).
   // Transports where the peer reads our segment's counter do nothing.
   virtual void beat() {}

@@ -21,10 +21,10 @@ struct SegmentHeader {
   // Bumped by the owner's heartbeat thread while its process runs: a peer
   // that sees it stand still knows the process is stopped, not just slow.
   std::atomic<uint64_t> heartbeat{0};
-  // Written by peers: the group is moving on to at least this epoch (a
-  // recovery has started, or ended without this rank). A rank behind it
-  // abandons what it does and joins the agreement, or learns it was left out.
-  std::atomic<uint64_t> epoch_hint{0};
+  // Words that peers write to tell this process about membership changes
+  // (membership/hints.h): a recovery has started, or it was left out.
+  std::atomic<uint64_t> recovery_hint{0};
+  std::atomic<uint64_t> left_out_hint{0};
 };
 static_assert(sizeof(SegmentHeader) <= kSegmentHeaderBytes);
 

@@ -47,6 +47,7 @@ class ShmLink : public PeerLink {
     return !dead_;
   }
 
+  int death_fd() const override { return pidfd_; }
   uint64_t heartbeat() override {
     return reinterpret_cast<SegmentHeader*>(mapping_.base())
         ->heartbeat.load(std::memory_order_relaxed);

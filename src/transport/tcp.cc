@@ -47,10 +47,12 @@ struct TcpReceiver::Conn {
   bool in_payload = false;
 };
 
-TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host)
+TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
+                         std::atomic<uint64_t>* alarm)
     : segment_(segment),
       peers_(new PeerState[static_cast<size_t>(world_capacity)]),
-      capacity_(world_capacity) {
+      capacity_(world_capacity),
+      alarm_(alarm) {
   listen_fd_ = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -166,6 +168,7 @@ void TcpReceiver::run() {
       if (!drain(c)) {
         MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
         if (c.rank >= 0) peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
+        if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
         ::close(c.fd);
         c.fd = -1;
         for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice

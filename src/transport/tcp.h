@@ -18,7 +18,9 @@ namespace mooncake {
 class TcpReceiver {
  public:
   // Listens on `bind_host` (empty: all interfaces), an ephemeral port.
-  TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host);
+  // `alarm` is bumped whenever a peer's connection closes.
+  TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
+              std::atomic<uint64_t>* alarm = nullptr);
   ~TcpReceiver();
   TcpReceiver(const TcpReceiver&) = delete;
   TcpReceiver& operator=(const TcpReceiver&) = delete;
@@ -46,6 +48,7 @@ class TcpReceiver {
   };
   std::unique_ptr<PeerState[]> peers_;
   int capacity_;
+  std::atomic<uint64_t>* alarm_;
   std::thread thread_;
 };
 
