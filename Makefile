@@ -49,6 +49,7 @@ demo: build
 
 bench: build
 	$(PY) bench/bench_pg.py
+	$(PY) bench/bench_recovery.py
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)

@@ -39,10 +39,13 @@ else
 fi
 
 step "Python tests"
-"$PY" -m pytest tests/python -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
+"$PY" -m pytest tests/python -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
 
 step "benchmark"
 if [ -f bench/bench_pg.py ]; then
   "$PY" bench/bench_pg.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+fi
+if [ -f bench/bench_recovery.py ]; then
+  "$PY" bench/bench_recovery.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_recovery.log" | tail -30 || status=1
 fi
 exit $status
