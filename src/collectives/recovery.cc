@@ -312,7 +312,9 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool
     next.incarnation[slots[i]] = incs[i];
     next.since[slots[i]] = next.epoch;
   }
-  connect_new(next, slots, Deadline::after_ms(meta.timeout_ms));
+  // A newcomer listens before it says it waits: one that cannot be reached
+  // within a second is gone, and the next op finds it out.
+  connect_new(next, slots, Deadline::after_ms(std::min<int64_t>(meta.timeout_ms, 1000)));
   for (size_t i = 0; i < slots.size(); ++i)
     store_.set(prefix_ + "admitted/" + std::to_string(slots[i]) + "/" + std::to_string(incs[i]),
                next.encode());
