@@ -39,6 +39,20 @@ void Channels::sync_recv(int peer) {
   received_[peer] = 0;
 }
 
+std::string Channels::peer_problem(int p) const {
+  if (!endpoint_.alive(p))
+    return endpoint_.link(p)
+               ? str("rank ", p, " has failed (its process exited or its connection closed)")
+               : str("rank ", p, " is not an active member of the group");
+  if (hang_ms_ > 0) {
+    const int64_t silent = endpoint_.silent_ms(p);
+    if (silent >= hang_ms_)
+      return str("rank ", p, " is not responding: its heartbeat has stood still for ", silent,
+                 " ms (a stopped or hung process; MOONCAKE_HANG_MS=", hang_ms_, ")");
+  }
+  return {};
+}
+
 void Channels::check_one(int p, const char* what) {
   if (!endpoint_.alive(p))
     throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,

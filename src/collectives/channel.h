@@ -78,6 +78,8 @@ class Channels {
   Doorbell* ack_bell() const { return endpoint_.bell(ack_bell_index()); }
   Endpoint& endpoint() { return endpoint_; }
   const Layout& layout() const { return layout_; }
+  // A PeerFailed error if `peer` is gone or silent past the hang limit; empty if not.
+  std::string peer_problem(int peer) const;
 
   // Throws a PeerFailed error if `peer` (or, see Watch, another rank) is
   // gone, or the group is stopping.

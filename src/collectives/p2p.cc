@@ -1,6 +1,7 @@
 #include "collectives/p2p.h"
 
 #include <cstring>
+#include <optional>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -61,6 +62,9 @@ std::shared_ptr<Request> P2P::send(const void* data, size_t bytes, int dst, uint
   MC_CHECK_ARG(dst >= 0 && dst < size_, "send: dst rank must be in [0, ", size_, "), got ", dst);
   const int64_t t = timeout_ms >= 0 ? timeout_ms : default_timeout_ms_;
   return sender_.submit([this, data, bytes, dst, tag, t] {
+    // Over shared memory a write into a dead process's segment would "succeed".
+    const std::string problem = ch_.peer_problem(dst);
+    if (!problem.empty()) throw Error(ErrorKind::kPeerFailed, str("send: ", problem), dst);
     Deadline deadline = Deadline::after_ms(t);
     const size_t chunk = ch_.layout().chunk_bytes;
     MsgHeader h{};
@@ -193,25 +197,35 @@ void P2P::on_message(int src, const MsgHeader* msg) {
 
 void P2P::housekeeping() {
   std::vector<std::pair<std::shared_ptr<Posted>, Error>> failed;
+  auto verdict = [&](const Posted& p, int src) -> std::optional<Error> {
+    if (p.deadline.expired())
+      return Error(ErrorKind::kTimeout,
+                   p.src >= 0 ? str("recv from rank ", p.src, " with tag ", p.tag, " timed out")
+                              : str("recv from any source with tag ", p.tag, " timed out"),
+                   p.src);
+    if (src < 0) return std::nullopt;
+    std::string problem = ch_.peer_problem(src);
+    if (problem.empty()) return std::nullopt;
+    return Error(ErrorKind::kPeerFailed, str("recv: ", problem), src);
+  };
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = posted_.begin(); it != posted_.end();) {
-      auto& p = *it;
-      if (p->deadline.expired()) {
-        failed.emplace_back(
-            p,
-            Error(ErrorKind::kTimeout,
-                  p->src >= 0 ? str("recv from rank ", p->src, " with tag ", p->tag, " timed out")
-                              : str("recv from any source with tag ", p->tag, " timed out"),
-                  p->src));
-      } else if (p->src >= 0 && !ch_.endpoint().alive(p->src)) {
-        failed.emplace_back(
-            p, Error(ErrorKind::kPeerFailed, str("recv: rank ", p->src, " has failed"), p->src));
+      if (auto e = verdict(**it, (*it)->src)) {
+        failed.emplace_back(*it, *e);
+        it = posted_.erase(it);
       } else {
         ++it;
-        continue;
       }
-      it = posted_.erase(it);
+    }
+    // Receives already landing a message: its sender may die (or stall) half way.
+    for (auto& in : in_flight_) {
+      if (!in || !in->posted) continue;
+      if (auto e = verdict(*in->posted, in->src)) {
+        failed.emplace_back(in->posted, *e);
+        in->posted.reset();
+        in->discard = true;  // the rest of it, if it ever comes
+      }
     }
   }
   for (auto& [p, e] : failed) p->request->complete(std::make_exception_ptr(e));
