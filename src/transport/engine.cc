@@ -211,7 +211,7 @@ void Endpoint::post_hint(int peer, size_t offset, uint64_t value) {
   if (!l) return;
   try {
     for (int bell = 0; bell < kNumBells; ++bell)
-      l->signal(offset, value, bell, Deadline::after_ms(100));
+      l->signal_max(offset, value, bell, Deadline::after_ms(100));
   } catch (const Error&) {
     // A peer that cannot take it is gone or going: nothing to tell.
   }

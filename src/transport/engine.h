@@ -80,8 +80,9 @@ class Endpoint {
   const char* transport_of(int peer) const;
   // One of the hint words of the local segment header (see SegmentHeader).
   uint64_t hint(size_t offset) const;
-  // Stores `value` into hint word `offset` of `peer`'s segment and rings its
-  // doorbells (best effort: a peer that is gone is skipped).
+  // Raises hint word `offset` of `peer`'s segment to `value` (never lowers
+  // it: a stale writer cannot undo a newer hint) and rings its doorbells
+  // (best effort: a peer that is gone is skipped).
   void post_hint(int peer, size_t offset, uint64_t value);
   // Bumped (and every doorbell rung) as soon as a connected peer is seen gone:
   // a wait that watches it looks at its peers at once, not at its next poll.

@@ -41,6 +41,9 @@ class PeerLink {
   // Stores `value` into the peer's 64-bit flag at `offset` after every earlier
   // write on this link is visible, then rings the peer's doorbell `bell`.
   virtual void signal(size_t offset, uint64_t value, int bell, const Deadline& deadline) = 0;
+  // Like signal, but the flag only ever grows: stores `value` if it is larger
+  // than what the flag holds (for words several peers write).
+  virtual void signal_max(size_t offset, uint64_t value, int bell, const Deadline& deadline) = 0;
   // False once the peer is known to be gone (process exited, connection closed).
   virtual bool alive() = 0;
   // A counter that moves while the peer process runs (its heartbeat thread),

@@ -65,6 +65,13 @@ class RemoteMapping {
 inline void store_flag(uint8_t* base, size_t offset, uint64_t value) {
   __atomic_store_n(reinterpret_cast<uint64_t*>(base + offset), value, __ATOMIC_RELEASE);
 }
+inline void store_flag_max(uint8_t* base, size_t offset, uint64_t value) {
+  auto* word = reinterpret_cast<uint64_t*>(base + offset);
+  uint64_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+  while (seen < value && !__atomic_compare_exchange_n(word, &seen, value, true, __ATOMIC_RELEASE,
+                                                      __ATOMIC_ACQUIRE)) {
+  }
+}
 inline uint64_t load_flag(const uint8_t* base, size_t offset) {
   return __atomic_load_n(reinterpret_cast<const uint64_t*>(base + offset), __ATOMIC_ACQUIRE);
 }

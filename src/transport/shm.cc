@@ -36,6 +36,13 @@ class ShmLink : public PeerLink {
     ring(&reinterpret_cast<SegmentHeader*>(mapping_.base())->bells[bell]);
   }
 
+  void signal_max(size_t offset, uint64_t value, int bell, const Deadline&) override {
+    MC_ASSERT(offset + 8 <= mapping_.size() && bell >= 0 && bell < kNumBells,
+              "signal past the peer segment");
+    store_flag_max(mapping_.base(), offset, value);
+    ring(&reinterpret_cast<SegmentHeader*>(mapping_.base())->bells[bell]);
+  }
+
   bool alive() override {
     if (dead_) return false;
     if (pidfd_ >= 0) {
@@ -70,6 +77,10 @@ class SelfLink : public PeerLink {
   }
   void signal(size_t offset, uint64_t value, int bell, const Deadline&) override {
     store_flag(segment_.base(), offset, value);
+    ring(segment_.bell(bell));
+  }
+  void signal_max(size_t offset, uint64_t value, int bell, const Deadline&) override {
+    store_flag_max(segment_.base(), offset, value);
     ring(segment_.bell(bell));
   }
   bool alive() override { return true; }

@@ -20,7 +20,7 @@ namespace mooncake {
 
 namespace {
 
-enum FrameType : uint32_t { kHello = 1, kWrite = 2, kSignal = 3, kHeartbeat = 4 };
+enum FrameType : uint32_t { kHello = 1, kWrite = 2, kSignal = 3, kHeartbeat = 4, kSignalMax = 5 };
 
 struct Frame {
   uint32_t type;
@@ -119,8 +119,12 @@ bool TcpReceiver::drain(Conn& c) {
         }
         case kHeartbeat: break;
         case kSignal:
+        case kSignalMax:
           if (c.frame.offset + 8 > segment_.size() || c.frame.bell >= kNumBells) return false;
-          store_flag(segment_.base(), c.frame.offset, c.frame.arg);
+          if (c.frame.type == kSignalMax)
+            store_flag_max(segment_.base(), c.frame.offset, c.frame.arg);
+          else
+            store_flag(segment_.base(), c.frame.offset, c.frame.arg);
           ring(segment_.bell(static_cast<int>(c.frame.bell)));
           break;
         case kWrite:
@@ -200,6 +204,14 @@ class TcpLink : public PeerLink {
     MC_ASSERT(offset + 8 <= peer_bytes_ && bell >= 0 && bell < kNumBells,
               "signal past the peer segment");
     Frame f{kSignal, static_cast<uint32_t>(bell), offset, value};
+    std::lock_guard<std::mutex> lock(mu_);
+    send_all(&f, sizeof(f), deadline);
+  }
+
+  void signal_max(size_t offset, uint64_t value, int bell, const Deadline& deadline) override {
+    MC_ASSERT(offset + 8 <= peer_bytes_ && bell >= 0 && bell < kNumBells,
+              "signal past the peer segment");
+    Frame f{kSignalMax, static_cast<uint32_t>(bell), offset, value};
     std::lock_guard<std::mutex> lock(mu_);
     send_all(&f, sizeof(f), deadline);
   }

@@ -88,9 +88,9 @@ def run_cycles(seed, cycles, doomed_cycles, timeout_s):
 @pytest.fixture(scope="module")
 def cycles5():
     """World 4: 5 kill-and-replace cycles over ranks 0, 1, 2 (rank 3 lives throughout); in
-    two of them a first replacement dies while joining (waiting, and right after
-    join_group returned)."""
-    return run_cycles(11, 5, {1: "waiting", 3: "after_join"}, timeout_s=240)
+    three of them a first replacement dies while joining (while it waits to be admitted,
+    inside join_group, right after join_group returned)."""
+    return run_cycles(11, 5, {1: "waiting", 2: "in_join", 3: "after_join"}, timeout_s=240)
 
 
 @pytest.mark.timeout(300)
@@ -278,8 +278,9 @@ def test_subgroups_survive_a_death_and_take_the_replacement():
     """World 4 with subgroups A = [1, 2, 3] and B = [0, 2]. Rank 2 (in both) dies: every
     op on A runs over its surviving members (group ranks 0 and 2) and on B over rank 0
     alone, get_active_ranks of each group shows the death; WORLD runs over 0, 1, 3. A
-    replacement for rank 2 creates the groups in the same order and joins each; then every
-    op of every group covers all its members again."""
+    replacement for rank 2 creates the subgroups in the same order and calls join_group on
+    WORLD; the members call recover_ranks on WORLD (both reach the subgroups, too); then
+    every op of every group covers all its members again."""
     plan = {"role": "member", "timeout_s": 10.0, "victim": 2}
     out = launch(4, subgroup_rank, plan, env(), _conduct_subgroups, timeout_s=200)
     results = out.get()

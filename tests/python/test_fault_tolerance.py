@@ -33,7 +33,6 @@ from ft_parent import (
     wait_key,
 )
 from ft_ranks import (
-    KINDS,
     bits,
     chaos_rank,
     late_rank,
@@ -44,7 +43,6 @@ from ft_ranks import (
 )
 
 STRESS_ROUNDS = int(os.environ.get("MOONCAKE_STRESS_ROUNDS", "12"))
-NO_P2P = tuple(k for k in KINDS if k != "p2p")
 
 
 def run_chaos(world, plan, env_vars, timeout_s=120):
@@ -59,45 +57,40 @@ def run_chaos(world, plan, env_vars, timeout_s=120):
 
 
 # --- kill -9 at random points --------------------------------------------------------------
-#
-# The op mixes of these leave p2p out: a p2p wait can hang when its peer dies in the middle
-# of a multi-chunk message (a library bug, see test_kill_during_p2p); p2p with dead peers is
-# tested on its own below.
 
 
 @pytest.mark.timeout(150)
 def test_kill_world3_rank0_in_big_op_then_in_all_to_all():
     """World 3: rank 0 dies inside a chunked all_reduce, then rank 2 inside an
     all_to_all; rank 1 goes on alone (every op over a group of one)."""
-    plan = chaos_plan(3, [([0], "in_big"), ([2], "in_a2a")], kinds=NO_P2P)
+    plan = chaos_plan(3, [([0], "in_big"), ([2], "in_a2a")])
     run_chaos(3, plan, env(CHUNKED))
 
 
 @pytest.mark.timeout(150)
 def test_kill_world4_over_tcp():
     """World 4 over the tcp transport (a failure shows as a closed socket): rank 2 killed
-    by the parent at a random time, then rank 0 right after an op, then rank 3 inside an
-    all_gather."""
-    plan = chaos_plan(4, [([2], "random"), ([0], "between"), ([3], "in_ag")], kinds=NO_P2P)
+    by the parent at a random time, then rank 0 right after an op, then rank 3 inside a
+    p2p ring."""
+    plan = chaos_plan(4, [([2], "random"), ([0], "between"), ([3], "in_p2p")])
     run_chaos(4, plan, env(CHUNKED, MOONCAKE_TRANSPORT="tcp"))
 
 
 @pytest.mark.timeout(200)
 def test_kill_world8_six_ways():
-    """World 8 on shared memory: rank 0 inside a chunked all_reduce, rank 5 inside an
-    all_gather, rank 3 at a random time, rank 7 right after an op, rank 1 inside a small
+    """World 8 on shared memory: rank 0 inside a chunked all_reduce, rank 5 inside a p2p
+    ring, rank 3 at a random time, rank 7 right after an op, rank 1 inside a small
     op, rank 6 inside an all_to_all; ranks 2 and 4 remain."""
     plan = chaos_plan(
         8,
         [
             ([0], "in_big"),
-            ([5], "in_ag"),
+            ([5], "in_p2p"),
             ([3], "random"),
             ([7], "between"),
             ([1], "in_small"),
             ([6], "in_a2a"),
         ],
-        kinds=NO_P2P,
     )
     run_chaos(8, plan, env(CHUNKED))
 
@@ -106,7 +99,7 @@ def test_kill_world8_six_ways():
 def test_two_at_once_then_one_during_recovery():
     """World 6: ranks 1 and 4 killed at the same moment; then rank 0, and rank 2 a few ms
     later, while the survivors notice and recover from rank 0's death."""
-    plan = chaos_plan(6, [([1, 4], "random"), ([0, 2], "random", (0.005, 0.08))], kinds=NO_P2P)
+    plan = chaos_plan(6, [([1, 4], "random"), ([0, 2], "random", (0.005, 0.08))])
     run_chaos(6, plan, env(CHUNKED))
 
 
@@ -115,7 +108,8 @@ def test_kill_during_p2p():
     """World 6, ops alternating a small all_reduce and a p2p ring of 24 KiB messages (6
     chunks of 4 KiB): ranks 0, 3 and 5 die inside the ring, rank 2 at a random time. p2p
     with the dead rank raises naming it within the timeout; p2p among the living and the
-    collectives go on. (Intermittent: the hang needs the kill to land mid-message.)"""
+    collectives go on; no wait hangs (a kill in the middle of a multi-chunk message used to
+    leave the irecv waiting forever)."""
     plan = chaos_plan(
         6,
         [([0], "in_p2p"), ([3], "in_p2p"), ([2], "random"), ([5], "in_p2p")],
@@ -124,7 +118,7 @@ def test_kill_during_p2p():
     run_chaos(6, plan, env(CHUNKED), timeout_s=90)
 
 
-def random_chaos_plan(seed: int, world: int, kinds=KINDS):
+def random_chaos_plan(seed: int, world: int):
     """Up to world-1 failures of random ranks (rank 0 often among them), random modes."""
     rng = random.Random(seed)
     order = list(range(world))
@@ -136,25 +130,23 @@ def random_chaos_plan(seed: int, world: int, kinds=KINDS):
             events.append((order[k : k + 2], "random", rng.choice([(0, 0.001), (0.005, 0.1)])))
             k += 2
         else:
-            modes = ["random", "between", "in_small", "in_big", "in_ag", "in_a2a"]
-            mode = rng.choice(modes + (["in_p2p"] if "p2p" in kinds else []))
+            modes = ["random", "between", "in_small", "in_big", "in_p2p", "in_ag", "in_a2a"]
+            mode = rng.choice(modes)
             events.append(([order[k]], mode))
             k += 1
-    return chaos_plan(seed, events, kinds=kinds)
+    return chaos_plan(seed, events)
 
 
 @pytest.mark.stress
 @pytest.mark.timeout(3600)
-@pytest.mark.parametrize("kinds", ["collectives", "with_p2p"])
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("world", [3, 4, 8])
-def test_kill_random_stress(world, transport, kinds):
-    """Random victims, modes and timings, ``MOONCAKE_STRESS_ROUNDS`` launches per case
-    (``with_p2p`` includes the p2p ring, and meets the p2p hang of test_kill_during_p2p)."""
-    mix = KINDS if kinds == "with_p2p" else NO_P2P
+def test_kill_random_stress(world, transport):
+    """Random victims (one or two at a time), modes and timings over every kind of op,
+    ``MOONCAKE_STRESS_ROUNDS`` launches (default 12) per case."""
     for r in range(STRESS_ROUNDS):
-        seed = 1000 * world + r + (500 if transport == "tcp" else 0) + (50 if mix == KINDS else 0)
-        plan = random_chaos_plan(seed, world, mix)
+        seed = 1000 * world + r + (500 if transport == "tcp" else 0)
+        plan = random_chaos_plan(seed, world)
         run_chaos(world, plan, env(CHUNKED, MOONCAKE_TRANSPORT=transport))
 
 
@@ -232,23 +224,23 @@ def test_sigstop_is_detected_by_heartbeat():
     its ops, later rank 3 at a random moment (mostly inside an op). The survivors go on
     within the 8 s bound (well under the op timeout: the stopped heartbeat gave it away);
     once they have, SIGCONT: the stopped rank's next op raises "left out", and anything
-    it completed agrees with the survivors.
-
-    (p2p is left out of the op mix here: a p2p recv from a stopped peer waits the whole
-    op timeout, see test_p2p_recv_from_stopped_peer_fails_within_hang_ms.)"""
-    plan = chaos_plan(3, [([1], "stop_between"), ([3], "stop")], kinds=NO_P2P)
+    it completed agrees with the survivors. (With this seed rank 1 stops right before a
+    p2p ring, whose recv from it must give up after MOONCAKE_HANG_MS too.)"""
+    plan = chaos_plan(1, [([1], "stop_between"), ([3], "stop")])
     run_chaos(4, plan, env(CHUNKED, MOONCAKE_HANG_MS="500"))
 
 
 @pytest.mark.stress
 @pytest.mark.timeout(3600)
 def test_sigstop_random_stress():
+    """Worlds 3, 4, 6; random ranks stopped one after the other, between ops or at random
+    moments; ``MOONCAKE_STRESS_ROUNDS`` launches."""
     for r in range(STRESS_ROUNDS):
         rng = random.Random(7000 + r)
         world = rng.choice([3, 4, 6])
         victims = rng.sample(range(world), rng.randint(1, world - 1))
         events = [([v], rng.choice(["stop", "stop_between"])) for v in victims]
-        plan = chaos_plan(7000 + r, events, kinds=NO_P2P)
+        plan = chaos_plan(7000 + r, events)
         run_chaos(world, plan, env(CHUNKED, MOONCAKE_HANG_MS="500"))
 
 
@@ -304,11 +296,6 @@ def test_late_rank_is_left_out_after_twice_the_timeout(late):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(
-    strict=False,
-    reason="library bug: a rank that calls a small all_reduce between 1x and 2x the "
-    "timeout late completes it over all ranks, while the others leave it out",
-)
 def test_late_rank_never_returns_a_result_the_others_do_not_share(late):
     """Rank 2 calls the op 1.5 s late: whether or not the others wait for it, every rank
     that returns a result for that op returns it over the same set of ranks (if rank 2 is
@@ -326,7 +313,7 @@ def test_late_rank_never_returns_a_result_the_others_do_not_share(late):
             assert "left out" in rec[4], (r, rec)
 
 
-# --- several failures, and recovery turned off ---------------------------------------------
+# --- recovery turned off ---------------------------------------------------------------------
 
 
 def _conduct_no_recover(group, extra):
