@@ -54,17 +54,8 @@ std::string Channels::peer_problem(int p) const {
 }
 
 void Channels::check_one(int p, const char* what) {
-  if (!endpoint_.alive(p))
-    throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,
-                endpoint_.link(p) ? " has failed (its process exited or its connection closed)"
-                                  : " is not an active member of the group");
-  if (hang_ms_ > 0) {
-    const int64_t silent = endpoint_.silent_ms(p);
-    if (silent >= hang_ms_)
-      throw_error(ErrorKind::kPeerFailed, p, what, ": rank ", p,
-                  " is not responding: its heartbeat has stood still for ", silent,
-                  " ms (a stopped or hung process; MOONCAKE_HANG_MS=", hang_ms_, ")");
-  }
+  const std::string problem = peer_problem(p);
+  if (!problem.empty()) throw_error(ErrorKind::kPeerFailed, p, what, ": ", problem);
 }
 
 void Channels::check_peer(int peer, const char* what) {

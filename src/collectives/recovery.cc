@@ -115,10 +115,7 @@ bool Communicator::recover(const OpMeta& meta, Finish finish, const std::vector<
   mine.has_result = has_kept_ && kept_seq_ == done_seq_;
   mine.failed = done_failed_;
   mine.attempts = attempts;
-  const int64_t hang_ms = config_.hang_ms;
-  auto responsive = [&](int q) {
-    return endpoint_->alive(q) && (hang_ms <= 0 || endpoint_->silent_ms(q) < hang_ms);
-  };
+  auto responsive = [&](int q) { return coll_->peer_problem(q).empty(); };
   const int before = view_.num_members();
   // Members that are not in an op, or wait for one that cannot complete,
   // learn at once that a recovery is on and come to report.
