@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_mod
 import signal
 import time
@@ -71,7 +72,9 @@ def init_rank(
 def _entry(fn, key, rank, world_size, port, args, env, queue):
     os.environ.update(env)
     try:
-        queue.put((key, True, fn(rank, world_size, port, *args)))
+        # Pickled here, by value: a tensor in the result would otherwise travel as a
+        # shared-memory handle that dies with this process.
+        queue.put((key, True, pickle.dumps(fn(rank, world_size, port, *args))))
     except BaseException:  # noqa: BLE001  (reported to the parent)
         queue.put((key, False, traceback.format_exc()))
 
@@ -166,20 +169,25 @@ class LocalGroup:
                 if dead:
                     time.sleep(0.5)  # its result may still be in the queue
                     while not self._queue.empty():
-                        key, ok, value = self._queue.get()
-                        (self._results if ok else self._errors)[key] = value
+                        self._keep(*self._queue.get())
                     for k in dead:
                         if k not in self._results and k not in self._errors:
                             self._errors[k] = (
                                 f"exited with code {self._procs[k].exitcode} without a result"
                             )
                 continue
-            (self._results if ok else self._errors)[key] = value
+            self._keep(key, ok, value)
         if self._errors:
             raise RuntimeError(
                 "LocalGroup: " + "\n".join(f"process {k}:\n{v}" for k, v in self._errors.items())
             )
         return {k: v for k, v in self._results.items() if k in waiting}
+
+    def _keep(self, key: str, ok: bool, value) -> None:
+        if ok:
+            self._results[key] = pickle.loads(value)
+        else:
+            self._errors[key] = value
 
     def close(self) -> None:
         """Kills what still runs and releases the store."""

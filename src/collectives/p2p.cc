@@ -218,12 +218,17 @@ void P2P::housekeeping() {
         ++it;
       }
     }
-    // Receives already landing a message: its sender may die (or stall) half way.
+    // Receives already landing a message: its sender may die (or stall) half
+    // way. Either the receive was posted first (`posted`) or it claimed a
+    // message that had started to arrive unexpected (`claimed_by`).
     for (auto& in : in_flight_) {
-      if (!in || !in->posted) continue;
-      if (auto e = verdict(*in->posted, in->src)) {
-        failed.emplace_back(in->posted, *e);
-        in->posted.reset();
+      if (!in) continue;
+      std::shared_ptr<Posted>& p = in->posted ? in->posted : in->claimed_by;
+      if (!p) continue;
+      if (auto e = verdict(*p, in->src)) {
+        failed.emplace_back(p, *e);
+        if (p == in->claimed_by) unexpected_.remove(in);
+        p.reset();
         in->discard = true;  // the rest of it, if it ever comes
       }
     }

@@ -47,9 +47,14 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
     std::optional<Error> failure;
     try {
       check_not_left_behind();  // a recovery started while this rank was away
-      if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root))
+      if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root)) {
+        // Said in step with the others: one exchange of headers, so a member
+        // that named a live root gets a mismatch instead of waiting for this
+        // rank, and every member's op count stays the same.
+        exchange(meta, Plan(capacity_), false);
         throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
                     " has failed; the active ranks are ", view_.describe(), " (no data to return)");
+      }
       attempt();
       if (finish == Finish::kCommit && members_.size() > 1)
         exchange(meta, Plan(capacity_), false);  // the commit round

@@ -324,6 +324,10 @@ def chaos_rank(rank, world_size, port, plan):
         durations[kinds[i % n]] = time.monotonic() - t0
         log.append((0, i, rec))
     members = set(range(world_size))
+    # Roots come from the member set of the last op every survivor completed (an op
+    # result they share), never from the local view, which changes at different
+    # moments on different ranks.
+    shared = list(range(world_size))
     phase_s = []
     for e, event in enumerate(plan["events"], start=1):
         target = members - set(event["victims"])
@@ -338,8 +342,11 @@ def chaos_rank(rank, world_size, port, plan):
                 store.set(f"arm/{e}", str(rank))
                 if event["mode"] == "timer":
                     kill_self_after(event["delay_frac"] * durations[kind])
-            rec = ops.run(kind, i)
+            root = shared[i % len(shared)] if kind in ROOTED_KINDS else None
+            rec = ops.run(kind, i, root=root)
             log.append((e, i, rec))
+            if kind in MASK_KINDS and rec[1] == "ok":
+                shared = ranks_of(rec[3])
             if is_left_out(rec):
                 return _chaos_result(log, active, phase_s)
             if arm and event["mode"] == "between":

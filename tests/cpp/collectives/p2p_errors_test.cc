@@ -4,6 +4,8 @@
 // when the P2P stops; ranks outside the group are refused.
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "collectives/p2p_group.h"
 #include "core/clock.h"
 #include "errors.h"
@@ -89,6 +91,49 @@ TEST(P2PErrors, AReceiveFromAnExitedPeerFailsPromptly) {
       EXPECT_LT(mooncake::now_us() - start, 3'000'000) << "far sooner than the 20 s timeout";
     });
   }
+}
+
+// The sender writes the first chunk of a three-chunk message and then dies
+// (or stalls) before the receive is posted: the receive claims the message
+// that started to arrive, and must still fail when its sender dies or its
+// own deadline passes, instead of waiting for the rest.
+void check_claimed_partial_message(bool sender_dies) {
+  GroupOptions o;
+  o.chunk_bytes = 4096;
+  run_group(2, o, [sender_dies](Communicator& comm, Rank& r) {
+    if (r.rank == 1) {
+      std::vector<uint8_t> chunk(4096, 7);
+      mooncake::MsgHeader h{};
+      h.op_seq = 9;  // the tag
+      h.op_type = 1;  // the first chunk of a message
+      h.numel = 3 * chunk.size();
+      comm.p2p_channels().send(0, h, chunk.data(), chunk.size(),
+                               mooncake::Deadline::after_ms(kP2PWaitMs), "send");
+      r.store.set("first chunk sent", "1");
+      if (sender_dies) exit_rank_abruptly();
+      r.store.get("receiver done", 30000);
+      return;
+    }
+    P2P p2p(comm.p2p_channels(), r.rank, r.size, 20000);
+    r.store.get("first chunk sent", kP2PWaitMs);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // it lands unexpected
+    std::vector<uint8_t> buffer(3 * 4096);
+    const int64_t start = mooncake::now_us();
+    auto recv = p2p.recv(buffer.data(), buffer.size(), 1, 9, sender_dies ? -1 : 300);
+    ASSERT_TRUE(recv->wait(8000)) << "the receive never completed";
+    EXPECT_TRUE(throws_error(sender_dies ? ErrorKind::kPeerFailed : ErrorKind::kTimeout,
+                             rethrow_error_of(recv)));
+    EXPECT_LT(mooncake::now_us() - start, 3'000'000) << "far sooner than the 20 s timeout";
+    r.store.set("receiver done", "1");
+  });
+}
+
+TEST(P2PErrors, AReceiveClaimingAPartlyArrivedMessageFailsWhenItsSenderDies) {
+  check_claimed_partial_message(true);
+}
+
+TEST(P2PErrors, AReceiveClaimingAPartlyArrivedMessageTimesOut) {
+  check_claimed_partial_message(false);
 }
 
 TEST(P2PErrors, StoppingFailsPostedAndLaterReceives) {

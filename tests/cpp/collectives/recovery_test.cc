@@ -134,6 +134,31 @@ TEST_P(Recovery, RootedOpsFromADeadRootFailOnEverySurvivorAndTheGroupGoesOn) {
   });
 }
 
+// A member that names a dead root while the others name a live one gets the
+// same mismatch as they do, in the same op: nobody runs ahead of the others.
+TEST_P(Recovery, RanksNamingADeadAndALiveRootAllGetAMismatchAndStayInStep) {
+  run([](Communicator& comm, Rank& r) {
+    const int dead = r.size - 1;
+    if (r.size < 3) return;
+    if (r.rank == dead) exit_rank_abruptly();
+    std::vector<int64_t> sum(3, int64_t{1} << r.rank);
+    comm.all_reduce(sum.data(), sum.size(), DType::kInt64, RedOp::kSum);  // every view moved on
+    const std::vector<int> survivors = all_but(r.size, {dead});
+    ASSERT_EQ(comm.view().members(), survivors);
+    for (size_t count : {size_t{5}, size_t{100000}}) {
+      std::vector<int64_t> v(count, r.rank);
+      const int root = r.rank == 0 ? dead : 0;
+      EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument,
+                               [&] { comm.broadcast(v.data(), count, DType::kInt64, root); },
+                               "root ranks differ"))
+          << count << " elements";
+      sum.assign(3, int64_t{1} << r.rank);
+      comm.all_reduce(sum.data(), sum.size(), DType::kInt64, RedOp::kSum);
+      EXPECT_EQ(sum[0], mask_of(survivors));
+    }
+  });
+}
+
 TEST_P(Recovery, AStoppedRankIsLeftOutAfterTheHangLimit) {
   GroupOptions o = options();
   o.op_timeout_ms = 20000;
