@@ -108,7 +108,10 @@ std::vector<std::string> TransferEngine::available_transports() {
 
 namespace {
 constexpr int64_t kHeartbeatPeriodMs = 20;
-}
+// A gap in the heartbeat thread's own rounds past this means this process was
+// stopped or starved.
+constexpr int64_t kStallUs = 10 * kHeartbeatPeriodMs * 1000;
+}  // namespace
 
 Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefix, int rank,
                    uint32_t incarnation, int capacity, size_t segment_bytes)
@@ -120,7 +123,8 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
       capacity_(capacity),
       segment_(segment_bytes),
       links_(static_cast<size_t>(capacity)),
-      pulse_(new Pulse[static_cast<size_t>(capacity)]) {
+      pulse_(new Pulse[static_cast<size_t>(capacity)]),
+      last_round_us_(now_us()) {
   for (int p = 0; p < capacity; ++p) pulse_[p].changed_us.store(now_us());
   MC_CHECK_ARG(rank >= 0 && rank < capacity, "rank must be in [0, ", capacity, "), got ", rank);
   receiver_ = std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, &alarms_);
@@ -191,8 +195,16 @@ uint64_t Endpoint::heartbeat(int peer) const {
 }
 
 int64_t Endpoint::silent_ms(int peer) const {
-  if (!link(peer)) return 0;
-  return (now_us() - pulse_[peer].changed_us.load(std::memory_order_relaxed)) / 1000;
+  auto l = link(peer);
+  if (!l) return 0;
+  const int64_t now = now_us();
+  // Judged from fresh readings, so that a starved heartbeat thread (this
+  // whole process descheduled for a while) never makes a live peer look
+  // silent: a heartbeat that moved since the thread last looked is life, and
+  // while the thread itself lags, nobody's silence can be told.
+  if (now - last_round_us_.load(std::memory_order_acquire) > kStallUs) return 0;
+  if (l->heartbeat() != pulse_[peer].last.load(std::memory_order_relaxed)) return 0;
+  return (now - pulse_[peer].changed_us.load(std::memory_order_relaxed)) / 1000;
 }
 
 const char* Endpoint::transport_of(int peer) const {
@@ -236,7 +248,7 @@ void Endpoint::heartbeat_loop() {
     const int64_t now = now_us();
     // After a long gap in our own rounds (this process was stopped or starved)
     // no peer's silence can be told apart from ours: start everyone afresh.
-    const bool we_stalled = now - last_round > 10 * kHeartbeatPeriodMs * 1000;
+    const bool we_stalled = now - last_round > kStallUs;
     last_round = now;
     fds.assign(1, pollfd{stop_fd_, POLLIN, 0});
     bool newly_dead = false;
@@ -247,8 +259,8 @@ void Endpoint::heartbeat_loop() {
       link->beat();
       const uint64_t hb = link->heartbeat();
       if (hb != pulse_[p].last.load(std::memory_order_relaxed) || we_stalled) {
-        pulse_[p].last.store(hb, std::memory_order_relaxed);
         pulse_[p].changed_us.store(now, std::memory_order_relaxed);
+        pulse_[p].last.store(hb, std::memory_order_relaxed);
       }
       const bool known = std::any_of(seen_dead.begin(), seen_dead.end(),
                                      [&](const auto& d) { return d.lock() == shared; });
@@ -260,6 +272,7 @@ void Endpoint::heartbeat_loop() {
         fds.push_back(pollfd{link->death_fd(), POLLIN, 0});
       }
     }
+    last_round_us_.store(now, std::memory_order_release);  // after the samples it vouches for
     // Forget links that were dropped, so the list stays small.
     std::erase_if(seen_dead, [](const auto& d) { return d.expired(); });
     links.clear();

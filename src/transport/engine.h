@@ -74,7 +74,8 @@ class Endpoint {
   bool alive(int peer) const;
   uint64_t heartbeat(int peer) const;
   // How long `peer`'s heartbeat has stood still, in ms (sampled every 20 ms
-  // by the heartbeat thread; 0 when not connected).
+  // by the heartbeat thread; 0 when not connected, when the heartbeat moved
+  // since the last sample, or while this process's own heartbeat thread lags).
   int64_t silent_ms(int peer) const;
   // "shm", "tcp", "self", or "none" when not connected.
   const char* transport_of(int peer) const;
@@ -107,7 +108,8 @@ class Endpoint {
     std::atomic<uint64_t> last{0};
     std::atomic<int64_t> changed_us{0};
   };
-  std::unique_ptr<Pulse[]> pulse_;  // per slot, written by the heartbeat thread
+  std::unique_ptr<Pulse[]> pulse_;      // per slot, written by the heartbeat thread
+  std::atomic<int64_t> last_round_us_;  // when the heartbeat thread last went round
   std::atomic<uint64_t> alarms_{0};
   int stop_fd_ = -1;  // eventfd: stops the heartbeat thread
   std::thread heartbeat_;

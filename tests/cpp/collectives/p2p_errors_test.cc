@@ -104,7 +104,7 @@ void check_claimed_partial_message(bool sender_dies) {
     if (r.rank == 1) {
       std::vector<uint8_t> chunk(4096, 7);
       mooncake::MsgHeader h{};
-      h.op_seq = 9;  // the tag
+      h.op_seq = 9;   // the tag
       h.op_type = 1;  // the first chunk of a message
       h.numel = 3 * chunk.size();
       comm.p2p_channels().send(0, h, chunk.data(), chunk.size(),

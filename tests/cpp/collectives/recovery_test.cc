@@ -148,9 +148,9 @@ TEST_P(Recovery, RanksNamingADeadAndALiveRootAllGetAMismatchAndStayInStep) {
     for (size_t count : {size_t{5}, size_t{100000}}) {
       std::vector<int64_t> v(count, r.rank);
       const int root = r.rank == 0 ? dead : 0;
-      EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument,
-                               [&] { comm.broadcast(v.data(), count, DType::kInt64, root); },
-                               "root ranks differ"))
+      EXPECT_TRUE(throws_error(
+          ErrorKind::kInvalidArgument,
+          [&] { comm.broadcast(v.data(), count, DType::kInt64, root); }, "root ranks differ"))
           << count << " elements";
       sum.assign(3, int64_t{1} << r.rank);
       comm.all_reduce(sum.data(), sum.size(), DType::kInt64, RedOp::kSum);
