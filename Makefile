@@ -46,10 +46,12 @@ test-py: build
 
 demo: build
 	$(PY) -m mooncake demo
+	$(PY) examples/moe_layer.py
 
 bench: build
 	$(PY) bench/bench_pg.py
 	$(PY) bench/bench_recovery.py
+	$(PY) bench/bench_ep.py
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)

@@ -48,4 +48,7 @@ fi
 if [ -f bench/bench_recovery.py ]; then
   "$PY" bench/bench_recovery.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_recovery.log" | tail -30 || status=1
 fi
+if [ -f bench/bench_ep.py ]; then
+  "$PY" bench/bench_ep.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep.log" | tail -30 || status=1
+fi
 exit $status

@@ -1,6 +1,7 @@
 """The demo behind ``make demo``: a local group of CPU ranks, what the
-mooncake-cpu backend does with it, a rank killed, the survivors going on and
-a replacement joining."""
+mooncake-cpu backend does with it, expert-parallel dispatch/combine, a rank
+killed, the survivors going on (in collectives and in EP) and a replacement
+joining."""
 
 from __future__ import annotations
 
@@ -46,6 +47,23 @@ def _collectives(rank: int, world_size: int, say) -> None:
     say(f"...and the group still works: all_reduce = {y.item():g}")
 
 
+def _ep_round(buffer, rank: int, world_size: int, active) -> int:
+    """One EP dispatch/combine with identity experts, two per rank: every token picks
+    one expert on each rank with weight 1, so the combined token is its input times
+    the number of experts that answered. Returns that number."""
+    import torch
+
+    tokens, hidden = 4, 128
+    x = torch.full((tokens, hidden), float(rank + 1), dtype=torch.bfloat16)
+    idx = torch.tensor([[2 * r + t % 2 for r in range(world_size)] for t in range(tokens)])
+    weights = torch.ones(tokens, world_size)
+    recv_x, _, handle, _, _ = buffer.dispatch(
+        x, idx, active, tokens, 2 * world_size, timeout_us=5_000_000, use_fp8=False
+    )
+    y, _, _ = buffer.combine(recv_x, idx, weights, active, 5_000_000, handle)
+    return round(y[0, 0].item() / (rank + 1))
+
+
 def _ranks_in(total: int) -> list[int]:
     """The ranks whose 1 << rank make up ``total``."""
     return [r for r in range(total.bit_length()) if total >> r & 1]
@@ -57,6 +75,7 @@ def _member(rank: int, world_size: int, port: int) -> list[str]:
 
     from mooncake import pg
     from mooncake.launch import init_rank
+    from mooncake.mooncake_ep_buffer import Buffer
 
     lines: list[str] = []
 
@@ -69,6 +88,10 @@ def _member(rank: int, world_size: int, port: int) -> list[str]:
     # The launcher's store, unprefixed (the process group's own keys live under a prefix).
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
     _collectives(rank, world_size, say)
+    buffer = Buffer(group)
+    ep_active = torch.ones(world_size, dtype=torch.int32)
+    n = _ep_round(buffer, rank, world_size, ep_active)
+    say(f"EP dispatch/combine: each token went to {n} experts, one per rank, and came back summed")
 
     say(f"--- rank {VICTIM} is killed (SIGKILL) while the others are inside an all_reduce ---")
     if rank == VICTIM:
@@ -86,6 +109,10 @@ def _member(rank: int, world_size: int, port: int) -> list[str]:
     y = torch.ones(4)
     dist.all_reduce(y)
     say(f"the survivors go on: all_reduce of ones = {y.tolist()}")
+    n = _ep_round(buffer, rank, world_size, ep_active)
+    say(
+        f"EP after the kill: ep active_ranks = {ep_active.tolist()}, tokens came back from {n} experts"
+    )
 
     say(f"--- a new process starts as rank {VICTIM} and joins ---")
     deadline = time.monotonic() + 120
@@ -98,6 +125,10 @@ def _member(rank: int, world_size: int, port: int) -> list[str]:
     dist.all_reduce(z)
     say(f"recover_ranks([{VICTIM}]): active_ranks = {active.tolist()}")
     say(f"full strength again: all_reduce covered ranks {_ranks_in(z.item())}")
+    buffer.update_ep_member()  # with the replacement, which builds its Buffer meanwhile
+    ep_active.fill_(1)
+    n = _ep_round(buffer, rank, world_size, ep_active)
+    say(f"EP at full strength again: tokens came back from {n} experts")
     dist.destroy_process_group()
     return lines
 
@@ -108,13 +139,19 @@ def _replacement(rank: int, world_size: int, port: int) -> list[str]:
 
     from mooncake import pg
     from mooncake.launch import init_rank
+    from mooncake.mooncake_ep_buffer import Buffer
 
     init_rank(rank, world_size, port, is_extension=True, timeout_s=120)
     pg.join_group()
     z = torch.tensor([1 << rank], dtype=torch.int64)
     dist.all_reduce(z)
+    buffer = Buffer(dist.group.WORLD)
+    n = _ep_round(buffer, rank, world_size, torch.ones(world_size, dtype=torch.int32))
     dist.destroy_process_group()
-    return [f"replacement rank {rank} joined; its all_reduce covered {_ranks_in(z.item())}"]
+    return [
+        f"replacement rank {rank} joined; its all_reduce covered {_ranks_in(z.item())}, "
+        f"its EP tokens came back from {n} experts"
+    ]
 
 
 def demo(world_size: int) -> int:

@@ -18,6 +18,9 @@ namespace {
 
 // Re-runs among unchanged members before an op is given up as timed out.
 constexpr int kMaxStalledAttempts = 2;
+// How long members have to answer a recovery's announcement once the op's
+// own deadline has passed (capped by the op's timeout).
+constexpr int64_t kReportGraceMs = 500;
 
 bool recoverable(const Error& e) {
   return e.kind() == ErrorKind::kPeerFailed || e.kind() == ErrorKind::kTimeout;
@@ -126,8 +129,12 @@ bool Communicator::recover(const OpMeta& meta, Finish finish, const std::vector<
   // learn at once that a recovery is on and come to report.
   for (int p : members_)
     if (p != rank_) announce_recovery(*endpoint_, p, view_.epoch);
-  Decision d =
-      agree_on_view(store_, prefix_, view_, mine, responsive, Deadline::after_ms(meta.timeout_ms));
+  // Members have until the op's own deadline to show up, the rule the op
+  // itself follows, and a short grace beyond it to answer: a rank that never
+  // calls the op is left out about one timeout after the op began, not two.
+  const Deadline until =
+      meta.deadline.latest(Deadline::after_ms(std::min(meta.timeout_ms, kReportGraceMs)));
+  Decision d = agree_on_view(store_, prefix_, view_, mine, responsive, until);
   apply(d.view);
   // The op to settle is the earliest pending one; a member ahead of it has
   // completed it (ops complete in order and need every member).

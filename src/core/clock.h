@@ -27,6 +27,10 @@ class Deadline {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(at_ - Clock::now()).count();
     return left < 0 ? 0 : (left > cap ? cap : left);
   }
+  Deadline latest(const Deadline& other) const {
+    if (infinite_ || other.infinite_) return never();
+    return at_ >= other.at_ ? *this : other;
+  }
   Deadline earliest(const Deadline& other) const {
     if (infinite_) return other;
     if (other.infinite_) return *this;

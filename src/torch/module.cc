@@ -7,6 +7,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "ep/layout.h"
 #include "torch/backend.h"
 
 namespace py = pybind11;
@@ -116,6 +117,34 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
     d["compiler"] = __VERSION__;
     return d;
   });
+  m.def(
+      "ep_layout",
+      [](int64_t max_tokens, int64_t hidden, int64_t num_ranks, int64_t num_experts) {
+        const EpLayout l(EpShape{max_tokens, hidden, num_ranks, num_experts});
+        auto region = [](const EpLayout::Region& r) { return py::make_tuple(r.offset, r.bytes); };
+        py::list halves;
+        for (const auto& h : l.halves) {
+          py::dict d;
+          d["signals"] = region(h.signals);
+          d["send"] = region(h.send);
+          d["recv"] = region(h.recv);
+          halves.append(d);
+        }
+        py::dict d;
+        d["total_bytes"] = l.total_bytes;
+        d["half_bytes"] = l.half_bytes;
+        d["local_experts"] = l.local_experts;
+        d["dispatch_msg_bytes"] = l.dispatch_msg_bytes;
+        d["combine_msg_bytes"] = l.combine_msg_bytes;
+        d["bf16_payload_bytes"] = l.bf16_payload_bytes;
+        d["fp8_payload_bytes"] = l.fp8_payload_bytes;
+        d["header_bytes"] = EpLayout::kHeaderBytes;
+        d["halves"] = halves;
+        return d;
+      },
+      py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
+      py::arg("num_experts"),
+      "The EP workspace layout (src/ep/layout.h); total_bytes is the size hint.");
   m.def("env_registry", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& v : env_registry()) out.emplace_back(v.name, v.default_value, v.doc);

@@ -40,9 +40,10 @@ def test_pg_quickstart_under_torchrun():
 
 
 def test_make_demo_shows_a_kill_and_a_replacement():
-    """``python -m mooncake demo`` (what ``make demo`` runs): collectives, rank 2 killed
-    inside an all_reduce that the survivors complete among themselves, a replacement
-    joining, and a full-strength all_reduce again."""
+    """``python -m mooncake demo`` (what ``make demo`` runs first): collectives, an EP
+    dispatch/combine, rank 2 killed inside an all_reduce that the survivors complete among
+    themselves, EP masking it, a replacement joining, and full strength again (collectives
+    and EP)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
     proc = subprocess.run(
         [sys.executable, "-m", "mooncake", "demo"],
@@ -60,7 +61,31 @@ def test_make_demo_shows_a_kill_and_a_replacement():
         "active_ranks = [1, 1, 0, 1], synced ranks = 3",
         "recover_ranks([2]): active_ranks = [1, 1, 1, 1]",
         "full strength again: all_reduce covered ranks [0, 1, 2, 3]",
-        "replacement rank 2 joined; its all_reduce covered [0, 1, 2, 3]",
+        "EP dispatch/combine: each token went to 4 experts, one per rank, and came back summed",
+        "EP after the kill: ep active_ranks = [1, 1, 0, 1], tokens came back from 3 experts",
+        "EP at full strength again: tokens came back from 4 experts",
+        "replacement rank 2 joined; its all_reduce covered [0, 1, 2, 3], its EP tokens came back "
+        "from 4 experts",
         "demo finished",
     ):
         assert line in out, f"missing {line!r} in:\n{out[-4000:]}"
+
+
+def test_moe_layer_example_matches_the_dense_reference():
+    """``python examples/moe_layer.py --world 2`` (``make demo`` runs it at world 4): an MoE
+    layer over dispatch/combine agrees with a single-process dense layer, with BF16 and with
+    FP8 dispatch, and exits 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    proc = subprocess.run(
+        [sys.executable, "examples/moe_layer.py", "--world", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for fmt in ("BF16", "FP8 "):
+        assert f"MoE layer over 2 ranks, 8 experts, top-3, {fmt} dispatch" in out, out[-4000:]
+    assert out.count(" OK") == 2, out[-4000:]

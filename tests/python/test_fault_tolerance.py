@@ -272,22 +272,24 @@ def test_p2p_recv_from_stopped_peer_fails_within_hang_ms():
 
 @pytest.fixture(scope="module")
 def late():
-    """World 4, op timeout 1 s. Step 0: rank 3 calls the op 3.5 s late (it never calls it
-    within 2x the timeout). Step 1: rank 2 calls it 1.5 s late (between 1x and 2x)."""
-    plan = {"timeout_s": 1.0, "late": [(3, 3.5), (2, 1.5), (-1, 0)]}
+    """World 4, op timeout 1 s. Step 0: rank 3 calls the op 3.5 s late (long after the
+    timeout and its grace). Step 1: rank 2 calls it 1.25 s late (past the timeout, within
+    the grace of up to 0.5 s: whether it is waited for is a race)."""
+    plan = {"timeout_s": 1.0, "late": [(3, 3.5), (2, 1.25), (-1, 0)]}
     return launch(4, late_rank, plan, env(), timeout_s=120)
 
 
 @pytest.mark.timeout(150)
-def test_late_rank_is_left_out_after_twice_the_timeout(late):
-    """The others' op completes over ranks {0, 1, 2} within about 2x the timeout; rank 3
-    gets a RuntimeError saying it was left out, and no result."""
+def test_late_rank_is_left_out_after_the_timeout(late):
+    """The others' op completes over ranks {0, 1, 2} after the timeout and its grace (1 to
+    1.5 s, well before rank 3 shows up); rank 3 gets a RuntimeError saying it was left out,
+    and no result."""
     res = late.get()
     for r in ("0", "1", "2"):
         step0 = [x for x in res[r]["log"] if x[0] == 0]
         (_, _, rec, seconds) = step0[0]
         assert rec[1] == "ok" and rec[3] == bits([0, 1, 2]), rec
-        assert 1.5 <= seconds < 3.5, f"rank {r}: the late op took {seconds:.2f} s"
+        assert 1.0 <= seconds < 3.0, f"rank {r}: the late op took {seconds:.2f} s"
         assert all(x[2][3] == bits([0, 1, 2]) for x in step0[1:]), step0
     log3 = res["3"]["log"]
     assert res["3"]["left_out"] and len(log3) == 1, log3
@@ -297,7 +299,7 @@ def test_late_rank_is_left_out_after_twice_the_timeout(late):
 
 @pytest.mark.timeout(150)
 def test_late_rank_never_returns_a_result_the_others_do_not_share(late):
-    """Rank 2 calls the op 1.5 s late: whether or not the others wait for it, every rank
+    """Rank 2 calls the op 1.25 s late: whether or not the others wait for it, every rank
     that returns a result for that op returns it over the same set of ranks (if rank 2 is
     left out, its op raises)."""
     res = late.get()

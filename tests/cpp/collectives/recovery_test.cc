@@ -182,7 +182,7 @@ TEST_P(Recovery, AStoppedRankIsLeftOutAfterTheHangLimit) {
   });
 }
 
-TEST_P(Recovery, ARankThatNeverCallsTheOpIsLeftOutAfterTwoTimeouts) {
+TEST_P(Recovery, ARankThatNeverCallsTheOpIsLeftOutAboutOneTimeoutAfterTheOpBegan) {
   GroupOptions o = options();
   o.op_timeout_ms = 300;
   run(o, [](Communicator& comm, Rank& r) {
@@ -205,7 +205,7 @@ TEST_P(Recovery, ARankThatNeverCallsTheOpIsLeftOutAfterTwoTimeouts) {
     EXPECT_EQ(v[0], mask_of(all_but(r.size, {absent})));
     const int64_t ms = (mooncake::now_us() - start) / 1000;
     EXPECT_GE(ms, 300);
-    EXPECT_LT(ms, 3000);
+    EXPECT_LT(ms, 3000);  // 300 ms + a grace of up to 300 ms, with room for a loaded machine
     store_barrier(r.store, "callers done", r.rank, r.size, 10000);
   });
 }

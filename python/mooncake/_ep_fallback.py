@@ -1,0 +1,202 @@
+"""The portable EP path: dispatch and combine as torch ops over the process group.
+
+Device-agnostic: tensors stay on the caller's device and move with the group's
+``all_to_all_single`` (``alltoall_base`` with a per-op timeout). It is the
+reference the device path is tested against and what runs on CPU.
+
+Dispatch is two exchanges:
+
+1. **counts**: every rank sends every rank one int64 row ``[T, H, E, fp8,
+   status, accept, n_0 .. n_{E/R-1}]``: its call's shape, whether it rejected
+   its own arguments, whether it takes tokens from that rank (its
+   ``active_ranks`` entry), and how many tokens it sends to each of that
+   rank's local experts. A pair of ranks exchanges tokens only when each
+   counts the other active.
+2. **tokens**: one message per (token, selected expert), sorted by
+   (destination, local expert, token): a 16-byte header (int32 source token
+   index, int32 local expert, 8 reserved bytes) and the payload (the token's
+   values, or its FP8 data and fp32 scales).
+
+Combine is one exchange: every rank sends each row it received back to its
+source, in the order it came, so the source knows which (token, top-k slot)
+each row answers without a header; the source sums ``weight * row`` in fp32.
+
+A rank that dies during an exchange is left out by the process group, which
+completes the exchange among the others with that rank's slices zero-filled;
+its rows are dropped and its ``active_ranks`` entry is set to 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+
+from . import fp8
+
+HEADER_BYTES = 16
+META_COLS = 6  # T, H, E, fp8, status, accept; then E/R counts
+STATUS_OK, STATUS_REJECTED = 1, 2
+
+
+def timeout_of(deadline_us: int | None) -> datetime.timedelta:
+    """The per-op timeout for a deadline in ``time.monotonic_ns() // 1000`` (None: the
+    group's own timeout)."""
+    import time
+
+    if deadline_us is None:
+        return datetime.timedelta(milliseconds=-1)  # c10d's "unset": the group's timeout
+    left = deadline_us - time.monotonic_ns() // 1000
+    return datetime.timedelta(microseconds=max(1000, left))
+
+
+def all_to_all(backend, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, deadline_us):
+    """Starts an uneven all_to_all_single (splits in rows of dim 0); returns the Work."""
+    return backend.alltoall_base(
+        out, inp, [int(s) for s in out_splits], [int(s) for s in in_splits], timeout_of(deadline_us)
+    )
+
+
+@dataclass
+class Route:
+    """Where this rank's (token, top-k slot) selections go, sorted by (rank, expert, token)."""
+
+    token: torch.Tensor  # int64 [S]
+    slot: torch.Tensor  # int64 [S], the top-k column
+    dest: torch.Tensor  # int64 [S]
+    local_expert: torch.Tensor  # int64 [S]
+    counts: torch.Tensor  # int64 [R, E/R]
+
+
+def route(topk_idx: torch.Tensor, num_ranks: int, local_experts: int) -> Route:
+    n, k = topk_idx.shape
+    flat = topk_idx.reshape(-1).long()
+    picked = (flat >= 0).nonzero().squeeze(1)
+    expert = flat[picked]
+    token = picked // max(k, 1)
+    key = expert * max(n, 1) + token  # expert-major: (rank, local expert) then token
+    order = torch.argsort(key, stable=True)
+    expert, token, picked = expert[order], token[order], picked[order]
+    counts = torch.bincount(expert, minlength=num_ranks * local_experts)
+    return Route(
+        token=token,
+        slot=picked % max(k, 1),
+        dest=expert // local_experts,
+        local_expert=expert % local_experts,
+        counts=counts.reshape(num_ranks, local_experts),
+    )
+
+
+def pack_tokens(
+    x: torch.Tensor, r: Route, keep: torch.Tensor, use_fp8: bool
+) -> tuple[torch.Tensor, int]:
+    """The token messages of the selections in ``keep`` (bool [S]), as uint8 rows."""
+    token, le = r.token[keep], r.local_expert[keep]
+    hidden = x.shape[1]
+    payload_bytes = hidden + 4 * (hidden // fp8.BLOCK) if use_fp8 else hidden * x.element_size()
+    if token.numel() == 0:
+        rows = torch.empty(0, HEADER_BYTES + payload_bytes, dtype=torch.uint8, device=x.device)
+        return rows, rows.shape[1]
+    if use_fp8:
+        data, scales = fp8.quantize(x)
+        payload = [_bytes(data)[token], _bytes(scales)[token]]
+    else:
+        payload = [_bytes(x)[token]]
+    header = torch.zeros(token.numel(), HEADER_BYTES // 4, dtype=torch.int32, device=x.device)
+    header[:, 0] = token.to(torch.int32)
+    header[:, 1] = le.to(torch.int32)
+    rows = torch.cat([header.view(torch.uint8), *payload], dim=1)
+    return rows, rows.shape[1]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D tensor's rows as uint8 rows (copied first unless densely laid out)."""
+    if not t.is_contiguous() or t.stride(-1) != 1:
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+    return t.view(torch.uint8)
+
+
+@dataclass
+class Arrival:
+    """Where each received message goes in the ``[E/R, R*T]`` layout."""
+
+    row: torch.Tensor  # int64: rows of the receive buffer that are kept
+    local_expert: torch.Tensor  # int64, per kept row
+    column: torch.Tensor  # int64, per kept row
+    token: torch.Tensor  # int64, the source's token index, per kept row
+    counts: torch.Tensor  # int64 [R, E/R], tokens kept per (source, local expert)
+
+
+def place(
+    recv: torch.Tensor, buffer_counts: torch.Tensor, kept_sources: torch.Tensor, max_tokens: int
+) -> Arrival:
+    """Maps received rows (sorted by (source, local expert, token)) to their places.
+
+    ``buffer_counts`` [R, E/R]: rows per (source, local expert) in the buffer;
+    ``kept_sources`` bool [R]: sources whose rows count (a source that died
+    during the exchange left zero-filled rows).
+
+    Raises:
+        RuntimeError: a message header disagrees with the counts its source sent.
+    """
+    num_ranks, local_experts = buffer_counts.shape
+    device = recv.device
+    flat = buffer_counts.reshape(-1)
+    group = torch.repeat_interleave(torch.arange(flat.numel(), device=device), flat)
+    source, le = group // local_experts, group % local_experts
+    first_row = torch.cumsum(flat, 0) - flat
+    within = torch.arange(group.numel(), device=device) - first_row[group]
+    counts = buffer_counts * kept_sources.unsqueeze(1).long()
+    # Columns: per local expert, sources in rank order.
+    per_expert = counts.t()  # [E/R, R]
+    start = torch.cumsum(per_expert, 1) - per_expert
+    row = kept_sources[source].nonzero().squeeze(1)
+    le, source, within = le[row], source[row], within[row]
+    header = recv[row, :HEADER_BYTES].contiguous().view(torch.int32)
+    token = header[:, 0].long()
+    bad = (header[:, 1].long() != le) | (token < 0) | (token >= max_tokens)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise RuntimeError(
+            f"dispatch: a message from rank {int(source[i])} has header (token "
+            f"{int(token[i])}, local expert {int(header[i, 1])}) but its counts place it at "
+            f"local expert {int(le[i])} with at most {max_tokens} tokens: the data is corrupt"
+        )
+    return Arrival(
+        row=row, local_expert=le, column=start[le, source] + within, token=token, counts=counts
+    )
+
+
+def unpack_tokens(
+    recv: torch.Tensor, a: Arrival, out, dtype: torch.dtype, hidden: int, use_fp8: bool
+) -> None:
+    """Writes the kept rows' payloads into ``out`` (a tensor, or (data, scales) with FP8)."""
+    rows = recv[a.row, HEADER_BYTES:]
+    if use_fp8:
+        data, scales = out
+        data[a.local_expert, a.column] = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+        scales[a.local_expert, a.column] = rows[:, hidden:].contiguous().view(torch.float32)
+    else:
+        out[a.local_expert, a.column] = rows.contiguous().view(dtype)
+
+
+def weighted_sum(
+    rows: torch.Tensor,
+    r: Route,
+    sent: torch.Tensor,
+    used: torch.Tensor,
+    weights: torch.Tensor,
+    num_tokens: int,
+) -> torch.Tensor:
+    """Per token, the fp32 sum of ``weight * row`` over the rows in ``used``.
+
+    ``rows`` are the returned rows of the sent selections ``sent`` (bool [S]), in
+    send order; ``used`` (bool, one per returned row) drops rows of inactive ranks.
+    """
+    token = r.token[sent][used]
+    slot = r.slot[sent][used]
+    w = weights[token, slot].float().unsqueeze(1)
+    acc = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
+    acc.index_add_(0, token, rows[used].float() * w)
+    return acc

@@ -1,0 +1,740 @@
+"""Expert-parallel dispatch and combine that know which ranks are healthy.
+
+``Buffer`` follows the DeepEP low-latency model (see
+``../shared/spec/ep-pg-api-reference.md``): ``dispatch`` sends each token to
+the ranks holding its top-k experts and returns them packed per local expert;
+``combine`` sends the experts' outputs back and sums them per token with the
+top-k weights. It runs over a mooncake process group and stays usable when
+ranks fail: a rank that dies is masked out (``active_ranks[rank] = 0``) and
+treated as having sent nothing, within ``timeout_us``.
+
+This module is the portable path: torch ops over the process group
+(``mooncake/_ep_fallback.py``), on CPU tensors in a ``mooncake-cpu`` group
+and, unchanged, on CUDA tensors in a ``mooncake`` group. A device fast path
+will be chosen by the same ``Buffer`` when it is usable (``Buffer.path`` says
+which one runs).
+
+Shapes below: ``N`` tokens on this rank, ``K`` top-k, ``H`` hidden, ``R``
+ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
+``T`` = ``num_max_dispatch_tokens_per_rank``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _ep_fallback as fb
+from . import pg
+
+__all__ = ["Buffer", "EventOverlap", "DispatchHandle"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_buffer_ids = itertools.count(1)
+
+
+class EventOverlap:
+    """Completion of an async ``dispatch``/``combine`` (``async_finish=True``).
+
+    ``current_stream_wait()`` finishes the call: on CPU it waits for the
+    exchange and fills the outputs; on CUDA it also makes the current stream
+    wait for the exchange's stream. Cheap when there is nothing left to do,
+    and safe to call twice. ``with event:`` calls it on exit.
+    """
+
+    def __init__(self, finish: Callable[[], None] | None = None):
+        self._finish = finish
+
+    def current_stream_wait(self) -> None:
+        if self._finish is not None:
+            self._finish()
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.current_stream_wait()
+
+
+class _Pending:
+    """The receive half of a call: wait for the exchange, then fill the outputs."""
+
+    def __init__(self, work, finish: Callable[[], None]):
+        self._work, self._finish, self._done = work, finish, False
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._work is not None:
+            self._work.wait()
+        self._finish()
+
+
+class _Rephrased:
+    """A Work whose ValueError (the ranks' calls disagree) gets a message saying so."""
+
+    def __init__(self, work, what: str):
+        self._work, self._what = work, what
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except ValueError as e:
+            raise ValueError(f"{self._what}: {e}") from None
+
+
+class DispatchHandle(tuple):
+    """What ``combine`` needs from its ``dispatch``; opaque to callers.
+
+    As a tuple it is ``(src_info, layout_range, num_max_dispatch_tokens_per_rank,
+    hidden, num_experts)`` as in DeepEP: ``src_info`` int32 ``[E/R, R*T]`` (the
+    source token index of every received row, -1 past ``recv_count``) and
+    ``layout_range`` int64 ``[E/R, R]`` (``offset << 32 | count`` of each source
+    rank's rows per local expert).
+    """
+
+    def __new__(cls, src_info, layout_range, max_tokens, hidden, num_experts):
+        return super().__new__(cls, (src_info, layout_range, max_tokens, hidden, num_experts))
+
+    src_info = property(lambda self: self[0])
+    layout_range = property(lambda self: self[1])
+    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
+    hidden = property(lambda self: self[3])
+    num_experts = property(lambda self: self[4])
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor_error(name, t, dtypes, ndim, device=None, shape=None) -> str | None:
+    """The first rule a tensor argument breaks, or None."""
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        return f"{name} must be {want}, got {str(t.dtype).replace('torch.', '')}"
+    if t.dim() != ndim:
+        return f"{name} must have {ndim} dimensions, got shape {list(t.shape)}"
+    if shape is not None and list(t.shape) != list(shape):
+        return f"{name} must have shape {list(shape)}, got {list(t.shape)}"
+    if device is not None and t.device != device:
+        return f"{name} must be on {device} (where x is), got {t.device}"
+    return None
+
+
+class Buffer:
+    """The EP runtime of one mooncake process group.
+
+    Args:
+        group: a ``torch.distributed`` ProcessGroup with a mooncake backend
+            (``mooncake-cpu`` or ``mooncake``); ``R = group.size()``.
+        num_ep_buffer_bytes: the workspace to reserve, from
+            :meth:`get_ep_buffer_size_hint`; 0 reserves none. When it is
+            non-zero, a dispatch whose shape needs more raises ValueError
+            instead of overflowing. The portable path allocates its tensors
+            per call and needs no workspace.
+
+    Collective: every rank of the group constructs its Buffer together (they
+    check that they agree on the size), and a process that joined the group
+    later constructs its Buffer while the others call
+    :meth:`update_ep_member`.
+
+    Raises:
+        ValueError: ``group`` has no mooncake backend; ``num_ep_buffer_bytes``
+            is not an int >= 0; the ranks disagree on it.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_ep_buffer_bytes: int = 0):
+        if not isinstance(group, dist.ProcessGroup):
+            raise ValueError(
+                f"Buffer: group must be a torch.distributed ProcessGroup with a mooncake backend, "
+                f"got {type(group).__name__}"
+            )
+        pg._backend_of(group)  # raises ValueError naming the rule
+        if not _is_int(num_ep_buffer_bytes) or num_ep_buffer_bytes < 0:
+            raise ValueError(
+                f"Buffer: num_ep_buffer_bytes must be an int >= 0, got {num_ep_buffer_bytes!r}"
+            )
+        self.group = group
+        self.rank = group.rank()
+        self.num_ranks = group.size()
+        self.num_ep_buffer_bytes = num_ep_buffer_bytes
+        self.path = "portable"
+        self._id = next(_buffer_ids)
+        self._seq = 0
+        self._combine_buffers: list[torch.Tensor | None] = [None, None]
+        self._sync_members("Buffer")
+
+    # --- sizes -------------------------------------------------------------------------
+
+    @staticmethod
+    def get_ep_buffer_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """The workspace, in bytes, for dispatches of up to ``T`` tokens per rank.
+
+        A closed formula (``src/ep/layout.h``): two halves (even and odd calls),
+        each ``align128(2E * 4)`` signal bytes + a send region of
+        ``max(T * M, E * T * 2H)`` + a receive region of ``E * T * M``, where
+        ``M = align16(16 + max(2H, H + 4 * ceil(H / 128)))`` is one dispatch
+        message (a 16-byte header and a BF16 or FP8 payload) and ``2H`` one
+        combine message; every region is 128-byte aligned. For T=128, H=7168,
+        R=8, E=288 that is about 2.1 GB.
+
+        Raises:
+            ValueError: an argument is < 1, ``num_experts % num_ranks != 0``, or
+                the result would exceed 2**50 bytes.
+        """
+        for name, v in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("hidden", hidden),
+            ("num_ranks", num_ranks),
+            ("num_experts", num_experts),
+        ):
+            if not _is_int(v):
+                raise ValueError(f"get_ep_buffer_size_hint: {name} must be an int, got {v!r}")
+            if not -(2**31) < v < 2**31:
+                raise ValueError(f"get_ep_buffer_size_hint: {name} must be below 2**31, got {v}")
+        return pg._ext.ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)[
+            "total_bytes"
+        ]
+
+    # --- membership ----------------------------------------------------------------------
+
+    def update_ep_member(self) -> None:
+        """Refreshes the EP peers after the process group changed membership.
+
+        Call it on every healthy rank after ``pg.recover_ranks`` admitted
+        replacements (the replacements construct their Buffer at the same
+        time: both sides run the same exchange). Afterwards a dispatch with
+        ``active_ranks`` back at 1 for the recovered ranks (or
+        ``active_ranks=None``) runs at full strength. A rank that died is
+        masked by dispatch and combine themselves; no call is needed for that.
+
+        Raises:
+            ValueError: the members disagree on ``num_ep_buffer_bytes``.
+        """
+        self._sync_members("update_ep_member")
+
+    def _sync_members(self, what: str) -> None:
+        try:
+            cpu = isinstance(self.group._get_backend(torch.device("cpu")), pg.MooncakeBackend)
+        except (RuntimeError, ValueError):
+            cpu = False
+        device = torch.device("cpu" if cpu else "cuda")
+        mine = torch.tensor([1, self.num_ep_buffer_bytes, self.num_ranks], device=device)
+        everyone = torch.zeros(self.num_ranks * 3, dtype=torch.int64, device=device)
+        backend = pg._backend_of(self.group) if cpu else self._backend_for(device)
+        backend._allgather_base(everyone, mine).wait()
+        rows = everyone.reshape(self.num_ranks, 3).tolist()
+        for r, (present, nbytes, size) in enumerate(rows):
+            if present and (nbytes, size) != (self.num_ep_buffer_bytes, self.num_ranks):
+                raise ValueError(
+                    f"{what}: ranks disagree on num_ep_buffer_bytes: rank {r} has {nbytes}, "
+                    f"rank {self.rank} has {self.num_ep_buffer_bytes}"
+                )
+
+    def _present(self) -> torch.Tensor:
+        """bool [R], on CPU: the process group's members right now."""
+        return pg.get_active_ranks(self.group)[: self.num_ranks].cpu().bool()
+
+    def _backend_for(self, device: torch.device | None):
+        if device is None or device.type == "cpu":
+            return pg._backend_of(self.group)
+        b = self.group._get_backend(torch.device(device.type))
+        if not isinstance(b, pg.MooncakeBackend):
+            raise ValueError(
+                f"x is on {device}, but the group has no mooncake backend for {device.type}"
+            )
+        return b
+
+    @staticmethod
+    def _deadline(timeout_us: int) -> int | None:
+        return None if timeout_us == -1 else time.monotonic_ns() // 1000 + timeout_us
+
+    def _mark_failed(self, active_ranks, present: torch.Tensor) -> None:
+        if active_ranks is None:
+            return
+        gone = (~present).nonzero().squeeze(1)
+        if gone.numel():
+            active_ranks[gone.to(active_ranks.device)] = 0
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    def _dispatch_error(
+        self, x, topk_idx, active_ranks, max_tokens, num_experts, timeout_us, use_fp8, stats, modes
+    ) -> str | None:
+        R = self.num_ranks
+        err = _tensor_error("x", x, _FLOAT_DTYPES, 2)
+        if err:
+            return err
+        n, h = x.shape
+        checks = [
+            _tensor_error("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device),
+            None
+            if _is_int(max_tokens) and max_tokens >= 1
+            else f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {max_tokens!r}",
+            None
+            if _is_int(num_experts) and num_experts >= 1
+            else f"num_experts must be an int >= 1, got {num_experts!r}",
+            None
+            if _is_int(timeout_us) and (timeout_us == -1 or timeout_us > 0)
+            else f"timeout_us must be -1 (no deadline) or an int > 0, got {timeout_us!r}",
+            None if isinstance(use_fp8, bool) else f"use_fp8 must be a bool, got {use_fp8!r}",
+            None
+            if not (modes[0] and modes[1])
+            else "async_finish and return_recv_hook are exclusive: set one of them",
+            None
+            if active_ranks is None
+            else _tensor_error("active_ranks", active_ranks, (torch.int32,), 1, x.device, [R]),
+        ]
+        for c in checks:
+            if c:
+                return c
+        if topk_idx.shape[0] != n:
+            return (
+                f"topk_idx must have one row per token of x ({n}), got shape {list(topk_idx.shape)}"
+            )
+        if num_experts % R:
+            return f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})"
+        if n > max_tokens:
+            return f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({max_tokens})"
+        if h < 1:
+            return f"x must have a hidden size >= 1, got {h}"
+        if use_fp8 and h % 128:
+            return f"x's hidden size ({h}) must be a multiple of 128 with use_fp8=True"
+        if topk_idx.numel():
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= num_experts:
+                bad = lo if lo < -1 else hi
+                return f"topk_idx holds expert {bad}; ids must be in [0, {num_experts}) or -1"
+            # Each expert's rows from one source must fit its T slots.
+            per_expert = torch.bincount(topk_idx[topk_idx >= 0].long(), minlength=num_experts)
+            most = int(per_expert.max()) if per_expert.numel() else 0
+            if most > max_tokens:
+                e = int(per_expert.argmax())
+                return (
+                    f"topk_idx sends {most} tokens to expert {e}, more than "
+                    f"num_max_dispatch_tokens_per_rank ({max_tokens}): a token selects it twice"
+                )
+        if stats is not None:
+            err = _tensor_error(
+                "cumulative_local_expert_recv_stats",
+                stats,
+                (torch.int32,),
+                1,
+                x.device,
+                [num_experts // R],
+            )
+            if err:
+                return err
+        if self.num_ep_buffer_bytes:
+            need = self.get_ep_buffer_size_hint(max_tokens, h, R, num_experts)
+            if need > self.num_ep_buffer_bytes:
+                return (
+                    f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={h}, "
+                    f"num_experts={num_experts} need {need} workspace bytes, but this Buffer has "
+                    f"num_ep_buffer_bytes={self.num_ep_buffer_bytes} "
+                    f"(see Buffer.get_ep_buffer_size_hint)"
+                )
+        return None
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        active_ranks: torch.Tensor | None,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        timeout_us: int,
+        use_fp8: bool = True,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    ):
+        """Sends every token to the ranks that hold its selected experts.
+
+        Collective over the group's members: every healthy rank calls it, with
+        the same ``T``, ``H``, ``E`` and ``use_fp8``.
+
+        Args:
+            x: ``[N, H]`` bf16 (fp16 and fp32 work too), ``N <= T``.
+            topk_idx: ``[N, K]`` int64 (or int32), expert ids in ``[0, E)``;
+                ``-1`` marks a selection to skip.
+            active_ranks: int32 ``[R]`` on ``x``'s device, 1 = healthy. Tokens go
+                only to ranks marked 1 and are taken only from them (a pair of
+                ranks exchanges tokens when each counts the other healthy). A
+                rank that fails to deliver within ``timeout_us`` (it died) is
+                set to 0 in place and counted as sending nothing. ``None``:
+                the process group's view (``pg.get_active_ranks``).
+            num_max_dispatch_tokens_per_rank: ``T``, the most tokens any rank
+                sends in one call; sizes ``recv_x``.
+            num_experts: ``E``, divisible by ``R``.
+            timeout_us: deadline for the exchange, in microseconds; ``-1``: no
+                EP deadline (the group's own timeout and failure detection still
+                apply). A rank that is alive but misses the deadline is left
+                out of the process group, as the group does with any rank
+                silent past an op's deadline.
+            use_fp8: send FP8 e4m3 with one fp32 scale per token per 128
+                channels (``mooncake.fp8``); ``H % 128 == 0``.
+            async_finish: return at once; ``event.current_stream_wait()``
+                finishes the receive and fills the outputs.
+            return_recv_hook: return at once; ``hook()`` finishes the receive
+                and fills the outputs (exclusive with ``async_finish``).
+            cumulative_local_expert_recv_stats: optional int32 ``[E/R]``; the
+                tokens each local expert received are added to it.
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``:
+
+            * ``recv_x``: ``[E/R, R*T, H]`` of ``x``'s dtype, or with FP8 a
+              pair ``(data float8_e4m3fn [E/R, R*T, H], scales float32
+              [E/R, R*T, H/128])``. For local expert ``j``, rows
+              ``[0, recv_count[j])`` hold its tokens grouped by source rank in
+              rank order (token order within a source); later rows are
+              undefined.
+            * ``recv_count``: int32 ``[E/R]``.
+            * ``handle``: a :class:`DispatchHandle` for :meth:`combine` and
+              :meth:`get_next_combine_buffer`.
+            * ``event``: an :class:`EventOverlap`.
+            * ``hook``: with ``return_recv_hook=True`` a callable that
+              finishes the receive; else None.
+
+            Outputs are on ``x``'s device and valid on return, unless
+            ``async_finish``/``return_recv_hook`` defer them.
+
+        Raises:
+            ValueError: an argument breaks a rule above (the message names it),
+                or the ranks disagree on the call's shape; raised on every rank
+                alike, and the group stays usable.
+            RuntimeError: this rank was left out of the group.
+        """
+        R = self.num_ranks
+        error = self._dispatch_error(
+            x,
+            topk_idx,
+            active_ranks,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            timeout_us,
+            use_fp8,
+            cumulative_local_expert_recv_stats,
+            (async_finish, return_recv_hook),
+        )
+        ok = error is None
+        device = x.device if ok else None
+        backend = self._backend_for(device)
+        epr = num_experts // R if _is_int(num_experts) and num_experts >= R else 0
+        deadline = self._deadline(timeout_us) if ok else None
+        mask = (
+            (self._present() if active_ranks is None else active_ranks.cpu().bool())
+            if ok
+            else torch.zeros(R, dtype=torch.bool)
+        )
+
+        # 1. counts, shapes and consent
+        meta = torch.zeros(R, fb.META_COLS + epr, dtype=torch.int64)
+        if ok:
+            T, H = num_max_dispatch_tokens_per_rank, x.shape[1]
+            r = fb.route(topk_idx, R, epr)
+            meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = T, H, num_experts, int(use_fp8)
+            meta[:, fb.META_COLS :] = r.counts.cpu()
+        meta[:, 4] = fb.STATUS_OK if ok else fb.STATUS_REJECTED
+        meta[:, 5] = mask.long()
+        meta = meta.to(device or "cpu")
+        theirs = torch.empty_like(meta)
+        try:
+            fb.all_to_all(backend, theirs, meta, [1] * R, [1] * R, deadline).wait()
+        except ValueError as e:
+            if error:
+                raise ValueError(f"dispatch: {error}") from None
+            raise ValueError(
+                f"dispatch: ranks disagree on the call (a rank rejected its arguments, or they "
+                f"pass different num_experts); nothing was sent: {e}"
+            ) from None
+        if error:
+            raise ValueError(f"dispatch: {error}")
+        theirs = theirs.cpu()
+        present = self._present()
+        self._check_peers(theirs, present, T, H, num_experts, use_fp8)
+        mutual = mask & present & (theirs[:, 5] == 1)
+
+        # 2. tokens
+        sent = mutual.to(r.dest.device)[r.dest]
+        rows, row_bytes = fb.pack_tokens(x, r, sent, use_fp8)
+        buffer_counts = theirs[:, fb.META_COLS :] * mutual.unsqueeze(1).long()
+        send_splits = (r.counts.cpu() * mutual.unsqueeze(1).long()).sum(1)
+        recv_splits = buffer_counts.sum(1)
+        recv = torch.empty(int(recv_splits.sum()), row_bytes, dtype=torch.uint8, device=device)
+        work = fb.all_to_all(backend, recv, rows, recv_splits, send_splits, deadline)
+
+        if use_fp8:
+            recv_x = (
+                torch.empty(epr, R * T, H, dtype=torch.float8_e4m3fn, device=device),
+                torch.empty(epr, R * T, H // 128, dtype=torch.float32, device=device),
+            )
+        else:
+            recv_x = torch.empty(epr, R * T, H, dtype=x.dtype, device=device)
+        recv_count = torch.zeros(epr, dtype=torch.int32, device=device)
+        handle = DispatchHandle(
+            torch.full((epr, R * T), -1, dtype=torch.int32, device=device),
+            torch.zeros(epr, R, dtype=torch.int64, device=device),
+            T,
+            H,
+            num_experts,
+        )
+        self._seq += 1
+        handle._buffer, handle._seq = self._id, self._seq
+        handle._route, handle._sent, handle._topk_idx = r, sent, topk_idx.clone()
+        handle._send_splits, handle._recv_splits = send_splits, recv_splits
+        handle._dtype = torch.bfloat16 if use_fp8 else x.dtype
+        handle._num_tokens = x.shape[0]
+        stats = cumulative_local_expert_recv_stats
+
+        def finish() -> None:
+            now = self._present()
+            self._mark_failed(active_ranks, now)
+            kept = (mutual & now).to(device)
+            a = fb.place(recv, buffer_counts.to(device), kept, T)
+            fb.unpack_tokens(recv, a, recv_x, x.dtype, H, use_fp8)
+            handle.src_info[a.local_expert, a.column] = a.token.to(torch.int32)
+            per_expert = a.counts.t()
+            start = torch.cumsum(per_expert, 1) - per_expert
+            handle.layout_range.copy_((start << 32) | per_expert)
+            recv_count.copy_(per_expert.sum(1).to(torch.int32))
+            if stats is not None:
+                stats.add_(recv_count)
+            handle._arrival, handle._recv_rows = a, recv.shape[0]
+
+        pending = _Pending(work, finish)
+        if not async_finish and not return_recv_hook:
+            pending()
+        event = EventOverlap(pending if async_finish else None)
+        return recv_x, recv_count, handle, event, pending if return_recv_hook else None
+
+    def _check_peers(self, theirs, present, T, H, E, use_fp8) -> None:
+        """Raises ValueError, alike on every rank, when a member rejected its
+        arguments or called with another shape."""
+        for s in present.nonzero().squeeze(1).tolist():
+            row = theirs[s].tolist()
+            if row[4] == fb.STATUS_REJECTED:
+                raise ValueError(
+                    f"dispatch: rank {s} rejected its arguments (its ValueError says why); "
+                    f"nothing was sent"
+                )
+            if row[:4] != [T, H, E, int(use_fp8)]:
+                raise ValueError(
+                    f"dispatch: ranks disagree on the call: rank {s} has "
+                    f"num_max_dispatch_tokens_per_rank={row[0]}, hidden={row[1]}, "
+                    f"num_experts={row[2]}, use_fp8={bool(row[3])}; rank {self.rank} has "
+                    f"{T}, {H}, {E}, {use_fp8}"
+                )
+
+    # --- combine -------------------------------------------------------------------------
+
+    def get_next_combine_buffer(self, handle: DispatchHandle) -> torch.Tensor:
+        """The tensor to write expert outputs into for ``combine(..., zero_copy=True)``.
+
+        Args:
+            handle: from this Buffer's latest or second-latest dispatch.
+
+        Returns:
+            ``[E/R, R*T, H]`` of the dispatch's dtype (bf16 with FP8), on the
+            dispatch's device; one per half (even and odd calls), reused.
+
+        Raises:
+            ValueError: the handle is not from this Buffer, or two later
+                dispatches have reused its half.
+        """
+        self._check_handle(handle, "get_next_combine_buffer")
+        self._check_half(handle, "get_next_combine_buffer")
+        half = handle._seq % 2
+        shape = tuple(handle.src_info.shape) + (handle.hidden,)
+        buf = self._combine_buffers[half]
+        if (
+            buf is None
+            or tuple(buf.shape) != shape
+            or buf.dtype != handle._dtype
+            or buf.device != handle.src_info.device
+        ):
+            buf = torch.zeros(shape, dtype=handle._dtype, device=handle.src_info.device)
+            self._combine_buffers[half] = buf
+        return buf
+
+    def _check_handle(self, handle, what: str) -> None:
+        if not isinstance(handle, DispatchHandle) or not hasattr(handle, "_buffer"):
+            raise ValueError(
+                f"{what}: handle must be the DispatchHandle a dispatch returned, "
+                f"got {type(handle).__name__}"
+            )
+        if handle._buffer != self._id:
+            raise ValueError(f"{what}: handle comes from another Buffer's dispatch")
+        if not hasattr(handle, "_arrival"):
+            raise ValueError(
+                f"{what}: handle's dispatch has not finished: call its hook() or "
+                f"event.current_stream_wait() first"
+            )
+
+    def _check_half(self, handle, what: str) -> None:
+        if self._seq - handle._seq >= 2:
+            raise ValueError(
+                f"{what}: handle is from dispatch #{handle._seq}, but dispatch #{self._seq} has "
+                f"since reused its half of the buffer"
+            )
+
+    def _combine_error(
+        self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, modes, out
+    ) -> str | None:
+        try:
+            self._check_handle(handle, "combine")
+        except ValueError as e:
+            return str(e).removeprefix("combine: ")
+        epr, cols = handle.src_info.shape
+        device = handle.src_info.device
+        n, k = handle._topk_idx.shape
+        shape = [epr, cols, handle.hidden]
+        checks = [
+            _tensor_error("x", x, (handle._dtype,), 3, device, shape),
+            _tensor_error("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device, [n, k]),
+            _tensor_error("topk_weights", topk_weights, _FLOAT_DTYPES, 2, device, [n, k]),
+            None
+            if active_ranks is None
+            else _tensor_error(
+                "active_ranks", active_ranks, (torch.int32,), 1, device, [self.num_ranks]
+            ),
+            None
+            if _is_int(timeout_us) and (timeout_us == -1 or timeout_us > 0)
+            else f"timeout_us must be -1 (no deadline) or an int > 0, got {timeout_us!r}",
+            None
+            if not (modes[0] and modes[1])
+            else "async_finish and return_recv_hook are exclusive: set one of them",
+        ]
+        for c in checks:
+            if c:
+                return c
+        if not torch.equal(topk_idx, handle._topk_idx.to(topk_idx.dtype)):
+            return "topk_idx differs from the one that handle's dispatch routed"
+        if out is not None:
+            err = _tensor_error("out", out, (x.dtype,), 2, device, [n, handle.hidden])
+            if err:
+                return err
+        if zero_copy:
+            try:
+                self._check_half(handle, "combine")
+            except ValueError as e:
+                return str(e).removeprefix("combine: ")
+            buf = self._combine_buffers[handle._seq % 2]
+            if buf is None or x.data_ptr() != buf.data_ptr():
+                return "with zero_copy=True, x must be get_next_combine_buffer(handle)"
+        return None
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        active_ranks: torch.Tensor | None,
+        timeout_us: int,
+        handle: DispatchHandle,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ):
+        """Sends expert outputs back and sums them per token with the top-k weights.
+
+        Collective over the group's members, like :meth:`dispatch`.
+
+        Args:
+            x: ``[E/R, R*T, H]`` expert outputs in ``recv_x``'s layout (rows
+                past ``recv_count`` are ignored); the dispatch's dtype.
+            topk_idx: ``[N, K]``, the one passed to the dispatch.
+            topk_weights: ``[N, K]`` float32 (bf16/fp16 accepted).
+            active_ranks: int32 ``[R]`` as in :meth:`dispatch`. Outputs of
+                experts on ranks marked 0 (or that die now) are skipped; ranks
+                that die are set to 0. ``None``: the process group's view.
+            timeout_us: as in :meth:`dispatch`.
+            handle: the dispatch's :class:`DispatchHandle`.
+            zero_copy: ``x`` is :meth:`get_next_combine_buffer` (handle).
+            async_finish, return_recv_hook: as in :meth:`dispatch`.
+            out: optional ``[N, H]`` of ``x``'s dtype, filled in place.
+
+        Returns:
+            ``(combined_x, event, hook)``: ``combined_x`` ``[N, H]`` of ``x``'s
+            dtype (``out`` when given): per token, the sum over its top-k of
+            ``weight * expert output``, skipping ``-1`` selections and experts
+            on inactive ranks, accumulated in fp32 and rounded once.
+
+        Raises:
+            ValueError: an argument breaks a rule above (a handle from another
+                Buffer, a ``topk_idx`` other than the dispatch's, wrong shapes,
+                dtypes or devices); every rank takes part in the exchange, so
+                the group stays usable.
+            RuntimeError: this rank was left out of the group.
+        """
+        R = self.num_ranks
+        error = self._combine_error(
+            x,
+            topk_idx,
+            topk_weights,
+            active_ranks,
+            timeout_us,
+            handle,
+            zero_copy,
+            (async_finish, return_recv_hook),
+            out,
+        )
+        if error:
+            # Still take part in the exchange (sending and expecting nothing), so
+            # that the others fail alike instead of waiting for this rank.
+            empty = torch.empty(0, dtype=torch.uint8)
+            try:
+                fb.all_to_all(
+                    pg._backend_of(self.group), empty, empty, [0] * R, [0] * R, None
+                ).wait()
+            except (ValueError, RuntimeError):
+                pass
+            raise ValueError(f"combine: {error}")
+        device = x.device
+        backend = self._backend_for(device)
+        deadline = self._deadline(timeout_us)
+        a = handle._arrival
+        back = torch.zeros(handle._recv_rows, x.shape[2], dtype=x.dtype, device=device)
+        back[a.row] = x[a.local_expert, a.column]
+        sent_rows = int(handle._send_splits.sum())
+        returned = torch.empty(sent_rows, x.shape[2], dtype=x.dtype, device=device)
+        work = fb.all_to_all(
+            backend, returned, back, handle._send_splits, handle._recv_splits, deadline
+        )
+        work = _Rephrased(
+            work,
+            "combine: ranks disagree on the call (a rank rejected its arguments, or they pass "
+            "handles of different dispatches); nothing was combined",
+        )
+        mask = None if active_ranks is None else active_ranks.cpu().bool()
+        result = (
+            out
+            if out is not None
+            else torch.empty(handle._num_tokens, x.shape[2], dtype=x.dtype, device=device)
+        )
+        r, sent = handle._route, handle._sent
+
+        def finish() -> None:
+            now = self._present()
+            self._mark_failed(active_ranks, now)
+            alive = now if mask is None else now & mask
+            used = alive.to(device)[r.dest[sent]]
+            acc = fb.weighted_sum(returned, r, sent, used, topk_weights, handle._num_tokens)
+            result.copy_(acc)
+
+        pending = _Pending(work, finish)
+        if not async_finish and not return_recv_hook:
+            pending()
+        event = EventOverlap(pending if async_finish else None)
+        return result, event, pending if return_recv_hook else None

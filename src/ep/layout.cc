@@ -1,0 +1,66 @@
+#include "ep/layout.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace mooncake {
+
+namespace {
+
+// Workspaces past 2^50 bytes are a mistake, not a plan; the bound also keeps
+// every product below from overflowing.
+constexpr uint64_t kMaxBytes = uint64_t{1} << 50;
+
+size_t align_up(size_t n, size_t a) {
+  return (n + a - 1) / a * a;
+}
+
+size_t checked_mul(size_t a, size_t b, const char* what) {
+  MC_CHECK_ARG(a == 0 || b <= kMaxBytes / a, "get_ep_buffer_size_hint: the ", what,
+               " region would exceed 2^50 bytes; the shape is too large");
+  return a * b;
+}
+
+}  // namespace
+
+EpLayout::EpLayout(const EpShape& s) : shape(s) {
+  const char* f = "get_ep_buffer_size_hint";
+  MC_CHECK_ARG(s.max_tokens >= 1, f, ": num_max_dispatch_tokens_per_rank must be >= 1, got ",
+               s.max_tokens);
+  MC_CHECK_ARG(s.hidden >= 1, f, ": hidden must be >= 1, got ", s.hidden);
+  MC_CHECK_ARG(s.num_ranks >= 1, f, ": num_ranks must be >= 1, got ", s.num_ranks);
+  MC_CHECK_ARG(s.num_experts >= 1, f, ": num_experts must be >= 1, got ", s.num_experts);
+  MC_CHECK_ARG(s.num_experts % s.num_ranks == 0, f, ": num_experts (", s.num_experts,
+               ") must be divisible by num_ranks (", s.num_ranks, ")");
+  MC_CHECK_ARG(s.max_tokens <= (int64_t{1} << 31) && s.hidden <= (int64_t{1} << 31) &&
+                   s.num_experts <= (int64_t{1} << 31),
+               f, ": sizes must stay below 2^31");
+  local_experts = s.num_experts / s.num_ranks;
+  const auto T = static_cast<size_t>(s.max_tokens);
+  const auto H = static_cast<size_t>(s.hidden);
+  const auto E = static_cast<size_t>(s.num_experts);
+  const size_t scales = (H + kFp8Block - 1) / kFp8Block;
+  bf16_payload_bytes = 2 * H;
+  fp8_payload_bytes = H + 4 * scales;
+  dispatch_msg_bytes = align_up(kHeaderBytes + std::max(bf16_payload_bytes, fp8_payload_bytes), 16);
+  combine_msg_bytes = 2 * H;
+
+  const size_t signals = align_up(2 * E * sizeof(int32_t), kAlign);
+  const size_t slots = checked_mul(E, T, "receive");  // [E/R][R][T]
+  const size_t send = align_up(std::max(checked_mul(T, dispatch_msg_bytes, "send"),
+                                        checked_mul(slots, combine_msg_bytes, "send")),
+                               kAlign);
+  const size_t recv = align_up(checked_mul(slots, dispatch_msg_bytes, "receive"), kAlign);
+  half_bytes = signals + send + recv;
+  MC_CHECK_ARG(half_bytes <= kMaxBytes / 2, f, ": the workspace would exceed 2^50 bytes");
+  for (int i = 0; i < 2; ++i) {
+    const size_t base = static_cast<size_t>(i) * half_bytes;
+    halves[i].signals = {base, signals};
+    halves[i].send = {base + signals, send};
+    halves[i].recv = {base + signals + send, recv};
+  }
+  total_bytes = 2 * half_bytes;
+}
+
+}  // namespace mooncake
