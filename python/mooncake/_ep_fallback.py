@@ -88,6 +88,39 @@ def route(topk_idx: torch.Tensor, num_ranks: int, local_experts: int) -> Route:
     )
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D, rows of whole bytes) viewed with the widest integer type its row
+    length, row stride and offset allow, so that row copies move words, not bytes."""
+    if t.dim() != 2 or t.stride(-1) != 1 or t.shape[1] == 0:
+        return t
+    nbytes = t.shape[1] * t.element_size()
+    stride = t.stride(0) * t.element_size()
+    offset = t.storage_offset() * t.element_size()
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty(0, dtype=wide).element_size()
+        if size > t.element_size() and nbytes % size == 0 and stride % size == 0:
+            if offset % size == 0:
+                return t.view(torch.uint8).view(wide) if t.element_size() != 1 else t.view(wide)
+    return t
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the standard strides (copied when it has others, as some views do)."""
+    if t.is_contiguous() and (t.dim() == 0 or t.stride(-1) == 1):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """``dst[i] = src[index[i]]``, as word copies (``dst`` may be a strided column block)."""
+    dst, src = _words(dst), _words(_dense(src))
+    dst.copy_(
+        src.view(dst.dtype).index_select(0, index)
+        if src.dtype != dst.dtype
+        else src.index_select(0, index)
+    )
+
+
 def pack_tokens(
     x: torch.Tensor, r: Route, keep: torch.Tensor, use_fp8: bool
 ) -> tuple[torch.Tensor, int]:
@@ -95,26 +128,23 @@ def pack_tokens(
     token, le = r.token[keep], r.local_expert[keep]
     hidden = x.shape[1]
     payload_bytes = hidden + 4 * (hidden // fp8.BLOCK) if use_fp8 else hidden * x.element_size()
+    rows = torch.empty(
+        token.numel(), HEADER_BYTES + payload_bytes, dtype=torch.uint8, device=x.device
+    )
     if token.numel() == 0:
-        rows = torch.empty(0, HEADER_BYTES + payload_bytes, dtype=torch.uint8, device=x.device)
         return rows, rows.shape[1]
+    header = torch.zeros(token.numel(), HEADER_BYTES // 4, dtype=torch.int32, device=x.device)
+    header[:, 0] = token
+    header[:, 1] = le
+    dst = _words(rows[:, :HEADER_BYTES])
+    dst.copy_(header.view(torch.uint8).view(dst.dtype))
     if use_fp8:
         data, scales = fp8.quantize(x)
-        payload = [_bytes(data)[token], _bytes(scales)[token]]
+        _gather_rows(rows[:, HEADER_BYTES : HEADER_BYTES + hidden], data.view(torch.uint8), token)
+        _gather_rows(rows[:, HEADER_BYTES + hidden :], scales.view(torch.uint8), token)
     else:
-        payload = [_bytes(x)[token]]
-    header = torch.zeros(token.numel(), HEADER_BYTES // 4, dtype=torch.int32, device=x.device)
-    header[:, 0] = token.to(torch.int32)
-    header[:, 1] = le.to(torch.int32)
-    rows = torch.cat([header.view(torch.uint8), *payload], dim=1)
+        _gather_rows(rows[:, HEADER_BYTES:], _dense(x).view(torch.uint8), token)
     return rows, rows.shape[1]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D tensor's rows as uint8 rows (copied first unless densely laid out)."""
-    if not t.is_contiguous() or t.stride(-1) != 1:
-        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
-    return t.view(torch.uint8)
 
 
 @dataclass
@@ -168,17 +198,50 @@ def place(
     )
 
 
+def _scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[index[i]] = src[i]`` for a contiguous 2-D ``dst``, as word copies."""
+    dst_w, src_w = _words(dst), _words(src)
+    if dst_w.dtype != src_w.dtype:
+        dst_w, src_w = dst.view(torch.uint8), src
+    dst_w.index_copy_(0, index, src_w)
+
+
 def unpack_tokens(
     recv: torch.Tensor, a: Arrival, out, dtype: torch.dtype, hidden: int, use_fp8: bool
 ) -> None:
     """Writes the kept rows' payloads into ``out`` (a tensor, or (data, scales) with FP8)."""
-    rows = recv[a.row, HEADER_BYTES:]
+    if a.row.numel() == 0:
+        return
+    rows = recv if a.row.numel() == recv.shape[0] else recv.index_select(0, a.row)
+    first = out[0] if use_fp8 else out
+    flat = a.local_expert * first.shape[1] + a.column
     if use_fp8:
         data, scales = out
-        data[a.local_expert, a.column] = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
-        scales[a.local_expert, a.column] = rows[:, hidden:].contiguous().view(torch.float32)
+        _scatter_rows(
+            data.view(torch.uint8).view(-1, hidden),
+            flat,
+            rows[:, HEADER_BYTES : HEADER_BYTES + hidden],
+        )
+        _scatter_rows(
+            scales.view(-1, scales.shape[2]).view(torch.uint8),
+            flat,
+            rows[:, HEADER_BYTES + hidden :],
+        )
     else:
-        out[a.local_expert, a.column] = rows.contiguous().view(dtype)
+        _scatter_rows(out.view(-1, hidden).view(torch.uint8), flat, rows[:, HEADER_BYTES:])
+
+
+def gather_outputs(x: torch.Tensor, a: Arrival, num_rows: int) -> torch.Tensor:
+    """Combine's send buffer: row ``i`` is the expert output for received row ``i`` (zero
+    for rows of sources that were dropped)."""
+    hidden = x.shape[2]
+    flat = _dense(x).view(-1, hidden)
+    picked = flat.index_select(0, a.local_expert * x.shape[1] + a.column)
+    if a.row.numel() == num_rows:
+        return picked
+    back = torch.zeros(num_rows, hidden, dtype=x.dtype, device=x.device)
+    back.index_copy_(0, a.row, picked)
+    return back
 
 
 def weighted_sum(
@@ -194,9 +257,10 @@ def weighted_sum(
     ``rows`` are the returned rows of the sent selections ``sent`` (bool [S]), in
     send order; ``used`` (bool, one per returned row) drops rows of inactive ranks.
     """
-    token = r.token[sent][used]
-    slot = r.slot[sent][used]
-    w = weights[token, slot].float().unsqueeze(1)
+    token, slot = r.token[sent], r.slot[sent]
+    if not bool(used.all()):
+        token, slot, rows = token[used], slot[used], rows[used]
+    scaled = rows.float().mul_(weights[token, slot].float().unsqueeze(1))
     acc = torch.zeros(num_tokens, rows.shape[1], dtype=torch.float32, device=rows.device)
-    acc.index_add_(0, token, rows[used].float() * w)
+    acc.index_add_(0, token, scaled)
     return acc

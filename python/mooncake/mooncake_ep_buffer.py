@@ -705,8 +705,7 @@ class Buffer:
         backend = self._backend_for(device)
         deadline = self._deadline(timeout_us)
         a = handle._arrival
-        back = torch.zeros(handle._recv_rows, x.shape[2], dtype=x.dtype, device=device)
-        back[a.row] = x[a.local_expert, a.column]
+        back = fb.gather_outputs(x, a, handle._recv_rows)
         sent_rows = int(handle._send_splits.sum())
         returned = torch.empty(sent_rows, x.shape[2], dtype=x.dtype, device=device)
         work = fb.all_to_all(
