@@ -3,6 +3,9 @@
 # (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
 # and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
+# GPU_STEPS picks steps (default all: "doctor cpp py bench"; the build always
+# runs, incrementally), so a run can be split over two device calls.
+# BENCH_EP_ARGS: arguments of bench_ep.py (default --quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mooncake-gpu-out}
@@ -11,7 +14,9 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
+STEPS=" ${GPU_STEPS:-doctor cpp py bench} "
 step() { echo "== $1"; }
+wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
 step "machine"
 { nvidia-smi || true; nproc; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
@@ -28,27 +33,27 @@ cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
   -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" 2>&1 | tee "$OUT/build.log" >/dev/null
 cmake --build build-gpu -j"$(nproc)" 2>&1 | tee -a "$OUT/build.log" | tail -3 || status=1
 
-step "doctor"
-"$PY" -m mooncake doctor 2>&1 | tee "$OUT/doctor.txt" || status=1
+wants doctor && step "doctor" && { "$PY" -m mooncake doctor 2>&1 | tee "$OUT/doctor.txt" || status=1; }
 
-step "C++ tests"
-if [ -x build-gpu/mooncake_tests ]; then
+if ! wants cpp; then
+  :
+elif [ -x build-gpu/mooncake_tests ]; then
+  step "C++ tests"
   (cd build-gpu && ctest --output-on-failure -j8) 2>&1 | tee "$OUT/ctest.log" | tail -5 || status=1
 else
   echo "GoogleTest not available here: C++ tests skipped" | tee "$OUT/ctest.log"
 fi
 
-step "Python tests"
-"$PY" -m pytest tests/python -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1
+wants py && step "Python tests" && { "$PY" -m pytest tests/python -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
 
-step "benchmark"
-if [ -f bench/bench_pg.py ]; then
+wants bench && step "benchmark"
+if wants bench && [ -f bench/bench_pg.py ]; then
   "$PY" bench/bench_pg.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
 fi
-if [ -f bench/bench_recovery.py ]; then
+if wants bench && [ -f bench/bench_recovery.py ]; then
   "$PY" bench/bench_recovery.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_recovery.log" | tail -30 || status=1
 fi
-if [ -f bench/bench_ep.py ]; then
-  "$PY" bench/bench_ep.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep.log" | tail -30 || status=1
+if wants bench && [ -f bench/bench_ep.py ]; then
+  "$PY" bench/bench_ep.py ${BENCH_EP_ARGS---quick} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep.log" | tail -30 || status=1
 fi
 exit $status
