@@ -11,6 +11,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def run_python(*args: str) -> str:
+    """Runs ``python *args`` in the repository without MOONCAKE_* variables; asserts it
+    exits 0 and returns what it printed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=280
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
 def test_pg_quickstart_under_torchrun():
     """``torchrun --standalone --nproc-per-node=2 examples/pg_quickstart.py`` exits 0 and
     both ranks print every result and OK."""
@@ -44,17 +56,7 @@ def test_make_demo_shows_a_kill_and_a_replacement():
     dispatch/combine, rank 2 killed inside an all_reduce that the survivors complete among
     themselves, EP masking it, a replacement joining, and full strength again (collectives
     and EP)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mooncake", "demo"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_python("-m", "mooncake", "demo")
     for line in (
         "all_reduce(SUM) of rank+1 over 4 ranks = 10",
         "all_reduce of 1 << rank covered ranks [0, 1, 3]",
@@ -75,17 +77,7 @@ def test_moe_layer_example_matches_the_dense_reference():
     """``python examples/moe_layer.py --world 2`` (``make demo`` runs it at world 4): an MoE
     layer over dispatch/combine agrees with a single-process dense layer, with BF16 and with
     FP8 dispatch, and exits 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOONCAKE_")}
-    proc = subprocess.run(
-        [sys.executable, "examples/moe_layer.py", "--world", "2"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_python("examples/moe_layer.py", "--world", "2")
     for fmt in ("BF16", "FP8 "):
         assert f"MoE layer over 2 ranks, 8 experts, top-3, {fmt} dispatch" in out, out[-4000:]
     assert out.count(" OK") == 2, out[-4000:]
