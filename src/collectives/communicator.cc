@@ -95,7 +95,8 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
     view_.active[0] = 0;
     view_.active[rank] = 1;
     members_ = {rank};
-    store_.set(prefix_ + "waiting/" + std::to_string(rank), std::to_string(incarnation_));
+    store_.set(prefix_ + "waiting/" + std::to_string(rank),
+               str(incarnation_, ' ', capacity_));  // see waiting_incarnation
     return;
   }
   endpoint_->connect_all(size, Deadline::after_ms(config_.timeout_ms));

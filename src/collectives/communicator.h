@@ -134,7 +134,11 @@ class Communicator {
   // peer_state is true): collective among the members; afterwards they are
   // members too. With `wait`, a process not yet waiting is waited for (up to
   // the timeout) instead of being an error.
-  void admit(const std::vector<int>& slots, int64_t timeout_ms = -1, bool wait = false);
+  // `limit`: slots at or past it (and below the capacity) are refused, as not
+  // yet extended to (-1: none are); checked inside the collective, so members
+  // that disagree on it all fail alike.
+  void admit(const std::vector<int>& slots, int64_t timeout_ms = -1, bool wait = false,
+             int limit = -1);
   // --- joining process's side ---
   bool joining() const { return joining_; }
   // Blocks until the members admit this process, then connects to them.
@@ -197,7 +201,9 @@ class Communicator {
   // for the ops to find, so every member applies the same view).
   void connect_new(const View& view, const std::vector<int>& slots, const Deadline& deadline);
   // The incarnation of the process waiting to join `slot`, or -1.
-  int64_t waiting_incarnation(int slot);
+  // The incarnation of the process waiting to join as `slot` (-1: none), and
+  // the capacity (max_world_size) it was created with.
+  int64_t waiting_incarnation(int slot, int64_t* capacity = nullptr);
 
   MsgHeader header(const OpMeta& meta) const;
   // Step 0 of an op this rank rejected: the header, flagged, carries the error.

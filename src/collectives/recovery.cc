@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 #include "collectives/communicator.h"
@@ -260,10 +261,14 @@ void Communicator::connect_new(const View& view, const std::vector<int>& slots,
   }
 }
 
-int64_t Communicator::waiting_incarnation(int slot) {
+int64_t Communicator::waiting_incarnation(int slot, int64_t* capacity) {
   const std::string key = prefix_ + "waiting/" + std::to_string(slot);
   if (!store_.check(key)) return -1;
-  const int64_t inc = std::stoll(store_.get(key, 1000));
+  std::istringstream is(store_.get(key, 1000));
+  int64_t inc = -1, cap = -1;
+  is >> inc >> cap;
+  MC_ASSERT(!is.fail(), "malformed '", key, "' entry in the store");
+  if (capacity != nullptr) *capacity = cap;
   return inc > view_.incarnation[slot] ? inc : -1;
 }
 
@@ -280,7 +285,7 @@ std::vector<uint8_t> Communicator::peer_state(const std::vector<int>& slots, int
   return ready;
 }
 
-void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool wait) {
+void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool wait, int limit) {
   MC_CHECK_ARG(!slots.empty(), "recover_ranks: ranks is empty");
   // Settles failures first, so that a rank that died since the last op is
   // out of the view and can be admitted again.
@@ -299,13 +304,24 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool
     else if (view_.is_member(q))
       error = str("recover_ranks: rank ", q,
                   " is active; only failed or never-used ranks can be recovered");
-    while (error.empty() && (inc = waiting_incarnation(q)) < 0) {
+    else if (limit >= 0 && q >= limit)
+      error = str("recover_ranks: rank ", q, " is beyond the group's size (", limit,
+                  "): call extend_group_size_to on every healthy rank first");
+    int64_t cap = -1;
+    while (error.empty() && (inc = waiting_incarnation(q, &cap)) < 0) {
       if (!wait || deadline.expired()) {
         error = str("recover_ranks: no process waits to join as rank ", q,
                     " (start one with is_extension=True; poll get_peer_state until it is ready)");
         break;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    if (error.empty() && cap != capacity_) {
+      error = str("recover_ranks: the process waiting to join as rank ", q,
+                  " was created with max_world_size=", cap, ", but this group's is ", capacity_,
+                  "; start it with max_world_size=", capacity_);
+      // It learns so too, instead of waiting out its timeout.
+      store_.set(prefix_ + "refused/" + std::to_string(q) + "/" + std::to_string(inc), error);
     }
     incs.push_back(static_cast<uint32_t>(inc));
     for (uint64_t v : {static_cast<uint64_t>(q), static_cast<uint64_t>(inc)})
@@ -336,9 +352,20 @@ void Communicator::join(int64_t timeout_ms) {
                "processes created with is_extension=True)");
   const int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
   const Deadline deadline = Deadline::after_ms(t);
-  const std::string key =
-      prefix_ + "admitted/" + std::to_string(rank_) + "/" + std::to_string(incarnation_);
-  View view = View::decode(store_.get(key, deadline.remaining_ms(1L << 40)));
+  const std::string me = std::to_string(rank_) + "/" + std::to_string(incarnation_);
+  const std::string key = prefix_ + "admitted/" + me, refused = prefix_ + "refused/" + me;
+  int64_t sleep_us = 500;
+  while (!store_.check(key)) {
+    if (store_.check(refused))
+      throw_error(ErrorKind::kInvalidArgument, -1,
+                  "join_group: the members refused this process: ", store_.get(refused, 1000));
+    if (deadline.expired())
+      throw_error(ErrorKind::kTimeout, -1, "join_group: not admitted within ", t,
+                  " ms (the healthy ranks call recover_ranks with this rank)");
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min<int64_t>(sleep_us * 2, 10000);
+  }
+  View view = View::decode(store_.get(key, 1000));
   std::vector<int> others = view.members();
   connect_new(view, others, deadline);
   op_seq_ = done_seq_ = view.seq;

@@ -305,12 +305,11 @@ std::vector<bool> MooncakeBackend::get_peer_state(const std::vector<int64_t>& ra
 }
 
 void MooncakeBackend::recover_ranks(const std::vector<int64_t>& ranks, bool wait) {
-  for (int64_t r : ranks)
-    MC_CHECK_ARG(r < extended_size_ || r >= comm_->capacity(), "recover_ranks: rank ", r,
-                 " is beyond the group's size (", extended_size_,
-                 "): call extend_group_size_to first");
   std::vector<int> slots(ranks.begin(), ranks.end());
-  run_on_queue("recover_ranks", [&] { comm_->admit(slots, timeout_ms_, wait); });
+  // The extended size is checked inside the collective: members that
+  // extended differently fail alike.
+  const int limit = static_cast<int>(extended_size_);
+  run_on_queue("recover_ranks", [&] { comm_->admit(slots, timeout_ms_, wait, limit); });
 }
 
 void MooncakeBackend::join_group() {

@@ -243,12 +243,6 @@ def _conduct_wrong_capacity(group, extra):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.xfail(
-    strict=False,
-    reason="library bug: a joiner created with a different max_world_size is admitted (a "
-    "warning is logged); then either it is dropped as silent, or it evicts the healthy "
-    "ranks, which get 'left out'",
-)
 def test_joiner_with_wrong_max_world_size_is_refused():
     """World 2, max_world_size 3; a joiner for slot 2 has max_world_size 4. Expected:
     recover_ranks raises a ValueError naming max_world_size on the members (or join_group
@@ -340,11 +334,6 @@ def _conduct_uneven(group, extra):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=False,
-    reason="library bug: recover_ranks checks the extended size locally, before the "
-    "collective; members that disagree on it fall out of step",
-)
 def test_recover_with_uneven_extended_sizes_fails_alike_everywhere():
     """extend_group_size_to is local: if only rank 0 called it, recover_ranks([3]) must
     still raise ValueError on every member, and the group stay usable: the next

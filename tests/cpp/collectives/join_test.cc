@@ -148,6 +148,42 @@ TEST_P(Join, AdmittingWhatCannotJoinIsAnErrorOnEveryMember) {
   });
 }
 
+// A joiner created with another capacity (max_world_size) is refused: the
+// members get an invalid-argument error naming it, the joiner learns so in
+// join() at once, and the members go on; members that disagree on how far the
+// group was extended fail alike.
+TEST_P(Join, AJoinerWithAnotherCapacityIsRefusedOnBothSides) {
+  const GroupOptions o = options();
+  run_ranks(3, [&](Rank& r) {
+    mooncake::TransferEngine engine = engine_for(o);
+    if (r.rank < 2) {
+      Communicator comm(engine, r.store, "g/", r.rank, 2, comm_config(o), 3);
+      const mooncake::Deadline deadline = mooncake::Deadline::after_ms(10000);
+      while (!comm.peer_state({2})[0]) {
+        ASSERT_FALSE(deadline.expired()) << "the joiner never waited";
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      EXPECT_TRUE(
+          throws_error(ErrorKind::kInvalidArgument, [&] { comm.admit({2}); }, "max_world_size=4"));
+      EXPECT_EQ(member_mask(comm), 0b11);
+      // Only rank 0 counts slot 2 within the group's size: both members fail,
+      // each with its own reason.
+      EXPECT_TRUE(throws_error(
+          ErrorKind::kInvalidArgument, [&] { comm.admit({2}, -1, false, r.rank == 0 ? 3 : 2); },
+          r.rank == 0 ? "max_world_size=4" : "beyond the group's size (2)"));
+      EXPECT_EQ(member_mask(comm), 0b11);
+      r.store.set("members done/" + std::to_string(r.rank), "1");
+    } else {
+      Communicator comm(engine, r.store, "g/", 2, 2, comm_config(o), 4, true);
+      const int64_t start = mooncake::now_us();
+      EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument, [&] { comm.join(); }, "refused"));
+      EXPECT_LT(mooncake::now_us() - start, 5'000'000) << "far sooner than its 10 s timeout";
+      r.store.get("members done/0", 20000);
+      r.store.get("members done/1", 20000);
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Join, testing::Values(false, true),
                          [](const testing::TestParamInfo<bool>& info) {
                            return info.param ? "tcp" : "shm";
