@@ -89,18 +89,14 @@ def route(topk_idx: torch.Tensor, num_ranks: int, local_experts: int) -> Route:
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (2-D, rows of whole bytes) viewed with the widest integer type its row
+    """``t`` (2-D uint8, rows of bytes) viewed with the widest integer type its row
     length, row stride and offset allow, so that row copies move words, not bytes."""
-    if t.dim() != 2 or t.stride(-1) != 1 or t.shape[1] == 0:
+    if t.stride(-1) != 1 or t.shape[1] == 0:
         return t
-    nbytes = t.shape[1] * t.element_size()
-    stride = t.stride(0) * t.element_size()
-    offset = t.storage_offset() * t.element_size()
     for wide in (torch.int64, torch.int32, torch.int16):
-        size = torch.empty(0, dtype=wide).element_size()
-        if size > t.element_size() and nbytes % size == 0 and stride % size == 0:
-            if offset % size == 0:
-                return t.view(torch.uint8).view(wide) if t.element_size() != 1 else t.view(wide)
+        size = wide.itemsize
+        if t.shape[1] % size == 0 and t.stride(0) % size == 0 and t.storage_offset() % size == 0:
+            return t.view(wide)
     return t
 
 
@@ -112,13 +108,10 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """``dst[i] = src[index[i]]``, as word copies (``dst`` may be a strided column block)."""
-    dst, src = _words(dst), _words(_dense(src))
-    dst.copy_(
-        src.view(dst.dtype).index_select(0, index)
-        if src.dtype != dst.dtype
-        else src.index_select(0, index)
-    )
+    """``dst[i] = src[index[i]]`` for uint8 rows, as word copies (``dst`` may be a strided
+    column block; ``src`` is made dense, so it takes ``dst``'s word type)."""
+    dst = _words(dst)
+    dst.copy_(_dense(src).view(dst.dtype).index_select(0, index))
 
 
 def pack_tokens(
@@ -199,11 +192,10 @@ def place(
 
 
 def _scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst[index[i]] = src[i]`` for a contiguous 2-D ``dst``, as word copies."""
-    dst_w, src_w = _words(dst), _words(src)
-    if dst_w.dtype != src_w.dtype:
-        dst_w, src_w = dst.view(torch.uint8), src
-    dst_w.index_copy_(0, index, src_w)
+    """``dst[index[i]] = src[i]`` for uint8 rows, as word copies (``dst`` is contiguous,
+    so it takes ``src``'s word type)."""
+    src = _words(src)
+    dst.view(src.dtype).index_copy_(0, index, src)
 
 
 def unpack_tokens(

@@ -230,8 +230,7 @@ class Buffer:
         device = torch.device("cpu" if cpu else "cuda")
         mine = torch.tensor([1, self.num_ep_buffer_bytes, self.num_ranks], device=device)
         everyone = torch.zeros(self.num_ranks * 3, dtype=torch.int64, device=device)
-        backend = pg._backend_of(self.group) if cpu else self._backend_for(device)
-        backend._allgather_base(everyone, mine).wait()
+        self._backend_for(device)._allgather_base(everyone, mine).wait()
         rows = everyone.reshape(self.num_ranks, 3).tolist()
         for r, (present, nbytes, size) in enumerate(rows):
             if present and (nbytes, size) != (self.num_ep_buffer_bytes, self.num_ranks):

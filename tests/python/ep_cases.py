@@ -1123,10 +1123,6 @@ COMBINE_BAD = [
         _m(lambda a, e, c: {"out": torch.empty(3, SMALL.H, dtype=torch.float32)}),
         ("out", "float32"),
     ),
-]
-
-#: More combine rules (each run once, on every rank).
-COMBINE_BAD_KNOWN = [
     Bad(
         "x_other_float_dtype",
         "combine",
@@ -1333,8 +1329,6 @@ def bad_cases(world: int) -> list[Case]:
     for i, bad in enumerate(DISPATCH_BAD + COMBINE_BAD):
         if world >= bad.min_world:
             cases.append(Case(f"bad/{bad.op}/{bad.name}", P(c_bad, bad=bad, index=i)))
-    for bad in COMBINE_BAD_KNOWN:
-        cases.append(Case(f"bad/{bad.op}/{bad.name}", P(c_bad, bad=bad, index=0)))
     cases += [
         Case("bad/dispatch/duplicates_over_capacity", c_duplicates_over_capacity),
         Case("bad/combine/before_hook", P(c_not_finished, mode="hook")),
