@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -370,15 +369,9 @@ def ratios(row: dict) -> dict:
 
 
 def fmt_us(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return f"{t:.1f}" if t < 1e4 else f"{t:.0f}"
+    from report import fmt_us as report_fmt_us  # imported late: the ranks re-import this file
 
-
-def fmt_ratio(r: float | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r:.2f}" if r < 100 else f"{r:.0f}"
+    return report_fmt_us(t, whole_from=1e4)  # the EP tables are narrower: whole from 10 ms
 
 
 def fmt_kib(n: float) -> str:
@@ -403,7 +396,7 @@ RATIO_COLS = [
 
 
 def print_world(result: dict) -> None:
-    from report import say  # imported late: the ranks re-import this file
+    from report import fmt_ratio, say  # imported late: the ranks re-import this file
 
     world, rows = result["world"], result["rows"]
     if not rows:
@@ -447,6 +440,8 @@ def print_world(result: dict) -> None:
 
 def markdown_table(results: list[dict], meta: dict) -> str:
     """World 4's rows, and the key shape at the other world sizes."""
+    from report import fmt_ratio  # imported late: the ranks re-import this file
+
     lines = [
         f'mooncake-cpu, portable path (`Buffer.path == "portable"`), CPU tensors, on one host '
         f"({meta['cores']} cores), {meta['started']}, library {meta['mooncake']['commit']}; "
@@ -597,9 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unknown measure {', '.join(bad)}; choose from {', '.join(MEASURES)}")
 
-    import torch
-
-    import bench_pg  # for library_version (after torch: it imports numpy)
+    import bench_pg  # for run_meta (here, not at the top: the ranks re-import this file)
     from report import say
 
     cases = [
@@ -654,17 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in errors:
         say(f"# ERROR: world {e['world']}: {e['error']}")
     meta = {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "duration_s": round(time.time() - started, 1),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cores": cores,
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-        "args": vars(args),
-        "mooncake": bench_pg.library_version(),
+        **bench_pg.run_meta(started, cores, load_start, args),
         "mooncake_env": {k: v for k, v in os.environ.items() if k.startswith("MOONCAKE_")},
         "measures": MEASURES,
         "time": "per call, the slowest rank's time (time.perf_counter around the call); "

@@ -395,6 +395,25 @@ def library_version() -> dict:
     }
 
 
+def run_meta(started: float, cores: int, load_start, args) -> dict:
+    """What every benchmark's JSON says about its run: when, where, with what."""
+    import torch
+
+    return {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+        "duration_s": round(time.time() - started, 1),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cores": cores,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "args": vars(args),
+        "mooncake": library_version(),
+    }
+
+
 def measure_floors(worlds: list[int], quick: bool) -> dict:
     cores = floors.host_cores()
     print(f"# measuring floors on {cores} cores ...", file=sys.stderr, flush=True)
@@ -447,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
         small_bytes=int(mooncake_env["MOONCAKE_SMALL_MSG_BYTES"]),
     )
     report.print_floors(model, load_start)
-    import torch  # after the floors: they fork, and want a light parent
 
     cfg = {
         "ops": ops,
@@ -482,18 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     report.print_targets(targets)
     document = {
         "meta": {
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-            "duration_s": round(time.time() - started, 1),
-            "host": platform.node(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "cores": measured["cores"],
-            "loadavg_start": load_start,
-            "loadavg_end": os.getloadavg(),
-            "args": vars(args),
+            **run_meta(started, measured["cores"], load_start, args),
             "mooncake_env": mooncake_env,
-            "mooncake": library_version(),
             "dtype": "float32",
             "time": "per timed loop of back-to-back ops, the slowest rank's mean; per point, "
             "the fastest of its loops (loops_us lists them all)",

@@ -30,7 +30,6 @@ import argparse
 import faulthandler
 import json
 import os
-import platform
 import signal
 import statistics
 import struct
@@ -741,9 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     if not worlds or min(worlds) < 3:
         parser.error("world sizes must be >= 3 (rank 2 is among the victims)")
 
-    import torch
-
-    import bench_pg  # for library_version (after torch: it imports numpy)
+    import bench_pg  # for run_meta (here, not at the top: the ranks re-import this file)
     from report import say
 
     started = time.time()
@@ -764,17 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         if g["error"]
     ]
     meta = {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "duration_s": round(time.time() - started, 1),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cores": cores,
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-        "args": vars(args),
-        "mooncake": bench_pg.library_version(),
+        **bench_pg.run_meta(started, cores, load_start, args),
         "check_s": CHECK_S,
         "idle_sleep_s": IDLE_SLEEP_S,
         "worlds_note": f"world {' and '.join(map(str, worlds))}"

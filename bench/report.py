@@ -39,10 +39,11 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def fmt_us(t: float | None) -> str:
+def fmt_us(t: float | None, whole_from: float = 1e5) -> str:
+    """Microseconds with one decimal, whole from ``whole_from`` up; "-" for None."""
     if t is None:
         return "-"
-    return f"{t:.1f}" if t < 1e5 else f"{t:.0f}"
+    return f"{t:.1f}" if t < whole_from else f"{t:.0f}"
 
 
 def fmt_ratio(r: float | None) -> str:

@@ -201,19 +201,11 @@ class TcpLink : public PeerLink {
   }
 
   void signal(size_t offset, uint64_t value, int bell, const Deadline& deadline) override {
-    MC_ASSERT(offset + 8 <= peer_bytes_ && bell >= 0 && bell < kNumBells,
-              "signal past the peer segment");
-    Frame f{kSignal, static_cast<uint32_t>(bell), offset, value};
-    std::lock_guard<std::mutex> lock(mu_);
-    send_all(&f, sizeof(f), deadline);
+    send_signal(kSignal, offset, value, bell, deadline);
   }
 
   void signal_max(size_t offset, uint64_t value, int bell, const Deadline& deadline) override {
-    MC_ASSERT(offset + 8 <= peer_bytes_ && bell >= 0 && bell < kNumBells,
-              "signal past the peer segment");
-    Frame f{kSignalMax, static_cast<uint32_t>(bell), offset, value};
-    std::lock_guard<std::mutex> lock(mu_);
-    send_all(&f, sizeof(f), deadline);
+    send_signal(kSignalMax, offset, value, bell, deadline);
   }
 
   bool alive() override { return !broken_ && !receiver_.peer_closed(peer_, inc_); }
@@ -229,6 +221,15 @@ class TcpLink : public PeerLink {
     } catch (const Error&) {
       // A peer that cannot take a heartbeat is found out by the ops.
     }
+  }
+
+  void send_signal(FrameType type, size_t offset, uint64_t value, int bell,
+                   const Deadline& deadline) {
+    MC_ASSERT(offset + 8 <= peer_bytes_ && bell >= 0 && bell < kNumBells,
+              "signal past the peer segment");
+    Frame f{type, static_cast<uint32_t>(bell), offset, value};
+    std::lock_guard<std::mutex> lock(mu_);
+    send_all(&f, sizeof(f), deadline);
   }
 
   void send_all(const void* data, size_t len, const Deadline& deadline) {

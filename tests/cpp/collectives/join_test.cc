@@ -25,13 +25,18 @@ int64_t member_mask(Communicator& comm) {
   return v;
 }
 
-// Members poll until the process for `slot` waits, then admit it.
-void admit_when_ready(Communicator& comm, int slot) {
+// Members poll until a process waits to join as `slot`.
+void wait_for_joiner(Communicator& comm, int slot) {
   const mooncake::Deadline deadline = mooncake::Deadline::after_ms(10000);
   while (!comm.peer_state({slot})[0]) {
     ASSERT_FALSE(deadline.expired()) << "no process came to join as rank " << slot;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+}
+
+// Members poll until the process for `slot` waits, then admit it.
+void admit_when_ready(Communicator& comm, int slot) {
+  wait_for_joiner(comm, slot);
   comm.admit({slot});
 }
 
@@ -158,11 +163,7 @@ TEST_P(Join, AJoinerWithAnotherCapacityIsRefusedOnBothSides) {
     mooncake::TransferEngine engine = engine_for(o);
     if (r.rank < 2) {
       Communicator comm(engine, r.store, "g/", r.rank, 2, comm_config(o), 3);
-      const mooncake::Deadline deadline = mooncake::Deadline::after_ms(10000);
-      while (!comm.peer_state({2})[0]) {
-        ASSERT_FALSE(deadline.expired()) << "the joiner never waited";
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
+      wait_for_joiner(comm, 2);
       EXPECT_TRUE(
           throws_error(ErrorKind::kInvalidArgument, [&] { comm.admit({2}); }, "max_world_size=4"));
       EXPECT_EQ(member_mask(comm), 0b11);
