@@ -47,11 +47,13 @@ test-py: build
 demo: build
 	$(PY) -m mooncake demo
 	$(PY) examples/moe_layer.py
+	$(PY) examples/elastic_ep.py
 
 bench: build
 	$(PY) bench/bench_pg.py
 	$(PY) bench/bench_recovery.py
 	$(PY) bench/bench_ep.py
+	$(PY) bench/bench_elastic.py
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)

@@ -3,9 +3,10 @@
 # (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
 # and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
-# GPU_STEPS picks steps (default all: "doctor cpp py bench"; the build always
+# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench"; the build always
 # runs, incrementally), so a run can be split over two device calls.
-# BENCH_EP_ARGS: arguments of bench_ep.py (default --quick).
+# BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
+# bench_elastic.py (default: none, the full run, about a minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mooncake-gpu-out}
@@ -14,7 +15,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp py bench} "
+STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench} "
 step() { echo "== $1"; }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
@@ -46,6 +47,12 @@ fi
 
 wants py && step "Python tests" && { "$PY" -m pytest tests/python -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
 
+# The elastic EP buffer with CUDA tensors (staged through host memory).
+if wants elastic; then
+  step "elastic EP, CUDA tensors"
+  "$PY" examples/elastic_ep.py --device cuda 2>&1 | tee "$OUT/elastic_cuda.log" | tail -8 || status=1
+fi
+
 wants bench && step "benchmark"
 if wants bench && [ -f bench/bench_pg.py ]; then
   "$PY" bench/bench_pg.py --quick --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
@@ -55,5 +62,8 @@ if wants bench && [ -f bench/bench_recovery.py ]; then
 fi
 if wants bench && [ -f bench/bench_ep.py ]; then
   "$PY" bench/bench_ep.py ${BENCH_EP_ARGS---quick} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep.log" | tail -30 || status=1
+fi
+if wants bench && [ -f bench/bench_elastic.py ]; then
+  "$PY" bench/bench_elastic.py ${BENCH_ELASTIC_ARGS-} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_elastic.log" | tail -14 || status=1
 fi
 exit $status

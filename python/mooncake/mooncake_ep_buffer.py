@@ -166,10 +166,47 @@ class Buffer:
         self.num_ranks = group.size()
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.path = "portable"
+        self._init_calls()
+        self._sync_members("Buffer")
+
+    def _init_calls(self) -> None:
         self._id = next(_buffer_ids)
         self._seq = 0
         self._combine_buffers: list[torch.Tensor | None] = [None, None]
-        self._sync_members("Buffer")
+
+    @classmethod
+    def create_elastic(
+        cls,
+        rank: int,
+        tcp_store_group: dist.Store,
+        timeout_ms: int = 30000,
+        metadata_timeout_ms: int = 300000,
+        store_prefix: str = "mooncake-ep/",
+    ) -> Buffer:
+        """An elastic Buffer for global rank ``rank``: a fixed capacity of stable
+        rank slots, peers connected, staged and masked one by one
+        (``../shared/spec/rfc-elastic-ep-buffer.md``; ``mooncake._ep_elastic``).
+
+        Call ``update_memory_buffers(num_ranks=capacity, num_experts_per_rank,
+        num_rdma_bytes)`` next, then ``connect_ranks``/``update_mask_buffer``.
+        ``dispatch``/``combine`` work as here, among the active slots.
+
+        Args:
+            rank: this process's slot (logical rank).
+            tcp_store_group: the ``torch.distributed.Store`` (a TCPStore) through
+                which peers exchange metadata.
+            timeout_ms: deadline of one exchange (communication only); a peer
+                silent past it is masked. -1: none.
+            metadata_timeout_ms: bound of store waits only (a peer's buffer or
+                its side of a connection).
+            store_prefix: the store keys' namespace (one per set of buffers).
+
+        Raises:
+            ValueError: an argument breaks its rule (the message names it).
+        """
+        from ._ep_elastic import ElasticBuffer
+
+        return ElasticBuffer(rank, tcp_store_group, timeout_ms, metadata_timeout_ms, store_prefix)
 
     # --- sizes -------------------------------------------------------------------------
 
@@ -239,9 +276,36 @@ class Buffer:
                     f"rank {self.rank} has {self.num_ep_buffer_bytes}"
                 )
 
-    def _present(self) -> torch.Tensor:
-        """bool [R], on CPU: the process group's members right now."""
-        return pg.get_active_ranks(self.group)[: self.num_ranks].cpu().bool()
+    def _present(self, num_ranks: int) -> torch.Tensor:
+        """bool [num_ranks], on CPU: the ranks that take part right now (here the
+        process group's members)."""
+        return pg.get_active_ranks(self.group)[:num_ranks].cpu().bool()
+
+    # The hooks an elastic buffer (``mooncake._ep_elastic``) overrides: how many
+    # ranks a call covers, its local experts, and the exchange itself.
+
+    def _call_ranks(self, num_experts) -> int:
+        """``R`` of a dispatch with ``num_experts`` experts."""
+        return self.num_ranks
+
+    def _local_experts(self, num_experts, num_ranks: int) -> int:
+        """``E/R``: the width of the counts rows (0 when num_experts is invalid)."""
+        return num_experts // num_ranks if _is_int(num_experts) and num_experts >= num_ranks else 0
+
+    def _experts_error(self, num_experts: int) -> str | None:
+        if num_experts % self.num_ranks:
+            return (
+                f"num_experts ({num_experts}) must be divisible by the number of ranks "
+                f"({self.num_ranks})"
+            )
+        return None
+
+    def _all_to_all(self, device, out, inp, out_splits, in_splits, deadline_us):
+        """Starts an uneven exchange of ``inp``'s rows (splits per rank); returns a Work.
+        ``device`` None: this rank rejected its call and only takes part."""
+        return fb.all_to_all(
+            self._backend_for(device), out, inp, out_splits, in_splits, deadline_us
+        )
 
     def _backend_for(self, device: torch.device | None):
         if device is None or device.type == "cpu":
@@ -269,7 +333,7 @@ class Buffer:
     def _dispatch_error(
         self, x, topk_idx, active_ranks, max_tokens, num_experts, timeout_us, use_fp8, stats, modes
     ) -> str | None:
-        R = self.num_ranks
+        R = self._call_ranks(num_experts)
         err = _tensor_error("x", x, _FLOAT_DTYPES, 2)
         if err:
             return err
@@ -300,8 +364,9 @@ class Buffer:
             return (
                 f"topk_idx must have one row per token of x ({n}), got shape {list(topk_idx.shape)}"
             )
-        if num_experts % R:
-            return f"num_experts ({num_experts}) must be divisible by the number of ranks ({R})"
+        err = self._experts_error(num_experts)
+        if err:
+            return err
         if n > max_tokens:
             return f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({max_tokens})"
         if h < 1:
@@ -414,7 +479,7 @@ class Buffer:
                 alike, and the group stays usable.
             RuntimeError: this rank was left out of the group.
         """
-        R = self.num_ranks
+        R = self._call_ranks(num_experts)
         error = self._dispatch_error(
             x,
             topk_idx,
@@ -428,11 +493,10 @@ class Buffer:
         )
         ok = error is None
         device = x.device if ok else None
-        backend = self._backend_for(device)
-        epr = num_experts // R if _is_int(num_experts) and num_experts >= R else 0
+        epr = self._local_experts(num_experts, R)
         deadline = self._deadline(timeout_us) if ok else None
         mask = (
-            (self._present() if active_ranks is None else active_ranks.cpu().bool())
+            (self._present(R) if active_ranks is None else active_ranks.cpu().bool())
             if ok
             else torch.zeros(R, dtype=torch.bool)
         )
@@ -447,9 +511,9 @@ class Buffer:
         meta[:, 4] = fb.STATUS_OK if ok else fb.STATUS_REJECTED
         meta[:, 5] = mask.long()
         meta = meta.to(device or "cpu")
-        theirs = torch.empty_like(meta)
+        theirs = torch.zeros_like(meta)  # rows of ranks that send nothing stay 0
         try:
-            fb.all_to_all(backend, theirs, meta, [1] * R, [1] * R, deadline).wait()
+            self._all_to_all(device, theirs, meta, [1] * R, [1] * R, deadline).wait()
         except ValueError as e:
             if error:
                 raise ValueError(f"dispatch: {error}") from None
@@ -460,7 +524,7 @@ class Buffer:
         if error:
             raise ValueError(f"dispatch: {error}")
         theirs = theirs.cpu()
-        present = self._present()
+        present = self._present(R)
         self._check_peers(theirs, present, T, H, num_experts, use_fp8)
         mutual = mask & present & (theirs[:, 5] == 1)
 
@@ -471,7 +535,7 @@ class Buffer:
         send_splits = (r.counts.cpu() * mutual.unsqueeze(1).long()).sum(1)
         recv_splits = buffer_counts.sum(1)
         recv = torch.empty(int(recv_splits.sum()), row_bytes, dtype=torch.uint8, device=device)
-        work = fb.all_to_all(backend, recv, rows, recv_splits, send_splits, deadline)
+        work = self._all_to_all(device, recv, rows, recv_splits, send_splits, deadline)
 
         if use_fp8:
             recv_x = (
@@ -497,7 +561,7 @@ class Buffer:
         stats = cumulative_local_expert_recv_stats
 
         def finish() -> None:
-            now = self._present()
+            now = self._present(R)
             self._mark_failed(active_ranks, now)
             kept = (mutual & now).to(device)
             a = fb.place(recv, buffer_counts.to(device), kept, T)
@@ -605,7 +669,12 @@ class Buffer:
             None
             if active_ranks is None
             else _tensor_error(
-                "active_ranks", active_ranks, (torch.int32,), 1, device, [self.num_ranks]
+                "active_ranks",
+                active_ranks,
+                (torch.int32,),
+                1,
+                device,
+                [handle.layout_range.shape[1]],
             ),
             None
             if _is_int(timeout_us) and (timeout_us == -1 or timeout_us > 0)
@@ -677,7 +746,11 @@ class Buffer:
                 the group stays usable.
             RuntimeError: this rank was left out of the group.
         """
-        R = self.num_ranks
+        R = (
+            handle.layout_range.shape[1]
+            if isinstance(handle, DispatchHandle) and hasattr(handle, "_buffer")
+            else self._call_ranks(None)
+        )
         error = self._combine_error(
             x,
             topk_idx,
@@ -694,21 +767,18 @@ class Buffer:
             # that the others fail alike instead of waiting for this rank.
             empty = torch.empty(0, dtype=torch.uint8)
             try:
-                fb.all_to_all(
-                    pg._backend_of(self.group), empty, empty, [0] * R, [0] * R, None
-                ).wait()
+                self._all_to_all(None, empty, empty, [0] * R, [0] * R, None).wait()
             except (ValueError, RuntimeError):
                 pass
             raise ValueError(f"combine: {error}")
         device = x.device
-        backend = self._backend_for(device)
         deadline = self._deadline(timeout_us)
         a = handle._arrival
         back = fb.gather_outputs(x, a, handle._recv_rows)
         sent_rows = int(handle._send_splits.sum())
         returned = torch.empty(sent_rows, x.shape[2], dtype=x.dtype, device=device)
-        work = fb.all_to_all(
-            backend, returned, back, handle._send_splits, handle._recv_splits, deadline
+        work = self._all_to_all(
+            device, returned, back, handle._send_splits, handle._recv_splits, deadline
         )
         work = _Rephrased(
             work,
@@ -724,7 +794,7 @@ class Buffer:
         r, sent = handle._route, handle._sent
 
         def finish() -> None:
-            now = self._present()
+            now = self._present(R)
             self._mark_failed(active_ranks, now)
             alive = now if mask is None else now & mask
             used = alive.to(device)[r.dest[sent]]

@@ -12,28 +12,34 @@ Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch 
       plane_(plane),
       watch_(watch),
       hang_ms_(hang_ms),
-      target_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
+      target_send_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
+      target_recv_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
       send_gen_(static_cast<size_t>(layout.capacity), 1),
       recv_gen_(static_cast<size_t>(layout.capacity), 1),
       sent_(static_cast<size_t>(layout.capacity), 0),
       received_(static_cast<size_t>(layout.capacity), 0) {
-  for (int p = 0; p < layout.capacity; ++p) target_gen_[p].store(1);
+  for (int p = 0; p < layout.capacity; ++p) {
+    target_send_gen_[p].store(1);
+    target_recv_gen_[p].store(1);
+  }
 }
 
-void Channels::restart(int peer, uint64_t gen) {
-  MC_ASSERT(gen > 0 && gen < (uint64_t{1} << (64 - kFlagCountBits)), "channel generation ", gen);
-  target_gen_[peer].store(gen, std::memory_order_release);
+void Channels::restart(int peer, uint64_t send_gen, uint64_t recv_gen) {
+  for (uint64_t gen : {send_gen, recv_gen})
+    MC_ASSERT(gen > 0 && gen <= kMaxChannelGen, "channel generation ", gen);
+  target_send_gen_[peer].store(send_gen, std::memory_order_release);
+  target_recv_gen_[peer].store(recv_gen, std::memory_order_release);
 }
 
 void Channels::sync_send(int peer) {
-  const uint64_t gen = target_gen_[peer].load(std::memory_order_acquire);
+  const uint64_t gen = target_send_gen_[peer].load(std::memory_order_acquire);
   if (gen == send_gen_[peer]) return;
   send_gen_[peer] = gen;
   sent_[peer] = 0;
 }
 
 void Channels::sync_recv(int peer) {
-  const uint64_t gen = target_gen_[peer].load(std::memory_order_acquire);
+  const uint64_t gen = target_recv_gen_[peer].load(std::memory_order_acquire);
   if (gen == recv_gen_[peer]) return;
   recv_gen_[peer] = gen;
   received_[peer] = 0;

@@ -22,6 +22,7 @@
 namespace mooncake {
 
 constexpr int kFlagCountBits = 40;
+constexpr uint64_t kMaxChannelGen = (uint64_t{1} << (64 - kFlagCountBits)) - 1;
 inline uint64_t flag_value(uint64_t gen, uint64_t count) {
   return (gen << kFlagCountBits) | count;
 }
@@ -46,7 +47,10 @@ class Channels {
   // Restarts both directions of the channel to `peer` at generation `gen`.
   // Safe from any thread: the sending and receiving threads pick it up at
   // their next use of the channel.
-  void restart(int peer, uint64_t gen);
+  void restart(int peer, uint64_t gen) { restart(peer, gen, gen); }
+  // The same with a generation per direction: `send_gen` for our messages to
+  // `peer`, `recv_gen` for its messages to us (each chosen by its sender).
+  void restart(int peer, uint64_t send_gen, uint64_t recv_gen);
   // The ranks whose death fails a wait with kAnyWatched (set by the thread
   // that runs the collectives).
   // `epoch` is the view's: a wait fails once a peer tells of a later one.
@@ -100,9 +104,10 @@ class Channels {
   int64_t hang_ms_;
   std::vector<int> watched_;
   uint64_t epoch_ = 0;
-  std::unique_ptr<std::atomic<uint64_t>[]> target_gen_;  // per peer
-  std::vector<uint64_t> send_gen_, recv_gen_;            // generation each side runs in
-  std::vector<uint64_t> sent_;                           // messages sent to each peer in send_gen_
+  std::unique_ptr<std::atomic<uint64_t>[]> target_send_gen_;  // per peer
+  std::unique_ptr<std::atomic<uint64_t>[]> target_recv_gen_;  // per peer
+  std::vector<uint64_t> send_gen_, recv_gen_;                 // generation each side runs in
+  std::vector<uint64_t> sent_;      // messages sent to each peer in send_gen_
   std::vector<uint64_t> received_;  // messages consumed from each peer in recv_gen_
   std::atomic<bool> stopping_{false};
 };

@@ -81,3 +81,17 @@ def test_moe_layer_example_matches_the_dense_reference():
     for fmt in ("BF16", "FP8 "):
         assert f"MoE layer over 2 ranks, 8 experts, top-3, {fmt} dispatch" in out, out[-4000:]
     assert out.count(" OK") == 2, out[-4000:]
+
+
+def test_elastic_ep_example_grows_loses_and_replaces_a_rank():
+    """``python examples/elastic_ep.py`` (in ``make demo``): 2 -> 4 slots, slot 3 killed and
+    masked, a new process in slot 3; every round checked inside the ranks, and it exits 0."""
+    out = run_python("examples/elastic_ep.py")
+    assert "elastic EP example: ok" in out, out[-4000:]
+    for line in (
+        "[slot 0] 2 ranks: active [0, 1]",
+        "[slot 0] 4 ranks: active [0, 1, 2, 3]",
+        "[slot 0] slot 3 killed: masked after",
+        "[slot 3 (replacement)] after replacement: active [0, 1, 2, 3]",
+    ):
+        assert line in out, f"missing {line!r} in:\n{out[-4000:]}"

@@ -1,0 +1,343 @@
+#include "ep/elastic.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "collectives/communicator.h"
+#include "core/env.h"
+#include "core/error.h"
+#include "core/log.h"
+
+namespace mooncake {
+
+namespace {
+
+constexpr uint32_t kElasticMsg = 0xE1A5;  // MsgHeader::op_type of every exchange message
+
+size_t num_pieces(size_t bytes, size_t chunk) {
+  return bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
+}
+
+size_t piece_bytes(size_t bytes, size_t chunk, size_t k) {
+  const size_t begin = k * chunk;
+  return begin >= bytes ? 0 : std::min(chunk, bytes - begin);
+}
+
+// Polls `ready` (a store read) until it returns true or the deadline passes.
+template <typename F>
+bool poll_store(const Deadline& deadline, F ready) {
+  auto pause = std::chrono::milliseconds(1);
+  while (!ready()) {
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+  return true;
+}
+
+bool recoverable(const Error& e) {
+  return e.kind() == ErrorKind::kTimeout || e.kind() == ErrorKind::kPeerFailed;
+}
+
+}  // namespace
+
+void ElasticConfig::validate() const {
+  MC_CHECK_ARG(capacity >= 1, "update_memory_buffers: num_ranks (the capacity) must be >= 1, got ",
+               capacity);
+  MC_CHECK_ARG(rank >= 0 && rank < capacity, "update_memory_buffers: this rank (", rank,
+               ") must be below num_ranks (the capacity, ", capacity, ")");
+  MC_CHECK_ARG(local_experts >= 1, "update_memory_buffers: num_experts_per_rank must be >= 1, got ",
+               local_experts);
+  MC_CHECK_ARG(timeout_ms == -1 || timeout_ms > 0,
+               "create_elastic: timeout_ms must be > 0 or -1 (no deadline), got ", timeout_ms);
+  MC_CHECK_ARG(metadata_timeout_ms > 0, "create_elastic: metadata_timeout_ms must be > 0, got ",
+               metadata_timeout_ms);
+  MC_CHECK_ARG(chunk_bytes % 64 == 0, "chunk_bytes must be a multiple of 64, got ", chunk_bytes);
+}
+
+ElasticPeers::ElasticPeers(const TransferEngine& engine, Store& store, ElasticConfig config)
+    : config_(std::move(config)),
+      store_(store),
+      slots_((config_.validate(), config_.rank), config_.capacity),
+      peers_(static_cast<size_t>(config_.capacity)) {
+  if (config_.chunk_bytes == 0) config_.chunk_bytes = CommConfig::from_env(-1).chunk_bytes;
+  if (config_.hang_ms < 0) config_.hang_ms = CommConfig::from_env(-1).hang_ms;
+  const Layout layout{config_.capacity, config_.chunk_bytes};
+  incarnation_ = static_cast<uint32_t>(store_.add(key("inc", config_.rank), 1) - 1);
+  endpoint_ = std::make_unique<Endpoint>(engine, store_, config_.prefix, config_.rank, incarnation_,
+                                         config_.capacity, layout.total_bytes());
+  channels_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective,
+                                         Channels::Watch::kPeer, config_.hang_ms);
+  const std::string inc = std::to_string(incarnation_);
+  store_.set(key("meta", config_.rank) + "/" + inc,
+             str(config_.capacity, " ", config_.local_experts));
+  store_.set(key("cur", config_.rank), inc);
+}
+
+ElasticPeers::~ElasticPeers() {
+  if (channels_) channels_->set_stopping();
+}
+
+std::string ElasticPeers::key(const std::string& what, int slot) const {
+  return config_.prefix + what + "/" + std::to_string(slot);
+}
+
+std::string ElasticPeers::link_key(int from, int to) const {
+  return config_.prefix + "link/" + std::to_string(from) + "/" + std::to_string(to);
+}
+
+uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
+  // The process named by cur/<peer>, once it is alive: right after a death
+  // the key still names the dead process until its replacement publishes.
+  uint32_t inc = 0;
+  bool dead_seen = false;
+  uint32_t dead_inc = 0;
+  const bool found = poll_store(deadline, [&] {
+    if (!store_.check(key("cur", peer))) return false;
+    inc = static_cast<uint32_t>(std::stoul(store_.get(key("cur", peer), 1000)));
+    if (dead_seen && inc == dead_inc) return false;
+    std::istringstream meta(store_.get(key("meta", peer) + "/" + std::to_string(inc), 1000));
+    int capacity = 0, local_experts = 0;
+    meta >> capacity >> local_experts;
+    MC_CHECK_ARG(capacity == config_.capacity && local_experts == config_.local_experts,
+                 "connect_ranks: rank ", peer, "'s buffer has num_ranks=", capacity,
+                 " and num_experts_per_rank=", local_experts, ", this rank's (", config_.rank,
+                 ") has num_ranks=", config_.capacity,
+                 " and num_experts_per_rank=", config_.local_experts, "; they must be equal");
+    try {
+      endpoint_->connect(peer, inc, deadline);
+      if (endpoint_->alive(peer)) return true;
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::kInvalidArgument) throw;
+    }
+    endpoint_->disconnect(peer);
+    dead_seen = true;
+    dead_inc = inc;
+    return false;  // wait for a replacement
+  });
+  if (!found)
+    throw_error(ErrorKind::kTimeout, peer, "connect_ranks: no live process holds rank ", peer,
+                " within metadata_timeout_ms (", config_.metadata_timeout_ms,
+                " ms): it has not created its buffer (update_memory_buffers)",
+                dead_seen ? ", or it died and no replacement has started" : "");
+  return inc;
+}
+
+void ElasticPeers::check_slot(int peer, const char* what) const {
+  MC_CHECK_ARG(peer >= 0 && peer < config_.capacity, what, ": rank ", peer,
+               " is outside the capacity [0, ", config_.capacity, ")");
+  MC_CHECK_ARG(peer != config_.rank, what, ": rank ", peer, " is this rank itself");
+}
+
+void ElasticPeers::connect(const std::vector<int>& peers, bool activate) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    check_slot(peers[i], "connect_ranks");
+    MC_CHECK_ARG(std::find(peers.begin(), peers.begin() + i, peers[i]) == peers.begin() + i,
+                 "connect_ranks: rank ", peers[i], " is listed twice");
+    MC_CHECK_ARG(slots_.state(peers[i]) == SlotState::kDisconnected, "connect_ranks: rank ",
+                 peers[i], " is already ", slot_state_name(slots_.state(peers[i])),
+                 "; call disconnect_ranks first to replace it");
+  }
+  const Deadline deadline = metadata_deadline();
+  for (int p : peers) {
+    const uint32_t inc = attach(p, deadline);
+    const int64_t gen = store_.add(config_.prefix + "gens", 1);
+    MC_CHECK_ARG(gen >= 1 && static_cast<uint64_t>(gen) <= kMaxChannelGen,
+                 "connect_ranks: the store's channel generations are used up (", gen,
+                 "); use a fresh store prefix");
+    store_.set(link_key(config_.rank, p), str(incarnation_, " ", inc, " ", gen));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Peer& peer = peers_[static_cast<size_t>(p)];
+      if (peer.inc != inc) peer.last_gen = 0;
+      peer.inc = inc;
+      peer.send_gen = static_cast<uint64_t>(gen);
+      peer.recv_gen = 0;
+      slots_.connect(p, false);
+    }
+    MC_LOG(kInfo, "ep rank ", config_.rank, ": connected rank ", p, " (incarnation ", inc,
+           ") over ", endpoint_->transport_of(p));
+  }
+  if (activate)
+    for (int p : peers) set_masked_locked(p, false);
+}
+
+uint64_t ElasticPeers::await_peer_gen(int peer, const Deadline& deadline) {
+  const Peer& p = peers_[static_cast<size_t>(peer)];
+  uint64_t gen = 0;
+  const bool found = poll_store(deadline, [&] {
+    if (!store_.check(link_key(peer, config_.rank))) return false;
+    std::istringstream in(store_.get(link_key(peer, config_.rank), 1000));
+    uint64_t from = 0, to = 0;
+    in >> from >> to >> gen;
+    return from == p.inc && to == incarnation_ && gen > p.last_gen;
+  });
+  if (!found)
+    throw_error(ErrorKind::kTimeout, peer, "update_mask_buffer: rank ", peer,
+                " has not connected to this rank (", config_.rank, ") within metadata_timeout_ms (",
+                config_.metadata_timeout_ms, " ms); both sides call connect_ranks");
+  return gen;
+}
+
+void ElasticPeers::set_masked(int peer, bool masked) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  set_masked_locked(peer, masked);
+}
+
+void ElasticPeers::set_masked_locked(int peer, bool masked) {
+  check_slot(peer, "update_mask_buffer");
+  MC_CHECK_ARG(slots_.state(peer) != SlotState::kDisconnected, "update_mask_buffer: rank ", peer,
+               " is not connected; call connect_ranks first");
+  if (masked) {
+    std::lock_guard<std::mutex> lock(mu_);
+    slots_.set_masked(peer, true);
+    return;
+  }
+  Peer& p = peers_[static_cast<size_t>(peer)];
+  // A staged peer of a new connection: take its generation first (a store
+  // wait, without holding up exchanges among the others).
+  const uint64_t gen = p.recv_gen ? p.recv_gen : await_peer_gen(peer, metadata_deadline());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (p.recv_gen == 0) {
+    p.recv_gen = p.last_gen = gen;
+    p.calls = 0;
+    channels_->restart(peer, p.send_gen, p.recv_gen);
+  }
+  slots_.set_masked(peer, false);
+}
+
+void ElasticPeers::disconnect(const std::vector<int>& peers) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  for (size_t i = 0; i < peers.size(); ++i) {
+    check_slot(peers[i], "disconnect_ranks");
+    MC_CHECK_ARG(std::find(peers.begin(), peers.begin() + i, peers[i]) == peers.begin() + i,
+                 "disconnect_ranks: rank ", peers[i], " is listed twice");
+    MC_CHECK_ARG(slots_.state(peers[i]) != SlotState::kDisconnected, "disconnect_ranks: rank ",
+                 peers[i], " is not connected");
+  }
+  std::lock_guard<std::mutex> lock(mu_);  // after any exchange in flight
+  for (int p : peers) {
+    slots_.disconnect(p);
+    peers_[static_cast<size_t>(p)].recv_gen = 0;
+    endpoint_->disconnect(p);
+  }
+}
+
+void ElasticPeers::mark_failed(int peer, const std::string& why) {
+  if (!slots_.mark_failed(peer)) return;
+  events_.push_back(why);
+  MC_LOG(kWarn, "ep rank ", config_.rank, ": masked rank ", peer, ": ", why);
+}
+
+std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_t* send_bytes,
+                                            void* const* recv, const size_t* recv_bytes, int bound,
+                                            int64_t timeout_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int me = config_.rank;
+  MC_CHECK_ARG(bound > me && bound <= config_.capacity, "exchange: bound must be in (", me, ", ",
+               config_.capacity, "], got ", bound);
+  std::vector<uint8_t> got(static_cast<size_t>(config_.capacity), 0);
+  got[static_cast<size_t>(me)] = 1;
+  if (send_bytes[me] != 0 && send[me] != recv[me])
+    std::memmove(recv[me], send[me], std::min(send_bytes[me], recv_bytes[me]));
+  std::vector<int> live;
+  for (int i = 1; i < bound; ++i) {
+    const int p = (me + i) % bound;  // start after this rank: not everyone hits rank 0 first
+    if (slots_.active(p)) live.push_back(p);
+  }
+  const Deadline deadline = Deadline::after_ms(timeout_ms < 0 ? config_.timeout_ms : timeout_ms);
+  const size_t chunk = config_.chunk_bytes;
+  size_t steps = 1;
+  for (int p : live) {
+    peers_[static_cast<size_t>(p)].calls += 1;
+    steps = std::max({steps, num_pieces(send_bytes[p], chunk), num_pieces(recv_bytes[p], chunk)});
+  }
+  auto drop = [&](int p, const std::string& why) {
+    mark_failed(p, why);
+    live.erase(std::find(live.begin(), live.end(), p));
+  };
+  MsgHeader h{};
+  h.op_type = kElasticMsg;
+  for (size_t k = 0; k < steps; ++k) {
+    for (int p : std::vector<int>(live)) {
+      const size_t len = piece_bytes(send_bytes[p], chunk, k);
+      if (k != 0 && len == 0) continue;
+      h.op_seq = peers_[static_cast<size_t>(p)].calls;
+      h.edge_bytes = send_bytes[p];
+      h.edge_expect = recv_bytes[p];
+      try {
+        channels_->send(p, h, static_cast<const uint8_t*>(send[p]) + k * chunk, len, deadline,
+                        "ep exchange");
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        drop(p, e.what());
+      }
+    }
+    for (int p : std::vector<int>(live)) {
+      const size_t len = piece_bytes(recv_bytes[p], chunk, k);
+      if (k != 0 && len == 0) continue;
+      const uint64_t call = peers_[static_cast<size_t>(p)].calls;
+      const MsgHeader* msg = nullptr;
+      try {
+        // Messages of an exchange this side gave up on arrive late: drop them.
+        while ((msg = channels_->receive(p, deadline, "ep exchange"))->op_seq < call)
+          channels_->release(p, deadline);
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        drop(p, e.kind() == ErrorKind::kTimeout
+                    ? str(e.what(), " (deadline ", timeout_ms < 0 ? config_.timeout_ms : timeout_ms,
+                          " ms)")
+                    : std::string(e.what()));
+        continue;
+      }
+      std::string wrong;
+      if (msg->op_type != kElasticMsg || msg->op_seq != call)
+        wrong = str("rank ", p, " is out of step: its message is for call ", msg->op_seq,
+                    ", this rank is at call ", call,
+                    " (masks changed on one side only; "
+                    "disconnect_ranks and connect_ranks on both sides to resume)");
+      else if (k == 0 && (msg->edge_bytes != recv_bytes[p] || msg->edge_expect != send_bytes[p]))
+        wrong = str("rank ", p, " sends ", msg->edge_bytes, " bytes and expects ", msg->edge_expect,
+                    "; this rank expects ", recv_bytes[p], " and sends ", send_bytes[p]);
+      else if (msg->len != len)
+        wrong = str("rank ", p, " sent a piece of ", msg->len, " bytes, expected ", len);
+      if (!wrong.empty()) {
+        drop(p, wrong);
+        continue;
+      }
+      std::memcpy(static_cast<uint8_t*>(recv[p]) + k * chunk, msg + 1, len);
+      try {
+        channels_->release(p, deadline);
+      } catch (const Error& e) {
+        if (!recoverable(e)) throw;
+        drop(p, e.what());
+      }
+    }
+  }
+  for (int p : live) got[static_cast<size_t>(p)] = 1;
+  return got;
+}
+
+std::vector<uint8_t> ElasticPeers::barrier(int64_t timeout_ms) {
+  const size_t n = static_cast<size_t>(config_.capacity);
+  std::vector<const void*> send(n, nullptr);
+  std::vector<void*> recv(n, nullptr);
+  std::vector<size_t> bytes(n, 0);
+  return exchange(send.data(), bytes.data(), recv.data(), bytes.data(), slots_.rank_bound(),
+                  timeout_ms);
+}
+
+const char* ElasticPeers::transport_of(int peer) const {
+  return endpoint_->transport_of(peer);
+}
+
+std::vector<std::string> ElasticPeers::events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_;
+}
+
+}  // namespace mooncake

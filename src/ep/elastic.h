@@ -1,0 +1,136 @@
+// The elastic EP buffer's peers (../shared/spec/rfc-elastic-ep-buffer.md):
+// one Endpoint whose slot is this process's logical rank, a SlotTable, and
+// message channels to the connected slots. Peers find each other through the
+// caller's store; there is no process group and no agreement: every rank
+// keeps its own mask, and a peer that stays silent past a call's deadline is
+// masked on the side that waited for it.
+//
+// Store keys (under `prefix`):
+//   inc/<slot>              counter: the incarnation of each process that holds the slot
+//   cur/<slot>              "<inc>": the process holding the slot now
+//   meta/<slot>/<inc>       "<capacity> <local experts>": checked at connect
+//   addr/<slot>/<inc>       the Endpoint's address (transport/engine.h)
+//   link/<from>/<to>        "<from inc> <to inc> <gen>": the channel generation `from`
+//                           sends with on its latest connection to `to`
+//   gens                    counter: channel generations, unique in the store
+//
+// Connecting is one-sided and never waits for the peer to connect back: it
+// maps the peer's segment (waiting for its address up to the metadata
+// timeout) and publishes the generation this side will send with. Activating
+// a staged peer (set_masked(peer, false)) waits for the peer's own link key
+// for this pair of processes, then restarts the channel in both directions.
+// A flag of another generation reads as zero (collectives/channel.h), so a
+// late write of an old connection, or of the process a replacement took over
+// from, never reaches a new one.
+//
+// Every message of an exchange carries the pair's call number (both sides
+// count the exchanges they run with each other since activation); a message
+// with an older number is a late one from an exchange this side gave up on,
+// and is dropped.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "collectives/channel.h"
+#include "collectives/layout.h"
+#include "ep/slots.h"
+#include "store/store.h"
+#include "transport/engine.h"
+
+namespace mooncake {
+
+struct ElasticConfig {
+  int rank = 0;
+  int capacity = 0;
+  int local_experts = 0;                 // num_experts_per_rank; peers must agree
+  int64_t timeout_ms = 30000;            // one exchange (communication only); < 0: none
+  int64_t metadata_timeout_ms = 300000;  // store waits only
+  size_t chunk_bytes = 0;                // 0: MOONCAKE_CHUNK_BYTES
+  int64_t hang_ms = -1;  // silence that fails a peer; 0: never; < 0: MOONCAKE_HANG_MS
+  std::string prefix = "mooncake-ep/";  // store key namespace
+
+  // Throws an invalid-argument Error naming the field that breaks its rule.
+  void validate() const;
+};
+
+class ElasticPeers {
+ public:
+  ElasticPeers(const TransferEngine& engine, Store& store, ElasticConfig config);
+  ~ElasticPeers();
+  ElasticPeers(const ElasticPeers&) = delete;
+  ElasticPeers& operator=(const ElasticPeers&) = delete;
+
+  const ElasticConfig& config() const { return config_; }
+  const SlotTable& slots() const { return slots_; }
+  uint32_t incarnation() const { return incarnation_; }
+
+  // Connects to the process that holds each slot (all arguments are checked
+  // before anything changes). A slot whose previous process this buffer was
+  // connected to and that is gone waits for its replacement. activate=false
+  // stages it (masked); activate=true publishes it at once.
+  void connect(const std::vector<int>& peers, bool activate);
+  // masked=false publishes a staged peer (see the header comment); masked=true
+  // masks an active one. Idempotent.
+  void set_masked(int peer, bool masked);
+  // Releases the connections (staged or active).
+  void disconnect(const std::vector<int>& peers);
+
+  // One exchange among the active slots below `bound`: send[p] (send_bytes[p]
+  // bytes) to every such peer p and receive recv_bytes[p] bytes into recv[p]
+  // from it (arrays of capacity entries; this rank's own entry is copied).
+  // A peer that fails, stays silent past the deadline (timeout_ms < 0: the
+  // configured one) or sends the wrong number of bytes is masked.
+  // Returns, per slot, 1 when its data arrived (this rank included).
+  std::vector<uint8_t> exchange(const void* const* send, const size_t* send_bytes,
+                                void* const* recv, const size_t* recv_bytes, int bound,
+                                int64_t timeout_ms);
+  // An exchange of empty messages among all active slots.
+  std::vector<uint8_t> barrier(int64_t timeout_ms);
+
+  // "shm", "tcp", "self" or "none".
+  const char* transport_of(int peer) const;
+  // Why peers were masked by exchanges so far (one line each), oldest first.
+  std::vector<std::string> events() const;
+
+ private:
+  struct Peer {
+    uint32_t inc = 0;       // the process connected to (valid while connected)
+    uint64_t send_gen = 0;  // ours on this connection, chosen at connect
+    uint64_t recv_gen = 0;  // the peer's on this connection (0: not yet published)
+    uint64_t last_gen = 0;  // the newest peer generation taken from process `inc`
+    uint64_t calls = 0;     // exchanges with it since the channel restarted
+  };
+  std::string key(const std::string& what, int slot) const;
+  std::string link_key(int from, int to) const;
+  // Connects to the live process that holds `peer` and returns its
+  // incarnation: waits for a replacement while the one the store names is
+  // gone; checks that its capacity and local experts match ours.
+  uint32_t attach(int peer, const Deadline& deadline);
+  // Waits for the peer's generation of this connection (admin_mu_ held).
+  uint64_t await_peer_gen(int peer, const Deadline& deadline);
+  void mark_failed(int peer, const std::string& why);  // mu_ held
+  void set_masked_locked(int peer, bool masked);       // admin_mu_ held
+  void check_slot(int peer, const char* what) const;
+  Deadline metadata_deadline() const { return Deadline::after_ms(config_.metadata_timeout_ms); }
+
+  ElasticConfig config_;
+  Store& store_;
+  uint32_t incarnation_ = 0;
+  std::unique_ptr<Endpoint> endpoint_;
+  std::unique_ptr<Channels> channels_;
+  SlotTable slots_;
+  // admin_mu_ serialises connect/disconnect/set_masked, which wait for the
+  // store without mu_; mu_ is held by every exchange and by the short steps
+  // that change a slot, so a change never lands in the middle of an exchange
+  // and staging a peer does not hold up traffic among the others.
+  std::mutex admin_mu_;
+  mutable std::mutex mu_;
+  std::vector<Peer> peers_;
+  std::vector<std::string> events_;
+};
+
+}  // namespace mooncake
