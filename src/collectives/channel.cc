@@ -6,12 +6,13 @@
 namespace mooncake {
 
 Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch watch,
-                   int64_t hang_ms)
+                   int64_t hang_ms, bool one_bell)
     : endpoint_(endpoint),
       layout_(layout),
       plane_(plane),
       watch_(watch),
       hang_ms_(hang_ms),
+      one_bell_(one_bell),
       target_send_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
       target_recv_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
       send_gen_(static_cast<size_t>(layout.capacity), 1),
@@ -109,6 +110,13 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   link->write(at + sizeof(MsgHeader), payload, len, deadline);
   link->signal(layout_.ready_flag(plane_, me), flag_value(gen, m + 1), data_bell_index(), deadline);
   sent_[peer] = m + 1;
+}
+
+bool Channels::can_send(int peer) {
+  sync_send(peer);
+  const uint64_t acked =
+      flag_count(load_flag(endpoint_.base(), layout_.ack_flag(plane_, peer)), send_gen_[peer]);
+  return sent_[peer] - acked < kSlotsPerChannel;
 }
 
 const MsgHeader* Channels::poll(int peer) {

@@ -42,7 +42,10 @@ class Channels {
   //  * kAnyWatched: any watched rank is gone (collectives that fail fast).
   // A rank whose heartbeat stood still for `hang_ms` (> 0) counts as failed.
   enum class Watch { kPeer, kPeerOrEpoch, kAnyWatched };
-  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch watch, int64_t hang_ms);
+  // `one_bell`: acks ring the data bell too, so one wait sees both (for a
+  // sender and receiver of many peers at once that waits on whichever moves).
+  Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch watch, int64_t hang_ms,
+           bool one_bell = false);
 
   // Restarts both directions of the channel to `peer` at generation `gen`.
   // Safe from any thread: the sending and receiving threads pick it up at
@@ -62,6 +65,8 @@ class Channels {
   // Sends one message (len <= chunk_bytes) to `peer`. `what` names the op for errors.
   void send(int peer, const MsgHeader& header, const void* payload, size_t len,
             const Deadline& deadline, const char* what);
+  // True when a send to `peer` would not wait for a free slot.
+  bool can_send(int peer);
   // Waits for the next message from `peer` and returns it in place. The
   // payload follows the header. Valid until release(peer).
   const MsgHeader* receive(int peer, const Deadline& deadline, const char* what);
@@ -91,7 +96,9 @@ class Channels {
 
  private:
   int data_bell_index() const { return static_cast<int>(plane_); }
-  int ack_bell_index() const { return kNumPlanes + static_cast<int>(plane_); }
+  int ack_bell_index() const {
+    return one_bell_ ? data_bell_index() : kNumPlanes + static_cast<int>(plane_);
+  }
   void check_one(int p, const char* what);
   // Applies a pending restart to one direction of the channel to `peer`.
   void sync_send(int peer);
@@ -102,6 +109,7 @@ class Channels {
   Plane plane_;
   Watch watch_;
   int64_t hang_ms_;
+  bool one_bell_;
   std::vector<int> watched_;
   uint64_t epoch_ = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> target_send_gen_;  // per peer

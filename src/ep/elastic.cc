@@ -10,6 +10,7 @@
 #include "core/env.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/wait.h"
 
 namespace mooncake {
 
@@ -70,7 +71,8 @@ ElasticPeers::ElasticPeers(const TransferEngine& engine, Store& store, ElasticCo
   endpoint_ = std::make_unique<Endpoint>(engine, store_, config_.prefix, config_.rank, incarnation_,
                                          config_.capacity, layout.total_bytes());
   channels_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective,
-                                         Channels::Watch::kPeer, config_.hang_ms);
+                                         Channels::Watch::kPeer, config_.hang_ms,
+                                         /*one_bell=*/true);
   const std::string inc = std::to_string(incarnation_);
   store_.set(key("meta", config_.rank) + "/" + inc,
              str(config_.capacity, " ", config_.local_experts));
@@ -94,11 +96,9 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
   // the key still names the dead process until its replacement publishes.
   uint32_t inc = 0;
   bool dead_seen = false;
-  uint32_t dead_inc = 0;
   const bool found = poll_store(deadline, [&] {
     if (!store_.check(key("cur", peer))) return false;
     inc = static_cast<uint32_t>(std::stoul(store_.get(key("cur", peer), 1000)));
-    if (dead_seen && inc == dead_inc) return false;
     std::istringstream meta(store_.get(key("meta", peer) + "/" + std::to_string(inc), 1000));
     int capacity = 0, local_experts = 0;
     meta >> capacity >> local_experts;
@@ -108,15 +108,16 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
                  ") has num_ranks=", config_.capacity,
                  " and num_experts_per_rank=", config_.local_experts, "; they must be equal");
     try {
-      endpoint_->connect(peer, inc, deadline);
+      // A short probe: a dead process's port refuses at once, and the store
+      // is read again for a replacement.
+      endpoint_->connect(peer, inc, deadline.earliest(Deadline::after_ms(200)));
       if (endpoint_->alive(peer)) return true;
     } catch (const Error& e) {
       if (e.kind() == ErrorKind::kInvalidArgument) throw;
     }
     endpoint_->disconnect(peer);
     dead_seen = true;
-    dead_inc = inc;
-    return false;  // wait for a replacement
+    return false;
   });
   if (!found)
     throw_error(ErrorKind::kTimeout, peer, "connect_ranks: no live process holds rank ", peer,
@@ -143,30 +144,42 @@ void ElasticPeers::connect(const std::vector<int>& peers, bool activate) {
                  "; call disconnect_ranks first to replace it");
   }
   const Deadline deadline = metadata_deadline();
-  for (int p : peers) {
-    const uint32_t inc = attach(p, deadline);
-    const int64_t gen = store_.add(config_.prefix + "gens", 1);
-    MC_CHECK_ARG(gen >= 1 && static_cast<uint64_t>(gen) <= kMaxChannelGen,
-                 "connect_ranks: the store's channel generations are used up (", gen,
-                 "); use a fresh store prefix");
-    store_.set(link_key(config_.rank, p), str(incarnation_, " ", inc, " ", gen));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      Peer& peer = peers_[static_cast<size_t>(p)];
-      if (peer.inc != inc) peer.last_gen = 0;
-      peer.inc = inc;
-      peer.send_gen = static_cast<uint64_t>(gen);
-      peer.recv_gen = 0;
-      slots_.connect(p, false);
-    }
-    MC_LOG(kInfo, "ep rank ", config_.rank, ": connected rank ", p, " (incarnation ", inc,
+  std::vector<uint32_t> incs;
+  try {
+    for (int p : peers) incs.push_back(attach(p, deadline));
+  } catch (...) {
+    for (size_t i = 0; i < peers.size(); ++i) endpoint_->disconnect(peers[i]);
+    throw;
+  }
+  for (size_t i = 0; i < peers.size(); ++i) {
+    const int p = peers[i];
+    const uint64_t gen = publish_send_gen(p, incs[i]);
+    std::lock_guard<std::mutex> lock(mu_);
+    Peer& peer = peers_[static_cast<size_t>(p)];
+    if (peer.inc != incs[i]) peer.last_gen = 0;
+    peer.inc = incs[i];
+    peer.send_gen = gen;
+    peer.recv_gen = 0;
+    slots_.connect(p, false);
+    MC_LOG(kInfo, "ep rank ", config_.rank, ": connected rank ", p, " (incarnation ", incs[i],
            ") over ", endpoint_->transport_of(p));
   }
   if (activate)
     for (int p : peers) set_masked_locked(p, false);
 }
 
+uint64_t ElasticPeers::publish_send_gen(int peer, uint32_t peer_inc) {
+  const int64_t gen = store_.add(config_.prefix + "gens", 1);
+  MC_CHECK_ARG(gen >= 1 && static_cast<uint64_t>(gen) <= kMaxChannelGen,
+               "connect_ranks: the store's channel generations are used up (", gen,
+               "); use a fresh store prefix");
+  store_.set(link_key(config_.rank, peer), str(incarnation_, " ", peer_inc, " ", gen));
+  return static_cast<uint64_t>(gen);
+}
+
 uint64_t ElasticPeers::await_peer_gen(int peer, const Deadline& deadline) {
+  // Waits for a generation newer than the last one taken from this process:
+  // the peer's side of this connection, or of its restart.
   const Peer& p = peers_[static_cast<size_t>(peer)];
   uint64_t gen = 0;
   const bool found = poll_store(deadline, [&] {
@@ -178,8 +191,9 @@ uint64_t ElasticPeers::await_peer_gen(int peer, const Deadline& deadline) {
   });
   if (!found)
     throw_error(ErrorKind::kTimeout, peer, "update_mask_buffer: rank ", peer,
-                " has not connected to this rank (", config_.rank, ") within metadata_timeout_ms (",
-                config_.metadata_timeout_ms, " ms); both sides call connect_ranks");
+                " has not connected (or, after a mask, published) this rank (", config_.rank,
+                ") within metadata_timeout_ms (", config_.metadata_timeout_ms,
+                " ms): both sides call connect_ranks and update_mask_buffer");
   return gen;
 }
 
@@ -192,19 +206,25 @@ void ElasticPeers::set_masked_locked(int peer, bool masked) {
   check_slot(peer, "update_mask_buffer");
   MC_CHECK_ARG(slots_.state(peer) != SlotState::kDisconnected, "update_mask_buffer: rank ", peer,
                " is not connected; call connect_ranks first");
+  Peer& p = peers_[static_cast<size_t>(peer)];
   if (masked) {
     std::lock_guard<std::mutex> lock(mu_);
     slots_.set_masked(peer, true);
+    p.masked_since = true;
     return;
   }
-  Peer& p = peers_[static_cast<size_t>(peer)];
-  // A staged peer of a new connection: take its generation first (a store
-  // wait, without holding up exchanges among the others).
-  const uint64_t gen = p.recv_gen ? p.recv_gen : await_peer_gen(peer, metadata_deadline());
+  if (slots_.active(peer)) return;
+  // A new connection, or one masked since its channel restarted: (re)start
+  // it with fresh generations on both sides. The store waits happen without
+  // mu_, so exchanges among the others go on meanwhile.
+  bool restart = p.recv_gen == 0 || p.masked_since;
+  if (restart && p.recv_gen != 0) p.send_gen = publish_send_gen(peer, p.inc);
+  const uint64_t gen = restart ? await_peer_gen(peer, metadata_deadline()) : p.recv_gen;
   std::lock_guard<std::mutex> lock(mu_);
-  if (p.recv_gen == 0) {
+  if (restart) {
     p.recv_gen = p.last_gen = gen;
     p.calls = 0;
+    p.masked_since = false;
     channels_->restart(peer, p.send_gen, p.recv_gen);
   }
   slots_.set_masked(peer, false);
@@ -223,12 +243,14 @@ void ElasticPeers::disconnect(const std::vector<int>& peers) {
   for (int p : peers) {
     slots_.disconnect(p);
     peers_[static_cast<size_t>(p)].recv_gen = 0;
-    endpoint_->disconnect(p);
+    peers_[static_cast<size_t>(p)].masked_since = false;
+    endpoint_->disconnect(p, /*farewell=*/true);
   }
 }
 
 void ElasticPeers::mark_failed(int peer, const std::string& why) {
   if (!slots_.mark_failed(peer)) return;
+  peers_[static_cast<size_t>(peer)].masked_since = true;
   events_.push_back(why);
   MC_LOG(kWarn, "ep rank ", config_.rank, ": masked rank ", peer, ": ", why);
 }
@@ -244,81 +266,120 @@ std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_
   got[static_cast<size_t>(me)] = 1;
   if (send_bytes[me] != 0 && send[me] != recv[me])
     std::memmove(recv[me], send[me], std::min(send_bytes[me], recv_bytes[me]));
-  std::vector<int> live;
+  const size_t chunk = config_.chunk_bytes;
+  const int64_t limit_ms = timeout_ms < 0 ? config_.timeout_ms : timeout_ms;
+  const Deadline deadline = Deadline::after_ms(limit_ms);
+  // One stream per active peer: its pieces out and its pieces in. Every
+  // message has at least one piece (it carries the header).
+  struct Stream {
+    int peer;
+    uint64_t call;
+    size_t to_send, sent = 0, to_recv, received = 0;
+    bool failed = false;
+    bool done() const { return failed || (sent == to_send && received == to_recv); }
+  };
+  std::vector<Stream> streams;
   for (int i = 1; i < bound; ++i) {
     const int p = (me + i) % bound;  // start after this rank: not everyone hits rank 0 first
-    if (slots_.active(p)) live.push_back(p);
+    if (!slots_.active(p)) continue;
+    const uint64_t call = ++peers_[static_cast<size_t>(p)].calls;
+    streams.push_back(
+        {p, call, num_pieces(send_bytes[p], chunk), 0, num_pieces(recv_bytes[p], chunk), 0, false});
   }
-  const Deadline deadline = Deadline::after_ms(timeout_ms < 0 ? config_.timeout_ms : timeout_ms);
-  const size_t chunk = config_.chunk_bytes;
-  size_t steps = 1;
-  for (int p : live) {
-    peers_[static_cast<size_t>(p)].calls += 1;
-    steps = std::max({steps, num_pieces(send_bytes[p], chunk), num_pieces(recv_bytes[p], chunk)});
-  }
-  auto drop = [&](int p, const std::string& why) {
-    mark_failed(p, why);
-    live.erase(std::find(live.begin(), live.end(), p));
+  auto fail = [&](Stream& s, const std::string& why) {
+    s.failed = true;
+    mark_failed(s.peer, why);
   };
-  MsgHeader h{};
-  h.op_type = kElasticMsg;
-  for (size_t k = 0; k < steps; ++k) {
-    for (int p : std::vector<int>(live)) {
-      const size_t len = piece_bytes(send_bytes[p], chunk, k);
-      if (k != 0 && len == 0) continue;
-      h.op_seq = peers_[static_cast<size_t>(p)].calls;
-      h.edge_bytes = send_bytes[p];
-      h.edge_expect = recv_bytes[p];
-      try {
-        channels_->send(p, h, static_cast<const uint8_t*>(send[p]) + k * chunk, len, deadline,
+  // Moves what can move without waiting; true when something did.
+  auto step = [&](Stream& s) {
+    const int p = s.peer;
+    bool moved = false;
+    try {
+      while (!s.failed && s.sent < s.to_send && channels_->can_send(p)) {
+        MsgHeader h{};
+        h.op_type = kElasticMsg;
+        h.op_seq = s.call;
+        h.edge_bytes = send_bytes[p];
+        h.edge_expect = recv_bytes[p];
+        const size_t len = piece_bytes(send_bytes[p], chunk, s.sent);
+        channels_->send(p, h, static_cast<const uint8_t*>(send[p]) + s.sent * chunk, len, deadline,
                         "ep exchange");
-      } catch (const Error& e) {
-        if (!recoverable(e)) throw;
-        drop(p, e.what());
+        ++s.sent;
+        moved = true;
+      }
+      const MsgHeader* msg = nullptr;
+      while (!s.failed && s.received < s.to_recv && (msg = channels_->poll(p)) != nullptr) {
+        moved = true;
+        if (msg->op_seq < s.call) {  // late, from an exchange this side gave up on
+          channels_->release(p, deadline);
+          continue;
+        }
+        const size_t len = piece_bytes(recv_bytes[p], chunk, s.received);
+        if (msg->op_type != kElasticMsg || msg->op_seq != s.call) {
+          fail(s, str("rank ", p, " is out of step: its message is for call ", msg->op_seq,
+                      ", this rank is at call ", s.call,
+                      " (a mask on one side only; publish or reconnect it on both sides)"));
+        } else if (s.received == 0 &&
+                   (msg->edge_bytes != recv_bytes[p] || msg->edge_expect != send_bytes[p])) {
+          fail(s,
+               str("rank ", p, " sends ", msg->edge_bytes, " bytes and expects ", msg->edge_expect,
+                   "; this rank expects ", recv_bytes[p], " and sends ", send_bytes[p]));
+        } else if (msg->len != len) {
+          fail(s, str("rank ", p, " sent a piece of ", msg->len, " bytes, expected ", len));
+        } else {
+          std::memcpy(static_cast<uint8_t*>(recv[p]) + s.received * chunk, msg + 1, len);
+          channels_->release(p, deadline);
+          ++s.received;
+        }
+      }
+    } catch (const Error& e) {
+      if (!recoverable(e)) throw;
+      fail(s, e.what());
+    }
+    return moved;
+  };
+  auto look = [&] {  // fails the unfinished streams of peers that are gone or hung
+    bool any = false;
+    for (Stream& s : streams) {
+      if (s.done()) continue;
+      const std::string problem = channels_->peer_problem(s.peer);
+      if (!problem.empty()) {
+        fail(s, str("ep exchange: ", problem));
+        any = true;
       }
     }
-    for (int p : std::vector<int>(live)) {
-      const size_t len = piece_bytes(recv_bytes[p], chunk, k);
-      if (k != 0 && len == 0) continue;
-      const uint64_t call = peers_[static_cast<size_t>(p)].calls;
-      const MsgHeader* msg = nullptr;
-      try {
-        // Messages of an exchange this side gave up on arrive late: drop them.
-        while ((msg = channels_->receive(p, deadline, "ep exchange"))->op_seq < call)
-          channels_->release(p, deadline);
-      } catch (const Error& e) {
-        if (!recoverable(e)) throw;
-        drop(p, e.kind() == ErrorKind::kTimeout
-                    ? str(e.what(), " (deadline ", timeout_ms < 0 ? config_.timeout_ms : timeout_ms,
-                          " ms)")
-                    : std::string(e.what()));
-        continue;
+    return any;
+  };
+  auto unfinished = [&] {
+    return std::any_of(streams.begin(), streams.end(), [](const Stream& s) { return !s.done(); });
+  };
+  while (unfinished()) {
+    bool moved = false;
+    for (Stream& s : streams)
+      if (!s.done()) moved |= step(s);
+    if (moved || look()) continue;
+    const uint64_t alarms = endpoint_->alarms();
+    auto ready = [&] {
+      if (endpoint_->alarms() != alarms) return true;
+      for (Stream& s : streams) {
+        if (s.done()) continue;
+        if ((s.sent < s.to_send && channels_->can_send(s.peer)) ||
+            (s.received < s.to_recv && channels_->poll(s.peer) != nullptr))
+          return true;
       }
-      std::string wrong;
-      if (msg->op_type != kElasticMsg || msg->op_seq != call)
-        wrong = str("rank ", p, " is out of step: its message is for call ", msg->op_seq,
-                    ", this rank is at call ", call,
-                    " (masks changed on one side only; "
-                    "disconnect_ranks and connect_ranks on both sides to resume)");
-      else if (k == 0 && (msg->edge_bytes != recv_bytes[p] || msg->edge_expect != send_bytes[p]))
-        wrong = str("rank ", p, " sends ", msg->edge_bytes, " bytes and expects ", msg->edge_expect,
-                    "; this rank expects ", recv_bytes[p], " and sends ", send_bytes[p]);
-      else if (msg->len != len)
-        wrong = str("rank ", p, " sent a piece of ", msg->len, " bytes, expected ", len);
-      if (!wrong.empty()) {
-        drop(p, wrong);
-        continue;
-      }
-      std::memcpy(static_cast<uint8_t*>(recv[p]) + k * chunk, msg + 1, len);
-      try {
-        channels_->release(p, deadline);
-      } catch (const Error& e) {
-        if (!recoverable(e)) throw;
-        drop(p, e.what());
-      }
+      return false;
+    };
+    // False also when `look` failed a stream and nothing else is ready.
+    if (!wait_on(channels_->bell(), ready, deadline, look) && deadline.expired()) {
+      for (Stream& s : streams)
+        if (!s.done())
+          fail(s, str("ep exchange: timed out waiting for rank ", s.peer,
+                      s.received < s.to_recv ? " to send" : " to take a message", " (deadline ",
+                      limit_ms, " ms)"));
     }
   }
-  for (int p : live) got[static_cast<size_t>(p)] = 1;
+  for (const Stream& s : streams)
+    if (!s.failed) got[static_cast<size_t>(s.peer)] = 1;
   return got;
 }
 

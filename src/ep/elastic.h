@@ -23,10 +23,21 @@
 // late write of an old connection, or of the process a replacement took over
 // from, never reaches a new one.
 //
+// Publishing a peer again after it was masked (by set_masked(peer, true) or
+// a failed exchange) restarts the connection the same way: both sides draw
+// fresh generations, so nothing queued while one side had the other masked
+// is read afterwards. Both sides publish (or reconnect) for that.
+//
 // Every message of an exchange carries the pair's call number (both sides
-// count the exchanges they run with each other since activation); a message
-// with an older number is a late one from an exchange this side gave up on,
-// and is dropped.
+// count the exchanges they run with each other since the channel restarted);
+// a message with an older number is a late one from an exchange this side
+// gave up on, and is dropped; a newer one means the pair is out of step, and
+// the peer is masked.
+//
+// An exchange moves every peer's messages independently (one wait on a bell
+// that both messages and acks ring): a silent peer holds up only its own
+// stream, and at the deadline only the peers whose streams are unfinished are
+// masked.
 #pragma once
 
 #include <cstdint>
@@ -68,10 +79,10 @@ class ElasticPeers {
   const SlotTable& slots() const { return slots_; }
   uint32_t incarnation() const { return incarnation_; }
 
-  // Connects to the process that holds each slot (all arguments are checked
-  // before anything changes). A slot whose previous process this buffer was
-  // connected to and that is gone waits for its replacement. activate=false
-  // stages it (masked); activate=true publishes it at once.
+  // Connects to the process that holds each slot; all or nothing: when one
+  // fails (bad argument, refused, timed out), no slot changes. While the
+  // process the store names for a slot is gone, waits for its replacement.
+  // activate=false stages it (masked); activate=true publishes it at once.
   void connect(const std::vector<int>& peers, bool activate);
   // masked=false publishes a staged peer (see the header comment); masked=true
   // masks an active one. Idempotent.
@@ -98,11 +109,12 @@ class ElasticPeers {
 
  private:
   struct Peer {
-    uint32_t inc = 0;       // the process connected to (valid while connected)
-    uint64_t send_gen = 0;  // ours on this connection, chosen at connect
-    uint64_t recv_gen = 0;  // the peer's on this connection (0: not yet published)
-    uint64_t last_gen = 0;  // the newest peer generation taken from process `inc`
-    uint64_t calls = 0;     // exchanges with it since the channel restarted
+    uint32_t inc = 0;           // the process connected to (valid while connected)
+    uint64_t send_gen = 0;      // ours on this connection, chosen at connect
+    uint64_t recv_gen = 0;      // the peer's on this connection (0: not yet published)
+    uint64_t last_gen = 0;      // the newest peer generation taken from process `inc`
+    uint64_t calls = 0;         // exchanges with it since the channel restarted
+    bool masked_since = false;  // masked since the channel restarted: publishing restarts it
   };
   std::string key(const std::string& what, int slot) const;
   std::string link_key(int from, int to) const;
@@ -110,6 +122,8 @@ class ElasticPeers {
   // incarnation: waits for a replacement while the one the store names is
   // gone; checks that its capacity and local experts match ours.
   uint32_t attach(int peer, const Deadline& deadline);
+  // Draws a fresh generation for our messages to `peer` and publishes it.
+  uint64_t publish_send_gen(int peer, uint32_t peer_inc);
   // Waits for the peer's generation of this connection (admin_mu_ held).
   uint64_t await_peer_gen(int peer, const Deadline& deadline);
   void mark_failed(int peer, const std::string& why);  // mu_ held

@@ -173,10 +173,13 @@ void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   pulse_[peer].changed_us.store(now_us());
 }
 
-void Endpoint::disconnect(int peer) {
+void Endpoint::disconnect(int peer, bool farewell) {
   std::shared_ptr<PeerLink> old;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (peer != rank_) old.swap(links_[peer]);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer != rank_) old.swap(links_[peer]);
+  }
+  if (old && farewell) old->farewell();
 }
 
 std::shared_ptr<PeerLink> Endpoint::link(int peer) const {

@@ -60,7 +60,9 @@ class Endpoint {
   // replacing any earlier link to that slot.
   void connect(int peer, uint32_t inc, const Deadline& deadline);
   // Drops the link to `peer` (its memory is unmapped once no thread uses it).
-  void disconnect(int peer);
+  // With `farewell`, the peer is told it is on purpose, so that it does not
+  // take this process for dead (a live pair that reconnects later).
+  void disconnect(int peer, bool farewell = false);
 
   int rank() const { return rank_; }
   uint32_t incarnation() const { return incarnation_; }

@@ -55,6 +55,9 @@ class PeerLink {
   // Lets the peer know this process runs (called by the heartbeat thread).
   // Transports where the peer reads our segment's counter do nothing.
   virtual void beat() {}
+  // Tells the peer that this link is being closed on purpose (a disconnect,
+  // not a death), where the transport would otherwise take the close for one.
+  virtual void farewell() {}
 };
 
 }  // namespace mooncake

@@ -20,7 +20,16 @@ namespace mooncake {
 
 namespace {
 
-enum FrameType : uint32_t { kHello = 1, kWrite = 2, kSignal = 3, kHeartbeat = 4, kSignalMax = 5 };
+// kBye: the sender closes this connection on purpose (it disconnects this
+// rank); the close that follows is not a death.
+enum FrameType : uint32_t {
+  kHello = 1,
+  kWrite = 2,
+  kSignal = 3,
+  kHeartbeat = 4,
+  kSignalMax = 5,
+  kBye = 6
+};
 
 struct Frame {
   uint32_t type;
@@ -45,6 +54,7 @@ struct TcpReceiver::Conn {
   size_t frame_got = 0;
   uint64_t payload_done = 0;
   bool in_payload = false;
+  bool bye = false;  // the sender said it closes on purpose
 };
 
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
@@ -118,6 +128,7 @@ bool TcpReceiver::drain(Conn& c) {
           break;
         }
         case kHeartbeat: break;
+        case kBye: c.bye = true; break;
         case kSignal:
         case kSignalMax:
           if (c.frame.offset + 8 > segment_.size() || c.frame.bell >= kNumBells) return false;
@@ -171,8 +182,9 @@ void TcpReceiver::run() {
       Conn& c = conns[i - 2];
       if (!drain(c)) {
         MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
-        if (c.rank >= 0) peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
-        if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
+        if (c.rank >= 0 && !c.bye)
+          peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
+        if (alarm_ && !c.bye) alarm_->fetch_add(1, std::memory_order_acq_rel);
         ::close(c.fd);
         c.fd = -1;
         for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
@@ -209,6 +221,16 @@ class TcpLink : public PeerLink {
   }
 
   bool alive() override { return !broken_ && !receiver_.peer_closed(peer_, inc_); }
+  void farewell() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_) return;
+    Frame f{kBye, 0, 0, 0};
+    try {
+      send_all(&f, sizeof(f), Deadline::after_ms(100));
+    } catch (const Error&) {
+      // A peer that cannot take it is gone, or will see the close.
+    }
+  }
   uint64_t heartbeat() override { return receiver_.frames(peer_, inc_); }
   void beat() override {
     // Skipped while an op sends on the link: its own frames tell the peer
