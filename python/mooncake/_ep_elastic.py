@@ -191,9 +191,10 @@ class ElasticBuffer(Buffer):
         peer's side of the connection (up to ``metadata_timeout_ms``); from the
         next call on, the peer takes part in dispatch and combine. A peer masked
         here, or by a timeout, is skipped by send, receive and wait paths.
-        Masking is per rank: mask and publish a live peer on both sides between
-        the same two calls; after a timeout on one side only, reconnect
-        (``disconnect_ranks`` + ``connect_ranks`` on both sides).
+        Publishing a peer again after it was masked restarts the connection
+        with fresh generations, so nothing either side queued meanwhile is
+        read: the peer publishes this rank too (a peer that kept calling has
+        masked this rank by its own timeout by then), or both reconnect.
 
         Raises:
             ValueError: ``peer`` is not a connected slot, or this rank.
@@ -259,12 +260,24 @@ class ElasticBuffer(Buffer):
     def active_slots(self) -> list[int]:
         return self._need_peers("active_slots").active_slots
 
+    def _slot_arg(self, what: str, name: str, slot) -> int:
+        self._need_peers(what)
+        if not _is_int(slot) or not 0 <= slot < self.num_ranks:
+            raise ValueError(
+                f"{what}: {name} must be an int in [0, {self.num_ranks}) (the capacity), "
+                f"got {slot!r}"
+            )
+        return slot
+
     def slot_state(self, slot: int) -> str:
-        """ "disconnected", "staged" or "active"."""
-        return self._need_peers("slot_state").state(slot)
+        """The slot's state: "disconnected", "staged" or "active"."""
+        slot = self._slot_arg("slot_state", "slot", slot)
+        return self._peers.state(slot)
 
     def transport_of(self, peer: int) -> str:
-        return self._need_peers("transport_of").transport_of(peer)
+        """How this rank reaches ``peer``: "shm", "tcp", "self" or "none"."""
+        peer = self._slot_arg("transport_of", "peer", peer)
+        return self._peers.transport_of(peer)
 
     def mask_events(self) -> list[str]:
         """Why exchanges masked peers so far, oldest first."""
@@ -278,8 +291,8 @@ class ElasticBuffer(Buffer):
 
     # --- the portable path's hooks -----------------------------------------------------
 
-    def _call_ranks(self, num_experts) -> int:
-        peers = self._need_peers("dispatch")
+    def _call_ranks(self, num_experts, what: str = "dispatch") -> int:
+        peers = self._need_peers(what)
         epr = self.num_experts_per_rank
         if _is_int(num_experts) and num_experts > 0 and num_experts % epr == 0:
             r = num_experts // epr

@@ -284,8 +284,8 @@ class Buffer:
     # The hooks an elastic buffer (``mooncake._ep_elastic``) overrides: how many
     # ranks a call covers, its local experts, and the exchange itself.
 
-    def _call_ranks(self, num_experts) -> int:
-        """``R`` of a dispatch with ``num_experts`` experts."""
+    def _call_ranks(self, num_experts, what: str = "dispatch") -> int:
+        """``R`` of a dispatch with ``num_experts`` experts (``what``: the calling method)."""
         return self.num_ranks
 
     def _local_experts(self, num_experts, num_ranks: int) -> int:
@@ -749,7 +749,7 @@ class Buffer:
         R = (
             handle.layout_range.shape[1]
             if isinstance(handle, DispatchHandle) and hasattr(handle, "_buffer")
-            else self._call_ranks(None)
+            else self._call_ranks(None, "combine")
         )
         error = self._combine_error(
             x,

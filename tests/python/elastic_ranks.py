@@ -1,0 +1,757 @@
+"""The rank side of test_ep_elastic.py: ``python elastic_ranks.py CONFIG SLOT GEN ROLE``.
+
+One process holds one slot of an elastic EP buffer (``Buffer.create_elastic``) and plays
+its part of a scenario's timeline (:data:`SCENARIOS`). There is no process group: the
+processes meet only through the parent's ``TCPStore``. The parent
+(``elastic_parent.Timeline``) starts every process, replacements included (a rank asks
+for one with :meth:`Rank.request`), kills on request, and reads the JSON lines each
+process appends to its own file:
+
+* ``{"event": "round", "phase", "tag", "R", "plan", "view", "failures", ...}``: one
+  dispatch + combine checked against the model below (:func:`play_round`);
+* ``{"event": "check", "phase", "what", "failures", ...}``: other expectations (masks,
+  slot states, timings), with the measured values the parent also checks;
+* ``{"event": "phase", "phase"}``: this process finished a phase;
+* ``{"event": "error", "traceback"}`` / ``{"event": "done"}``.
+
+Every round is checked against the plain-Python routing model of ``ep_cases``
+(``route_model``, ``combine_model``): the inputs of round ``i`` of phase ``p`` on slot
+``s`` come from ``(seed, p, i, s)``, so every process knows what every slot sent. A
+round covers ``R`` slots (``num_experts = epr * R``) with ``R`` between the rank bound
+and the capacity; the model routes among the slots active in this process's view.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ep_cases import (  # this file's folder is sys.path[0]
+    Checks,
+    Round,
+    Spec,
+    expect_value_error,
+    make_inputs,
+    seed_for,
+)
+
+#: The round shape: 8 tokens at most, hidden 128 (FP8 needs a multiple of 128), top-3 of
+#: 2 experts per slot; slots send 5, 3, 8, 6, 0 or 7 tokens (slot s: ns[s % 6]).
+SPEC = Spec(T=8, H=128, K=3, epr=2, ns=(5, 3, 8, 6, 0, 7))
+
+#: How rounds vary (round i uses STYLES[i % len]): R ("bound": the rank bound, "cap":
+#: the capacity, "mid": between), dispatch and combine completion, FP8, active_ranks
+#: ("none": None, the buffer's mask; "plan": the active slots; "ones": all ones),
+#: combine(out=...), zero-copy combine, cumulative_local_expert_recv_stats.
+STYLES = (
+    dict(R="bound", d="sync", c="sync", fp8=False, act="none", out=False, zc=False, stats=True),
+    dict(R="cap", d="async", c="hook", fp8=False, act="plan", out=True, zc=False, stats=False),
+    dict(R="bound", d="hook", c="async", fp8=True, act="none", out=False, zc=False, stats=True),
+    dict(R="mid", d="with", c="sync", fp8=False, act="plan", out=True, zc=True, stats=True),
+    dict(R="cap", d="sync", c="with", fp8=True, act="ones", out=True, zc=False, stats=False),
+    dict(R="mid", d="hook", c="hook", fp8=False, act="none", out=True, zc=False, stats=False),
+)
+
+
+class Aborted(Exception):
+    """The parent stopped the timeline (another process failed)."""
+
+
+# --- one round ------------------------------------------------------------------------------
+
+
+class ElasticRound(Round):
+    """ep_cases.Round over ``R`` slots of an elastic buffer.
+
+    ``views[s][q]``: whether slot ``s`` counts slot ``q`` active (this process's view of
+    the active set, for every slot); ``act``: the ``active_ranks`` tensor to pass, or None
+    (the buffer's own mask, read back through ``query_mask_buffer`` for the checks).
+    """
+
+    def __init__(self, chk, buf, spec, tag, seed, R, views, act):
+        self.ctx, self.buf, self.spec = chk, buf, spec
+        self.R, self.me, self.E = R, chk.rank, spec.epr * R
+        self.what = tag
+        self.ins = [make_inputs(seed, s, spec, R) for s in range(R)]
+        self.masks = views
+        self.act = act
+
+    def buffer_view(self) -> list[int]:
+        """1 = active, per slot below R, from query_mask_buffer (1 = masked)."""
+        mask = torch.zeros(self.buf.num_ranks, dtype=torch.int32)
+        self.buf.query_mask_buffer(mask)
+        return [1 - int(v) for v in mask[: self.R].tolist()]
+
+    def views_after_dispatch(self, may_drop=(), must_drop=None):
+        if self.act is not None:
+            return super().views_after_dispatch(may_drop, must_drop)
+        # active_ranks=None: the buffer's mask is the view; it may only lose slots.
+        ctx, R = self.ctx, self.R
+        start, now = self.masks[self.me], self.buffer_view()
+        dropped = {q for q in range(R) if start[q] and not now[q]}
+        raised = {q for q in range(R) if now[q] and not start[q]}
+        ctx.expect(not raised, f"{self.what}: slots {sorted(raised)} active, not in the plan")
+        ctx.expect(
+            dropped <= set(may_drop) | set(must_drop or ()),
+            f"{self.what}: dispatch masked slots {sorted(dropped)}; only {sorted(may_drop)} may be",
+        )
+        if must_drop is not None:
+            ctx.expect(
+                dropped == set(must_drop),
+                f"{self.what}: dispatch masked {sorted(dropped)}, want exactly {sorted(must_drop)}",
+            )
+        self.dropped = dropped
+        self.views = [
+            [int(self.masks[r][q] and q not in dropped) for q in range(R)] for r in range(R)
+        ]
+        return now
+
+    def check_combine(self, may_drop=()):
+        if self.cact is None:  # None: compare with the buffer's mask after the call
+            self.cact = torch.tensor(self.buffer_view(), dtype=torch.int32)
+            self.cbefore = list(self.views[self.me])
+        super().check_combine(may_drop)
+
+
+def play_round(
+    chk,
+    buf,
+    seed,
+    phase,
+    i: int,
+    plan,
+    view=None,
+    may_drop=(),
+    must_drop=None,
+    style=None,
+    stats=None,
+):
+    """One dispatch + combine of ``buf`` checked against the model; returns the round and
+    its record (with the failures, which are taken out of ``chk``).
+
+    ``plan``: the slots taking part (alike on every process: they fix R and, with
+    ``seed``, ``phase`` and ``i``, the inputs); ``view``: this process's active set when it
+    may differ from the plan (a peer is dying); ``may_drop``/``must_drop``: slots the call
+    may / must mask; ``style``: overrides of ``STYLES[i % len]``; ``stats``: (the
+    cumulative_local_expert_recv_stats tensor, its expected value), both updated."""
+    st = dict(STYLES[i % len(STYLES)], **(style or {}))
+    me, cap, epr = buf.rank, buf.num_ranks, buf.num_experts_per_rank
+    plan = sorted(plan)
+    view = plan if view is None else sorted(view)
+    tag = f"{phase}/{i}"
+    if view == plan and must_drop is None:
+        chk.expect(
+            buf.active_slots == plan,
+            f"{tag}: active_slots {buf.active_slots} before the round, want {plan}",
+        )
+    bound = max(plan) + 1
+    R = {"bound": bound, "cap": cap, "mid": (bound + cap + 1) // 2}[st["R"]]
+    spec = replace(SPEC, fp8=st["fp8"], K=min(SPEC.K, epr * R), epr=epr)
+    views = [[int(s in view and q in view) for q in range(R)] for s in range(R)]
+    act = {
+        "none": None,
+        "plan": torch.tensor(views[me], dtype=torch.int32),
+        "ones": torch.ones(R, dtype=torch.int32),
+    }[st["act"]]
+    if st["act"] == "ones":  # slots outside the view are masked: they may be set to 0
+        may_drop = set(may_drop) | {q for q in range(R) if q not in view}
+    r = ElasticRound(chk, buf, spec, tag, seed_for(seed, phase, i), R, views, act)
+    use = stats if st["stats"] and stats is not None else None
+    t0 = time.monotonic()
+    r.dispatch(st["d"], stats=None if use is None else use[0])
+    r.check_dispatch(may_drop=may_drop, must_drop=must_drop)
+    if use is not None:
+        use[1].add_(r.count)
+        chk.expect_equal(use[0], use[1], f"{tag}: cumulative_local_expert_recv_stats")
+    r.combine(st["c"], zero_copy=st["zc"], use_out=st["out"])
+    r.check_combine(may_drop=may_drop)
+    rec = dict(
+        phase=phase,
+        tag=tag,
+        R=R,
+        plan=plan,
+        view=view,
+        style=st,
+        dropped=sorted(r.dropped),
+        received=r.count.tolist(),
+        layout=r.handle.layout_range.tolist(),
+        recv_shape=list((r.recv_x[0] if spec.fp8 else r.recv_x).shape),
+        dispatch_s=r.dispatch_s,
+        combine_s=r.combine_s,
+        took_s=time.monotonic() - t0,
+        failures=list(chk.failures),
+    )
+    chk.failures.clear()
+    return r, rec
+
+
+# --- one process ----------------------------------------------------------------------------
+
+
+class Rank:
+    """One slot's process: the store, the result file, the checks and the round runner."""
+
+    def __init__(self, cfg: dict, slot: int, gen: int, role: dict):
+        self.cfg, self.slot, self.gen, self.role = cfg, slot, gen, role
+        self.p = cfg["params"]
+        self.cap, self.epr = self.p["capacity"], SPEC.epr
+        self.store = dist.TCPStore(
+            "127.0.0.1", cfg["port"], is_master=False, timeout=timedelta(seconds=60)
+        )
+        self.out = open(os.path.join(cfg["dir"], f"{slot}.{gen}.jsonl"), "a")
+        self.chk = Checks(slot, self.cap, cfg["scenario"])
+        # cumulative_local_expert_recv_stats over the process's life: (tensor, expected)
+        self.stats_pair = tuple(torch.zeros(self.epr, dtype=torch.int32) for _ in range(2))
+        self.phase = "start"
+
+    # --- records and coordination ---
+
+    def emit(self, event: str, **kw) -> None:
+        rec = {"event": event, "slot": self.slot, "gen": self.gen, "t": time.time(), **kw}
+        self.out.write(json.dumps(rec) + "\n")
+        self.out.flush()
+
+    def check(self, what: str, **values) -> None:
+        """Emits the failures recorded since the last record (none: it held)."""
+        self.emit("check", phase=self.phase, what=what, failures=list(self.chk.failures), **values)
+        self.chk.failures.clear()
+
+    def end_phase(self) -> None:
+        self.emit("phase", phase=self.phase)
+
+    def aborted(self) -> None:
+        if self.store.check(["tl/abort"]):
+            raise Aborted(self.store.get("tl/abort").decode())
+
+    def wait_keys(self, keys: list[str], timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            self.aborted()
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise TimeoutError(
+                    f"slot {self.slot}: store keys {missing} not set in {timeout_s} s"
+                )
+            time.sleep(0.005)
+
+    def sync(self, name: str, slots, timeout_s: float = 90.0) -> None:
+        """A store barrier of ``slots`` (each process of a slot calls it once per name)."""
+        self.store.set(f"tl/sync/{name}/{self.slot}", "1")
+        self.wait_keys([f"tl/sync/{name}/{s}" for s in slots], timeout_s)
+
+    def request(self, op: str, **kw) -> None:
+        """Asks the parent to ``spawn`` a process for a slot or to ``kill`` one."""
+        n = self.store.add("tl/req_seq", 1) - 1
+        self.store.set(f"tl/req/{n}", json.dumps({"op": op, "by": self.slot, **kw}))
+
+    # --- the buffer ---
+
+    def make_buffer(self):
+        from mooncake.mooncake_ep_buffer import Buffer
+
+        buf = Buffer.create_elastic(
+            self.slot,
+            self.store,
+            timeout_ms=self.p["timeout_ms"],
+            metadata_timeout_ms=self.p.get("metadata_timeout_ms", 60000),
+            store_prefix="ep/",
+        )
+        hint = Buffer.get_ep_buffer_size_hint(SPEC.T, SPEC.H, self.cap, self.epr * self.cap)
+        buf.update_memory_buffers(
+            num_ranks=self.cap, num_experts_per_rank=self.epr, num_rdma_bytes=hint
+        )
+        self.expect_slots(buf, [self.slot], "after update_memory_buffers")
+        return buf
+
+    def mask(self, buf) -> list[int]:
+        out = torch.full((self.cap,), 7, dtype=torch.int32)
+        buf.query_mask_buffer(out)
+        return out.tolist()
+
+    def expect_slots(self, buf, active, what: str, staged=(), disconnected=None) -> None:
+        """The buffer's view: exactly ``active`` active (mask 0, rank bound max + 1),
+        ``staged`` staged, ``disconnected`` (default: all others) disconnected."""
+        active = sorted(active)
+        mask = self.mask(buf)
+        want = [0 if s in active else 1 for s in range(self.cap)]
+        c = self.chk
+        c.expect(mask == want, f"{what}: query_mask_buffer {mask}, want {want}")
+        c.expect(
+            buf.active_slots == active, f"{what}: active_slots {buf.active_slots}, want {active}"
+        )
+        bound = max(active) + 1
+        c.expect(buf.rank_bound == bound, f"{what}: rank_bound {buf.rank_bound}, want {bound}")
+        if disconnected is None:
+            disconnected = [s for s in range(self.cap) if s not in active and s not in staged]
+        for s, state in [(s, "active") for s in active] + [(s, "staged") for s in staged]:
+            got = buf.slot_state(s)
+            c.expect(got == state, f"{what}: slot_state({s}) {got!r}, want {state!r}")
+        for s in disconnected:
+            got = buf.slot_state(s)
+            c.expect(got == "disconnected", f"{what}: slot_state({s}) {got!r}, want disconnected")
+
+    def publish(self, buf, peers) -> None:
+        for p in peers:
+            buf.update_mask_buffer(p, mask=False)
+
+    # --- rounds ---
+
+    def round(self, buf, i: int, plan, **kw):
+        """Round ``i`` of the current phase (see :func:`play_round`), recorded."""
+        self.aborted()
+        r, rec = play_round(
+            self.chk, buf, self.p["seed"], self.phase, i, plan, stats=self.stats_pair, **kw
+        )
+        self.emit("round", **rec)
+        return r
+
+    def rounds(self, buf, n: int, plan, start: int = 0, **kw) -> None:
+        for i in range(start, start + n):
+            self.round(buf, i, plan, **kw)
+
+
+def others(slots, me):
+    return [s for s in slots if s != me]
+
+
+# --- growth: 1 -> 2 -> 4 -> 8 -> 16, then clean removal ------------------------------------
+
+
+def growth(rk: Rank) -> None:
+    """Slot 0 alone (plan 1), then growth through ``stages`` (plans 2 and 3): slot 0 asks
+    the parent for each stage's new processes; they connect to everyone, the others connect
+    to them; everyone publishes, then rounds. Last, clean removal (plan 4): the slots of
+    ``removed`` disconnect everyone, run a round alone and exit; the rest disconnect them
+    and go on (a sparse set)."""
+    p, me = rk.p, rk.slot
+    stages, n = p["stages"], p["rounds"]
+    first = next(i for i, size in enumerate(stages) if me < size)
+    buf = rk.make_buffer()
+    rk.check("buffer")
+    if first == 0:
+        rk.phase = "solo"
+        rk.expect_slots(buf, [me], "alone")
+        rk.chk.expect(buf.barrier() == [me], "barrier alone")
+        rk.chk.expect(buf.transport_of(me) == "self", f"transport_of(self) {buf.transport_of(me)}")
+        rk.check("alone")
+    else:
+        rk.phase = f"grow{stages[first]}"
+        everyone = list(range(stages[first]))
+        buf.connect_ranks(others(everyone, me), activate=False)
+        rk.expect_slots(buf, [me], "connected, unpublished", staged=others(everyone, me))
+        rk.publish(buf, others(everyone, me))
+        rk.expect_slots(buf, everyone, "published")
+        rk.check("joined")
+    for si in range(first, len(stages)):
+        everyone = list(range(stages[si]))
+        if si > first:
+            rk.phase = f"grow{stages[si]}"
+            old, new = list(range(stages[si - 1])), list(range(stages[si - 1], stages[si]))
+            if me == 0:
+                for s in new:
+                    rk.request("spawn", slot=s)
+            buf.connect_ranks(new, activate=False)
+            rk.expect_slots(buf, old, "new peers staged", staged=new)
+            rk.publish(buf, new)
+            rk.expect_slots(buf, everyone, "new peers published")
+            rk.check("grew")
+        rk.sync(rk.phase, everyone)
+        if len(everyone) > 1:
+            peer = everyone[-1] if me != everyone[-1] else everyone[0]
+            rk.check("transport", transport=buf.transport_of(peer))
+        rk.rounds(buf, n, everyone)
+        rk.end_phase()
+
+    # Clean removal.
+    rk.phase = "remove"
+    everyone = list(range(stages[-1]))
+    removed = p["removed"]
+    rest = [s for s in everyone if s not in removed]
+    rk.sync("remove", everyone)
+    if me in removed:
+        buf.disconnect_ranks(others(everyone, me))
+        rk.expect_slots(buf, [me], "removed: disconnected from everyone")
+        rk.check("removed")
+        rk.round(buf, 0, [me])  # alone: nothing goes anywhere
+        rk.end_phase()
+        return
+    buf.disconnect_ranks(removed)
+    rk.expect_slots(buf, rest, "after removal")
+    rk.check("removal")
+    rk.sync("removed", rest)
+    rk.rounds(buf, n, rest)
+    rk.end_phase()
+
+
+# --- faults: a killed rank and its replacement; then the sparse layout ----------------------
+
+
+def victim_gen(cycles, c: int) -> int:
+    """The generation of the process that cycle ``c`` kills (earlier cycles replaced it)."""
+    v = cycles[c]["victim"]
+    return sum(1 for cy in cycles[:c] if cy["victim"] == v)
+
+
+def fault(rk: Rank) -> None:
+    """Slots ``0..world-1`` of capacity 16. Per cycle (``cycles``) the parent kills one
+    slot's process (SIGKILL): ``between`` rounds (it asks for the kill after round ``arm``
+    and waits for it; the survivors' next round must mask exactly it, within timeout_ms),
+    or ``mid`` rounds (it asks at round ``arm`` and goes on; the parent kills it
+    ``delay`` s later, wherever it is; the survivors' rounds may mask it any time). The
+    survivors check the mask, disconnect it, the lowest asks for a replacement (a new
+    process in the same slot), everyone connects and publishes, then full rounds (plan
+    5). Then, with ``sparse``, slots 1 and 2 leave cleanly and 0 and 3 go on (plan 6)."""
+    p, me = rk.p, rk.slot
+    world, n = list(range(p["world"])), p["rounds"]
+    buf = rk.make_buffer()
+    start = rk.role.get("cycle", -1) + 1
+    if start == 0:  # an original process
+        rk.phase = "full"
+        # Odd slots activate at once, even ones stage and publish.
+        buf.connect_ranks(others(world, me), activate=me % 2 == 1)
+        if me % 2 == 0:
+            rk.expect_slots(buf, [me], "staged", staged=others(world, me))
+        rk.publish(buf, others(world, me))
+    else:  # the replacement of cycle start - 1
+        rk.phase = f"rejoin{start - 1}"
+        buf.connect_ranks(others(world, me), activate=False)
+        rk.publish(buf, others(world, me))
+    rk.expect_slots(buf, world, "connected")
+    rk.check("connected", transport=buf.transport_of(others(world, me)[0]))
+    rk.sync(rk.phase, world)
+    rk.rounds(buf, n, world)
+    rk.end_phase()
+
+    for c in range(start, len(p["cycles"])):
+        cy = p["cycles"][c]
+        v, arm = cy["victim"], cy["arm"]
+        survivors = others(world, v)
+        rk.phase = f"kill{c}"
+        rk.sync(rk.phase, world)
+        if me == v:
+            victim(rk, buf, cy, world)  # never returns: killed, or it raises
+        if cy["mode"] == "between":
+            rk.rounds(buf, arm + 1, world)
+            # The victim stopped after round `arm`: this round must mask exactly it.
+            r = rk.round(buf, arm + 1, world, must_drop=(v,), style={"act": "plan", "R": "bound"})
+            rk.chk.expect(rk.mask(buf)[v] == 1, f"query_mask_buffer[{v}] is not 1 after the round")
+            rk.chk.expect(buf.slot_state(v) == "staged", f"slot_state({v}) {buf.slot_state(v)!r}")
+            rk.check("detected", detect_s=r.dispatch_s, events=buf.mask_events())
+            rk.rounds(buf, n, survivors, start=arm + 2)
+        else:
+            rk.rounds(buf, arm, world)
+            for i in range(arm, arm + n):  # the victim dies during these, or after
+                rk.round(buf, i, world, view=buf.active_slots, may_drop=(v,))
+            rk.wait_keys([f"tl/killed/{v}/{victim_gen(p['cycles'], c)}"])
+            t0 = time.monotonic()
+            took = buf.barrier()
+            detect_s = time.monotonic() - t0
+            rk.chk.expect(took == survivors, f"barrier after the kill: {took}, want {survivors}")
+            rk.chk.expect(rk.mask(buf)[v] == 1, f"query_mask_buffer[{v}] is not 1 after the kill")
+            rk.check("detected", detect_s=detect_s, events=buf.mask_events())
+            rk.rounds(buf, 2, survivors, start=arm + n)
+        rk.end_phase()
+
+        rk.phase = f"rejoin{c}"
+        buf.disconnect_ranks([v])
+        rk.expect_slots(buf, survivors, "victim disconnected")
+        if me == min(survivors):
+            rk.request("spawn", slot=v, role={"cycle": c})
+        buf.connect_ranks([v], activate=False)  # waits for the replacement
+        rk.expect_slots(buf, survivors, "replacement staged", staged=[v])
+        rk.publish(buf, [v])
+        rk.expect_slots(buf, world, "replacement published")
+        rk.check("reconnected")
+        rk.sync(rk.phase, world)
+        rk.rounds(buf, n, world)
+        rk.end_phase()
+
+    if p.get("sparse"):
+        sparse(rk, buf, world)
+
+
+def victim(rk: Rank, buf, cy: dict, world) -> None:
+    """The victim's side of a kill cycle: the parent kills it (SIGKILL); raises if not."""
+    v, arm = rk.slot, cy["arm"]
+    if cy["mode"] == "between":
+        rk.rounds(buf, arm + 1, world)
+        rk.request("kill", slot=v, delay_s=cy["delay"])
+        time.sleep(60)
+        raise RuntimeError(f"slot {v} asked to be killed and was not, in 60 s")
+    rk.rounds(buf, arm, world)
+    rk.request("kill", slot=v, delay_s=cy["delay"])
+    for i in range(arm, arm + 400):
+        rk.round(buf, i, world, view=buf.active_slots, may_drop=others(world, v))
+    raise RuntimeError(f"slot {v} asked to be killed and was not, in 400 rounds")
+
+
+def bad_dispatch(buf, num_experts: int):
+    x = torch.zeros(4, SPEC.H, dtype=torch.bfloat16)
+    idx = torch.zeros(4, 1, dtype=torch.int64)
+    return buf.dispatch(x, idx, None, SPEC.T, num_experts, -1, use_fp8=False)
+
+
+def sparse(rk: Rank, buf, world) -> None:
+    """Slots 1 and 2 disconnect everyone and exit; 0 and 3 disconnect them and go on with
+    rank bound 4: rounds with R = 4, 10 and 16 (recv_x [E/R, R*T, H], layout_range one
+    column per slot). num_experts outside [epr * 4, epr * capacity], or not a multiple of
+    epr, raises ValueError naming it, on both; when only slot 0 passes a bad one, slot 3
+    is told that slot 0 rejected its arguments; rounds go on after each."""
+    me, keep, leave = rk.slot, [0, 3], [1, 2]
+    rk.phase = "sparse"
+    rk.sync("sparse", world)
+    if me in leave:
+        buf.disconnect_ranks(others(world, me))
+        rk.expect_slots(buf, [me], "left")
+        rk.check("left")
+        rk.end_phase()
+        return
+    buf.disconnect_ranks(leave)
+    rk.expect_slots(buf, keep, "sparse")
+    rk.check("sparse")
+    rk.sync("sparse-go", keep)
+    n = rk.p["rounds"]
+    rk.rounds(buf, n, keep)
+    epr, cap = rk.epr, rk.cap
+    bad = {
+        "below the rank bound": epr * 3,
+        "above the capacity": epr * (cap + 1),
+        "not a multiple of num_experts_per_rank": epr * 4 + 1,
+    }
+    for what, e in bad.items():
+        expect_value_error(
+            rk.chk, lambda e=e: bad_dispatch(buf, e), ["num_experts"], f"num_experts {what}"
+        )
+        rk.round(buf, n, keep)  # usable afterwards
+    if me == 0:
+        expect_value_error(rk.chk, lambda: bad_dispatch(buf, epr * 3), ["num_experts"], "one side")
+    else:
+        expect_value_error(
+            rk.chk, lambda: bad_dispatch(buf, epr * 4), ["rank 0", "rejected"], "other"
+        )
+    rk.check("num_experts")
+    rk.rounds(buf, 2, keep, start=n + 1)
+    rk.end_phase()
+
+
+# --- the 3-rank connection contract ---------------------------------------------------------
+
+
+def contract(rk: Rank) -> None:
+    """Slots 0 and 1 start; slot 2 is started when slot 0 asks (capacity 4). Phases:
+    ``staging`` (0 and 1 run rounds while a background thread connects slot 2, which stays
+    masked until published), ``reconnect`` (disconnect and reconnect a live peer),
+    ``toggle`` (mask and publish a live peer on both sides), ``barrier`` (8 barriers),
+    ``timeout`` (slot 2 skips a round: 0 and 1 mask it after timeout_ms and go on; then
+    everyone reconnects)."""
+    me, pair, trio = rk.slot, [0, 1], [0, 1, 2]
+    n = rk.p["rounds"]
+    buf = rk.make_buffer()
+    if me in pair:
+        rk.phase = "pair"
+        buf.connect_ranks([1 - me], activate=False)
+        rk.publish(buf, [1 - me])
+        rk.expect_slots(buf, pair, "pair")
+        rk.check("pair", transport=buf.transport_of(1 - me))
+        rk.sync("pair", pair)
+        rk.rounds(buf, n, pair)
+        rk.end_phase()
+        staging(rk, buf)
+    else:
+        rk.phase = "staging"
+        buf.connect_ranks(pair, activate=False)
+        rk.expect_slots(buf, [me], "newcomer", staged=pair)
+        rk.check("newcomer", transport=buf.transport_of(0))
+        rk.round(buf, 0, [me])  # alone while staged
+        rk.sync("publish2", trio)
+        rk.expect_slots(buf, [me], "newcomer before publishing", staged=pair)
+        rk.publish(buf, pair)
+        rk.expect_slots(buf, trio, "newcomer published")
+        rk.check("published")
+        rk.sync("trio", trio)
+        rk.rounds(buf, n, trio, start=100)
+        rk.end_phase()
+
+    rk.phase = "reconnect"
+    rk.sync(rk.phase, trio)
+    if me in pair:
+        buf.disconnect_ranks([2])
+        rk.expect_slots(buf, pair, "2 disconnected")
+        rk.check("disconnected")
+        rk.rounds(buf, n, pair)
+    else:
+        buf.disconnect_ranks(pair)
+        rk.expect_slots(buf, [me], "0 and 1 disconnected")
+        rk.check("disconnected")
+        rk.rounds(buf, 2, [me], start=100)
+    rk.sync("reconnect-back", trio)
+    if me == 0:
+        buf.connect_ranks([2], activate=True)
+    elif me == 1:
+        buf.connect_ranks([2], activate=False)
+        rk.expect_slots(buf, pair, "2 staged again", staged=[2])
+        rk.publish(buf, [2])
+    else:
+        buf.connect_ranks(pair, activate=True)
+    rk.expect_slots(buf, trio, "reconnected")
+    rk.check("reconnected")
+    rk.sync("reconnected", trio)
+    rk.rounds(buf, n, trio, start=200)
+    rk.end_phase()
+
+    rk.phase = "toggle"
+    rk.sync(rk.phase, trio)
+    if me in pair:
+        buf.update_mask_buffer(2, mask=True)
+        buf.update_mask_buffer(2, mask=True)  # idempotent
+        rk.expect_slots(buf, pair, "2 masked", staged=[2])
+        rk.check("masked")
+        rk.rounds(buf, n, pair)
+    else:
+        for q in pair:
+            buf.update_mask_buffer(q, mask=True)
+        rk.expect_slots(buf, [me], "0 and 1 masked", staged=pair)
+        rk.check("masked")
+        rk.rounds(buf, 2, [me], start=100)
+    rk.sync("toggle-back", trio)
+    rk.publish(buf, others(trio, me))
+    rk.publish(buf, others(trio, me))  # idempotent
+    rk.expect_slots(buf, trio, "published again")
+    rk.check("published")
+    rk.sync("toggled", trio)
+    rk.rounds(buf, n, trio, start=200)
+    rk.end_phase()
+
+    rk.phase = "barrier"
+    rk.sync(rk.phase, trio)
+    took = []
+    for k in range(8):
+        took.append(buf.barrier() if k % 2 == 0 else buf.barrier(timeout_ms=20000))
+        if k in (3, 7):
+            rk.round(buf, k, trio)
+    rk.chk.expect(took == [trio] * 8, f"barriers returned {took}")
+    rk.check("barriers", took=took)
+    rk.end_phase()
+
+    rk.phase = "timeout"
+    rk.sync(rk.phase, trio)
+    if me in pair:
+        events = len(buf.mask_events())
+        r = rk.round(buf, 0, trio, must_drop=(2,), style={"act": "plan", "R": "cap"})
+        rk.chk.expect(rk.mask(buf)[2] == 1, "query_mask_buffer[2] is not 1 after the timeout")
+        rk.chk.expect(buf.slot_state(2) == "staged", f"slot_state(2) {buf.slot_state(2)!r}")
+        new = buf.mask_events()[events:]
+        rk.chk.expect(len(new) == 1, f"mask_events after the timeout: {new}")
+        rk.check("masked", dispatch_s=r.dispatch_s, events=new)
+        rk.store.set(f"tl/timedout/{me}", "1")
+        rk.rounds(buf, n, pair, start=1)
+        rk.sync("timeout-rejoin", trio)
+        buf.disconnect_ranks([2])
+        buf.connect_ranks([2])
+        rk.publish(buf, [2])
+    else:
+        rk.wait_keys(["tl/timedout/0", "tl/timedout/1"])
+        rk.expect_slots(buf, trio, "slot 2 after skipping a round")
+        rk.check("skipped")
+        rk.sync("timeout-rejoin", trio)
+        buf.disconnect_ranks(pair)
+        buf.connect_ranks(pair)
+        rk.publish(buf, pair)
+    rk.expect_slots(buf, trio, "reconnected after the timeout")
+    rk.check("rejoined")
+    rk.sync("timeout-full", trio)
+    rk.rounds(buf, n, trio, start=100)
+    rk.end_phase()
+
+
+def staging(rk: Rank, buf) -> None:
+    """Slots 0 and 1: rounds among themselves while a background thread calls
+    connect_ranks([2], activate=False); slot 0 asks for slot 2's process after round 2,
+    so that the connect waits for it beside the traffic. The rounds go on until both have
+    connected, plus two with slot 2 staged; it stays masked until published."""
+    me, pair, trio = rk.slot, [0, 1], [0, 1, 2]
+    rk.phase = "staging"
+    done: dict = {}
+
+    def connect() -> None:
+        done["t0"] = time.monotonic()
+        try:
+            buf.connect_ranks([2], activate=False)
+        except Exception as e:  # noqa: BLE001 - reported
+            done["error"] = f"{type(e).__name__}: {e}"
+        done["t1"] = time.monotonic()
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    spans, masked, after = [], [], 0
+    for i in range(2000):
+        if i == 2 and me == 0:
+            rk.request("spawn", slot=2)
+        t0 = time.monotonic()
+        rk.round(buf, i, pair)
+        spans.append((t0, time.monotonic()))
+        masked.append(rk.mask(buf)[2])
+        mine = "t1" in done
+        rk.store.set(f"tl/stg/{me}/{i}", "1" if mine else "0")
+        rk.wait_keys([f"tl/stg/{1 - me}/{i}"])
+        theirs = rk.store.get(f"tl/stg/{1 - me}/{i}") == b"1"
+        after += mine and theirs
+        if after == 3:
+            break
+        time.sleep(0.01)
+    thread.join(timeout=60)
+    rk.chk.expect(not thread.is_alive() and "error" not in done, f"connect_ranks: {done}")
+    during = [b - a for a, b in spans if a >= done.get("t0", 0) and b <= done.get("t1", 0)]
+    rk.chk.expect(all(m == 1 for m in masked), f"slot 2's mask while staging: {masked}")
+    rk.expect_slots(buf, pair, "staged beside traffic", staged=[2])
+    rk.check(
+        "staging",
+        rounds=len(spans),
+        rounds_during_connect=len(during),
+        longest_round_during_connect_s=max(during, default=0.0),
+        connect_s=done.get("t1", 0) - done.get("t0", 0),
+    )
+    rk.sync("publish2", trio)
+    rk.expect_slots(buf, pair, "2 before publishing", staged=[2])
+    rk.publish(buf, [2])
+    rk.expect_slots(buf, trio, "2 published")
+    rk.check("published")
+    rk.sync("trio", trio)
+    rk.rounds(buf, n=rk.p["rounds"], plan=trio, start=100)
+    rk.end_phase()
+
+
+# --- main -----------------------------------------------------------------------------------
+
+SCENARIOS = {"growth": growth, "fault": fault, "contract": contract}
+
+
+def main() -> int:
+    cfg_path, slot, gen, role = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.set_num_threads(1)
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    rk = Rank(cfg, slot, gen, json.loads(role))
+    try:
+        SCENARIOS[cfg["scenario"]](rk)
+        rk.emit("done")
+        return 0
+    except Aborted as e:
+        rk.emit("aborted", phase=rk.phase, reason=str(e))
+        return 3
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        rk.emit("error", phase=rk.phase, traceback=traceback.format_exc())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
