@@ -127,7 +127,12 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
       last_round_us_(now_us()) {
   for (int p = 0; p < capacity; ++p) pulse_[p].changed_us.store(now_us());
   MC_CHECK_ARG(rank >= 0 && rank < capacity, "rank must be in [0, ", capacity, "), got ", rank);
-  receiver_ = std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, &alarms_);
+  // The group's secret: the first member's token wins; every member reads it.
+  secret_ = store_.compare_set(prefix_ + "secret", random_secret());
+  MC_CHECK_ARG(secret_.size() == kSecretBytes, "the store holds a malformed group secret under '",
+               prefix_, "secret'");
+  receiver_ =
+      std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, secret_, &alarms_);
   stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   links_[rank] = self_link(segment_);
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
@@ -166,7 +171,7 @@ void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   if (!options_.force_tcp && shm_can_reach(addr))
     link = shm_connect(addr);
   else
-    link = tcp_connect(addr, rank_, incarnation_, *receiver_, deadline);
+    link = tcp_connect(addr, rank_, incarnation_, secret_, *receiver_, deadline);
   std::lock_guard<std::mutex> lock(mu_);
   links_[peer] = std::move(link);
   pulse_[peer].last.store(0);
@@ -211,6 +216,8 @@ int64_t Endpoint::silent_ms(int peer) const {
 }
 
 const char* Endpoint::transport_of(int peer) const {
+  MC_CHECK_ARG(peer >= 0 && peer < capacity_, "transport_of: peer must be in [0, ", capacity_,
+               "), got ", peer);
   auto l = link(peer);
   return l != nullptr ? l->transport() : "none";
 }

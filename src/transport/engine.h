@@ -81,6 +81,9 @@ class Endpoint {
   int64_t silent_ms(int peer) const;
   // "shm", "tcp", "self", or "none" when not connected.
   const char* transport_of(int peer) const;
+  // Connections the tcp receiver dropped for breaking the protocol.
+  uint64_t rejected_connections() const { return receiver_->rejected(); }
+  int tcp_port() const { return receiver_->port(); }
   // One of the hint words of the local segment header (see SegmentHeader).
   uint64_t hint(size_t offset) const;
   // Raises hint word `offset` of `peer`'s segment to `value` (never lowers
@@ -103,6 +106,7 @@ class Endpoint {
   const uint32_t incarnation_;
   const int capacity_;
   Segment segment_;
+  std::string secret_;  // the group's, from the store: proves tcp connections
   std::unique_ptr<TcpReceiver> receiver_;
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<PeerLink>> links_;

@@ -7,12 +7,14 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
 #include <mutex>
 
+#include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
 
@@ -48,21 +50,59 @@ void set_nonblocking(int fd) {
 
 struct TcpReceiver::Conn {
   int fd = -1;
-  int rank = -1;
+  int rank = -1;  // set once the hello and the secret checked out
   uint32_t inc = 0;
   Frame frame{};
   size_t frame_got = 0;
   uint64_t payload_done = 0;
   bool in_payload = false;
   bool bye = false;  // the sender said it closes on purpose
+  // After a hello: the secret that follows it.
+  bool in_secret = false;
+  std::string secret;
+  int hello_rank = -1;
+  uint32_t hello_inc = 0;
+  int64_t opened_us = 0;
+  std::string from;  // the peer's ip:port, for logs
+  std::string why;   // set when the connection broke the protocol
 };
 
+std::string random_secret() {
+  unsigned char raw[kSecretBytes / 2];
+  size_t got = 0;
+  while (got < sizeof(raw)) {
+    ssize_t n = ::getrandom(raw + got, sizeof(raw) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    MC_SYSCHECK(n);
+    got += static_cast<size_t>(n);
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : raw) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
+namespace {
+bool same_secret(const std::string& a, const std::string& b) {  // constant time
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+}  // namespace
+
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
-                         std::atomic<uint64_t>* alarm)
+                         std::string secret, std::atomic<uint64_t>* alarm)
     : segment_(segment),
       peers_(new PeerState[static_cast<size_t>(world_capacity)]),
       capacity_(world_capacity),
+      secret_(std::move(secret)),
       alarm_(alarm) {
+  MC_CHECK_ARG(secret_.size() == kSecretBytes, "tcp: the group secret must have ", kSecretBytes,
+               " bytes, got ", secret_.size());
   listen_fd_ = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -104,9 +144,31 @@ uint64_t TcpReceiver::frames(int rank, uint32_t inc) const {
              : 0;
 }
 
-// Reads whatever is available on `c`; false when the connection is finished.
+// Reads whatever is available on `c`; false when the connection is finished
+// (closed by the peer, or broken: then c.why says how).
 bool TcpReceiver::drain(Conn& c) {
   for (;;) {
+    if (c.in_secret) {
+      const size_t have = c.secret.size();
+      c.secret.resize(kSecretBytes);
+      ssize_t n = ::recv(c.fd, c.secret.data() + have, kSecretBytes - have, 0);
+      c.secret.resize(have + (n > 0 ? static_cast<size_t>(n) : 0));
+      if (n == 0) return false;
+      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+      if (c.secret.size() < kSecretBytes) continue;
+      c.in_secret = false;
+      if (!same_secret(c.secret, secret_)) {
+        c.why = "its hello carries the wrong secret (another group, or not a peer)";
+        return false;
+      }
+      PeerState& p = peers_[c.hello_rank];
+      if (p.hello_inc.load() > c.hello_inc + 1) return false;  // a stale incarnation
+      c.rank = c.hello_rank;
+      c.inc = c.hello_inc;
+      p.frames.store(0);
+      p.hello_inc.store(c.inc + 1, std::memory_order_release);
+      continue;
+    }
     if (!c.in_payload) {
       ssize_t n = ::recv(c.fd, reinterpret_cast<char*>(&c.frame) + c.frame_got,
                          sizeof(Frame) - c.frame_got, 0);
@@ -115,36 +177,7 @@ bool TcpReceiver::drain(Conn& c) {
       c.frame_got += static_cast<size_t>(n);
       if (c.frame_got < sizeof(Frame)) continue;
       c.frame_got = 0;
-      if (c.rank >= 0) peers_[c.rank].frames.fetch_add(1, std::memory_order_relaxed);
-      switch (c.frame.type) {
-        case kHello: {
-          if (c.rank >= 0 || c.frame.arg >= static_cast<uint64_t>(capacity_)) return false;
-          c.rank = static_cast<int>(c.frame.arg);
-          c.inc = static_cast<uint32_t>(c.frame.offset);
-          PeerState& p = peers_[c.rank];
-          if (p.hello_inc.load() > c.inc + 1) return false;  // a stale incarnation
-          p.frames.store(0);
-          p.hello_inc.store(c.inc + 1, std::memory_order_release);
-          break;
-        }
-        case kHeartbeat: break;
-        case kBye: c.bye = true; break;
-        case kSignal:
-        case kSignalMax:
-          if (c.frame.offset + 8 > segment_.size() || c.frame.bell >= kNumBells) return false;
-          if (c.frame.type == kSignalMax)
-            store_flag_max(segment_.base(), c.frame.offset, c.frame.arg);
-          else
-            store_flag(segment_.base(), c.frame.offset, c.frame.arg);
-          ring(segment_.bell(static_cast<int>(c.frame.bell)));
-          break;
-        case kWrite:
-          if (c.frame.offset + c.frame.arg > segment_.size()) return false;
-          c.in_payload = c.frame.arg > 0;
-          c.payload_done = 0;
-          break;
-        default: return false;
-      }
+      if (!on_frame(c)) return false;
     } else {
       ssize_t n = ::recv(c.fd, segment_.base() + c.frame.offset + c.payload_done,
                          c.frame.arg - c.payload_done, 0);
@@ -154,6 +187,89 @@ bool TcpReceiver::drain(Conn& c) {
       if (c.payload_done == c.frame.arg) c.in_payload = false;
     }
   }
+}
+
+bool TcpReceiver::on_frame(Conn& c) {
+  const Frame& f = c.frame;
+  const uint64_t size = segment_.size();
+  if (c.rank < 0 && f.type != kHello) {
+    c.why = str("it sent a frame of type ", f.type, " before its hello");
+    return false;
+  }
+  if (c.rank >= 0) peers_[c.rank].frames.fetch_add(1, std::memory_order_relaxed);
+  switch (f.type) {
+    case kHello:
+      if (c.rank >= 0 || c.hello_rank >= 0) {
+        c.why = "it sent a second hello";
+        return false;
+      }
+      if (f.arg >= static_cast<uint64_t>(capacity_) || f.offset > UINT32_MAX - 1 ||
+          f.bell != kSecretBytes) {
+        c.why = str("its hello is malformed (rank ", f.arg, " of ", capacity_, ", incarnation ",
+                    f.offset, ", secret of ", f.bell, " bytes)");
+        return false;
+      }
+      c.hello_rank = static_cast<int>(f.arg);
+      c.hello_inc = static_cast<uint32_t>(f.offset);
+      c.in_secret = true;
+      return true;
+    case kHeartbeat: return true;
+    case kBye: c.bye = true; return true;
+    case kSignal:
+    case kSignalMax:
+      if (f.offset > size - 8 || f.offset % 8 != 0 || f.bell >= static_cast<uint32_t>(kNumBells)) {
+        c.why = str("it signals a flag outside the segment (offset ", f.offset, " of ", size,
+                    ", bell ", f.bell, ")");
+        return false;
+      }
+      if (f.type == kSignalMax)
+        store_flag_max(segment_.base(), f.offset, f.arg);
+      else
+        store_flag(segment_.base(), f.offset, f.arg);
+      ring(segment_.bell(static_cast<int>(f.bell)));
+      return true;
+    case kWrite:
+      if (f.offset > size || f.arg > size - f.offset) {
+        c.why = str("it writes ", f.arg, " bytes at offset ", f.offset, ", outside the ", size,
+                    "-byte segment");
+        return false;
+      }
+      c.in_payload = f.arg > 0;
+      c.payload_done = 0;
+      return true;
+    default: c.why = str("it sent a frame of unknown type ", f.type); return false;
+  }
+}
+
+void TcpReceiver::drop(Conn& c) {
+  if (!c.why.empty()) {
+    rejected_.fetch_add(1, std::memory_order_relaxed);
+    // At most kWarningsPerSecond lines a second; the rest are counted and
+    // summed up in the next second's first line.
+    const int64_t now = now_us();
+    if (now - log_window_us_ >= 1000000) {
+      if (suppressed_ > 0)
+        MC_LOG(kWarn, "tcp: ", suppressed_, " more connections dropped in the last second");
+      log_window_us_ = now;
+      logged_ = 0;
+      suppressed_ = 0;
+    }
+    if (logged_++ < kWarningsPerSecond)
+      MC_LOG(kWarn, "tcp: dropped the connection from ", c.from,
+             c.rank >= 0 ? str(" (rank ", c.rank, ")") : std::string(), ": ", c.why);
+    else
+      ++suppressed_;
+  } else {
+    MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
+  }
+  // Only an authenticated peer's close says something about that peer.
+  if (c.rank >= 0 && !c.bye) {
+    peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
+    if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
+  }
+  ::close(c.fd);
+  c.fd = -1;
+  for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
 }
 
 void TcpReceiver::run() {
@@ -167,27 +283,49 @@ void TcpReceiver::run() {
     if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
     if (fds[0].revents != 0) break;
     if (fds[1].revents & POLLIN) {
+      int accepted = 0;
       for (;;) {
-        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        sockaddr_in sa{};
+        socklen_t len = sizeof(sa);
+        int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&sa), &len,
+                           SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd < 0) break;
+        char ip[INET_ADDRSTRLEN] = "?";
+        ::inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
+        const std::string from = str(ip, ":", ntohs(sa.sin_port));
+        // Full: the connection that has waited longest for its hello makes
+        // room (a flood of silent connections cannot lock real peers out).
+        int waiting = 0;
+        Conn* oldest = nullptr;
+        for (Conn& k : conns) {
+          if (k.fd < 0 || k.rank >= 0) continue;
+          ++waiting;
+          if (oldest == nullptr || k.opened_us < oldest->opened_us) oldest = &k;
+        }
+        if (waiting >= kMaxUnauthenticated) {
+          oldest->why = str(waiting, " connections wait for their hello; the oldest makes room");
+          drop(*oldest);
+        }
         int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
         Conn c;
         c.fd = fd;
-        conns.push_back(c);
+        c.from = from;
+        c.opened_us = now_us();
+        conns.push_back(std::move(c));
+        if (++accepted == kMaxUnauthenticated) break;  // serve the others too
       }
     }
     for (size_t i = 2; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
       Conn& c = conns[i - 2];
-      if (!drain(c)) {
-        MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
-        if (c.rank >= 0 && !c.bye)
-          peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
-        if (alarm_ && !c.bye) alarm_->fetch_add(1, std::memory_order_acq_rel);
-        ::close(c.fd);
-        c.fd = -1;
-        for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
+      if (c.fd >= 0 && !drain(c)) drop(c);  // fd < 0: dropped to make room
+    }
+    const int64_t now = now_us();
+    for (Conn& c : conns) {
+      if (c.fd >= 0 && c.rank < 0 && now - c.opened_us > kHelloTimeoutMs * 1000) {
+        c.why = str("no hello within ", kHelloTimeoutMs, " ms");
+        drop(c);
       }
     }
     std::erase_if(conns, [](const Conn& c) { return c.fd < 0; });
@@ -293,7 +431,10 @@ class TcpLink : public PeerLink {
 }  // namespace
 
 std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
-                                      TcpReceiver& receiver, const Deadline& deadline) {
+                                      const std::string& secret, TcpReceiver& receiver,
+                                      const Deadline& deadline) {
+  MC_CHECK_ARG(secret.size() == kSecretBytes, "tcp: the group secret must have ", kSecretBytes,
+               " bytes");
   std::string host = addr.host_key == local_host_key() ? "127.0.0.1" : addr.tcp_host;
   addrinfo hints{};
   hints.ai_family = AF_INET;
@@ -322,8 +463,9 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
   set_nonblocking(fd);
   auto link =
       std::make_unique<TcpLink>(fd, addr.rank, addr.incarnation, addr.segment_bytes, receiver);
-  Frame hello{kHello, 0, my_inc, static_cast<uint64_t>(my_rank)};
+  Frame hello{kHello, static_cast<uint32_t>(kSecretBytes), my_inc, static_cast<uint64_t>(my_rank)};
   link->send_all(&hello, sizeof(hello), deadline);
+  link->send_all(secret.data(), secret.size(), deadline);
   return link;
 }
 

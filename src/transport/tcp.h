@@ -2,6 +2,18 @@
 // accepts its peers' connections and places their writes into the local
 // segment, then stores signalled flags and rings the doorbell, in the order
 // the frames arrived. A TcpLink is this rank's sending side to one peer.
+//
+// A connection's first frame is a hello followed by the group's secret (a
+// random token every member reads from the store, see Endpoint); nothing
+// else is accepted before it. A connection that sends anything else first, a
+// wrong secret, a frame of unknown type, or a write or signal outside the
+// segment is dropped and logged (at most kWarningsPerSecond lines a second);
+// the group goes on. At most kMaxUnauthenticated connections may wait for
+// their hello, each for at most kHelloTimeoutMs; when a new one arrives and
+// the table is full, the one that has waited longest is dropped.
+//
+// The store is the trust boundary: whoever can read it knows the secret and
+// is a member (it could, for example, claim a member's slot).
 #pragma once
 
 #include <atomic>
@@ -15,12 +27,18 @@
 
 namespace mooncake {
 
+constexpr size_t kSecretBytes = 32;  // hex digits of 16 random bytes
+constexpr int kMaxUnauthenticated = 64;
+constexpr int64_t kHelloTimeoutMs = 2000;
+constexpr int kWarningsPerSecond = 10;
+
 class TcpReceiver {
  public:
-  // Listens on `bind_host` (empty: all interfaces), an ephemeral port.
+  // Listens on `bind_host` (empty: all interfaces), an ephemeral port, for
+  // peers that know `secret` (kSecretBytes bytes).
   // `alarm` is bumped whenever a peer's connection closes.
   TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
-              std::atomic<uint64_t>* alarm = nullptr);
+              std::string secret, std::atomic<uint64_t>* alarm = nullptr);
   ~TcpReceiver();
   TcpReceiver(const TcpReceiver&) = delete;
   TcpReceiver& operator=(const TcpReceiver&) = delete;
@@ -31,11 +49,16 @@ class TcpReceiver {
   bool peer_closed(int rank, uint32_t inc) const;
   // Frames received from incarnation `inc` of slot `rank` (heartbeats included).
   uint64_t frames(int rank, uint32_t inc) const;
+  // Connections dropped for breaking the protocol (see the header comment).
+  uint64_t rejected() const { return rejected_.load(std::memory_order_relaxed); }
 
  private:
   struct Conn;
   void run();
   bool drain(Conn& c);
+  // The frame just read on `c` (false: drop the connection, c.why says why).
+  bool on_frame(Conn& c);
+  void drop(Conn& c);
 
   Segment& segment_;
   int listen_fd_ = -1;
@@ -48,13 +71,22 @@ class TcpReceiver {
   };
   std::unique_ptr<PeerState[]> peers_;
   int capacity_;
+  const std::string secret_;
+  std::atomic<uint64_t> rejected_{0};
+  int64_t log_window_us_ = 0;  // rate limit of the warnings (receiver thread only)
+  int logged_ = 0;
+  uint64_t suppressed_ = 0;
   std::atomic<uint64_t>* alarm_;
   std::thread thread_;
 };
 
 // Connects to the receiver of the peer at `addr` and introduces this rank
-// (slot `my_rank`, incarnation `my_inc`).
+// (slot `my_rank`, incarnation `my_inc`) with the group's `secret`.
 std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
-                                      TcpReceiver& receiver, const Deadline& deadline);
+                                      const std::string& secret, TcpReceiver& receiver,
+                                      const Deadline& deadline);
+
+// A fresh random token: kSecretBytes hex digits of getrandom() bytes.
+std::string random_secret();
 
 }  // namespace mooncake
