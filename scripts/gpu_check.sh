@@ -5,6 +5,7 @@
 #   device run: bash scripts/gpu_check.sh
 # GPU_STEPS picks steps (default all: "doctor cpp py elastic bench"; the build always
 # runs, incrementally), so a run can be split over two device calls.
+# PYTEST_PATHS: what the Python step runs (default tests/python); PYTEST_ARGS: more.
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
 # bench_elastic.py (default: none, the full run, about a minute).
 set -uo pipefail
@@ -45,7 +46,7 @@ else
   echo "GoogleTest not available here: C++ tests skipped" | tee "$OUT/ctest.log"
 fi
 
-wants py && step "Python tests" && { "$PY" -m pytest tests/python -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
+wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
 
 # The elastic EP buffer with CUDA tensors (staged through host memory).
 if wants elastic; then
