@@ -22,7 +22,7 @@ import torch
 
 from elastic_ranks import SPEC, play_round
 from ep_cases import Checks
-from launcher import CONTROLLED_ENV
+from launcher import CONTROLLED_ENV, read_run_files
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -49,15 +49,8 @@ class Proc:
         return f"{self.slot}.{self.gen}"
 
     def collect(self, folder: Path) -> None:
-        path = folder / f"{self.key}.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    self.records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut short by a kill
-        log = folder / f"{self.key}.log"
-        self.log = log.read_text(errors="replace") if log.exists() else ""
+        records, self.log = read_run_files(folder, self.key)
+        self.records += records
 
     def trouble(self) -> str:
         """Why this process did not end well ("" if it did, or was killed as planned)."""

@@ -61,6 +61,21 @@ SMALL_CHUNKS = (("MOONCAKE_CHUNK_BYTES", "4096"), ("MOONCAKE_SMALL_MSG_BYTES", "
 TEARDOWN = "<teardown>"
 
 
+def read_run_files(folder: Path, stem: str) -> tuple[list[dict], str]:
+    """A process's JSON-lines results (``<stem>.jsonl``; a line cut short by a kill is
+    skipped) and its log (``<stem>.log``), from ``folder``; missing files read as empty."""
+    records = []
+    path = folder / f"{stem}.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    log = folder / f"{stem}.log"
+    return records, log.read_text(errors="replace") if log.exists() else ""
+
+
 @dataclass(frozen=True)
 class Case:
     """One test case: ``fn(ctx)`` runs on every rank (``ctx`` is a ``worker.RankContext``)."""
@@ -108,15 +123,8 @@ class RankRun:
 
     def collect(self, tmp: Path) -> None:
         """Reads the rank's result file and log from the launch folder."""
-        path = tmp / f"rank{self.rank}.jsonl"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    self.records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut short by a kill
-        log = tmp / f"rank{self.rank}.log"
-        self.log = log.read_text(errors="replace") if log.exists() else ""
+        records, self.log = read_run_files(tmp, f"rank{self.rank}")
+        self.records += records
 
     def log_tail(self, lines: int = 25) -> str:
         return "\n".join(self.log.rstrip().splitlines()[-lines:])
