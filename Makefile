@@ -9,7 +9,7 @@ BUILD := build
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-cpp test-py build bench stress gpu-check doctor lint format clean deps
+.PHONY: all demo test test-cpp test-py test-asan build bench stress gpu-check doctor lint format clean deps
 
 all: build
 
@@ -40,6 +40,17 @@ test: build test-cpp test-py
 test-cpp: build
 	@if [ -x $(BUILD)/mooncake_tests ]; then cd $(BUILD) && ctest --output-on-failure -j2; \
 	else echo "C++ tests not built (GoogleTest missing)"; exit 1; fi
+
+# The C++ tests (core only, no torch) built with AddressSanitizer and
+# UndefinedBehaviorSanitizer: any report fails the run.
+ASAN_BUILD := build-asan
+SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+test-asan: | deps
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_FLAGS="$(SANITIZE)" -DCMAKE_EXE_LINKER_FLAGS="$(SANITIZE)" >/dev/null
+	cmake --build $(ASAN_BUILD)
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j2 $(ASAN_CTEST_ARGS)
 
 test-py: build
 	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)

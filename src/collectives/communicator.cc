@@ -259,7 +259,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
       if (error.empty()) {
         MC_ASSERT(msg->len == len, meta.name, " message from rank ", p, " has ", msg->len,
                   " bytes, expected ", len);
-        std::memcpy(static_cast<uint8_t*>(plan.recv[p]) + k * chunk, msg + 1, len);
+        if (len != 0) std::memcpy(static_cast<uint8_t*>(plan.recv[p]) + k * chunk, msg + 1, len);
       }
       coll_->release(p, meta.deadline);
     }

@@ -8,6 +8,10 @@
 
 namespace mooncake {
 
+namespace {
+constexpr uint64_t kUnexpectedReserveBytes = uint64_t{1} << 20;
+}  // namespace
+
 struct P2P::Posted {
   void* data;
   size_t bytes;
@@ -165,7 +169,9 @@ void P2P::on_message(int src, const MsgHeader* msg) {
         in->posted.reset();
         in->discard = true;
       } else if (!in->posted) {
-        in->buffer.resize(in->total);
+        // Grown as chunks arrive, never sized from the header alone: a peer
+        // cannot make this rank allocate more than it actually sends.
+        in->buffer.reserve(std::min<uint64_t>(in->total, kUnexpectedReserveBytes));
         unexpected_.push_back(in);
       }
       in_flight_[src] = in;
@@ -174,10 +180,10 @@ void P2P::on_message(int src, const MsgHeader* msg) {
       MC_ASSERT(in != nullptr, "p2p continuation from rank ", src, " without a first chunk");
     }
     MC_ASSERT(in->got + msg->len <= in->total);
-    if (in->posted)
+    if (in->posted && msg->len != 0)
       std::memcpy(static_cast<uint8_t*>(in->posted->data) + in->got, payload, msg->len);
-    else if (!in->discard)
-      std::memcpy(in->buffer.data() + in->got, payload, msg->len);
+    else if (!in->posted && !in->discard)
+      in->buffer.insert(in->buffer.end(), payload, payload + msg->len);
     in->got += msg->len;
     if (in->got == in->total) {
       in_flight_[src].reset();

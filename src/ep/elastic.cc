@@ -327,7 +327,8 @@ std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_
         } else if (msg->len != len) {
           fail(s, str("rank ", p, " sent a piece of ", msg->len, " bytes, expected ", len));
         } else {
-          std::memcpy(static_cast<uint8_t*>(recv[p]) + s.received * chunk, msg + 1, len);
+          if (len != 0)
+            std::memcpy(static_cast<uint8_t*>(recv[p]) + s.received * chunk, msg + 1, len);
           channels_->release(p, deadline);
           ++s.received;
         }
