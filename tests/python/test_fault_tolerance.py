@@ -45,6 +45,21 @@ from ft_ranks import (
 STRESS_ROUNDS = int(os.environ.get("MOONCAKE_STRESS_ROUNDS", "12"))
 
 
+def _dev_shm() -> set[str]:
+    # Python's own multiprocessing semaphores come and go; they are not ours.
+    return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "mp-"))}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def nothing_left_in_dev_shm():
+    """Segments are anonymous (memfd): after every kill -9 of this module, no rank may
+    have left a file in /dev/shm."""
+    before = _dev_shm()
+    yield
+    left = sorted(_dev_shm() - before)
+    assert not left, f"new /dev/shm entries after the fault-tolerance tests: {left}"
+
+
 def run_chaos(world, plan, env_vars, timeout_s=120):
     out = launch(world, chaos_rank, plan, env_vars, conduct_chaos(plan), timeout_s=timeout_s)
     results = out.get()
