@@ -22,11 +22,11 @@ core's (shm on one host, tcp across hosts).
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 
+from . import _ep_fallback as fb
 from . import pg
 from .mooncake_ep_buffer import Buffer, _is_int, _tensor_error
 
@@ -321,11 +321,8 @@ class ElasticBuffer(Buffer):
             return t.element_size() * (t[0].numel() if t.dim() > 1 else 1)
 
         rb = row_bytes(out if out.numel() else inp) if (out.numel() or inp.numel()) else 0
-        if deadline_us is None:
-            timeout_ms = -1
-        else:
-            left = deadline_us - time.monotonic_ns() // 1000
-            timeout_ms = max(1, math.ceil(left / 1000))
+        # The per-op timeout the portable path uses, in whole ms (-1: the buffer's own).
+        timeout_ms = math.ceil(fb.timeout_of(deadline_us).total_seconds() * 1000)
         host_out = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
         host_in = inp.contiguous() if inp.device.type == "cpu" else inp.cpu()
         self._peers.exchange(

@@ -192,17 +192,7 @@ std::string Communicator::validate(const OpMeta& meta, const MsgHeader& h, int p
   return {};
 }
 
-namespace {
-
-size_t pieces(size_t bytes, size_t chunk) {
-  return bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
-}
-size_t piece_len(size_t bytes, size_t chunk, size_t k) {
-  size_t begin = k * chunk;
-  return begin >= bytes ? 0 : std::min(chunk, bytes - begin);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 MsgHeader Communicator::header(const OpMeta& meta) const {
   MsgHeader h{};
@@ -227,7 +217,8 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
   size_t steps = 1;
   for (int p : m) {
     if (p == rank_ || rejected) continue;
-    steps = std::max({steps, pieces(plan.send_bytes[p], chunk), pieces(plan.recv_bytes[p], chunk)});
+    steps = std::max(
+        {steps, num_pieces(plan.send_bytes[p], chunk), num_pieces(plan.recv_bytes[p], chunk)});
   }
   MsgHeader h = header(meta);
   std::string error = meta.local_error;
@@ -239,7 +230,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
         send_rejection(meta, h, p);
         continue;
       }
-      size_t len = piece_len(plan.send_bytes[p], chunk, k);
+      size_t len = piece_bytes(plan.send_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
       h.edge_bytes = plan.send_bytes[p];
       h.edge_expect = plan.recv_bytes[p];
@@ -248,7 +239,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
     }
     for (int i = 1; i < n; ++i) {
       const int p = m[(me - i + n) % n];
-      size_t len = piece_len(plan.recv_bytes[p], chunk, k);
+      size_t len = piece_bytes(plan.recv_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
       const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
       if (k == 0) {
@@ -299,9 +290,10 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
   const int me = static_cast<int>(std::find(m.begin(), m.end(), rank_) - m.begin());
   const bool rejected = !meta.local_error.empty();
   const size_t my_bytes = rejected ? 0 : shard_counts[rank_] * esize;
-  size_t steps = pieces(my_bytes, chunk);
+  size_t steps = num_pieces(my_bytes, chunk);
   for (int p : m)
-    if (p != rank_ && !rejected) steps = std::max(steps, pieces(shard_counts[p] * esize, chunk));
+    if (p != rank_ && !rejected)
+      steps = std::max(steps, num_pieces(shard_counts[p] * esize, chunk));
   MsgHeader h = header(meta);
   std::vector<const void*> srcs(static_cast<size_t>(n));
   std::string error = meta.local_error;
@@ -313,14 +305,14 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
         continue;
       }
       size_t bytes = shard_counts[p] * esize;
-      size_t len = piece_len(bytes, chunk, k);
+      size_t len = piece_bytes(bytes, chunk, k);
       if (k != 0 && len == 0) continue;
       h.edge_bytes = bytes;
       h.edge_expect = my_bytes;
       coll_->send(p, h, static_cast<const uint8_t*>(shard_src[p]) + k * chunk, len, meta.deadline,
                   meta.name);
     }
-    size_t len = piece_len(my_bytes, chunk, k);
+    size_t len = piece_bytes(my_bytes, chunk, k);
     if (k != 0 && len == 0) continue;
     for (int j = 0; j < n; ++j) {  // in rank order: every owner reduces alike
       const int p = m[j];

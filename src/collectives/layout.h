@@ -7,6 +7,7 @@
 //   [slots: for each plane, peer p and slot s, a 64-byte MsgHeader + chunk]
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -38,6 +39,17 @@ struct MsgHeader {
   uint64_t reserved1[2];
 };
 static_assert(sizeof(MsgHeader) == 64);
+
+// A message of `bytes` bytes travels in pieces of at most `chunk` bytes; an
+// empty one still takes one piece (it carries the header).
+inline size_t num_pieces(size_t bytes, size_t chunk) {
+  return bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
+}
+// The length of piece `k` (0 past the end).
+inline size_t piece_bytes(size_t bytes, size_t chunk, size_t k) {
+  const size_t begin = k * chunk;
+  return begin >= bytes ? 0 : std::min(chunk, bytes - begin);
+}
 
 struct Layout {
   int capacity = 0;        // ranks the segment has room for

@@ -23,10 +23,6 @@ constexpr int kMaxStalledAttempts = 2;
 // own deadline has passed (capped by the op's timeout).
 constexpr int64_t kReportGraceMs = 500;
 
-bool recoverable(const Error& e) {
-  return e.kind() == ErrorKind::kPeerFailed || e.kind() == ErrorKind::kTimeout;
-}
-
 }  // namespace
 
 void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
@@ -40,7 +36,7 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
   }
   // Errors that end the op: bad arguments, a dead root, this rank left out.
   auto final_error = [&](const Error& e) {
-    return !recover_on || !recoverable(e) || stopping_.load() || e.peer() == rank_ ||
+    return !recover_on || !e.peer_or_timeout() || stopping_.load() || e.peer() == rank_ ||
            (meta.root >= 0 && e.peer() == meta.root && !view_.is_member(meta.root));
   };
   for (int attempt_no = 0;; ++attempt_no) {

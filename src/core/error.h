@@ -25,6 +25,10 @@ class Error : public std::runtime_error {
   ErrorKind kind() const { return kind_; }
   // The peer rank the error concerns, or -1.
   int peer() const { return peer_; }
+  // A peer failed or a deadline passed: what recovery and masking deal with.
+  bool peer_or_timeout() const {
+    return kind_ == ErrorKind::kPeerFailed || kind_ == ErrorKind::kTimeout;
+  }
 
  private:
   ErrorKind kind_;

@@ -18,15 +18,6 @@ namespace {
 
 constexpr uint32_t kElasticMsg = 0xE1A5;  // MsgHeader::op_type of every exchange message
 
-size_t num_pieces(size_t bytes, size_t chunk) {
-  return bytes == 0 ? 1 : (bytes + chunk - 1) / chunk;
-}
-
-size_t piece_bytes(size_t bytes, size_t chunk, size_t k) {
-  const size_t begin = k * chunk;
-  return begin >= bytes ? 0 : std::min(chunk, bytes - begin);
-}
-
 // Polls `ready` (a store read) until it returns true or the deadline passes.
 template <typename F>
 bool poll_store(const Deadline& deadline, F ready) {
@@ -37,10 +28,6 @@ bool poll_store(const Deadline& deadline, F ready) {
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
   return true;
-}
-
-bool recoverable(const Error& e) {
-  return e.kind() == ErrorKind::kTimeout || e.kind() == ErrorKind::kPeerFailed;
 }
 
 }  // namespace
@@ -64,8 +51,9 @@ ElasticPeers::ElasticPeers(const TransferEngine& engine, Store& store, ElasticCo
       store_(store),
       slots_((config_.validate(), config_.rank), config_.capacity),
       peers_(static_cast<size_t>(config_.capacity)) {
-  if (config_.chunk_bytes == 0) config_.chunk_bytes = CommConfig::from_env(-1).chunk_bytes;
-  if (config_.hang_ms < 0) config_.hang_ms = CommConfig::from_env(-1).hang_ms;
+  const CommConfig env = CommConfig::from_env(-1);
+  if (config_.chunk_bytes == 0) config_.chunk_bytes = env.chunk_bytes;
+  if (config_.hang_ms < 0) config_.hang_ms = env.hang_ms;
   const Layout layout{config_.capacity, config_.chunk_bytes};
   incarnation_ = static_cast<uint32_t>(store_.add(key("inc", config_.rank), 1) - 1);
   endpoint_ = std::make_unique<Endpoint>(engine, store_, config_.prefix, config_.rank, incarnation_,
@@ -133,16 +121,21 @@ void ElasticPeers::check_slot(int peer, const char* what) const {
   MC_CHECK_ARG(peer != config_.rank, what, ": rank ", peer, " is this rank itself");
 }
 
+void ElasticPeers::check_slots(const std::vector<int>& peers, const char* what) const {
+  for (size_t i = 0; i < peers.size(); ++i) {
+    check_slot(peers[i], what);
+    MC_CHECK_ARG(std::find(peers.begin(), peers.begin() + i, peers[i]) == peers.begin() + i, what,
+                 ": rank ", peers[i], " is listed twice");
+  }
+}
+
 void ElasticPeers::connect(const std::vector<int>& peers, bool activate) {
   std::lock_guard<std::mutex> admin(admin_mu_);
-  for (size_t i = 0; i < peers.size(); ++i) {
-    check_slot(peers[i], "connect_ranks");
-    MC_CHECK_ARG(std::find(peers.begin(), peers.begin() + i, peers[i]) == peers.begin() + i,
-                 "connect_ranks: rank ", peers[i], " is listed twice");
-    MC_CHECK_ARG(slots_.state(peers[i]) == SlotState::kDisconnected, "connect_ranks: rank ",
-                 peers[i], " is already ", slot_state_name(slots_.state(peers[i])),
+  check_slots(peers, "connect_ranks");
+  for (int p : peers)
+    MC_CHECK_ARG(slots_.state(p) == SlotState::kDisconnected, "connect_ranks: rank ", p,
+                 " is already ", slot_state_name(slots_.state(p)),
                  "; call disconnect_ranks first to replace it");
-  }
   const Deadline deadline = metadata_deadline();
   std::vector<uint32_t> incs;
   try {
@@ -232,13 +225,10 @@ void ElasticPeers::set_masked_locked(int peer, bool masked) {
 
 void ElasticPeers::disconnect(const std::vector<int>& peers) {
   std::lock_guard<std::mutex> admin(admin_mu_);
-  for (size_t i = 0; i < peers.size(); ++i) {
-    check_slot(peers[i], "disconnect_ranks");
-    MC_CHECK_ARG(std::find(peers.begin(), peers.begin() + i, peers[i]) == peers.begin() + i,
-                 "disconnect_ranks: rank ", peers[i], " is listed twice");
-    MC_CHECK_ARG(slots_.state(peers[i]) != SlotState::kDisconnected, "disconnect_ranks: rank ",
-                 peers[i], " is not connected");
-  }
+  check_slots(peers, "disconnect_ranks");
+  for (int p : peers)
+    MC_CHECK_ARG(slots_.state(p) != SlotState::kDisconnected, "disconnect_ranks: rank ", p,
+                 " is not connected");
   std::lock_guard<std::mutex> lock(mu_);  // after any exchange in flight
   for (int p : peers) {
     slots_.disconnect(p);
@@ -334,7 +324,7 @@ std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_
         }
       }
     } catch (const Error& e) {
-      if (!recoverable(e)) throw;
+      if (!e.peer_or_timeout()) throw;
       fail(s, e.what());
     }
     return moved;

@@ -129,6 +129,8 @@ class ElasticPeers {
   void mark_failed(int peer, const std::string& why);  // mu_ held
   void set_masked_locked(int peer, bool masked);       // admin_mu_ held
   void check_slot(int peer, const char* what) const;
+  // Every slot in range, not this rank's, and listed once.
+  void check_slots(const std::vector<int>& peers, const char* what) const;
   Deadline metadata_deadline() const { return Deadline::after_ms(config_.metadata_timeout_ms); }
 
   ElasticConfig config_;
