@@ -9,7 +9,7 @@ BUILD := build
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-cpp test-py test-asan build bench stress gpu-check doctor lint format clean deps
+.PHONY: all demo test test-cpp test-py test-asan fuzz fuzz-ci fuzz-build fuzz-deps build bench stress gpu-check doctor lint format clean deps
 
 all: build
 
@@ -51,6 +51,33 @@ test-asan: | deps
 	cmake --build $(ASAN_BUILD)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j2 $(ASAN_CTEST_ARGS)
+
+# libFuzzer targets (tests/fuzz/*_fuzz.cc) over the tcp frame decoder and the
+# store's records, built with clang + ASan + UBSan. `make fuzz` runs each for
+# FUZZ_SECONDS (all at once, one per core), starting from the corpus in
+# tests/fuzz/corpus; `make fuzz-ci` is the bounded run CI does.
+FUZZ_BUILD := build-fuzz
+FUZZ_CXX ?= clang++-19
+FUZZ_SECONDS ?= 600
+FUZZ_FLAGS := -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+fuzz-deps:
+	@if ! command -v $(FUZZ_CXX) >/dev/null; then \
+	  echo "installing clang-19 (for libFuzzer)"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends clang-19 libclang-rt-19-dev) >/dev/null || \
+	  { echo "error: could not install clang-19; make fuzz needs it"; exit 1; }; \
+	fi
+
+fuzz-build: fuzz-deps
+	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=$(FUZZ_CXX) -DMOONCAKE_BUILD_TORCH=OFF \
+	  -DMOONCAKE_BUILD_TESTS=OFF -DMOONCAKE_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_CXX_FLAGS="$(FUZZ_FLAGS)" >/dev/null
+	cmake --build $(FUZZ_BUILD)
+
+fuzz: fuzz-build
+	bash scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
+
+fuzz-ci: fuzz-build
+	bash scripts/fuzz.sh $(FUZZ_BUILD) 60
 
 test-py: build
 	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)

@@ -6,6 +6,7 @@
 #include "collectives/reduce.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "core/log.h"
 
 namespace mooncake {
@@ -66,6 +67,8 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
   MC_CHECK_ARG(size >= 1, "world size must be >= 1, got ", size);
   MC_CHECK_ARG(capacity_ >= size, "max_world_size (", capacity_, ") must be >= the world size (",
                size, ")");
+  MC_CHECK_ARG(capacity_ <= kMaxCapacity, "max_world_size must be <= ", kMaxCapacity, ", got ",
+               capacity_);
   MC_CHECK_ARG(rank >= 0 && rank < capacity_, "rank must be in [0, ", capacity_, "), got ", rank);
   MC_CHECK_ARG(joining || rank < size, "rank must be in [0, ", size, "), got ", rank);
   CommConfig env = CommConfig::from_env(config.timeout_ms);

@@ -4,12 +4,13 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "collectives/communicator.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "core/log.h"
+#include "core/record.h"
 #include "membership/agreement.h"
 #include "membership/hints.h"
 
@@ -260,10 +261,10 @@ void Communicator::connect_new(const View& view, const std::vector<int>& slots,
 int64_t Communicator::waiting_incarnation(int slot, int64_t* capacity) {
   const std::string key = prefix_ + "waiting/" + std::to_string(slot);
   if (!store_.check(key)) return -1;
-  std::istringstream is(store_.get(key, 1000));
-  int64_t inc = -1, cap = -1;
-  is >> inc >> cap;
-  MC_ASSERT(!is.fail(), "malformed '", key, "' entry in the store");
+  RecordReader in(store_.get(key, 1000), "joiner record under '" + key + "'");
+  const int64_t inc = in.number<uint32_t>("incarnation");
+  const int64_t cap = in.number<int>("max_world_size", 1, kMaxCapacity);
+  in.end();
   if (capacity != nullptr) *capacity = cap;
   return inc > view_.incarnation[slot] ? inc : -1;
 }
@@ -361,7 +362,12 @@ void Communicator::join(int64_t timeout_ms) {
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min<int64_t>(sleep_us * 2, 10000);
   }
-  View view = View::decode(store_.get(key, 1000));
+  View view = View::decode(store_.get(key, 1000), " under '" + key + "'");
+  if (view.capacity() != capacity_ || !view.is_member(rank_) ||
+      view.incarnation[rank_] != incarnation_)
+    throw_error(ErrorKind::kInternal, -1, "malformed group view under '", key,
+                "' in the store: it does not admit rank ", rank_, " incarnation ", incarnation_,
+                " into a group of max_world_size=", capacity_);
   std::vector<int> others = view.members();
   connect_new(view, others, deadline);
   op_seq_ = done_seq_ = view.seq;

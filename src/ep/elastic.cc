@@ -3,13 +3,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <sstream>
 #include <thread>
 
 #include "collectives/communicator.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/limits.h"
 #include "core/log.h"
+#include "core/record.h"
 #include "core/wait.h"
 
 namespace mooncake {
@@ -33,8 +34,9 @@ bool poll_store(const Deadline& deadline, F ready) {
 }  // namespace
 
 void ElasticConfig::validate() const {
-  MC_CHECK_ARG(capacity >= 1, "update_memory_buffers: num_ranks (the capacity) must be >= 1, got ",
-               capacity);
+  MC_CHECK_ARG(capacity >= 1 && capacity <= kMaxCapacity,
+               "update_memory_buffers: num_ranks (the capacity) must be in [1, ", kMaxCapacity,
+               "], got ", capacity);
   MC_CHECK_ARG(rank >= 0 && rank < capacity, "update_memory_buffers: this rank (", rank,
                ") must be below num_ranks (the capacity, ", capacity, ")");
   MC_CHECK_ARG(local_experts >= 1, "update_memory_buffers: num_experts_per_rank must be >= 1, got ",
@@ -86,10 +88,14 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
   bool dead_seen = false;
   const bool found = poll_store(deadline, [&] {
     if (!store_.check(key("cur", peer))) return false;
-    inc = static_cast<uint32_t>(std::stoul(store_.get(key("cur", peer), 1000)));
-    std::istringstream meta(store_.get(key("meta", peer) + "/" + std::to_string(inc), 1000));
-    int capacity = 0, local_experts = 0;
-    meta >> capacity >> local_experts;
+    const std::string cur = key("cur", peer);
+    inc = RecordReader(store_.get(cur, 1000), "current incarnation under '" + cur + "'")
+              .number<uint32_t>("incarnation");
+    const std::string meta_key = key("meta", peer) + "/" + std::to_string(inc);
+    RecordReader meta(store_.get(meta_key, 1000), "buffer metadata under '" + meta_key + "'");
+    const int capacity = meta.number<int>("num_ranks", 1, kMaxCapacity);
+    const int local_experts = meta.number<int>("num_experts_per_rank", 1);
+    meta.end();
     MC_CHECK_ARG(capacity == config_.capacity && local_experts == config_.local_experts,
                  "connect_ranks: rank ", peer, "'s buffer has num_ranks=", capacity,
                  " and num_experts_per_rank=", local_experts, ", this rank's (", config_.rank,
@@ -177,9 +183,12 @@ uint64_t ElasticPeers::await_peer_gen(int peer, const Deadline& deadline) {
   uint64_t gen = 0;
   const bool found = poll_store(deadline, [&] {
     if (!store_.check(link_key(peer, config_.rank))) return false;
-    std::istringstream in(store_.get(link_key(peer, config_.rank), 1000));
-    uint64_t from = 0, to = 0;
-    in >> from >> to >> gen;
+    const std::string link = link_key(peer, config_.rank);
+    RecordReader in(store_.get(link, 1000), "channel generation under '" + link + "'");
+    const uint32_t from = in.number<uint32_t>("from_incarnation");
+    const uint32_t to = in.number<uint32_t>("to_incarnation");
+    gen = in.number<uint64_t>("generation", 1, kMaxChannelGen);
+    in.end();
     return from == p.inc && to == incarnation_ && gen > p.last_gen;
   });
   if (!found)

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/record.h"
 
 namespace mooncake {
 
@@ -15,14 +16,16 @@ std::string Report::encode() const {
   return os.str();
 }
 
-Report Report::decode(const std::string& text) {
-  std::istringstream is(text);
+Report Report::decode(const std::string& text, const std::string& where) {
+  RecordReader in(text, "agreement report" + where);
   Report r;
-  int has = 0, failed = 0;
-  is >> r.rank >> r.pending >> r.done >> has >> failed >> r.attempts;
-  if (!is) throw_error(ErrorKind::kInternal, -1, "malformed agreement report: '", text, "'");
-  r.has_result = has != 0;
-  r.failed = failed != 0;
+  r.rank = in.number<int>("rank", 0, kMaxCapacity - 1);
+  r.pending = in.number<uint64_t>("pending");
+  r.done = in.number<uint64_t>("done");
+  r.has_result = in.number<int>("has_result", 0, 1) != 0;
+  r.failed = in.number<int>("failed", 0, 1) != 0;
+  r.attempts = in.number<int>("attempts", 0);
+  in.end();
   return r;
 }
 
@@ -32,18 +35,25 @@ std::string Decision::encode() const {
   return s;
 }
 
-Decision Decision::decode(const std::string& text) {
-  std::istringstream is(text);
-  std::string line;
+Decision Decision::decode(const std::string& text, const std::string& where) {
+  // One line for the view, then one per member in slot order.
+  RecordReader whole(text, "agreement decision" + where);
+  size_t eol = text.find('\n');
+  if (eol == std::string::npos) whole.fail("the view", " has no end of line");
   Decision d;
-  if (!std::getline(is, line))
-    throw_error(ErrorKind::kInternal, -1, "malformed agreement decision: '", text, "'");
-  d.view = View::decode(line);
-  while (std::getline(is, line))
-    if (!line.empty()) d.reports.push_back(Report::decode(line));
-  if (static_cast<int>(d.reports.size()) != d.view.num_members())
-    throw_error(ErrorKind::kInternal, -1, "agreement decision lists ", d.reports.size(),
-                " reports for ", d.view.num_members(), " members");
+  d.view = View::decode(text.substr(0, eol), " in the agreement decision" + where);
+  for (int member : d.view.members()) {
+    const size_t start = eol + 1;
+    eol = text.find('\n', start);
+    if (eol == std::string::npos) whole.fail("the report of rank ", member, " is missing");
+    d.reports.push_back(
+        Report::decode(text.substr(start, eol - start), " in the agreement decision" + where));
+    if (d.reports.back().rank != member)
+      whole.fail("the report", " for rank ", member, " names rank ", d.reports.back().rank);
+  }
+  if (eol + 1 != text.size())
+    whole.fail("the record", " lists more reports than the view's ", d.view.num_members(),
+               " members");
   return d;
 }
 
@@ -67,6 +77,10 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
       const std::string key = base + "report/" + std::to_string(q);
       if (store.check(key)) {
         reports[q] = store.get(key, 1000);
+        const Report r = Report::decode(reports[q], " under '" + key + "'");
+        if (r.rank != q)
+          throw_error(ErrorKind::kInternal, -1, "malformed agreement report under '", key,
+                      "' in the store: it names rank ", r.rank);
         continue;
       }
       if (q != mine.rank && !responsive(q)) continue;
@@ -87,7 +101,11 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min<int64_t>(sleep_us * 2, 5000);
   }
-  Decision d = Decision::decode(decided);
+  Decision d = Decision::decode(decided, " under '" + decision_key + "'");
+  if (d.view.capacity() != current.capacity() || d.view.epoch != current.epoch + 1)
+    throw_error(ErrorKind::kInternal, -1, "malformed agreement decision under '", decision_key,
+                "' in the store: epoch ", d.view.epoch, " with ", d.view.capacity(),
+                " slots, expected epoch ", current.epoch + 1, " with ", current.capacity());
   if (!d.view.is_member(mine.rank))
     throw_error(ErrorKind::kPeerFailed, mine.rank, "rank ", mine.rank,
                 " was left out of the group by the other ranks at epoch ", current.epoch,

@@ -31,7 +31,9 @@ struct Report {
   bool failed = false;      // op `done` ended in an error
   int attempts = 0;         // re-runs of op `pending` so far
   std::string encode() const;
-  static Report decode(const std::string& text);
+  // Throws an Error (kInternal) naming the field when `text` is malformed;
+  // `where` (e.g. " under 'key'") goes into the message.
+  static Report decode(const std::string& text, const std::string& where = "");
 };
 
 // The outcome of one round: the next view (epoch + 1) and the report of each
@@ -40,7 +42,8 @@ struct Decision {
   View view;
   std::vector<Report> reports;
   std::string encode() const;
-  static Decision decode(const std::string& text);
+  // Also checks that the reports are the view's members, in slot order.
+  static Decision decode(const std::string& text, const std::string& where = "");
 };
 
 // Whether a member may still report: false once its process is gone or has

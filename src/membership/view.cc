@@ -1,9 +1,10 @@
 #include "membership/view.h"
 
+#include <algorithm>
 #include <sstream>
-#include <stdexcept>
 
 #include "core/error.h"
+#include "core/record.h"
 
 namespace mooncake {
 
@@ -40,22 +41,24 @@ std::string View::encode() const {
   return os.str();
 }
 
-View View::decode(const std::string& text) {
-  std::istringstream is(text);
+View View::decode(const std::string& text, const std::string& where) {
+  RecordReader in(text, "group view" + where);
   View v;
-  int capacity = -1;
-  is >> v.epoch >> v.seq >> capacity;
-  if (!is || capacity < 1 || capacity > (1 << 20))
-    throw_error(ErrorKind::kInternal, -1, "malformed group view in the store: '", text, "'");
-  v.active.resize(static_cast<size_t>(capacity));
-  v.incarnation.resize(static_cast<size_t>(capacity));
-  v.since.resize(static_cast<size_t>(capacity));
+  v.epoch = in.number<uint64_t>("epoch");
+  v.seq = in.number<uint64_t>("seq");
+  const int capacity = in.number<int>("capacity", 1, kMaxCapacity);
+  // Each slot takes at least 6 bytes ("0 0 0 "): a record that claims more
+  // slots than its text can hold fails below without a large allocation.
+  const size_t fits = std::min(static_cast<size_t>(capacity), text.size() / 6);
+  v.active.reserve(fits);
+  v.incarnation.reserve(fits);
+  v.since.reserve(fits);
   for (int r = 0; r < capacity; ++r) {
-    int a = 0;
-    is >> a >> v.incarnation[static_cast<size_t>(r)] >> v.since[static_cast<size_t>(r)];
-    v.active[static_cast<size_t>(r)] = a != 0;
+    v.active.push_back(static_cast<uint8_t>(in.number<int>("active", 0, 1)));
+    v.incarnation.push_back(in.number<uint32_t>("incarnation"));
+    v.since.push_back(in.number<uint64_t>("since"));
   }
-  if (!is) throw_error(ErrorKind::kInternal, -1, "malformed group view in the store: '", text, "'");
+  in.end();
   return v;
 }
 

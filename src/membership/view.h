@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "core/limits.h"
+
 namespace mooncake {
 
 struct View {
@@ -46,7 +48,9 @@ struct View {
   }
 
   std::string encode() const;
-  static View decode(const std::string& text);
+  // Throws an Error (kInternal) naming the field when `text` is not a whole,
+  // well-formed view; `where` (e.g. " under 'key'") goes into the message.
+  static View decode(const std::string& text, const std::string& where = "");
   // "{0,1,3}"
   std::string describe() const;
 };

@@ -10,6 +10,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/record.h"
 #include "store/store.h"
 
 namespace mooncake {
@@ -74,9 +75,15 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   int fd = MC_SYSCHECK(::open(lock_path.c_str(), O_CREAT | O_RDWR, 0600));
   MC_SYSCHECK(::flock(fd, LOCK_EX));
   int64_t value = 0;
-  if (check(key)) value = std::stoll(get(key, 0));
-  value += delta;
-  set(key, std::to_string(value));
+  try {
+    if (check(key))
+      value = RecordReader(get(key, 0), "counter under '" + key + "'").number<int64_t>("value");
+    value += delta;
+    set(key, std::to_string(value));
+  } catch (...) {
+    ::close(fd);  // releases the lock
+    throw;
+  }
   ::flock(fd, LOCK_UN);
   ::close(fd);
   return value;

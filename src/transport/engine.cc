@@ -12,6 +12,8 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/limits.h"
+#include "core/record.h"
 #include "transport/shm.h"
 
 namespace mooncake {
@@ -65,30 +67,18 @@ std::string PeerAddress::encode() const {
   return os.str();
 }
 
-PeerAddress PeerAddress::decode(const std::string& text) {
-  try {
-    return decode_fields(text);
-  } catch (const std::logic_error& e) {  // std::stoi and friends
-    throw_error(ErrorKind::kInternal, -1, "malformed peer address in the store: ", e.what());
-  }
-}
-
-PeerAddress PeerAddress::decode_fields(const std::string& text) {
-  std::istringstream is(text);
+PeerAddress PeerAddress::decode(const std::string& text, const std::string& where) {
+  RecordReader in(text, "peer address" + where);
   PeerAddress a;
-  std::string line;
-  auto next = [&]() {
-    MC_ASSERT(static_cast<bool>(std::getline(is, line)), "malformed peer address");
-    return line;
-  };
-  a.rank = std::stoi(next());
-  a.incarnation = static_cast<uint32_t>(std::stoul(next()));
-  a.host_key = next();
-  a.pid = std::stoi(next());
-  a.segment_fd = std::stoi(next());
-  a.segment_bytes = std::stoull(next());
-  a.tcp_host = next();
-  a.tcp_port = std::stoi(next());
+  a.rank = in.number<int>("rank", 0, kMaxCapacity - 1);
+  a.incarnation = in.number<uint32_t>("incarnation");
+  a.host_key = in.word("host_key", 512);
+  a.pid = in.number<int>("pid", 1);
+  a.segment_fd = in.number<int>("segment_fd", -1);
+  a.segment_bytes = in.number<uint64_t>("segment_bytes", kSegmentHeaderBytes);
+  a.tcp_host = in.word("tcp_host", 255);
+  a.tcp_port = in.number<int>("tcp_port", 1, 65535);
+  in.end();
   return a;
 }
 
@@ -129,8 +119,9 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   MC_CHECK_ARG(rank >= 0 && rank < capacity, "rank must be in [0, ", capacity, "), got ", rank);
   // The group's secret: the first member's token wins; every member reads it.
   secret_ = store_.compare_set(prefix_ + "secret", random_secret());
-  MC_CHECK_ARG(secret_.size() == kSecretBytes, "the store holds a malformed group secret under '",
-               prefix_, "secret'");
+  MC_CHECK_ARG(secret_.size() == kSecretBytes &&
+                   secret_.find_first_not_of("0123456789abcdef") == std::string::npos,
+               "the store holds a malformed group secret under '", prefix_, "secret'");
   receiver_ =
       std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, secret_, &alarms_);
   stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -145,6 +136,7 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   me.segment_bytes = segment_bytes;
   me.tcp_host = options_.host_ip.empty() ? default_host() : options_.host_ip;
   me.tcp_port = receiver_->port();
+  shm_seal(segment_, me, secret_);
   store_.set(prefix_ + "addr/" + std::to_string(rank) + "/" + std::to_string(incarnation),
              me.encode());
 }
@@ -160,16 +152,19 @@ void Endpoint::connect_all(int size, const Deadline& deadline) {
 void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   MC_CHECK_ARG(peer >= 0 && peer < capacity_ && peer != rank_,
                "connect: peer must be another slot in [0, ", capacity_, "), got ", peer);
-  PeerAddress addr = PeerAddress::decode(
-      store_.get(prefix_ + "addr/" + std::to_string(peer) + "/" + std::to_string(inc),
-                 deadline.remaining_ms(1L << 40)));
+  const std::string key = prefix_ + "addr/" + std::to_string(peer) + "/" + std::to_string(inc);
+  PeerAddress addr =
+      PeerAddress::decode(store_.get(key, deadline.remaining_ms(1L << 40)), " under '" + key + "'");
+  if (addr.rank != peer || addr.incarnation != inc)
+    throw_error(ErrorKind::kInternal, peer, "malformed peer address under '", key,
+                "' in the store: it names rank ", addr.rank, " incarnation ", addr.incarnation);
   MC_CHECK_ARG(addr.segment_bytes == segment_.size(), "rank ", peer, " uses a ", addr.segment_bytes,
                "-byte segment but rank ", rank_, " uses ", segment_.size(),
                ": the group's capacity (max_world_size) or MOONCAKE_CHUNK_BYTES differs between "
                "ranks");
   std::shared_ptr<PeerLink> link;
   if (!options_.force_tcp && shm_can_reach(addr))
-    link = shm_connect(addr);
+    link = shm_connect(addr, secret_);
   else
     link = tcp_connect(addr, rank_, incarnation_, secret_, *receiver_, deadline);
   std::lock_guard<std::mutex> lock(mu_);

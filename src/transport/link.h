@@ -23,10 +23,9 @@ struct PeerAddress {
   int tcp_port = 0;
 
   std::string encode() const;
-  static PeerAddress decode(const std::string& text);
-
- private:
-  static PeerAddress decode_fields(const std::string& text);
+  // Throws an Error (kInternal) naming the field when `text` is malformed;
+  // `where` (e.g. " under 'key'") goes into the message.
+  static PeerAddress decode(const std::string& text, const std::string& where = "");
 };
 
 // This machine's host key.

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <string>
@@ -40,6 +41,14 @@ RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes) : size_(bytes) {
   if (local < 0)
     throw_error(ErrorKind::kSystem, -1, "cannot open peer segment ", path, ": ",
                 std::strerror(errno));
+  // Mapping past the end of a shorter file would fault on the first access.
+  struct stat st {};
+  if (::fstat(local, &st) != 0 || !S_ISREG(st.st_mode) ||
+      static_cast<uint64_t>(st.st_size) != bytes) {
+    ::close(local);
+    throw_error(ErrorKind::kPeerFailed, -1, path, " is not a ", bytes,
+                "-byte segment (its process is gone, and the pid was reused?)");
+  }
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
   int e = errno;
   ::close(local);

@@ -14,7 +14,7 @@
 namespace mooncake {
 
 constexpr int kNumBells = 4;  // one per plane (collectives, p2p, ...)
-constexpr size_t kSegmentHeaderBytes = 64;
+constexpr size_t kSegmentHeaderBytes = 128;
 
 struct SegmentHeader {
   Doorbell bells[kNumBells];
@@ -25,6 +25,13 @@ struct SegmentHeader {
   // (membership/hints.h): a recovery has started, or it was left out.
   std::atomic<uint64_t> recovery_hint{0};
   std::atomic<uint64_t> left_out_hint{0};
+  // Who owns the segment, written before its address is published: a peer
+  // that maps it checks these against the store's record, and the seal
+  // against the group's secret, before it writes anything (shm.cc).
+  uint32_t owner_rank = 0;
+  uint32_t owner_incarnation = 0;
+  uint64_t nonce = 0;  // random, per segment
+  uint64_t seal = 0;
 };
 static_assert(sizeof(SegmentHeader) <= kSegmentHeaderBytes);
 
@@ -46,7 +53,9 @@ class Segment {
   int fd_ = -1;
 };
 
-// Maps another process's segment (same host). RAII.
+// Maps another process's segment (same host). RAII. Refuses (kPeerFailed)
+// a file that is not a segment of `bytes` bytes: the process the store
+// names may be gone and its pid taken by another.
 class RemoteMapping {
  public:
   RemoteMapping(int pid, int fd, size_t bytes);

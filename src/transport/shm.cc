@@ -2,21 +2,49 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <sys/random.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstring>
 
 #include "core/error.h"
+#include "core/siphash.h"
+#include "transport/tcp_wire.h"
 
 namespace mooncake {
 
 namespace {
 
+// The seal of a segment: SipHash-2-4 keyed with the group's secret over who
+// owns it. Only a member can make one, and a peer that maps the segment can
+// check it before it writes anything.
+uint64_t seal_of(const SegmentHeader& h, const PeerAddress& owner, std::string_view secret) {
+  uint8_t key[16];
+  for (size_t i = 0; i < sizeof(key); ++i) {
+    auto nibble = [](char c) {
+      return static_cast<uint8_t>(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
+    };
+    key[i] = static_cast<uint8_t>(nibble(secret[2 * i]) << 4 | nibble(secret[2 * i + 1]));
+  }
+  const uint64_t fields[] = {
+      0x6d6f6f6e63616b65ull /* "mooncake" */, h.owner_rank,        h.owner_incarnation,
+      static_cast<uint64_t>(owner.pid),       owner.segment_bytes, h.nonce};
+  return siphash24(key, fields, sizeof(fields));
+}
+
 class ShmLink : public PeerLink {
  public:
-  explicit ShmLink(const PeerAddress& addr)
+  ShmLink(const PeerAddress& addr, std::string_view secret)
       : pid_(addr.pid), mapping_(addr.pid, addr.segment_fd, addr.segment_bytes) {
+    const auto& h = *reinterpret_cast<const SegmentHeader*>(mapping_.base());
+    if (h.owner_rank != static_cast<uint32_t>(addr.rank) ||
+        h.owner_incarnation != addr.incarnation || h.seal != seal_of(h, addr, secret))
+      throw_error(ErrorKind::kPeerFailed, addr.rank, "the segment at /proc/", addr.pid, "/fd/",
+                  addr.segment_fd, " is not the one rank ", addr.rank, " (incarnation ",
+                  addr.incarnation,
+                  ") published: its process is gone and the pid reused, or it is not a member "
+                  "of this group");
     pidfd_ = static_cast<int>(::syscall(SYS_pidfd_open, addr.pid, 0));
   }
   ~ShmLink() override {
@@ -99,8 +127,20 @@ bool shm_can_reach(const PeerAddress& addr) {
   return addr.host_key == local_host_key() && addr.pid > 0 && addr.segment_fd >= 0;
 }
 
-std::unique_ptr<PeerLink> shm_connect(const PeerAddress& addr) {
-  return std::make_unique<ShmLink>(addr);
+std::unique_ptr<PeerLink> shm_connect(const PeerAddress& addr, std::string_view secret) {
+  MC_CHECK_ARG(secret.size() == kSecretBytes, "shm: the group secret must have ", kSecretBytes,
+               " bytes");
+  return std::make_unique<ShmLink>(addr, secret);
+}
+
+void shm_seal(Segment& segment, const PeerAddress& me, std::string_view secret) {
+  MC_CHECK_ARG(secret.size() == kSecretBytes, "shm: the group secret must have ", kSecretBytes,
+               " bytes");
+  auto& h = *reinterpret_cast<SegmentHeader*>(segment.base());
+  h.owner_rank = static_cast<uint32_t>(me.rank);
+  h.owner_incarnation = me.incarnation;
+  MC_SYSCHECK(::getrandom(&h.nonce, sizeof(h.nonce), 0));
+  h.seal = seal_of(h, me, secret);
 }
 
 std::unique_ptr<PeerLink> self_link(Segment& segment) {

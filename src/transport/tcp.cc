@@ -22,25 +22,6 @@ namespace mooncake {
 
 namespace {
 
-// kBye: the sender closes this connection on purpose (it disconnects this
-// rank); the close that follows is not a death.
-enum FrameType : uint32_t {
-  kHello = 1,
-  kWrite = 2,
-  kSignal = 3,
-  kHeartbeat = 4,
-  kSignalMax = 5,
-  kBye = 6
-};
-
-struct Frame {
-  uint32_t type;
-  uint32_t bell;
-  uint64_t offset;  // hello: incarnation
-  uint64_t arg;     // hello: rank; write: length; signal: value
-};
-static_assert(sizeof(Frame) == 24);
-
 void set_nonblocking(int fd) {
   int flags = MC_SYSCHECK(::fcntl(fd, F_GETFL));
   MC_SYSCHECK(::fcntl(fd, F_SETFL, flags | O_NONBLOCK));
@@ -50,18 +31,7 @@ void set_nonblocking(int fd) {
 
 struct TcpReceiver::Conn {
   int fd = -1;
-  int rank = -1;  // set once the hello and the secret checked out
-  uint32_t inc = 0;
-  Frame frame{};
-  size_t frame_got = 0;
-  uint64_t payload_done = 0;
-  bool in_payload = false;
-  bool bye = false;  // the sender said it closes on purpose
-  // After a hello: the secret that follows it.
-  bool in_secret = false;
-  std::string secret;
-  int hello_rank = -1;
-  uint32_t hello_inc = 0;
+  FrameDecoder decoder;
   int64_t opened_us = 0;
   std::string from;  // the peer's ip:port, for logs
   std::string why;   // set when the connection broke the protocol
@@ -84,15 +54,6 @@ std::string random_secret() {
   }
   return out;
 }
-
-namespace {
-bool same_secret(const std::string& a, const std::string& b) {  // constant time
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-}  // namespace
 
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
                          std::string secret, std::atomic<uint64_t>* alarm)
@@ -148,96 +109,25 @@ uint64_t TcpReceiver::frames(int rank, uint32_t inc) const {
 // (closed by the peer, or broken: then c.why says how).
 bool TcpReceiver::drain(Conn& c) {
   for (;;) {
-    if (c.in_secret) {
-      const size_t have = c.secret.size();
-      c.secret.resize(kSecretBytes);
-      ssize_t n = ::recv(c.fd, c.secret.data() + have, kSecretBytes - have, 0);
-      c.secret.resize(have + (n > 0 ? static_cast<size_t>(n) : 0));
-      if (n == 0) return false;
-      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-      if (c.secret.size() < kSecretBytes) continue;
-      c.in_secret = false;
-      if (!same_secret(c.secret, secret_)) {
-        c.why = "its hello carries the wrong secret (another group, or not a peer)";
-        return false;
+    const std::span<uint8_t> into = c.decoder.next();
+    ssize_t n = ::recv(c.fd, into.data(), into.size(), 0);
+    if (n == 0) return false;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    switch (c.decoder.advance(static_cast<size_t>(n))) {
+      case FrameDecoder::Step::kMore: break;
+      case FrameDecoder::Step::kFrame:
+        peers_[c.decoder.rank()].frames.fetch_add(1, std::memory_order_relaxed);
+        break;
+      case FrameDecoder::Step::kHello: {
+        PeerState& p = peers_[c.decoder.rank()];
+        if (p.hello_inc.load() > c.decoder.incarnation() + 1) return false;  // a stale incarnation
+        c.decoder.accept();
+        p.frames.store(0);
+        p.hello_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
+        break;
       }
-      PeerState& p = peers_[c.hello_rank];
-      if (p.hello_inc.load() > c.hello_inc + 1) return false;  // a stale incarnation
-      c.rank = c.hello_rank;
-      c.inc = c.hello_inc;
-      p.frames.store(0);
-      p.hello_inc.store(c.inc + 1, std::memory_order_release);
-      continue;
+      case FrameDecoder::Step::kBroken: c.why = c.decoder.why(); return false;
     }
-    if (!c.in_payload) {
-      ssize_t n = ::recv(c.fd, reinterpret_cast<char*>(&c.frame) + c.frame_got,
-                         sizeof(Frame) - c.frame_got, 0);
-      if (n == 0) return false;
-      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-      c.frame_got += static_cast<size_t>(n);
-      if (c.frame_got < sizeof(Frame)) continue;
-      c.frame_got = 0;
-      if (!on_frame(c)) return false;
-    } else {
-      ssize_t n = ::recv(c.fd, segment_.base() + c.frame.offset + c.payload_done,
-                         c.frame.arg - c.payload_done, 0);
-      if (n == 0) return false;
-      if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-      c.payload_done += static_cast<uint64_t>(n);
-      if (c.payload_done == c.frame.arg) c.in_payload = false;
-    }
-  }
-}
-
-bool TcpReceiver::on_frame(Conn& c) {
-  const Frame& f = c.frame;
-  const uint64_t size = segment_.size();
-  if (c.rank < 0 && f.type != kHello) {
-    c.why = str("it sent a frame of type ", f.type, " before its hello");
-    return false;
-  }
-  if (c.rank >= 0) peers_[c.rank].frames.fetch_add(1, std::memory_order_relaxed);
-  switch (f.type) {
-    case kHello:
-      if (c.rank >= 0 || c.hello_rank >= 0) {
-        c.why = "it sent a second hello";
-        return false;
-      }
-      if (f.arg >= static_cast<uint64_t>(capacity_) || f.offset > UINT32_MAX - 1 ||
-          f.bell != kSecretBytes) {
-        c.why = str("its hello is malformed (rank ", f.arg, " of ", capacity_, ", incarnation ",
-                    f.offset, ", secret of ", f.bell, " bytes)");
-        return false;
-      }
-      c.hello_rank = static_cast<int>(f.arg);
-      c.hello_inc = static_cast<uint32_t>(f.offset);
-      c.in_secret = true;
-      return true;
-    case kHeartbeat: return true;
-    case kBye: c.bye = true; return true;
-    case kSignal:
-    case kSignalMax:
-      if (f.offset > size - 8 || f.offset % 8 != 0 || f.bell >= static_cast<uint32_t>(kNumBells)) {
-        c.why = str("it signals a flag outside the segment (offset ", f.offset, " of ", size,
-                    ", bell ", f.bell, ")");
-        return false;
-      }
-      if (f.type == kSignalMax)
-        store_flag_max(segment_.base(), f.offset, f.arg);
-      else
-        store_flag(segment_.base(), f.offset, f.arg);
-      ring(segment_.bell(static_cast<int>(f.bell)));
-      return true;
-    case kWrite:
-      if (f.offset > size || f.arg > size - f.offset) {
-        c.why = str("it writes ", f.arg, " bytes at offset ", f.offset, ", outside the ", size,
-                    "-byte segment");
-        return false;
-      }
-      c.in_payload = f.arg > 0;
-      c.payload_done = 0;
-      return true;
-    default: c.why = str("it sent a frame of unknown type ", f.type); return false;
   }
 }
 
@@ -256,15 +146,17 @@ void TcpReceiver::drop(Conn& c) {
     }
     if (logged_++ < kWarningsPerSecond)
       MC_LOG(kWarn, "tcp: dropped the connection from ", c.from,
-             c.rank >= 0 ? str(" (rank ", c.rank, ")") : std::string(), ": ", c.why);
+             c.decoder.authenticated() ? str(" (rank ", c.decoder.rank(), ")") : std::string(),
+             ": ", c.why);
     else
       ++suppressed_;
   } else {
-    MC_LOG(kDebug, "tcp: connection from rank ", c.rank, " closed");
+    MC_LOG(kDebug, "tcp: connection from rank ", c.decoder.rank(), " closed");
   }
   // Only an authenticated peer's close says something about that peer.
-  if (c.rank >= 0 && !c.bye) {
-    peers_[c.rank].closed_inc.store(c.inc + 1, std::memory_order_release);
+  if (c.decoder.authenticated() && !c.decoder.bye()) {
+    peers_[c.decoder.rank()].closed_inc.store(c.decoder.incarnation() + 1,
+                                              std::memory_order_release);
     if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
   }
   ::close(c.fd);
@@ -298,7 +190,7 @@ void TcpReceiver::run() {
         int waiting = 0;
         Conn* oldest = nullptr;
         for (Conn& k : conns) {
-          if (k.fd < 0 || k.rank >= 0) continue;
+          if (k.fd < 0 || k.decoder.authenticated()) continue;
           ++waiting;
           if (oldest == nullptr || k.opened_us < oldest->opened_us) oldest = &k;
         }
@@ -308,11 +200,11 @@ void TcpReceiver::run() {
         }
         int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        Conn c;
-        c.fd = fd;
-        c.from = from;
-        c.opened_us = now_us();
-        conns.push_back(std::move(c));
+        conns.push_back(Conn{fd,
+                             FrameDecoder(segment_.base(), segment_.size(), capacity_, secret_),
+                             now_us(),
+                             from,
+                             {}});
         if (++accepted == kMaxUnauthenticated) break;  // serve the others too
       }
     }
@@ -323,7 +215,7 @@ void TcpReceiver::run() {
     }
     const int64_t now = now_us();
     for (Conn& c : conns) {
-      if (c.fd >= 0 && c.rank < 0 && now - c.opened_us > kHelloTimeoutMs * 1000) {
+      if (c.fd >= 0 && !c.decoder.authenticated() && now - c.opened_us > kHelloTimeoutMs * 1000) {
         c.why = str("no hello within ", kHelloTimeoutMs, " ms");
         drop(c);
       }

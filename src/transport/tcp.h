@@ -24,10 +24,10 @@
 
 #include "transport/link.h"
 #include "transport/segment.h"
+#include "transport/tcp_wire.h"
 
 namespace mooncake {
 
-constexpr size_t kSecretBytes = 32;  // hex digits of 16 random bytes
 constexpr int kMaxUnauthenticated = 64;
 constexpr int64_t kHelloTimeoutMs = 2000;
 constexpr int kWarningsPerSecond = 10;
@@ -56,8 +56,6 @@ class TcpReceiver {
   struct Conn;
   void run();
   bool drain(Conn& c);
-  // The frame just read on `c` (false: drop the connection, c.why says why).
-  bool on_frame(Conn& c);
   void drop(Conn& c);
 
   Segment& segment_;

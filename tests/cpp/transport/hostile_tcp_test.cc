@@ -69,7 +69,7 @@ Frame signal_frame(uint64_t offset, uint64_t value, uint32_t bell = 0, uint32_t 
 
 // Rank 1's segment.
 constexpr size_t kBytes = 8192;
-constexpr size_t kFlag = 64;      // the legitimate signal
+constexpr size_t kFlag = mooncake::kSegmentHeaderBytes;  // the legitimate signal
 constexpr size_t kMarks = 512;    // byte i: insider connection i was let in (see let_in)
 constexpr size_t kData = 1024;    // the legitimate write
 constexpr size_t kLegit = 256;    // its length

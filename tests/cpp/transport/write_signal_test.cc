@@ -21,9 +21,10 @@ using mooncake::Deadline;
 using mooncake::Endpoint;
 using mooncake::load_flag;
 
-constexpr size_t kFlag = 64;   // in the receiver: the writer's "data is ready" counter
-constexpr size_t kAck = 128;   // in the writer: the receiver's "data was checked" counter
-constexpr size_t kData = 256;  // where payloads go
+// Past the segment header (its doorbells, heartbeat and owner seal).
+constexpr size_t kFlag = mooncake::kSegmentHeaderBytes;  // in the receiver: "data is ready"
+constexpr size_t kAck = kFlag + 64;    // in the writer: the receiver's "data was checked" counter
+constexpr size_t kData = kFlag + 192;  // where payloads go
 
 // Waits until the flag at `offset` of this rank's segment reaches `value`.
 bool wait_flag(Endpoint& ep, size_t offset, uint64_t value, int bell = 0, int64_t poll_ms = 50,

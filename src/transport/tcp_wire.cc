@@ -1,0 +1,111 @@
+#include "transport/tcp_wire.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "transport/segment.h"
+
+namespace mooncake {
+
+namespace {
+bool same_secret(const char* a, std::string_view b) {  // constant time
+  unsigned char diff = 0;
+  for (size_t i = 0; i < kSecretBytes; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+}  // namespace
+
+FrameDecoder::FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret)
+    : base_(base), size_(size), capacity_(capacity), secret_(secret) {
+  MC_CHECK_ARG(secret.size() == kSecretBytes, "tcp: the group secret must have ", kSecretBytes,
+               " bytes, got ", secret.size());
+  MC_ASSERT(size >= kSegmentHeaderBytes && capacity >= 1);
+}
+
+std::span<uint8_t> FrameDecoder::next() {
+  switch (part_) {
+    case Part::kHeader: return {reinterpret_cast<uint8_t*>(&frame_) + got_, sizeof(Frame) - got_};
+    case Part::kSecret:
+      return {reinterpret_cast<uint8_t*>(secret_got_) + got_, kSecretBytes - got_};
+    case Part::kPayload: return {base_ + frame_.offset + got_, frame_.arg - got_};
+    case Part::kBroken: break;
+  }
+  return {};
+}
+
+FrameDecoder::Step FrameDecoder::advance(size_t n) {
+  MC_ASSERT(n >= 1 && n <= next().size(), "advance(", n, ") past what next() offered");
+  got_ += n;
+  switch (part_) {
+    case Part::kHeader:
+      if (got_ < sizeof(Frame)) return Step::kMore;
+      got_ = 0;
+      return on_frame();
+    case Part::kSecret:
+      if (got_ < kSecretBytes) return Step::kMore;
+      got_ = 0;
+      part_ = Part::kHeader;
+      if (!same_secret(secret_got_, secret_))
+        return broken("its hello carries the wrong secret (another group, or not a peer)");
+      return Step::kHello;
+    case Part::kPayload:
+      if (got_ == frame_.arg) {
+        got_ = 0;
+        part_ = Part::kHeader;
+      }
+      return Step::kMore;
+    case Part::kBroken: break;
+  }
+  return Step::kBroken;
+}
+
+void FrameDecoder::accept() {
+  MC_ASSERT(hello_rank_ >= 0 && !accepted_ && part_ == Part::kHeader);
+  accepted_ = true;
+}
+
+FrameDecoder::Step FrameDecoder::broken(std::string why) {
+  why_ = std::move(why);
+  part_ = Part::kBroken;
+  return Step::kBroken;
+}
+
+FrameDecoder::Step FrameDecoder::on_frame() {
+  const Frame& f = frame_;
+  if (f.type == kHello) {
+    if (hello_rank_ >= 0) return broken("it sent a second hello");
+    if (f.arg >= static_cast<uint64_t>(capacity_) || f.offset > UINT32_MAX - 1 ||
+        f.bell != kSecretBytes)
+      return broken(str("its hello is malformed (rank ", f.arg, " of ", capacity_, ", incarnation ",
+                        f.offset, ", secret of ", f.bell, " bytes)"));
+    hello_rank_ = static_cast<int>(f.arg);
+    hello_inc_ = static_cast<uint32_t>(f.offset);
+    part_ = Part::kSecret;
+    return Step::kMore;
+  }
+  if (!accepted_) return broken(str("it sent a frame of type ", f.type, " before its hello"));
+  switch (f.type) {
+    case kHeartbeat: return Step::kFrame;
+    case kBye: bye_ = true; return Step::kFrame;
+    case kSignal:
+    case kSignalMax:
+      if (f.offset > size_ - 8 || f.offset % 8 != 0 || f.bell >= static_cast<uint32_t>(kNumBells))
+        return broken(str("it signals a flag outside the segment (offset ", f.offset, " of ", size_,
+                          ", bell ", f.bell, ")"));
+      if (f.type == kSignalMax)
+        store_flag_max(base_, f.offset, f.arg);
+      else
+        store_flag(base_, f.offset, f.arg);
+      ring(&reinterpret_cast<SegmentHeader*>(base_)->bells[f.bell]);
+      return Step::kFrame;
+    case kWrite:
+      if (f.offset > size_ || f.arg > size_ - f.offset)
+        return broken(str("it writes ", f.arg, " bytes at offset ", f.offset, ", outside the ",
+                          size_, "-byte segment"));
+      if (f.arg > 0) part_ = Part::kPayload;
+      return Step::kFrame;
+    default: return broken(str("it sent a frame of unknown type ", f.type));
+  }
+}
+
+}  // namespace mooncake
