@@ -32,8 +32,10 @@ class RecordReader {
     T v{};
     const auto [end, ec] = std::from_chars(f.data(), f.data() + f.size(), v);
     if (ec != std::errc() || end != f.data() + f.size() || (f[0] == '-' && lo >= 0))
-      fail(field, " is not a ", lo < 0 ? "" : "non-negative ", "integer: '", f, "'");
-    if (v < lo || v > hi) fail(field, " is ", v, ", outside [", lo, ", ", hi, "]");
+      fail(field, lo < 0 ? " is not an" : " is not a non-negative", " integer: '", f, "'");
+    if (v < lo || v > hi)
+      fail(field, " is ", +v, ", outside [", +lo, ", ", +hi,
+           "]");  // + prints char types as numbers
     return v;
   }
 

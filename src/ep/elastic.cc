@@ -89,8 +89,9 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
   const bool found = poll_store(deadline, [&] {
     if (!store_.check(key("cur", peer))) return false;
     const std::string cur = key("cur", peer);
-    inc = RecordReader(store_.get(cur, 1000), "current incarnation under '" + cur + "'")
-              .number<uint32_t>("incarnation");
+    RecordReader current(store_.get(cur, 1000), "current incarnation under '" + cur + "'");
+    inc = current.number<uint32_t>("incarnation");
+    current.end();
     const std::string meta_key = key("meta", peer) + "/" + std::to_string(inc);
     RecordReader meta(store_.get(meta_key, 1000), "buffer metadata under '" + meta_key + "'");
     const int capacity = meta.number<int>("num_ranks", 1, kMaxCapacity);
@@ -107,7 +108,8 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
       endpoint_->connect(peer, inc, deadline.earliest(Deadline::after_ms(200)));
       if (endpoint_->alive(peer)) return true;
     } catch (const Error& e) {
-      if (e.kind() == ErrorKind::kInvalidArgument) throw;
+      // A mismatch or a malformed record is not a dead process.
+      if (e.kind() == ErrorKind::kInvalidArgument || e.kind() == ErrorKind::kInternal) throw;
     }
     endpoint_->disconnect(peer);
     dead_seen = true;

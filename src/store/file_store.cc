@@ -76,9 +76,14 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
   MC_SYSCHECK(::flock(fd, LOCK_EX));
   int64_t value = 0;
   try {
-    if (check(key))
-      value = RecordReader(get(key, 0), "counter under '" + key + "'").number<int64_t>("value");
-    value += delta;
+    if (check(key)) {
+      RecordReader in(get(key, 0), "counter under '" + key + "'");
+      value = in.number<int64_t>("value");
+      in.end();
+    }
+    if (__builtin_add_overflow(value, delta, &value))
+      throw_error(ErrorKind::kInvalidArgument, -1, "store: adding ", delta, " to the counter '",
+                  key, "' overflows 64 bits");
     set(key, std::to_string(value));
   } catch (...) {
     ::close(fd);  // releases the lock

@@ -14,6 +14,13 @@ namespace mooncake {
 Segment::Segment(size_t bytes) : size_(bytes) {
   MC_ASSERT(bytes >= kSegmentHeaderBytes);
   fd_ = MC_SYSCHECK(::memfd_create("mooncake-segment", MFD_CLOEXEC));
+  // Owner-only, as a file in /dev/shm would be: a process of another user
+  // that could follow /proc/<pid>/fd/ still cannot open it.
+  if (::fchmod(fd_, 0600) != 0) {
+    int e = errno;
+    ::close(fd_);
+    throw_error(ErrorKind::kSystem, -1, "fchmod of a segment failed: ", std::strerror(e));
+  }
   if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
     int e = errno;
     ::close(fd_);
@@ -38,9 +45,15 @@ Segment::~Segment() {
 RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes) : size_(bytes) {
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (local < 0)
-    throw_error(ErrorKind::kSystem, -1, "cannot open peer segment ", path, ": ",
-                std::strerror(errno));
+  if (local < 0) {
+    // Gone (the process or its fd), or something else under that number
+    // (a directory, a socket): not the segment the store names. A refused
+    // permission, or no memory, is this process's problem.
+    const int e = errno;
+    const bool gone = e == ENOENT || e == ESRCH || e == EISDIR || e == ENXIO || e == ELOOP;
+    throw_error(gone ? ErrorKind::kPeerFailed : ErrorKind::kSystem, -1, "cannot open peer segment ",
+                path, ": ", std::strerror(e));
+  }
   // Mapping past the end of a shorter file would fault on the first access.
   struct stat st {};
   if (::fstat(local, &st) != 0 || !S_ISREG(st.st_mode) ||

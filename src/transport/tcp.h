@@ -1,7 +1,8 @@
 // Any-host transport. Each rank runs one receiver thread (TcpReceiver) that
 // accepts its peers' connections and places their writes into the local
 // segment, then stores signalled flags and rings the doorbell, in the order
-// the frames arrived. A TcpLink is this rank's sending side to one peer.
+// the frames arrived (the wire format and its checks: tcp_wire.h). A TcpLink
+// is this rank's sending side to one peer.
 //
 // A connection's first frame is a hello followed by the group's secret (a
 // random token every member reads from the store, see Endpoint); nothing

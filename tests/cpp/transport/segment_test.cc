@@ -27,6 +27,14 @@ TEST(Segment, ANewSegmentIsZeroFilledAndBackedByItsFd) {
   EXPECT_EQ(static_cast<size_t>(st.st_size), s.size());
 }
 
+TEST(Segment, OnlyItsOwnerMayOpenIt) {
+  Segment s(4096);
+  struct stat st;
+  ASSERT_EQ(::fstat(s.fd(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(st.st_uid, ::getuid());
+}
+
 TEST(Segment, TheDoorbellsAreInTheHeader) {
   Segment s(4096);
   for (int i = 0; i < mooncake::kNumBells; ++i) {
@@ -76,7 +84,7 @@ TEST(Segment, MappingTheSegmentOfAProcessThatIsGoneFails) {
   if (child == 0) ::_exit(0);
   ASSERT_GT(child, 0);
   ::waitpid(child, nullptr, 0);  // reaped: its pid names no process now
-  EXPECT_TRUE(throws_error(mooncake::ErrorKind::kSystem,
+  EXPECT_TRUE(throws_error(mooncake::ErrorKind::kPeerFailed,
                            [&] { RemoteMapping m(child, s.fd(), s.size()); }));
 }
 
