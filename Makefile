@@ -104,7 +104,7 @@ doctor: build
 gpu-check:
 	bash scripts/gpu_check.sh
 
-CXX_SOURCES = $(shell find src tests/cpp -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
+CXX_SOURCES = $(shell find src tests/cpp tests/fuzz -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check python tests bench examples

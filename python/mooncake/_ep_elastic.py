@@ -40,9 +40,20 @@ class _Done:
         return None
 
 
-def _int_arg(what: str, name: str, v, low: int) -> int:
-    if not _is_int(v) or v < low:
-        raise ValueError(f"{what}: {name} must be an int >= {low}, got {v!r}")
+#: Bound of the arguments the core takes as C ints (slots, capacities, expert counts).
+_MAX_INT = 2**31
+#: The longest deadline in milliseconds (about 35 years; longer ones would overflow the
+#: core's nanosecond clocks).
+_MAX_TIMEOUT_MS = 2**40
+
+
+def _int_arg(what: str, name: str, v, low: int, high: int = _MAX_INT) -> int:
+    """``v`` when it is an int in ``[low, high)``; else ValueError naming ``name``."""
+    if not _is_int(v) or not low <= v < high:
+        raise ValueError(
+            f"{what}: {name} must be an int >= {low} and below 2**{high.bit_length() - 1}, "
+            f"got {v!r}"
+        )
     return v
 
 
@@ -71,9 +82,11 @@ class ElasticBuffer(Buffer):
                 f"{what}: tcp_store_group must be a torch.distributed.Store (a TCPStore), "
                 f"got {type(tcp_store_group).__name__}"
             )
-        if not _is_int(timeout_ms) or not (timeout_ms == -1 or timeout_ms > 0):
-            raise ValueError(f"{what}: timeout_ms must be an int > 0 or -1, got {timeout_ms!r}")
-        _int_arg(what, "metadata_timeout_ms", metadata_timeout_ms, 1)
+        if not _is_int(timeout_ms) or not (timeout_ms == -1 or 0 < timeout_ms < _MAX_TIMEOUT_MS):
+            raise ValueError(
+                f"{what}: timeout_ms must be an int in [1, 2**40) or -1, got {timeout_ms!r}"
+            )
+        _int_arg(what, "metadata_timeout_ms", metadata_timeout_ms, 1, _MAX_TIMEOUT_MS)
         if not isinstance(store_prefix, str) or not store_prefix:
             raise ValueError(f"{what}: store_prefix must be a non-empty str, got {store_prefix!r}")
         self.group = None
@@ -98,9 +111,9 @@ class ElasticBuffer(Buffer):
 
         Args:
             num_ranks: the capacity: slots ``[0, num_ranks)``; this rank's slot
-                (``rank``) must be below it.
+                (``rank``) must be below it; below ``2**31``.
             num_experts_per_rank: experts on each slot (``E/R``); every peer
-                must use the same.
+                must use the same; below ``2**31``.
             num_rdma_bytes: workspace to reserve, as ``num_ep_buffer_bytes`` of
                 :class:`Buffer` (see :meth:`Buffer.get_ep_buffer_size_hint`);
                 0 reserves none.
@@ -115,7 +128,7 @@ class ElasticBuffer(Buffer):
         what = "update_memory_buffers"
         _int_arg(what, "num_ranks", num_ranks, 1)
         _int_arg(what, "num_experts_per_rank", num_experts_per_rank, 1)
-        _int_arg(what, "num_rdma_bytes", num_rdma_bytes, 0)
+        _int_arg(what, "num_rdma_bytes", num_rdma_bytes, 0, 2**63)
         if num_ranks <= self.rank:
             raise ValueError(
                 f"{what}: num_ranks ({num_ranks}) must be above this buffer's rank ({self.rank})"
@@ -160,7 +173,13 @@ class ElasticBuffer(Buffer):
             peers = peers.tolist()
         if not isinstance(peers, (list, tuple)) or not all(_is_int(p) for p in peers):
             raise ValueError(f"{what}: peers must be a list of ints, got {peers!r}")
+        for p in peers:  # the core checks the range of those that fit its ints
+            self._check_int_slot(what, p)
         return list(peers)
+
+    def _check_int_slot(self, what: str, slot: int) -> None:
+        if not -_MAX_INT <= slot < _MAX_INT:
+            raise ValueError(f"{what}: rank {slot} is outside the capacity [0, {self.num_ranks})")
 
     def connect_ranks(self, peers: list[int], activate: bool = False) -> None:
         """Connects the processes holding ``peers``' slots.
@@ -203,6 +222,7 @@ class ElasticBuffer(Buffer):
         self._need_peers("update_mask_buffer")
         if not _is_int(peer):
             raise ValueError(f"update_mask_buffer: peer must be an int, got {peer!r}")
+        self._check_int_slot("update_mask_buffer", peer)
         if not isinstance(mask, bool):
             raise ValueError(f"update_mask_buffer: mask must be a bool, got {mask!r}")
         if not mask:
@@ -223,16 +243,19 @@ class ElasticBuffer(Buffer):
         self._peers.disconnect(slots)
 
     def query_mask_buffer(self, out: torch.Tensor) -> None:
-        """Writes the mask into ``out``: contiguous int32 ``[capacity]`` on any
-        device, 1 = masked (staged or disconnected), 0 = active.
+        """Writes the mask into ``out``: contiguous int32 ``[capacity]`` on the CPU
+        or a CUDA device, 1 = masked (staged or disconnected), 0 = active.
 
         Raises:
-            ValueError: ``out`` is not a contiguous int32 tensor of ``capacity`` entries.
+            ValueError: ``out`` is not a contiguous int32 CPU or CUDA tensor of
+                ``capacity`` entries.
         """
         peers = self._need_peers("query_mask_buffer")
         err = _tensor_error("out", out, (torch.int32,), 1, shape=[self.num_ranks])
         if err is None and not out.is_contiguous():
             err = "out must be contiguous"
+        if err is None and out.device.type not in ("cpu", "cuda"):
+            err = f"out must be a CPU or CUDA tensor, got one on {out.device}"
         if err:
             raise ValueError(f"query_mask_buffer: {err}")
         out.copy_(torch.tensor(peers.mask(), dtype=torch.int32))
@@ -246,8 +269,12 @@ class ElasticBuffer(Buffer):
             the slots that took part (this rank included).
         """
         peers = self._need_peers("barrier")
-        if timeout_ms is not None and (not _is_int(timeout_ms) or timeout_ms < 1):
-            raise ValueError(f"barrier: timeout_ms must be None or an int >= 1, got {timeout_ms!r}")
+        if timeout_ms is not None and (
+            not _is_int(timeout_ms) or not 1 <= timeout_ms < _MAX_TIMEOUT_MS
+        ):
+            raise ValueError(
+                f"barrier: timeout_ms must be None or an int in [1, 2**40), got {timeout_ms!r}"
+            )
         got = peers.barrier(-1 if timeout_ms is None else timeout_ms)
         return [s for s, ok in enumerate(got) if ok]
 
@@ -302,6 +329,11 @@ class ElasticBuffer(Buffer):
 
     def _local_experts(self, num_experts, num_ranks: int) -> int:
         return self.num_experts_per_rank
+
+    def _device_error(self, device: torch.device) -> str | None:
+        if device.type not in ("cpu", "cuda"):
+            return f"x must be a CPU or CUDA tensor, got one on {device}"
+        return None
 
     def _experts_error(self, num_experts: int) -> str | None:
         epr, bound = self.num_experts_per_rank, self._peers.rank_bound

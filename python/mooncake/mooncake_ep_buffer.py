@@ -112,6 +112,27 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+#: The longest EP deadline, in microseconds (about 35 years; ``-1`` means none): a
+#: longer one would overflow the nanosecond clocks the exchange computes deadlines with.
+_MAX_TIMEOUT_US = 2**50
+#: Bound of the shape arguments (``T``, ``E``), as in :meth:`Buffer.get_ep_buffer_size_hint`.
+_MAX_SHAPE = 2**31
+
+
+def _timeout_error(timeout_us) -> str | None:
+    if _is_int(timeout_us) and (timeout_us == -1 or 0 < timeout_us <= _MAX_TIMEOUT_US):
+        return None
+    return f"timeout_us must be -1 (no deadline) or an int in [1, 2**50], got {timeout_us!r}"
+
+
+def _flags_error(**flags) -> str | None:
+    """The first of ``flags`` (name=value) that is not a bool, or None."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            return f"{name} must be a bool, got {v!r}"
+    return None
+
+
 def _tensor_error(name, t, dtypes, ndim, device=None, shape=None) -> str | None:
     """The first rule a tensor argument breaks, or None."""
     if not isinstance(t, torch.Tensor):
@@ -147,7 +168,7 @@ class Buffer:
 
     Raises:
         ValueError: ``group`` has no mooncake backend; ``num_ep_buffer_bytes``
-            is not an int >= 0; the ranks disagree on it.
+            is not an int in ``[0, 2**63)``; the ranks disagree on it.
     """
 
     def __init__(self, group: dist.ProcessGroup, num_ep_buffer_bytes: int = 0):
@@ -156,10 +177,17 @@ class Buffer:
                 f"Buffer: group must be a torch.distributed ProcessGroup with a mooncake backend, "
                 f"got {type(group).__name__}"
             )
-        pg._backend_of(group)  # raises ValueError naming the rule
-        if not _is_int(num_ep_buffer_bytes) or num_ep_buffer_bytes < 0:
+        try:
+            pg._backend_of(group)
+        except ValueError:
             raise ValueError(
-                f"Buffer: num_ep_buffer_bytes must be an int >= 0, got {num_ep_buffer_bytes!r}"
+                "Buffer: group has no mooncake backend (create it with backend "
+                '"mooncake-cpu" or "mooncake")'
+            ) from None
+        if not _is_int(num_ep_buffer_bytes) or not 0 <= num_ep_buffer_bytes < 2**63:
+            raise ValueError(
+                f"Buffer: num_ep_buffer_bytes must be an int in [0, 2**63), got "
+                f"{num_ep_buffer_bytes!r}"
             )
         self.group = group
         self.rank = group.rank()
@@ -192,13 +220,13 @@ class Buffer:
         ``dispatch``/``combine`` work as here, among the active slots.
 
         Args:
-            rank: this process's slot (logical rank).
+            rank: this process's slot (logical rank), below ``2**31``.
             tcp_store_group: the ``torch.distributed.Store`` (a TCPStore) through
                 which peers exchange metadata.
             timeout_ms: deadline of one exchange (communication only); a peer
-                silent past it is masked. -1: none.
+                silent past it is masked. -1: none; else below ``2**40``.
             metadata_timeout_ms: bound of store waits only (a peer's buffer or
-                its side of a connection).
+                its side of a connection), in ``[1, 2**40)``.
             store_prefix: the store keys' namespace (one per set of buffers).
 
         Raises:
@@ -290,7 +318,16 @@ class Buffer:
 
     def _local_experts(self, num_experts, num_ranks: int) -> int:
         """``E/R``: the width of the counts rows (0 when num_experts is invalid)."""
-        return num_experts // num_ranks if _is_int(num_experts) and num_experts >= num_ranks else 0
+        valid = _is_int(num_experts) and num_ranks <= num_experts < _MAX_SHAPE
+        return num_experts // num_ranks if valid else 0
+
+    def _device_error(self, device: torch.device) -> str | None:
+        """Why ``x`` may not live on ``device`` (None: it may)."""
+        try:
+            self._backend_for(device)
+        except (RuntimeError, ValueError):
+            return f"x is on {device}, but the group has no mooncake backend for {device.type}"
+        return None
 
     def _experts_error(self, num_experts: int) -> str | None:
         if num_experts % self.num_ranks:
@@ -339,17 +376,17 @@ class Buffer:
             return err
         n, h = x.shape
         checks = [
+            self._device_error(x.device),
             _tensor_error("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device),
             None
-            if _is_int(max_tokens) and max_tokens >= 1
-            else f"num_max_dispatch_tokens_per_rank must be an int >= 1, got {max_tokens!r}",
+            if _is_int(max_tokens) and 1 <= max_tokens < _MAX_SHAPE
+            else f"num_max_dispatch_tokens_per_rank must be an int in [1, 2**31), got "
+            f"{max_tokens!r}",
             None
-            if _is_int(num_experts) and num_experts >= 1
-            else f"num_experts must be an int >= 1, got {num_experts!r}",
-            None
-            if _is_int(timeout_us) and (timeout_us == -1 or timeout_us > 0)
-            else f"timeout_us must be -1 (no deadline) or an int > 0, got {timeout_us!r}",
-            None if isinstance(use_fp8, bool) else f"use_fp8 must be a bool, got {use_fp8!r}",
+            if _is_int(num_experts) and 1 <= num_experts < _MAX_SHAPE
+            else f"num_experts must be an int in [1, 2**31), got {num_experts!r}",
+            _timeout_error(timeout_us),
+            _flags_error(use_fp8=use_fp8, async_finish=modes[0], return_recv_hook=modes[1]),
             None
             if not (modes[0] and modes[1])
             else "async_finish and return_recv_hook are exclusive: set one of them",
@@ -428,7 +465,8 @@ class Buffer:
         the same ``T``, ``H``, ``E`` and ``use_fp8``.
 
         Args:
-            x: ``[N, H]`` bf16 (fp16 and fp32 work too), ``N <= T``.
+            x: ``[N, H]`` bf16 (fp16 and fp32 work too), ``N <= T``, on a
+                device the group has a mooncake backend for.
             topk_idx: ``[N, K]`` int64 (or int32), expert ids in ``[0, E)``;
                 ``-1`` marks a selection to skip.
             active_ranks: int32 ``[R]`` on ``x``'s device, 1 = healthy. Tokens go
@@ -438,19 +476,19 @@ class Buffer:
                 set to 0 in place and counted as sending nothing. ``None``:
                 the process group's view (``pg.get_active_ranks``).
             num_max_dispatch_tokens_per_rank: ``T``, the most tokens any rank
-                sends in one call; sizes ``recv_x``.
-            num_experts: ``E``, divisible by ``R``.
-            timeout_us: deadline for the exchange, in microseconds; ``-1``: no
-                EP deadline (the group's own timeout and failure detection still
-                apply). A rank that is alive but misses the deadline is left
-                out of the process group, as the group does with any rank
-                silent past an op's deadline.
+                sends in one call; sizes ``recv_x``; below ``2**31``.
+            num_experts: ``E``, divisible by ``R``; below ``2**31``.
+            timeout_us: deadline for the exchange, in microseconds, at most
+                ``2**50`` (about 35 years); ``-1``: no EP deadline (the group's
+                own timeout and failure detection still apply). A rank that is
+                alive but misses the deadline is left out of the process group,
+                as the group does with any rank silent past an op's deadline.
             use_fp8: send FP8 e4m3 with one fp32 scale per token per 128
                 channels (``mooncake.fp8``); ``H % 128 == 0``.
-            async_finish: return at once; ``event.current_stream_wait()``
+            async_finish: (bool) return at once; ``event.current_stream_wait()``
                 finishes the receive and fills the outputs.
-            return_recv_hook: return at once; ``hook()`` finishes the receive
-                and fills the outputs (exclusive with ``async_finish``).
+            return_recv_hook: (bool) return at once; ``hook()`` finishes the
+                receive and fills the outputs (exclusive with ``async_finish``).
             cumulative_local_expert_recv_stats: optional int32 ``[E/R]``; the
                 tokens each local expert received are added to it.
 
@@ -583,7 +621,8 @@ class Buffer:
 
     def _check_peers(self, theirs, present, T, H, E, use_fp8) -> None:
         """Raises ValueError, alike on every rank, when a member rejected its
-        arguments or called with another shape."""
+        arguments or called with another shape; RuntimeError when a member's
+        counts are out of range (corrupt data)."""
         for s in present.nonzero().squeeze(1).tolist():
             row = theirs[s].tolist()
             if row[4] == fb.STATUS_REJECTED:
@@ -597,6 +636,17 @@ class Buffer:
                     f"num_max_dispatch_tokens_per_rank={row[0]}, hidden={row[1]}, "
                     f"num_experts={row[2]}, use_fp8={bool(row[3])}; rank {self.rank} has "
                     f"{T}, {H}, {E}, {use_fp8}"
+                )
+            # A source sends each of this rank's experts at most T tokens (a token
+            # selects an expert once): more, or fewer than 0, is corrupt data, and
+            # would size the receive buffers from it.
+            counts = row[fb.META_COLS :]
+            if counts and not (0 <= min(counts) and max(counts) <= T):
+                raise RuntimeError(
+                    f"dispatch: rank {s} announces between {min(counts)} and {max(counts)} "
+                    f"tokens for this rank's experts, outside [0, "
+                    f"num_max_dispatch_tokens_per_rank={T}]: its data is corrupt; nothing "
+                    f"was received"
                 )
 
     # --- combine -------------------------------------------------------------------------
@@ -676,9 +726,8 @@ class Buffer:
                 device,
                 [handle.layout_range.shape[1]],
             ),
-            None
-            if _is_int(timeout_us) and (timeout_us == -1 or timeout_us > 0)
-            else f"timeout_us must be -1 (no deadline) or an int > 0, got {timeout_us!r}",
+            _timeout_error(timeout_us),
+            _flags_error(zero_copy=zero_copy, async_finish=modes[0], return_recv_hook=modes[1]),
             None
             if not (modes[0] and modes[1])
             else "async_finish and return_recv_hook are exclusive: set one of them",
@@ -729,7 +778,7 @@ class Buffer:
                 that die are set to 0. ``None``: the process group's view.
             timeout_us: as in :meth:`dispatch`.
             handle: the dispatch's :class:`DispatchHandle`.
-            zero_copy: ``x`` is :meth:`get_next_combine_buffer` (handle).
+            zero_copy: (bool) ``x`` is :meth:`get_next_combine_buffer` (handle).
             async_finish, return_recv_hook: as in :meth:`dispatch`.
             out: optional ``[N, H]`` of ``x``'s dtype, filled in place.
 

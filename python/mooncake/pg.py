@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,11 @@ def set_device_filter(filters: list[str]) -> None:
     Raises:
         ValueError: ``filters`` is not a list of strings.
     """
-    if isinstance(filters, str) or not all(isinstance(f, str) for f in filters):
+    if isinstance(filters, (str, bytes)) or not isinstance(filters, Iterable):
         raise ValueError(f"set_device_filter: filters must be a list of strings, got {filters!r}")
     filters = list(filters)
+    if not all(isinstance(f, str) for f in filters):
+        raise ValueError(f"set_device_filter: filters must be a list of strings, got {filters!r}")
     _default_engine().device_filter = filters
     present = _rdma_devices()
     missing = [f for f in filters if f not in present]
@@ -174,10 +177,18 @@ def get_num_synced_ranks(backend=None) -> int:
     return _backend_of(backend).num_synced_ranks()
 
 
+def _is_int64(v) -> bool:
+    """An int (not a bool) that fits the backend's int64 arguments."""
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
 def _rank_list(name: str, ranks) -> list[int]:
-    if isinstance(ranks, int) or not all(isinstance(r, int) for r in ranks):
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
         raise ValueError(f"{name}: ranks must be a list of ints, got {ranks!r}")
-    return list(ranks)
+    ranks = list(ranks)
+    if not all(_is_int64(r) for r in ranks):
+        raise ValueError(f"{name}: ranks must be a list of ints, got {ranks!r}")
+    return ranks
 
 
 def extend_group_size_to(backend, size: int) -> None:
@@ -189,9 +200,10 @@ def extend_group_size_to(backend, size: int) -> None:
     process (call it on every healthy rank).
 
     Raises:
-        ValueError: ``size`` is below the current size or above ``max_world_size``.
+        ValueError: ``size`` is not an int, or is below the current size or above
+            ``max_world_size``.
     """
-    if not isinstance(size, int):
+    if not _is_int64(size):
         raise ValueError(f"extend_group_size_to: size must be an int, got {size!r}")
     _backend_of(backend).extend_group_size_to(size)
 
@@ -206,7 +218,8 @@ def get_peer_state(backend, ranks: list[int]) -> list[bool]:
     other collectives.
 
     Raises:
-        ValueError: a rank is outside ``[0, max_world_size)``.
+        ValueError: ``ranks`` is not a list of ints, or a rank is outside
+            ``[0, max_world_size)``.
     """
     return _backend_of(backend).get_peer_state(_rank_list("get_peer_state", ranks))
 
@@ -241,9 +254,10 @@ def recover_ranks(backend, ranks: list[int]) -> None:
     before it calls :func:`join_group`.
 
     Raises:
-        ValueError: on every healthy rank, when a rank is active, out of range,
-            named twice, beyond the extended size, or has no process waiting
-            (poll :func:`get_peer_state` first); the group stays usable.
+        ValueError: on every healthy rank, when ``ranks`` is not a list of ints,
+            or a rank is active, out of range, named twice, beyond the extended
+            size, or has no process waiting (poll :func:`get_peer_state` first);
+            the group stays usable.
     """
     ranks = _rank_list("recover_ranks", ranks)
     b = _backend_of(backend)

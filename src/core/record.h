@@ -20,7 +20,10 @@ namespace mooncake {
 class RecordReader {
  public:
   // `what` names the record in errors, e.g. "the group view under 'g/admitted/3/1'".
-  RecordReader(std::string_view text, std::string what) : text_(text), what_(std::move(what)) {}
+  // The reader keeps its own copy of `text` (records are small), so it may be
+  // made from a temporary such as the result of Store::get.
+  RecordReader(std::string text, std::string what)
+      : text_(std::move(text)), what_(std::move(what)) {}
 
   // The next field as an integer in [lo, hi]: decimal digits, with a leading
   // '-' only where lo < 0.
@@ -74,12 +77,12 @@ class RecordReader {
     size_t stop = pos_;
     while (stop < text_.size() && !is_sep(text_[stop])) ++stop;
     if (stop == pos_) fail(field, " is missing");
-    const std::string_view f = text_.substr(pos_, stop - pos_);
+    const std::string_view f = std::string_view(text_).substr(pos_, stop - pos_);
     pos_ = stop;
     return f;
   }
 
-  std::string_view text_;
+  std::string text_;
   std::string what_;
   size_t pos_ = 0;
 };

@@ -30,6 +30,7 @@ struct Report {
   bool has_result = false;  // it kept the result of op `done`, to hand on
   bool failed = false;      // op `done` ended in an error
   int attempts = 0;         // re-runs of op `pending` so far
+  friend bool operator==(const Report&, const Report&) = default;
   std::string encode() const;
   // Throws an Error (kInternal) naming the field when `text` is malformed;
   // `where` (e.g. " under 'key'") goes into the message.
@@ -41,6 +42,7 @@ struct Report {
 struct Decision {
   View view;
   std::vector<Report> reports;
+  friend bool operator==(const Decision&, const Decision&) = default;
   std::string encode() const;
   // Also checks that the reports are the view's members, in slot order.
   static Decision decode(const std::string& text, const std::string& where = "");

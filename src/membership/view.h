@@ -47,6 +47,7 @@ struct View {
     return uint64_t{incarnation[static_cast<size_t>(a)]} + incarnation[static_cast<size_t>(b)] + 1;
   }
 
+  friend bool operator==(const View&, const View&) = default;
   std::string encode() const;
   // Throws an Error (kInternal) naming the field when `text` is not a whole,
   // well-formed view; `where` (e.g. " under 'key'") goes into the message.

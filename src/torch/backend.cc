@@ -349,13 +349,31 @@ void MooncakeBackend::startCoalescing() {
   MC_CHECK_ARG(!coalescing_, "startCoalescing: already coalescing");
   coalescing_ = true;
   coalesced_.clear();
+  deferred_.clear();
+  batch_error_ = nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::endCoalescing() {
   MC_CHECK_ARG(coalescing_, "endCoalescing: startCoalescing was not called");
   coalescing_ = false;
-  auto parts = std::move(coalesced_);
-  coalesced_.clear();
+  auto parts = std::exchange(coalesced_, {});
+  auto deferred = std::exchange(deferred_, {});
+  if (std::exception_ptr error = std::exchange(batch_error_, nullptr)) {
+    // All or nothing: the batch's other ops are not posted either.
+    for (auto& [post, done] : deferred) done->complete(error);
+    std::rethrow_exception(error);
+  }
+  for (auto& [post, done] : deferred) {
+    try {
+      std::shared_ptr<Request> request = post();
+      request->on_complete([request, done](std::exception_ptr e) {
+        done->set_source_rank(request->source_rank());
+        done->complete(e);
+      });
+    } catch (const Error&) {
+      done->complete(std::current_exception());
+    }
+  }
   return c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED, all_of(parts),
                                            std::vector<at::Tensor>{});
 }
@@ -684,14 +702,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
     MC_CHECK_ARG(input.scalar_type() == output.scalar_type(),
                  "all_to_all_single: output dtype differs from input dtype");
     // Splits are along dim 0, in rows of the remaining dims.
-    auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* arg) {
+    auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* arg,
+                      const char* tensor) {
       const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
       std::vector<size_t> counts(static_cast<size_t>(size_));
       const size_t row = rows == 0 ? 0 : elems(t) / static_cast<size_t>(rows);
       if (given.empty()) {
-        MC_CHECK_ARG(rows % size_ == 0, "all_to_all_single: ", arg, " dim 0 (", rows,
-                     ") must be divisible by the world size (", size_,
-                     ") when no splits are given");
+        MC_CHECK_ARG(rows % size_ == 0, "all_to_all_single: ", tensor, " dim 0 (", rows,
+                     ") must be divisible by the world size (", size_, ") when ", arg,
+                     " is not given");
         for (auto& c : counts) c = static_cast<size_t>(rows / size_) * row;
       } else {
         check_count(given.size(), static_cast<size_t>(size_), "all_to_all_single", arg);
@@ -701,13 +720,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
           counts[p] = static_cast<size_t>(given[p]) * row;
           total += given[p];
         }
-        MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total,
-                     " but dim 0 has ", rows, " rows");
+        MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total, " but ", tensor,
+                     " dim 0 has ", rows, " rows");
       }
       return counts;
     };
-    std::vector<size_t> in_counts = splits(input, input_split_sizes, "input_split_sizes");
-    std::vector<size_t> out_counts = splits(output, output_split_sizes, "output_split_sizes");
+    std::vector<size_t> in_counts = splits(input, input_split_sizes, "input_split_sizes", "input");
+    std::vector<size_t> out_counts =
+        splits(output, output_split_sizes, "output_split_sizes", "output");
     DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
     int64_t timeout = op_timeout_ms(opts.timeout);
     at::Tensor in = input, out = output;
@@ -792,30 +812,52 @@ P2P& MooncakeBackend::p2p() {
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& tensors, int dst,
                                                      int tag) {
-  check_count(tensors.size(), 1, "send", "tensors");
-  check_tensor(tensors[0], "send", "tensor");
-  check_rank(dst, "send", "dst");
-  at::Tensor t = tensors[0].contiguous();
-  auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
-  request->on_complete([t](std::exception_ptr) {});  // keeps the tensor alive until sent
-  return wrap(request, c10d::OpType::SEND, {tensors[0]});
+  return p2p_op(c10d::OpType::SEND, {tensors.empty() ? at::Tensor() : tensors[0]}, [&]() -> Post {
+    check_count(tensors.size(), 1, "send", "tensors");
+    check_tensor(tensors[0], "send", "tensor");
+    check_rank(dst, "send", "dst");
+    at::Tensor t = tensors[0].contiguous();
+    return [this, t, dst, tag] {
+      auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
+      request->on_complete([t](std::exception_ptr) {});  // keeps the tensor alive until sent
+      return request;
+    };
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int src,
                                                      int tag) {
-  check_count(tensors.size(), 1, "recv", "tensors");
-  check_tensor(tensors[0], "recv", "tensor");
-  check_rank(src, "recv", "src", /*allow_any=*/true);
-  at::Tensor user = tensors[0];
-  at::Tensor buf = user.is_contiguous() ? user : user.contiguous();
-  auto request = p2p().recv(buf.data_ptr(), buf.nbytes(), src, static_cast<uint64_t>(tag));
-  auto done = std::make_shared<Request>();
-  request->on_complete([user, buf, request, done](std::exception_ptr e) {
-    if (!e && !buf.is_same(user)) user.copy_(buf);
-    done->set_source_rank(request->source_rank());
-    done->complete(e);
+  return p2p_op(c10d::OpType::RECV, {tensors.empty() ? at::Tensor() : tensors[0]}, [&]() -> Post {
+    check_count(tensors.size(), 1, "recv", "tensors");
+    check_tensor(tensors[0], "recv", "tensor");
+    check_rank(src, "recv", "src", /*allow_any=*/true);
+    at::Tensor user = tensors[0];
+    at::Tensor buf = user.is_contiguous() ? user : user.contiguous();
+    return [this, user, buf, src, tag] {
+      auto request = p2p().recv(buf.data_ptr(), buf.nbytes(), src, static_cast<uint64_t>(tag));
+      auto done = std::make_shared<Request>();
+      request->on_complete([user, buf, request, done](std::exception_ptr e) {
+        if (!e && !buf.is_same(user)) user.copy_(buf);
+        done->set_source_rank(request->source_rank());
+        done->complete(e);
+      });
+      return done;
+    };
   });
-  return wrap(done, c10d::OpType::RECV, {user});
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::p2p_op(c10d::OpType type,
+                                                       std::vector<at::Tensor> outputs,
+                                                       const std::function<Post()>& check) {
+  if (!coalescing_) return wrap(check()(), type, std::move(outputs));
+  auto done = std::make_shared<Request>();
+  try {
+    deferred_.push_back({check(), done});
+  } catch (const Error&) {
+    if (!batch_error_) batch_error_ = std::current_exception();
+    done->complete(std::current_exception());
+  }
+  return wrap(done, type, std::move(outputs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::recvAnysource(std::vector<at::Tensor>& tensors,

@@ -3,10 +3,13 @@
 // buffers, validates arguments, and queues the core's collectives.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <utility>
+#include <vector>
 
 #include "collectives/communicator.h"
 #include "collectives/p2p.h"
@@ -120,6 +123,14 @@ class MooncakeBackend : public c10d::Backend {
       throw;
     }
   }
+  // Posts a p2p op and returns the Request it completes.
+  using Post = std::function<std::shared_ptr<Request>()>;
+  // A send or recv: `check` validates the arguments and returns how to post
+  // the op; outside a coalescing block it is posted at once. Inside one it is
+  // posted at endCoalescing, with the others, all or none: an argument error
+  // is raised by endCoalescing and the batch posts nothing.
+  c10::intrusive_ptr<c10d::Work> p2p_op(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                        const std::function<Post()>& check);
   // Queues `task` on the collective thread; `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
                                          std::vector<at::Tensor> outputs);
@@ -156,6 +167,12 @@ class MooncakeBackend : public c10d::Backend {
   int64_t timeout_ms_;
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Request>> coalesced_;
+  // Inside a coalescing block (batch_isend_irecv): the p2p ops to post at
+  // endCoalescing, each with the Request its Work waits on, and the first
+  // argument error, which endCoalescing raises instead (torch's block has
+  // been closed by then, so the group stays usable).
+  std::vector<std::pair<Post, std::shared_ptr<Request>>> deferred_;
+  std::exception_ptr batch_error_;
   std::atomic<bool> shut_down_{false};
 };
 

@@ -22,6 +22,7 @@ struct PeerAddress {
   std::string tcp_host;
   int tcp_port = 0;
 
+  friend bool operator==(const PeerAddress&, const PeerAddress&) = default;
   std::string encode() const;
   // Throws an Error (kInternal) naming the field when `text` is malformed;
   // `where` (e.g. " under 'key'") goes into the message.

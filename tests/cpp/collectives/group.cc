@@ -54,4 +54,10 @@ void run_group(int ranks, const GroupOptions& options,
       options.limits);
 }
 
+int64_t member_mask(mooncake::Communicator& comm) {
+  int64_t v = int64_t{1} << comm.rank();
+  comm.all_reduce(&v, 1, mooncake::DType::kInt64, mooncake::RedOp::kSum);
+  return v;
+}
+
 }  // namespace mctest

@@ -50,6 +50,9 @@ mooncake::TransferEngine engine_for(const GroupOptions& options);
 
 // Connects a group of `ranks` processes and runs `body` on each. Checks that
 // every peer is served by the transport the options ask for.
+// Sum of 1 << rank over the members: the set an all_reduce covered.
+int64_t member_mask(mooncake::Communicator& comm);
+
 void run_group(int ranks, const GroupOptions& options,
                const std::function<void(mooncake::Communicator&, Rank&)>& body);
 

@@ -18,13 +18,6 @@ using mooncake::DType;
 using mooncake::ErrorKind;
 using mooncake::RedOp;
 
-// Sum of 1 << rank over the members: the set an all_reduce covered.
-int64_t member_mask(Communicator& comm) {
-  int64_t v = int64_t{1} << comm.rank();
-  comm.all_reduce(&v, 1, DType::kInt64, RedOp::kSum);
-  return v;
-}
-
 // Members poll until a process waits to join as `slot`.
 void wait_for_joiner(Communicator& comm, int slot) {
   const mooncake::Deadline deadline = mooncake::Deadline::after_ms(10000);

@@ -24,12 +24,6 @@ using mooncake::ErrorKind;
 using mooncake::RedOp;
 using mooncake::View;
 
-int64_t member_mask(Communicator& comm) {
-  int64_t v = int64_t{1} << comm.rank();
-  comm.all_reduce(&v, 1, DType::kInt64, RedOp::kSum);
-  return v;
-}
-
 // `fn` throws kInternal naming `key`, and does so well within `limit_ms`.
 testing::AssertionResult fails_at_once(const std::function<void()>& fn, const std::string& key,
                                        int64_t limit_ms = 3000) {

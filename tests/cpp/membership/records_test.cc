@@ -65,32 +65,10 @@ Decision sample_decision(int capacity) {
   return d;
 }
 
-void expect_same(const View& a, const View& b) {
-  EXPECT_EQ(a.epoch, b.epoch);
-  EXPECT_EQ(a.seq, b.seq);
-  EXPECT_EQ(a.active, b.active);
-  EXPECT_EQ(a.incarnation, b.incarnation);
-  EXPECT_EQ(a.since, b.since);
-}
-
-void expect_same(const Report& a, const Report& b) {
-  EXPECT_EQ(a.rank, b.rank);
-  EXPECT_EQ(a.pending, b.pending);
-  EXPECT_EQ(a.done, b.done);
-  EXPECT_EQ(a.has_result, b.has_result);
-  EXPECT_EQ(a.failed, b.failed);
-  EXPECT_EQ(a.attempts, b.attempts);
-}
-
-void expect_same(const PeerAddress& a, const PeerAddress& b) {
-  EXPECT_EQ(a.rank, b.rank);
-  EXPECT_EQ(a.incarnation, b.incarnation);
-  EXPECT_EQ(a.host_key, b.host_key);
-  EXPECT_EQ(a.pid, b.pid);
-  EXPECT_EQ(a.segment_fd, b.segment_fd);
-  EXPECT_EQ(a.segment_bytes, b.segment_bytes);
-  EXPECT_EQ(a.tcp_host, b.tcp_host);
-  EXPECT_EQ(a.tcp_port, b.tcp_port);
+// Equal records, or both encodings in the failure message.
+template <typename Record>
+void expect_same(const Record& a, const Record& b) {
+  EXPECT_TRUE(a == b) << "\n  " << a.encode() << "\nvs\n  " << b.encode();
 }
 
 // The fields of a record, split at single spaces and newlines.

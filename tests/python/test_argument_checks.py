@@ -1,0 +1,1039 @@
+"""Every argument check of the public Python API, as one table, and one test per row.
+
+:data:`ROWS` lists, for the process group (``mooncake.pg`` and ``torch.distributed`` on a
+``mooncake-cpu`` group), the EP ``Buffer`` and the elastic EP buffer, each rule an
+argument must follow: the function, the argument, the rule in plain words, the exception
+and the words its message must contain, and the bad call itself. ``docs/argument-checks.md``
+holds the same table (``python tests/python/test_argument_checks.py --markdown`` prints
+it); :func:`test_doc_table_matches_the_rows` keeps the two in step.
+
+Every row runs on both ranks of one world-2 launch (``launcher.py``): the bad call must
+raise exactly the row's exception type (not a subclass, not another type) on every rank,
+with each of the row's words in its message (case-insensitive, as whole tokens: ``ranks``
+does not match inside ``recover_ranks``). Then the group or buffer must still be usable,
+shown by a correct operation checked against a reference:
+
+* PG: a small and a chunked ``all_reduce`` equal to ``reference.reduce_ref`` bit for bit
+  (``test_errors.healthy``), and an exact ``all_reduce`` in the ``max_world_size=4``
+  subgroup once it exists; after a rejected ``init_process_group``, no default group is
+  left behind and a correct one is created first.
+* EP: a dispatch + combine round of the launch's ``Buffer`` checked against the plain
+  model of ``ep_cases`` (``ep_cases.good_round``).
+* elastic EP: a dispatch + combine round of the launch's elastic buffer (capacity 4,
+  slots 0 and 1 connected) checked against the same model (``elastic_ranks.play_round``),
+  which also checks that the active slots are still exactly {0, 1}.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ep_cases import (
+    SMALL,
+    Checks,
+    Round,
+    _other_buffer,
+    _small_buffer,
+    combine_args,
+    dispatch_args,
+    get_buffer,
+    good_round,
+    mode_flags,
+)
+from launcher import Case, Launch, check, parametrize
+from test_errors import healthy
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "argument-checks.md"
+
+PG, EP, ELASTIC = "PG", "EP", "elastic EP"
+
+#: The elastic buffer of the launch: capacity, experts per slot.
+CAPACITY, EPR = 4, 2
+
+
+@dataclass(frozen=True)
+class Row:
+    """One argument rule and the call that breaks it."""
+
+    id: str  # the case name, unique
+    area: str  # PG | EP | elastic EP
+    function: str
+    argument: str
+    rule: str  # plain words
+    exception: type[Exception]
+    words: tuple[str, ...]  # the message contains each (case-insensitive, whole tokens)
+    call: Callable  # call(ctx): the bad call, made on every rank
+
+
+# --- what the rows call on: the launch's groups and buffers ------------------------------------
+
+_state: dict = {}
+
+
+def world(ctx):
+    """The default group, created (correctly) when a row's init left none."""
+    if not dist.is_initialized():
+        ctx.init_pg()
+    return dist.group.WORLD
+
+
+def _drop_world() -> None:
+    """Destroys the default group (and so every subgroup) for an init row."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state.pop("ext", None)
+    _state.pop("gloo", None)
+
+
+def ext_group(ctx):
+    """A mooncake subgroup of every rank with ``max_world_size=4`` (collective, once)."""
+    from mooncake import pg
+
+    world(ctx)
+    if "ext" not in _state:
+        active = torch.ones(4, dtype=torch.int32)
+        opts = pg.MooncakeBackendOptions(active, False, 4)
+        _state["ext"] = dist.new_group(list(range(ctx.world_size)), pg_options=opts)
+    return _state["ext"]
+
+
+def gloo_group(ctx):
+    world(ctx)
+    if "gloo" not in _state:
+        _state["gloo"] = dist.new_group(list(range(ctx.world_size)), backend="gloo")
+    return _state["gloo"]
+
+
+def backend(ctx):
+    """The mooncake backend object of the default group."""
+    return world(ctx)._get_backend(torch.device("cpu"))
+
+
+def ep_buffer(ctx):
+    """The launch's EP Buffer (``ep_cases.get_buffer``) over the default group."""
+    world(ctx)
+    return get_buffer(ctx)
+
+
+def dispatch_with(change: Callable) -> Callable:
+    """A call of the launch Buffer's dispatch with correct arguments (``ep_cases.SMALL``),
+    updated with ``change(args, ctx)``; ``args["buf"]`` replaces the Buffer."""
+
+    def call(ctx):
+        buf = ep_buffer(ctx)
+        args = dispatch_args(Round(ctx, buf, SMALL, "bad"))
+        args.update(change(args, ctx))
+        buf = args.pop("buf", buf)
+        buf.dispatch(**args)
+
+    return call
+
+
+def combine_with(change: Callable) -> Callable:
+    """A finished dispatch, then its combine with correct arguments updated with
+    ``change(args, ctx)``."""
+
+    def call(ctx):
+        buf = ep_buffer(ctx)
+        r = Round(ctx, buf, SMALL, "bad")
+        r.dispatch()
+        args = combine_args(r, r.expert_outputs())
+        args.update(change(args, ctx))
+        buf.combine(**args)
+
+    return call
+
+
+def stale_handle(ctx):
+    """The handle of a dispatch whose half two later dispatches have reused."""
+    buf = ep_buffer(ctx)
+    rounds = [Round(ctx, buf, SMALL, f"stale{i}") for i in range(3)]
+    for r in rounds:
+        r.dispatch()
+    return rounds[0]
+
+
+def combine_before_hook(ctx):
+    """combine of a dispatch whose ``hook()`` has not run; the hook runs afterwards."""
+    buf = ep_buffer(ctx)
+    r = Round(ctx, buf, SMALL, "unfinished")
+    ins = r.ins[ctx.rank]
+    out = buf.dispatch(ins.x, ins.idx, None, SMALL.T, r.E, -1, False, **mode_flags("hook"))
+    handle, hook = out[2], out[4]
+    y = torch.zeros(SMALL.epr, ctx.world_size * SMALL.T, SMALL.H, dtype=torch.bfloat16)
+    try:
+        buf.combine(y, ins.idx, ins.w, None, -1, handle)
+    finally:
+        hook()
+
+
+def combine_stale_zero_copy(ctx):
+    r = stale_handle(ctx)
+    ins = r.ins[ctx.rank]
+    y = torch.zeros(SMALL.epr, ctx.world_size * SMALL.T, SMALL.H, dtype=torch.bfloat16)
+    ep_buffer(ctx).combine(y, ins.idx, ins.w, None, -1, r.handle, zero_copy=True)
+
+
+def over_capacity(ctx):
+    """T tokens that each select expert 0 twice: 2T rows for one expert's T slots."""
+    T, R = SMALL.T, ctx.world_size
+    x = torch.ones(T, SMALL.H, dtype=torch.bfloat16)
+    idx = torch.zeros(T, 2, dtype=torch.int64)
+    ep_buffer(ctx).dispatch(x, idx, None, T, SMALL.epr * R, -1, use_fp8=False)
+
+
+def new_buffer(*args):
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    return lambda ctx: Buffer(*[a(ctx) if callable(a) else a for a in args])
+
+
+def size_hint(*args):
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    return lambda ctx: Buffer.get_ep_buffer_size_hint(*args)
+
+
+def elastic(ctx):
+    """The launch's elastic buffer: slot ``ctx.rank`` of capacity 4, connected to every
+    other rank of the launch and published (collective, once)."""
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    if "elastic" not in _state:
+        buf = Buffer.create_elastic(
+            ctx.rank, ctx.store, timeout_ms=20000, metadata_timeout_ms=60000, store_prefix="ep/"
+        )
+        buf.update_memory_buffers(num_ranks=CAPACITY, num_experts_per_rank=EPR)
+        buf.connect_ranks([q for q in range(ctx.world_size) if q != ctx.rank], activate=True)
+        _state["elastic"] = buf
+    return _state["elastic"]
+
+
+def create_elastic(**kw):
+    """``Buffer.create_elastic`` with correct arguments updated with ``kw``."""
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    def call(ctx):
+        args = dict(rank=ctx.rank, tcp_store_group=ctx.store, store_prefix="fresh/")
+        args.update(kw)
+        Buffer.create_elastic(**args)
+
+    return call
+
+
+def fresh_elastic(ctx, slot: int | None = None):
+    """A new elastic buffer of this process (its own store prefix), not allocated yet."""
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    return Buffer.create_elastic(
+        ctx.rank if slot is None else slot, ctx.store, store_prefix="fresh/"
+    )
+
+
+def peer(ctx) -> int:
+    """Another slot of the launch that is connected and active."""
+    return (ctx.rank + 1) % ctx.world_size
+
+
+def disconnected_slot(ctx) -> int:
+    return ctx.world_size  # the first slot no process holds
+
+
+def elastic_dispatch(num_experts):
+    from elastic_ranks import bad_dispatch
+
+    return lambda ctx: bad_dispatch(elastic(ctx), num_experts)
+
+
+def _p2p_batch(ctx):
+    dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.zeros(3), ctx.world_size)])
+
+
+def _opts(*args):
+    from mooncake import pg
+
+    return pg.MooncakeBackendOptions(*args)
+
+
+def init_with(options: Callable) -> Callable:
+    """``init_process_group("mooncake-cpu", pg_options=options(ctx))`` after dropping the
+    default group."""
+
+    def call(ctx):
+        _drop_world()
+        ctx.init_pg(pg_options=options(ctx))
+
+    return call
+
+
+def _i32(*shape, **kw):
+    return torch.ones(*shape, dtype=torch.int32, **kw)
+
+
+def pg_call(name: str, *args) -> Callable:
+    """``mooncake.pg.<name>(*args)``; an arg that is a function of ctx is called first."""
+
+    def call(ctx):
+        from mooncake import pg
+
+        world(ctx)
+        getattr(pg, name)(*[a(ctx) if callable(a) else a for a in args])
+
+    return call
+
+
+def dist_call(fn: Callable) -> Callable:
+    def call(ctx):
+        world(ctx)
+        fn(ctx)
+
+    return call
+
+
+def _root_list(ctx, n: int, size: int = 3):
+    return [torch.zeros(size) for _ in range(n)] if ctx.rank == 0 else None
+
+
+def _ext_then(fn: Callable) -> Callable:
+    """Extends the subgroup to its max_world_size (4), then ``fn(group)``."""
+
+    def call(ctx):
+        from mooncake import pg
+
+        g = ext_group(ctx)
+        pg.extend_group_size_to(g, 4)
+        fn(g)
+
+    return call
+
+
+def _ext(fn: Callable) -> Callable:
+    return lambda ctx: fn(ext_group(ctx))
+
+
+# --- the table -------------------------------------------------------------------------------
+
+X3 = torch.zeros(3)
+
+
+def _pg_rows() -> list[Row]:
+    from mooncake import pg
+
+    R = PG
+    V, T = ValueError, TypeError
+    return [
+        # init_process_group: these come first (they drop the default group).
+        Row("pg/init/active_ranks-length", R, "dist.init_process_group", "pg_options.active_ranks",
+            "must have max_world_size entries (the world size without one)", V,
+            ("active_ranks", "entries"), init_with(lambda c: _opts(_i32(c.world_size + 1)))),
+        Row("pg/init/active_ranks-device", R, "dist.init_process_group", "pg_options.active_ranks",
+            "must be on the CPU for mooncake-cpu", V, ("active_ranks", "cpu"),
+            init_with(lambda c: _opts(_i32(c.world_size, device="meta")))),
+        Row("pg/init/active_ranks-contiguous", R, "dist.init_process_group",
+            "pg_options.active_ranks", "must be contiguous", V, ("active_ranks", "contiguous"),
+            init_with(lambda c: _opts(_i32(2 * c.world_size)[::2]))),
+        Row("pg/init/max_world_size-below-world", R, "dist.init_process_group",
+            "pg_options.max_world_size", "must be >= the world size", V,
+            ("max_world_size", "world size"),
+            init_with(lambda c: _opts(_i32(c.world_size), False, c.world_size - 1))),
+        Row("pg/init/pg_options-type", R, "dist.init_process_group", "pg_options",
+            "must be a mooncake.pg.MooncakeBackendOptions", V,
+            ("pg_options", "MooncakeBackendOptions"), init_with(lambda c: {"timeout": 1})),
+        Row("pg/new_group/active_ranks-length", R, "dist.new_group", "pg_options.active_ranks",
+            "must have max_world_size entries (the group size without one)", V,
+            ("active_ranks", "entries"),
+            dist_call(lambda c: dist.new_group(pg_options=_opts(_i32(c.world_size + 2))))),
+        # MooncakeBackendOptions
+        Row("pg/options/active_ranks-dtype", R, "pg.MooncakeBackendOptions", "active_ranks",
+            "must be a torch.int32 tensor", V, ("active_ranks", "int32"),
+            lambda c: _opts(torch.ones(c.world_size))),
+        Row("pg/options/active_ranks-1d", R, "pg.MooncakeBackendOptions", "active_ranks",
+            "must be 1-D", V, ("active_ranks", "1-D"), lambda c: _opts(_i32(1, c.world_size))),
+        Row("pg/options/active_ranks-type", R, "pg.MooncakeBackendOptions", "active_ranks",
+            "must be a torch.Tensor (the binding's signature)", T,
+            ("active_ranks", "incompatible"), lambda c: _opts([1] * c.world_size)),
+        Row("pg/options/max_world_size-0", R, "pg.MooncakeBackendOptions", "max_world_size",
+            "must be >= 1", V, ("max_world_size", ">= 1"),
+            lambda c: _opts(_i32(c.world_size), False, 0)),
+        # mooncake.pg helpers
+        Row("pg/set_host_ip/empty", R, "pg.set_host_ip", "host_ip", "must be a non-empty string",
+            V, ("host_ip", "non-empty string"), pg_call("set_host_ip", "")),
+        Row("pg/set_device_filter/str", R, "pg.set_device_filter", "filters",
+            "must be a list of strings (not one string)", V, ("filters", "list of strings"),
+            pg_call("set_device_filter", "mlx5_0")),
+        Row("pg/set_device_filter/none", R, "pg.set_device_filter", "filters",
+            "must be an iterable of strings (not None)", V, ("filters", "list of strings"),
+            pg_call("set_device_filter", None)),
+        Row("pg/set_transfer_engine/type", R, "pg.set_transfer_engine", "engine",
+            "must be a mooncake.TransferEngine", T, ("engine", "TransferEngine"),
+            pg_call("set_transfer_engine", "engine")),
+        Row("pg/get_preferred_hca/backend", R, "pg.get_preferred_hca", "backend",
+            "must be a ProcessGroup or a mooncake backend", V, ("backend", "ProcessGroup"),
+            pg_call("get_preferred_hca", "world", "cuda:0")),
+        Row("pg/get_active_ranks/backend-type", R, "pg.get_active_ranks", "backend",
+            "must be a ProcessGroup or a mooncake backend", V, ("backend", "ProcessGroup"),
+            pg_call("get_active_ranks", 42)),
+        Row("pg/get_active_ranks/backend-gloo", R, "pg.get_active_ranks", "backend",
+            "the group must have a mooncake backend", V, ("backend", "no mooncake backend"),
+            pg_call("get_active_ranks", gloo_group)),
+        Row("pg/get_num_synced_ranks/backend", R, "pg.get_num_synced_ranks", "backend",
+            "must be a ProcessGroup or a mooncake backend", V, ("backend", "ProcessGroup"),
+            pg_call("get_num_synced_ranks", "world")),
+        Row("pg/join_group/not-extension", R, "pg.join_group", "backend",
+            "its group must have been created with is_extension=True", V,
+            ("join_group", "is_extension"), pg_call("join_group", lambda c: dist.group.WORLD)),
+        Row("pg/transport_of/peer", R, "MooncakeBackend.transport_of", "peer",
+            "must be in [0, world size)", V, ("peer", "[0, 2)"),
+            lambda c: backend(c).transport_of(c.world_size)),
+        # the extension API, on a subgroup with max_world_size 4 (world size 2)
+        Row("pg/extend_group_size_to/size-type", R, "pg.extend_group_size_to", "size",
+            "must be an int (not a bool or float)", V, ("size", "int"),
+            _ext(lambda g: pg.extend_group_size_to(g, 3.0))),
+        Row("pg/extend_group_size_to/size-above-max", R, "pg.extend_group_size_to", "size",
+            "must be <= max_world_size", V, ("size", "max_world_size=4"),
+            _ext(lambda g: pg.extend_group_size_to(g, 5))),
+        Row("pg/extend_group_size_to/size-below-world", R, "pg.extend_group_size_to", "size",
+            "must be >= the current (extended) size", V, ("size", "[2, max_world_size=4]"),
+            _ext(lambda g: pg.extend_group_size_to(g, 1))),
+        Row("pg/extend_group_size_to/size-huge", R, "pg.extend_group_size_to", "size",
+            "must fit an int64", V, ("size", "int"),
+            _ext(lambda g: pg.extend_group_size_to(g, 2**70))),
+        Row("pg/get_peer_state/ranks-type", R, "pg.get_peer_state", "ranks",
+            "must be a list of ints", V, ("ranks", "list of ints"),
+            _ext(lambda g: pg.get_peer_state(g, 3))),
+        Row("pg/get_peer_state/ranks-none", R, "pg.get_peer_state", "ranks",
+            "must be a list of ints (not None)", V, ("ranks", "list of ints"),
+            _ext(lambda g: pg.get_peer_state(g, None))),
+        Row("pg/get_peer_state/ranks-range", R, "pg.get_peer_state", "ranks",
+            "each must be in [0, max_world_size)", V, ("ranks", "max_world_size=4"),
+            _ext(lambda g: pg.get_peer_state(g, [4]))),
+        Row("pg/recover_ranks/ranks-type", R, "pg.recover_ranks", "ranks",
+            "must be a list of ints (not bools)", V, ("ranks", "list of ints"),
+            _ext(lambda g: pg.recover_ranks(g, [True]))),
+        Row("pg/recover_ranks/ranks-empty", R, "pg.recover_ranks", "ranks",
+            "must not be empty", V, ("ranks", "empty"), _ext(lambda g: pg.recover_ranks(g, []))),
+        Row("pg/recover_ranks/ranks-range", R, "pg.recover_ranks", "ranks",
+            "each must be in [0, max_world_size)", V, ("ranks", "max_world_size=4"),
+            _ext(lambda g: pg.recover_ranks(g, [-1]))),
+        Row("pg/recover_ranks/ranks-active", R, "pg.recover_ranks", "ranks",
+            "must not name an active rank", V, ("rank 0", "is active"),
+            _ext(lambda g: pg.recover_ranks(g, [0]))),
+        # before any row extends the subgroup
+        Row("pg/recover_ranks/ranks-not-extended", R, "pg.recover_ranks", "ranks",
+            "each must be below the size extend_group_size_to admitted", V,
+            ("rank 3", "extend_group_size_to"), _ext(lambda g: pg.recover_ranks(g, [3]))),
+        Row("pg/recover_ranks/ranks-twice", R, "pg.recover_ranks", "ranks",
+            "must not name a rank twice", V, ("rank 2", "named twice"),
+            _ext_then(lambda g: pg.recover_ranks(g, [2, 2]))),
+        Row("pg/recover_ranks/ranks-nobody-waits", R, "pg.recover_ranks", "ranks",
+            "a process must wait to join as each rank (poll get_peer_state)", V,
+            ("rank 3", "no process waits"), _ext_then(lambda g: pg.recover_ranks(g, [3]))),
+        # collectives and p2p through torch.distributed
+        Row("pg/broadcast/src", R, "dist.broadcast", "src", "must be in [0, world size)", V,
+            ("src", "[0, 2)"), dist_call(lambda c: dist.broadcast(X3.clone(), src=c.world_size))),
+        Row("pg/reduce/dst", R, "dist.reduce", "dst", "must be in [0, world size)", V,
+            ("dst", "[0, 2)"), dist_call(lambda c: dist.reduce(X3.clone(), dst=c.world_size))),
+        Row("pg/gather/dst", R, "dist.gather", "dst", "must be in [0, world size)", V,
+            ("dst", "[0, 2)"), dist_call(lambda c: dist.gather(X3.clone(), None, c.world_size))),
+        Row("pg/gather/gather_list-length", R, "dist.gather", "gather_list",
+            "must have world-size entries on the destination", V,
+            ("gather_list", "entries"),
+            dist_call(lambda c: dist.gather(X3.clone(), _root_list(c, c.world_size + 1), 0))),
+        Row("pg/scatter/src", R, "dist.scatter", "src", "must be in [0, world size)", V,
+            ("src", "[0, 2)"), dist_call(lambda c: dist.scatter(X3.clone(), None, -1))),
+        Row("pg/scatter/scatter_list-size", R, "dist.scatter", "scatter_list",
+            "every tensor must match the output tensor", V, ("scatter_list", "must match"),
+            dist_call(lambda c: dist.scatter(X3.clone(), _root_list(c, c.world_size, 4), 0))),
+        Row("pg/send/dst", R, "dist.send", "dst", "must be in [0, world size)", V,
+            ("dst", "[0, 2)"), dist_call(lambda c: dist.send(X3.clone(), dst=c.world_size))),
+        Row("pg/recv/src", R, "dist.recv", "src", "must be in [0, world size) (or any source)",
+            V, ("src", "[0, 2)"), dist_call(lambda c: dist.recv(X3.clone(), src=c.world_size))),
+        Row("pg/isend/dst", R, "dist.isend", "dst", "must be in [0, world size)", V,
+            ("dst", "[0, 2)"), dist_call(lambda c: dist.isend(X3.clone(), dst=c.world_size + 3))),
+        Row("pg/irecv/src", R, "dist.irecv", "src", "must be in [0, world size) (or any source)",
+            V, ("src", "[0, 2)"), dist_call(lambda c: dist.irecv(X3.clone(), src=-5))),
+        Row("pg/all_reduce/op-dtype", R, "dist.all_reduce", "op",
+            "must be defined for the dtype (no bitwise ops on floats)", V,
+            ("op", "BAND", "float32"),
+            dist_call(lambda c: dist.all_reduce(X3.clone(), op=dist.ReduceOp.BAND))),
+        Row("pg/all_reduce/op-avg-bool", R, "dist.all_reduce", "op",
+            "AVG needs a floating-point tensor", V, ("op", "AVG", "bool"),
+            dist_call(lambda c: dist.all_reduce(torch.zeros(3, dtype=torch.bool),
+                                                op=dist.ReduceOp.AVG))),
+        Row("pg/all_reduce/op-premul_sum", R, "dist.all_reduce", "op",
+            "must be SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR", V, ("op", "PREMUL_SUM"),
+            dist_call(lambda c: dist.all_reduce(torch.ones(3),
+                                                op=dist._make_nccl_premul_sum(2.0)))),
+        Row("pg/all_reduce/tensor-dtype", R, "dist.all_reduce", "tensor",
+            "must have a dtype mooncake moves (not float8)", V, ("tensor", "float8_e4m3fn"),
+            dist_call(lambda c: dist.all_reduce(torch.zeros(3, dtype=torch.float8_e4m3fn)))),
+        Row("pg/all_reduce/tensor-layout", R, "dist.all_reduce", "tensor",
+            "must be a dense (strided) tensor, not sparse", V, ("tensor", "dense"),
+            dist_call(lambda c: dist.all_reduce(torch.zeros(3).to_sparse()))),
+        Row("pg/all_gather/tensor_list-length", R, "dist.all_gather", "tensor_list",
+            "must have world-size entries", V, ("tensor_list", "entries"),
+            dist_call(lambda c: dist.all_gather([torch.zeros(3)] * (c.world_size + 1), X3))),
+        Row("pg/all_gather/tensor_list-size", R, "dist.all_gather", "tensor_list",
+            "every tensor must match the input tensor", V, ("tensor_list", "must match"),
+            dist_call(lambda c: dist.all_gather([torch.zeros(4)] * c.world_size, X3))),
+        Row("pg/all_gather_into_tensor/output_tensor-size", R, "dist.all_gather_into_tensor",
+            "output_tensor", "must have world size * input numel elements", V,
+            ("output_tensor", "world_size * input numel"),
+            dist_call(lambda c: dist.all_gather_into_tensor(torch.zeros(3 * c.world_size + 1),
+                                                            X3))),
+        Row("pg/all_gather_into_tensor/output_tensor-dtype", R, "dist.all_gather_into_tensor",
+            "output_tensor", "must have the input tensor's dtype", V,
+            ("output_tensor", "float64"),
+            dist_call(lambda c: dist.all_gather_into_tensor(torch.zeros(3 * c.world_size),
+                                                            X3.double()))),
+        Row("pg/reduce_scatter_tensor/input-size", R, "dist.reduce_scatter_tensor", "input",
+            "must have world size * output numel elements", V,
+            ("input", "world_size * output numel"),
+            dist_call(lambda c: dist.reduce_scatter_tensor(torch.zeros(3), torch.zeros(4)))),
+        Row("pg/reduce_scatter/input_list-length", R, "dist.reduce_scatter", "input_list",
+            "must have world-size entries", V, ("input_list", "entries"),
+            dist_call(lambda c: dist.reduce_scatter(X3.clone(),
+                                                    [torch.zeros(3)] * (c.world_size + 1)))),
+        Row("pg/all_to_all_single/input_split_sizes-sum", R, "dist.all_to_all_single",
+            "input_split_sizes", "must sum to the input's dim 0", V,
+            ("input_split_sizes", "sum to"),
+            dist_call(lambda c: dist.all_to_all_single(
+                torch.zeros(c.world_size), torch.zeros(c.world_size),
+                [1] * c.world_size, [2] * c.world_size))),
+        Row("pg/all_to_all_single/input_split_sizes-negative", R, "dist.all_to_all_single",
+            "input_split_sizes", "every entry must be >= 0", V, ("input_split_sizes", ">= 0"),
+            dist_call(lambda c: dist.all_to_all_single(
+                torch.zeros(2), torch.zeros(2), [1] * 2, [3, -1]))),
+        Row("pg/all_to_all_single/output_split_sizes-length", R, "dist.all_to_all_single",
+            "output_split_sizes", "must have world-size entries", V,
+            ("output_split_sizes", "entries"),
+            dist_call(lambda c: dist.all_to_all_single(
+                torch.zeros(2), torch.zeros(2), [1, 1, 0], [1, 1]))),
+        Row("pg/all_to_all_single/input-divisible", R, "dist.all_to_all_single", "input",
+            "without splits, dim 0 must be divisible by the world size", V,
+            ("input", "dim 0", "divisible"),
+            dist_call(lambda c: dist.all_to_all_single(torch.zeros(3), torch.zeros(3)))),
+        Row("pg/all_to_all/output_tensor_list-length", R, "dist.all_to_all",
+            "output_tensor_list", "must have world-size entries", V,
+            ("output_tensor_list", "entries"),
+            dist_call(lambda c: dist.all_to_all([torch.zeros(3)] * (c.world_size + 1),
+                                                [torch.zeros(3)] * c.world_size))),
+        Row("pg/batch_isend_irecv/peer", R, "dist.batch_isend_irecv", "P2POp.peer (dst)",
+            "must be in [0, world size); the batch posts nothing", V, ("dst", "[0, 2)"),
+            dist_call(_p2p_batch)),
+    ]  # fmt: skip
+
+
+def _ep_rows() -> list[Row]:
+    R = EP
+    V = ValueError
+    D = "Buffer.dispatch"
+    C = "Buffer.combine"
+    H = "Buffer.get_ep_buffer_size_hint"
+    meta = torch.device("meta")
+    return [
+        # Buffer(group, num_ep_buffer_bytes)
+        Row("ep/buffer/group-type", R, "Buffer", "group",
+            "must be a torch.distributed ProcessGroup", V, ("group", "ProcessGroup"),
+            new_buffer("world")),
+        Row("ep/buffer/group-gloo", R, "Buffer", "group", "must have a mooncake backend", V,
+            ("group", "no mooncake backend"), new_buffer(gloo_group)),
+        Row("ep/buffer/num_ep_buffer_bytes-negative", R, "Buffer", "num_ep_buffer_bytes",
+            "must be an int >= 0", V, ("num_ep_buffer_bytes", "-1"),
+            new_buffer(lambda c: world(c), -1)),
+        Row("ep/buffer/num_ep_buffer_bytes-float", R, "Buffer", "num_ep_buffer_bytes",
+            "must be an int (not a float or bool)", V, ("num_ep_buffer_bytes", "1.5"),
+            new_buffer(lambda c: world(c), 1.5)),
+        Row("ep/buffer/num_ep_buffer_bytes-huge", R, "Buffer", "num_ep_buffer_bytes",
+            "must be below 2**63", V, ("num_ep_buffer_bytes", "2**63"),
+            new_buffer(lambda c: world(c), 2**70)),
+        Row("ep/buffer/num_ep_buffer_bytes-disagree", R, "Buffer", "num_ep_buffer_bytes",
+            "must be the same on every rank", V, ("num_ep_buffer_bytes", "disagree"),
+            new_buffer(lambda c: world(c), lambda c: c.rank << 20)),
+        # get_ep_buffer_size_hint
+        Row("ep/size_hint/T-below-1", R, H, "num_max_dispatch_tokens_per_rank", "must be >= 1",
+            V, ("num_max_dispatch_tokens_per_rank", ">= 1"), size_hint(0, 128, 2, 4)),
+        Row("ep/size_hint/hidden-type", R, H, "hidden", "must be an int", V, ("hidden", "int"),
+            size_hint(8, "128", 2, 4)),
+        Row("ep/size_hint/num_ranks-bool", R, H, "num_ranks", "must be an int (not a bool)", V,
+            ("num_ranks", "int"), size_hint(8, 128, True, 4)),
+        Row("ep/size_hint/num_experts-divisible", R, H, "num_experts",
+            "must be divisible by num_ranks", V, ("num_experts", "divisible"),
+            size_hint(8, 128, 4, 6)),
+        Row("ep/size_hint/T-huge", R, H, "num_max_dispatch_tokens_per_rank",
+            "must be below 2**31", V, ("num_max_dispatch_tokens_per_rank", "2**31"),
+            size_hint(2**40, 128, 2, 4)),
+        Row("ep/size_hint/shape-too-large", R, H, "(all four)",
+            "the workspace must stay below 2**50 bytes", V, ("get_ep_buffer_size_hint", "2^50"),
+            size_hint(2**20, 2**20, 1, 2**20)),
+        # dispatch
+        Row("ep/dispatch/x-dtype", R, D, "x", "must be bfloat16, float16 or float32", V,
+            ("x", "int32"), dispatch_with(lambda a, c: {"x": a["x"].to(torch.int32)})),
+        Row("ep/dispatch/x-type", R, D, "x", "must be a torch.Tensor", V, ("x", "Tensor"),
+            dispatch_with(lambda a, c: {"x": a["x"].tolist()})),
+        Row("ep/dispatch/x-ndim", R, D, "x", "must be 2-D [num_tokens, hidden]", V,
+            ("x", "2 dimensions"), dispatch_with(lambda a, c: {"x": a["x"][0]})),
+        Row("ep/dispatch/x-hidden-0", R, D, "x", "hidden must be >= 1", V, ("x", "hidden size"),
+            dispatch_with(lambda a, c: {"x": a["x"][:, :0]})),
+        Row("ep/dispatch/x-device", R, D, "x",
+            "must be on a device the group has a mooncake backend for", V, ("x", "meta"),
+            dispatch_with(lambda a, c: {"x": a["x"].to(meta), "topk_idx": a["topk_idx"].to(meta)})),
+        Row("ep/dispatch/x-tokens-over-T", R, D, "x",
+            "num_tokens must be <= num_max_dispatch_tokens_per_rank", V,
+            ("x", "num_max_dispatch_tokens_per_rank"),
+            dispatch_with(lambda a, c: {"num_max_dispatch_tokens_per_rank": 2})),
+        Row("ep/dispatch/x-fp8-hidden", R, D, "x",
+            "hidden must be a multiple of 128 with use_fp8=True", V, ("x", "128", "use_fp8"),
+            dispatch_with(lambda a, c: {"x": a["x"][:, :100].contiguous(), "use_fp8": True})),
+        Row("ep/dispatch/topk_idx-dtype", R, D, "topk_idx", "must be int64 or int32", V,
+            ("topk_idx", "float32"),
+            dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].float()})),
+        Row("ep/dispatch/topk_idx-rows", R, D, "topk_idx",
+            "must have one row per token of x, shape [num_tokens, num_topk]", V,
+            ("topk_idx", "one row per token"),
+            dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"][:-1]})),
+        Row("ep/dispatch/topk_idx-ndim", R, D, "topk_idx", "must be 2-D", V,
+            ("topk_idx", "2 dimensions"),
+            dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"][None]})),
+        Row("ep/dispatch/topk_idx-device", R, D, "topk_idx", "must be on x's device", V,
+            ("topk_idx", "cpu"), dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].to(meta)})),
+        Row("ep/dispatch/topk_idx-above-E", R, D, "topk_idx",
+            "expert ids must be in [0, num_experts) or -1", V, ("topk_idx", "[0, 4)"),
+            dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].clone().fill_(4)})),
+        Row("ep/dispatch/topk_idx-below-minus-1", R, D, "topk_idx",
+            "expert ids must be >= -1", V, ("topk_idx", "-2"),
+            dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].clone().fill_(-2)})),
+        Row("ep/dispatch/topk_idx-over-capacity", R, D, "topk_idx",
+            "at most num_max_dispatch_tokens_per_rank rows per expert (a token selects it once)",
+            V, ("topk_idx", "twice"), over_capacity),
+        Row("ep/dispatch/active_ranks-dtype", R, D, "active_ranks", "must be int32", V,
+            ("active_ranks", "int64"),
+            dispatch_with(lambda a, c: {"active_ranks": torch.ones(c.world_size,
+                                                                   dtype=torch.int64)})),
+        Row("ep/dispatch/active_ranks-shape", R, D, "active_ranks", "must have shape [num_ranks]",
+            V, ("active_ranks", "shape"),
+            dispatch_with(lambda a, c: {"active_ranks": _i32(c.world_size + 1)})),
+        Row("ep/dispatch/active_ranks-device", R, D, "active_ranks", "must be on x's device", V,
+            ("active_ranks", "cpu"),
+            dispatch_with(lambda a, c: {"active_ranks": _i32(c.world_size, device=meta)})),
+        Row("ep/dispatch/T-type", R, D, "num_max_dispatch_tokens_per_rank",
+            "must be an int >= 1", V, ("num_max_dispatch_tokens_per_rank", "8.0"),
+            dispatch_with(lambda a, c: {"num_max_dispatch_tokens_per_rank": 8.0})),
+        Row("ep/dispatch/T-huge", R, D, "num_max_dispatch_tokens_per_rank",
+            "must be below 2**31", V, ("num_max_dispatch_tokens_per_rank", "2**31"),
+            dispatch_with(lambda a, c: {"num_max_dispatch_tokens_per_rank": 2**40})),
+        Row("ep/dispatch/num_experts-divisible", R, D, "num_experts",
+            "must be divisible by the number of ranks", V, ("num_experts", "divisible"),
+            dispatch_with(lambda a, c: {"num_experts": a["num_experts"] + 1})),
+        Row("ep/dispatch/num_experts-0", R, D, "num_experts", "must be an int >= 1", V,
+            ("num_experts", "got 0"), dispatch_with(lambda a, c: {"num_experts": 0})),
+        Row("ep/dispatch/num_experts-huge", R, D, "num_experts", "must be below 2**31", V,
+            ("num_experts", "2**31"), dispatch_with(lambda a, c: {"num_experts": 2**40})),
+        Row("ep/dispatch/timeout_us-0", R, D, "timeout_us", "must be -1 or an int >= 1", V,
+            ("timeout_us", "got 0"), dispatch_with(lambda a, c: {"timeout_us": 0})),
+        Row("ep/dispatch/timeout_us-float", R, D, "timeout_us", "must be an int", V,
+            ("timeout_us", "1500000.0"), dispatch_with(lambda a, c: {"timeout_us": 1.5e6})),
+        Row("ep/dispatch/timeout_us-huge", R, D, "timeout_us",
+            "must be at most 2**50 (about 35 years)", V, ("timeout_us", "2**50"),
+            dispatch_with(lambda a, c: {"timeout_us": 2**70})),
+        Row("ep/dispatch/use_fp8-type", R, D, "use_fp8", "must be a bool", V,
+            ("use_fp8", "bool"), dispatch_with(lambda a, c: {"use_fp8": 1})),
+        Row("ep/dispatch/async_finish-type", R, D, "async_finish", "must be a bool", V,
+            ("async_finish", "bool"), dispatch_with(lambda a, c: {"async_finish": 1})),
+        Row("ep/dispatch/async_finish-and-hook", R, D, "async_finish, return_recv_hook",
+            "are exclusive", V, ("async_finish", "return_recv_hook", "exclusive"),
+            dispatch_with(lambda a, c: {"async_finish": True, "return_recv_hook": True})),
+        Row("ep/dispatch/stats-dtype", R, D, "cumulative_local_expert_recv_stats",
+            "must be int32", V, ("cumulative_local_expert_recv_stats", "int64"),
+            dispatch_with(lambda a, c: {"cumulative_local_expert_recv_stats":
+                                        torch.zeros(SMALL.epr, dtype=torch.int64)})),
+        Row("ep/dispatch/stats-shape", R, D, "cumulative_local_expert_recv_stats",
+            "must have shape [num_experts / num_ranks]", V,
+            ("cumulative_local_expert_recv_stats", "shape"),
+            dispatch_with(lambda a, c: {"cumulative_local_expert_recv_stats":
+                                        _i32(SMALL.epr + 1)})),
+        Row("ep/dispatch/workspace-too-small", R, D, "num_max_dispatch_tokens_per_rank",
+            "the shape must fit the Buffer's num_ep_buffer_bytes", V,
+            ("num_max_dispatch_tokens_per_rank", "num_ep_buffer_bytes", "get_ep_buffer_size_hint"),
+            dispatch_with(lambda a, c: {"buf": _small_buffer(c)["small"],
+                                        "num_max_dispatch_tokens_per_rank": SMALL.T + 1})),
+        # combine
+        Row("ep/combine/x-shape", R, C, "x", "must have shape [E/R, R*T, hidden]", V,
+            ("x", "shape"), combine_with(lambda a, c: {"x": a["x"][:, :, :-1]})),
+        Row("ep/combine/x-dtype", R, C, "x", "must have the dispatch's dtype", V,
+            ("x", "bfloat16"), combine_with(lambda a, c: {"x": a["x"].float()})),
+        Row("ep/combine/topk_idx-differs", R, C, "topk_idx",
+            "must be the one the handle's dispatch routed", V, ("topk_idx", "differs"),
+            combine_with(lambda a, c: {"topk_idx": (a["topk_idx"] + 1) % (SMALL.epr * 2)})),
+        Row("ep/combine/topk_idx-dtype", R, C, "topk_idx", "must be int64 or int32", V,
+            ("topk_idx", "float32"),
+            combine_with(lambda a, c: {"topk_idx": a["topk_idx"].float()})),
+        Row("ep/combine/topk_weights-dtype", R, C, "topk_weights",
+            "must be float32, bfloat16 or float16", V, ("topk_weights", "int64"),
+            combine_with(lambda a, c: {"topk_weights": a["topk_weights"].long()})),
+        Row("ep/combine/topk_weights-shape", R, C, "topk_weights",
+            "must have shape [num_tokens, num_topk]", V, ("topk_weights", "shape"),
+            combine_with(lambda a, c: {"topk_weights": a["topk_weights"][:, :1]})),
+        Row("ep/combine/topk_weights-device", R, C, "topk_weights", "must be on x's device", V,
+            ("topk_weights", "cpu"),
+            combine_with(lambda a, c: {"topk_weights": a["topk_weights"].to(meta)})),
+        Row("ep/combine/active_ranks-dtype", R, C, "active_ranks", "must be int32", V,
+            ("active_ranks", "int64"),
+            combine_with(lambda a, c: {"active_ranks": torch.ones(c.world_size,
+                                                                  dtype=torch.int64)})),
+        Row("ep/combine/active_ranks-shape", R, C, "active_ranks", "must have shape [num_ranks]",
+            V, ("active_ranks", "shape"),
+            combine_with(lambda a, c: {"active_ranks": _i32(c.world_size + 2)})),
+        Row("ep/combine/timeout_us-negative", R, C, "timeout_us", "must be -1 or an int >= 1",
+            V, ("timeout_us", "-5"), combine_with(lambda a, c: {"timeout_us": -5})),
+        Row("ep/combine/timeout_us-huge", R, C, "timeout_us",
+            "must be at most 2**50 (about 35 years)", V, ("timeout_us", "2**50"),
+            combine_with(lambda a, c: {"timeout_us": 2**70})),
+        Row("ep/combine/handle-none", R, C, "handle", "must be a DispatchHandle", V,
+            ("handle", "DispatchHandle"), combine_with(lambda a, c: {"handle": None})),
+        Row("ep/combine/handle-tuple", R, C, "handle",
+            "must be the DispatchHandle a dispatch returned (not a copy)", V,
+            ("handle", "tuple"), combine_with(lambda a, c: {"handle": tuple(a["handle"])})),
+        Row("ep/combine/handle-other-buffer", R, C, "handle", "must come from this Buffer", V,
+            ("handle", "another Buffer"),
+            combine_with(lambda a, c: {"handle": _other_buffer(c)["handle"]})),
+        Row("ep/combine/handle-unfinished", R, C, "handle",
+            "its dispatch must have finished (hook() or event)", V, ("handle", "hook"),
+            combine_before_hook),
+        Row("ep/combine/handle-stale-zero_copy", R, C, "handle",
+            "with zero_copy, its half must not have been reused by two later dispatches", V,
+            ("handle", "reused"), combine_stale_zero_copy),
+        Row("ep/combine/zero_copy-type", R, C, "zero_copy", "must be a bool", V,
+            ("zero_copy", "bool"), combine_with(lambda a, c: {"zero_copy": 1})),
+        Row("ep/combine/zero_copy-x", R, C, "x",
+            "with zero_copy=True, must be get_next_combine_buffer(handle)", V,
+            ("x", "zero_copy", "get_next_combine_buffer"),
+            combine_with(lambda a, c: {"x": a["x"].clone(), "zero_copy": True})),
+        Row("ep/combine/return_recv_hook-type", R, C, "return_recv_hook", "must be a bool", V,
+            ("return_recv_hook", "bool"), combine_with(lambda a, c: {"return_recv_hook": "x"})),
+        Row("ep/combine/async_finish-and-hook", R, C, "async_finish, return_recv_hook",
+            "are exclusive", V, ("async_finish", "return_recv_hook", "exclusive"),
+            combine_with(lambda a, c: {"async_finish": True, "return_recv_hook": True})),
+        Row("ep/combine/out-shape", R, C, "out", "must have shape [num_tokens, hidden]", V,
+            ("out", "shape"),
+            combine_with(lambda a, c: {"out": torch.empty(2, SMALL.H, dtype=torch.bfloat16)})),
+        Row("ep/combine/out-dtype", R, C, "out", "must have x's dtype", V, ("out", "float32"),
+            combine_with(lambda a, c: {"out": torch.empty(3, SMALL.H)})),
+        Row("ep/combine/out-device", R, C, "out", "must be on x's device", V, ("out", "cpu"),
+            combine_with(lambda a, c: {"out": torch.empty(3, SMALL.H, dtype=torch.bfloat16,
+                                                          device=meta)})),
+        # get_next_combine_buffer
+        Row("ep/next_combine_buffer/handle-none", R, "Buffer.get_next_combine_buffer",
+            "handle", "must be a DispatchHandle", V, ("handle", "DispatchHandle"),
+            lambda c: ep_buffer(c).get_next_combine_buffer(None)),
+        Row("ep/next_combine_buffer/handle-stale", R, "Buffer.get_next_combine_buffer",
+            "handle", "its half must not have been reused by two later dispatches", V,
+            ("handle", "reused"),
+            lambda c: ep_buffer(c).get_next_combine_buffer(stale_handle(c).handle)),
+    ]  # fmt: skip
+
+
+def _elastic_rows() -> list[Row]:
+    R = ELASTIC
+    V, RE = ValueError, RuntimeError
+    CE = "Buffer.create_elastic"
+    UM = "update_memory_buffers"
+    CR, UMB, DR = "connect_ranks", "update_mask_buffer", "disconnect_ranks"
+    rows = [
+        # create_elastic
+        Row("elastic/create/rank-negative", R, CE, "rank", "must be an int >= 0", V,
+            ("rank", "got -1"), create_elastic(rank=-1)),
+        Row("elastic/create/rank-huge", R, CE, "rank", "must be below 2**31", V,
+            ("rank", "2**31"), create_elastic(rank=2**40)),
+        Row("elastic/create/tcp_store_group-type", R, CE, "tcp_store_group",
+            "must be a torch.distributed.Store", V, ("tcp_store_group", "Store"),
+            create_elastic(tcp_store_group="127.0.0.1:29500")),
+        Row("elastic/create/timeout_ms-0", R, CE, "timeout_ms", "must be -1 or an int >= 1", V,
+            ("timeout_ms", "got 0"), create_elastic(timeout_ms=0)),
+        Row("elastic/create/timeout_ms-huge", R, CE, "timeout_ms", "must be below 2**40", V,
+            ("timeout_ms", "2**40"), create_elastic(timeout_ms=2**70)),
+        Row("elastic/create/metadata_timeout_ms-0", R, CE, "metadata_timeout_ms",
+            "must be an int >= 1", V, ("metadata_timeout_ms", "got 0"),
+            create_elastic(metadata_timeout_ms=0)),
+        Row("elastic/create/metadata_timeout_ms-huge", R, CE, "metadata_timeout_ms",
+            "must be below 2**40", V, ("metadata_timeout_ms", "2**40"),
+            create_elastic(metadata_timeout_ms=2**70)),
+        Row("elastic/create/store_prefix-empty", R, CE, "store_prefix", "must be a non-empty str",
+            V, ("store_prefix", "non-empty"), create_elastic(store_prefix="")),
+        # update_memory_buffers
+        Row("elastic/update_memory_buffers/num_ranks-0", R, UM, "num_ranks",
+            "must be an int >= 1", V, ("num_ranks", "got 0"),
+            lambda c: fresh_elastic(c).update_memory_buffers(0, EPR)),
+        Row("elastic/update_memory_buffers/num_ranks-rank", R, UM, "num_ranks",
+            "must be above this buffer's rank", V, ("num_ranks", "rank"),
+            lambda c: fresh_elastic(c, 2 + c.rank).update_memory_buffers(2, EPR)),
+        Row("elastic/update_memory_buffers/num_ranks-huge", R, UM, "num_ranks",
+            "must be below 2**31", V, ("num_ranks", "2**31"),
+            lambda c: fresh_elastic(c).update_memory_buffers(2**31, EPR)),
+        Row("elastic/update_memory_buffers/num_ranks-grow", R, UM, "num_ranks",
+            "must not exceed the allocated capacity (a larger one needs a new Buffer)", V,
+            ("num_ranks", "new Buffer"),
+            lambda c: elastic(c).update_memory_buffers(CAPACITY + 1, EPR)),
+        Row("elastic/update_memory_buffers/num_experts_per_rank-0", R, UM,
+            "num_experts_per_rank", "must be an int >= 1", V, ("num_experts_per_rank", "got 0"),
+            lambda c: fresh_elastic(c).update_memory_buffers(CAPACITY, 0)),
+        Row("elastic/update_memory_buffers/num_experts_per_rank-change", R, UM,
+            "num_experts_per_rank", "must stay the allocated one (another needs a new Buffer)",
+            V, ("num_experts_per_rank", "new Buffer"),
+            lambda c: elastic(c).update_memory_buffers(CAPACITY, EPR + 1)),
+        Row("elastic/update_memory_buffers/num_rdma_bytes-negative", R, UM, "num_rdma_bytes",
+            "must be an int >= 0", V, ("num_rdma_bytes", "got -1"),
+            lambda c: fresh_elastic(c).update_memory_buffers(CAPACITY, EPR, -1)),
+        # connect_ranks
+        Row("elastic/connect_ranks/before-allocation", R, CR, "(call order)",
+            "update_memory_buffers must come first", RE, ("connect_ranks", UM),
+            lambda c: fresh_elastic(c).connect_ranks([peer(c)])),
+        Row("elastic/connect_ranks/peers-type", R, CR, "peers", "must be a list of ints", V,
+            ("peers", "list of ints"), lambda c: elastic(c).connect_ranks("1")),
+        Row("elastic/connect_ranks/peers-self", R, CR, "peers", "must not name this rank", V,
+            ("rank", "itself"), lambda c: elastic(c).connect_ranks([c.rank])),
+        Row("elastic/connect_ranks/peers-range", R, CR, "peers",
+            "each must be in [0, capacity)", V, ("rank 4", "capacity"),
+            lambda c: elastic(c).connect_ranks([CAPACITY])),
+        Row("elastic/connect_ranks/peers-huge", R, CR, "peers",
+            "each must be in [0, capacity) (also beyond the C int range)", V,
+            ("rank 1099511627776", "capacity"), lambda c: elastic(c).connect_ranks([2**40])),
+        Row("elastic/connect_ranks/peers-twice", R, CR, "peers", "must not list a slot twice",
+            V, ("rank 2", "twice"),
+            lambda c: elastic(c).connect_ranks([disconnected_slot(c)] * 2)),
+        Row("elastic/connect_ranks/peers-connected", R, CR, "peers",
+            "must not be connected already", V, ("rank", "already"),
+            lambda c: elastic(c).connect_ranks([peer(c)])),
+        Row("elastic/connect_ranks/activate-type", R, CR, "activate", "must be a bool", V,
+            ("activate", "bool"),
+            lambda c: elastic(c).connect_ranks([disconnected_slot(c)], activate=1)),
+        # update_mask_buffer
+        Row("elastic/update_mask_buffer/peer-type", R, UMB, "peer", "must be an int", V,
+            ("peer", "int"), lambda c: elastic(c).update_mask_buffer("1")),
+        Row("elastic/update_mask_buffer/peer-self", R, UMB, "peer", "must not be this rank", V,
+            ("rank", "itself"), lambda c: elastic(c).update_mask_buffer(c.rank)),
+        Row("elastic/update_mask_buffer/peer-disconnected", R, UMB, "peer",
+            "must be a connected slot", V, ("rank 2", "not connected"),
+            lambda c: elastic(c).update_mask_buffer(disconnected_slot(c))),
+        Row("elastic/update_mask_buffer/peer-huge", R, UMB, "peer",
+            "must be in [0, capacity) (also beyond the C int range)", V, ("rank", "capacity"),
+            lambda c: elastic(c).update_mask_buffer(2**40, mask=True)),
+        Row("elastic/update_mask_buffer/mask-type", R, UMB, "mask", "must be a bool", V,
+            ("mask", "bool"), lambda c: elastic(c).update_mask_buffer(peer(c), mask=0)),
+        # disconnect_ranks
+        Row("elastic/disconnect_ranks/peers-type", R, DR, "peers", "must be a list of ints", V,
+            ("peers", "list of ints"), lambda c: elastic(c).disconnect_ranks(peer(c))),
+        Row("elastic/disconnect_ranks/peers-self", R, DR, "peers", "must not name this rank", V,
+            ("rank", "itself"), lambda c: elastic(c).disconnect_ranks([c.rank])),
+        Row("elastic/disconnect_ranks/peers-disconnected", R, DR, "peers",
+            "each must be connected", V, ("rank 2", "not connected"),
+            lambda c: elastic(c).disconnect_ranks([disconnected_slot(c)])),
+        # query_mask_buffer, barrier, slot_state, transport_of
+        Row("elastic/query_mask_buffer/out-dtype", R, "query_mask_buffer", "out",
+            "must be int32", V, ("out", "int64"),
+            lambda c: elastic(c).query_mask_buffer(torch.zeros(CAPACITY, dtype=torch.int64))),
+        Row("elastic/query_mask_buffer/out-shape", R, "query_mask_buffer", "out",
+            "must have shape [capacity]", V, ("out", "shape", "[4]"),
+            lambda c: elastic(c).query_mask_buffer(_i32(CAPACITY - 1))),
+        Row("elastic/query_mask_buffer/out-contiguous", R, "query_mask_buffer", "out",
+            "must be contiguous", V, ("out", "contiguous"),
+            lambda c: elastic(c).query_mask_buffer(_i32(2 * CAPACITY)[::2])),
+        Row("elastic/query_mask_buffer/out-device", R, "query_mask_buffer", "out",
+            "must be a CPU or CUDA tensor", V, ("out", "meta"),
+            lambda c: elastic(c).query_mask_buffer(_i32(CAPACITY, device="meta"))),
+        Row("elastic/query_mask_buffer/out-type", R, "query_mask_buffer", "out",
+            "must be a torch.Tensor", V, ("out", "Tensor"),
+            lambda c: elastic(c).query_mask_buffer([0] * CAPACITY)),
+        Row("elastic/barrier/timeout_ms-0", R, "barrier", "timeout_ms",
+            "must be None or an int >= 1", V, ("timeout_ms", "got 0"),
+            lambda c: elastic(c).barrier(timeout_ms=0)),
+        Row("elastic/barrier/timeout_ms-huge", R, "barrier", "timeout_ms", "must be below 2**40",
+            V, ("timeout_ms", "2**40"), lambda c: elastic(c).barrier(timeout_ms=2**70)),
+        Row("elastic/slot_state/slot-range", R, "slot_state", "slot",
+            "must be an int in [0, capacity)", V, ("slot", "[0, 4)"),
+            lambda c: elastic(c).slot_state(CAPACITY)),
+        Row("elastic/transport_of/peer-range", R, "transport_of", "peer",
+            "must be an int in [0, capacity)", V, ("peer", "[0, 4)"),
+            lambda c: elastic(c).transport_of(-1)),
+        # dispatch on the elastic buffer (the portable path's rows hold too)
+        Row("elastic/dispatch/num_experts-below-bound", R, "Buffer.dispatch (elastic)",
+            "num_experts", "must be num_experts_per_rank * R with rank bound <= R <= capacity",
+            V, ("num_experts", "rank bound"), elastic_dispatch(EPR * 1)),
+        Row("elastic/dispatch/num_experts-multiple", R, "Buffer.dispatch (elastic)",
+            "num_experts", "must be a multiple of num_experts_per_rank", V,
+            ("num_experts", "num_experts_per_rank"), elastic_dispatch(EPR * 2 + 1)),
+        Row("elastic/dispatch/x-device", R, "Buffer.dispatch (elastic)", "x",
+            "must be a CPU or CUDA tensor", V, ("x", "meta"),
+            lambda c: elastic(c).dispatch(torch.zeros(2, 128, device="meta"),
+                                          torch.zeros(2, 1, dtype=torch.int64, device="meta"),
+                                          None, 8, EPR * 2, -1, use_fp8=False)),
+    ]  # fmt: skip
+    # The elastic buffer's methods, as Buffer's.
+    return [
+        r if r.function.startswith("Buffer.") else replace(r, function=f"Buffer.{r.function}")
+        for r in rows
+    ]
+
+
+ROWS: list[Row] = _pg_rows() + _ep_rows() + _elastic_rows()
+
+_INIT = "dist.init_process_group"
+assert len({r.id for r in ROWS}) == len(ROWS), "duplicate row ids"
+# init rows drop the default group: they must run before anything built on it.
+assert all(r.function == _INIT for r in ROWS[: sum(r.function == _INIT for r in ROWS)])
+
+
+# --- running a row -------------------------------------------------------------------------
+
+
+def _has(text: str, word: str) -> bool:
+    """``word`` in ``text`` as a whole token (case-insensitive)."""
+    pattern = r"(?<![A-Za-z0-9_])" + re.escape(word) + r"(?![A-Za-z0-9_])"
+    return re.search(pattern, text, re.IGNORECASE) is not None
+
+
+def _usable(ctx, row: Row, index: int) -> None:
+    if row.area == PG:
+        if row.function == _INIT:
+            ctx.expect(not dist.is_initialized(), "a default group exists after init failed")
+        world(ctx)
+        healthy(ctx)
+        if "ext" in _state:
+            n = ctx.world_size
+            x = torch.full((5,), float(ctx.rank + 1))
+            dist.all_reduce(x, group=_state["ext"])
+            ctx.expect_equal(x, torch.full((5,), n * (n + 1) / 2), "all_reduce in the subgroup")
+    elif row.area == EP:
+        ep_buffer(ctx)
+        good_round(ctx, "after")
+    else:
+        from elastic_ranks import play_round
+
+        buf = elastic(ctx)
+        chk = Checks(ctx.rank, buf.num_ranks, ctx.case)
+        _, rec = play_round(chk, buf, 7, ctx.case, index, list(range(ctx.world_size)))
+        for f in rec["failures"]:
+            ctx.fail(f"elastic round after the error: {f}")
+
+
+def run_row(ctx, row: Row, index: int) -> None:
+    """The bad call raises exactly ``row.exception`` naming ``row.words``; then the group
+    or buffer still works."""
+    try:
+        row.call(ctx)
+    except Exception as e:  # noqa: BLE001 - compared with the row below
+        text = f"{type(e).__name__}: {e}"
+        if type(e) is not row.exception:
+            ctx.fail(f"expected {row.exception.__name__} {row.words}, got {text}")
+        else:
+            missing = [w for w in row.words if not _has(str(e), w)]
+            if missing:
+                ctx.fail(f"the message does not name {missing}: {text}")
+    else:
+        ctx.fail(f"expected {row.exception.__name__} {row.words}, nothing was raised")
+    _usable(ctx, row, index)
+
+
+def argument_cases(world_size: int) -> list[Case]:
+    return [
+        Case(row.id, lambda ctx, row=row, i=i: run_row(ctx, row, i)) for i, row in enumerate(ROWS)
+    ]
+
+
+LAUNCH = Launch(argument_cases, 2, "w2", init_pg=False, op_timeout_s=20.0, timeout_s=240.0)
+
+
+@pytest.mark.parametrize(("launch", "case"), parametrize([LAUNCH]))
+def test_argument_check(launch, case):
+    """One row of ROWS on both ranks (``<teardown>``: every rank ended cleanly)."""
+    check(launch, case)
+
+
+# --- the table in the docs -------------------------------------------------------------------
+
+COLUMNS = ("area", "function", "argument", "rule", "exception", "message names", "test id")
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    cells = (
+        row.area,
+        f"`{row.function}`",
+        f"`{row.argument}`",
+        row.rule,
+        row.exception.__name__,
+        ", ".join(f"`{w}`" for w in row.words),
+        f"`{row.id}`",
+    )
+    assert not any("|" in c for c in cells), row.id
+    return cells
+
+
+def markdown_table() -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in ROWS]
+    return "\n".join(lines)
+
+
+def _doc_rows(text: str) -> list[tuple[str, ...]]:
+    """The cells of every row of the table headed by COLUMNS in ``text``."""
+    head = "| " + " | ".join(COLUMNS) + " |"
+    lines = text.splitlines()
+    start = lines.index(head) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(c.strip() for c in line.strip().strip("|").split(" | ")))
+    return rows
+
+
+def test_doc_table_matches_the_rows():
+    """docs/argument-checks.md has exactly ROWS, in order, cell for cell."""
+    text = DOC.read_text()
+    doc = _doc_rows(text)
+    want = [_cells(r) for r in ROWS]
+    for i, (got, exp) in enumerate(zip(doc, want, strict=False)):
+        assert got == exp, f"row {i + 1} of {DOC.name}:\n  doc:   {got}\n  tests: {exp}"
+    assert len(doc) == len(want), f"{DOC.name} has {len(doc)} rows, the tests {len(want)}"
+
+
+#: Rows whose message does not carry the argument's name, and why.
+NOT_NAMED = {
+    "pg/join_group/not-extension": "the message names the process group and is_extension",
+    "ep/size_hint/shape-too-large": "no single argument is at fault: the four together",
+    "elastic/connect_ranks/before-allocation": "a call-order rule, naming the call to make",
+}
+
+
+def _names_argument(row: Row) -> bool:
+    """A word is the argument's name (or part of it); for a list of slots or ranks, the
+    message may instead name the element at fault ("rank 3")."""
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", row.argument))
+    if names & set(row.words):
+        return True
+    element = re.compile(r"rank( -?\d+)?")
+    return bool(names & {"ranks", "peers", "peer"}) and any(element.fullmatch(w) for w in row.words)
+
+
+def test_rows_cover_every_area_and_name_their_argument():
+    """At least 45 rows, every area has ten or more, each raises ValueError, TypeError or
+    RuntimeError, and each message names the argument (except the rows of NOT_NAMED)."""
+    areas = {a: sum(r.area == a for r in ROWS) for a in (PG, EP, ELASTIC)}
+    assert len(ROWS) >= 45 and all(n >= 10 for n in areas.values()), areas
+    assert all(r.exception in (ValueError, TypeError, RuntimeError) for r in ROWS)
+    unnamed = {r.id for r in ROWS if not _names_argument(r)}
+    assert unnamed == set(NOT_NAMED), unnamed ^ set(NOT_NAMED)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--markdown"]:
+        sys.exit("usage: python tests/python/test_argument_checks.py --markdown")
+    print(markdown_table())
