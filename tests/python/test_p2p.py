@@ -187,6 +187,36 @@ def batch_ring(ctx, dtype, n):
     ctx.expect_equal(from_nxt, message(ctx, nxt, me, n, dtype, 2), "from the next rank")
 
 
+def batch_with_a_bad_op(ctx, n):
+    """A batch with one bad op raises ValueError naming it and posts none of its ops: its
+    recv does not linger to take the next message, and the next batch gets exactly what
+    the peers send in it."""
+    world, me = ctx.world_size, ctx.rank
+    nxt, prv = (me + 1) % world, (me - 1) % world
+    lingering = empty_like_msg(n, torch.float32)
+    before = lingering.clone()
+    bad = [
+        dist.P2POp(dist.irecv, lingering, prv, tag=3),
+        dist.P2POp(dist.isend, message(ctx, me, nxt, n, torch.float32, 9), world, tag=3),
+    ]
+    try:
+        dist.batch_isend_irecv(bad)
+    except ValueError as e:
+        if "dst" not in str(e):
+            ctx.fail(f"the error does not name dst: {e}")
+    else:
+        ctx.fail("a batch with a send to rank world_size raised nothing")
+    got = empty_like_msg(n, torch.float32)
+    ops = [
+        dist.P2POp(dist.isend, message(ctx, me, nxt, n, torch.float32, 3), nxt, tag=3),
+        dist.P2POp(dist.irecv, got, prv, tag=3),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    ctx.expect_equal(got, message(ctx, prv, me, n, torch.float32, 3), "the next batch")
+    ctx.expect_equal(lingering, before, "the failed batch's recv buffer")
+
+
 def p2p_between_collectives(ctx, n):
     """An isend posted before a collective is received after it; both planes stay correct."""
     world, me = ctx.world_size, ctx.rank
@@ -300,6 +330,7 @@ def p2p_cases(world: int, sizes=SIZES, dtypes=DTYPES + COMPLEX_DTYPES) -> list[C
         add(f"p2p_between_collectives/n{n}", p2p_between_collectives, n=n)
         add(f"send_before_recv/n{n}", send_before_recv, n=n)
     add("many_small", many_small)
+    add("batch_with_a_bad_op", batch_with_a_bad_op, n=1001)
     add("wrong_recv_size/smaller", wrong_recv_size, have=7)
     add("wrong_recv_size/larger", wrong_recv_size, have=13)
     return cases
