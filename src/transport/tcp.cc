@@ -185,18 +185,29 @@ void TcpReceiver::run() {
         char ip[INET_ADDRSTRLEN] = "?";
         ::inet_ntop(AF_INET, &sa.sin_addr, ip, sizeof(ip));
         const std::string from = str(ip, ":", ntohs(sa.sin_port));
-        // Full: the connection that has waited longest for its hello makes
-        // room (a flood of silent connections cannot lock real peers out).
-        int waiting = 0;
+        // Full: those whose hello has arrived are let in first (a member that
+        // connected just before a flood is not pushed out), then the one that
+        // has waited longest makes room (a flood of silent connections cannot
+        // lock real peers out).
+        auto waiting = [&conns](Conn** oldest) {
+          int n = 0;
+          for (Conn& k : conns) {
+            if (k.fd < 0 || k.decoder.authenticated()) continue;
+            ++n;
+            if (*oldest == nullptr || k.opened_us < (*oldest)->opened_us) *oldest = &k;
+          }
+          return n;
+        };
         Conn* oldest = nullptr;
-        for (Conn& k : conns) {
-          if (k.fd < 0 || k.decoder.authenticated()) continue;
-          ++waiting;
-          if (oldest == nullptr || k.opened_us < oldest->opened_us) oldest = &k;
-        }
-        if (waiting >= kMaxUnauthenticated) {
-          oldest->why = str(waiting, " connections wait for their hello; the oldest makes room");
-          drop(*oldest);
+        if (waiting(&oldest) >= kMaxUnauthenticated) {
+          for (Conn& k : conns)
+            if (k.fd >= 0 && !k.decoder.authenticated() && !drain(k)) drop(k);
+          oldest = nullptr;
+          const int n = waiting(&oldest);
+          if (n >= kMaxUnauthenticated) {
+            oldest->why = str(n, " connections wait for their hello; the oldest makes room");
+            drop(*oldest);
+          }
         }
         int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));

@@ -479,5 +479,25 @@ TEST(HostileTcp, SilentConnectionsAreDroppedAfterTheHelloTimeout) {
       25000);
 }
 
+// 11. A member whose hello arrives just as the table of waiting connections
+// fills up is let in: it is not the oldest waiting connection pushed out to
+// make room for the flood.
+TEST(HostileTcp, AHelloThatArrivesAsTheTableFillsIsLetIn) {
+  survive(
+      {kMaxUnauthenticated, {"no hello within"}, 1},
+      [](Attacker& a) {
+        Raw member(a.port);  // it waits longest, silent for now
+        std::vector<std::unique_ptr<Raw>> silent;
+        for (int i = 1; i < kMaxUnauthenticated; ++i)
+          silent.push_back(std::make_unique<Raw>(a.port));
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the table is full
+        let_in(member, a.secret(), 0);
+        silent.push_back(std::make_unique<Raw>(a.port));  // right behind the hello
+        for (auto& s : silent) EXPECT_TRUE(s->dropped(kHelloTimeoutMs + 3000));
+        EXPECT_TRUE(member.open_now()) << "the member was pushed out";
+      },
+      25000);
+}
+
 }  // namespace
 }  // namespace mctest
