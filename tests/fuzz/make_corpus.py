@@ -1,9 +1,11 @@
-"""Writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/).
+"""Writes the seed corpus of the fuzz targets (tests/fuzz/corpus/<target>/seed-*).
 
 Seeds are well-formed inputs, and a few near misses, that get the fuzzers past
 the first checks at once: a member's hello with the secret frame_fuzz.cc uses,
 then every frame type; records as the library encodes them. Run it again when
 a format changes:  python tests/fuzz/make_corpus.py
+The other files there are inputs that long runs found to reach new code,
+merged in with libFuzzer's -merge=1 (see scripts/fuzz.sh); they are kept.
 """
 
 from __future__ import annotations
@@ -91,11 +93,11 @@ def main() -> None:
     for target, seeds in (("frame_fuzz", frame_seeds()), ("record_fuzz", record_seeds())):
         out = HERE / "corpus" / target
         out.mkdir(parents=True, exist_ok=True)
-        for old in out.iterdir():
+        for old in out.glob("seed-*"):
             old.unlink()
         for name, data in seeds.items():
             digest = hashlib.sha1(data).hexdigest()[:12]
-            (out / f"{name}-{digest}").write_bytes(data)
+            (out / f"seed-{name}-{digest}").write_bytes(data)
         print(f"{target}: {len(seeds)} seeds in {out}")
 
 
