@@ -195,8 +195,6 @@ std::string Communicator::validate(const OpMeta& meta, const MsgHeader& h, int p
   return {};
 }
 
-namespace {}  // namespace
-
 MsgHeader Communicator::header(const OpMeta& meta) const {
   MsgHeader h{};
   h.op_seq = meta.seq;

@@ -119,9 +119,7 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   MC_CHECK_ARG(rank >= 0 && rank < capacity, "rank must be in [0, ", capacity, "), got ", rank);
   // The group's secret: the first member's token wins; every member reads it.
   secret_ = store_.compare_set(prefix_ + "secret", random_secret());
-  MC_CHECK_ARG(secret_.size() == kSecretBytes &&
-                   secret_.find_first_not_of("0123456789abcdef") == std::string::npos,
-               "the store holds a malformed group secret under '", prefix_, "secret'");
+  check_secret(secret_, "the store holds a malformed group secret under '" + prefix_ + "secret'");
   receiver_ =
       std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, secret_, &alarms_);
   stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));

@@ -10,7 +10,7 @@
 
 #include "core/error.h"
 #include "core/siphash.h"
-#include "transport/tcp_wire.h"
+#include "transport/secret.h"
 
 namespace mooncake {
 
@@ -20,17 +20,10 @@ namespace {
 // owns it. Only a member can make one, and a peer that maps the segment can
 // check it before it writes anything.
 uint64_t seal_of(const SegmentHeader& h, const PeerAddress& owner, std::string_view secret) {
-  uint8_t key[16];
-  for (size_t i = 0; i < sizeof(key); ++i) {
-    auto nibble = [](char c) {
-      return static_cast<uint8_t>(c <= '9' ? c - '0' : (c | 0x20) - 'a' + 10);
-    };
-    key[i] = static_cast<uint8_t>(nibble(secret[2 * i]) << 4 | nibble(secret[2 * i + 1]));
-  }
   const uint64_t fields[] = {
       0x6d6f6f6e63616b65ull /* "mooncake" */, h.owner_rank,        h.owner_incarnation,
       static_cast<uint64_t>(owner.pid),       owner.segment_bytes, h.nonce};
-  return siphash24(key, fields, sizeof(fields));
+  return siphash24(secret_key(secret).data(), fields, sizeof(fields));
 }
 
 class ShmLink : public PeerLink {
@@ -128,14 +121,12 @@ bool shm_can_reach(const PeerAddress& addr) {
 }
 
 std::unique_ptr<PeerLink> shm_connect(const PeerAddress& addr, std::string_view secret) {
-  MC_CHECK_ARG(secret.size() == kSecretBytes, "shm: the group secret must have ", kSecretBytes,
-               " bytes");
+  check_secret(secret, "shm");
   return std::make_unique<ShmLink>(addr, secret);
 }
 
 void shm_seal(Segment& segment, const PeerAddress& me, std::string_view secret) {
-  MC_CHECK_ARG(secret.size() == kSecretBytes, "shm: the group secret must have ", kSecretBytes,
-               " bytes");
+  check_secret(secret, "shm");
   auto& h = *reinterpret_cast<SegmentHeader*>(segment.base());
   h.owner_rank = static_cast<uint32_t>(me.rank);
   h.owner_incarnation = me.incarnation;

@@ -7,7 +7,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -37,24 +36,6 @@ struct TcpReceiver::Conn {
   std::string why;   // set when the connection broke the protocol
 };
 
-std::string random_secret() {
-  unsigned char raw[kSecretBytes / 2];
-  size_t got = 0;
-  while (got < sizeof(raw)) {
-    ssize_t n = ::getrandom(raw + got, sizeof(raw) - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    MC_SYSCHECK(n);
-    got += static_cast<size_t>(n);
-  }
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : raw) {
-    out += hex[b >> 4];
-    out += hex[b & 15];
-  }
-  return out;
-}
-
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
                          std::string secret, std::atomic<uint64_t>* alarm)
     : segment_(segment),
@@ -62,8 +43,7 @@ TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string
       capacity_(world_capacity),
       secret_(std::move(secret)),
       alarm_(alarm) {
-  MC_CHECK_ARG(secret_.size() == kSecretBytes, "tcp: the group secret must have ", kSecretBytes,
-               " bytes, got ", secret_.size());
+  check_secret(secret_, "tcp");
   listen_fd_ = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   int one = 1;
   ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -336,8 +316,7 @@ class TcpLink : public PeerLink {
 std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline) {
-  MC_CHECK_ARG(secret.size() == kSecretBytes, "tcp: the group secret must have ", kSecretBytes,
-               " bytes");
+  check_secret(secret, "tcp");
   std::string host = addr.host_key == local_host_key() ? "127.0.0.1" : addr.tcp_host;
   addrinfo hints{};
   hints.ai_family = AF_INET;

@@ -85,7 +85,4 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline);
 
-// A fresh random token: kSecretBytes hex digits of getrandom() bytes.
-std::string random_secret();
-
 }  // namespace mooncake

@@ -17,8 +17,7 @@ bool same_secret(const char* a, std::string_view b) {  // constant time
 
 FrameDecoder::FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret)
     : base_(base), size_(size), capacity_(capacity), secret_(secret) {
-  MC_CHECK_ARG(secret.size() == kSecretBytes, "tcp: the group secret must have ", kSecretBytes,
-               " bytes, got ", secret.size());
+  check_secret(secret, "tcp");
   MC_ASSERT(size >= kSegmentHeaderBytes && capacity >= 1);
 }
 

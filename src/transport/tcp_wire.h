@@ -11,9 +11,9 @@
 #include <string>
 #include <string_view>
 
-namespace mooncake {
+#include "transport/secret.h"
 
-constexpr size_t kSecretBytes = 32;  // hex digits of 16 random bytes
+namespace mooncake {
 
 enum FrameType : uint32_t {
   kHello = 1,      // offset: the sender's incarnation, arg: its slot, bell: kSecretBytes
