@@ -46,19 +46,24 @@ EpLayout::EpLayout(const EpShape& s) : shape(s) {
   dispatch_msg_bytes = align_up(kHeaderBytes + std::max(bf16_payload_bytes, fp8_payload_bytes), 16);
   combine_msg_bytes = 2 * H;
 
-  const size_t signals = align_up(2 * E * sizeof(int32_t), kAlign);
-  const size_t slots = checked_mul(E, T, "receive");  // [E/R][R][T]
-  const size_t send = align_up(std::max(checked_mul(T, dispatch_msg_bytes, "send"),
-                                        checked_mul(slots, combine_msg_bytes, "send")),
-                               kAlign);
-  const size_t recv = align_up(checked_mul(slots, dispatch_msg_bytes, "receive"), kAlign);
-  half_bytes = signals + send + recv;
+  const size_t signals = align_up(2 * E * sizeof(int64_t), kAlign);
+  const size_t dispatch =
+      align_up(checked_mul(checked_mul(E, T, "dispatch"), dispatch_msg_bytes, "dispatch"), kAlign);
+  const size_t combine =
+      align_up(checked_mul(checked_mul(T, static_cast<size_t>(kMaxTopk), "combine"),
+                           combine_msg_bytes, "combine"),
+               kAlign);
+  const size_t stage = align_up(checked_mul(T, dispatch_msg_bytes, "stage"), kAlign);
+  half_bytes = signals + dispatch + combine + stage;
   MC_CHECK_ARG(half_bytes <= kMaxBytes / 2, f, ": the workspace would exceed 2^50 bytes");
+  // Both halves' signals first: their offsets depend on E and R only, so a call
+  // of another T or H never reads a signal where an earlier call left data.
   for (int i = 0; i < 2; ++i) {
-    const size_t base = static_cast<size_t>(i) * half_bytes;
-    halves[i].signals = {base, signals};
-    halves[i].send = {base + signals, send};
-    halves[i].recv = {base + signals + send, recv};
+    const size_t data = 2 * signals + static_cast<size_t>(i) * (dispatch + combine + stage);
+    halves[i].signals = {static_cast<size_t>(i) * signals, signals};
+    halves[i].dispatch = {data, dispatch};
+    halves[i].combine = {data + dispatch, combine};
+    halves[i].stage = {data + dispatch + combine, stage};
   }
   total_bytes = 2 * half_bytes;
 }

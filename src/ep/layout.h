@@ -1,38 +1,59 @@
 // The EP workspace: what every rank reserves for low-latency dispatch and
 // combine, as one struct with named offsets. The size hint that
-// Buffer.get_ep_buffer_size_hint returns is EpLayout(shape).total_bytes, and
-// the device path places its signals and messages at these offsets.
+// Buffer.get_ep_buffer_size_hint returns is EpLayout(shape).total_bytes; the
+// device kernels (src/kernels) place their signals and messages with the
+// accessors below, which compile for host and device alike.
 //
 // Shapes: T = max tokens a rank dispatches per call, H = hidden size,
 // R = ranks, E = experts (E % R == 0; each rank holds E/R local experts).
 //
-// The workspace is two halves (even and odd calls), so that one call's
-// combine can still read its half while the next dispatch fills the other:
+// The workspace is two halves (even and odd calls, by the call's sequence
+// number), so that one call's combine can still read its half while the next
+// dispatch fills the other:
 //
-//   half = | signals | send | recv |        total = 2 * half
+//   | signals 0 | signals 1 | dispatch 0 | combine 0 | stage 0 | dispatch 1 | ... |
 //
-//   signals  2E int32, 128-byte aligned: E dispatch counts (one per local
-//            expert and source rank, E/R * R = E) and E combine flags (one
-//            per global expert a token may hear back from);
-//   send     max(T dispatch messages, E*T combine messages): dispatch packs
-//            each token once; combine sends every row it received back;
-//   recv     E*T dispatch messages: [E/R local experts][R sources][T tokens],
-//            the most any call can deliver (every token of every source to
-//            every local expert); combine's E*T returning messages fit too.
+// (half = signals + dispatch + combine + stage; total = 2 * half). The signals of
+// both halves come first, so their places depend on E and R alone: a call of
+// another T or H never takes data an earlier call left for a signal.
+//
+//   signals   2E int64, 128-byte aligned: E dispatch counts, one per (local
+//             expert, source rank) ([E/R][R]), each `seq << 32 | count`; and
+//             E combine flags, one per global expert a token may hear back
+//             from, each `seq`. A signal carries its call's sequence number,
+//             so a late write from a dead or masked peer, or from an earlier
+//             call, never reads as this call's, and nothing is ever cleared;
+//   dispatch  E*T messages, [E/R local experts][R sources][T slots]: the most
+//             any call can deliver (every token of every source to every
+//             local expert); a source writes its rows for local expert j, in
+//             token order, into its own T slots;
+//   combine   T * kMaxTopk rows of 2H bytes, [T tokens][top-k slot]: the
+//             expert outputs coming back for this rank's own tokens;
+//   stage     T rows of one message each: this rank's tokens quantised to FP8
+//             once, before they are copied to every expert that selected them.
+//
+// Senders store straight into the peer's mapped workspace (cuda_ipc), so no
+// send region is reserved; a transport that must stage would add one.
 //
 // Messages:
-//   dispatch  16-byte header (source token index, local expert, reserved) +
-//             payload: 2H bytes of BF16, or with FP8 H bytes of e4m3 plus
-//             ceil(H/128) fp32 scales (one per 128 channels); the slot is
-//             sized for the larger of the two, so one layout serves both;
-//   combine   2H bytes of BF16, no header: rows go back in the order they
-//             came, so the sender knows which (token, expert) each one is.
+//   dispatch  a 16-byte EpMsgHeader + payload: 2H bytes of BF16/FP16, or with
+//             FP8 H bytes of e4m3 plus ceil(H/128) fp32 scales (one per 128
+//             channels); the slot is sized for the larger of the two, so one
+//             layout serves both;
+//   combine   2H bytes of BF16/FP16, no header: the slot says which (token,
+//             top-k column) the row answers.
 //
 // Every region starts on a 128-byte boundary.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+#if defined(__CUDACC__)
+#define MC_HD __host__ __device__
+#else
+#define MC_HD
+#endif
 
 namespace mooncake {
 
@@ -43,19 +64,30 @@ struct EpShape {
   int64_t num_experts = 0;  // E
 };
 
+// The header of one dispatch message (the portable path sends the same one).
+struct EpMsgHeader {
+  int32_t token;         // the source's token index
+  int32_t local_expert;  // at the receiver, in [0, E/R)
+  int32_t topk_slot;     // the column of topk_idx that selected it
+  int32_t reserved;
+};
+static_assert(sizeof(EpMsgHeader) == 16, "the header is 16 bytes on the wire");
+
 struct EpLayout {
   static constexpr size_t kAlign = 128;
-  static constexpr size_t kHeaderBytes = 16;
+  static constexpr size_t kHeaderBytes = sizeof(EpMsgHeader);
   static constexpr int64_t kFp8Block = 128;  // channels per FP8 scale
+  static constexpr int64_t kMaxTopk = 16;    // combine slots per token
 
   struct Region {
     size_t offset = 0;  // from the start of the workspace
     size_t bytes = 0;
   };
   struct Half {
-    Region signals, send, recv;
+    Region signals, dispatch, combine, stage;
   };
 
+  EpLayout() = default;
   // Throws an invalid-argument Error naming the field and its rule.
   explicit EpLayout(const EpShape& shape);
 
@@ -68,6 +100,29 @@ struct EpLayout {
   Half halves[2];
   size_t half_bytes = 0;
   size_t total_bytes = 0;  // the size hint
+
+  // Offsets (bytes from the workspace's start) of one call's places; `seq` is
+  // the call's sequence number and picks the half.
+  MC_HD size_t dispatch_count(uint64_t seq, int64_t local_expert, int64_t source) const {
+    return halves[seq & 1].signals.offset +
+           8 * static_cast<size_t>(local_expert * shape.num_ranks + source);
+  }
+  MC_HD size_t combine_flag(uint64_t seq, int64_t global_expert) const {
+    return halves[seq & 1].signals.offset + 8 * static_cast<size_t>(shape.num_experts) +
+           8 * static_cast<size_t>(global_expert);
+  }
+  MC_HD size_t dispatch_msg(uint64_t seq, int64_t local_expert, int64_t source,
+                            int64_t slot) const {
+    const auto index = (local_expert * shape.num_ranks + source) * shape.max_tokens + slot;
+    return halves[seq & 1].dispatch.offset + static_cast<size_t>(index) * dispatch_msg_bytes;
+  }
+  MC_HD size_t stage_row(uint64_t seq, int64_t token) const {
+    return halves[seq & 1].stage.offset + static_cast<size_t>(token) * dispatch_msg_bytes;
+  }
+  MC_HD size_t combine_row(uint64_t seq, int64_t token, int64_t topk_slot) const {
+    return halves[seq & 1].combine.offset +
+           static_cast<size_t>(token * kMaxTopk + topk_slot) * combine_msg_bytes;
+  }
 };
 
 }  // namespace mooncake

@@ -11,6 +11,7 @@
 #include "ep/layout.h"
 #include "torch/backend.h"
 #include "torch/c10d_store.h"
+#include "torch/ep_device.h"
 
 namespace py = pybind11;
 using namespace mooncake;
@@ -243,8 +244,9 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
         for (const auto& h : l.halves) {
           py::dict d;
           d["signals"] = region(h.signals);
-          d["send"] = region(h.send);
-          d["recv"] = region(h.recv);
+          d["dispatch"] = region(h.dispatch);
+          d["combine"] = region(h.combine);
+          d["stage"] = region(h.stage);
           halves.append(d);
         }
         py::dict d;
@@ -256,6 +258,7 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
         d["bf16_payload_bytes"] = l.bf16_payload_bytes;
         d["fp8_payload_bytes"] = l.fp8_payload_bytes;
         d["header_bytes"] = EpLayout::kHeaderBytes;
+        d["max_topk"] = EpLayout::kMaxTopk;
         d["halves"] = halves;
         return d;
       },
@@ -263,6 +266,7 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
       py::arg("num_experts"),
       "The EP workspace layout (src/ep/layout.h); total_bytes is the size hint.");
   register_ep_elastic(m);
+  register_ep_device(m);
   m.def("env_registry", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& v : env_registry()) out.emplace_back(v.name, v.default_value, v.doc);

@@ -84,12 +84,13 @@ def _align(v: int, a: int) -> int:
 
 
 def hint_formula(T: int, H: int, R: int, E: int) -> int:
-    """The docstring's formula, written out: two halves, each align128(2E * 4) signal
-    bytes + a send region of max(T * M, E * T * 2H) + a receive region of E * T * M, with
+    """The docstring's formula, written out: two halves, each align128(2E * 8) signal
+    bytes + a dispatch region of E * T * M + a combine region of T * 16 * 2H + a stage
+    region of T * M, with
     M = align16(16 + max(2H, H + 4 * ceil(H / 128))), every region 128-byte aligned."""
     m = _align(16 + max(2 * H, H + 4 * -(-H // 128)), 16)
-    half = _align(2 * E * 4, 128) + _align(max(T * m, E * T * 2 * H), 128)
-    half += _align(E * T * m, 128)
+    half = _align(2 * E * 8, 128) + _align(E * T * m, 128) + _align(T * 16 * 2 * H, 128)
+    half += _align(T * m, 128)
     return 2 * half
 
 
@@ -127,26 +128,29 @@ def test_size_hint_is_the_documented_formula(shape):
     half = layout["half_bytes"]
     assert 2 * half == hint
     sizes = {
-        "signals": _align(8 * E, 128),
-        "send": _align(max(T * m, E * T * 2 * H), 128),
-        "recv": _align(E * T * m, 128),
+        "signals": _align(16 * E, 128),
+        "dispatch": _align(E * T * m, 128),
+        "combine": _align(T * 16 * 2 * H, 128),
+        "stage": _align(T * m, 128),
     }
-    for i, h in enumerate(layout["halves"]):
-        at = i * half
-        for region in ("signals", "send", "recv"):
-            offset, nbytes = h[region]
-            assert (offset, nbytes) == (at, sizes[region]), (i, region, h)
-            assert offset % 128 == 0
-            at += nbytes
-        assert at == (i + 1) * half
+    h0, h1 = layout["halves"]
+    at = 0  # both halves' signals, then each half's dispatch and combine regions
+    for h, region in [(h0, "signals"), (h1, "signals")] + [
+        (h, r) for h in (h0, h1) for r in ("dispatch", "combine", "stage")
+    ]:
+        offset, nbytes = h[region]
+        assert (offset, nbytes) == (at, sizes[region]), (region, h)
+        assert offset % 128 == 0
+        at += nbytes
+    assert at == 2 * half
 
 
-def test_size_hint_of_the_reference_shape_is_about_2_gb():
-    """T=128, H=7168, R=8, E=288: about 2.1 GB, as documented."""
+def test_size_hint_of_the_reference_shape_is_about_1_1_gb():
+    """T=128, H=7168, R=8, E=288: about 1.1 GB, as documented."""
     from mooncake.mooncake_ep_buffer import Buffer
 
     hint = Buffer.get_ep_buffer_size_hint(128, 7168, 8, 288)
-    assert 2.0e9 < hint < 2.2e9, hint
+    assert 1.1e9 < hint < 1.15e9, hint
 
 
 BAD_HINTS = [

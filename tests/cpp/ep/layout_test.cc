@@ -20,10 +20,11 @@ size_t up(size_t n, size_t a) {
 // The formula as the header states it, written out independently.
 size_t formula(size_t T, size_t H, size_t E) {
   const size_t msg = up(16 + std::max(2 * H, H + 4 * ((H + 127) / 128)), 16);
-  const size_t signals = up(2 * E * 4, 128);
-  const size_t send = up(std::max(T * msg, E * T * 2 * H), 128);
-  const size_t recv = up(E * T * msg, 128);
-  return 2 * (signals + send + recv);
+  const size_t signals = up(2 * E * 8, 128);
+  const size_t dispatch = up(E * T * msg, 128);
+  const size_t combine = up(T * 16 * 2 * H, 128);
+  const size_t stage = up(T * msg, 128);
+  return 2 * (signals + dispatch + combine + stage);
 }
 
 TEST(EpLayout, SizeHintIsTheClosedFormula) {
@@ -42,33 +43,85 @@ TEST(EpLayout, KnownValueForADeepSeekShape) {
   EXPECT_EQ(l.dispatch_msg_bytes, 14352u);
   EXPECT_EQ(l.combine_msg_bytes, 14336u);
   EXPECT_EQ(l.fp8_payload_bytes, 7168u + 4u * 56u);
-  EXPECT_EQ(l.total_bytes, 2u * (2304u + 528482304u + 529072128u));
+  EXPECT_EQ(l.total_bytes, 2u * (4608u + 529072128u + 29360128u + 1837056u));
 }
 
 TEST(EpLayout, RegionsAreAlignedAndDisjointAndFillTheWorkspace) {
   const EpLayout l(EpShape{37, 896, 4, 12});
+  const auto& h = l.halves;
   size_t at = 0;
-  for (const auto& h : l.halves)
-    for (const EpLayout::Region* r : {&h.signals, &h.send, &h.recv}) {
-      EXPECT_EQ(r->offset, at);
-      EXPECT_EQ(r->offset % EpLayout::kAlign, 0u);
-      EXPECT_EQ(r->bytes % EpLayout::kAlign, 0u);
-      at += r->bytes;
-    }
+  for (const EpLayout::Region* r : {&h[0].signals, &h[1].signals, &h[0].dispatch, &h[0].combine,
+                                    &h[0].stage, &h[1].dispatch, &h[1].combine, &h[1].stage}) {
+    EXPECT_EQ(r->offset, at);
+    EXPECT_EQ(r->offset % EpLayout::kAlign, 0u);
+    EXPECT_EQ(r->bytes % EpLayout::kAlign, 0u);
+    at += r->bytes;
+  }
   EXPECT_EQ(at, l.total_bytes);
-  EXPECT_EQ(l.halves[1].signals.offset, l.half_bytes);
+  EXPECT_EQ(2 * l.half_bytes, l.total_bytes);
+}
+
+// Signals sit where E and R put them, whatever T and H are.
+TEST(EpLayout, SignalsDependOnExpertsAndRanksOnly) {
+  const EpLayout a(EpShape{128, 7168, 4, 32}), b(EpShape{3, 128, 4, 32});
+  for (uint64_t seq : {1u, 2u}) {
+    EXPECT_EQ(a.dispatch_count(seq, 7, 3), b.dispatch_count(seq, 7, 3));
+    EXPECT_EQ(a.combine_flag(seq, 31), b.combine_flag(seq, 31));
+  }
 }
 
 TEST(EpLayout, EveryMessageFitsItsRegion) {
   const int64_t T = 5, H = 384, R = 2, E = 6;
   const EpLayout l(EpShape{T, H, R, E});
   const auto& h = l.halves[0];
-  EXPECT_GE(h.signals.bytes, 2u * E * 4);
-  EXPECT_GE(h.send.bytes, T * l.dispatch_msg_bytes);     // dispatch: each token once
-  EXPECT_GE(h.send.bytes, E * T * l.combine_msg_bytes);  // combine: every received row
-  EXPECT_GE(h.recv.bytes, (E / R) * R * T * l.dispatch_msg_bytes);
+  EXPECT_GE(h.signals.bytes, 2u * E * 8);
+  EXPECT_GE(h.dispatch.bytes, (E / R) * R * T * l.dispatch_msg_bytes);
+  EXPECT_GE(h.combine.bytes, T * EpLayout::kMaxTopk * l.combine_msg_bytes);
   EXPECT_GE(l.dispatch_msg_bytes, EpLayout::kHeaderBytes + l.fp8_payload_bytes);
   EXPECT_GE(l.dispatch_msg_bytes, EpLayout::kHeaderBytes + l.bf16_payload_bytes);
+}
+
+// The accessors the kernels use: every place of every call lands inside its
+// half's region, one place after another with no gap or overlap.
+TEST(EpLayout, AccessorsStayInsideTheirRegions) {
+  const int64_t T = 3, H = 256, R = 2, E = 4;
+  const EpLayout l(EpShape{T, H, R, E});
+  for (uint64_t seq : {1u, 2u}) {
+    const auto& h = l.halves[seq & 1];
+    auto inside = [](const EpLayout::Region& r, size_t at, size_t n) {
+      return at >= r.offset && at + n <= r.offset + r.bytes;
+    };
+    size_t next = h.signals.offset;
+    for (int64_t j = 0; j < E / R; ++j)
+      for (int64_t s = 0; s < R; ++s) {
+        EXPECT_EQ(l.dispatch_count(seq, j, s), next);
+        next += 8;
+      }
+    for (int64_t e = 0; e < E; ++e) {
+      EXPECT_EQ(l.combine_flag(seq, e), next);
+      next += 8;
+    }
+    EXPECT_TRUE(inside(h.signals, h.signals.offset, next - h.signals.offset));
+    next = h.dispatch.offset;
+    for (int64_t j = 0; j < E / R; ++j)
+      for (int64_t s = 0; s < R; ++s)
+        for (int64_t t = 0; t < T; ++t) {
+          EXPECT_EQ(l.dispatch_msg(seq, j, s, t), next);
+          EXPECT_TRUE(inside(h.dispatch, next, l.dispatch_msg_bytes));
+          next += l.dispatch_msg_bytes;
+        }
+    next = h.combine.offset;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < EpLayout::kMaxTopk; ++k) {
+        EXPECT_EQ(l.combine_row(seq, t, k), next);
+        EXPECT_TRUE(inside(h.combine, next, l.combine_msg_bytes));
+        next += l.combine_msg_bytes;
+      }
+    for (int64_t t = 0; t < T; ++t) {
+      EXPECT_EQ(l.stage_row(seq, t), h.stage.offset + t * l.dispatch_msg_bytes);
+      EXPECT_TRUE(inside(h.stage, l.stage_row(seq, t), l.dispatch_msg_bytes));
+    }
+  }
 }
 
 TEST(EpLayout, BadShapesNameTheArgument) {

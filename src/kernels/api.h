@@ -1,0 +1,95 @@
+// Launchers of the EP device kernels (ep.cu): dispatch and combine over
+// workspaces that every rank maps (transport/cuda_ipc), placed by EpLayout.
+// Torch-free: the binding (src/torch/ep_device.cc) fills these structs from
+// tensors and launches on the caller's stream.
+//
+// Each call has a sequence number `seq` (>= 1, the same on every rank for the
+// same call); its half of the workspace is seq & 1 and its signals carry it.
+// A call runs in phases: kSend stores this rank's rows into the peers'
+// workspaces and publishes them; kRecv waits for the peers' rows and unpacks
+// them. Both phases in one launch is the usual call; split, the send half
+// returns at once and the receive half runs later (return_recv_hook).
+//
+// Health: a source whose active_ranks entry is 0 when a wait starts is
+// skipped at once; one that stays silent past the phase's deadline is set to
+// 0 there (atomically) and counts as having sent nothing. Each phase has its
+// own budget, so a slow first phase never starves the second. Bad values
+// (expert ids out of range, more than T rows for one expert) are dropped and
+// reported in `status`, which the host reads without a sync.
+#pragma once
+
+#include <cstdint>
+
+#include "ep/layout.h"
+
+struct CUstream_st;
+
+namespace mooncake::kernels {
+
+enum Phase : int32_t { kSend = 1, kRecv = 2, kBoth = 3 };
+enum class Dtype : int32_t { kBf16 = 0, kFp16 = 1 };
+
+// Status words (device-written, host-mapped): the first error wins.
+enum StatusCode : int32_t {
+  kStatusOk = 0,
+  kStatusBadExpert = 1,   // detail: the expert id, the token
+  kStatusOverflow = 2,    // detail: the expert, its rows
+  kStatusBadHeader = 3,   // detail: the source rank, the local expert
+  kStatusBadCount = 4,    // detail: the source rank, the count
+  kStatusSilentPeer = 5,  // detail: the rank masked for silence, the phase
+};
+constexpr int kStatusWords = 4;  // code, detail 0, detail 1, timeouts so far
+
+struct Common {
+  EpLayout layout;
+  uint8_t* const* peers;  // device [R]: every rank's workspace as this rank maps it
+  int32_t rank;
+  uint64_t seq;
+  int32_t* active_ranks;  // device int32 [R], 1 = healthy
+  int64_t timeout_ns;     // per wait phase
+  int32_t* status;        // kStatusWords ints, host-mapped
+  int32_t phases;         // Phase bits
+  int32_t num_blocks;     // grid size; every block must be resident at once
+};
+
+struct DispatchArgs {
+  Common c;
+  const void* x;  // [N, H] of x_dtype
+  Dtype x_dtype;
+  int64_t num_tokens;    // N <= T
+  const void* topk_idx;  // [N, K], int64 or int32
+  bool topk_int64;
+  int32_t topk;  // K <= EpLayout::kMaxTopk
+  bool use_fp8;
+  void* recv_x;           // [E/R, R*T, H] of x_dtype, or e4m3 with FP8
+  float* recv_scales;     // [E/R, R*T, H/128] with FP8, else null
+  int32_t* recv_count;    // [E/R]
+  int32_t* src_info;      // [E/R, R*T]: source token per row, -1 past recv_count
+  int32_t* src_slot;      // [E/R, R*T]: the top-k column that selected it
+  int64_t* layout_range;  // [E/R, R]: offset << 32 | count per source
+  int32_t* stats;         // [E/R] cumulative tokens received, or null
+};
+
+struct CombineArgs {
+  Common c;
+  const void* x;  // [E/R, R*T, H] expert outputs in recv_x's layout
+  Dtype x_dtype;
+  const int32_t* src_info;
+  const int32_t* src_slot;
+  const int64_t* layout_range;
+  int64_t num_tokens;    // N of the dispatch
+  const void* topk_idx;  // [N, K]
+  bool topk_int64;
+  int32_t topk;
+  const float* topk_weights;  // [N, K] float32
+  void* out;                  // [N, H] of x_dtype
+};
+
+// Launch on `stream`; throw a mooncake::Error when the launch fails.
+void launch_dispatch(const DispatchArgs& args, CUstream_st* stream);
+void launch_combine(const CombineArgs& args, CUstream_st* stream);
+
+// Threads per block of both kernels (the host sizes grids with it).
+constexpr int kThreads = 512;
+
+}  // namespace mooncake::kernels

@@ -1,0 +1,280 @@
+// The EP device path's binding: a workspace in device memory that same-host
+// peers map (transport/cuda_ipc), and launches of the dispatch and combine
+// kernels (src/kernels) on the caller's current stream. Python
+// (mooncake/_ep_device.py) validates the arguments, allocates the outputs
+// and keeps the call numbers; this file only turns tensors into the launch
+// structs. Nothing here waits for the device.
+#include "torch/ep_device.h"
+
+#if MOONCAKE_WITH_CUDA
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "core/error.h"
+#include "ep/layout.h"
+#include "kernels/api.h"
+#include "transport/cuda_ipc.h"
+
+namespace py = pybind11;
+
+namespace mooncake {
+namespace {
+
+namespace k = kernels;
+
+void cuda_check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw_error(ErrorKind::kSystem, -1, "EP device path: ", what, ": ", cudaGetErrorString(err));
+}
+
+void* ptr(const std::optional<at::Tensor>& t) {
+  return t ? t->data_ptr() : nullptr;
+}
+
+class EpDevice {
+ public:
+  EpDevice(int64_t bytes, int64_t device)
+      : device_(static_cast<int>(device)), workspace_(static_cast<size_t>(bytes), device_) {
+    c10::cuda::CUDAGuard guard(device_);
+    void* host = nullptr;
+    cuda_check(cudaHostAlloc(&host, k::kStatusWords * sizeof(int32_t), cudaHostAllocMapped),
+               "cudaHostAlloc of the status words");
+    status_host_ = static_cast<int32_t*>(host);
+    for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
+    void* dev = nullptr;
+    cuda_check(cudaHostGetDevicePointer(&dev, host, 0), "cudaHostGetDevicePointer");
+    status_dev_ = static_cast<int32_t*>(dev);
+    sm_count_ = device_sm_count(device_);
+  }
+
+  ~EpDevice() {
+    c10::cuda::CUDAGuard guard(device_);
+    cudaDeviceSynchronize();  // no kernel may still use the peers' mappings
+    maps_.clear();
+    if (peers_ != nullptr) cudaFree(peers_);
+    cudaFreeHost(status_host_);
+  }
+
+  py::bytes handle() const { return py::bytes(workspace_.handle()); }
+  int64_t bytes() const { return static_cast<int64_t>(workspace_.size()); }
+  int sm_count() const { return sm_count_; }
+  std::string bus_id() const { return device_bus_id(device_); }
+
+  // Maps rank r's workspace from handles[r] ("" for a rank not to map: one on
+  // another host, or absent); `rank` is this process's. Returns, per rank,
+  // whether it is reachable. Waits for this device's work first, so no
+  // kernel sees the table change under it.
+  std::vector<bool> connect(const std::vector<std::string>& handles, int64_t rank) {
+    const auto R = static_cast<int64_t>(handles.size());
+    MC_CHECK_ARG(rank >= 0 && rank < R, "connect: rank ", rank, " is outside [0, ", R, ")");
+    c10::cuda::CUDAGuard guard(device_);
+    cuda_check(cudaDeviceSynchronize(), "waiting for the device before remapping");
+    maps_.clear();
+    maps_.resize(static_cast<size_t>(R));
+    std::vector<uint8_t*> table(static_cast<size_t>(R), nullptr);
+    std::vector<bool> reachable(static_cast<size_t>(R), false);
+    for (int64_t r = 0; r < R; ++r) {
+      if (r == rank) {
+        table[r] = workspace_.data();
+        reachable[r] = true;
+        continue;
+      }
+      if (handles[r].empty()) continue;
+      try {
+        maps_[r] = std::make_unique<PeerMapping>(handles[r], device_);
+        table[r] = maps_[r]->data();
+        reachable[r] = true;
+      } catch (const Error& e) {
+        if (e.kind() != ErrorKind::kPeerFailed) throw;
+      }
+    }
+    if (peers_ != nullptr) cudaFree(peers_);
+    peers_ = nullptr;
+    cuda_check(cudaMalloc(&peers_, R * sizeof(uint8_t*)), "cudaMalloc of the peer table");
+    cuda_check(cudaMemcpy(peers_, table.data(), R * sizeof(uint8_t*), cudaMemcpyHostToDevice),
+               "copying the peer table");
+    num_ranks_ = R;
+    rank_ = rank;
+    return reachable;
+  }
+
+  // Launches `phases` of a dispatch. Its outputs are [recv_x, recv_scales
+  // (empty without FP8), recv_count, src_info, src_slot, layout_range]:
+  // allocated here on the current stream when `outputs` is None (the first
+  // launch of a call), else those of the call's first launch.
+  std::vector<at::Tensor> dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                                   const at::Tensor& active_ranks,
+                                   const std::optional<at::Tensor>& stats,
+                                   const std::optional<std::vector<at::Tensor>>& outputs,
+                                   int64_t max_tokens, int64_t num_experts, int64_t seq,
+                                   int64_t timeout_ns, bool use_fp8, int64_t phases,
+                                   int64_t num_blocks) {
+    k::DispatchArgs a{};
+    a.c = common(max_tokens, x.size(1), num_experts, seq, active_ranks, timeout_ns, phases,
+                 num_blocks, "dispatch");
+    c10::cuda::CUDAGuard guard(device_);
+    std::vector<at::Tensor> o = outputs ? *outputs : allocate(x, a.c.layout, use_fp8);
+    MC_CHECK_ARG(o.size() == 6, "dispatch: outputs must be the 6 tensors of the first launch");
+    a.x = x.data_ptr();
+    a.x_dtype = dtype_of(x, "dispatch");
+    a.num_tokens = x.size(0);
+    a.topk_idx = topk_idx.data_ptr();
+    a.topk_int64 = topk_idx.scalar_type() == at::kLong;
+    a.topk = static_cast<int32_t>(topk_idx.size(1));
+    a.use_fp8 = use_fp8;
+    a.recv_x = o[0].data_ptr();
+    a.recv_scales = use_fp8 ? o[1].data_ptr<float>() : nullptr;
+    a.recv_count = o[2].data_ptr<int32_t>();
+    a.src_info = o[3].data_ptr<int32_t>();
+    a.src_slot = o[4].data_ptr<int32_t>();
+    a.layout_range = o[5].data_ptr<int64_t>();
+    a.stats = static_cast<int32_t*>(ptr(stats));
+    k::launch_dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
+    return o;
+  }
+
+  // Launches `phases` of a combine into `out` ([N, H] of x's dtype; allocated
+  // here when None) and returns it.
+  at::Tensor combine(const at::Tensor& x, const at::Tensor& src_info, const at::Tensor& src_slot,
+                     const at::Tensor& layout_range, const at::Tensor& topk_idx,
+                     const at::Tensor& topk_weights, const at::Tensor& active_ranks,
+                     const std::optional<at::Tensor>& out_arg, int64_t max_tokens,
+                     int64_t num_experts, int64_t seq, int64_t timeout_ns, int64_t phases,
+                     int64_t num_blocks) {
+    k::CombineArgs a{};
+    a.c = common(max_tokens, x.size(2), num_experts, seq, active_ranks, timeout_ns, phases,
+                 num_blocks, "combine");
+    a.x = x.data_ptr();
+    a.x_dtype = dtype_of(x, "combine");
+    a.src_info = src_info.data_ptr<int32_t>();
+    a.src_slot = src_slot.data_ptr<int32_t>();
+    a.layout_range = layout_range.data_ptr<int64_t>();
+    a.num_tokens = topk_idx.size(0);
+    a.topk_idx = topk_idx.data_ptr();
+    a.topk_int64 = topk_idx.scalar_type() == at::kLong;
+    a.topk = static_cast<int32_t>(topk_idx.size(1));
+    a.topk_weights = topk_weights.data_ptr<float>();
+    c10::cuda::CUDAGuard guard(device_);
+    const at::Tensor out =
+        out_arg ? *out_arg : at::empty({topk_idx.size(0), x.size(2)}, x.options());
+    a.out = out.data_ptr();
+    k::launch_combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
+    return out;
+  }
+
+  // The status words as the device last wrote them (read without a sync);
+  // `clear` resets them for the next report.
+  std::vector<int32_t> status(bool clear) {
+    std::vector<int32_t> out(status_host_, status_host_ + k::kStatusWords);
+    if (clear)
+      for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
+    return out;
+  }
+
+ private:
+  k::Common common(int64_t T, int64_t H, int64_t E, int64_t seq, const at::Tensor& active,
+                   int64_t timeout_ns, int64_t phases, int64_t num_blocks, const char* what) {
+    MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
+    k::Common c{};
+    c.layout = EpLayout(EpShape{T, H, num_ranks_, E});
+    MC_CHECK_ARG(c.layout.total_bytes <= workspace_.size(), what, ": the call needs ",
+                 c.layout.total_bytes, " workspace bytes, the buffer has ", workspace_.size());
+    MC_CHECK_ARG(active.is_cuda() && active.scalar_type() == at::kInt &&
+                     active.numel() == num_ranks_ && active.is_contiguous(),
+                 what, ": active_ranks must be a contiguous CUDA int32 tensor of ", num_ranks_,
+                 " ranks");
+    MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
+    MC_CHECK_ARG(timeout_ns > 0, what, ": timeout_ns must be > 0");
+    MC_CHECK_ARG(phases >= k::kSend && phases <= k::kBoth, what, ": phases must be 1, 2 or 3");
+    MC_CHECK_ARG(num_blocks >= 1 && num_blocks <= sm_count_, what, ": num_blocks must be in [1, ",
+                 sm_count_, "]");
+    c.peers = peers_;
+    c.rank = static_cast<int32_t>(rank_);
+    c.seq = static_cast<uint64_t>(seq);
+    c.active_ranks = active.data_ptr<int32_t>();
+    c.timeout_ns = timeout_ns;
+    c.status = status_dev_;
+    c.phases = static_cast<int32_t>(phases);
+    c.num_blocks = static_cast<int32_t>(num_blocks);
+    return c;
+  }
+
+  std::vector<at::Tensor> allocate(const at::Tensor& x, const EpLayout& l, bool use_fp8) const {
+    const int64_t epr = l.local_experts, cols = l.shape.num_ranks * l.shape.max_tokens;
+    const int64_t H = l.shape.hidden;
+    const auto opts = x.options();
+    return {
+        at::empty({epr, cols, H}, use_fp8 ? opts.dtype(at::kFloat8_e4m3fn) : opts),
+        at::empty({use_fp8 ? epr : 0, cols, H / EpLayout::kFp8Block}, opts.dtype(at::kFloat)),
+        at::empty({epr}, opts.dtype(at::kInt)),
+        at::empty({epr, cols}, opts.dtype(at::kInt)),
+        at::empty({epr, cols}, opts.dtype(at::kInt)),
+        at::empty({epr, l.shape.num_ranks}, opts.dtype(at::kLong)),
+    };
+  }
+
+  static k::Dtype dtype_of(const at::Tensor& x, const char* what) {
+    if (x.scalar_type() == at::kBFloat16) return k::Dtype::kBf16;
+    MC_CHECK_ARG(x.scalar_type() == at::kHalf, what,
+                 ": x must be bfloat16 or float16 on the "
+                 "device path, got ",
+                 c10::toString(x.scalar_type()));
+    return k::Dtype::kFp16;
+  }
+
+  int device_;
+  DeviceSegment workspace_;
+  std::vector<std::unique_ptr<PeerMapping>> maps_;
+  uint8_t** peers_ = nullptr;
+  int64_t num_ranks_ = 0;
+  int64_t rank_ = 0;
+  int32_t* status_host_ = nullptr;
+  int32_t* status_dev_ = nullptr;
+  int sm_count_ = 0;
+};
+
+}  // namespace
+
+void register_ep_device(py::module_& m) {
+  py::class_<EpDevice>(m, "EpDevice",
+                       "The EP device path's workspace, its peers' mappings and the kernels' "
+                       "launches (mooncake/_ep_device.py drives it).")
+      .def(py::init<int64_t, int64_t>(), py::arg("bytes"), py::arg("device"))
+      .def("handle", &EpDevice::handle)
+      .def_property_readonly("bytes", &EpDevice::bytes)
+      .def_property_readonly("sm_count", &EpDevice::sm_count)
+      .def_property_readonly("bus_id", &EpDevice::bus_id)
+      .def("connect", &EpDevice::connect, py::arg("handles"), py::arg("rank"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("dispatch", &EpDevice::dispatch, py::arg("x"), py::arg("topk_idx"),
+           py::arg("active_ranks"), py::arg("stats"), py::arg("outputs"), py::arg("max_tokens"),
+           py::arg("num_experts"), py::arg("seq"), py::arg("timeout_ns"), py::arg("use_fp8"),
+           py::arg("phases"), py::arg("num_blocks"))
+      .def("combine", &EpDevice::combine, py::arg("x"), py::arg("src_info"), py::arg("src_slot"),
+           py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
+           py::arg("active_ranks"), py::arg("out"), py::arg("max_tokens"), py::arg("num_experts"),
+           py::arg("seq"), py::arg("timeout_ns"), py::arg("phases"), py::arg("num_blocks"))
+      .def("status", &EpDevice::status, py::arg("clear") = false);
+  m.attr("EP_PHASE_SEND") = static_cast<int>(k::kSend);
+  m.attr("EP_PHASE_RECV") = static_cast<int>(k::kRecv);
+  m.attr("EP_PHASE_BOTH") = static_cast<int>(k::kBoth);
+}
+
+}  // namespace mooncake
+
+#else  // a CPU build: no device path (Python sees no EpDevice and runs the portable one)
+
+namespace mooncake {
+void register_ep_device(pybind11::module_&) {}
+}  // namespace mooncake
+
+#endif
