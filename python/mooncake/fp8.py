@@ -2,7 +2,7 @@
 
 For a token ``x`` (one row of ``hidden`` channels), each block of 128 channels
 gets one fp32 scale ``s = max(amax(block), 1e-4) / 448`` and is stored as
-``saturate(x / s)`` in ``torch.float8_e4m3fn`` (448 is e4m3's largest finite
+``saturate(x * (448 / max(amax, 1e-4)))`` in ``torch.float8_e4m3fn`` (448 is e4m3's largest finite
 value; saturating means values are clamped to ``[-448, 448]`` before the cast,
 so nothing becomes NaN). Dequantising is ``data.float() * s``.
 
@@ -35,7 +35,10 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.float().reshape(n, h // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
     scales = amax / E4M3_MAX
-    data = (blocks / scales.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    # x * (448 / amax), both IEEE fp32 operations, as the device kernel computes it
+    # (a tensor divisor: `scalar / tensor` would take the reciprocal, then multiply).
+    inv = torch.full_like(amax, E4M3_MAX) / amax
+    data = (blocks * inv.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return data.reshape(n, h), scales
 
 

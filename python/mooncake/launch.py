@@ -142,6 +142,11 @@ class LocalGroup:
             self._killed.add(key)
         os.kill(self._procs[key].pid, sig)
 
+    def expect_exit(self, key: str | int) -> None:
+        """Marks a process that will end by itself without a result (it plays a rank
+        that dies): :meth:`results` does not wait for it."""
+        self._killed.add(str(key))
+
     def results(self, timeout_s: float = 120.0) -> dict[str, Any]:
         """Waits for every process not killed to finish; returns ``{key: fn's result}``.
 

@@ -8,11 +8,12 @@ top-k weights. It runs over a mooncake process group and stays usable when
 ranks fail: a rank that dies is masked out (``active_ranks[rank] = 0``) and
 treated as having sent nothing, within ``timeout_us``.
 
-This module is the portable path: torch ops over the process group
-(``mooncake/_ep_fallback.py``), on CPU tensors in a ``mooncake-cpu`` group
-and, unchanged, on CUDA tensors in a ``mooncake`` group. A device fast path
-will be chosen by the same ``Buffer`` when it is usable (``Buffer.path`` says
-which one runs).
+Two paths serve the same calls. The device path (``mooncake/_ep_device.py``)
+runs CUDA kernels that store tokens straight into peers' mapped workspaces;
+it serves CUDA tensors when every member is on this host and the Buffer has
+a device workspace. The portable path (``mooncake/_ep_fallback.py``) is torch
+ops over the process group, for CPU tensors and everything else.
+``Buffer.path`` says which one ran last.
 
 Shapes below: ``N`` tokens on this rank, ``K`` top-k, ``H`` hidden, ``R``
 ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
@@ -28,36 +29,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from . import _ep_device, pg
 from . import _ep_fallback as fb
-from . import pg
+from ._ep_types import DispatchHandle, EventOverlap
 
 __all__ = ["Buffer", "EventOverlap", "DispatchHandle"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _buffer_ids = itertools.count(1)
-
-
-class EventOverlap:
-    """Completion of an async ``dispatch``/``combine`` (``async_finish=True``).
-
-    ``current_stream_wait()`` finishes the call: on CPU it waits for the
-    exchange and fills the outputs; on CUDA it also makes the current stream
-    wait for the exchange's stream. Cheap when there is nothing left to do,
-    and safe to call twice. ``with event:`` calls it on exit.
-    """
-
-    def __init__(self, finish: Callable[[], None] | None = None):
-        self._finish = finish
-
-    def current_stream_wait(self) -> None:
-        if self._finish is not None:
-            self._finish()
-
-    def __enter__(self) -> EventOverlap:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.current_stream_wait()
 
 
 class _Pending:
@@ -86,26 +65,6 @@ class _Rephrased:
             self._work.wait()
         except ValueError as e:
             raise ValueError(f"{self._what}: {e}") from None
-
-
-class DispatchHandle(tuple):
-    """What ``combine`` needs from its ``dispatch``; opaque to callers.
-
-    As a tuple it is ``(src_info, layout_range, num_max_dispatch_tokens_per_rank,
-    hidden, num_experts)`` as in DeepEP: ``src_info`` int32 ``[E/R, R*T]`` (the
-    source token index of every received row, -1 past ``recv_count``) and
-    ``layout_range`` int64 ``[E/R, R]`` (``offset << 32 | count`` of each source
-    rank's rows per local expert).
-    """
-
-    def __new__(cls, src_info, layout_range, max_tokens, hidden, num_experts):
-        return super().__new__(cls, (src_info, layout_range, max_tokens, hidden, num_experts))
-
-    src_info = property(lambda self: self[0])
-    layout_range = property(lambda self: self[1])
-    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
-    hidden = property(lambda self: self[3])
-    num_experts = property(lambda self: self[4])
 
 
 def _is_int(v) -> bool:
@@ -159,7 +118,13 @@ class Buffer:
             :meth:`get_ep_buffer_size_hint`; 0 reserves none. When it is
             non-zero, a dispatch whose shape needs more raises ValueError
             instead of overflowing. The portable path allocates its tensors
-            per call and needs no workspace.
+            per call and needs no workspace; the device path needs one.
+        device: where the device path's workspace lives: a CUDA device (an
+            index or ``"cuda:N"``; ``"cuda"`` is the current one). ``None``:
+            the current CUDA device when the group has a ``mooncake`` CUDA
+            backend, else no device path. With a workspace on a device,
+            dispatches of CUDA tensors there run the device path when every
+            member is mapped (``MOONCAKE_EP_FORCE_FALLBACK=1`` turns it off).
 
     Collective: every rank of the group constructs its Buffer together (they
     check that they agree on the size), and a process that joined the group
@@ -168,10 +133,16 @@ class Buffer:
 
     Raises:
         ValueError: ``group`` has no mooncake backend; ``num_ep_buffer_bytes``
-            is not an int in ``[0, 2**63)``; the ranks disagree on it.
+            is not an int in ``[0, 2**63)``; the ranks disagree on it;
+            ``device`` is not a CUDA device or this build has no CUDA.
     """
 
-    def __init__(self, group: dist.ProcessGroup, num_ep_buffer_bytes: int = 0):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_ep_buffer_bytes: int = 0,
+        device: torch.device | str | int | None = None,
+    ):
         if not isinstance(group, dist.ProcessGroup):
             raise ValueError(
                 f"Buffer: group must be a torch.distributed ProcessGroup with a mooncake backend, "
@@ -195,12 +166,41 @@ class Buffer:
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
         self.path = "portable"
         self._init_calls()
+        workspace_device = self._workspace_device(device)
         self._sync_members("Buffer")
+        if workspace_device is not None and num_ep_buffer_bytes > 0:
+            self._device = _ep_device.DevicePath(
+                group, num_ep_buffer_bytes, workspace_device, self.rank, self.num_ranks
+            )
+
+    def _workspace_device(self, device) -> torch.device | None:
+        """The CUDA device of the device path's workspace, or None (portable only)."""
+        if device is None:
+            try:
+                cuda = isinstance(self.group._get_backend(torch.device("cuda")), pg.MooncakeBackend)
+            except (RuntimeError, ValueError):
+                cuda = False
+            if not cuda or not _ep_device.available():
+                return None
+            return torch.device("cuda", torch.cuda.current_device())
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"Buffer: device must be a CUDA device, got {device!r}") from None
+        if dev.type != "cuda":
+            raise ValueError(f"Buffer: device must be a CUDA device, got {dev}")
+        if not _ep_device.available():
+            raise ValueError(
+                "Buffer: device: this build of mooncake has no CUDA device path (build it "
+                "against a CUDA torch)"
+            )
+        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
     def _init_calls(self) -> None:
         self._id = next(_buffer_ids)
         self._seq = 0
         self._combine_buffers: list[torch.Tensor | None] = [None, None]
+        self._device: _ep_device.DevicePath | None = None
 
     @classmethod
     def create_elastic(
@@ -286,6 +286,8 @@ class Buffer:
             ValueError: the members disagree on ``num_ep_buffer_bytes``.
         """
         self._sync_members("update_ep_member")
+        if self._device is not None:
+            self._device.connect()
 
     def _sync_members(self, what: str) -> None:
         try:
@@ -323,6 +325,8 @@ class Buffer:
 
     def _device_error(self, device: torch.device) -> str | None:
         """Why ``x`` may not live on ``device`` (None: it may)."""
+        if self._device is not None and device == self._device.device:
+            return None
         try:
             self._backend_for(device)
         except (RuntimeError, ValueError):
@@ -365,11 +369,32 @@ class Buffer:
         if gone.numel():
             active_ranks[gone.to(active_ranks.device)] = 0
 
+    # --- the device path -------------------------------------------------------------
+
+    def mask_events(self) -> list[str]:
+        """Why the device path's kernels masked peers so far (a peer silent past a
+        deadline), oldest first. Reads what the kernels reported without waiting for the
+        device: a call still running may add to it later."""
+        return [] if self._device is None else self._device.mask_events()
+
     # --- dispatch ------------------------------------------------------------------------
 
     def _dispatch_error(
-        self, x, topk_idx, active_ranks, max_tokens, num_experts, timeout_us, use_fp8, stats, modes
+        self,
+        x,
+        topk_idx,
+        active_ranks,
+        max_tokens,
+        num_experts,
+        timeout_us,
+        use_fp8,
+        stats,
+        modes,
+        values: bool = True,
     ) -> str | None:
+        """The first rule the arguments break, or None; ``values=False`` skips the rules
+        on ``topk_idx``'s values, which need a host sync (the device path checks them in
+        its kernel)."""
         R = self._call_ranks(num_experts)
         err = _tensor_error("x", x, _FLOAT_DTYPES, 2)
         if err:
@@ -410,7 +435,7 @@ class Buffer:
             return f"x must have a hidden size >= 1, got {h}"
         if use_fp8 and h % 128:
             return f"x's hidden size ({h}) must be a multiple of 128 with use_fp8=True"
-        if topk_idx.numel():
+        if values and topk_idx.numel():
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= num_experts:
                 bad = lo if lo < -1 else hi
@@ -518,6 +543,21 @@ class Buffer:
             RuntimeError: this rank was left out of the group.
         """
         R = self._call_ranks(num_experts)
+        if self._device is not None and self._device.takes(x):
+            return self._device.dispatch_call(
+                self,
+                x,
+                topk_idx,
+                active_ranks,
+                num_max_dispatch_tokens_per_rank,
+                num_experts,
+                timeout_us,
+                use_fp8,
+                async_finish,
+                return_recv_hook,
+                cumulative_local_expert_recv_stats,
+            )
+        self.path = "portable"
         error = self._dispatch_error(
             x,
             topk_idx,
@@ -735,7 +775,9 @@ class Buffer:
         for c in checks:
             if c:
                 return c
-        if not torch.equal(topk_idx, handle._topk_idx.to(topk_idx.dtype)):
+        if not getattr(handle, "_on_device", False) and not torch.equal(
+            topk_idx, handle._topk_idx.to(topk_idx.dtype)
+        ):
             return "topk_idx differs from the one that handle's dispatch routed"
         if out is not None:
             err = _tensor_error("out", out, (x.dtype,), 2, device, [n, handle.hidden])
@@ -795,6 +837,20 @@ class Buffer:
                 the group stays usable.
             RuntimeError: this rank was left out of the group.
         """
+        if isinstance(handle, DispatchHandle) and getattr(handle, "_on_device", False):
+            return self._device.combine_call(
+                self,
+                x,
+                topk_idx,
+                topk_weights,
+                active_ranks,
+                timeout_us,
+                handle,
+                zero_copy,
+                async_finish,
+                return_recv_hook,
+                out,
+            )
         R = (
             handle.layout_range.shape[1]
             if isinstance(handle, DispatchHandle) and hasattr(handle, "_buffer")

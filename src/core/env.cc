@@ -31,6 +31,12 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_RECOVER", "1",
        "1: when a rank fails, the survivors agree on the new group and re-run the op; 0: the "
        "op fails with an error instead."},
+      {"MOONCAKE_EP_WAIT_CAP_MS", "60000",
+       "EP device path: how long a kernel waits for a silent peer when timeout_us is -1; "
+       "past it the peer is masked, so no kernel spins forever."},
+      {"MOONCAKE_EP_FORCE_FALLBACK", "0",
+       "1: EP dispatch/combine always take the portable path (torch ops over the process "
+       "group), even where the device path could run."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

@@ -558,6 +558,10 @@ def _ep_rows() -> list[Row]:
         Row("ep/buffer/num_ep_buffer_bytes-disagree", R, "Buffer", "num_ep_buffer_bytes",
             "must be the same on every rank", V, ("num_ep_buffer_bytes", "disagree"),
             new_buffer(lambda c: world(c), lambda c: c.rank << 20)),
+        Row("ep/buffer/device-cpu", R, "Buffer", "device", "must be a CUDA device", V,
+            ("device", "CUDA device"), new_buffer(lambda c: world(c), 0, "cpu")),
+        Row("ep/buffer/device-unknown", R, "Buffer", "device", "must name a device", V,
+            ("device", "CUDA device"), new_buffer(lambda c: world(c), 0, "no-such-device")),
         # get_ep_buffer_size_hint
         Row("ep/size_hint/T-below-1", R, H, "num_max_dispatch_tokens_per_rank", "must be >= 1",
             V, ("num_max_dispatch_tokens_per_rank", ">= 1"), size_hint(0, 128, 2, 4)),

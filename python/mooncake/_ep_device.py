@@ -1,0 +1,400 @@
+"""The EP device path: dispatch and combine as CUDA kernels over mapped workspaces.
+
+Every rank of the group allocates its workspace (``get_ep_buffer_size_hint``
+bytes) in device memory and exports it; same-host peers map each other's
+through CUDA IPC (``src/transport/cuda_ipc.h``). A dispatch stores each
+token straight into the workspaces of the ranks holding its experts and
+publishes per-(expert, source) counts; a combine stores expert outputs back
+into their tokens' owners and sums them there (``src/kernels/ep.cu``). The
+host only allocates outputs and launches: nothing here waits for the device,
+so calls can be captured in a CUDA graph.
+
+Outputs match the portable path (``_ep_fallback``): the same rows in the same
+order, BF16/FP16 payloads bit-exact, FP8 quantised by the same formula, and
+combine summed in the same order and rounded once.
+
+Differences from the portable path, all because a check would need a host
+sync: values of ``topk_idx`` are checked in the kernel (a bad expert id or an
+expert selected more than ``T`` times is dropped, and the next call on this
+rank raises ValueError naming it), combine does not compare its ``topk_idx``
+with the dispatch's, and a rank whose arguments are rejected raises without
+taking part, so its peers mask it when their deadline passes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import pg
+from ._ep_types import DispatchHandle, EventOverlap, stream_waiter, tensor_key
+
+#: Status codes of ``src/kernels/api.h``.
+_BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT = 1, 2, 3, 4, 5
+MAX_TOPK = 16  # EpLayout::kMaxTopk: combine rows per token
+_ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, the pid
+
+
+def _env_int(name: str) -> int:
+    default = {n: d for n, d, _ in pg._ext.env_registry()}[name]
+    return int(os.environ.get(name) or default)
+
+
+def available() -> bool:
+    """Whether this build has the device path (a CUDA build of the extension)."""
+    return hasattr(pg._ext, "EpDevice")
+
+
+def forced_off() -> bool:
+    return _env_int("MOONCAKE_EP_FORCE_FALLBACK") != 0
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()[:40]
+    except OSError:
+        return b""
+
+
+class DevicePath:
+    """One Buffer's device workspace and its peers' mappings.
+
+    Collective: every rank of the group constructs it at the same time (and
+    calls :meth:`connect` together after membership changes).
+    """
+
+    def __init__(self, group, num_bytes: int, device: torch.device, rank: int, num_ranks: int):
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.device = device
+        self.ext = pg._ext.EpDevice(num_bytes, device.index)
+        self.reachable: list[bool] = [False] * num_ranks
+        self.num_blocks = 1
+        self._comm: torch.cuda.Stream | None = None  # async_finish's stream
+        self._cap_ns = _env_int("MOONCAKE_EP_WAIT_CAP_MS") * 1_000_000  # timeout_us == -1
+        self.usable = False
+        self._forced_off = forced_off()
+        self._mask_cpu: torch.Tensor | None = None  # the group's view, when active_ranks=None
+        self._mask_dev: torch.Tensor | None = None
+        self._mask_events: list[str] = []
+        self._checked_dispatch: tuple | None = None  # the last call shapes that passed
+        self._checked_combine: tuple | None = None
+        self.connect()
+
+    def connect(self) -> None:
+        """Exchanges workspace handles through the group and maps every same-host peer."""
+        mine = bytearray(_ROW_BYTES)
+        handle = self.ext.handle()
+        boot, bus = _boot_id(), self.ext.bus_id.encode()[:16]
+        mine[0:64] = handle
+        mine[64 : 64 + len(boot)] = boot
+        mine[104 : 104 + len(bus)] = bus
+        mine[120:124] = os.getpid().to_bytes(4, "little")
+        mine[124] = 1  # present
+        row = torch.frombuffer(mine, dtype=torch.uint8).clone()
+        rows = torch.zeros(self.num_ranks * _ROW_BYTES, dtype=torch.uint8)
+        pg._backend_of(self.group)._allgather_base(rows, row).wait()
+        rows = rows.reshape(self.num_ranks, _ROW_BYTES)
+        handles, present, sharing = [], [], 0
+        for r in range(self.num_ranks):
+            theirs = bytes(rows[r].tolist())
+            present.append(theirs[124] == 1)
+            same_host = bool(boot) and theirs[124] == 1 and theirs[64:104].rstrip(b"\0") == boot
+            handles.append(theirs[0:64] if same_host and r != self.rank else b"")
+            if same_host and theirs[104:120].rstrip(b"\0") == bus:
+                sharing += 1
+        self.reachable = self.ext.connect(handles, self.rank)
+        # A member that dies later stays mapped (its memory outlives it): the kernels
+        # mask it. So whether every member is mapped is settled here, once.
+        self.usable = all(m for m, p in zip(self.reachable, present, strict=True) if p)
+        # Every block of a launch must be resident at once (blocks wait for each
+        # other's stores), and ranks sharing this GPU run their kernels side by side.
+        self.num_blocks = max(1, self.ext.sm_count // max(1, sharing))
+
+    def poll_events(self) -> list[str]:
+        """Mask events the kernels reported since the last poll (an error report is
+        kept for :meth:`raise_reported`)."""
+        code, d0, d1, _ = self.ext.status(clear=False)
+        if code != _SILENT:
+            return []
+        self.ext.status(clear=True)
+        return [f"rank {d0} masked: silent past the deadline of a receive phase"]
+
+    def raise_reported(self, what: str) -> list[str]:
+        """Raises what an earlier kernel on this rank reported; returns mask events
+        (peers masked for silence), which are not errors."""
+        code, d0, d1, _ = self.ext.status(clear=True)
+        if code == 0:
+            return []
+        if code == _SILENT:
+            return [f"rank {d0} masked: silent past the deadline of a receive phase"]
+        if code == _BAD_EXPERT:
+            raise ValueError(
+                f"{what}: an earlier dispatch on this rank had topk_idx holding expert {d0} "
+                f"(token {d1}); ids must be in [0, num_experts) or -1; that selection was "
+                f"dropped"
+            )
+        if code == _OVERFLOW:
+            raise ValueError(
+                f"{what}: an earlier dispatch on this rank had topk_idx sending {d1} tokens to "
+                f"expert {d0}, more than num_max_dispatch_tokens_per_rank: a token selects it "
+                f"twice; the rows past it were dropped"
+            )
+        if code == _BAD_HEADER:
+            raise RuntimeError(
+                f"{what}: an earlier dispatch received a message from rank {d0} for local "
+                f"expert {d1} whose header disagrees with its place: the data is corrupt"
+            )
+        raise RuntimeError(
+            f"{what}: an earlier dispatch received a count of {d1} from rank {d0}, more than "
+            f"num_max_dispatch_tokens_per_rank: its data is corrupt"
+        )
+
+    # --- the Buffer's calls on this path ----------------------------------------------
+
+    def takes(self, x) -> bool:
+        """Whether a dispatch of ``x`` runs here."""
+        return (
+            self.usable
+            and isinstance(x, torch.Tensor)
+            and x.is_cuda
+            and x.device == self.device
+            and not self._forced_off
+        )
+
+    def mask_events(self) -> list[str]:
+        self._mask_events += self.poll_events()
+        return list(self._mask_events)
+
+    def _mask(self, buf, active_ranks, num_ranks: int, device) -> torch.Tensor:
+        """The kernels' mask: ``active_ranks``, or the group's view kept on the device
+        (copied again only when the view changes)."""
+        if active_ranks is not None:
+            return active_ranks
+        now = buf._present(num_ranks).to(torch.int32)
+        if self._mask_cpu is None or not torch.equal(now, self._mask_cpu):
+            self._mask_cpu, self._mask_dev = now, now.to(device)
+        return self._mask_dev
+
+    @staticmethod
+    def _call_error(x, topk_idx) -> str | None:
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return f"x must be bfloat16 or float16 on the device path, got {x.dtype}"
+        if x.shape[1] % 8:
+            return f"x's hidden size ({x.shape[1]}) must be a multiple of 8 on the device path"
+        if topk_idx.shape[1] > MAX_TOPK:
+            return (
+                f"topk_idx has {topk_idx.shape[1]} columns; the device path takes at most "
+                f"{MAX_TOPK}"
+            )
+        return None
+
+    def dispatch_call(
+        self, buf, x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, async_finish, hook, stats
+    ):
+        """``buf.dispatch`` on this path (``buf``: the Buffer, for its checks and call
+        numbers)."""
+        R = self.num_ranks
+        # The checks need no tensor values, so a call shaped like the last good one
+        # passes them too: skip them (they cost more than the launch).
+        key = (
+            x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_idx.device, T, E,
+            timeout_us, use_fp8, async_finish, hook, tensor_key(active_ranks), tensor_key(stats),
+        )  # fmt: skip
+        if key != self._checked_dispatch:
+            modes = (async_finish, hook)
+            error = buf._dispatch_error(
+                x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, stats, modes, values=False
+            ) or self._call_error(x, topk_idx)
+            if error:
+                raise ValueError(f"dispatch: {error}")
+            self._checked_dispatch = key
+        self._mask_events += self.raise_reported("dispatch")
+        seq = buf._seq + 1
+        mask = self._mask(buf, active_ranks, R, x.device)
+        recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook = self.dispatch(
+            x, topk_idx, mask, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
+        )
+        buf._seq, buf.path = seq, "device"
+        handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E)
+        handle._buffer, handle._seq, handle._on_device = buf._id, seq, True
+        handle._src_slot, handle._topk_idx, handle._num_tokens = src_slot, topk_idx, x.shape[0]
+        handle._dtype = torch.bfloat16 if use_fp8 else x.dtype
+        handle._event = event
+        if recv_hook is None:
+            handle._arrival = None
+
+        def finish_hook() -> None:
+            recv_hook()
+            handle._arrival = None
+
+        return (
+            recv_x,
+            recv_count,
+            handle,
+            EventOverlap(stream_waiter(event)),
+            finish_hook if hook else None,
+        )
+
+    def combine_call(
+        self, buf, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, af,
+        hook, out,
+    ):  # fmt: skip
+        """``buf.combine`` for a handle of this path."""
+        key = (
+            x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_idx.device,
+            topk_weights.shape, topk_weights.dtype, topk_weights.device, timeout_us, zero_copy,
+            af, hook, tensor_key(active_ranks), tensor_key(out), handle.src_info.shape,
+            handle.hidden, handle._dtype, handle._topk_idx.shape,
+        )  # fmt: skip
+        if key != self._checked_combine:
+            error = buf._combine_error(
+                x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, (af, hook),
+                out,
+            )  # fmt: skip
+            if error:
+                raise ValueError(f"combine: {error}")
+            self._checked_combine = key
+        else:  # what depends on this handle and this call, not on the shapes
+            buf._check_handle(handle, "combine")
+            if zero_copy:
+                buf._check_half(handle, "combine")
+                if x.data_ptr() != buf._combine_buffers[handle._seq % 2].data_ptr():
+                    raise ValueError(
+                        "combine: with zero_copy=True, x must be get_next_combine_buffer(handle)"
+                    )
+        self._mask_events += self.raise_reported("combine")
+        if handle._event is not None:  # the dispatch ran on the communication stream
+            torch.cuda.current_stream(x.device).wait_event(handle._event)
+        R = handle.layout_range.shape[1]
+        mask = self._mask(buf, active_ranks, R, x.device)
+        result, event, recv_hook = self.combine(
+            x,
+            handle.src_info,
+            handle._src_slot,
+            handle.layout_range,
+            topk_idx,
+            topk_weights,
+            mask,
+            out,
+            handle.num_max_dispatch_tokens_per_rank,
+            handle.num_experts,
+            handle._seq,
+            timeout_us,
+            af,
+            hook,
+        )
+        buf.path = "device"
+        return result, EventOverlap(stream_waiter(event)), recv_hook
+
+    # --- calls ----------------------------------------------------------------------------
+
+    def timeout_ns(self, timeout_us: int) -> int:
+        return self._cap_ns if timeout_us == -1 else min(timeout_us * 1000, 2**62)
+
+    def dispatch(
+        self, x, topk_idx, active, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
+    ):
+        """Launches a dispatch; returns ``(recv_x, recv_count, src_info, src_slot,
+        layout_range, event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
+        None and ``recv_hook`` the receive half's launcher (hook) or None."""
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        timeout_ns, blocks = self.timeout_ns(timeout_us), self.num_blocks
+        launch = self.ext.dispatch
+        outputs = None
+
+        def run(phases: int) -> None:
+            nonlocal outputs
+            outputs = launch(
+                x, topk_idx, active, stats, outputs, T, E, seq, timeout_ns, use_fp8, phases, blocks
+            )
+
+        event, recv_hook = self._run(run, async_finish, hook)
+        if event is not None:
+            for t in (x, topk_idx, active, *outputs, *(() if stats is None else (stats,))):
+                t.record_stream(self._comm)  # made on the caller's stream, used on ours
+        data, scales, recv_count, src_info, src_slot, layout_range = outputs
+        recv_x = (data, scales) if use_fp8 else data
+        return recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook
+
+    def combine(
+        self,
+        x,
+        src_info,
+        src_slot,
+        layout_range,
+        topk_idx,
+        weights,
+        active,
+        out,
+        T,
+        E,
+        seq,
+        timeout_us,
+        async_finish,
+        hook,
+    ):
+        """Launches a combine; returns ``(out, event, recv_hook)`` as dispatch."""
+        x, topk_idx = x.contiguous(), topk_idx.contiguous()
+        if weights.dtype != torch.float32 or not weights.is_contiguous():
+            weights = weights.float().contiguous()
+        timeout_ns, blocks = self.timeout_ns(timeout_us), self.num_blocks
+        launch = self.ext.combine
+        result = out
+
+        def run(phases: int) -> None:
+            nonlocal result
+            result = launch(
+                x,
+                src_info,
+                src_slot,
+                layout_range,
+                topk_idx,
+                weights,
+                active,
+                result,
+                T,
+                E,
+                seq,
+                timeout_ns,
+                phases,
+                blocks,
+            )
+
+        event, recv_hook = self._run(run, async_finish, hook)
+        if event is not None:
+            for t in (x, src_info, src_slot, layout_range, topk_idx, weights, active, result):
+                t.record_stream(self._comm)
+        return result, event, recv_hook
+
+    def _run(self, run, async_finish: bool, hook: bool):
+        """Runs a call's phases: both now, or the send half now and the receive half in
+        the returned hook, or both on the communication stream (returns its event)."""
+        if hook:
+            run(pg._ext.EP_PHASE_SEND)
+            return None, _Once(lambda: run(pg._ext.EP_PHASE_RECV))
+        if not async_finish:
+            run(pg._ext.EP_PHASE_BOTH)
+            return None, None
+        current = torch.cuda.current_stream(self.device)
+        if self._comm is None:
+            self._comm = torch.cuda.Stream(self.device)
+        self._comm.wait_stream(current)
+        with torch.cuda.stream(self._comm):
+            run(pg._ext.EP_PHASE_BOTH)
+        event = torch.cuda.Event()
+        event.record(self._comm)
+        return event, None
+
+
+class _Once:
+    """Calls ``fn`` the first time it is called, then nothing."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()

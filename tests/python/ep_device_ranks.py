@@ -1,0 +1,337 @@
+"""Rank-side code of the EP device-path tests (test_ep_device.py).
+
+Every rank shares the one GPU of the test machine. A case runs the device
+path on CUDA tensors and the portable path on CPU copies of the same inputs,
+through the same Buffer (a ``mooncake-cpu`` group; the workspace on the
+GPU), and checks that they agree: the same rows in the same order, BF16/FP16
+and FP8 payloads bit for bit, and combine bit for bit (both sum in ascending
+expert order in fp32 and round once).
+
+Run alone (``python tests/python/ep_device_ranks.py``) it does one small
+world-1 round, which is what compute-sanitizer checks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    T: int = 128
+    H: int = 7168
+    experts_per_rank: int = 0  # 0: E = 256
+    K: int = 8
+    fp8: bool = True
+    dtype: torch.dtype = torch.bfloat16
+    mode: str = "plain"  # plain, hook, async, zero_copy, graph
+    tokens: int = -1  # -1: T on every rank; else this many (rank 0 sends none)
+    drop: float = 0.0  # share of selections set to -1
+    duplicates: bool = False  # some tokens select one expert twice
+    idx32: bool = False
+
+
+CASES = [
+    Case("bf16", fp8=False),
+    Case("fp8"),
+    Case("fp8/hook", mode="hook"),
+    Case("bf16/hook", fp8=False, mode="hook"),
+    Case("fp8/async", mode="async"),
+    Case("bf16/zero_copy", fp8=False, mode="zero_copy"),
+    Case("fp8/zero_copy/hook", mode="zero_copy"),
+    Case("fp8/graph", mode="graph"),
+    Case("bf16/graph", fp8=False, mode="graph"),
+    Case("fp16", fp8=False, dtype=torch.float16),
+    Case("fp16/fp8", dtype=torch.float16),
+    Case("small/odd", T=13, H=256, experts_per_rank=3, K=3, tokens=11, drop=0.2),
+    Case("small/fp8", T=5, H=128, experts_per_rank=1, K=1, fp8=True, drop=0.3),
+    Case("duplicates", T=16, H=512, experts_per_rank=16, K=4, duplicates=True),
+    Case("idx32", T=64, H=1024, K=4, idx32=True, fp8=False),
+    Case("k16", T=32, H=2048, K=16),
+    Case("empty-rank0", T=32, H=1024, tokens=7),
+]
+
+
+def _experts(case: Case, world: int) -> int:
+    return case.experts_per_rank * world if case.experts_per_rank else 256
+
+
+def _inputs(case: Case, rank: int, world: int, step: int, device):
+    """x [N, H], topk_idx [N, K], weights [N, K]: fresh random values per rank and step."""
+    E = _experts(case, world)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}|{rank}|{world}|{step}".encode()))
+    n = case.T if case.tokens < 0 else (0 if rank == 0 else case.tokens)
+    x = torch.randn(n, case.H, generator=g).to(case.dtype)
+    if case.K <= E:
+        idx = torch.rand(n, E, generator=g).topk(case.K, dim=1).indices
+    else:
+        idx = torch.randint(0, E, (n, case.K), generator=g)
+    if case.duplicates and n > 1:
+        idx[::2, 1] = idx[::2, 0]
+    if case.drop:
+        idx[torch.rand(n, case.K, generator=g) < case.drop] = -1
+    w = torch.rand(n, case.K, generator=g)
+    if case.idx32:
+        idx = idx.to(torch.int32)
+    return x.to(device), idx.to(device), w.to(device)
+
+
+def _expert_out(recv_x, fp8: bool, dtype) -> torch.Tensor:
+    """A stand-in for the experts: a deterministic function of each received row."""
+    from mooncake import fp8 as f8
+
+    if fp8:
+        data, scales = recv_x
+        rows = f8.dequantize(data, scales)
+    else:
+        rows = recv_x.float()
+    scale = torch.arange(1, rows.shape[0] + 1, dtype=torch.float32, device=rows.device) / 4
+    return (rows * scale.view(-1, 1, 1)).to(torch.bfloat16 if fp8 else dtype)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    a, b = a.cpu(), b.cpu()
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if a.shape != b.shape or not torch.equal(a, b):
+        diff = (a.float() - b.float()).abs() if a.shape == b.shape else None
+        raise AssertionError(
+            f"{what} differs: shapes {list(a.shape)} vs {list(b.shape)}"
+            + (
+                f", {int((diff != 0).sum())} elements, max {float(diff.max())}"
+                if diff is not None
+                else ""
+            )
+        )
+
+
+def _compare_dispatch(dev, ref, fp8: bool) -> None:
+    (rx_d, cnt_d, h_d), (rx_r, cnt_r, h_r) = dev, ref
+    _same(cnt_d, cnt_r, "recv_count")
+    _same(h_d.layout_range, h_r.layout_range, "layout_range")
+    for j, c in enumerate(cnt_r.tolist()):
+        _same(h_d.src_info[j, :c], h_r.src_info[j, :c], f"src_info[{j}]")
+        if fp8:
+            _same(rx_d[0][j, :c], rx_r[0][j, :c], f"recv_x data[{j}]")
+            _same(rx_d[1][j, :c], rx_r[1][j, :c], f"recv_x scales[{j}]")
+        else:
+            _same(rx_d[j, :c], rx_r[j, :c], f"recv_x[{j}]")
+        if (h_d.src_info[j, c:] != -1).any():
+            raise AssertionError(f"src_info[{j}] past recv_count is not -1")
+
+
+def _dispatch(buf, x, idx, case, E, mode, timeout_us=-1):
+    hook = mode in ("hook", "zero_copy")
+    recv_x, cnt, handle, event, recv_hook = buf.dispatch(
+        x,
+        idx,
+        None,
+        case.T,
+        E,
+        timeout_us,
+        use_fp8=case.fp8,
+        async_finish=mode == "async",
+        return_recv_hook=hook,
+    )
+    if hook:
+        recv_hook()
+    event.current_stream_wait()
+    return recv_x, cnt, handle
+
+
+def _combine(buf, y, idx, w, handle, mode, timeout_us=-1):
+    if mode == "zero_copy":
+        buf.get_next_combine_buffer(handle).copy_(y)
+        y = buf.get_next_combine_buffer(handle)
+    out, event, recv_hook = buf.combine(
+        y,
+        idx,
+        w,
+        None,
+        timeout_us,
+        handle,
+        zero_copy=mode == "zero_copy",
+        async_finish=mode == "async",
+        return_recv_hook=mode == "hook",
+    )
+    if recv_hook is not None:
+        recv_hook()
+    event.current_stream_wait()
+    return out
+
+
+def run_case(buf, case: Case, rank: int, world: int) -> None:
+    E = _experts(case, world)
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    steps = 3 if case.mode == "graph" else 2
+    graph = None
+    for step in range(steps):
+        x, idx, w = _inputs(case, rank, world, step, cuda)
+        if case.mode == "graph":
+            if graph is None:
+                static = [x.clone(), idx.clone(), w.clone()]
+                # One eager call first: the group's mask reaches the device outside capture.
+                _dispatch(buf, static[0], static[1], case, E, "plain")
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    g_rx, g_cnt, g_h = _dispatch(buf, static[0], static[1], case, E, "plain")
+                    g_y = _expert_out(g_rx, case.fp8, case.dtype)
+                    g_out = _combine(buf, g_y, static[1], static[2], g_h, "plain")
+                if buf.path != "device":
+                    raise AssertionError(f"the capture ran the {buf.path} path")
+            for s, v in zip(static, (x, idx, w), strict=True):
+                s.copy_(v)
+            graph.replay()
+            torch.cuda.synchronize()
+            got, y, out = (g_rx, g_cnt, g_h), g_y, g_out
+        else:
+            got = _dispatch(buf, x, idx, case, E, case.mode)
+            torch.cuda.synchronize()
+            y = _expert_out(got[0], case.fp8, case.dtype)
+            out = _combine(buf, y, idx, w, got[2], case.mode)
+            torch.cuda.synchronize()
+            if buf.path != "device":
+                raise AssertionError(f"the call ran the {buf.path} path, not the device path")
+        ref = _dispatch(buf, x.cpu(), idx.cpu(), case, E, "plain")
+        _compare_dispatch(got, ref, case.fp8)
+        ref_out = _combine(buf, y.cpu(), idx.cpu(), w.cpu(), ref[2], "plain")
+        _same(out, ref_out, "combine output")
+
+
+def _setup(rank: int, world: int, port: int, T=128, H=7168, E=256):
+    import torch.distributed as dist
+
+    from mooncake.launch import init_rank
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    torch.cuda.set_device(0)
+    init_rank(rank, world, port)
+    hint = Buffer.get_ep_buffer_size_hint(T, H, world, E)
+    buf = Buffer(dist.group.WORLD, hint, device="cuda")
+    if buf._device is None or not all(buf._device.reachable):
+        raise AssertionError(f"rank {rank}: the device path did not map every peer")
+    return buf
+
+
+def rank_cases(rank: int, world: int, port: int, names: list[str]) -> dict[str, str | None]:
+    """Runs the named cases in order; returns {name: None or the failure's traceback}."""
+    buf = _setup(rank, world, port, E=max(256, 16 * world))
+    out: dict[str, str | None] = {}
+    for case in CASES:
+        if case.name not in names:
+            continue
+        try:
+            run_case(buf, case, rank, world)
+            out[case.name] = None
+        except Exception:  # noqa: BLE001  (reported per case)
+            out[case.name] = traceback.format_exc()
+    if buf.mask_events():
+        out["mask_events"] = "unexpected masking: " + "; ".join(buf.mask_events())
+    return out
+
+
+def rank_exit(rank: int, world: int, port: int, when: str, victim: int) -> dict:
+    """``victim`` exits before the dispatch (``when="dispatch"``) or between dispatch
+    and combine (``"combine"``); the others must finish within the deadline with
+    exactly the victim masked and every other row exact."""
+    import torch.distributed as dist
+
+    T, H, E, K, timeout_us = 32, 1024, 8 * world, 4, 1_500_000
+    buf = _setup(rank, world, port, T, H, E)
+    case = Case("exit", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
+    cuda = torch.device("cuda", 0)
+    xs = [None] * world
+    x, idx, w = _inputs(case, rank, world, 0, "cpu")
+    dist.all_gather_object(xs, (x, idx, w))  # everyone's inputs, for the model below
+    if rank == victim and when == "dispatch":
+        os._exit(0)
+    active = torch.ones(world, dtype=torch.int32, device=cuda)
+    t0 = time.monotonic()
+    recv_x, cnt, handle, _, _ = buf.dispatch(
+        x.to(cuda), idx.to(cuda), active, T, E, timeout_us, use_fp8=False
+    )
+    torch.cuda.synchronize()
+    t_dispatch = time.monotonic() - t0
+    if rank == victim:
+        os._exit(0)
+    epr = E // world
+    live = [s for s in range(world) if not (s == victim and when == "dispatch")]
+    # The model: rows per local expert, by source rank, token order within a source.
+    for j in range(epr):
+        e = rank * epr + j
+        rows = [
+            xs[s][0][t]
+            for s in live
+            for t in range(xs[s][1].shape[0])
+            for k in range(K)
+            if int(xs[s][1][t, k]) == e
+        ]
+        if int(cnt[j]) != len(rows):
+            raise AssertionError(f"expert {j}: {int(cnt[j])} rows, the model says {len(rows)}")
+        if rows:
+            _same(recv_x[j, : len(rows)], torch.stack(rows), f"recv_x[{j}]")
+    y = (recv_x.float() * 0.5).to(torch.bfloat16)
+    t0 = time.monotonic()
+    out, _, _ = buf.combine(y, idx.to(cuda), w.to(cuda), active, timeout_us, handle)
+    torch.cuda.synchronize()
+    t_combine = time.monotonic() - t0
+    # The model: per token, its selections whose expert's rank is alive, ascending expert.
+    want = torch.zeros(x.shape[0], H)
+    for t in range(x.shape[0]):
+        acc = torch.zeros(H)
+        for k in sorted(range(K), key=lambda k: (int(idx[t, k]), k)):
+            e = int(idx[t, k])
+            if e < 0 or e // epr == victim:
+                continue
+            acc = acc + (x[t].float() * 0.5).to(torch.bfloat16).float() * w[t, k].float()
+        want[t] = acc
+    _same(out, want.to(torch.bfloat16), "combine output")
+    return {
+        "active": active.cpu().tolist(),
+        "dispatch_s": t_dispatch,
+        "combine_s": t_combine,
+        "events": buf.mask_events(),
+    }
+
+
+def main() -> int:
+    """One small world-1 round on its own (for compute-sanitizer)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    from mooncake import pg  # noqa: F401  (registers the backends)
+
+    active = torch.ones(1, dtype=torch.int32)
+    dist.init_process_group(
+        "mooncake-cpu",
+        store=store,
+        rank=0,
+        world_size=1,
+        pg_options=pg.MooncakeBackendOptions(active),
+    )
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    torch.cuda.set_device(0)
+    buf = Buffer(dist.group.WORLD, Buffer.get_ep_buffer_size_hint(16, 512, 1, 16), device="cuda")
+    for case in (
+        Case("s", T=16, H=512, experts_per_rank=16, K=4, fp8=f, mode=m)
+        for f in (False, True)
+        for m in ("plain", "hook")
+    ):
+        run_case(buf, case, 0, 1)
+    print("ep_device_ranks: ok")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The EP device path (CUDA kernels over mapped workspaces) against the portable path.
+
+Needs a CUDA GPU and a CUDA build of the extension (``make gpu-check`` runs
+it on the GPU machine); skipped elsewhere. Every world size shares the one
+GPU: its ranks map each other's workspaces through CUDA IPC, and their
+kernels run side by side under MPS (or time-slice without it: correct, only
+slower, hence the generous deadlines).
+
+* ``test_device_path_matches_portable``: every case of ``ep_device_ranks.CASES``
+  (BF16, FP16, FP8; hook, async, zero-copy, graph capture and replay; odd
+  shapes, ``-1`` selections, duplicates, int32 ids, top-16, a rank with no
+  tokens) at 1, 2 and 4 ranks: the same rows in the same order, payloads and
+  combine bit for bit.
+* ``test_a_rank_that_exits``: a rank exits before dispatch, or between
+  dispatch and combine; the others finish within ``timeout_us`` plus a bound,
+  with exactly that rank masked and every other row exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ep_device_ranks as edr
+
+
+def _has_device_path() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from mooncake import _ep_device
+
+    return _ep_device.available()
+
+
+pytestmark = pytest.mark.skipif(
+    not _has_device_path(), reason="needs a CUDA GPU and a CUDA build of mooncake"
+)
+
+ENV = {"MOONCAKE_EP_WAIT_CAP_MS": "60000"}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_device_path_matches_portable(world):
+    from mooncake.launch import run_local
+
+    names = [c.name for c in edr.CASES]
+    results = run_local(edr.rank_cases, world, args=(names,), env=ENV, timeout_s=560)
+    failures = [
+        f"rank {r}, {name}:\n{tb}"
+        for r, res in enumerate(results)
+        for name, tb in res.items()
+        if tb is not None
+    ]
+    assert not failures, "\n".join(failures)
+    assert all(set(res) == set(names) for res in results)
+
+
+@pytest.mark.parametrize("when", ["dispatch", "combine"])
+def test_a_rank_that_exits(when):
+    from mooncake.launch import LocalGroup
+
+    world, victim, timeout_s = 3, 2, 1.5
+    with LocalGroup(world, ENV) as group:
+        group.start(edr.rank_exit, args=(when, victim))
+        group.expect_exit(victim)
+        results = group.results(timeout_s=240)
+    for r in range(world):
+        if r == victim:
+            continue
+        res = results[str(r)]
+        assert res["active"] == [1 if s != victim else 0 for s in range(world)], res
+        masked_in = res["dispatch_s"] if when == "dispatch" else res["combine_s"]
+        # The deadline, plus a bound for the launch and for time-slicing without MPS.
+        assert masked_in < timeout_s + 2.0, res
+        assert res["events"] and f"rank {victim} masked" in res["events"][0], res
