@@ -9,7 +9,7 @@ BUILD := build
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-cpp test-py test-asan fuzz fuzz-ci fuzz-build fuzz-deps build bench stress gpu-check doctor lint format clean deps
+.PHONY: all demo test test-cpp test-py test-asan cuda-compile fuzz fuzz-ci fuzz-build fuzz-deps build bench stress gpu-check doctor lint format clean deps
 
 all: build
 
@@ -53,6 +53,11 @@ test-asan: | deps
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 \
 	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j2 $(ASAN_CTEST_ARGS)
 
+# The CUDA half compiled with nvcc (no GPU needed), as CI does; the GPU machine
+# builds and runs it for real (make gpu-check).
+cuda-compile:
+	bash scripts/cuda_compile.sh
+
 # libFuzzer targets (tests/fuzz/*_fuzz.cc) over the tcp frame decoder and the
 # store's records, built with clang + ASan + UBSan. `make fuzz` runs each for
 # FUZZ_SECONDS (all at once, one per core), starting from the corpus in
@@ -93,6 +98,7 @@ bench: build
 	$(PY) bench/bench_recovery.py
 	$(PY) bench/bench_ep.py
 	$(PY) bench/bench_elastic.py
+	$(PY) bench/bench_ep_device.py
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)
@@ -116,4 +122,4 @@ format: $(VENV)/.ready
 	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 clean:
-	rm -rf $(BUILD) python/mooncake/_pg_torch*.so
+	rm -rf $(BUILD) build-nvcc python/mooncake/_pg_torch*.so

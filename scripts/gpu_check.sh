@@ -3,8 +3,13 @@
 # (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
 # and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
-# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench"; the build always
-# runs, incrementally), so a run can be split over two device calls.
+# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench epdev epbench";
+# the build always runs, incrementally), so a run can be split over device calls.
+#   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
+#            the GPU, under MPS when it starts), then compute-sanitizer
+#            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
+#   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
+#            bench/bench_ep_device.py at world 1, then at 2 and 4 processes under MPS.
 # PYTEST_PATHS: what the Python step runs (default tests/python); PYTEST_ARGS: more.
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
 # bench_elastic.py (default: none, the full run, about a minute).
@@ -16,7 +21,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench} "
+STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench epdev epbench} "
 step() { echo "== $1"; }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
@@ -30,10 +35,20 @@ step "build"
 # crash inside torch's process.
 CXX_BIN=${MOONCAKE_CXX:-/usr/bin/g++}
 echo "compiler: $CXX_BIN ($("$CXX_BIN" --version | head -1)); CXX in env: ${CXX:-unset}"
+# nvcc compiles host code with its host compiler, which defaults to $CXX: the same one.
+export CXX="$CXX_BIN" CUDAHOSTCXX="$CXX_BIN"
+if [ -f build-gpu/CMakeCache.txt ] && ! grep -q "CMAKE_CUDA_HOST_COMPILER:.*=$CXX_BIN\$" build-gpu/CMakeCache.txt; then
+  rm -rf build-gpu  # configured with another host compiler (cached; cannot change in place)
+fi
 cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
-  -DCMAKE_CXX_COMPILER="$CXX_BIN" \
+  -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" \
   -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" 2>&1 | tee "$OUT/build.log" >/dev/null
 cmake --build build-gpu -j"$(nproc)" 2>&1 | tee -a "$OUT/build.log" | tail -3 || status=1
+# A second C++ runtime inside the module crashes in iostreams: say so plainly.
+so=$(ls python/mooncake/_pg_torch*.so 2>/dev/null | head -1)
+if [ -n "$so" ] && nm -C --defined-only "$so" 2>/dev/null | grep -q "std::basic_ostream<char, std::char_traits<char> >::_M_insert"; then
+  echo "error: $so carries its own libstdc++ (a static C++ runtime was linked in)"; status=1
+fi
 
 wants doctor && step "doctor" && { "$PY" -m mooncake doctor 2>&1 | tee "$OUT/doctor.txt" || status=1; }
 
@@ -66,5 +81,56 @@ if wants bench && [ -f bench/bench_ep.py ]; then
 fi
 if wants bench && [ -f bench/bench_elastic.py ]; then
   "$PY" bench/bench_elastic.py ${BENCH_ELASTIC_ARGS-} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_elastic.log" | tail -14 || status=1
+fi
+# Several processes on one GPU run their kernels side by side only under MPS
+# (without it they time-slice: correct, milliseconds per round trip).
+MPS_ON=0
+start_mps() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mooncake-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mooncake-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d 2>&1; then MPS_ON=1; echo "MPS started"; else echo "MPS did not start: running without it"; fi
+}
+stop_mps() {
+  if [ "$MPS_ON" = 1 ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=0; sleep 1; echo "MPS stopped"; fi
+}
+trap stop_mps EXIT
+
+if wants epdev; then
+  step "EP device path: tests (MPS)"
+  start_mps
+  timeout 400 "$PY" -m pytest tests/python/test_ep_device.py -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest_ep_device.log" | tail -15 || status=1
+  stop_mps
+  step "EP device path: compute-sanitizer"
+  for tool in ${EP_SANITIZE_TOOLS:-memcheck racecheck}; do
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" tests/python/ep_device_ranks.py \
+      >"$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    echo "$tool: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|ep_device_ranks' "$OUT/sanitizer_$tool.log" | tail -2 | tr '\n' ' '))"
+    [ $rc = 0 ] || status=1
+  done
+fi
+
+if wants epbench; then
+  mkdir -p "$OUT/bench"
+  UP_JSON="$OUT/bench/ep_upstream.json"
+  if ls .whl/mooncake_transfer_engine_cuda13-*.whl >/dev/null 2>&1; then
+    step "EP: upstream Mooncake's kernels (world 1)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream-site \
+      .whl/mooncake_transfer_engine_cuda13-*.whl 2>&1 | tail -2
+    env PYTHONPATH=/tmp/upstream-site CXX=/usr/bin/g++ "$PY" bench/bench_ep_upstream.py \
+      --deadline-s ${UPSTREAM_DEADLINE_S:-240} ${BENCH_UPSTREAM_ARGS:-} --out "$UP_JSON" 2>&1 | tee "$OUT/bench_ep_upstream.log" | tail -12
+  else
+    echo "no upstream wheel in .whl/: its column is skipped"
+  fi
+  step "EP device path: benchmark, world 1"
+  "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds 1 --upstream "$UP_JSON" \
+    --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep_device.log" | tail -12 || status=1
+  cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_w1.json" 2>/dev/null
+  step "EP device path: benchmark, 2 and 4 processes (MPS)"
+  start_mps
+  "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds ${EP_WORLDS:-2,4} \
+    --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
+  stop_mps
 fi
 exit $status

@@ -1,0 +1,302 @@
+"""EP on one GPU: the device path against the portable path, upstream's kernels and the floor.
+
+World 1 (one process), T=128 tokens, H=7168, top-8, E in {256, 288},
+dispatch in FP8 and BF16, combine in BF16. For each case it times:
+
+- ``dispatch`` and ``combine``: one call each, started on an idle GPU (the
+  device is synchronised first) with CUDA events around the call, so a time
+  covers the Python wrapper, the launch and the kernels; the same method as
+  ``bench_ep_upstream.py`` uses for upstream's kernels;
+- ``send half`` / ``recv half``: ``return_recv_hook=True``: the dispatch call
+  (its send phase) and the hook (its receive phase), each on its own;
+- ``kernel``: the same dispatch or combine captured in a CUDA graph and
+  replayed, which leaves out the host side;
+- ``floor``: a device-to-device copy of the bytes the call must move (each
+  selected token's payload once), timed the same way;
+- ``portable``: the portable path on the same GPU tensors, where the build can
+  run it (it needs a ``mooncake`` CUDA backend; skipped otherwise).
+
+With ``--worlds 2,4`` it also runs 2 and 4 processes sharing the GPU (each
+call after a barrier; the slowest rank's median is reported). Run those
+under MPS (``scripts/gpu_check.sh`` starts it): without MPS, kernels of
+different processes time-slice and a call waits milliseconds for its peers.
+
+``--upstream PATH`` adds the columns of ``bench_ep_upstream.py``'s JSON.
+Medians in microseconds; JSON to ``--out-dir``.
+
+    python3 bench/bench_ep_device.py [--quick] [--worlds 1,2,4] [--upstream up.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def timed(fn, iters: int, warmup: int, barrier=None, host: list | None = None) -> list[float]:
+    """Microseconds of ``fn()`` per call, by CUDA events, each call on an idle GPU;
+    ``host`` gets the host's time in the call (Python, checks, launches)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        if barrier is not None:
+            barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1000)
+        if host is not None:
+            host.append((t1 - t0) * 1e6)
+    return out
+
+
+def median(v: list[float]) -> float:
+    return statistics.median(v) if v else float("nan")
+
+
+def make_inputs(T: int, H: int, E: int, K: int, n_sets: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.cuda()
+        w = torch.softmax(torch.rand(T, K, generator=g), dim=1).cuda()
+        sets.append((x, idx, w))
+    return sets
+
+
+def payload_bytes(H: int, fp8: bool) -> int:
+    return H + 4 * (H // 128) if fp8 else 2 * H
+
+
+def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None) -> dict:
+    sets = make_inputs(T, H, E, K, 4, seed=1234 + rank)
+    # A mask tensor, as engines pass one (and as the upstream benchmark does).
+    active = torch.ones(buf.num_ranks, dtype=torch.int32, device="cuda")
+    i = [0]
+
+    def nxt():
+        i[0] = (i[0] + 1) % len(sets)
+        return sets[i[0]]
+
+    def dispatch():
+        x, idx, _ = nxt()
+        return buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
+
+    res = {"E": E, "T": T, "H": H, "topk": K, "fp8": fp8, "path": None}
+    res["dispatch_host_us"] = []
+    res["dispatch_us"] = timed(dispatch, iters, warmup, barrier, res["dispatch_host_us"])
+    res["path"] = buf.path
+    # Each combine answers a dispatch of its own (a repeated combine of one handle
+    # would find its peers' flags already raised and wait for nothing).
+    combine_us, combine_host = [], []
+    for it in range(warmup + iters):
+        x, idx, w = nxt()
+        recv_x, _, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
+        y = (recv_x[0].float() * 0.5).to(torch.bfloat16) if fp8 else recv_x
+        call = lambda y=y, idx=idx, w=w, h=handle: buf.combine(y, idx, w, active, -1, h)  # noqa: E731
+        host: list[float] = []
+        t = timed(call, 1, 0, barrier, host)
+        if it >= warmup:
+            combine_us += t
+            combine_host += host
+    res["combine_us"], res["combine_host_us"] = combine_us, combine_host
+
+    hooks = []
+
+    def send_half():
+        x, idx, _ = nxt()
+        hooks.append(buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8, return_recv_hook=True)[4])
+
+    def recv_half():
+        hooks.pop(0)()
+
+    send, recv = [], []
+    for it in range(warmup + iters):
+        s = timed(send_half, 1, 0, barrier)
+        r = timed(recv_half, 1, 0)
+        if it >= warmup:
+            send += s
+            recv += r
+    res["send_half_us"], res["recv_half_us"] = send, recv
+    if barrier is None:
+        res.update(graph_times(buf, T, E, fp8, sets[0], y, active, iters))
+    return res
+
+
+def graph_times(buf, T, E, fp8, inputs, y, active, iters) -> dict:
+    """Kernel time: one dispatch (and one combine) captured and replayed."""
+    x, idx, w = inputs
+    out = {}
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            _, _, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
+        out["dispatch_kernel_us"] = timed(g.replay, iters, 5)
+        gs = torch.cuda.CUDAGraph()  # the send phase alone (its counts are never consumed)
+        with torch.cuda.graph(gs):
+            buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8, return_recv_hook=True)
+        out["send_kernel_us"] = timed(gs.replay, iters, 5)
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            buf.combine(y, idx, w, active, -1, handle)
+        out["combine_kernel_us"] = timed(g2.replay, iters, 5)
+    except RuntimeError as e:  # capture can fail on the portable path
+        out["graph_error"] = str(e)
+    return out
+
+
+def floor_us(nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return median(timed(lambda: dst.copy_(src), iters, 5))
+
+
+def member(rank: int, world: int, port: int, cfg: dict) -> list[dict]:
+    import os
+
+    import torch.distributed as dist
+
+    from mooncake.launch import init_rank
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    os.environ.update(cfg.get("env", {}))
+    torch.cuda.set_device(0)
+    init_rank(rank, world, port)
+    group = dist.group.WORLD
+    T, H, K = cfg["T"], cfg["H"], cfg["K"]
+    hint = max(Buffer.get_ep_buffer_size_hint(T, H, world, E) for E in cfg["experts"])
+    buf = Buffer(group, hint, device="cuda")
+    barrier = (lambda: dist.barrier(group)) if world > 1 else None
+    rows = []
+    for E in cfg["experts"]:
+        for fp8 in cfg["fp8"]:
+            r = measure_case(buf, T, H, E, K, fp8, cfg["iters"], cfg["warmup"], rank, barrier)
+            if world == 1:
+                moved = T * K * payload_bytes(H, fp8)
+                r["dispatch_floor_us"] = floor_us(moved, cfg["iters"])
+                r["combine_floor_us"] = floor_us(T * K * 2 * H, cfg["iters"])
+            rows.append(r)
+    return rows
+
+
+def summarize(rows_by_rank: list[list[dict]]) -> list[dict]:
+    """Per case: the median of every timing list; across ranks, the slowest rank's."""
+    out = []
+    for cases in zip(*rows_by_rank, strict=True):
+        row = {k: v for k, v in cases[0].items() if not isinstance(v, list)}
+        for k, v in cases[0].items():
+            if isinstance(v, list):
+                row[k] = max(median(c[k]) for c in cases)
+        out.append(row)
+    return out
+
+
+def upstream_rows(path: str | None) -> dict:
+    if not path:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    if data.get("error") and not data.get("cases"):
+        return {"error": data["error"]}
+    return {(c["E"], bool(c["fp8"])): c for c in data.get("cases", []) if not c.get("error")}
+
+
+def fmt(v) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def table(world: int, rows: list[dict], up: dict) -> str:
+    lines = [
+        f"world {world}: median µs (T=128, H=7168, top-8)",
+        "| E | dispatch | ours | kernel | send half | (kernel) | recv half | upstream | floor "
+        "| combine | ours | kernel | upstream | floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        u = up.get((r["E"], r["fp8"]), {}) if "error" not in up else {}
+
+        def um(key, u=u):
+            return (u.get(key) or {}).get("median")
+
+        lines.append(
+            f"| {r['E']} | {'FP8' if r['fp8'] else 'BF16'} | {fmt(r['dispatch_us'])} "
+            f"| {fmt(r.get('dispatch_kernel_us'))} | {fmt(r['send_half_us'])} "
+            f"| {fmt(r.get('send_kernel_us'))} "
+            f"| {fmt(r['recv_half_us'])} | {fmt(um('dispatch_us'))} "
+            f"| {fmt(r.get('dispatch_floor_us'))} | BF16 | {fmt(r['combine_us'])} "
+            f"| {fmt(r.get('combine_kernel_us'))} | {fmt(um('combine_us'))} "
+            f"| {fmt(r.get('combine_floor_us'))} |"
+        )
+    if "error" in up:
+        lines.append(f"(upstream skipped: {up['error'].splitlines()[-1][:120]})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worlds", default="1", help="comma-separated process counts on the GPU")
+    p.add_argument("--experts", default="256,288")
+    p.add_argument("--fp8", default="1,0", help="use_fp8 values")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="30 timed calls, 5 warm-up")
+    p.add_argument("--upstream", default=None, help="bench_ep_upstream.py's JSON")
+    p.add_argument("--out-dir", default=str(HERE / "results"))
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_ep_device: no CUDA GPU here; nothing to measure")
+        return 0
+    from mooncake.launch import run_local
+
+    cfg = {
+        "T": a.tokens,
+        "H": a.hidden,
+        "K": a.topk,
+        "experts": [int(e) for e in a.experts.split(",")],
+        "fp8": [bool(int(f)) for f in a.fp8.split(",")],
+        "iters": 30 if a.quick else a.iters,
+        "warmup": 5 if a.quick else a.warmup,
+    }
+    up = upstream_rows(a.upstream)
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "worlds": {}}
+    for world in (int(w) for w in a.worlds.split(",")):
+        t0 = time.monotonic()
+        rows = summarize(run_local(member, world, args=(cfg,), timeout_s=560))
+        results["worlds"][world] = rows
+        print(table(world, rows, up if world == 1 else {}))
+        for r in rows:
+            print(
+                f"  E={r['E']} {'FP8' if r['fp8'] else 'BF16'}: host time in dispatch "
+                f"{fmt(r['dispatch_host_us'])} us, in combine {fmt(r['combine_host_us'])} us"
+            )
+        print(f"(world {world}: {time.monotonic() - t0:.0f} s)\n")
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ep_device.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
