@@ -32,8 +32,8 @@ from ._ep_types import DispatchHandle, EventOverlap, stream_waiter, tensor_key
 
 #: Status codes of ``src/kernels/api.h``.
 _BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT = 1, 2, 3, 4, 5
-MAX_TOPK = 16  # EpLayout::kMaxTopk: combine rows per token
-_ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, the pid
+MAX_TOPK = pg._ext.EP_MAX_TOPK  # combine rows per token (src/ep/layout.h)
+_ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, present
 
 
 def _env_int(name: str) -> int:
@@ -48,6 +48,10 @@ def available() -> bool:
 
 def forced_off() -> bool:
     return _env_int("MOONCAKE_EP_FORCE_FALLBACK") != 0
+
+
+def _silent(rank: int) -> str:
+    return f"rank {rank} masked: silent past the deadline of a receive phase"
 
 
 def _boot_id() -> bytes:
@@ -90,7 +94,6 @@ class DevicePath:
         mine[0:64] = handle
         mine[64 : 64 + len(boot)] = boot
         mine[104 : 104 + len(bus)] = bus
-        mine[120:124] = os.getpid().to_bytes(4, "little")
         mine[124] = 1  # present
         row = torch.frombuffer(mine, dtype=torch.uint8).clone()
         rows = torch.zeros(self.num_ranks * _ROW_BYTES, dtype=torch.uint8)
@@ -115,11 +118,11 @@ class DevicePath:
     def poll_events(self) -> list[str]:
         """Mask events the kernels reported since the last poll (an error report is
         kept for :meth:`raise_reported`)."""
-        code, d0, d1, _ = self.ext.status(clear=False)
+        code, d0, _, _ = self.ext.status(clear=False)
         if code != _SILENT:
             return []
         self.ext.status(clear=True)
-        return [f"rank {d0} masked: silent past the deadline of a receive phase"]
+        return [_silent(d0)]
 
     def raise_reported(self, what: str) -> list[str]:
         """Raises what an earlier kernel on this rank reported; returns mask events
@@ -128,7 +131,7 @@ class DevicePath:
         if code == 0:
             return []
         if code == _SILENT:
-            return [f"rank {d0} masked: silent past the deadline of a receive phase"]
+            return [_silent(d0)]
         if code == _BAD_EXPERT:
             raise ValueError(
                 f"{what}: an earlier dispatch on this rank had topk_idx holding expert {d0} "

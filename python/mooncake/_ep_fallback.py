@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fp8
+from . import fp8, pg
 
-HEADER_BYTES = 16
+HEADER_BYTES = pg._ext.EP_HEADER_BYTES  # src/ep/layout.h's EpMsgHeader
 META_COLS = 6  # T, H, E, fp8, status, accept; then E/R counts
 STATUS_OK, STATUS_REJECTED = 1, 2
 

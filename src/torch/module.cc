@@ -265,6 +265,8 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
       py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
       py::arg("num_experts"),
       "The EP workspace layout (src/ep/layout.h); total_bytes is the size hint.");
+  m.attr("EP_HEADER_BYTES") = EpLayout::kHeaderBytes;
+  m.attr("EP_MAX_TOPK") = EpLayout::kMaxTopk;
   register_ep_elastic(m);
   register_ep_device(m);
   m.def("env_registry", [] {
