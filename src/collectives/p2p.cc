@@ -1,15 +1,40 @@
 #include "collectives/p2p.h"
 
+#include <algorithm>
 #include <cstring>
-#include <optional>
 
-#include "core/error.h"
+#include "core/env.h"
 #include "core/log.h"
 
 namespace mooncake {
 
 namespace {
+
 constexpr uint64_t kUnexpectedReserveBytes = uint64_t{1} << 20;
+
+uint64_t unclaimed_cap_from_env() {
+  const int64_t cap = env_int("MOONCAKE_P2P_UNCLAIMED_BYTES");
+  MC_CHECK_ARG(cap > 0, "MOONCAKE_P2P_UNCLAIMED_BYTES must be > 0, got ", cap);
+  return static_cast<uint64_t>(cap);
+}
+
+std::exception_ptr size_error(int src, uint64_t tag, uint64_t got, size_t want) {
+  return std::make_exception_ptr(
+      Error(ErrorKind::kInvalidArgument,
+            str("recv: the message from rank ", src, " with tag ", tag, " has ", got,
+                " bytes but the tensor has ", want, " bytes")));
+}
+
+// Appends a chunk to a message kept until a receive claims it. Grows like a
+// vector, but never past the message's size: a complete message holds no
+// more than its bytes.
+void append(std::vector<uint8_t>& buffer, uint64_t total, const uint8_t* data, size_t len) {
+  if (buffer.size() + len > buffer.capacity())
+    buffer.reserve(
+        std::min<uint64_t>(total, std::max<uint64_t>(buffer.size() + len, 2 * buffer.capacity())));
+  buffer.insert(buffer.end(), data, data + len);
+}
+
 }  // namespace
 
 struct P2P::Posted {
@@ -38,7 +63,9 @@ P2P::P2P(Channels& channels, int rank, int size, int64_t default_timeout_ms)
       rank_(rank),
       size_(size),
       default_timeout_ms_(default_timeout_ms),
-      in_flight_(static_cast<size_t>(size)) {
+      unclaimed_cap_(unclaimed_cap_from_env()),
+      in_flight_(static_cast<size_t>(size)),
+      unclaimed_(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(size))) {
   progress_ = std::thread([this] { progress_loop(); });
 }
 
@@ -99,37 +126,80 @@ std::shared_ptr<Request> P2P::recv(void* data, size_t bytes, int src, uint64_t t
         Error(ErrorKind::kPeerFailed, "recv: the process group was shut down")));
     return posted->request;
   }
-  std::shared_ptr<Incoming> ready;
+  std::shared_ptr<Incoming> ready;       // complete: copy it out
+  std::shared_ptr<Incoming> wrong_size;  // still arriving, and of the wrong size
+  bool wake = false;                     // its source was at the cap and no longer is
   {
     std::lock_guard<std::mutex> lock(mu_);
     bool matched = false;
     for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
-      auto& in = *it;
+      std::shared_ptr<Incoming> in = *it;
       if (in->claimed_by || (src >= 0 && in->src != src) || in->tag != tag) continue;
-      in->claimed_by = posted;
       matched = true;
+      const bool was_blocked = !may_take_locked(in->src);
+      unclaimed_[in->src].fetch_sub(kMessageOverheadBytes + in->got);
       if (in->complete) {
+        in->claimed_by = posted;
         ready = in;
         unexpected_.erase(it);
+      } else if (in->total != bytes) {
+        // Fail now rather than keep the rest of a message no receive can take.
+        unexpected_.erase(it);
+        in->discard = true;
+        std::vector<uint8_t>().swap(in->buffer);
+        wrong_size = in;
+      } else {
+        in->claimed_by = posted;  // its remaining chunks flow even at the cap
       }
+      wake = was_blocked && may_take_locked(in->src);
       break;
     }
     if (!matched) posted_.push_back(posted);
   }
+  if (wake) ring(ch_.bell());
   if (ready) finish(ready);
+  if (wrong_size) {
+    posted->request->set_source_rank(wrong_size->src);
+    posted->request->complete(
+        size_error(wrong_size->src, wrong_size->tag, wrong_size->total, bytes));
+  }
   return posted->request;
 }
 
-namespace {
-
-std::exception_ptr size_error(int src, uint64_t tag, uint64_t got, size_t want) {
-  return std::make_exception_ptr(
-      Error(ErrorKind::kInvalidArgument,
-            str("recv: the message from rank ", src, " with tag ", tag, " has ", got,
-                " bytes but the tensor has ", want, " bytes")));
+uint64_t P2P::unclaimed_bytes(int src) const {
+  MC_CHECK_ARG(src >= 0 && src < size_, "unclaimed_bytes: src rank must be in [0, ", size_,
+               "), got ", src);
+  return unclaimed_[src].load();
 }
 
-}  // namespace
+bool P2P::may_take(int src) {
+  // Only the progress thread (the caller) raises the count: below the cap
+  // here means below it now.
+  if (unclaimed_[src].load(std::memory_order_relaxed) < unclaimed_cap_) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  return may_take_locked(src);
+}
+
+bool P2P::may_take_locked(int src) const {
+  if (unclaimed_[src].load(std::memory_order_relaxed) < unclaimed_cap_) return true;
+  const std::shared_ptr<Incoming>& in = in_flight_[src];
+  return in && (in->posted || in->claimed_by || in->discard);
+}
+
+std::optional<std::pair<std::shared_ptr<P2P::Posted>, Error>> P2P::abandon_in_flight(int src) {
+  std::shared_ptr<Incoming> in = std::move(in_flight_[src]);
+  if (!in) return std::nullopt;
+  const bool kept = !in->posted && !in->discard;  // in unexpected_
+  if (kept) unexpected_.remove(in);
+  if (kept && !in->claimed_by) unclaimed_[src].fetch_sub(kMessageOverheadBytes + in->got);
+  std::shared_ptr<Posted> p = in->posted ? in->posted : in->claimed_by;
+  if (!p) return std::nullopt;
+  return std::make_pair(
+      p, Error(ErrorKind::kTimeout,
+               str("recv: rank ", src, " gave up sending the message with tag ", in->tag, " after ",
+                   in->got, " of ", in->total, " bytes (its send failed)"),
+               src));
+}
 
 // Copies a completed unexpected message into the receive that claimed it and
 // completes that receive. Called without mu_ held.
@@ -142,15 +212,20 @@ void P2P::finish(const std::shared_ptr<Incoming>& in) {
   p->request->complete();
 }
 
-void P2P::on_message(int src, const MsgHeader* msg) {
+bool P2P::on_message(int src, const MsgHeader* msg) {
   const auto* payload = reinterpret_cast<const uint8_t*>(msg + 1);
   std::shared_ptr<Incoming> in;
   std::shared_ptr<Request> done;  // a receive to complete once unlocked
   std::exception_ptr done_error;
   std::shared_ptr<Incoming> claimed_done;  // an unexpected message whose receive is waiting
+  std::optional<std::pair<std::shared_ptr<Posted>, Error>> abandoned;
+  bool more;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (msg->op_type == 1) {
+      // One message at a time per source: one still in flight was given up
+      // by its sender.
+      abandoned = abandon_in_flight(src);
       in = std::make_shared<Incoming>();
       in->src = src;
       in->tag = msg->op_seq;
@@ -171,8 +246,9 @@ void P2P::on_message(int src, const MsgHeader* msg) {
       } else if (!in->posted) {
         // Grown as chunks arrive, never sized from the header alone: a peer
         // cannot make this rank allocate more than it actually sends.
-        in->buffer.reserve(std::min<uint64_t>(in->total, kUnexpectedReserveBytes));
+        in->buffer.reserve(std::min({in->total, kUnexpectedReserveBytes, unclaimed_cap_}));
         unexpected_.push_back(in);
+        unclaimed_[src].fetch_add(kMessageOverheadBytes);
       }
       in_flight_[src] = in;
     } else {
@@ -182,8 +258,10 @@ void P2P::on_message(int src, const MsgHeader* msg) {
     MC_ASSERT(in->got + msg->len <= in->total);
     if (in->posted && msg->len != 0)
       std::memcpy(static_cast<uint8_t*>(in->posted->data) + in->got, payload, msg->len);
-    else if (!in->posted && !in->discard)
-      in->buffer.insert(in->buffer.end(), payload, payload + msg->len);
+    else if (!in->posted && !in->discard) {
+      append(in->buffer, in->total, payload, msg->len);
+      if (!in->claimed_by) unclaimed_[src].fetch_add(msg->len);
+    }
     in->got += msg->len;
     if (in->got == in->total) {
       in_flight_[src].reset();
@@ -196,9 +274,15 @@ void P2P::on_message(int src, const MsgHeader* msg) {
         claimed_done = in;
       }
     }
+    more = may_take_locked(src);
+  }
+  if (abandoned) {
+    abandoned->first->request->set_source_rank(src);
+    abandoned->first->request->complete(std::make_exception_ptr(abandoned->second));
   }
   if (done) done->complete(done_error);
   if (claimed_done) finish(claimed_done);
+  return more;
 }
 
 void P2P::housekeeping() {
@@ -233,7 +317,10 @@ void P2P::housekeeping() {
       if (!p) continue;
       if (auto e = verdict(*p, in->src)) {
         failed.emplace_back(p, *e);
-        if (p == in->claimed_by) unexpected_.remove(in);
+        if (p == in->claimed_by) {
+          unexpected_.remove(in);
+          std::vector<uint8_t>().swap(in->buffer);
+        }
         p.reset();
         in->discard = true;  // the rest of it, if it ever comes
       }
@@ -243,25 +330,28 @@ void P2P::housekeeping() {
 }
 
 void P2P::progress_loop() {
+  // A source at its cap is left alone: its message is not ready for us.
   auto any_ready = [&] {
     if (stopping_.load()) return true;
     for (int src = 0; src < size_; ++src)
-      if (ch_.poll(src) != nullptr) return true;
+      if (may_take(src) && ch_.poll(src) != nullptr) return true;
     return false;
   };
   int64_t last_housekeeping = now_us();
   while (!stopping_.load()) {
     bool progressed = false;
     for (int src = 0; src < size_; ++src) {
+      if (!may_take(src)) continue;  // at the cap: its sends wait for a receive
       const MsgHeader* msg;
       while ((msg = ch_.poll(src)) != nullptr) {
-        on_message(src, msg);
+        const bool more = on_message(src, msg);
         try {
           ch_.release(src, Deadline::after_ms(default_timeout_ms_));
         } catch (const Error& e) {
           MC_LOG(kWarn, "p2p: cannot acknowledge a message from rank ", src, ": ", e.what());
         }
         progressed = true;
+        if (!more) break;
       }
     }
     if (!progressed) wait_on(ch_.bell(), any_ready, Deadline::after_ms(50));

@@ -5,17 +5,30 @@
 // matches a posted receive lands straight in its buffer; one that does not yet
 // is kept in arrival order until a receive claims it. Messages from one
 // source with one tag match receives in order.
+//
+// What each source may have kept unclaimed is capped
+// (MOONCAKE_P2P_UNCLAIMED_BYTES): at the cap the progress thread leaves that
+// source's channel alone (neither reads nor acknowledges it), so the source's
+// sends wait for a free slot and fail at their deadline unless a receive
+// claims what is kept; other sources are unaffected. A message that a receive
+// claimed while it was still arriving no longer counts, and its remaining
+// chunks flow at the cap. A message whose sender gave up half way (its send
+// failed) is dropped when the sender's next message starts, and a receive
+// that had taken it fails.
 #pragma once
 
 #include <atomic>
 #include <list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "collectives/channel.h"
 #include "collectives/request.h"
+#include "core/error.h"
 
 namespace mooncake {
 
@@ -32,11 +45,28 @@ class P2P {
                                 int64_t timeout_ms = -1);
   void stop();
 
+  // Bytes kept for messages from `src` that no receive has claimed: their
+  // payload so far plus kMessageOverheadBytes each. At most the cap plus one
+  // chunk plus kMessageOverheadBytes.
+  uint64_t unclaimed_bytes(int src) const;
+  // What each unclaimed message counts on top of its payload (its
+  // bookkeeping), so that empty messages cannot pile up without bound.
+  static constexpr uint64_t kMessageOverheadBytes = 256;
+
  private:
   struct Posted;
   struct Incoming;
   void progress_loop();
-  void on_message(int src, const MsgHeader* msg);
+  // Takes one message; false when `src` is at its cap now (mu_ not held).
+  bool on_message(int src, const MsgHeader* msg);
+  // Whether the progress thread may take `src`'s next message: under the
+  // cap, or the message in flight from `src` is already claimed (or dropped).
+  bool may_take(int src);
+  bool may_take_locked(int src) const;  // mu_ held
+  // The sender of `src`'s message in flight gave up on it (a new message
+  // starts): drops it, and returns the receive it was landing in, if any,
+  // with the error to fail it with. mu_ held.
+  std::optional<std::pair<std::shared_ptr<Posted>, Error>> abandon_in_flight(int src);
   void housekeeping();
   void finish(const std::shared_ptr<Incoming>& in);
 
@@ -44,11 +74,16 @@ class P2P {
   int rank_;
   int size_;
   int64_t default_timeout_ms_;
-  OpQueue sender_{0};  // sends start at once: their callers rarely wait right away
+  const uint64_t unclaimed_cap_;  // MOONCAKE_P2P_UNCLAIMED_BYTES, per source
+  OpQueue sender_{0};             // sends start at once: their callers rarely wait right away
   std::mutex mu_;
   std::list<std::shared_ptr<Posted>> posted_;
   std::list<std::shared_ptr<Incoming>> unexpected_;
   std::vector<std::shared_ptr<Incoming>> in_flight_;  // per source
+  // Per source: bytes kept for unclaimed messages (see unclaimed_bytes).
+  // Written under mu_; read without it where a stale value is only a reason
+  // to look again under mu_ (only the progress thread raises it).
+  std::unique_ptr<std::atomic<uint64_t>[]> unclaimed_;
   std::atomic<bool> stopping_{false};
   std::thread progress_;
 };

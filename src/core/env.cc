@@ -18,6 +18,11 @@ const std::vector<EnvVar>& env_registry() {
        "init_process_group (torch's default is 30 minutes)."},
       {"MOONCAKE_CHUNK_BYTES", "262144",
        "Bytes of one message slot per peer channel; larger tensors are pipelined through it."},
+      {"MOONCAKE_P2P_UNCLAIMED_BYTES", "268435456",
+       "Per source rank: the most bytes of p2p messages that arrived before any recv took "
+       "them that this rank keeps. At the cap it stops taking that source's messages, so the "
+       "source's sends wait and fail at their timeout unless a recv comes; other sources are "
+       "unaffected."},
       {"MOONCAKE_SMALL_MSG_BYTES", "65536",
        "all_reduce/broadcast at or below this size use the direct algorithm; above it, "
        "reduce-scatter + all-gather (each rank moves O(size))."},

@@ -40,15 +40,20 @@ inline std::vector<int32_t> message(int src, uint64_t tag, size_t n) {
 // Runs `body` on each rank of a group with a P2P per rank; the ranks pass a
 // barrier before tearing down, so none goes away while a peer still talks to it.
 inline void run_p2p(
-    int ranks, bool tcp,
+    int ranks, const GroupOptions& options,
     const std::function<void(mooncake::P2P&, mooncake::Communicator&, Rank&)>& body) {
-  GroupOptions o;
-  o.tcp = tcp;
-  run_group(ranks, o, [&](mooncake::Communicator& comm, Rank& r) {
+  run_group(ranks, options, [&](mooncake::Communicator& comm, Rank& r) {
     mooncake::P2P p2p(comm.p2p_channels(), r.rank, r.size, kP2PWaitMs);
     body(p2p, comm, r);
     comm.barrier();
   });
+}
+inline void run_p2p(
+    int ranks, bool tcp,
+    const std::function<void(mooncake::P2P&, mooncake::Communicator&, Rank&)>& body) {
+  GroupOptions o;
+  o.tcp = tcp;
+  run_p2p(ranks, o, body);
 }
 
 }  // namespace mctest
