@@ -53,6 +53,9 @@ CONTROLLED_ENV = (
     "MOONCAKE_ASYNC_DELAY_US",
     "MOONCAKE_HANG_MS",
     "MOONCAKE_RECOVER",
+    "MOONCAKE_P2P_UNCLAIMED_BYTES",
+    "MOONCAKE_EP_WAIT_CAP_MS",
+    "MOONCAKE_EP_FORCE_FALLBACK",
 )
 #: Environment of the chunked launches: 4 KiB slots make "larger than the
 #: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,
