@@ -262,8 +262,8 @@ class ElasticBuffer(Buffer):
 
     def barrier(self, timeout_ms: int | None = None) -> list[int]:
         """Waits until every active slot has reached this barrier (the optional
-        native barrier). A slot that does not arrive within ``timeout_ms`` (None:
-        the buffer's) is masked.
+        native barrier): one exchange phase of empty messages. A slot that does not
+        arrive within ``timeout_ms`` (None: the buffer's) of this call is masked.
 
         Returns:
             the slots that took part (this rank included).
@@ -348,13 +348,14 @@ class ElasticBuffer(Buffer):
     def _present(self, num_ranks: int) -> torch.Tensor:
         return torch.tensor(self._peers.mask()[:num_ranks], dtype=torch.int32) == 0
 
-    def _all_to_all(self, device, out, inp, out_splits, in_splits, deadline_us):
+    def _all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
         def row_bytes(t: torch.Tensor) -> int:
             return t.element_size() * (t[0].numel() if t.dim() > 1 else 1)
 
         rb = row_bytes(out if out.numel() else inp) if (out.numel() or inp.numel()) else 0
-        # The per-op timeout the portable path uses, in whole ms (-1: the buffer's own).
-        timeout_ms = math.ceil(fb.timeout_of(deadline_us).total_seconds() * 1000)
+        # This exchange's own budget, as the portable path rounds it: whole ms from now
+        # (-1: the buffer's timeout_ms).
+        timeout_ms = math.ceil(fb.timeout_of(timeout_us).total_seconds() * 1000)
         host_out = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
         host_in = inp.contiguous() if inp.device.type == "cpu" else inp.cpu()
         self._peers.exchange(

@@ -4,7 +4,9 @@ Device-agnostic: tensors stay on the caller's device and move with the group's
 ``all_to_all_single`` (``alltoall_base`` with a per-op timeout). It is the
 reference the device path is tested against and what runs on CPU.
 
-Dispatch is two exchanges:
+Dispatch is two exchanges, each with the call's ``timeout_us`` as its own budget (a
+peer that answered the counts is never masked in the tokens exchange because another
+peer used up the first budget), so a dispatch may wait up to twice ``timeout_us``:
 
 1. **counts**: every rank sends every rank one int64 row ``[T, H, E, fp8,
    status, accept, n_0 .. n_{E/R-1}]``: its call's shape, whether it rejected
@@ -17,7 +19,7 @@ Dispatch is two exchanges:
    index, int32 local expert, 8 reserved bytes) and the payload (the token's
    values, or its FP8 data and fp32 scales).
 
-Combine is one exchange: every rank sends each row it received back to its
+Combine is one exchange (one budget): every rank sends each row it received back to its
 source, in the order it came, so the source knows which (token, top-k slot)
 each row answers without a header; the source sums ``weight * row`` in fp32.
 
@@ -40,21 +42,20 @@ META_COLS = 6  # T, H, E, fp8, status, accept; then E/R counts
 STATUS_OK, STATUS_REJECTED = 1, 2
 
 
-def timeout_of(deadline_us: int | None) -> datetime.timedelta:
-    """The per-op timeout for a deadline in ``time.monotonic_ns() // 1000`` (None: the
-    group's own timeout)."""
-    import time
-
-    if deadline_us is None:
+def timeout_of(timeout_us: int) -> datetime.timedelta:
+    """The per-op timeout of one exchange whose budget is ``timeout_us`` (-1: the group's
+    own timeout), in whole milliseconds, rounded up: a budget runs from the exchange's
+    start, never from the call's, so no exchange inherits what an earlier one spent."""
+    if timeout_us == -1:
         return datetime.timedelta(milliseconds=-1)  # c10d's "unset": the group's timeout
-    left = deadline_us - time.monotonic_ns() // 1000
-    return datetime.timedelta(microseconds=max(1000, left))
+    return datetime.timedelta(milliseconds=-(-timeout_us // 1000))
 
 
-def all_to_all(backend, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, deadline_us):
-    """Starts an uneven all_to_all_single (splits in rows of dim 0); returns the Work."""
+def all_to_all(backend, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits, timeout_us):
+    """Starts an uneven all_to_all_single (splits in rows of dim 0) with a budget of
+    ``timeout_us`` from now (-1: the group's timeout); returns the Work."""
     return backend.alltoall_base(
-        out, inp, [int(s) for s in out_splits], [int(s) for s in in_splits], timeout_of(deadline_us)
+        out, inp, [int(s) for s in out_splits], [int(s) for s in in_splits], timeout_of(timeout_us)
     )
 
 

@@ -23,7 +23,6 @@ ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
 
 import torch
@@ -223,8 +222,11 @@ class Buffer:
             rank: this process's slot (logical rank), below ``2**31``.
             tcp_store_group: the ``torch.distributed.Store`` (a TCPStore) through
                 which peers exchange metadata.
-            timeout_ms: deadline of one exchange (communication only); a peer
-                silent past it is masked. -1: none; else below ``2**40``.
+            timeout_ms: the wait budget of each exchange phase (communication
+                only), from the phase's start; a peer silent past it is masked.
+                A dispatch runs two phases (counts, then tokens), so it may wait
+                up to twice it; a combine or a barrier one. A call's
+                ``timeout_us`` replaces it. -1: none; else below ``2**40``.
             metadata_timeout_ms: bound of store waits only (a peer's buffer or
                 its side of a connection), in ``[1, 2**40)``.
             store_prefix: the store keys' namespace (one per set of buffers).
@@ -341,12 +343,12 @@ class Buffer:
             )
         return None
 
-    def _all_to_all(self, device, out, inp, out_splits, in_splits, deadline_us):
+    def _all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
         """Starts an uneven exchange of ``inp``'s rows (splits per rank); returns a Work.
-        ``device`` None: this rank rejected its call and only takes part."""
-        return fb.all_to_all(
-            self._backend_for(device), out, inp, out_splits, in_splits, deadline_us
-        )
+        ``device`` None: this rank rejected its call and only takes part. ``timeout_us``
+        is this exchange's own budget, from its start (-1: the group's, or the buffer's,
+        timeout): a call of several exchanges gives each the whole ``timeout_us``."""
+        return fb.all_to_all(self._backend_for(device), out, inp, out_splits, in_splits, timeout_us)
 
     def _backend_for(self, device: torch.device | None):
         if device is None or device.type == "cpu":
@@ -357,10 +359,6 @@ class Buffer:
                 f"x is on {device}, but the group has no mooncake backend for {device.type}"
             )
         return b
-
-    @staticmethod
-    def _deadline(timeout_us: int) -> int | None:
-        return None if timeout_us == -1 else time.monotonic_ns() // 1000 + timeout_us
 
     def _mark_failed(self, active_ranks, present: torch.Tensor) -> None:
         if active_ranks is None:
@@ -503,11 +501,18 @@ class Buffer:
             num_max_dispatch_tokens_per_rank: ``T``, the most tokens any rank
                 sends in one call; sizes ``recv_x``; below ``2**31``.
             num_experts: ``E``, divisible by ``R``; below ``2**31``.
-            timeout_us: deadline for the exchange, in microseconds, at most
-                ``2**50`` (about 35 years); ``-1``: no EP deadline (the group's
-                own timeout and failure detection still apply). A rank that is
-                alive but misses the deadline is left out of the process group,
-                as the group does with any rank silent past an op's deadline.
+            timeout_us: the wait budget of each exchange phase, in
+                microseconds, from the phase's start, at most ``2**50`` (about
+                35 years); ``-1``: no EP deadline (the group's own timeout and
+                failure detection still apply). The portable path's dispatch
+                runs two phases (counts, then tokens), so it may wait up to
+                twice ``timeout_us`` (plus, per phase, the group's grace of at
+                most 0.5 s for the others to report when it leaves a rank out);
+                each phase has the whole budget, so a rank that answered one
+                phase is never masked because another rank was slow. A rank
+                that is alive but misses a phase's deadline is left out of the
+                process group, as the group does with any rank silent past an
+                op's deadline.
             use_fp8: send FP8 e4m3 with one fp32 scale per token per 128
                 channels (``mooncake.fp8``); ``H % 128 == 0``.
             async_finish: (bool) return at once; ``event.current_stream_wait()``
@@ -572,7 +577,10 @@ class Buffer:
         ok = error is None
         device = x.device if ok else None
         epr = self._local_experts(num_experts, R)
-        deadline = self._deadline(timeout_us) if ok else None
+        # Each exchange has the whole timeout_us from its own start: a peer that answered
+        # the counts is not masked in the tokens exchange because the counts exchange spent
+        # the budget waiting for another, silent, peer.
+        budget = timeout_us if ok else -1
         mask = (
             (self._present(R) if active_ranks is None else active_ranks.cpu().bool())
             if ok
@@ -591,7 +599,7 @@ class Buffer:
         meta = meta.to(device or "cpu")
         theirs = torch.zeros_like(meta)  # rows of ranks that send nothing stay 0
         try:
-            self._all_to_all(device, theirs, meta, [1] * R, [1] * R, deadline).wait()
+            self._all_to_all(device, theirs, meta, [1] * R, [1] * R, budget).wait()
         except ValueError as e:
             if error:
                 raise ValueError(f"dispatch: {error}") from None
@@ -613,7 +621,7 @@ class Buffer:
         send_splits = (r.counts.cpu() * mutual.unsqueeze(1).long()).sum(1)
         recv_splits = buffer_counts.sum(1)
         recv = torch.empty(int(recv_splits.sum()), row_bytes, dtype=torch.uint8, device=device)
-        work = self._all_to_all(device, recv, rows, recv_splits, send_splits, deadline)
+        work = self._all_to_all(device, recv, rows, recv_splits, send_splits, budget)
 
         if use_fp8:
             recv_x = (
@@ -818,7 +826,8 @@ class Buffer:
             active_ranks: int32 ``[R]`` as in :meth:`dispatch`. Outputs of
                 experts on ranks marked 0 (or that die now) are skipped; ranks
                 that die are set to 0. ``None``: the process group's view.
-            timeout_us: as in :meth:`dispatch`.
+            timeout_us: as in :meth:`dispatch`; a combine is one exchange phase,
+                so it waits at most ``timeout_us``.
             handle: the dispatch's :class:`DispatchHandle`.
             zero_copy: (bool) ``x`` is :meth:`get_next_combine_buffer` (handle).
             async_finish, return_recv_hook: as in :meth:`dispatch`.
@@ -872,18 +881,17 @@ class Buffer:
             # that the others fail alike instead of waiting for this rank.
             empty = torch.empty(0, dtype=torch.uint8)
             try:
-                self._all_to_all(None, empty, empty, [0] * R, [0] * R, None).wait()
+                self._all_to_all(None, empty, empty, [0] * R, [0] * R, -1).wait()
             except (ValueError, RuntimeError):
                 pass
             raise ValueError(f"combine: {error}")
         device = x.device
-        deadline = self._deadline(timeout_us)
         a = handle._arrival
         back = fb.gather_outputs(x, a, handle._recv_rows)
         sent_rows = int(handle._send_splits.sum())
         returned = torch.empty(sent_rows, x.shape[2], dtype=x.dtype, device=device)
         work = self._all_to_all(
-            device, returned, back, handle._send_splits, handle._recv_splits, deadline
+            device, returned, back, handle._send_splits, handle._recv_splits, timeout_us
         )
         work = _Rephrased(
             work,

@@ -2,8 +2,11 @@
 // one Endpoint whose slot is this process's logical rank, a SlotTable, and
 // message channels to the connected slots. Peers find each other through the
 // caller's store; there is no process group and no agreement: every rank
-// keeps its own mask, and a peer that stays silent past a call's deadline is
-// masked on the side that waited for it.
+// keeps its own mask, and a peer that stays silent past an exchange's deadline
+// is masked on the side that waited for it. Every exchange has the whole
+// timeout from its own start: a call of several exchanges (a dispatch: counts,
+// then tokens) never hands a later one what an earlier one left, so a peer
+// that answered the counts is not masked because another peer was silent.
 //
 // Store keys (under `prefix`):
 //   inc/<slot>              counter: the incarnation of each process that holds the slot
@@ -58,7 +61,7 @@ struct ElasticConfig {
   int rank = 0;
   int capacity = 0;
   int local_experts = 0;                 // num_experts_per_rank; peers must agree
-  int64_t timeout_ms = 30000;            // one exchange (communication only); < 0: none
+  int64_t timeout_ms = 30000;            // each exchange (communication only); < 0: none
   int64_t metadata_timeout_ms = 300000;  // store waits only
   size_t chunk_bytes = 0;                // 0: MOONCAKE_CHUNK_BYTES
   int64_t hang_ms = -1;  // silence that fails a peer; 0: never; < 0: MOONCAKE_HANG_MS
@@ -93,13 +96,14 @@ class ElasticPeers {
   // One exchange among the active slots below `bound`: send[p] (send_bytes[p]
   // bytes) to every such peer p and receive recv_bytes[p] bytes into recv[p]
   // from it (arrays of capacity entries; this rank's own entry is copied).
-  // A peer that fails, stays silent past the deadline (timeout_ms < 0: the
-  // configured one) or sends the wrong number of bytes is masked.
+  // A peer that fails, stays silent past timeout_ms from this exchange's start
+  // (< 0: the configured one) or sends the wrong number of bytes is masked.
   // Returns, per slot, 1 when its data arrived (this rank included).
   std::vector<uint8_t> exchange(const void* const* send, const size_t* send_bytes,
                                 void* const* recv, const size_t* recv_bytes, int bound,
                                 int64_t timeout_ms);
-  // An exchange of empty messages among all active slots.
+  // An exchange of empty messages among all active slots (one phase: one
+  // timeout_ms).
   std::vector<uint8_t> barrier(int64_t timeout_ms);
 
   // "shm", "tcp", "self" or "none".

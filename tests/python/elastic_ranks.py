@@ -51,7 +51,8 @@ SPEC = Spec(T=8, H=128, K=3, epr=2, ns=(5, 3, 8, 6, 0, 7))
 #: How rounds vary (round i uses STYLES[i % len]): R ("bound": the rank bound, "cap":
 #: the capacity, "mid": between), dispatch and combine completion, FP8, active_ranks
 #: ("none": None, the buffer's mask; "plan": the active slots; "ones": all ones),
-#: combine(out=...), zero-copy combine, cumulative_local_expert_recv_stats.
+#: combine(out=...), zero-copy combine, cumulative_local_expert_recv_stats. A style may add
+#: ``timeout_us`` (default -1: the buffer's timeout_ms).
 STYLES = (
     dict(R="bound", d="sync", c="sync", fp8=False, act="none", out=False, zc=False, stats=True),
     dict(R="cap", d="async", c="hook", fp8=False, act="plan", out=True, zc=False, stats=False),
@@ -155,7 +156,9 @@ def play_round(
         )
     bound = max(plan) + 1
     R = {"bound": bound, "cap": cap, "mid": (bound + cap + 1) // 2}[st["R"]]
-    spec = replace(SPEC, fp8=st["fp8"], K=min(SPEC.K, epr * R), epr=epr)
+    spec = replace(
+        SPEC, fp8=st["fp8"], K=min(SPEC.K, epr * R), epr=epr, timeout_us=st.get("timeout_us", -1)
+    )
     views = [[int(s in view and q in view) for q in range(R)] for s in range(R)]
     act = {
         "none": None,
@@ -730,9 +733,71 @@ def staging(rk: Rank, buf) -> None:
     rk.end_phase()
 
 
+# --- a silent peer beside a late one (issue 15) ---------------------------------------------
+
+
+def silent(rk: Rank) -> None:
+    """Slots 0, 1 and 3 of capacity 4 (slot 2 never connects). ``trio``: rounds among the
+    three. ``silent``: slot 3 stays alive but skips a round; slot 0 calls it at once,
+    slot 1 ``stagger_s`` later (well inside one timeout_ms). Every exchange phase has
+    the whole timeout as its own budget, so the dispatch's counts phase masks slot 3 at
+    its deadline, and the tokens phase then waits for slot 1, which answered the counts:
+    both mask exactly slot 3 (mask [0, 0, 1, 1], one mask event naming it), receive each
+    other's tokens and combine exactly. Then rounds among {0, 1}; slot 3 (which masked
+    nobody) and the two reconnect, and full rounds pass."""
+    p, me, trio, pair = rk.p, rk.slot, [0, 1, 3], [0, 1]
+    n = p["rounds"]
+    buf = rk.make_buffer()
+    rk.phase = "trio"
+    buf.connect_ranks(others(trio, me), activate=me == 3)
+    rk.publish(buf, others(trio, me))
+    rk.expect_slots(buf, trio, "connected")
+    rk.check("connected")
+    rk.sync(rk.phase, trio)
+    rk.rounds(buf, n, trio)
+    rk.end_phase()
+
+    rk.phase = "silent"
+    rk.sync(rk.phase, trio)
+    if me in pair:
+        events = len(buf.mask_events())
+        if me == 1:
+            time.sleep(p["stagger_s"])
+        style = {"R": "bound", "d": "sync", "c": "sync", "act": "none"}
+        style["timeout_us"] = p["timeout_ms"] * 1000  # the call's own, not the buffer's
+        r = rk.round(buf, 0, trio, must_drop=(3,), style=style)
+        mask = rk.mask(buf)
+        rk.chk.expect(mask == [0, 0, 1, 1], f"query_mask_buffer {mask}, want [0, 0, 1, 1]")
+        new = buf.mask_events()[events:]
+        rk.chk.expect(
+            len(new) == 1 and "rank 3" in new[0],
+            f"mask_events of the round: {new}, want one naming rank 3",
+        )
+        rk.check("masked", dispatch_s=r.dispatch_s, combine_s=r.combine_s, events=new)
+        rk.store.set(f"tl/silent/{me}", "1")
+        rk.rounds(buf, n, pair, start=1)
+        rk.sync("silent-rejoin", trio)
+        buf.disconnect_ranks([3])
+        buf.connect_ranks([3])
+        rk.publish(buf, [3])
+    else:
+        rk.wait_keys(["tl/silent/0", "tl/silent/1"])  # silent until both have returned
+        rk.expect_slots(buf, trio, "slot 3 after skipping a round")
+        rk.check("skipped")
+        rk.sync("silent-rejoin", trio)
+        buf.disconnect_ranks(pair)
+        buf.connect_ranks(pair)
+        rk.publish(buf, pair)
+    rk.expect_slots(buf, trio, "reconnected after the silent round")
+    rk.check("rejoined")
+    rk.sync("silent-full", trio)
+    rk.rounds(buf, n, trio, start=100)
+    rk.end_phase()
+
+
 # --- main -----------------------------------------------------------------------------------
 
-SCENARIOS = {"growth": growth, "fault": fault, "contract": contract}
+SCENARIOS = {"growth": growth, "fault": fault, "contract": contract, "silent": silent}
 
 
 def main() -> int:

@@ -1418,9 +1418,9 @@ def _round_record(chk: Checks, r: Round, tag: str, **extra) -> dict:
     return rec
 
 
-def _full_round(chk: Checks, buf, tag: str) -> dict:
+def _full_round(chk: Checks, buf, tag: str, spec: Spec = KILL_SPEC) -> dict:
     R = chk.world_size
-    r = Round(chk, buf, KILL_SPEC, tag, masks=[[1] * R for _ in range(R)])
+    r = Round(chk, buf, spec, tag, masks=[[1] * R for _ in range(R)])
     r.dispatch()
     r.check_dispatch(must_drop=())
     r.combine()
@@ -1578,3 +1578,77 @@ def _wait_store(store, key: str, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"store key {key} not set")
         time.sleep(0.005)
+
+
+# --- a late rank beside a silent one (issue 15; a mooncake.launch.LocalGroup) ---------------
+
+SILENT_SPEC = Spec(T=6, H=128, K=3, epr=2, ns=(6, 4, 5), timeout_us=2_500_000)
+
+
+def _slow_between_exchanges(seconds: float) -> None:
+    """Makes this process's dispatches spend ``seconds`` between the counts and the tokens
+    exchange (in packing the tokens), as a loaded host would."""
+    from mooncake import _ep_fallback
+
+    pack = _ep_fallback.pack_tokens
+
+    def slow_pack(*args, **kwargs):
+        time.sleep(seconds)
+        return pack(*args, **kwargs)
+
+    _ep_fallback.pack_tokens = slow_pack
+
+
+def ep_silent_rank(rank, world_size, port, plan):
+    """World 3. A full round; then rank 2 stays alive but skips a round, and rank 1 calls
+    ``stagger_s`` after rank 0 and spends ``between_s`` between the two exchanges (both
+    well inside one timeout_us). The group leaves rank 2 out at the counts exchange's
+    deadline; the tokens exchange then has the whole timeout_us of its own, so rank 1,
+    late but within each phase's budget, is not masked: both end the round with
+    active_ranks [1, 1, 0], rows and combine exact for {0, 1}, and go on. Rank 2, once
+    they are done, learns from its next dispatch that it was left out.
+
+    Returns ``{"rounds": [...], ...}``; each round record lists the failed expectations."""
+    from ft_ranks import start_rank
+
+    chk = Checks(rank, world_size, "silent")
+    _, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"])
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    buf = Buffer(dist.group.WORLD)
+    out = {"rounds": [_full_round(chk, buf, "before", SILENT_SPEC)]}
+    store.set(f"ready/{rank}", "1")
+    for r in range(world_size):
+        _wait_store(store, f"ready/{r}")
+    if rank == 2:  # silent until both others have returned from the round
+        _wait_store(store, "done/0")
+        _wait_store(store, "done/1")
+        t0 = time.monotonic()
+        try:
+            _full_round(chk, buf, "silent_self", SILENT_SPEC)
+            out["silent"] = ("ok", "", time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - reported
+            out["silent"] = (type(e).__name__, str(e)[:300], time.monotonic() - t0)
+        return out
+    if rank == 1:
+        _slow_between_exchanges(plan["between_s"])
+        time.sleep(plan["stagger_s"])
+    R = world_size
+    act = torch.ones(R, dtype=torch.int32)
+    r = Round(chk, buf, SILENT_SPEC, "late", act=act)
+    try:
+        r.dispatch()
+        r.check_dispatch(must_drop=(2,))
+        r.combine()
+        r.check_combine()
+    except Exception as e:  # noqa: BLE001 - reported
+        chk.fail(f"raised {type(e).__name__}: {str(e)[:300]}")
+        out["rounds"].append(_round_record(chk, r, "late", active=act.tolist(), pg=None))
+        return out
+    finally:
+        store.set(f"done/{rank}", "1")  # rank 2's silence ends
+    out["rounds"].append(_round_record(chk, r, "late", active=act.tolist(), pg=pg_view(R)))
+    r = Round(chk, buf, SILENT_SPEC, "after", act=act)
+    r.run()
+    out["rounds"].append(_round_record(chk, r, "after", active=act.tolist()))
+    return out

@@ -29,6 +29,9 @@
   (``recover_ranks`` + ``update_ep_member``) and a full-strength round is correct; then a
   rank killed at a random moment of a sequence of rounds is masked and every round stays
   correct.
+* A late rank beside a silent one (world 3): rank 2 skips a round, rank 1 calls 0.7 s
+  after rank 0 and is 0.3 s slow between its two exchanges; each exchange phase of
+  dispatch has the whole ``timeout_us``, so only rank 2 is left out (issue 15).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import signal
 
 import pytest
 
-from ep_cases import ep_cases, ep_kill_rank, random_cases
+from ep_cases import SILENT_SPEC, ep_cases, ep_kill_rank, ep_silent_rank, random_cases
 from ft_parent import env, launch, mark_dead, wait_key
 from launcher import Launch, check, parametrize
 
@@ -389,3 +392,55 @@ def test_kill_sequences_stress(seed):
     plan, out = run_kill(seed)
     problems, _ = kill_problems(plan, out.get())  # timing: test_stopped_rank_is_masked...
     assert not problems, f"plan {plan}, {out.seconds:.1f} s:\n" + "\n".join(problems[:40])
+
+
+# --- a late rank beside a silent one (issue 15) -------------------------------------------------
+
+#: Rank 1 calls 0.7 s after rank 0 and spends 0.3 s between the two exchanges: each well
+#: inside one 2.5 s phase budget (SILENT_SPEC), while the counts exchange, waiting for the
+#: silent rank, ends past rank 0's first deadline (a shared deadline leaves 1 ms after it).
+SILENT_PLAN = {"timeout_s": 30.0, "stagger_s": 0.7, "between_s": 0.3}
+
+
+@pytest.mark.timeout(240)
+def test_late_rank_within_each_phase_budget_is_not_masked():
+    """Rank 2 is alive but skips a round; rank 1 calls it 0.7 s after rank 0 and spends
+    0.3 s between its two exchanges (timeout_us 2.5 s; the group's own timeout 30 s). The
+    counts exchange ends past rank 0's deadline with rank 2 left out of the group; the
+    tokens exchange then has a whole timeout_us of its own, so rank 1 (late, but within
+    each phase's budget) is not masked: ranks 0 and 1 end with active_ranks and the
+    group's view [1, 1, 0], rows and combine exact for {0, 1} (checked against the
+    model), and the next round passes; no dispatch takes more than twice timeout_us (and
+    the group's grace). Rank 2's next dispatch raises RuntimeError (left out). (With one
+    deadline for both exchanges, rank 0's tokens exchange had 1 ms, and the group left
+    rank 1 out.)"""
+    out = launch(3, ep_silent_rank, SILENT_PLAN, env(), timeout_s=200.0)
+    results = out.get()
+    problems = []
+    if sorted(results) != ["0", "1", "2"]:
+        problems.append(f"results from {sorted(results)}")
+    bound_s = 2 * SILENT_SPEC.timeout_us / 1e6 + 3.0
+    for key, res in sorted(results.items()):
+        for rec in res["rounds"]:
+            problems += [f"process {key}, round {rec['tag']}: {f}" for f in rec["failures"]]
+        if key == "2":
+            status, detail, took = res.get("silent", ("missing", "", 0))
+            if status != "RuntimeError" or "left out" not in detail or took > 15:
+                problems.append(
+                    f"process 2 (silent): dispatch gave {status} {detail!r} after {took:.1f} s; "
+                    f"want RuntimeError 'left out'"
+                )
+            continue
+        tags = [rec["tag"] for rec in res["rounds"]]
+        if tags != ["before", "late", "after"]:
+            problems.append(f"process {key}: rounds {tags}")
+            continue
+        late = res["rounds"][1]
+        if late["active"] != [1, 1, 0] or late["pg"] != [1, 1, 0]:
+            problems.append(f"process {key}: active_ranks {late['active']}, pg {late['pg']}")
+        if late["dispatch_s"] > bound_s or late["combine_s"] > bound_s / 2:
+            problems.append(
+                f"process {key}: dispatch took {late['dispatch_s']:.2f} s, combine "
+                f"{late['combine_s']:.2f} s"
+            )
+    assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])

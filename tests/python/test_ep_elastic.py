@@ -21,6 +21,8 @@ bound, the capacity or between. The tests read what the processes recorded:
 * ``contract`` (capacity 4, three ranks, 1 KiB message slots so that every exchange takes
   several pieces): staging beside live traffic, disconnect/reconnect, mask/publish of a
   live peer, 8 barriers, a peer that skips a round masked after timeout_ms, reconnected.
+* ``silent`` (capacity 4, slots 0, 1 and 3): slot 3 skips a round while slot 1 calls it
+  late; only slot 3 is masked (each exchange phase has its own budget; issue 15).
 
 The argument rules run on buffers in this process (two buffers of one store talk through
 threads); what could crash the process, or needs MOONCAKE_TRANSPORT=tcp, runs in a fresh
@@ -81,6 +83,11 @@ FAULT = {
 CONTRACT = {"capacity": 4, "rounds": 4, "timeout_ms": 2500, "seed": SEED}
 #: 1 KiB message slots: every exchange of a round takes several pieces.
 CONTRACT_ENV = {"MOONCAKE_CHUNK_BYTES": "1024"}
+
+#: Slot 1 calls 0.7 s after slot 0, well inside one 2.5 s phase budget: it reaches the
+#: tokens phase 0.7 s after slot 0 (both wait out silent slot 3 in the counts phase), 1.8 s
+#: before slot 0's budget for that phase ends (one deadline for both phases left it 1 ms).
+SILENT = {"capacity": 4, "rounds": 3, "timeout_ms": 2500, "stagger_s": 0.7, "seed": SEED}
 
 
 @pytest.fixture(scope="module")
@@ -334,6 +341,34 @@ def test_contract_missing_peer_is_masked_after_timeout(contract):
 def test_contract_processes_end_cleanly(contract):
     troubles = contract.troubles()
     assert not troubles, report(troubles, contract)
+
+
+# --- a silent peer beside a late one (issue 15) --------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_silent_peer_masks_only_itself_when_another_is_late():
+    """Slots 0, 1 and 3 active; slot 3 alive but skipping a round; slot 1 calls 0.7 s after
+    slot 0. Dispatch is two exchanges (counts, then tokens), each with the whole timeout as
+    its budget: slot 0's counts phase masks slot 3 at its deadline, and its tokens phase
+    still waits for slot 1, which answered the counts. Both mask exactly slot 3 (mask
+    [0, 0, 1, 1], one event), recv_count, rows and the combine match the model for {0, 1};
+    no combine waits out a timeout; rounds go on, and after a reconnect among all three.
+    (With one deadline for both phases, slot 0 masked slot 1 in the tokens phase with 1 ms
+    left, and slot 1 then masked slot 0 in the combine.)"""
+    tl = Timeline("silent", SILENT, [0, 1, 3], timeout_s=120).run()
+    problems = tl.problems(["trio"], slots=[0, 1, 3], rounds=SILENT["rounds"])
+    problems += tl.problems(["silent"], slots=[0, 1, 3], rounds=SILENT["rounds"])
+    problems += tl.troubles()
+    assert not problems, report(problems, tl)
+    t = SILENT["timeout_ms"] / 1000
+    masked = tl.checks("silent", "masked")
+    assert sorted(masked) == [0, 1]
+    for slot, rec in masked.items():
+        # Slot 0: the counts phase's timeout, then slot 1's lateness; slot 1: one timeout.
+        assert 0.9 * t <= rec["dispatch_s"] <= 2 * t + 3.0, (slot, rec)
+        assert rec["combine_s"] < t, (slot, rec)
+        assert all(f"deadline {SILENT['timeout_ms']} ms" in e for e in rec["events"]), rec
 
 
 # --- argument rules, on buffers in this process ------------------------------------------------
