@@ -251,15 +251,17 @@ class Upstream:
 
 
 def init_group(torch, dist, up: Upstream, args: argparse.Namespace, rec: dict):
-    """A world-1 default group: upstream's "mooncake" backend, else (auto) NCCL.
+    """A world-1 default group: NCCL, else (auto) upstream's "mooncake" backend.
 
     At world size 1 the EP buffer exchanges nothing through the group when
     RDMA is off, so a stand-in group does not change what the kernels do; the
-    backend used is recorded as ``pg_backend``.
+    backend used is recorded as ``pg_backend``. NCCL comes first: on the GPU
+    machine (2026-12-01) upstream's own backend did not finish initialising
+    (its world-1 all_reduce probe) within 300 s.
     """
     from datetime import timedelta
 
-    order = ["mooncake", "nccl"] if args.pg_backend == "auto" else [args.pg_backend]
+    order = ["nccl", "mooncake"] if args.pg_backend == "auto" else [args.pg_backend]
     errors = []
     for name in order:
         try:
@@ -624,7 +626,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--pg-backend",
         choices=("auto", "mooncake", "nccl"),
         default="auto",
-        help="process group for the buffer; auto: upstream's mooncake, else nccl",
+        help="process group for the buffer; auto: nccl, else upstream's mooncake",
     )
     p.add_argument("--site", default="", help="directory to put first on sys.path")
     p.add_argument(
