@@ -545,7 +545,8 @@ class Buffer:
             ValueError: an argument breaks a rule above (the message names it),
                 or the ranks disagree on the call's shape; raised on every rank
                 alike, and the group stays usable.
-            RuntimeError: this rank was left out of the group.
+            mooncake.LeftOutError: this rank was left out of the group (a
+                ``RuntimeError``; ``.ranks == [this rank]``).
         """
         R = self._call_ranks(num_experts)
         if self._device is not None and self._device.takes(x):
@@ -844,7 +845,8 @@ class Buffer:
                 Buffer, a ``topk_idx`` other than the dispatch's, wrong shapes,
                 dtypes or devices); every rank takes part in the exchange, so
                 the group stays usable.
-            RuntimeError: this rank was left out of the group.
+            mooncake.LeftOutError: this rank was left out of the group (a
+                ``RuntimeError``; ``.ranks == [this rank]``).
         """
         if isinstance(handle, DispatchHandle) and getattr(handle, "_on_device", False):
             return self._device.combine_call(

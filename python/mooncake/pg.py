@@ -16,6 +16,11 @@ Use it like gloo::
     active = torch.ones(world_size, dtype=torch.int32)
     dist.init_process_group("mooncake-cpu", rank=rank, world_size=world_size,
                             pg_options=pg.MooncakeBackendOptions(active))
+
+When ranks fail, the survivors' ops go on over the rest. An op that cannot
+complete raises :class:`PeerFailedError` (``.ranks``: the failed ranks, e.g. the
+root of a ``broadcast`` that died); a rank the others left out (taken for failed)
+gets :class:`LeftOutError` from its next op. Both are ``RuntimeError`` subclasses.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake._loader import load_extension
+from mooncake.errors import LeftOutError, PeerFailedError
 
 _ext = load_extension()
 
@@ -38,6 +44,8 @@ TransferEngine = _ext.TransferEngine
 __all__ = [
     "MooncakeBackendOptions",
     "TransferEngine",
+    "PeerFailedError",
+    "LeftOutError",
     "set_host_ip",
     "set_device_filter",
     "set_transfer_engine",

@@ -29,6 +29,10 @@
 //  * kCommit (everything else): after the data, a round of empty messages;
 //    a rank completes only when every member has all of its data, so if one
 //    completed, every survivor can.
+// An op that cannot complete raises: kPeerFailed naming the root of a rooted
+// op whose root failed, or the failed peer when recovery is off; kLeftOut on
+// a rank that the others left out (the agreement's decision); kTimeout when
+// re-runs among the same members do not complete in the op's timeout.
 #pragma once
 
 #include <cstddef>

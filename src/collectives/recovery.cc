@@ -35,7 +35,8 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
     if (saved_input_.size() < inplace.bytes) saved_input_.resize(inplace.bytes);
     std::memcpy(saved_input_.data(), inplace.ptr, inplace.bytes);
   }
-  // Errors that end the op: bad arguments, a dead root, this rank left out.
+  // Errors that end the op: bad arguments, a dead root, this rank left out
+  // (kLeftOut, from the agreement: never peer_or_timeout), shutting down.
   auto final_error = [&](const Error& e) {
     return !recover_on || !e.peer_or_timeout() || stopping_.load() || e.peer() == rank_ ||
            (meta.root >= 0 && e.peer() == meta.root && !view_.is_member(meta.root));
@@ -62,7 +63,8 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
       check_not_left_behind();
     } catch (const Error& e) {
       // Stale messages from an abandoned attempt can look like a mismatch to
-      // a rank that was left out: it learns so first.
+      // a rank that was left out: it learns so first. A peer failure, not
+      // kLeftOut: the agreement it leads to decides whether this rank is out.
       if (e.kind() == ErrorKind::kInvalidArgument && agreement_called(*endpoint_, view_.epoch)) {
         failure = Error(ErrorKind::kPeerFailed, "the group has moved on without this rank");
       } else if (final_error(e)) {
@@ -93,6 +95,8 @@ void Communicator::run(OpMeta& meta, Finish finish, const std::vector<Region>& o
   }
 }
 
+// A recovery was called at this rank's epoch (or one left it out): a peer
+// failure, to recover from; the agreement says whether this rank is left out.
 void Communicator::check_not_left_behind() {
   if (agreement_called(*endpoint_, view_.epoch))
     throw_error(ErrorKind::kPeerFailed, -1, "the members of epoch ", view_.epoch,

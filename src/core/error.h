@@ -1,7 +1,8 @@
 // Errors, in two kinds (STYLE.md rule 2):
-//  * typed recoverable exceptions (bad argument, timeout, peer failure) that
-//    carry the operation, the peer and the cause; the torch binding maps them
-//    to ValueError / TimeoutError / RuntimeError;
+//  * typed recoverable exceptions (bad argument, timeout, peer failure, this
+//    rank left out) that carry the operation, the peer and the cause; the
+//    torch binding maps them to ValueError / TimeoutError / PeerFailedError /
+//    LeftOutError / RuntimeError (python/mooncake/errors.py);
 //  * invariant assertions (MC_ASSERT) that print the condition and throw an
 //    InternalError. Library code never exits or aborts the process.
 #pragma once
@@ -14,7 +15,18 @@
 
 namespace mooncake {
 
-enum class ErrorKind { kInvalidArgument, kTimeout, kPeerFailed, kUnsupported, kSystem, kInternal };
+enum class ErrorKind {
+  kInvalidArgument,
+  kTimeout,
+  // An op cannot complete because of a failed peer (peer(): that rank, or -1).
+  kPeerFailed,
+  // The other ranks left this rank out of the group (they took it for failed);
+  // peer() is this rank. Final: never retried, never a failure to recover from.
+  kLeftOut,
+  kUnsupported,
+  kSystem,
+  kInternal,
+};
 
 const char* error_kind_name(ErrorKind kind);
 
@@ -25,7 +37,8 @@ class Error : public std::runtime_error {
   ErrorKind kind() const { return kind_; }
   // The peer rank the error concerns, or -1.
   int peer() const { return peer_; }
-  // A peer failed or a deadline passed: what recovery and masking deal with.
+  // A peer failed or a deadline passed: what recovery and masking deal with
+  // (not kLeftOut: a rank left out has no group left to recover with).
   bool peer_or_timeout() const {
     return kind_ == ErrorKind::kPeerFailed || kind_ == ErrorKind::kTimeout;
   }

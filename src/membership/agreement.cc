@@ -107,7 +107,7 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
                 "' in the store: epoch ", d.view.epoch, " with ", d.view.capacity(),
                 " slots, expected epoch ", current.epoch + 1, " with ", current.capacity());
   if (!d.view.is_member(mine.rank))
-    throw_error(ErrorKind::kPeerFailed, mine.rank, "rank ", mine.rank,
+    throw_error(ErrorKind::kLeftOut, mine.rank, "rank ", mine.rank,
                 " was left out of the group by the other ranks at epoch ", current.epoch,
                 " (they took it for failed: it was silent past their deadline); it can rejoin "
                 "as a new process with is_extension=True");

@@ -52,8 +52,9 @@ struct Decision {
 // been silent (heartbeat standing still) past the hang limit.
 using Probe = std::function<bool(int)>;
 
-// Runs one round of agreement for `current.epoch`. Throws a peer-failed Error
-// when the decision leaves this rank out (it was taken for dead).
+// Runs one round of agreement for `current.epoch`. Throws a kLeftOut Error
+// (peer: this rank) when the decision leaves this rank out (it was taken for
+// dead).
 Decision agree_on_view(Store& store, const std::string& prefix, const View& current,
                        const Report& mine, const Probe& responsive, const Deadline& deadline);
 

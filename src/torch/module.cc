@@ -1,6 +1,8 @@
 // The Python module: binds the backend, its options and the transfer engine,
 // and maps the library's errors to Python exceptions (ValueError for bad
-// arguments, TimeoutError for deadlines, RuntimeError otherwise).
+// arguments, TimeoutError for deadlines, mooncake.errors.PeerFailedError for a
+// failed peer, mooncake.errors.LeftOutError for this rank left out of the
+// group, RuntimeError otherwise).
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -149,13 +151,27 @@ void register_ep_elastic(py::module_& m) {
       .def("events", [](const ElasticHandle& h) { return h.peers->events(); });
 }
 
+// Sets the Python error `cls_name` of mooncake.errors (a RuntimeError
+// subclass) for `e`, with .ranks = [e.peer()] when it names one. That module
+// imports nothing of ours, so importing it here cannot recurse.
+void set_typed_error(const char* cls_name, const Error& e) {
+  try {
+    py::object cls = py::module_::import("mooncake.errors").attr(cls_name);
+    py::list ranks;
+    if (e.peer() >= 0) ranks.append(e.peer());
+    py::object exc = cls(e.what(), ranks);
+    PyErr_SetObject(cls.ptr(), exc.ptr());
+  } catch (py::error_already_set&) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());  // no mooncake package on the path
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
   m.doc() = "mooncake process-group backend (compiled for torch " MOONCAKE_TORCH_TAG ")";
   py::module_::import("torch.distributed");
 
-  static py::exception<Error> base_error(m, "MooncakeError", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -163,6 +179,8 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
       switch (e.kind()) {
         case ErrorKind::kInvalidArgument: PyErr_SetString(PyExc_ValueError, e.what()); return;
         case ErrorKind::kTimeout: PyErr_SetString(PyExc_TimeoutError, e.what()); return;
+        case ErrorKind::kPeerFailed: set_typed_error("PeerFailedError", e); return;
+        case ErrorKind::kLeftOut: set_typed_error("LeftOutError", e); return;
         default: PyErr_SetString(PyExc_RuntimeError, e.what()); return;
       }
     }

@@ -1441,8 +1441,8 @@ def ep_kill_rank(rank, world_size, port, plan):
     ``victim3`` dies right after its dispatch of round ``arm3``: the survivors' combine
     of that round leaves its experts out, and it is masked from then on (part 3). Last,
     of the two left, the parent stops the higher one (SIGSTOP): the other's dispatch
-    (timeout_us = 3 s) masks it; resumed, its own next dispatch raises RuntimeError
-    (left out) (part 4).
+    (timeout_us = 3 s) masks it; resumed, its own next dispatch raises LeftOutError
+    (a RuntimeError; left out) (part 4).
 
     Returns ``{"rounds": [...], "active": ...}``; each round record lists the failed
     expectations (empty: correct)."""
@@ -1558,7 +1558,8 @@ def ep_kill_rank(rank, world_size, port, plan):
             r.dispatch()
             out["stopped"] = ("ok", act.tolist(), time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - reported
-            out["stopped"] = (type(e).__name__, str(e)[:300], time.monotonic() - t0)
+            took = time.monotonic() - t0
+            out["stopped"] = (type(e).__name__, str(e)[:300], took, getattr(e, "ranks", None))
         return out
     _wait_store(store, "stopped")
     r = Round(chk, buf, KILL_SPEC, "stopped_peer", act=act)
@@ -1606,7 +1607,7 @@ def ep_silent_rank(rank, world_size, port, plan):
     deadline; the tokens exchange then has the whole timeout_us of its own, so rank 1,
     late but within each phase's budget, is not masked: both end the round with
     active_ranks [1, 1, 0], rows and combine exact for {0, 1}, and go on. Rank 2, once
-    they are done, learns from its next dispatch that it was left out.
+    they are done, learns from its next dispatch that it was left out (LeftOutError).
 
     Returns ``{"rounds": [...], ...}``; each round record lists the failed expectations."""
     from ft_ranks import start_rank
@@ -1628,7 +1629,8 @@ def ep_silent_rank(rank, world_size, port, plan):
             _full_round(chk, buf, "silent_self", SILENT_SPEC)
             out["silent"] = ("ok", "", time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - reported
-            out["silent"] = (type(e).__name__, str(e)[:300], time.monotonic() - t0)
+            took = time.monotonic() - t0
+            out["silent"] = (type(e).__name__, str(e)[:300], took, getattr(e, "ranks", None))
         return out
     if rank == 1:
         _slow_between_exchanges(plan["between_s"])

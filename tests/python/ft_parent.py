@@ -219,10 +219,23 @@ def conduct_chaos(plan):
 # --- checks ------------------------------------------------------------------------------
 
 _RANK_RE = re.compile(r"\brank (\d+)\b")
+_ERROR_RE = re.compile(r"^(\w+)(?: ranks=\[([\d, ]*)\])?: ")
 
 
 def names_rank(message: str, rank: int) -> bool:
     return str(rank) in _RANK_RE.findall(message)
+
+
+def error_of(detail: str) -> tuple[str, list[int] | None]:
+    """The exception class and ``.ranks`` (None for other classes) of a record's
+    ``"Type: message"`` (see ``ft_ranks.describe``)."""
+    m = _ERROR_RE.match(detail)
+    if m is None:
+        return ("?", None)
+    ranks = m.group(2)
+    if ranks is None:
+        return (m.group(1), None)
+    return (m.group(1), [int(r) for r in ranks.split(",") if r.strip()])
 
 
 def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
@@ -234,11 +247,12 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
       grows within a phase; each phase ends with a full round of ops over exactly the
       survivors (the failure was noticed and every kind of op works among them);
     * errors: a rooted op raises only when its root is a victim, on every survivor, with a
-      RuntimeError naming the root; p2p raises only with a victim, naming it, in time;
-      no op returns wrong data;
+      PeerFailedError naming the root (``.ranks == [root]``); p2p raises only with a
+      victim, naming it (a PeerFailedError with ``.ranks == [victim]``, or a
+      TimeoutError), in time; no op returns wrong data;
     * each phase converged in time; ``active_ranks`` and ``get_num_synced_ranks`` match;
     * a stopped rank (mode ``stop``) agrees with the survivors on every op it completed,
-      and learns it was left out.
+      and learns it was left out (a LeftOutError with ``.ranks == [itself]``).
     """
     problems: list[str] = []
     events = plan["events"]
@@ -279,8 +293,8 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
             if rec[1] == "bad":
                 problems.append(f"{where}: rank {r} got wrong data: {rec[4]}")
             if rec[1] == "err" and kind != "p2p":
-                if not rec[4].startswith("RuntimeError"):
-                    problems.append(f"{where}: rank {r} raised {rec[4]!r} (want RuntimeError)")
+                if error_of(rec[4])[0] != "PeerFailedError":
+                    problems.append(f"{where}: rank {r} raised {rec[4]!r} (want PeerFailedError)")
         if kind == "p2p":
             for r, rec in recs.items():
                 if rec[1] != "err":
@@ -295,6 +309,11 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
                             f"{where}: rank {r} {direction} with dead rank {peer}: the error "
                             f"does not name it: {msg}"
                         )
+                    elif error_of(msg) not in (("PeerFailedError", [peer]), ("TimeoutError", None)):
+                        problems.append(
+                            f"{where}: rank {r} {direction} with dead rank {peer}: want "
+                            f"PeerFailedError with ranks [{peer}] or TimeoutError: {msg}"
+                        )
                 if rec[4][3] > plan["timeout_s"] + 5:
                     problems.append(f"{where}: rank {r} p2p took {rec[4][3]:.1f} s")
             continue
@@ -308,9 +327,10 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
                 problems.append(f"{where}: raised on the survivors: {next(iter(recs.values()))[4]}")
             else:
                 for r, rec in recs.items():
-                    if not names_rank(rec[4], root):
+                    if not names_rank(rec[4], root) or error_of(rec[4])[1] != [root]:
                         problems.append(
-                            f"{where}: rank {r}'s error does not name root {root}: {rec[4]}"
+                            f"{where}: rank {r}'s error does not name root {root} (in its "
+                            f"message and .ranks): {rec[4]}"
                         )
         masks = {r: rec[3] for r, rec in recs.items() if rec[3] is not None}
         if kind in MASK_KINDS and status == "ok" and len(set(masks.values())) > 1:
@@ -370,8 +390,16 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
             continue
         log = results[str(v)]["log"]
         last = log[-1][2] if log else None
-        if last is None or last[1] != "err" or "left out" not in last[4]:
-            problems.append(f"stopped rank {v}: its last op did not say it was left out: {last}")
+        if (
+            last is None
+            or last[1] != "err"
+            or "left out" not in last[4]
+            or error_of(last[4]) != ("LeftOutError", [v])
+        ):
+            problems.append(
+                f"stopped rank {v}: its last op did not raise LeftOutError with ranks [{v}] "
+                f"saying it was left out: {last}"
+            )
         for p, i, rec in log:
             other = index.get((p, i))
             if other is None or rec[0] == "p2p" or rec[1] != "ok":

@@ -12,7 +12,8 @@ covered (its *mask*); gathers and all-to-alls spell it through which slices hold
 A record is a tuple ``(kind, status, root, mask, detail)``:
 
 * ``kind``: the op (see :data:`KINDS`);
-* ``status``: ``"ok"``; ``"err"`` (the op raised; ``detail`` is ``"Type: message"``);
+* ``status``: ``"ok"``; ``"err"`` (the op raised; ``detail`` is ``"Type: message"``, or
+  ``"Type ranks=[...]: message"`` for a PeerFailedError, see :func:`describe`);
   ``"bad"`` (the op returned wrong data; ``detail`` says what); ``"skip"``;
 * ``root``: the root of a rooted op, else None;
 * ``mask``: the set of ranks the result covers, where this rank can tell (every rank for
@@ -33,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mooncake import pg
+from mooncake import PeerFailedError, pg
 from mooncake.launch import init_rank
 
 BIG = 1 << 16  # int64 elements of the big all_reduce: 512 KiB, 128 slots of 4 KiB
@@ -57,7 +58,11 @@ def ranks_of(mask: int) -> list[int]:
 
 
 def describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:400]
+    """``"Type: message"`` (its first line); a PeerFailedError (LeftOutError too) also
+    shows its ranks: ``"PeerFailedError ranks=[2]: message"``. ``ft_parent.error_of``
+    reads it back."""
+    ranks = f" ranks={e.ranks}" if isinstance(e, PeerFailedError) else ""
+    return f"{type(e).__name__}{ranks}: {e}".splitlines()[0][:400]
 
 
 def client_store(port: int, world_size: int) -> dist.TCPStore:
@@ -426,10 +431,22 @@ def stopped_peer_recv_rank(rank, world_size, port, plan):
 # --- p2p with a dead peer ------------------------------------------------------------------
 
 
+def caught_as_runtime_error(fn) -> tuple:
+    """Runs ``fn``, which must raise: ``(type name, .ranks or None, message)`` of the
+    RuntimeError it raised (a PeerFailedError is one), or ``("ok", None, "")``."""
+    try:
+        fn()
+    except RuntimeError as e:
+        return (type(e).__name__, getattr(e, "ranks", None), str(e)[:400])
+    return ("ok", None, "")
+
+
 def p2p_dead_peer_rank(rank, world_size, port, plan):
     """World 4: rank 2 dies. Rank 0 receives from it, rank 1 sends a small and a big
-    message to it, ranks 0 and 3 exchange messages; then a collective, and the same
-    again. Records ``(step, "ok"|error, seconds)``."""
+    message to it, ranks 0 and 3 exchange messages; then a broadcast from the dead rank
+    (the op that notices its death), a collective, and the same again; last, every
+    rooted op with the dead rank as root. Records ``(step, "ok"|error, seconds)``, and
+    the rooted ops under ``dead_root/...``."""
     active, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"])
     ops = Ops(rank, world_size, active)
     dead = 2
@@ -468,7 +485,15 @@ def p2p_dead_peer_rank(rank, world_size, port, plan):
 
             attempt(f"{stage}/live", exchange)
         if stage == "before":
+            out["dead_root/bcast_first"] = caught_as_runtime_error(
+                lambda: dist.broadcast(torch.zeros(4), src=dead)
+            )
             out["collective"] = ops.run("ar", 0)
+    out["dead_root/bcast"] = caught_as_runtime_error(
+        lambda: dist.broadcast(torch.zeros(4), src=dead)
+    )
+    for kind in ("scatter", "reduce", "gather"):
+        out[f"dead_root/{kind}"] = ops.run(kind, 0, root=dead)
     out["final"] = ops.run("ar", 0)
     out["active"] = active.tolist()
     return out

@@ -323,11 +323,16 @@ def kill_problems(plan, results) -> tuple[list[str], list[str]]:
             if not masks or masks[-1] != survivors:
                 problems.append(f"process {key}: {prefix} rounds ended with {masks[-1:]}")
         if key == _key(plan, last[-1]):
-            status, detail, took = res.get("stopped", ("missing", "", 0))
-            if status != "RuntimeError" or "left out" not in detail or took > 15:
+            status, detail, took, ranks = res.get("stopped", ("missing", "", 0, None))
+            if (
+                (status, ranks) != ("LeftOutError", [last[-1]])
+                or "left out" not in detail
+                or (took > 15)
+            ):
                 problems.append(
-                    f"process {key} (stopped, resumed): dispatch gave {status} {detail!r} after "
-                    f"{took:.1f} s; want RuntimeError 'left out'"
+                    f"process {key} (stopped, resumed): dispatch gave {status} (ranks {ranks}) "
+                    f"{detail!r} after {took:.1f} s; want LeftOutError 'left out' with ranks "
+                    f"[{last[-1]}]"
                 )
         else:
             stopped = next((rec for rec in res["rounds"] if rec["tag"] == "stopped_peer"), None)
@@ -411,7 +416,7 @@ def test_late_rank_within_each_phase_budget_is_not_masked():
     each phase's budget) is not masked: ranks 0 and 1 end with active_ranks and the
     group's view [1, 1, 0], rows and combine exact for {0, 1} (checked against the
     model), and the next round passes; no dispatch takes more than twice timeout_us (and
-    the group's grace). Rank 2's next dispatch raises RuntimeError (left out). (With one
+    the group's grace). Rank 2's next dispatch raises LeftOutError (left out). (With one
     deadline for both exchanges, rank 0's tokens exchange had 1 ms, and the group left
     rank 1 out.)"""
     out = launch(3, ep_silent_rank, SILENT_PLAN, env(), timeout_s=200.0)
@@ -424,11 +429,11 @@ def test_late_rank_within_each_phase_budget_is_not_masked():
         for rec in res["rounds"]:
             problems += [f"process {key}, round {rec['tag']}: {f}" for f in rec["failures"]]
         if key == "2":
-            status, detail, took = res.get("silent", ("missing", "", 0))
-            if status != "RuntimeError" or "left out" not in detail or took > 15:
+            status, detail, took, ranks = res.get("silent", ("missing", "", 0, None))
+            if (status, ranks) != ("LeftOutError", [2]) or "left out" not in detail or took > 15:
                 problems.append(
-                    f"process 2 (silent): dispatch gave {status} {detail!r} after {took:.1f} s; "
-                    f"want RuntimeError 'left out'"
+                    f"process 2 (silent): dispatch gave {status} (ranks {ranks}) {detail!r} "
+                    f"after {took:.1f} s; want LeftOutError 'left out' with ranks [2]"
                 )
             continue
         tags = [rec["tag"] for rec in res["rounds"]]

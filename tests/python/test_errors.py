@@ -11,11 +11,17 @@
   from ``wait()``; afterwards the group still computes correct results.
 * Deadlines raise TimeoutError, both from ``MOONCAKE_PG_TIMEOUT_MS`` and
   from a group's own timeout, and a timed-out group does not disturb others.
+* A rank the others left out gets LeftOutError (a RuntimeError) with
+  ``.ranks == [its rank]``; the classes themselves: hierarchy, ``.ranks``,
+  pickling, where they are exported.
 """
 
 from __future__ import annotations
 
 import functools
+import pickle
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -23,8 +29,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import mooncake
 from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize
-from mooncake import pg
+from mooncake import LeftOutError, PeerFailedError, errors, pg
 from reference import (
     COMPLEX_DTYPES,
     DTYPES,
@@ -358,8 +365,9 @@ def alone_times_out(ctx, deadline_s: float):
 def absent_rank_left_out(ctx, deadline_s: float, group_timeout: timedelta | None = None):
     """Rank 0 calls all_reduce while the others, alive, never do: after its deadline and a
     grace of min(0.5 s, the deadline) for them to report, it completes the op alone, and
-    the others' next op there raises RuntimeError ("left out"). With ``group_timeout`` this happens in
-    a new group, and the default group works after it at full strength."""
+    the others' next op there raises LeftOutError ("left out", ``.ranks == [own rank]``),
+    and so does the one after (it stays out). With ``group_timeout`` this
+    happens in a new group, and the default group works after it at full strength."""
     group = dist.new_group(timeout=group_timeout) if group_timeout else None
     if ctx.rank == 0:
         start = time.monotonic()
@@ -376,8 +384,9 @@ def absent_rank_left_out(ctx, deadline_s: float, group_timeout: timedelta | None
         ctx.expect(active == [1] + [0] * (ctx.world_size - 1), f"active ranks {active}")
     ctx.store_barrier("alone-done")
     if ctx.rank != 0:
-        with ctx.expect_raises(RuntimeError, "left out"):
-            dist.all_reduce(torch.ones(5), group=group)
+        for _ in range(2):
+            with ctx.expect_raises(LeftOutError, "left out", "is_extension", ranks=[ctx.rank]):
+                dist.all_reduce(torch.ones(5), group=group)
     ctx.store_barrier("left-out-seen")
     if group_timeout:
         healthy(ctx, "in the default group after another group left ranks out")
@@ -451,3 +460,36 @@ LAUNCHES = [
 def test_error(launch, case):
     """The bad call raises the documented exception, naming the problem, on every rank."""
     check(launch, case)
+
+
+# --- the exception classes ------------------------------------------------------------------------
+
+
+def test_error_classes_are_runtime_errors_with_ranks():
+    """PeerFailedError and LeftOutError are RuntimeErrors (``except RuntimeError`` keeps
+    working), LeftOutError is a PeerFailedError, ``.ranks`` is a list of ints ([] when
+    unknown), and both survive pickling (a rank process hands its error to its
+    launcher) with their message and ranks."""
+    assert issubclass(PeerFailedError, RuntimeError)
+    assert issubclass(LeftOutError, PeerFailedError)
+    e = PeerFailedError("broadcast: root rank 2 has failed", [2])
+    assert isinstance(e, RuntimeError) and e.ranks == [2] and str(e).startswith("broadcast")
+    assert PeerFailedError("shut down").ranks == []
+    for err in (e, LeftOutError("rank 1 was left out", (1,))):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and back.ranks == err.ranks and str(back) == str(err)
+    with pytest.raises(RuntimeError):
+        raise LeftOutError("left out", [3])
+
+
+def test_error_classes_are_exported_from_the_package_and_pg():
+    """``mooncake.PeerFailedError``, ``mooncake.pg.PeerFailedError`` and
+    ``mooncake.errors.PeerFailedError`` are one class, the same for LeftOutError, and
+    ``from mooncake import PeerFailedError`` imports no torch."""
+    for name in ("PeerFailedError", "LeftOutError"):
+        cls = getattr(errors, name)
+        assert getattr(mooncake, name) is cls and getattr(pg, name) is cls
+        assert name in mooncake.__all__ and name in pg.__all__
+    code = "import sys; from mooncake import PeerFailedError; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out

@@ -27,6 +27,7 @@ from ft_parent import (
     check_chaos,
     conduct_chaos,
     env,
+    error_of,
     launch,
     mark_dead,
     names_rank,
@@ -188,9 +189,10 @@ def p2p_dead(request):
 
 
 def _expect_fails_naming(outcome, peer, bound_s, what):
+    """A PeerFailedError with ``.ranks == [peer]`` (or a TimeoutError) naming ``peer``."""
     msg, seconds = outcome
     assert msg != "ok", f"{what}: succeeded, but rank {peer} is dead"
-    assert msg.startswith(("RuntimeError", "TimeoutError")), f"{what}: {msg}"
+    assert error_of(msg) in (("PeerFailedError", [peer]), ("TimeoutError", None)), f"{what}: {msg}"
     assert names_rank(msg, peer), f"{what}: the error does not name rank {peer}: {msg}"
     assert seconds < bound_s, f"{what}: took {seconds:.2f} s"
 
@@ -220,6 +222,24 @@ def test_p2p_recv_from_dead_peer_raises_and_live_peers_keep_working(p2p_dead):
 
 
 @pytest.mark.timeout(200)
+def test_rooted_ops_with_a_dead_root_raise_peer_failed_error_naming_it(p2p_dead):
+    """broadcast from the dead rank 2, first as the op that notices its death, then once
+    the group knows; scatter from it, reduce and gather to it: every survivor raises
+    PeerFailedError, a RuntimeError (caught as one), with ``.ranks == [2]``, naming it;
+    the group goes on (the collectives after them cover {0, 1, 3})."""
+    res = p2p_dead.get()
+    for r in ("0", "1", "3"):
+        for key in ("dead_root/bcast_first", "dead_root/bcast"):
+            name, ranks, msg = res[r][key]
+            assert (name, ranks) == ("PeerFailedError", [2]), (r, key, res[r][key])
+            assert names_rank(msg, 2) and "root" in msg, (r, key, msg)
+        for kind in ("scatter", "reduce", "gather"):
+            rec = res[r][f"dead_root/{kind}"]
+            assert rec[1] == "err" and error_of(rec[4]) == ("PeerFailedError", [2]), (r, rec)
+            assert names_rank(rec[4], 2), (r, rec)
+
+
+@pytest.mark.timeout(200)
 def test_p2p_small_send_to_dead_peer_raises(p2p_dead):
     """isend/send of a message that fits in one slot to a dead rank raise naming it (its
     death is known: its pidfd, or its closed socket), before and after a collective
@@ -238,8 +258,9 @@ def test_sigstop_is_detected_by_heartbeat():
     """World 4, MOONCAKE_HANG_MS=500, op timeout 15 s: rank 1 is stopped between two of
     its ops, later rank 3 at a random moment (mostly inside an op). The survivors go on
     within the 8 s bound (well under the op timeout: the stopped heartbeat gave it away);
-    once they have, SIGCONT: the stopped rank's next op raises "left out", and anything
-    it completed agrees with the survivors. (With this seed rank 1 stops right before a
+    once they have, SIGCONT: the stopped rank's next op raises LeftOutError (a
+    RuntimeError; ``.ranks`` == [the stopped rank]; "left out"), and anything it
+    completed agrees with the survivors. (With this seed rank 1 stops right before a
     p2p ring, whose recv from it must give up after MOONCAKE_HANG_MS too.)"""
     plan = chaos_plan(1, [([1], "stop_between"), ([3], "stop")])
     run_chaos(4, plan, env(CHUNKED, MOONCAKE_HANG_MS="500"))
@@ -297,8 +318,8 @@ def late():
 @pytest.mark.timeout(150)
 def test_late_rank_is_left_out_after_the_timeout(late):
     """The others' op completes over ranks {0, 1, 2} after the timeout and its grace (1 to
-    1.5 s, well before rank 3 shows up); rank 3 gets a RuntimeError saying it was left out,
-    and no result."""
+    1.5 s, well before rank 3 shows up); rank 3 gets a LeftOutError (a RuntimeError) with
+    ``.ranks == [3]`` saying it was left out, and no result."""
     res = late.get()
     for r in ("0", "1", "2"):
         step0 = [x for x in res[r]["log"] if x[0] == 0]
@@ -309,7 +330,8 @@ def test_late_rank_is_left_out_after_the_timeout(late):
     log3 = res["3"]["log"]
     assert res["3"]["left_out"] and len(log3) == 1, log3
     rec = log3[-1][2]
-    assert rec[1] == "err" and "left out" in rec[4] and rec[4].startswith("RuntimeError"), rec
+    assert rec[1] == "err" and "left out" in rec[4], rec
+    assert error_of(rec[4]) == ("LeftOutError", [3]), rec
 
 
 @pytest.mark.timeout(150)
@@ -328,6 +350,7 @@ def test_late_rank_never_returns_a_result_the_others_do_not_share(late):
     for r, rec in got.items():
         if rec[1] != "ok":
             assert "left out" in rec[4], (r, rec)
+            assert error_of(rec[4]) == ("LeftOutError", [int(r)]), (r, rec)
 
 
 # --- recovery turned off ---------------------------------------------------------------------
@@ -342,7 +365,7 @@ def _conduct_no_recover(group, extra):
 @pytest.mark.timeout(120)
 def test_recover_off_ops_raise_naming_the_dead_rank():
     """MOONCAKE_RECOVER=0, world 3: after rank 1 dies, every op on the others raises a
-    RuntimeError naming rank 1, fast (pidfd), again and again."""
+    PeerFailedError with ``.ranks == [1]`` naming rank 1, fast (pidfd), again and again."""
     out = launch(
         3,
         no_recover_rank,
@@ -355,6 +378,6 @@ def test_recover_off_ops_raise_naming_the_dead_rank():
     for r in ("0", "2"):
         assert res[r]["log"][0][3] == bits([0, 1, 2]), res[r]["log"]
         for rec, seconds in res[r]["timed"]:
-            assert rec[1] == "err" and rec[4].startswith("RuntimeError"), (r, rec)
+            assert rec[1] == "err" and error_of(rec[4]) == ("PeerFailedError", [1]), (r, rec)
             assert names_rank(rec[4], 1), (r, rec)
             assert seconds < 3.0, (r, rec, seconds)

@@ -82,9 +82,15 @@ class RankContext:
             self.fail(f"{what}: {problem}")
 
     @contextlib.contextmanager
-    def expect_raises(self, exc_type: type[BaseException], *words: str | tuple[str, ...]):
+    def expect_raises(
+        self,
+        exc_type: type[BaseException],
+        *words: str | tuple[str, ...],
+        ranks: list[int] | None = None,
+    ):
         """Records a failure unless the block raises ``exc_type`` whose message contains
-        every one of ``words`` (case-insensitive; a tuple means any one of its strings)."""
+        every one of ``words`` (case-insensitive; a tuple means any one of its strings)
+        and, with ``ranks``, whose ``.ranks`` (a PeerFailedError's) equals it."""
         try:
             yield
         except exc_type as e:
@@ -96,6 +102,10 @@ class RankContext:
             ]
             if missing:
                 self.fail(f"{exc_type.__name__} does not mention {missing}: {e}")
+            if ranks is not None and getattr(e, "ranks", None) != ranks:
+                self.fail(
+                    f"{type(e).__name__}.ranks is {getattr(e, 'ranks', None)}, want {ranks}: {e}"
+                )
         except Exception as e:  # reported as the wrong kind of error
             self.fail(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}")
         else:

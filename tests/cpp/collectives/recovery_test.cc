@@ -194,7 +194,8 @@ TEST_P(Recovery, ARankThatNeverCallsTheOpIsLeftOutAboutOneTimeoutAfterTheOpBegan
         comm.barrier();
         ADD_FAILURE() << "a rank left out of the group completed a barrier";
       } catch (const mooncake::Error& e) {
-        EXPECT_EQ(e.kind(), ErrorKind::kPeerFailed) << e.what();
+        EXPECT_EQ(e.kind(), ErrorKind::kLeftOut) << e.what();
+        EXPECT_EQ(e.peer(), r.rank) << e.what();
         EXPECT_NE(std::string(e.what()).find("left out"), std::string::npos) << e.what();
       }
       return;

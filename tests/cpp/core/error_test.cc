@@ -64,10 +64,23 @@ TEST(Error, ThrowErrorCarriesThePeer) {
 
 TEST(Error, EveryKindHasItsOwnName) {
   std::set<std::string> names;
-  for (ErrorKind k : {ErrorKind::kInvalidArgument, ErrorKind::kTimeout, ErrorKind::kPeerFailed,
-                      ErrorKind::kUnsupported, ErrorKind::kSystem, ErrorKind::kInternal})
+  for (ErrorKind k :
+       {ErrorKind::kInvalidArgument, ErrorKind::kTimeout, ErrorKind::kPeerFailed,
+        ErrorKind::kLeftOut, ErrorKind::kUnsupported, ErrorKind::kSystem, ErrorKind::kInternal})
     names.insert(mooncake::error_kind_name(k));
-  EXPECT_EQ(names.size(), 6u);
+  EXPECT_EQ(names.size(), 7u);
+  EXPECT_STREQ(mooncake::error_kind_name(ErrorKind::kLeftOut), "left out");
+}
+
+// Recovery and masking act on peer failures and timeouts only: this rank left
+// out of the group is final, never a peer failure to recover from.
+TEST(Error, OnlyPeerFailuresAndTimeoutsAreForRecovery) {
+  auto of = [](ErrorKind k) { return Error(k, "x", 1).peer_or_timeout(); };
+  EXPECT_TRUE(of(ErrorKind::kPeerFailed));
+  EXPECT_TRUE(of(ErrorKind::kTimeout));
+  for (ErrorKind k : {ErrorKind::kLeftOut, ErrorKind::kInvalidArgument, ErrorKind::kUnsupported,
+                      ErrorKind::kSystem, ErrorKind::kInternal})
+    EXPECT_FALSE(of(k)) << mooncake::error_kind_name(k);
 }
 
 }  // namespace
