@@ -655,23 +655,32 @@ def contract(rk: Rank) -> None:
         new = buf.mask_events()[events:]
         rk.chk.expect(len(new) == 1, f"mask_events after the timeout: {new}")
         rk.check("masked", dispatch_s=r.dispatch_s, events=new)
-        rk.store.set(f"tl/timedout/{me}", "1")
+    rejoin_after_skip(rk, buf, trio, pair, skipped=2)
+
+
+def rejoin_after_skip(rk: Rank, buf, trio, pair, skipped: int) -> None:
+    """The end of a phase in which ``pair`` masked slot ``skipped`` for sitting out a
+    round: the pair goes on alone while the skipped slot stays silent until both have
+    returned; then the three reconnect and run full rounds."""
+    me, n, tag = rk.slot, rk.p["rounds"], rk.phase
+    if me in pair:
+        rk.store.set(f"tl/{tag}/{me}", "1")
         rk.rounds(buf, n, pair, start=1)
-        rk.sync("timeout-rejoin", trio)
-        buf.disconnect_ranks([2])
-        buf.connect_ranks([2])
-        rk.publish(buf, [2])
+        rk.sync(f"{tag}-rejoin", trio)
+        buf.disconnect_ranks([skipped])
+        buf.connect_ranks([skipped])
+        rk.publish(buf, [skipped])
     else:
-        rk.wait_keys(["tl/timedout/0", "tl/timedout/1"])
-        rk.expect_slots(buf, trio, "slot 2 after skipping a round")
+        rk.wait_keys([f"tl/{tag}/{q}" for q in pair])
+        rk.expect_slots(buf, trio, f"slot {skipped} after skipping a round")
         rk.check("skipped")
-        rk.sync("timeout-rejoin", trio)
+        rk.sync(f"{tag}-rejoin", trio)
         buf.disconnect_ranks(pair)
         buf.connect_ranks(pair)
         rk.publish(buf, pair)
-    rk.expect_slots(buf, trio, "reconnected after the timeout")
+    rk.expect_slots(buf, trio, f"reconnected after the {tag} phase")
     rk.check("rejoined")
-    rk.sync("timeout-full", trio)
+    rk.sync(f"{tag}-full", trio)
     rk.rounds(buf, n, trio, start=100)
     rk.end_phase()
 
@@ -774,25 +783,7 @@ def silent(rk: Rank) -> None:
             f"mask_events of the round: {new}, want one naming rank 3",
         )
         rk.check("masked", dispatch_s=r.dispatch_s, combine_s=r.combine_s, events=new)
-        rk.store.set(f"tl/silent/{me}", "1")
-        rk.rounds(buf, n, pair, start=1)
-        rk.sync("silent-rejoin", trio)
-        buf.disconnect_ranks([3])
-        buf.connect_ranks([3])
-        rk.publish(buf, [3])
-    else:
-        rk.wait_keys(["tl/silent/0", "tl/silent/1"])  # silent until both have returned
-        rk.expect_slots(buf, trio, "slot 3 after skipping a round")
-        rk.check("skipped")
-        rk.sync("silent-rejoin", trio)
-        buf.disconnect_ranks(pair)
-        buf.connect_ranks(pair)
-        rk.publish(buf, pair)
-    rk.expect_slots(buf, trio, "reconnected after the silent round")
-    rk.check("rejoined")
-    rk.sync("silent-full", trio)
-    rk.rounds(buf, n, trio, start=100)
-    rk.end_phase()
+    rejoin_after_skip(rk, buf, trio, pair, skipped=3)
 
 
 # --- main -----------------------------------------------------------------------------------
