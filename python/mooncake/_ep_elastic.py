@@ -1,4 +1,4 @@
-"""The elastic EP buffer: ``Buffer.create_elastic`` (``../shared/spec/rfc-elastic-ep-buffer.md``).
+"""The elastic EP buffer: ``Buffer.create_elastic`` (upstream's elastic EP buffer design).
 
 A fixed capacity of stable rank slots; each slot is disconnected, staged
 (connected but masked) or active. Peers find each other through the caller's

@@ -1,7 +1,7 @@
 """Expert-parallel dispatch and combine that know which ranks are healthy.
 
-``Buffer`` follows the DeepEP low-latency model (see
-``../shared/spec/ep-pg-api-reference.md``): ``dispatch`` sends each token to
+``Buffer`` follows the DeepEP low-latency model, with upstream Mooncake's
+API: ``dispatch`` sends each token to
 the ranks holding its top-k experts and returns them packed per local expert;
 ``combine`` sends the experts' outputs back and sums them per token with the
 top-k weights. It runs over a mooncake process group and stays usable when
@@ -212,7 +212,7 @@ class Buffer:
     ) -> Buffer:
         """An elastic Buffer for global rank ``rank``: a fixed capacity of stable
         rank slots, peers connected, staged and masked one by one
-        (``../shared/spec/rfc-elastic-ep-buffer.md``; ``mooncake._ep_elastic``).
+        (upstream's elastic EP buffer design; ``mooncake._ep_elastic``).
 
         Call ``update_memory_buffers(num_ranks=capacity, num_experts_per_rank,
         num_rdma_bytes)`` next, then ``connect_ranks``/``update_mask_buffer``.

@@ -1,4 +1,4 @@
-// The elastic EP buffer's peers (../shared/spec/rfc-elastic-ep-buffer.md):
+// The elastic EP buffer's peers (upstream's elastic EP buffer design):
 // one Endpoint whose slot is this process's logical rank, a SlotTable, and
 // message channels to the connected slots. Peers find each other through the
 // caller's store; there is no process group and no agreement: every rank

@@ -1,4 +1,4 @@
-// The elastic EP buffer's slot table (../shared/spec/rfc-elastic-ep-buffer.md):
+// The elastic EP buffer's slot table (upstream's elastic EP buffer design):
 // a capacity fixed when the buffer is allocated, one slot per logical rank,
 // and per slot a connection state. Torch-free, so that the portable path and
 // a device path share the same state.

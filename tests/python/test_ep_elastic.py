@@ -1,6 +1,6 @@
 """The elastic EP buffer (``Buffer.create_elastic``, ``mooncake._ep_elastic``), portable path
 on CPU tensors: the focused plans and the 3-rank connection contract of the RFC's section 7
-(``../shared/spec/rfc-elastic-ep-buffer.md``), and its argument rules.
+(upstream's elastic EP buffer design), and its argument rules.
 
 There is no process group: processes meet only through a ``TCPStore`` hosted here. An
 ``elastic_parent.Timeline`` is one launch: it starts a process per slot
