@@ -3,11 +3,12 @@
 # (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
 # and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
-# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench epdev epbench";
+# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench epdev epprof epbench";
 # the build always runs, incrementally), so a run can be split over device calls.
 #   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
 #            the GPU, under MPS when it starts), then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
+#   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2 and 4 processes under MPS.
 # PYTEST_PATHS: what the Python step runs (default tests/python); PYTEST_ARGS: more.
@@ -21,7 +22,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench epdev epbench} "
+STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench epdev epprof epbench} "
 step() { echo "== $1"; }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
@@ -109,6 +110,12 @@ if wants epdev; then
     echo "$tool: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|ep_device_ranks' "$OUT/sanitizer_$tool.log" | tail -2 | tr '\n' ' '))"
     [ $rc = 0 ] || status=1
   done
+fi
+
+if wants epprof; then
+  step "EP device path: profile"
+  mkdir -p "$OUT/bench"
+  timeout 300 "$PY" bench/profile_ep_device.py --out "$OUT/bench/ep_profile.json" 2>&1 | tee "$OUT/ep_profile.log" | tail -60 || status=1
 fi
 
 if wants epbench; then
