@@ -33,6 +33,7 @@ from ._ep_types import DispatchHandle, EventOverlap, stream_waiter, tensor_key
 #: Status codes of ``src/kernels/api.h``.
 _BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT = 1, 2, 3, 4, 5
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # combine rows per token (src/ep/layout.h)
+_BOTH = getattr(pg._ext, "EP_PHASE_BOTH", 3)  # a launch of both phases
 _ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, present
 
 
@@ -302,90 +303,64 @@ class DevicePath:
         """Launches a dispatch; returns ``(recv_x, recv_count, src_info, src_slot,
         layout_range, event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
         None and ``recv_hook`` the receive half's launcher (hook) or None."""
-        x, topk_idx = x.contiguous(), topk_idx.contiguous()
-        timeout_ns, blocks = self.timeout_ns(timeout_us), self.num_blocks
-        launch = self.ext.dispatch
-        outputs = None
-
-        def run(phases: int) -> None:
-            nonlocal outputs
+        launch, blocks, timeout_ns = self.ext.dispatch, self.num_blocks, self.timeout_ns(timeout_us)
+        event = recv_hook = None
+        if not (hook or async_finish):  # the usual call: no closures (host time is latency)
             outputs = launch(
-                x, topk_idx, active, stats, outputs, T, E, seq, timeout_ns, use_fp8, phases, blocks
+                x, topk_idx, active, stats, None, T, E, seq, timeout_ns, use_fp8, _BOTH, blocks
             )
+        else:
+            outputs = None
 
-        event, recv_hook = self._run(run, async_finish, hook)
-        if event is not None:
-            for t in (x, topk_idx, active, *outputs, *(() if stats is None else (stats,))):
-                t.record_stream(self._comm)  # made on the caller's stream, used on ours
+            def run(phases: int) -> None:
+                nonlocal outputs
+                outputs = launch(
+                    x, topk_idx, active, stats, outputs, T, E, seq, timeout_ns, use_fp8, phases,
+                    blocks,
+                )  # fmt: skip
+
+            event, recv_hook = self._run(run, async_finish, hook)
+            if event is not None:
+                for t in (x, topk_idx, active, *outputs, *(() if stats is None else (stats,))):
+                    t.record_stream(self._comm)  # made on the caller's stream, used on ours
         data, scales, recv_count, src_info, src_slot, layout_range = outputs
         recv_x = (data, scales) if use_fp8 else data
         return recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook
 
     def combine(
-        self,
-        x,
-        src_info,
-        src_slot,
-        layout_range,
-        topk_idx,
-        weights,
-        active,
-        out,
-        T,
-        E,
-        seq,
-        timeout_us,
-        async_finish,
-        hook,
-    ):
+        self, x, src_info, src_slot, layout_range, topk_idx, weights, active, out, T, E, seq,
+        timeout_us, async_finish, hook,
+    ):  # fmt: skip
         """Launches a combine; returns ``(out, event, recv_hook)`` as dispatch."""
-        x, topk_idx = x.contiguous(), topk_idx.contiguous()
-        if weights.dtype != torch.float32 or not weights.is_contiguous():
-            weights = weights.float().contiguous()
-        timeout_ns, blocks = self.timeout_ns(timeout_us), self.num_blocks
-        launch = self.ext.combine
+        launch, blocks, timeout_ns = self.ext.combine, self.num_blocks, self.timeout_ns(timeout_us)
+        args = (x, src_info, src_slot, layout_range, topk_idx, weights, active)
+        if not (hook or async_finish):
+            result = launch(*args, out, T, E, seq, timeout_ns, _BOTH, blocks)
+            return result, None, None
         result = out
 
         def run(phases: int) -> None:
             nonlocal result
-            result = launch(
-                x,
-                src_info,
-                src_slot,
-                layout_range,
-                topk_idx,
-                weights,
-                active,
-                result,
-                T,
-                E,
-                seq,
-                timeout_ns,
-                phases,
-                blocks,
-            )
+            result = launch(*args, result, T, E, seq, timeout_ns, phases, blocks)
 
         event, recv_hook = self._run(run, async_finish, hook)
         if event is not None:
-            for t in (x, src_info, src_slot, layout_range, topk_idx, weights, active, result):
+            for t in (*args, result):
                 t.record_stream(self._comm)
         return result, event, recv_hook
 
     def _run(self, run, async_finish: bool, hook: bool):
-        """Runs a call's phases: both now, or the send half now and the receive half in
-        the returned hook, or both on the communication stream (returns its event)."""
+        """Runs a call's phases: the send half now and the receive half in the returned
+        hook, or both on the communication stream (returns its event)."""
         if hook:
             run(pg._ext.EP_PHASE_SEND)
             return None, _Once(lambda: run(pg._ext.EP_PHASE_RECV))
-        if not async_finish:
-            run(pg._ext.EP_PHASE_BOTH)
-            return None, None
         current = torch.cuda.current_stream(self.device)
         if self._comm is None:
             self._comm = torch.cuda.Stream(self.device)
         self._comm.wait_stream(current)
         with torch.cuda.stream(self._comm):
-            run(pg._ext.EP_PHASE_BOTH)
+            run(_BOTH)
         event = torch.cuda.Event()
         event.record(self._comm)
         return event, None

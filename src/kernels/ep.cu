@@ -2,22 +2,29 @@
 // (api.h says what the phases, signals and status mean; ep/layout.h where
 // everything lives).
 //
-// Dispatch, send phase: one block per global expert e (grid-stride). The block
-// scans topk_idx in flat order, gives each selection of e the next slot (so a
-// source's rows reach the receiver in token order, as the portable path
-// orders them), and a warp per selection stores header + payload (BF16/FP16,
-// or FP8 quantised in registers) into the owner's [local expert][this rank]
-// slots. Then it publishes the count with a system-scope release.
-// Receive phase: one block per local expert waits for the R counts (a thread
-// per source, each with the phase's deadline), lays the sources out in rank
-// order and unpacks the messages into recv_x, src_info and layout_range.
+// Work is dealt round-robin over the grid (block b takes things b, b + G, ...)
+// and every block gathers all of its work before it moves any bytes, so that
+// each copy phase has every warp of the block busy at once: at world 1 a block
+// holds ~2 experts of ~4 rows each, and doing them one after the other was
+// most of the kernels' time.
 //
-// Combine, send phase: one block per (local expert, source) pair stores each
-// received row's expert output into the source's [token][top-k column] row
-// and raises that source's flag for this expert. Receive phase: one block per
-// token waits for the flags of its selected experts and sums weight * row in
-// fp32, in ascending expert order (the portable path's order, so the result
-// is bit-identical), rounded once.
+// Dispatch, send phase: one pass over topk_idx in flat order gives each
+// selection of the block's experts the next slot of its expert (a source's
+// rows reach the receiver in token order, as the portable path orders them);
+// then a warp per (row, part) stores header + payload into the owner's
+// [local expert][this rank] slots, BF16/FP16 as is or FP8 quantised in
+// registers from x; then the counts are published with system-scope releases.
+// Receive phase: the block waits for the counts of all its local experts (a
+// thread per (expert, source), each with the phase's deadline), lays the
+// sources out in rank order and unpacks every row into recv_x, src_info and
+// layout_range.
+//
+// Combine, send phase: the block stores the expert output of every row of its
+// (local expert, source) pairs into the source's [token][top-k column] row,
+// then raises one flag per pair. Receive phase: one block per token waits for
+// the flags of its selected experts and sums weight * row in fp32, in
+// ascending expert order (the portable path's order, so the result is
+// bit-identical), rounded once.
 //
 // Blocks never wait on blocks that have not started: every block does its
 // send work before it waits, and the grid is at most as large as what is
@@ -26,6 +33,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "core/error.h"
 #include "kernels/api.h"
@@ -212,202 +221,263 @@ __device__ __forceinline__ void quantize_blocks(const T* x, uint8_t* data, float
   }
 }
 
-// FP8: this rank's tokens quantised once into its stage rows (data, then
-// scales), which the dispatch kernel then copies to every selected expert.
-template <typename Elem>
-__global__ void __launch_bounds__(kThreads, 1) quantize_kernel(const DispatchArgs a) {
-  const EpLayout& L = a.c.layout;
-  const int64_t H = L.shape.hidden, blocks = H / 128;
-  const int64_t per_row = (blocks + kQuantBlocks - 1) / kQuantBlocks;
-  uint8_t* own = a.c.peers[a.c.rank];
-  const int64_t units = static_cast<int64_t>(gridDim.x) * kThreads / 16;
-  for (int64_t u = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 16;
-       u < a.num_tokens * per_row; u += units) {
-    const int64_t t = u / per_row, c = u % per_row;
-    uint8_t* row = own + L.stage_row(a.c.seq, t);
-    quantize_blocks<Elem>(static_cast<const Elem*>(a.x) + t * H, row,
-                          reinterpret_cast<float*>(row + H), c * kQuantBlocks, blocks,
-                          threadIdx.x % 32);
+// A warp's FP8 unit: each half-warp quantises kQuantBlocks blocks.
+constexpr int kQuantPerWarp = 2 * kQuantBlocks;
+
+// Exclusive prefix sums of v[0, n) into out[0, n], out[n] = the total, by
+// one warp (the lanes take 32 values at a time).
+__device__ void warp_exclusive_scan(const int32_t* v, int32_t* out, int n, int lane) {
+  int carry = 0;
+  for (int b = 0; b < n; b += 32) {
+    const int x = b + lane < n ? v[b + lane] : 0;
+    int incl = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (b + lane < n) out[b + lane] = carry + incl - x;
+    carry += __shfl_sync(0xffffffffu, incl, 31);
   }
+  if (lane == 0) out[n] = carry;
 }
+
+// The last i with offsets[i] <= g, for offsets[0] == 0 <= g < offsets[n].
+__device__ __forceinline__ int find_segment(const int32_t* offsets, int n, int g) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= g)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// How many of `count` things, dealt round-robin over the grid, block b gets.
+__device__ __forceinline__ int dealt(int count) {
+  const int b = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+  return b < count ? (count - b + g - 1) / g : 0;
+}
+
+// Work items the send phase collects before it copies them (two int arrays).
+constexpr int kItems = 2048;
+// Rows a combine's receive phase loads at once per thread.
+constexpr int kLoads = 8;
 
 template <typename Elem, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArgs a) {
-  extern __shared__ int32_t s_dyn[];  // counts [R] and offsets [R + 1]
-  __shared__ int32_t s_items[kThreads];
-  __shared__ int32_t s_warp_base[kWarps];
-  __shared__ int32_t s_matches;
+  extern __shared__ int32_t s_dyn[];  // send: counts per (expert, warp); receive: counts, offsets
+  __shared__ int32_t s_flat[kItems];  // an item: its flat topk_idx entry and its slot
+  __shared__ int32_t s_slot[kItems];
+  __shared__ int32_t s_warp_base[kWarps + 1];
 
   const EpLayout& L = a.c.layout;
   const int R = static_cast<int>(L.shape.num_ranks);
   const int E = static_cast<int>(L.shape.num_experts);
   const int epr = static_cast<int>(L.local_experts);
+  const int G = static_cast<int>(gridDim.x);
   const int64_t T = L.shape.max_tokens, H = L.shape.hidden;
   const int K = a.topk;
   const int64_t entries = a.num_tokens * K;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned lanes_below = (1u << lane) - 1;
   const uint64_t seq = a.c.seq;
-
-  // The bytes after a header: BF16/FP16 rows, or FP8 data and scales (from
-  // the stage, padded to 16 bytes; the message slot has room for them).
-  const int64_t body_bytes = kFp8 ? (H + 4 * (H / 128) + 15) / 16 * 16 : 2 * H;
-  const int64_t per_row = chunks_of(body_bytes);
-  const uint8_t* stage = a.c.peers[a.c.rank];
+  uint8_t* own = a.c.peers[a.c.rank];
 
   if (a.c.phases & kSend) {
-    for (int e = blockIdx.x; e < E; e += gridDim.x) {
-      const int dest = e / epr, le = e % epr;
-      uint8_t* ws = a.c.peers[dest];
-      int rows = 0;
-      if (ld_volatile(a.c.active_ranks + dest) != 0) {
-        for (int64_t base = 0; base < entries; base += kThreads) {
-          const int64_t j = base + threadIdx.x;
-          bool match = false;
-          if (j < entries) {
-            const int64_t id = load_idx(a.topk_idx, j, a.topk_int64);
-            match = id == e;
-            if (e == 0 && (id < -1 || id >= E))
-              report(a.c.status, kStatusBadExpert, static_cast<int>(id), static_cast<int>(j / K));
-          }
-          // Slots in flat order: a block-wide exclusive scan of the matches.
-          const unsigned ballot = __ballot_sync(0xffffffffu, match);
-          if (lane == 0) s_warp_base[warp] = __popc(ballot);
-          __syncthreads();
-          if (warp == 0) {
-            const int c = lane < kWarps ? s_warp_base[lane] : 0;
-            int incl = c;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-              const int y = __shfl_up_sync(0xffffffffu, incl, o);
-              if (lane >= o) incl += y;
-            }
-            if (lane < kWarps) s_warp_base[lane] = incl - c;
-            if (lane == 31) s_matches = incl;
-          }
-          __syncthreads();
-          if (match)
-            s_items[s_warp_base[warp] + __popc(ballot & ((1u << lane) - 1))] = static_cast<int>(j);
-          __syncthreads();
-          const int n = s_matches;
-          // A warp per (row, chunk): every warp has work even for a few rows.
-          for (int64_t u = warp; u < n * per_row; u += kWarps) {
-            const int i = static_cast<int>(u / per_row);
-            const int64_t c = u % per_row;
-            const int slot = rows + i;
-            if (slot >= T) {
-              if (c == 0 && lane == 0) report(a.c.status, kStatusOverflow, e, slot + 1);
-              continue;
-            }
-            const int flat = s_items[i];
-            const int t = flat / K, k = flat % K;
-            uint8_t* msg = ws + L.dispatch_msg(seq, le, a.c.rank, slot);
-            if (c == 0 && lane == 0)
-              *reinterpret_cast<EpMsgHeader*>(msg) = EpMsgHeader{t, le, k, 0};
-            const uint8_t* row =
-                kFp8 ? stage + L.stage_row(seq, t) : static_cast<const uint8_t*>(a.x) + t * 2 * H;
-            copy_chunk<false>(msg + EpLayout::kHeaderBytes, row, body_bytes, c, lane);
-          }
-          rows += n;
-          __syncthreads();  // s_items is refilled next round
-        }
+    // This block sends for experts blockIdx.x + i * G. One pass over topk_idx
+    // in flat order gives each selection of them the next slot of its expert
+    // (so a source's rows arrive in token order, as the portable path orders
+    // them); the rows are then stored by every warp of the block at once.
+    const int nb = dealt(E);
+    int32_t* s_base = s_dyn;                // [nb][kWarps]: this round's rows per warp, then bases
+    int32_t* s_rows = s_dyn + nb * kWarps;  // [nb]: rows given so far
+    for (int i = threadIdx.x; i < nb; i += kThreads) s_rows[i] = 0;
+    const int64_t body_bytes = kFp8 ? L.fp8_payload_bytes : 2 * H;
+    const int64_t blocks = H / EpLayout::kFp8Block;
+    const int64_t per_row =
+        kFp8 ? (blocks + kQuantPerWarp - 1) / kQuantPerWarp : chunks_of(body_bytes);
+    int items = 0;  // the same in every thread
+    for (int64_t round = 0; round < entries; round += kThreads) {
+      for (int i = threadIdx.x; i < nb * kWarps; i += kThreads) s_base[i] = 0;
+      __syncthreads();
+      const int64_t j = round + threadIdx.x;
+      int mine = -1;  // this entry's expert, as the block numbers them
+      if (j < entries) {
+        const int64_t id = load_idx(a.topk_idx, j, a.topk_int64);
+        if (blockIdx.x == 0 && (id < -1 || id >= E))
+          report(a.c.status, kStatusBadExpert, static_cast<int>(id), static_cast<int>(j / K));
+        if (id >= 0 && id < E && id % G == blockIdx.x &&
+            ld_volatile(a.c.active_ranks + id / epr) != 0)
+          mine = static_cast<int>(id / G);
       }
-      const uint64_t count = static_cast<uint64_t>(rows < T ? rows : T);
+      const unsigned same = __match_any_sync(0xffffffffu, mine);
+      const unsigned matches = __ballot_sync(0xffffffffu, mine >= 0);
+      const int rank_in_warp = __popc(same & lanes_below);
+      if (mine >= 0 && rank_in_warp == 0) s_base[mine * kWarps + warp] = __popc(same);
+      if (lane == 0) s_warp_base[warp] = __popc(matches);
+      __syncthreads();
+      for (int i = threadIdx.x; i < nb; i += kThreads) {
+        int at = s_rows[i];
+        for (int w = 0; w < kWarps; ++w) {
+          const int c = s_base[i * kWarps + w];
+          s_base[i * kWarps + w] = at;
+          at += c;
+        }
+        s_rows[i] = at;
+      }
+      if (warp == kWarps - 1) {  // its threads are past the loop above (nb <= kThreads - 32)
+        const int c = lane < kWarps ? s_warp_base[lane] : 0;
+        int incl = c;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, o);
+          if (lane >= o) incl += y;
+        }
+        if (lane < kWarps) s_warp_base[lane] = incl - c;
+        if (lane == 31) s_warp_base[kWarps] = incl;
+      }
+      __syncthreads();
+      if (mine >= 0) {
+        const int at = items + s_warp_base[warp] + __popc(matches & lanes_below);
+        s_flat[at] = static_cast<int>(j);
+        s_slot[at] = s_base[mine * kWarps + warp] + rank_in_warp;
+      }
+      items += s_warp_base[kWarps];
+      const bool flush = items > kItems - kThreads || round + kThreads >= entries;
+      __syncthreads();  // the items are in; s_base and s_warp_base may be refilled
+      if (!flush) continue;
+      // A warp per (row, part): every warp has work even for a few rows.
+      for (int64_t u = warp; u < items * per_row; u += kWarps) {
+        const int i = static_cast<int>(u / per_row);
+        const int64_t c = u % per_row;
+        const int slot = s_slot[i], flat = s_flat[i];
+        const int e = static_cast<int>(load_idx(a.topk_idx, flat, a.topk_int64));
+        if (slot >= T) {
+          if (c == 0 && lane == 0) report(a.c.status, kStatusOverflow, e, slot + 1);
+          continue;
+        }
+        const int t = flat / K, k = flat % K, le = e % epr;
+        uint8_t* msg = a.c.peers[e / epr] + L.dispatch_msg(seq, le, a.c.rank, slot);
+        if (c == 0 && lane == 0) *reinterpret_cast<EpMsgHeader*>(msg) = EpMsgHeader{t, le, k, 0};
+        uint8_t* body = msg + EpLayout::kHeaderBytes;
+        const auto* row = static_cast<const Elem*>(a.x) + t * H;
+        if constexpr (kFp8)
+          quantize_blocks<Elem>(row, body, reinterpret_cast<float*>(body + H),
+                                c * kQuantPerWarp + (lane / 16) * kQuantBlocks, blocks, lane);
+        else
+          copy_chunk<false>(body, reinterpret_cast<const uint8_t*>(row), body_bytes, c, lane);
+      }
+      items = 0;
+      __syncthreads();  // s_flat and s_slot are refilled next round
+    }
+    if (entries == 0) __syncthreads();  // s_rows was zeroed
+    // Every thread's stores are done (the barrier above), then each count is
+    // published with a release, which is cumulative: it covers what the
+    // barrier made visible to the publishing thread.
+    for (int i = threadIdx.x; i < nb; i += kThreads) {
+      const int e = static_cast<int>(blockIdx.x) + i * G;
       // This rank's flag for e in this half is next raised by e's owner in the
       // combine of this call, which follows the count below: clear it now.
-      if (threadIdx.x == 0)
-        *reinterpret_cast<uint64_t*>(a.c.peers[a.c.rank] + L.combine_flag(seq, e)) = 0;
-      // Every thread's stores, then the count: the barrier orders them before
-      // thread 0's release, which is cumulative (it publishes what it has seen).
-      __syncthreads();
-      if (threadIdx.x == 0)
-        st_release_sys(reinterpret_cast<uint64_t*>(ws + L.dispatch_count(seq, le, a.c.rank)),
-                       (seq << 32) | count);
+      *reinterpret_cast<uint64_t*>(own + L.combine_flag(seq, e)) = 0;
+      const uint64_t count = static_cast<uint64_t>(s_rows[i] < T ? s_rows[i] : T);
+      st_release_sys(reinterpret_cast<uint64_t*>(a.c.peers[e / epr] +
+                                                 L.dispatch_count(seq, e % epr, a.c.rank)),
+                     (seq << 32) | count);
     }
+    __syncthreads();  // s_dyn is the receive phase's next
   }
 
   if (a.c.phases & kRecv) {
-    int32_t* s_count = s_dyn;
-    int32_t* s_off = s_dyn + R;
+    // This block receives for local experts blockIdx.x + i * G: it waits for
+    // all their counts at once, lays each expert's sources out in rank order
+    // and unpacks every row with every warp.
+    const int nl = dealt(epr);
+    int32_t* s_count = s_dyn;                 // [nl][R]
+    int32_t* s_off = s_count + nl * R;        // [nl][R + 1]
+    int32_t* s_total = s_off + nl * (R + 1);  // [nl]
+    int32_t* s_first = s_total + nl;  // [nl + 1]: each expert's first row in the block's list
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
-    uint8_t* own = a.c.peers[a.c.rank];
     const int64_t cols = R * T;
-    for (int le = blockIdx.x; le < epr; le += gridDim.x) {
-      for (int s = threadIdx.x; s < R; s += kThreads) {
-        uint64_t v = 0;
-        int count = 0;
-        const auto* sig = reinterpret_cast<const uint64_t*>(own + L.dispatch_count(seq, le, s));
-        const auto ready = [seq](uint64_t x) { return (x >> 32) == (seq & 0xffffffffu); };
-        if (ld_volatile(a.c.active_ranks + s) != 0 &&
-            wait_for(sig, ready, deadline, a.c.active_ranks, s, a.c.status, kRecv, &v)) {
-          // Consumed: cleared, so a replay of a captured graph (the same
-          // sequence number again) waits for the new count.
-          *const_cast<uint64_t*>(sig) = 0;
-          count = static_cast<int>(v & 0xffffffffu);
-          if (count > T) {
-            report(a.c.status, kStatusBadCount, s, count);
-            count = 0;
-          }
-        }
-        s_count[s] = count;
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        int at = 0;
-        for (int s = 0; s < R; ++s) {
-          s_off[s] = at;
-          at += s_count[s];
-        }
-        s_off[R] = at;
-        a.recv_count[le] = at;
-        if (a.stats != nullptr) a.stats[le] += at;
-      }
-      __syncthreads();
-      for (int s = threadIdx.x; s < R; s += kThreads)
-        a.layout_range[static_cast<int64_t>(le) * R + s] =
-            (static_cast<int64_t>(s_off[s]) << 32) | s_count[s];
-      const int total = s_off[R];
-      const int64_t data_bytes = kFp8 ? H : 2 * H;
-      const int64_t per_row = chunks_of(data_bytes);
-      for (int64_t u = warp; u < total * per_row; u += kWarps) {
-        const int i = static_cast<int>(u / per_row);
-        const int64_t c = u % per_row;
-        int lo = 0, hi = R - 1;  // the source whose rows hold i
-        while (lo < hi) {
-          const int mid = (lo + hi + 1) / 2;
-          if (s_off[mid] <= i)
-            lo = mid;
-          else
-            hi = mid - 1;
-        }
-        const int s = lo;
-        const uint8_t* msg = own + L.dispatch_msg(seq, le, s, i - s_off[s]);
-        const uint8_t* body = msg + EpLayout::kHeaderBytes;
-        const int64_t row = le * cols + i;
-        copy_chunk<true>(static_cast<uint8_t*>(a.recv_x) + row * data_bytes, body, data_bytes, c,
-                         lane);
-        if (c != 0) continue;
-        const EpMsgHeader h = *reinterpret_cast<const EpMsgHeader*>(msg);
-        const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
-                        h.topk_slot < EpLayout::kMaxTopk;
-        if (lane == 0) {
-          a.src_info[row] = ok ? h.token : -1;
-          a.src_slot[row] = ok ? h.topk_slot : 0;
-          if (!ok) report(a.c.status, kStatusBadHeader, s, le);
-        }
-        if constexpr (kFp8) {
-          const int64_t nscale = H / 128;
-          for (int64_t j = lane; j < nscale; j += 32)
-            a.recv_scales[row * nscale + j] = reinterpret_cast<const float*>(body + H)[j];
+    for (int p = threadIdx.x; p < nl * R; p += kThreads) {
+      const int le = static_cast<int>(blockIdx.x) + (p / R) * G, s = p % R;
+      uint64_t v = 0;
+      int count = 0;
+      const auto* sig = reinterpret_cast<const uint64_t*>(own + L.dispatch_count(seq, le, s));
+      const auto ready = [seq](uint64_t x) { return (x >> 32) == (seq & 0xffffffffu); };
+      if (ld_volatile(a.c.active_ranks + s) != 0 &&
+          wait_for(sig, ready, deadline, a.c.active_ranks, s, a.c.status, kRecv, &v)) {
+        // Consumed: cleared, so a replay of a captured graph (the same
+        // sequence number again) waits for the new count.
+        *const_cast<uint64_t*>(sig) = 0;
+        count = static_cast<int>(v & 0xffffffffu);
+        if (count > T) {
+          report(a.c.status, kStatusBadCount, s, count);
+          count = 0;
         }
       }
-      for (int64_t i = total + threadIdx.x; i < cols; i += kThreads) a.src_info[le * cols + i] = -1;
-      __syncthreads();  // s_count and s_off are refilled for the next expert
+      s_count[p] = count;
+    }
+    __syncthreads();
+    for (int i = warp; i < nl; i += kWarps)
+      warp_exclusive_scan(s_count + i * R, s_off + i * (R + 1), R, lane);
+    __syncthreads();
+    for (int i = threadIdx.x; i < nl; i += kThreads) {
+      const int le = static_cast<int>(blockIdx.x) + i * G, total = s_off[i * (R + 1) + R];
+      s_total[i] = total;
+      a.recv_count[le] = total;
+      if (a.stats != nullptr) a.stats[le] += total;
+    }
+    for (int p = threadIdx.x; p < nl * R; p += kThreads) {
+      const int i = p / R, s = p % R, le = static_cast<int>(blockIdx.x) + i * G;
+      a.layout_range[static_cast<int64_t>(le) * R + s] =
+          (static_cast<int64_t>(s_off[i * (R + 1) + s]) << 32) | s_count[p];
+    }
+    __syncthreads();
+    if (warp == 0) warp_exclusive_scan(s_total, s_first, nl, lane);
+    __syncthreads();
+    const int64_t data_bytes = kFp8 ? H : 2 * H;
+    const int64_t per_row = chunks_of(data_bytes);
+    for (int64_t u = warp; u < s_first[nl] * per_row; u += kWarps) {
+      const int g = static_cast<int>(u / per_row);
+      const int64_t c = u % per_row;
+      const int i = find_segment(s_first, nl, g);
+      const int32_t* off = s_off + i * (R + 1);
+      const int r = g - s_first[i], s = find_segment(off, R, r);
+      const int le = static_cast<int>(blockIdx.x) + i * G;
+      const uint8_t* msg = own + L.dispatch_msg(seq, le, s, r - off[s]);
+      const uint8_t* body = msg + EpLayout::kHeaderBytes;
+      const int64_t row = le * cols + r;
+      copy_chunk<true>(static_cast<uint8_t*>(a.recv_x) + row * data_bytes, body, data_bytes, c,
+                       lane);
+      if (c != 0) continue;
+      const EpMsgHeader h = *reinterpret_cast<const EpMsgHeader*>(msg);
+      const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
+                      h.topk_slot < EpLayout::kMaxTopk;
+      if (lane == 0) {
+        a.src_info[row] = ok ? h.token : -1;
+        a.src_slot[row] = ok ? h.topk_slot : 0;
+        if (!ok) report(a.c.status, kStatusBadHeader, s, le);
+      }
+      if constexpr (kFp8) {
+        const int64_t nscale = H / EpLayout::kFp8Block;
+        for (int64_t j = lane; j < nscale; j += 32)
+          a.recv_scales[row * nscale + j] = reinterpret_cast<const float*>(body + H)[j];
+      }
+    }
+    for (int64_t q = threadIdx.x; q < nl * cols; q += kThreads) {
+      const int i = static_cast<int>(q / cols);
+      const int64_t r = q % cols;
+      if (r >= s_total[i]) a.src_info[(blockIdx.x + static_cast<int64_t>(i) * G) * cols + r] = -1;
     }
   }
 }
 
 template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs a) {
+  extern __shared__ int32_t s_dyn[];  // send: rows per (local expert, source) pair, then firsts
   __shared__ float s_weight[EpLayout::kMaxTopk];
   __shared__ int32_t s_slot[EpLayout::kMaxTopk];
   __shared__ int32_t s_expert[EpLayout::kMaxTopk];
@@ -417,6 +487,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const int R = static_cast<int>(L.shape.num_ranks);
   const int E = static_cast<int>(L.shape.num_experts);
   const int epr = static_cast<int>(L.local_experts);
+  const int G = static_cast<int>(gridDim.x);
   const int64_t T = L.shape.max_tokens, H = L.shape.hidden;
   const int64_t cols = R * T;
   const int K = a.topk;
@@ -424,26 +495,36 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const uint64_t seq = a.c.seq;
 
   if (a.c.phases & kSend) {
-    for (int p = blockIdx.x; p < epr * R; p += gridDim.x) {
-      const int le = p / R, s = p % R;
-      uint8_t* ws = a.c.peers[s];
-      const int64_t range = a.layout_range[p];
-      const int off = static_cast<int>(range >> 32), count = static_cast<int>(range & 0xffffffff);
-      if (ld_volatile(a.c.active_ranks + s) != 0) {
-        const int64_t per_row = chunks_of(2 * H);
-        for (int64_t u = warp; u < count * per_row; u += kWarps) {
-          const int64_t row = le * cols + off + u / per_row;
-          const int t = a.src_info[row], k = a.src_slot[row];
-          if (t < 0 || t >= T || k < 0 || k >= EpLayout::kMaxTopk) continue;
-          copy_chunk<false>(ws + L.combine_row(seq, t, k),
-                            static_cast<const uint8_t*>(a.x) + row * 2 * H, 2 * H, u % per_row,
-                            lane);
-        }
-      }
-      __syncthreads();  // the rows, then the flag (as dispatch publishes its counts)
-      if (threadIdx.x == 0)
-        st_release_sys(reinterpret_cast<uint64_t*>(ws + L.combine_flag(seq, a.c.rank * epr + le)),
-                       seq);
+    // This block returns the rows of pairs p = (local expert, source) =
+    // blockIdx.x + i * G, all of them at once, then raises their flags.
+    const int np = dealt(epr * R);
+    int32_t* s_rows = s_dyn;        // [np]
+    int32_t* s_first = s_dyn + np;  // [np + 1]
+    for (int i = threadIdx.x; i < np; i += kThreads) {
+      const int p = static_cast<int>(blockIdx.x) + i * G;
+      const bool live = ld_volatile(a.c.active_ranks + p % R) != 0;
+      s_rows[i] = live ? static_cast<int>(a.layout_range[p] & 0xffffffff) : 0;
+    }
+    __syncthreads();
+    if (warp == 0) warp_exclusive_scan(s_rows, s_first, np, lane);
+    __syncthreads();
+    const int64_t per_row = chunks_of(2 * H);
+    for (int64_t u = warp; u < s_first[np] * per_row; u += kWarps) {
+      const int g = static_cast<int>(u / per_row);
+      const int i = find_segment(s_first, np, g);
+      const int p = static_cast<int>(blockIdx.x) + i * G;
+      const int64_t row = (p / R) * cols + (a.layout_range[p] >> 32) + (g - s_first[i]);
+      const int t = a.src_info[row], k = a.src_slot[row];
+      if (t < 0 || t >= T || k < 0 || k >= EpLayout::kMaxTopk) continue;
+      copy_chunk<false>(a.c.peers[p % R] + L.combine_row(seq, t, k),
+                        static_cast<const uint8_t*>(a.x) + row * 2 * H, 2 * H, u % per_row, lane);
+    }
+    __syncthreads();  // the rows, then the flags (as dispatch publishes its counts)
+    for (int i = threadIdx.x; i < np; i += kThreads) {
+      const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
+      st_release_sys(
+          reinterpret_cast<uint64_t*>(a.c.peers[s] + L.combine_flag(seq, a.c.rank * epr + le)),
+          seq);
     }
   }
 
@@ -486,14 +567,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
       const int64_t vecs = H / 8;
       for (int64_t v = threadIdx.x; v < vecs; v += kThreads) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int i = 0; i < n; ++i) {
-          const int k = s_slot[i];
-          const float w = s_weight[k];
-          const int4 raw = reinterpret_cast<const int4*>(own + L.combine_row(seq, t, k))[v];
-          float f[8];
-          to_float8<Elem>(raw, f);
+        // kLoads rows' loads in flight at once; the sums stay in order.
+        for (int i0 = 0; i0 < n; i0 += kLoads) {
+          int4 raw[kLoads];
 #pragma unroll
-          for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(f[c], w));
+          for (int q = 0; q < kLoads; ++q)
+            if (i0 + q < n)
+              raw[q] =
+                  reinterpret_cast<const int4*>(own + L.combine_row(seq, t, s_slot[i0 + q]))[v];
+#pragma unroll
+          for (int q = 0; q < kLoads; ++q) {
+            if (i0 + q >= n) break;
+            const float w = s_weight[s_slot[i0 + q]];
+            float f[8];
+            to_float8<Elem>(raw[q], f);
+#pragma unroll
+            for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(f[c], w));
+          }
         }
         reinterpret_cast<int4*>(static_cast<Elem*>(a.out) + t * H)[v] = from_float8<Elem>(acc);
       }
@@ -508,32 +598,60 @@ void check_launch(const char* what) {
     throw_error(ErrorKind::kSystem, -1, what, ": kernel launch failed: ", cudaGetErrorString(err));
 }
 
-template <typename T>
+// Blocks get work round-robin, so each holds at most ceil(n / grid) of n things.
+int64_t per_block(int64_t n, int64_t grid) {
+  return (n + grid - 1) / grid;
+}
+
+// Dynamic shared memory past the default 48 KiB needs the kernel's consent
+// (once per kernel and size; launches with more experts per block than fit
+// in the default are rare: a small grid and ~700+ experts).
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes, const char* what) {
+  if (bytes <= 48 * 1024) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(bytes));
+  if (err != cudaSuccess)
+    throw_error(ErrorKind::kInvalidArgument, -1, what, ": ", bytes,
+                " bytes of shared memory per block are more than the GPU allows (",
+                cudaGetErrorString(err), "): use fewer experts per rank or a larger grid");
+}
+
+template <typename T, bool kFp8>
 void dispatch_as(const DispatchArgs& a, cudaStream_t stream) {
-  const size_t smem = (2 * a.c.layout.shape.num_ranks + 1) * sizeof(int32_t);
-  if (a.use_fp8 && (a.c.phases & kSend) && a.num_tokens > 0)
-    quantize_kernel<T><<<a.c.num_blocks, kThreads, 0, stream>>>(a);
-  if (a.use_fp8)
-    dispatch_kernel<T, true><<<a.c.num_blocks, kThreads, smem, stream>>>(a);
-  else
-    dispatch_kernel<T, false><<<a.c.num_blocks, kThreads, smem, stream>>>(a);
+  const EpShape& s = a.c.layout.shape;
+  const int64_t nb = per_block(s.num_experts, a.c.num_blocks);
+  const int64_t nl = per_block(a.c.layout.local_experts, a.c.num_blocks);
+  const size_t smem = sizeof(int32_t) * std::max(nb * (kWarps + 1), nl * (2 * s.num_ranks + 3) + 1);
+  allow_smem(dispatch_kernel<T, kFp8>, smem, "dispatch");
+  dispatch_kernel<T, kFp8><<<a.c.num_blocks, kThreads, smem, stream>>>(a);
 }
 
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& a, CUstream_st* stream) {
+  // The send phase's per-expert sums run on all but the last warp.
+  MC_CHECK_ARG(per_block(a.c.layout.shape.num_experts, a.c.num_blocks) <= kThreads - 32,
+               "dispatch: ", a.c.layout.shape.num_experts, " experts over ", a.c.num_blocks,
+               " blocks: at most ", kThreads - 32, " experts per block");
   if (a.x_dtype == Dtype::kBf16)
-    dispatch_as<__nv_bfloat16>(a, stream);
+    a.use_fp8 ? dispatch_as<__nv_bfloat16, true>(a, stream)
+              : dispatch_as<__nv_bfloat16, false>(a, stream);
   else
-    dispatch_as<__half>(a, stream);
+    a.use_fp8 ? dispatch_as<__half, true>(a, stream) : dispatch_as<__half, false>(a, stream);
   check_launch("dispatch");
 }
 
 void launch_combine(const CombineArgs& a, CUstream_st* stream) {
-  if (a.x_dtype == Dtype::kBf16)
-    combine_kernel<__nv_bfloat16><<<a.c.num_blocks, kThreads, 0, stream>>>(a);
-  else
-    combine_kernel<__half><<<a.c.num_blocks, kThreads, 0, stream>>>(a);
+  const int64_t np = per_block(a.c.layout.shape.num_experts, a.c.num_blocks);  // E/R * R pairs
+  const size_t smem = sizeof(int32_t) * (2 * np + 1);
+  if (a.x_dtype == Dtype::kBf16) {
+    allow_smem(combine_kernel<__nv_bfloat16>, smem, "combine");
+    combine_kernel<__nv_bfloat16><<<a.c.num_blocks, kThreads, smem, stream>>>(a);
+  } else {
+    allow_smem(combine_kernel<__half>, smem, "combine");
+    combine_kernel<__half><<<a.c.num_blocks, kThreads, smem, stream>>>(a);
+  }
   check_launch("combine");
 }
 

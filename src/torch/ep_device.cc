@@ -1,8 +1,8 @@
 // The EP device path's binding: a workspace in device memory that same-host
 // peers map (transport/cuda_ipc), and launches of the dispatch and combine
 // kernels (src/kernels) on the caller's current stream. Python
-// (mooncake/_ep_device.py) validates the arguments, allocates the outputs
-// and keeps the call numbers; this file only turns tensors into the launch
+// (mooncake/_ep_device.py) validates the arguments and keeps the call
+// numbers; this file allocates the outputs and turns tensors into the launch
 // structs. Nothing here waits for the device.
 #include "torch/ep_device.h"
 
@@ -15,6 +15,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <array>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -40,6 +41,65 @@ void* ptr(const std::optional<at::Tensor>& t) {
   return t ? t->data_ptr() : nullptr;
 }
 
+// Outputs of earlier calls, handed out again once nothing else refers to them
+// (no tensor, view or storage object: the pool's own reference is the last).
+// Allocating them costs more host time than the launch itself on the GPU
+// machine (12-25 us for a dispatch's six, one of them hundreds of MB), and a
+// call's latency is mostly host time. The rules are the caching allocator's:
+// a set is reused only on the stream it was last used on, so stream order
+// keeps the old readers ahead of the new writer; and never while a stream is
+// being captured, since a graph keeps writing into the memory it captured.
+// Unlike the allocator, a recorded stream (record_stream) does not delay reuse.
+class OutputPool {
+ public:
+  using Key = std::array<int64_t, 6>;
+
+  template <typename Make>
+  std::vector<at::Tensor> take(const Key& key, cudaStream_t stream, Make make) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone)
+      return make();
+    for (auto& e : entries_)
+      if (e.key == key && e.stream == stream && unused(e.tensors)) {
+        e.last = ++clock_;
+        return e.tensors;
+      }
+    std::vector<at::Tensor> fresh = make();
+    Entry* slot = nullptr;  // an empty place, else the least recently used unused set
+    if (entries_.size() < kCapacity) {
+      slot = &entries_.emplace_back();
+    } else {
+      for (auto& e : entries_)
+        if (unused(e.tensors) && (slot == nullptr || e.last < slot->last)) slot = &e;
+    }
+    if (slot != nullptr) *slot = Entry{key, stream, fresh, ++clock_};
+    return fresh;
+  }
+
+  void clear() { entries_.clear(); }
+
+ private:
+  // Two calls in flight (double buffering), plus the other kind of call.
+  static constexpr size_t kCapacity = 4;
+
+  struct Entry {
+    Key key{};
+    cudaStream_t stream = nullptr;
+    std::vector<at::Tensor> tensors;
+    uint64_t last = 0;
+  };
+
+  static bool unused(const std::vector<at::Tensor>& tensors) {
+    for (const auto& t : tensors)
+      if (t.use_count() != 1 || t.storage().use_count() != 1) return false;
+    return true;
+  }
+
+  std::vector<Entry> entries_;
+  uint64_t clock_ = 0;
+};
+
 class EpDevice {
  public:
   EpDevice(int64_t bytes, int64_t device)
@@ -59,6 +119,7 @@ class EpDevice {
   ~EpDevice() {
     c10::cuda::CUDAGuard guard(device_);
     cudaDeviceSynchronize();  // no kernel may still use the peers' mappings
+    pool_.clear();
     maps_.clear();
     if (peers_ != nullptr) cudaFree(peers_);
     cudaFreeHost(status_host_);
@@ -109,20 +170,22 @@ class EpDevice {
 
   // Launches `phases` of a dispatch. Its outputs are [recv_x, recv_scales
   // (empty without FP8), recv_count, src_info, src_slot, layout_range]:
-  // allocated here on the current stream when `outputs` is None (the first
-  // launch of a call), else those of the call's first launch.
-  std::vector<at::Tensor> dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+  // taken here on the current stream when `outputs` is None (the first launch
+  // of a call), else those of the call's first launch.
+  std::vector<at::Tensor> dispatch(const at::Tensor& x_arg, const at::Tensor& topk_arg,
                                    const at::Tensor& active_ranks,
                                    const std::optional<at::Tensor>& stats,
                                    const std::optional<std::vector<at::Tensor>>& outputs,
                                    int64_t max_tokens, int64_t num_experts, int64_t seq,
                                    int64_t timeout_ns, bool use_fp8, int64_t phases,
                                    int64_t num_blocks) {
+    const at::Tensor x = x_arg.contiguous(), topk_idx = topk_arg.contiguous();
     k::DispatchArgs a{};
     a.c = common(max_tokens, x.size(1), num_experts, seq, active_ranks, timeout_ns, phases,
                  num_blocks, "dispatch");
     c10::cuda::CUDAGuard guard(device_);
-    std::vector<at::Tensor> o = outputs ? *outputs : allocate(x, a.c.layout, use_fp8);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+    std::vector<at::Tensor> o = outputs ? *outputs : allocate(x, a.c.layout, use_fp8, stream);
     MC_CHECK_ARG(o.size() == 6, "dispatch: outputs must be the 6 tensors of the first launch");
     a.x = x.data_ptr();
     a.x_dtype = dtype_of(x, "dispatch");
@@ -138,18 +201,20 @@ class EpDevice {
     a.src_slot = o[4].data_ptr<int32_t>();
     a.layout_range = o[5].data_ptr<int64_t>();
     a.stats = static_cast<int32_t*>(ptr(stats));
-    k::launch_dispatch(a, c10::cuda::getCurrentCUDAStream(device_).stream());
+    k::launch_dispatch(a, stream);
     return o;
   }
 
-  // Launches `phases` of a combine into `out` ([N, H] of x's dtype; allocated
+  // Launches `phases` of a combine into `out` ([N, H] of x's dtype; taken
   // here when None) and returns it.
-  at::Tensor combine(const at::Tensor& x, const at::Tensor& src_info, const at::Tensor& src_slot,
-                     const at::Tensor& layout_range, const at::Tensor& topk_idx,
-                     const at::Tensor& topk_weights, const at::Tensor& active_ranks,
-                     const std::optional<at::Tensor>& out_arg, int64_t max_tokens,
-                     int64_t num_experts, int64_t seq, int64_t timeout_ns, int64_t phases,
-                     int64_t num_blocks) {
+  at::Tensor combine(const at::Tensor& x_arg, const at::Tensor& src_info,
+                     const at::Tensor& src_slot, const at::Tensor& layout_range,
+                     const at::Tensor& topk_arg, const at::Tensor& weights_arg,
+                     const at::Tensor& active_ranks, const std::optional<at::Tensor>& out_arg,
+                     int64_t max_tokens, int64_t num_experts, int64_t seq, int64_t timeout_ns,
+                     int64_t phases, int64_t num_blocks) {
+    const at::Tensor x = x_arg.contiguous(), topk_idx = topk_arg.contiguous();
+    const at::Tensor topk_weights = weights_arg.to(at::kFloat).contiguous();
     k::CombineArgs a{};
     a.c = common(max_tokens, x.size(2), num_experts, seq, active_ranks, timeout_ns, phases,
                  num_blocks, "combine");
@@ -164,12 +229,21 @@ class EpDevice {
     a.topk = static_cast<int32_t>(topk_idx.size(1));
     a.topk_weights = topk_weights.data_ptr<float>();
     c10::cuda::CUDAGuard guard(device_);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+    const int64_t n = topk_idx.size(0), h = x.size(2);
     const at::Tensor out =
-        out_arg ? *out_arg : at::empty({topk_idx.size(0), x.size(2)}, x.options());
+        out_arg ? *out_arg
+                : pool_
+                      .take({kCombineOut, n, h, static_cast<int64_t>(x.scalar_type()), 0, 0},
+                            stream, [&] { return std::vector{at::empty({n, h}, x.options())}; })
+                      .front();
     a.out = out.data_ptr();
-    k::launch_combine(a, c10::cuda::getCurrentCUDAStream(device_).stream());
+    k::launch_combine(a, stream);
     return out;
   }
+
+  // The first status word: 0 while no kernel has reported anything.
+  int32_t status_code() const { return *static_cast<volatile int32_t*>(status_host_); }
 
   // The status words as the device last wrote them (read without a sync);
   // `clear` resets them for the next report.
@@ -208,19 +282,26 @@ class EpDevice {
     return c;
   }
 
-  std::vector<at::Tensor> allocate(const at::Tensor& x, const EpLayout& l, bool use_fp8) const {
+  std::vector<at::Tensor> allocate(const at::Tensor& x, const EpLayout& l, bool use_fp8,
+                                   cudaStream_t stream) {
     const int64_t epr = l.local_experts, cols = l.shape.num_ranks * l.shape.max_tokens;
     const int64_t H = l.shape.hidden;
-    const auto opts = x.options();
-    return {
-        at::empty({epr, cols, H}, use_fp8 ? opts.dtype(at::kFloat8_e4m3fn) : opts),
-        at::empty({use_fp8 ? epr : 0, cols, H / EpLayout::kFp8Block}, opts.dtype(at::kFloat)),
-        at::empty({epr}, opts.dtype(at::kInt)),
-        at::empty({epr, cols}, opts.dtype(at::kInt)),
-        at::empty({epr, cols}, opts.dtype(at::kInt)),
-        at::empty({epr, l.shape.num_ranks}, opts.dtype(at::kLong)),
-    };
+    const auto dtype = use_fp8 ? at::kFloat8_e4m3fn : x.scalar_type();
+    return pool_.take(
+        {kDispatchOut, epr, cols, H, static_cast<int64_t>(dtype), l.shape.num_ranks}, stream, [&] {
+          const auto opts = x.options();
+          return std::vector<at::Tensor>{
+              at::empty({epr, cols, H}, opts.dtype(dtype)),
+              at::empty({use_fp8 ? epr : 0, cols, H / EpLayout::kFp8Block}, opts.dtype(at::kFloat)),
+              at::empty({epr}, opts.dtype(at::kInt)),
+              at::empty({epr, cols}, opts.dtype(at::kInt)),
+              at::empty({epr, cols}, opts.dtype(at::kInt)),
+              at::empty({epr, l.shape.num_ranks}, opts.dtype(at::kLong)),
+          };
+        });
   }
+
+  enum : int64_t { kDispatchOut = 1, kCombineOut = 2 };
 
   static k::Dtype dtype_of(const at::Tensor& x, const char* what) {
     if (x.scalar_type() == at::kBFloat16) return k::Dtype::kBf16;
@@ -240,6 +321,7 @@ class EpDevice {
   int32_t* status_host_ = nullptr;
   int32_t* status_dev_ = nullptr;
   int sm_count_ = 0;
+  OutputPool pool_;
 };
 
 }  // namespace
@@ -263,7 +345,8 @@ void register_ep_device(py::module_& m) {
            py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
            py::arg("active_ranks"), py::arg("out"), py::arg("max_tokens"), py::arg("num_experts"),
            py::arg("seq"), py::arg("timeout_ns"), py::arg("phases"), py::arg("num_blocks"))
-      .def("status", &EpDevice::status, py::arg("clear") = false);
+      .def("status", &EpDevice::status, py::arg("clear") = false)
+      .def("status_code", &EpDevice::status_code);
   m.attr("EP_PHASE_SEND") = static_cast<int>(k::kSend);
   m.attr("EP_PHASE_RECV") = static_cast<int>(k::kRecv);
   m.attr("EP_PHASE_BOTH") = static_cast<int>(k::kBoth);

@@ -264,7 +264,6 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
           d["signals"] = region(h.signals);
           d["dispatch"] = region(h.dispatch);
           d["combine"] = region(h.combine);
-          d["stage"] = region(h.stage);
           halves.append(d);
         }
         py::dict d;

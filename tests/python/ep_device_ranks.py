@@ -32,11 +32,13 @@ class Case:
     K: int = 8
     fp8: bool = True
     dtype: torch.dtype = torch.bfloat16
-    mode: str = "plain"  # plain, hook, async, zero_copy, graph
+    mode: str = "plain"  # plain, hook, async, zero_copy, graph, pool
     tokens: int = -1  # -1: T on every rank; else this many (rank 0 sends none)
     drop: float = 0.0  # share of selections set to -1
     duplicates: bool = False  # some tokens select one expert twice
     idx32: bool = False
+    experts: int = 0  # E whatever the world size (0: experts_per_rank decides)
+    one_block: bool = False  # every selection goes to experts one kernel block sends for
 
 
 CASES = [
@@ -57,15 +59,21 @@ CASES = [
     Case("idx32", T=64, H=1024, K=4, idx32=True, fp8=False),
     Case("k16", T=32, H=2048, K=16),
     Case("empty-rank0", T=32, H=1024, tokens=7),
+    Case("e1024", T=64, H=256, K=16, experts=1024),
+    Case("e1024/fp8/one-block", T=256, H=256, K=8, experts=1024, one_block=True),
+    Case("pool", fp8=False, mode="pool"),
 ]
 
 
 def _experts(case: Case, world: int) -> int:
+    if case.experts:
+        return case.experts
     return case.experts_per_rank * world if case.experts_per_rank else 256
 
 
-def _inputs(case: Case, rank: int, world: int, step: int, device):
-    """x [N, H], topk_idx [N, K], weights [N, K]: fresh random values per rank and step."""
+def _inputs(case: Case, rank: int, world: int, step: int, device, blocks: int = 1):
+    """x [N, H], topk_idx [N, K], weights [N, K]: fresh random values per rank and step.
+    ``blocks``: the kernels' grid, for ``one_block``."""
     E = _experts(case, world)
     g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}|{rank}|{world}|{step}".encode()))
     n = case.T if case.tokens < 0 else (0 if rank == 0 else case.tokens)
@@ -74,6 +82,12 @@ def _inputs(case: Case, rank: int, world: int, step: int, device):
         idx = torch.rand(n, E, generator=g).topk(case.K, dim=1).indices
     else:
         idx = torch.randint(0, E, (n, case.K), generator=g)
+    if case.one_block:
+        # Experts b, b + G, b + 2G, ... are sent by block b of the grid: with every
+        # token selecting K of them, that block holds more rows than it collects
+        # at once (N * K > 1536) and stores them in several rounds.
+        idx = (rank + step + blocks * torch.arange(case.K)).repeat(n, 1)
+        assert int(idx.max()) < E, "one_block needs E >= K * the grid"
     if case.duplicates and n > 1:
         idx[::2, 1] = idx[::2, 0]
     if case.drop:
@@ -173,8 +187,10 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
     cuda = torch.device("cuda", torch.cuda.current_device())
     steps = 3 if case.mode == "graph" else 2
     graph = None
+    if case.mode == "pool":
+        _check_pool(buf, case, rank, world, cuda)
     for step in range(steps):
-        x, idx, w = _inputs(case, rank, world, step, cuda)
+        x, idx, w = _inputs(case, rank, world, step, cuda, buf._device.num_blocks)
         if case.mode == "graph":
             if graph is None:
                 static = [x.clone(), idx.clone(), w.clone()]
@@ -207,6 +223,32 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
         _same(out, ref_out, "combine output")
 
 
+def _check_pool(buf, case: Case, rank: int, world: int, cuda) -> None:
+    """A dispatch's outputs are reused by a later one only once nothing refers to them
+    (not even a view)."""
+    E = _experts(case, world)
+    x, idx, _ = _inputs(case, rank, world, 0, cuda)
+
+    def ptr():
+        return _dispatch(buf, x, idx, case, E, "plain")[0]
+
+    a = ptr()
+    b = ptr()
+    if a.data_ptr() == b.data_ptr():
+        raise AssertionError("a dispatch reused the outputs of one still held")
+    first, view = a.data_ptr(), a[0]
+    del a
+    c = ptr()
+    if c.data_ptr() == first:
+        raise AssertionError("a dispatch reused outputs of which a view is still held")
+    del view, c
+    d = ptr()
+    if d.data_ptr() != first:
+        raise AssertionError("a dispatch did not reuse the outputs nothing refers to")
+    del b, d
+    torch.cuda.synchronize()
+
+
 def _setup(rank: int, world: int, port: int, T=128, H=7168, E=256):
     import torch.distributed as dist
 
@@ -224,7 +266,7 @@ def _setup(rank: int, world: int, port: int, T=128, H=7168, E=256):
 
 def rank_cases(rank: int, world: int, port: int, names: list[str]) -> dict[str, str | None]:
     """Runs the named cases in order; returns {name: None or the failure's traceback}."""
-    buf = _setup(rank, world, port, E=max(256, 16 * world))
+    buf = _setup(rank, world, port, E=1024)
     out: dict[str, str | None] = {}
     for case in CASES:
         if case.name not in names:

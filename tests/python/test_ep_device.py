@@ -9,8 +9,10 @@ slower, hence the generous deadlines).
 * ``test_device_path_matches_portable``: every case of ``ep_device_ranks.CASES``
   (BF16, FP16, FP8; hook, async, zero-copy, graph capture and replay; odd
   shapes, ``-1`` selections, duplicates, int32 ids, top-16, a rank with no
-  tokens) at 1, 2 and 4 ranks: the same rows in the same order, payloads and
-  combine bit for bit.
+  tokens; 1024 experts, and a kernel block with more rows than it gathers at
+  once) at 1, 2 and 4 ranks: the same rows in the same order, payloads and
+  combine bit for bit; and outputs reused by a later call only once nothing
+  refers to them.
 * ``test_a_rank_that_exits``: a rank exits before dispatch, or between
   dispatch and combine; the others finish within ``timeout_us`` plus a bound,
   with exactly that rank masked and every other row exact.
