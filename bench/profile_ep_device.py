@@ -108,7 +108,10 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
 
         outs = ext_dispatch()
         host[f"{tag} ext.dispatch, outputs given"] = host_us(lambda outs=outs: ext_dispatch(outs))
+        before = dev.ext.pool_stats()
         host[f"{tag} ext.dispatch, allocating"] = host_us(ext_dispatch)
+        hits, misses = (a - b for a, b in zip(dev.ext.pool_stats(), before, strict=True))
+        res[f"{tag} output pool over those calls"] = {"hits": hits, "misses": misses}
         buf._seq = seq[0]
         host[f"{tag} Buffer.dispatch"] = host_us(
             lambda fp8=fp8: buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)

@@ -80,8 +80,9 @@ class DevicePath:
         self._cap_ns = _env_int("MOONCAKE_EP_WAIT_CAP_MS") * 1_000_000  # timeout_us == -1
         self.usable = False
         self._forced_off = forced_off()
-        self._mask_cpu: torch.Tensor | None = None  # the group's view, when active_ranks=None
-        self._mask_dev: torch.Tensor | None = None
+        self._backend = pg._backend_of(group)
+        self._mask_version = -1  # the group's view_version that _mask_dev shows
+        self._mask_dev = torch.zeros(0, dtype=torch.int32)
         self._mask_events: list[str] = []
         self._checked_dispatch: tuple | None = None  # the last call shapes that passed
         self._checked_combine: tuple | None = None
@@ -173,12 +174,14 @@ class DevicePath:
 
     def _mask(self, buf, active_ranks, num_ranks: int, device) -> torch.Tensor:
         """The kernels' mask: ``active_ranks``, or the group's view kept on the device
-        (copied again only when the view changes)."""
+        (copied again only when the view changes: reading it costs several torch ops,
+        more than the launch)."""
         if active_ranks is not None:
             return active_ranks
-        now = buf._present(num_ranks).to(torch.int32)
-        if self._mask_cpu is None or not torch.equal(now, self._mask_cpu):
-            self._mask_cpu, self._mask_dev = now, now.to(device)
+        version = self._backend.view_version()
+        if version != self._mask_version or self._mask_dev.numel() != num_ranks:
+            now = buf._present(num_ranks).to(torch.int32)
+            self._mask_version, self._mask_dev = version, now.to(device)
         return self._mask_dev
 
     @staticmethod
@@ -214,7 +217,8 @@ class DevicePath:
             if error:
                 raise ValueError(f"dispatch: {error}")
             self._checked_dispatch = key
-        self._mask_events += self.raise_reported("dispatch")
+        if self.ext.status_code():
+            self._mask_events += self.raise_reported("dispatch")
         seq = buf._seq + 1
         mask = self._mask(buf, active_ranks, R, x.device)
         recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook = self.dispatch(
@@ -226,20 +230,16 @@ class DevicePath:
         handle._src_slot, handle._topk_idx, handle._num_tokens = src_slot, topk_idx, x.shape[0]
         handle._dtype = torch.bfloat16 if use_fp8 else x.dtype
         handle._event = event
+        finish_hook = None
         if recv_hook is None:
             handle._arrival = None
+        else:
 
-        def finish_hook() -> None:
-            recv_hook()
-            handle._arrival = None
+            def finish_hook() -> None:
+                recv_hook()
+                handle._arrival = None
 
-        return (
-            recv_x,
-            recv_count,
-            handle,
-            EventOverlap(stream_waiter(event)),
-            finish_hook if hook else None,
-        )
+        return recv_x, recv_count, handle, EventOverlap(stream_waiter(event)), finish_hook
 
     def combine_call(
         self, buf, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, af,
@@ -268,7 +268,8 @@ class DevicePath:
                     raise ValueError(
                         "combine: with zero_copy=True, x must be get_next_combine_buffer(handle)"
                     )
-        self._mask_events += self.raise_reported("combine")
+        if self.ext.status_code():
+            self._mask_events += self.raise_reported("combine")
         if handle._event is not None:  # the dispatch ran on the communication stream
             torch.cuda.current_stream(x.device).wait_event(handle._event)
         R = handle.layout_range.shape[1]

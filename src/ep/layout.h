@@ -11,9 +11,9 @@
 // number), so that one call's combine can still read its half while the next
 // dispatch fills the other:
 //
-//   | signals 0 | signals 1 | dispatch 0 | combine 0 | dispatch 1 | combine 1 |
+//   | signals 0 | signals 1 | dispatch 0 | combine 0 | stage 0 | dispatch 1 | ... |
 //
-// (half = signals + dispatch + combine; total = 2 * half). The signals of
+// (half = signals + dispatch + combine + stage; total = 2 * half). The signals of
 // both halves come first, so their places depend on E and R alone: a call of
 // another T or H never takes data an earlier call left for a signal.
 //
@@ -28,7 +28,9 @@
 //             local expert); a source writes its rows for local expert j, in
 //             token order, into its own T slots;
 //   combine   T * kMaxTopk rows of 2H bytes, [T tokens][top-k slot]: the
-//             expert outputs coming back for this rank's own tokens.
+//             expert outputs coming back for this rank's own tokens;
+//   stage     T rows of one message each: this rank's tokens quantised to FP8
+//             once, before they are copied to every expert that selected them.
 //
 // Senders store straight into the peer's mapped workspace (cuda_ipc), so no
 // send region is reserved; a transport that must stage would add one.
@@ -82,7 +84,7 @@ struct EpLayout {
     size_t bytes = 0;
   };
   struct Half {
-    Region signals, dispatch, combine;
+    Region signals, dispatch, combine, stage;
   };
 
   EpLayout() = default;
@@ -113,6 +115,9 @@ struct EpLayout {
                             int64_t slot) const {
     const auto index = (local_expert * shape.num_ranks + source) * shape.max_tokens + slot;
     return halves[seq & 1].dispatch.offset + static_cast<size_t>(index) * dispatch_msg_bytes;
+  }
+  MC_HD size_t stage_row(uint64_t seq, int64_t token) const {
+    return halves[seq & 1].stage.offset + static_cast<size_t>(token) * dispatch_msg_bytes;
   }
   MC_HD size_t combine_row(uint64_t seq, int64_t token, int64_t topk_slot) const {
     return halves[seq & 1].combine.offset +

@@ -216,6 +216,7 @@ void MooncakeBackend::show_view(const View& view) {
   auto acc = active_ranks_.accessor<int32_t, 1>();
   for (int i = 0; i < view.capacity(); ++i) acc[i] = view.active[i];
   num_members_ = view.num_members();
+  view_version_.fetch_add(1);
 }
 
 MooncakeBackend::~MooncakeBackend() {

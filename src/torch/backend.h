@@ -3,6 +3,7 @@
 // buffers, validates arguments, and queues the core's collectives.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -93,6 +94,9 @@ class MooncakeBackend : public c10d::Backend {
   // The spec's pg.* helpers.
   at::Tensor active_ranks() const { return active_ranks_; }
   int num_synced_ranks() const;
+  // Changes whenever active_ranks is rewritten: lets a caller keep a copy (on the
+  // GPU, say) and refresh it only when the view changed.
+  int64_t view_version() const { return view_version_.load(); }
   void extend_group_size_to(int64_t size);
   // Collective among the members: whether a process waits to join as each rank.
   std::vector<bool> get_peer_state(const std::vector<int64_t>& ranks);
@@ -162,6 +166,7 @@ class MooncakeBackend : public c10d::Backend {
   at::Tensor active_ranks_;
   mutable std::mutex view_mu_;
   int num_members_ = 0;
+  std::atomic<int64_t> view_version_{0};  // bumped whenever show_view writes the view
   int64_t extended_size_ = 0;
   bool cuda_;
   int64_t timeout_ms_;

@@ -18,6 +18,7 @@
 #include <array>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -63,8 +64,10 @@ class OutputPool {
     for (auto& e : entries_)
       if (e.key == key && e.stream == stream && unused(e.tensors)) {
         e.last = ++clock_;
+        ++hits_;
         return e.tensors;
       }
+    ++misses_;
     std::vector<at::Tensor> fresh = make();
     Entry* slot = nullptr;  // an empty place, else the least recently used unused set
     if (entries_.size() < kCapacity) {
@@ -78,6 +81,7 @@ class OutputPool {
   }
 
   void clear() { entries_.clear(); }
+  std::pair<int64_t, int64_t> stats() const { return {hits_, misses_}; }
 
  private:
   // Two calls in flight (double buffering), plus the other kind of call.
@@ -98,6 +102,7 @@ class OutputPool {
 
   std::vector<Entry> entries_;
   uint64_t clock_ = 0;
+  int64_t hits_ = 0, misses_ = 0;
 };
 
 class EpDevice {
@@ -242,6 +247,10 @@ class EpDevice {
     return out;
   }
 
+  // (hits, misses) of the output pool so far: how often a call found its
+  // outputs free for reuse.
+  std::pair<int64_t, int64_t> pool_stats() const { return pool_.stats(); }
+
   // The first status word: 0 while no kernel has reported anything.
   int32_t status_code() const { return *static_cast<volatile int32_t*>(status_host_); }
 
@@ -346,7 +355,8 @@ void register_ep_device(py::module_& m) {
            py::arg("active_ranks"), py::arg("out"), py::arg("max_tokens"), py::arg("num_experts"),
            py::arg("seq"), py::arg("timeout_ns"), py::arg("phases"), py::arg("num_blocks"))
       .def("status", &EpDevice::status, py::arg("clear") = false)
-      .def("status_code", &EpDevice::status_code);
+      .def("status_code", &EpDevice::status_code)
+      .def("pool_stats", &EpDevice::pool_stats);
   m.attr("EP_PHASE_SEND") = static_cast<int>(k::kSend);
   m.attr("EP_PHASE_RECV") = static_cast<int>(k::kRecv);
   m.attr("EP_PHASE_BOTH") = static_cast<int>(k::kBoth);

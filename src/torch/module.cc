@@ -230,6 +230,7 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
                                                                                   "MooncakeBackend")
       .def("active_ranks", &MooncakeBackend::active_ranks)
       .def("num_synced_ranks", &MooncakeBackend::num_synced_ranks)
+      .def("view_version", &MooncakeBackend::view_version)
       .def("extend_group_size_to", &MooncakeBackend::extend_group_size_to, py::arg("size"),
            py::call_guard<py::gil_scoped_release>())
       .def("get_peer_state", &MooncakeBackend::get_peer_state, py::arg("ranks"),
@@ -264,6 +265,7 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
           d["signals"] = region(h.signals);
           d["dispatch"] = region(h.dispatch);
           d["combine"] = region(h.combine);
+          d["stage"] = region(h.stage);
           halves.append(d);
         }
         py::dict d;
