@@ -28,7 +28,14 @@ import os
 import torch
 
 from . import _checks, pg
-from ._ep_types import DispatchHandle, EventOverlap, HandleState, stream_waiter, tensor_key
+from ._ep_types import (
+    NO_WAIT,
+    DispatchHandle,
+    EventOverlap,
+    HandleState,
+    stream_waiter,
+    tensor_key,
+)
 
 #: Status codes of ``src/kernels/api.h``.
 _BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT = 1, 2, 3, 4, 5
@@ -214,7 +221,9 @@ class DevicePath:
             if error:
                 raise ValueError(f"dispatch: {error}")
             self._checked_dispatch = key
-        self._mask_events += self.raise_reported("dispatch")
+        reported = self.raise_reported("dispatch")
+        if reported:
+            self._mask_events += reported
         seq = buf._seq + 1
         mask = self._mask(buf, active_ranks, R, x.device)
         recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook = self.dispatch(
@@ -226,14 +235,15 @@ class DevicePath:
             buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, src_slot, event
         )
         handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
+        overlap = NO_WAIT if event is None else EventOverlap(stream_waiter(event))
         if not hook:
-            return recv_x, recv_count, handle, EventOverlap(stream_waiter(event)), None
+            return recv_x, recv_count, handle, overlap, None
 
         def finish_hook() -> None:
             recv_hook()
             state.finished = True
 
-        return recv_x, recv_count, handle, EventOverlap(stream_waiter(event)), finish_hook
+        return recv_x, recv_count, handle, overlap, finish_hook
 
     def combine_call(
         self, buf, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, af,
@@ -264,7 +274,9 @@ class DevicePath:
                 )
                 if error:
                     raise ValueError(f"combine: {error}")
-        self._mask_events += self.raise_reported("combine")
+        reported = self.raise_reported("combine")
+        if reported:
+            self._mask_events += reported
         if state.event is not None:  # the dispatch ran on the communication stream
             torch.cuda.current_stream(x.device).wait_event(state.event)
         R = handle.layout_range.shape[1]
@@ -286,7 +298,8 @@ class DevicePath:
             hook,
         )
         buf.path = "device"
-        return result, EventOverlap(stream_waiter(event)), recv_hook
+        overlap = NO_WAIT if event is None else EventOverlap(stream_waiter(event))
+        return result, overlap, recv_hook
 
     # --- calls ----------------------------------------------------------------------------
 

@@ -84,6 +84,11 @@ class DispatchHandle(NamedTuple):
         return tuple.__getitem__(self, slice(5))[i]
 
 
+#: The EventOverlap of a call with nothing left to wait for: it holds no state, so every
+#: such call returns this one (an allocation less per device-path call).
+NO_WAIT = EventOverlap()
+
+
 def stream_waiter(event) -> Callable[[], None] | None:
     """What ``EventOverlap.current_stream_wait`` does for a device-path call: make the
     current stream wait for ``event`` (None: the call ran on the current stream)."""
