@@ -27,8 +27,15 @@ import os
 
 import torch
 
-from . import pg
-from ._ep_types import DispatchHandle, EventOverlap, stream_waiter, tensor_key
+from . import _checks, pg
+from ._ep_types import (
+    NO_WAIT,
+    DispatchHandle,
+    EventOverlap,
+    HandleState,
+    stream_waiter,
+    tensor_key,
+)
 
 #: Status codes of ``src/kernels/api.h``.
 _BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT = 1, 2, 3, 4, 5
@@ -180,7 +187,7 @@ class DevicePath:
             return active_ranks
         version = self._backend.view_version()
         if version != self._mask_version or self._mask_dev.numel() != num_ranks:
-            now = buf._present(num_ranks).to(torch.int32)
+            now = buf._members.present(num_ranks).to(torch.int32)
             self._mask_version, self._mask_dev = version, now.to(device)
         return self._mask_dev
 
@@ -200,8 +207,8 @@ class DevicePath:
     def dispatch_call(
         self, buf, x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, async_finish, hook, stats
     ):
-        """``buf.dispatch`` on this path (``buf``: the Buffer, for its checks and call
-        numbers)."""
+        """``buf.dispatch`` on this path (``buf``: the Buffer, for its members, workspace
+        size and call numbers)."""
         R = self.num_ranks
         # The checks need no tensor values, so a call shaped like the last good one
         # passes them too: skip them (they cost more than the launch).
@@ -210,10 +217,11 @@ class DevicePath:
             timeout_us, use_fp8, async_finish, hook, tensor_key(active_ranks), tensor_key(stats),
         )  # fmt: skip
         if key != self._checked_dispatch:
-            modes = (async_finish, hook)
-            error = buf._dispatch_error(
-                x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, stats, modes, values=False
-            ) or self._call_error(x, topk_idx)
+            error = _checks.dispatch_error(
+                buf._members, buf.num_ep_buffer_bytes, x, topk_idx, active_ranks, T, E,
+                timeout_us, use_fp8, stats, async_finish, hook, values=False,
+                path_device=self.device,
+            ) or self._call_error(x, topk_idx)  # fmt: skip
             if error:
                 raise ValueError(f"dispatch: {error}")
             self._checked_dispatch = key
@@ -225,59 +233,60 @@ class DevicePath:
             x, topk_idx, mask, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
         )
         buf._seq, buf.path = seq, "device"
-        handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E)
-        handle._buffer, handle._seq, handle._on_device = buf._id, seq, True
-        handle._src_slot, handle._topk_idx, handle._num_tokens = src_slot, topk_idx, x.shape[0]
-        handle._dtype = torch.bfloat16 if use_fp8 else x.dtype
-        handle._event = event
-        finish_hook = None
-        if recv_hook is None:
-            handle._arrival = None
-        else:
+        dtype = torch.bfloat16 if use_fp8 else x.dtype
+        state = HandleState(
+            buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, src_slot, event
+        )
+        handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
+        overlap = NO_WAIT if event is None else EventOverlap(stream_waiter(event))
+        if not hook:
+            return recv_x, recv_count, handle, overlap, None
 
-            def finish_hook() -> None:
-                recv_hook()
-                handle._arrival = None
+        def finish_hook() -> None:
+            recv_hook()
+            state.finished = True
 
-        return recv_x, recv_count, handle, EventOverlap(stream_waiter(event)), finish_hook
+        return recv_x, recv_count, handle, overlap, finish_hook
 
     def combine_call(
         self, buf, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, af,
         hook, out,
     ):  # fmt: skip
         """``buf.combine`` for a handle of this path."""
+        state = handle.state
         key = (
             x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_idx.device,
             topk_weights.shape, topk_weights.dtype, topk_weights.device, timeout_us, zero_copy,
             af, hook, tensor_key(active_ranks), tensor_key(out), handle.src_info.shape,
-            handle.hidden, handle._dtype, handle._topk_idx.shape,
+            handle.hidden, state.dtype, state.topk_idx.shape,
         )  # fmt: skip
         if key != self._checked_combine:
-            error = buf._combine_error(
-                x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, (af, hook),
-                out,
+            error = _checks.combine_error(
+                buf._id, buf._seq, buf._combine_buffers, x, topk_idx, topk_weights, active_ranks,
+                timeout_us, handle, zero_copy, af, hook, out, values=False,
             )  # fmt: skip
             if error:
                 raise ValueError(f"combine: {error}")
             self._checked_combine = key
         else:  # what depends on this handle and this call, not on the shapes
-            buf._check_handle(handle, "combine")
+            if state.buffer != buf._id or not state.finished:
+                raise ValueError(f"combine: {_checks.handle_error(handle, buf._id)}")
             if zero_copy:
-                buf._check_half(handle, "combine")
-                if x.data_ptr() != buf._combine_buffers[handle._seq % 2].data_ptr():
-                    raise ValueError(
-                        "combine: with zero_copy=True, x must be get_next_combine_buffer(handle)"
-                    )
+                error = _checks.half_error(handle, buf._seq) or _checks.zero_copy_error(
+                    x, handle, buf._combine_buffers
+                )
+                if error:
+                    raise ValueError(f"combine: {error}")
         if self.ext.status_code():
             self._mask_events += self.raise_reported("combine")
-        if handle._event is not None:  # the dispatch ran on the communication stream
-            torch.cuda.current_stream(x.device).wait_event(handle._event)
+        if state.event is not None:  # the dispatch ran on the communication stream
+            torch.cuda.current_stream(x.device).wait_event(state.event)
         R = handle.layout_range.shape[1]
         mask = self._mask(buf, active_ranks, R, x.device)
         result, event, recv_hook = self.combine(
             x,
             handle.src_info,
-            handle._src_slot,
+            state.src_slot,
             handle.layout_range,
             topk_idx,
             topk_weights,
@@ -285,13 +294,14 @@ class DevicePath:
             out,
             handle.num_max_dispatch_tokens_per_rank,
             handle.num_experts,
-            handle._seq,
+            state.seq,
             timeout_us,
             af,
             hook,
         )
         buf.path = "device"
-        return result, EventOverlap(stream_waiter(event)), recv_hook
+        overlap = NO_WAIT if event is None else EventOverlap(stream_waiter(event))
+        return result, overlap, recv_hook
 
     # --- calls ----------------------------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""The portable EP path: dispatch and combine as torch ops over the process group.
+"""The portable EP path's messages and tensor work: routing, packing, placing, summing.
 
-Device-agnostic: tensors stay on the caller's device and move with the group's
-``all_to_all_single`` (``alltoall_base`` with a per-op timeout). It is the
-reference the device path is tested against and what runs on CPU.
+Torch ops on the caller's device, whatever it is. ``_ep_portable`` runs a call
+with them over the Buffer's members, whose exchange moves the rows (a process
+group's ``alltoall_base``, or an elastic Buffer's slots), each exchange with its
+own timeout. It is the reference the device path is tested against and what
+runs on CPU.
 
 Dispatch is two exchanges, each with the call's ``timeout_us`` as its own budget (a
 peer that answered the counts is never masked in the tokens exchange because another

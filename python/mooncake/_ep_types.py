@@ -1,9 +1,11 @@
-"""The EP Buffer's small types, shared by its two paths (``mooncake_ep_buffer``
+"""The EP Buffer's small types, shared by its paths (``mooncake_ep_buffer``
 re-exports the public ones)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,24 +33,60 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-class DispatchHandle(tuple):
+@dataclass(slots=True, eq=False)
+class HandleState:
+    """What a Buffer keeps of one dispatch for its combine (private to the Buffer)."""
+
+    buffer: int  # the id of the Buffer that dispatched
+    seq: int  # the dispatch's number on that Buffer; its half of the workspace is seq % 2
+    dtype: torch.dtype  # the dtype combine takes (bf16 after an FP8 dispatch)
+    num_tokens: int  # N
+    topk_idx: torch.Tensor  # the dispatch's (the portable path keeps a copy)
+    finished: bool  # the receive half has run: combine takes the handle
+    on_device: bool = False  # the device path ran it, so its combine runs there
+    src_slot: torch.Tensor | None = None  # device path: where each received row sits
+    event: Any = None  # device path: the dispatch's CUDA event when it ran on its own stream
+    exchange: Any = None  # portable path: what went where (``_ep_portable.Exchange``)
+
+
+class DispatchHandle(NamedTuple):
     """What ``combine`` needs from its ``dispatch``; opaque to callers.
 
-    As a tuple it is ``(src_info, layout_range, num_max_dispatch_tokens_per_rank,
-    hidden, num_experts)`` as in DeepEP: ``src_info`` int32 ``[E/R, R*T]`` (the
-    source token index of every received row, -1 past ``recv_count``) and
-    ``layout_range`` int64 ``[E/R, R]`` (``offset << 32 | count`` of each source
-    rank's rows per local expert).
+    As a sequence it is DeepEP's five: ``(src_info, layout_range,
+    num_max_dispatch_tokens_per_rank, hidden, num_experts)``, with ``src_info``
+    int32 ``[E/R, R*T]`` (the source token index of every received row, -1 past
+    ``recv_count``) and ``layout_range`` int64 ``[E/R, R]`` (``offset << 32 |
+    count`` of each source rank's rows per local expert).
+
+    The sixth field, ``state``, is the Buffer's private record of the call
+    (:class:`HandleState`). ``len``, iteration, unpacking, indexing and slicing
+    see only the first five, so code written for DeepEP's 5-tuple handle (``a, b,
+    c, d, e = handle``, ``handle[2:]``) runs unchanged. A copy (``tuple(handle)``,
+    ``copy.copy``, a pickle round trip) carries no state, and combine refuses it.
     """
 
-    def __new__(cls, src_info, layout_range, max_tokens, hidden, num_experts):
-        return super().__new__(cls, (src_info, layout_range, max_tokens, hidden, num_experts))
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    state: HandleState | None = None
 
-    src_info = property(lambda self: self[0])
-    layout_range = property(lambda self: self[1])
-    num_max_dispatch_tokens_per_rank = property(lambda self: self[2])
-    hidden = property(lambda self: self[3])
-    num_experts = property(lambda self: self[4])
+    # The sequence protocol stops at DeepEP's five (the named fields read the
+    # tuple directly, so the Buffer's own accesses pay nothing for this).
+    def __len__(self) -> int:
+        return 5
+
+    def __iter__(self):
+        return iter(tuple.__getitem__(self, slice(5)))
+
+    def __getitem__(self, i):
+        return tuple.__getitem__(self, slice(5))[i]
+
+
+#: The EventOverlap of a call with nothing left to wait for: it holds no state, so every
+#: such call returns this one (an allocation less per device-path call).
+NO_WAIT = EventOverlap()
 
 
 def stream_waiter(event) -> Callable[[], None] | None:

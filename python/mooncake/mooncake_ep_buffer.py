@@ -4,16 +4,29 @@
 API: ``dispatch`` sends each token to
 the ranks holding its top-k experts and returns them packed per local expert;
 ``combine`` sends the experts' outputs back and sums them per token with the
-top-k weights. It runs over a mooncake process group and stays usable when
-ranks fail: a rank that dies is masked out (``active_ranks[rank] = 0``) and
-treated as having sent nothing, within ``timeout_us``.
+top-k weights. It stays usable when ranks fail: a rank that dies is masked out
+(``active_ranks[rank] = 0``) and treated as having sent nothing, within
+``timeout_us``.
 
-Two paths serve the same calls. The device path (``mooncake/_ep_device.py``)
-runs CUDA kernels that store tokens straight into peers' mapped workspaces;
-it serves CUDA tensors when every member is on this host and the Buffer has
-a device workspace. The portable path (``mooncake/_ep_fallback.py``) is torch
-ops over the process group, for CPU tensors and everything else.
-``Buffer.path`` says which one ran last.
+A Buffer is composed of two parts, each with one job:
+
+* its **members**: who the ranks are, which take part right now, and how an
+  exchange among them runs. ``Buffer(group, ...)`` has a process group's
+  (``mooncake/_ep_group.py``); ``Buffer.create_elastic`` has a fixed capacity
+  of stable slots connected one by one (``mooncake/_ep_elastic.py``), and the
+  slot methods (``connect_ranks`` ...) that only such a Buffer answers.
+* its **paths**, which run the calls. The portable path
+  (``mooncake/_ep_portable.py`` over ``_ep_fallback.py``) is torch ops over the
+  members' exchange, for CPU tensors and everything else. The device path
+  (``mooncake/_ep_device.py``) runs CUDA kernels that store tokens straight
+  into peers' mapped workspaces; a process-group Buffer with a device
+  workspace has one, and it serves CUDA tensors there when every member is on
+  this host. ``Buffer.path`` says which one ran last; a combine runs on its
+  dispatch's path.
+
+Both paths check arguments with the same rules (``mooncake/_checks.py``); the
+device path skips those that read tensor values, since reading them would wait
+for the device.
 
 Shapes below: ``N`` tokens on this rank, ``K`` top-k, ``H`` hidden, ``R``
 ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
@@ -23,92 +36,48 @@ ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from . import _ep_device, pg
-from . import _ep_fallback as fb
+from . import _checks, _ep_device, pg
+from ._ep_elastic import Slots
+from ._ep_group import GroupMembers
+from ._ep_portable import PortablePath
 from ._ep_types import DispatchHandle, EventOverlap
 
 __all__ = ["Buffer", "EventOverlap", "DispatchHandle"]
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _buffer_ids = itertools.count(1)
 
 
-class _Pending:
-    """The receive half of a call: wait for the exchange, then fill the outputs."""
-
-    def __init__(self, work, finish: Callable[[], None]):
-        self._work, self._finish, self._done = work, finish, False
-
-    def __call__(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._work is not None:
-            self._work.wait()
-        self._finish()
-
-
-class _Rephrased:
-    """A Work whose ValueError (the ranks' calls disagree) gets a message saying so."""
-
-    def __init__(self, work, what: str):
-        self._work, self._what = work, what
-
-    def wait(self) -> None:
+def _workspace_device(group: dist.ProcessGroup, device) -> torch.device | None:
+    """The CUDA device of the device path's workspace, or None (portable only)."""
+    if device is None:
         try:
-            self._work.wait()
-        except ValueError as e:
-            raise ValueError(f"{self._what}: {e}") from None
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-#: The longest EP deadline, in microseconds (about 35 years; ``-1`` means none): a
-#: longer one would overflow the nanosecond clocks the exchange computes deadlines with.
-_MAX_TIMEOUT_US = 2**50
-#: Bound of the shape arguments (``T``, ``E``), as in :meth:`Buffer.get_ep_buffer_size_hint`.
-_MAX_SHAPE = 2**31
-
-
-def _timeout_error(timeout_us) -> str | None:
-    if _is_int(timeout_us) and (timeout_us == -1 or 0 < timeout_us <= _MAX_TIMEOUT_US):
-        return None
-    return f"timeout_us must be -1 (no deadline) or an int in [1, 2**50], got {timeout_us!r}"
-
-
-def _flags_error(**flags) -> str | None:
-    """The first of ``flags`` (name=value) that is not a bool, or None."""
-    for name, v in flags.items():
-        if not isinstance(v, bool):
-            return f"{name} must be a bool, got {v!r}"
-    return None
-
-
-def _tensor_error(name, t, dtypes, ndim, device=None, shape=None) -> str | None:
-    """The first rule a tensor argument breaks, or None."""
-    if not isinstance(t, torch.Tensor):
-        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        return f"{name} must be {want}, got {str(t.dtype).replace('torch.', '')}"
-    if t.dim() != ndim:
-        return f"{name} must have {ndim} dimensions, got shape {list(t.shape)}"
-    if shape is not None and list(t.shape) != list(shape):
-        return f"{name} must have shape {list(shape)}, got {list(t.shape)}"
-    if device is not None and t.device != device:
-        return f"{name} must be on {device} (where x is), got {t.device}"
-    return None
+            cuda = isinstance(group._get_backend(torch.device("cuda")), pg.MooncakeBackend)
+        except (RuntimeError, ValueError):
+            cuda = False
+        if not cuda or not _ep_device.available():
+            return None
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Buffer: device must be a CUDA device, got {device!r}") from None
+    if dev.type != "cuda":
+        raise ValueError(f"Buffer: device must be a CUDA device, got {dev}")
+    if not _ep_device.available():
+        raise ValueError(
+            "Buffer: device: this build of mooncake has no CUDA device path (build it "
+            "against a CUDA torch)"
+        )
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
 class Buffer:
-    """The EP runtime of one mooncake process group.
+    """The EP runtime of one mooncake process group (or, from
+    :meth:`create_elastic`, of a set of elastic slots).
 
     Args:
         group: a ``torch.distributed`` ProcessGroup with a mooncake backend
@@ -154,52 +123,34 @@ class Buffer:
                 "Buffer: group has no mooncake backend (create it with backend "
                 '"mooncake-cpu" or "mooncake")'
             ) from None
-        if not _is_int(num_ep_buffer_bytes) or not 0 <= num_ep_buffer_bytes < 2**63:
+        if not _checks.is_int(num_ep_buffer_bytes) or not 0 <= num_ep_buffer_bytes < 2**63:
             raise ValueError(
                 f"Buffer: num_ep_buffer_bytes must be an int in [0, 2**63), got "
                 f"{num_ep_buffer_bytes!r}"
             )
-        self.group = group
-        self.rank = group.rank()
-        self.num_ranks = group.size()
-        self.num_ep_buffer_bytes = num_ep_buffer_bytes
-        self.path = "portable"
-        self._init_calls()
-        workspace_device = self._workspace_device(device)
-        self._sync_members("Buffer")
+        self._compose(GroupMembers(group), num_ep_buffer_bytes)
+        workspace_device = _workspace_device(group, device)
+        self._members.agree("Buffer", num_ep_buffer_bytes)
         if workspace_device is not None and num_ep_buffer_bytes > 0:
             self._device = _ep_device.DevicePath(
                 group, num_ep_buffer_bytes, workspace_device, self.rank, self.num_ranks
             )
 
-    def _workspace_device(self, device) -> torch.device | None:
-        """The CUDA device of the device path's workspace, or None (portable only)."""
-        if device is None:
-            try:
-                cuda = isinstance(self.group._get_backend(torch.device("cuda")), pg.MooncakeBackend)
-            except (RuntimeError, ValueError):
-                cuda = False
-            if not cuda or not _ep_device.available():
-                return None
-            return torch.device("cuda", torch.cuda.current_device())
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"Buffer: device must be a CUDA device, got {device!r}") from None
-        if dev.type != "cuda":
-            raise ValueError(f"Buffer: device must be a CUDA device, got {dev}")
-        if not _ep_device.available():
-            raise ValueError(
-                "Buffer: device: this build of mooncake has no CUDA device path (build it "
-                "against a CUDA torch)"
-            )
-        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-
-    def _init_calls(self) -> None:
-        self._id = next(_buffer_ids)
-        self._seq = 0
-        self._combine_buffers: list[torch.Tensor | None] = [None, None]
+    def _compose(self, members: GroupMembers | Slots, num_ep_buffer_bytes: int) -> None:
+        """Puts the Buffer together: ``members`` and the portable path over them (the
+        device path, when there is one, is added by the constructor). The paths share
+        the call numbers and zero-copy buffers kept here."""
+        self._members = members
+        self._portable = PortablePath(members)
         self._device: _ep_device.DevicePath | None = None
+        self.group = members.group
+        self.rank = members.rank
+        self.num_ranks = members.num_ranks
+        self.num_ep_buffer_bytes = num_ep_buffer_bytes
+        self.path = "portable"
+        self._id = next(_buffer_ids)
+        self._seq = 0  # the latest dispatch's number (either path); its half is _seq % 2
+        self._combine_buffers: list[torch.Tensor | None] = [None, None]
 
     @classmethod
     def create_elastic(
@@ -234,9 +185,15 @@ class Buffer:
         Raises:
             ValueError: an argument breaks its rule (the message names it).
         """
-        from ._ep_elastic import ElasticBuffer
-
-        return ElasticBuffer(rank, tcp_store_group, timeout_ms, metadata_timeout_ms, store_prefix)
+        slots = Slots(rank, tcp_store_group, timeout_ms, metadata_timeout_ms, store_prefix)
+        buf = cls.__new__(cls)  # not __init__: that one builds a process group's members
+        buf._compose(slots, 0)
+        buf.store = tcp_store_group
+        buf.timeout_ms = timeout_ms
+        buf.metadata_timeout_ms = metadata_timeout_ms
+        buf.store_prefix = store_prefix
+        buf.num_experts_per_rank = 0  # with num_ranks (the capacity), set by allocation
+        return buf
 
     # --- sizes -------------------------------------------------------------------------
 
@@ -258,16 +215,12 @@ class Buffer:
             ValueError: an argument is < 1, ``num_experts % num_ranks != 0``, or
                 the result would exceed 2**50 bytes.
         """
-        for name, v in (
-            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
-            ("hidden", hidden),
-            ("num_ranks", num_ranks),
-            ("num_experts", num_experts),
-        ):
-            if not _is_int(v):
-                raise ValueError(f"get_ep_buffer_size_hint: {name} must be an int, got {v!r}")
-            if not -(2**31) < v < 2**31:
-                raise ValueError(f"get_ep_buffer_size_hint: {name} must be below 2**31, got {v}")
+        _checks.size_hint_args(
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=hidden,
+            num_ranks=num_ranks,
+            num_experts=num_experts,
+        )
         return pg._ext.ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)[
             "total_bytes"
         ]
@@ -286,188 +239,161 @@ class Buffer:
 
         Raises:
             ValueError: the members disagree on ``num_ep_buffer_bytes``.
+            RuntimeError: an elastic Buffer (it changes its peers with
+                :meth:`connect_ranks` and the other slot methods).
         """
-        self._sync_members("update_ep_member")
+        self._members.refresh(self.num_ep_buffer_bytes)
         if self._device is not None:
             self._device.connect()
 
-    def _sync_members(self, what: str) -> None:
-        try:
-            cpu = isinstance(self.group._get_backend(torch.device("cpu")), pg.MooncakeBackend)
-        except (RuntimeError, ValueError):
-            cpu = False
-        device = torch.device("cpu" if cpu else "cuda")
-        mine = torch.tensor([1, self.num_ep_buffer_bytes, self.num_ranks], device=device)
-        everyone = torch.zeros(self.num_ranks * 3, dtype=torch.int64, device=device)
-        self._backend_for(device)._allgather_base(everyone, mine).wait()
-        rows = everyone.reshape(self.num_ranks, 3).tolist()
-        for r, (present, nbytes, size) in enumerate(rows):
-            if present and (nbytes, size) != (self.num_ep_buffer_bytes, self.num_ranks):
-                raise ValueError(
-                    f"{what}: ranks disagree on num_ep_buffer_bytes: rank {r} has {nbytes}, "
-                    f"rank {self.rank} has {self.num_ep_buffer_bytes}"
-                )
-
-    def _present(self, num_ranks: int) -> torch.Tensor:
-        """bool [num_ranks], on CPU: the ranks that take part right now (here the
-        process group's members)."""
-        return pg.get_active_ranks(self.group)[:num_ranks].cpu().bool()
-
-    # The hooks an elastic buffer (``mooncake._ep_elastic``) overrides: how many
-    # ranks a call covers, its local experts, and the exchange itself.
-
-    def _call_ranks(self, num_experts, what: str = "dispatch") -> int:
-        """``R`` of a dispatch with ``num_experts`` experts (``what``: the calling method)."""
-        return self.num_ranks
-
-    def _local_experts(self, num_experts, num_ranks: int) -> int:
-        """``E/R``: the width of the counts rows (0 when num_experts is invalid)."""
-        valid = _is_int(num_experts) and num_ranks <= num_experts < _MAX_SHAPE
-        return num_experts // num_ranks if valid else 0
-
-    def _device_error(self, device: torch.device) -> str | None:
-        """Why ``x`` may not live on ``device`` (None: it may)."""
-        if self._device is not None and device == self._device.device:
-            return None
-        try:
-            self._backend_for(device)
-        except (RuntimeError, ValueError):
-            return f"x is on {device}, but the group has no mooncake backend for {device.type}"
-        return None
-
-    def _experts_error(self, num_experts: int) -> str | None:
-        if num_experts % self.num_ranks:
-            return (
-                f"num_experts ({num_experts}) must be divisible by the number of ranks "
-                f"({self.num_ranks})"
-            )
-        return None
-
-    def _all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
-        """Starts an uneven exchange of ``inp``'s rows (splits per rank); returns a Work.
-        ``device`` None: this rank rejected its call and only takes part. ``timeout_us``
-        is this exchange's own budget, from its start (-1: the group's, or the buffer's,
-        timeout): a call of several exchanges gives each the whole ``timeout_us``."""
-        return fb.all_to_all(self._backend_for(device), out, inp, out_splits, in_splits, timeout_us)
-
-    def _backend_for(self, device: torch.device | None):
-        if device is None or device.type == "cpu":
-            return pg._backend_of(self.group)
-        b = self.group._get_backend(torch.device(device.type))
-        if not isinstance(b, pg.MooncakeBackend):
-            raise ValueError(
-                f"x is on {device}, but the group has no mooncake backend for {device.type}"
-            )
-        return b
-
-    def _mark_failed(self, active_ranks, present: torch.Tensor) -> None:
-        if active_ranks is None:
-            return
-        gone = (~present).nonzero().squeeze(1)
-        if gone.numel():
-            active_ranks[gone.to(active_ranks.device)] = 0
-
-    # --- the device path -------------------------------------------------------------
-
     def mask_events(self) -> list[str]:
-        """Why the device path's kernels masked peers so far (a peer silent past a
-        deadline), oldest first. Reads what the kernels reported without waiting for the
-        device: a call still running may add to it later."""
-        return [] if self._device is None else self._device.mask_events()
+        """Why peers were masked so far, oldest first: by the device path's kernels (a
+        peer silent past a deadline; read without waiting for the device, so a call
+        still running may add to it later), or by an elastic Buffer's exchanges.
+
+        Raises:
+            RuntimeError: an elastic Buffer before :meth:`update_memory_buffers`.
+        """
+        events = self._members.mask_events()
+        return events if self._device is None else events + self._device.mask_events()
+
+    # --- elastic slots (Buffer.create_elastic) -------------------------------------------
+
+    def _slots(self, what: str) -> Slots:
+        if not isinstance(self._members, Slots):
+            raise RuntimeError(
+                f"{what}: only an elastic Buffer (Buffer.create_elastic) has slots; this "
+                f"Buffer's members are its process group's ranks (see update_ep_member)"
+            )
+        return self._members
+
+    def update_memory_buffers(
+        self, num_ranks: int, num_experts_per_rank: int, num_rdma_bytes: int = 0
+    ) -> None:
+        """Allocates an elastic Buffer and fixes its capacity.
+
+        Args:
+            num_ranks: the capacity: slots ``[0, num_ranks)``; this rank's slot
+                (``rank``) must be below it; below ``2**31``.
+            num_experts_per_rank: experts on each slot (``E/R``); every peer
+                must use the same; below ``2**31``.
+            num_rdma_bytes: workspace to reserve, as ``num_ep_buffer_bytes`` of
+                :class:`Buffer` (see :meth:`Buffer.get_ep_buffer_size_hint`);
+                0 reserves none.
+
+        A later call may change ``num_rdma_bytes`` and may ask for the same or a
+        smaller capacity (the allocation stays); a larger one needs a new Buffer.
+
+        Raises:
+            ValueError: an argument breaks its rule; a larger capacity or other
+                ``num_experts_per_rank`` than the first call's.
+            RuntimeError: not an elastic Buffer.
+        """
+        slots = self._slots("update_memory_buffers")
+        slots.allocate(num_ranks, num_experts_per_rank, num_rdma_bytes)
+        self.num_ranks, self.num_experts_per_rank = slots.num_ranks, slots.num_experts_per_rank
+        self.num_ep_buffer_bytes = num_rdma_bytes
+
+    def connect_ranks(self, peers: list[int], activate: bool = False) -> None:
+        """Connects the processes holding ``peers``' slots (elastic Buffer).
+
+        Waits (up to ``metadata_timeout_ms``) for each peer's buffer to exist,
+        maps its memory, and stages the slot: it stays masked and no traffic
+        flows until :meth:`update_mask_buffer` publishes it (``activate=True``
+        does that at once). Exchanges among the active slots go on meanwhile.
+        Both sides of a pair call it; a replacement for a slot whose process
+        died is waited for and connected into the same slot.
+
+        Raises:
+            ValueError: a peer is this rank, outside the capacity, listed twice,
+                already connected, or its buffer has another capacity or
+                ``num_experts_per_rank``.
+            TimeoutError: no live process holds a slot within
+                ``metadata_timeout_ms``.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("connect_ranks").connect(peers, activate)
+
+    def update_mask_buffer(self, peer: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or publishes (``mask=False``) a connected peer.
+
+        Publishing waits for this process's earlier GPU work, then for the
+        peer's side of the connection (up to ``metadata_timeout_ms``); from the
+        next call on, the peer takes part in dispatch and combine. A peer masked
+        here, or by a timeout, is skipped by send, receive and wait paths.
+        Publishing a peer again after it was masked restarts the connection
+        with fresh generations, so nothing either side queued meanwhile is
+        read: the peer publishes this rank too (a peer that kept calling has
+        masked this rank by its own timeout by then), or both reconnect.
+
+        Raises:
+            ValueError: ``peer`` is not a connected slot, or this rank.
+            TimeoutError: the peer has not connected back in time.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("update_mask_buffer").set_masked(peer, mask)
+
+    def disconnect_ranks(self, peers: list[int]) -> None:
+        """Releases the connections of ``peers`` (staged or active) after this
+        process's earlier GPU work and any exchange in flight; the slots stay
+        reserved for a reconnect or a replacement.
+
+        Raises:
+            ValueError: a peer is this rank, outside the capacity, listed twice or
+                not connected.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("disconnect_ranks").disconnect(peers)
+
+    def query_mask_buffer(self, out: torch.Tensor) -> None:
+        """Writes the mask into ``out``: contiguous int32 ``[capacity]`` on the CPU
+        or a CUDA device, 1 = masked (staged or disconnected), 0 = active.
+
+        Raises:
+            ValueError: ``out`` is not a contiguous int32 CPU or CUDA tensor of
+                ``capacity`` entries.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("query_mask_buffer").query_mask(out)
+
+    def barrier(self, timeout_ms: int | None = None) -> list[int]:
+        """Waits until every active slot has reached this barrier (the optional
+        native barrier): one exchange phase of empty messages. A slot that does not
+        arrive within ``timeout_ms`` (None: the buffer's) of this call is masked.
+
+        Returns:
+            the slots that took part (this rank included).
+
+        Raises:
+            ValueError: ``timeout_ms`` is not None or an int in ``[1, 2**40)``.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        return self._slots("barrier").barrier(timeout_ms)
+
+    @property
+    def rank_bound(self) -> int:
+        """The highest active slot + 1: the fewest slots a dispatch covers."""
+        return self._slots("rank_bound").rank_bound
+
+    @property
+    def active_slots(self) -> list[int]:
+        """The active slots, this rank's included, in order."""
+        return self._slots("active_slots").active_slots
+
+    def slot_state(self, slot: int) -> str:
+        """The slot's state: "disconnected", "staged" or "active"."""
+        return self._slots("slot_state").slot_state(slot)
+
+    def transport_of(self, peer: int) -> str:
+        """How this rank reaches ``peer``: "shm", "tcp", "self" or "none"."""
+        return self._slots("transport_of").transport_of(peer)
 
     # --- dispatch ------------------------------------------------------------------------
-
-    def _dispatch_error(
-        self,
-        x,
-        topk_idx,
-        active_ranks,
-        max_tokens,
-        num_experts,
-        timeout_us,
-        use_fp8,
-        stats,
-        modes,
-        values: bool = True,
-    ) -> str | None:
-        """The first rule the arguments break, or None; ``values=False`` skips the rules
-        on ``topk_idx``'s values, which need a host sync (the device path checks them in
-        its kernel)."""
-        R = self._call_ranks(num_experts)
-        err = _tensor_error("x", x, _FLOAT_DTYPES, 2)
-        if err:
-            return err
-        n, h = x.shape
-        checks = [
-            self._device_error(x.device),
-            _tensor_error("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device),
-            None
-            if _is_int(max_tokens) and 1 <= max_tokens < _MAX_SHAPE
-            else f"num_max_dispatch_tokens_per_rank must be an int in [1, 2**31), got "
-            f"{max_tokens!r}",
-            None
-            if _is_int(num_experts) and 1 <= num_experts < _MAX_SHAPE
-            else f"num_experts must be an int in [1, 2**31), got {num_experts!r}",
-            _timeout_error(timeout_us),
-            _flags_error(use_fp8=use_fp8, async_finish=modes[0], return_recv_hook=modes[1]),
-            None
-            if not (modes[0] and modes[1])
-            else "async_finish and return_recv_hook are exclusive: set one of them",
-            None
-            if active_ranks is None
-            else _tensor_error("active_ranks", active_ranks, (torch.int32,), 1, x.device, [R]),
-        ]
-        for c in checks:
-            if c:
-                return c
-        if topk_idx.shape[0] != n:
-            return (
-                f"topk_idx must have one row per token of x ({n}), got shape {list(topk_idx.shape)}"
-            )
-        err = self._experts_error(num_experts)
-        if err:
-            return err
-        if n > max_tokens:
-            return f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({max_tokens})"
-        if h < 1:
-            return f"x must have a hidden size >= 1, got {h}"
-        if use_fp8 and h % 128:
-            return f"x's hidden size ({h}) must be a multiple of 128 with use_fp8=True"
-        if values and topk_idx.numel():
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            if lo < -1 or hi >= num_experts:
-                bad = lo if lo < -1 else hi
-                return f"topk_idx holds expert {bad}; ids must be in [0, {num_experts}) or -1"
-            # Each expert's rows from one source must fit its T slots.
-            per_expert = torch.bincount(topk_idx[topk_idx >= 0].long(), minlength=num_experts)
-            most = int(per_expert.max()) if per_expert.numel() else 0
-            if most > max_tokens:
-                e = int(per_expert.argmax())
-                return (
-                    f"topk_idx sends {most} tokens to expert {e}, more than "
-                    f"num_max_dispatch_tokens_per_rank ({max_tokens}): a token selects it twice"
-                )
-        if stats is not None:
-            err = _tensor_error(
-                "cumulative_local_expert_recv_stats",
-                stats,
-                (torch.int32,),
-                1,
-                x.device,
-                [num_experts // R],
-            )
-            if err:
-                return err
-        if self.num_ep_buffer_bytes:
-            need = self.get_ep_buffer_size_hint(max_tokens, h, R, num_experts)
-            if need > self.num_ep_buffer_bytes:
-                return (
-                    f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={h}, "
-                    f"num_experts={num_experts} need {need} workspace bytes, but this Buffer has "
-                    f"num_ep_buffer_bytes={self.num_ep_buffer_bytes} "
-                    f"(see Buffer.get_ep_buffer_size_hint)"
-                )
-        return None
 
     def dispatch(
         self,
@@ -548,23 +474,10 @@ class Buffer:
             mooncake.LeftOutError: this rank was left out of the group (a
                 ``RuntimeError``; ``.ranks == [this rank]``).
         """
-        R = self._call_ranks(num_experts)
-        if self._device is not None and self._device.takes(x):
-            return self._device.dispatch_call(
-                self,
-                x,
-                topk_idx,
-                active_ranks,
-                num_max_dispatch_tokens_per_rank,
-                num_experts,
-                timeout_us,
-                use_fp8,
-                async_finish,
-                return_recv_hook,
-                cumulative_local_expert_recv_stats,
-            )
-        self.path = "portable"
-        error = self._dispatch_error(
+        device = self._device
+        path = device if device is not None and device.takes(x) else self._portable
+        return path.dispatch_call(
+            self,
             x,
             topk_idx,
             active_ranks,
@@ -572,131 +485,10 @@ class Buffer:
             num_experts,
             timeout_us,
             use_fp8,
+            async_finish,
+            return_recv_hook,
             cumulative_local_expert_recv_stats,
-            (async_finish, return_recv_hook),
         )
-        ok = error is None
-        device = x.device if ok else None
-        epr = self._local_experts(num_experts, R)
-        # Each exchange has the whole timeout_us from its own start: a peer that answered
-        # the counts is not masked in the tokens exchange because the counts exchange spent
-        # the budget waiting for another, silent, peer.
-        budget = timeout_us if ok else -1
-        mask = (
-            (self._present(R) if active_ranks is None else active_ranks.cpu().bool())
-            if ok
-            else torch.zeros(R, dtype=torch.bool)
-        )
-
-        # 1. counts, shapes and consent
-        meta = torch.zeros(R, fb.META_COLS + epr, dtype=torch.int64)
-        if ok:
-            T, H = num_max_dispatch_tokens_per_rank, x.shape[1]
-            r = fb.route(topk_idx, R, epr)
-            meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = T, H, num_experts, int(use_fp8)
-            meta[:, fb.META_COLS :] = r.counts.cpu()
-        meta[:, 4] = fb.STATUS_OK if ok else fb.STATUS_REJECTED
-        meta[:, 5] = mask.long()
-        meta = meta.to(device or "cpu")
-        theirs = torch.zeros_like(meta)  # rows of ranks that send nothing stay 0
-        try:
-            self._all_to_all(device, theirs, meta, [1] * R, [1] * R, budget).wait()
-        except ValueError as e:
-            if error:
-                raise ValueError(f"dispatch: {error}") from None
-            raise ValueError(
-                f"dispatch: ranks disagree on the call (a rank rejected its arguments, or they "
-                f"pass different num_experts); nothing was sent: {e}"
-            ) from None
-        if error:
-            raise ValueError(f"dispatch: {error}")
-        theirs = theirs.cpu()
-        present = self._present(R)
-        self._check_peers(theirs, present, T, H, num_experts, use_fp8)
-        mutual = mask & present & (theirs[:, 5] == 1)
-
-        # 2. tokens
-        sent = mutual.to(r.dest.device)[r.dest]
-        rows, row_bytes = fb.pack_tokens(x, r, sent, use_fp8)
-        buffer_counts = theirs[:, fb.META_COLS :] * mutual.unsqueeze(1).long()
-        send_splits = (r.counts.cpu() * mutual.unsqueeze(1).long()).sum(1)
-        recv_splits = buffer_counts.sum(1)
-        recv = torch.empty(int(recv_splits.sum()), row_bytes, dtype=torch.uint8, device=device)
-        work = self._all_to_all(device, recv, rows, recv_splits, send_splits, budget)
-
-        if use_fp8:
-            recv_x = (
-                torch.empty(epr, R * T, H, dtype=torch.float8_e4m3fn, device=device),
-                torch.empty(epr, R * T, H // 128, dtype=torch.float32, device=device),
-            )
-        else:
-            recv_x = torch.empty(epr, R * T, H, dtype=x.dtype, device=device)
-        recv_count = torch.zeros(epr, dtype=torch.int32, device=device)
-        handle = DispatchHandle(
-            torch.full((epr, R * T), -1, dtype=torch.int32, device=device),
-            torch.zeros(epr, R, dtype=torch.int64, device=device),
-            T,
-            H,
-            num_experts,
-        )
-        self._seq += 1
-        handle._buffer, handle._seq = self._id, self._seq
-        handle._route, handle._sent, handle._topk_idx = r, sent, topk_idx.clone()
-        handle._send_splits, handle._recv_splits = send_splits, recv_splits
-        handle._dtype = torch.bfloat16 if use_fp8 else x.dtype
-        handle._num_tokens = x.shape[0]
-        stats = cumulative_local_expert_recv_stats
-
-        def finish() -> None:
-            now = self._present(R)
-            self._mark_failed(active_ranks, now)
-            kept = (mutual & now).to(device)
-            a = fb.place(recv, buffer_counts.to(device), kept, T)
-            fb.unpack_tokens(recv, a, recv_x, x.dtype, H, use_fp8)
-            handle.src_info[a.local_expert, a.column] = a.token.to(torch.int32)
-            per_expert = a.counts.t()
-            start = torch.cumsum(per_expert, 1) - per_expert
-            handle.layout_range.copy_((start << 32) | per_expert)
-            recv_count.copy_(per_expert.sum(1).to(torch.int32))
-            if stats is not None:
-                stats.add_(recv_count)
-            handle._arrival, handle._recv_rows = a, recv.shape[0]
-
-        pending = _Pending(work, finish)
-        if not async_finish and not return_recv_hook:
-            pending()
-        event = EventOverlap(pending if async_finish else None)
-        return recv_x, recv_count, handle, event, pending if return_recv_hook else None
-
-    def _check_peers(self, theirs, present, T, H, E, use_fp8) -> None:
-        """Raises ValueError, alike on every rank, when a member rejected its
-        arguments or called with another shape; RuntimeError when a member's
-        counts are out of range (corrupt data)."""
-        for s in present.nonzero().squeeze(1).tolist():
-            row = theirs[s].tolist()
-            if row[4] == fb.STATUS_REJECTED:
-                raise ValueError(
-                    f"dispatch: rank {s} rejected its arguments (its ValueError says why); "
-                    f"nothing was sent"
-                )
-            if row[:4] != [T, H, E, int(use_fp8)]:
-                raise ValueError(
-                    f"dispatch: ranks disagree on the call: rank {s} has "
-                    f"num_max_dispatch_tokens_per_rank={row[0]}, hidden={row[1]}, "
-                    f"num_experts={row[2]}, use_fp8={bool(row[3])}; rank {self.rank} has "
-                    f"{T}, {H}, {E}, {use_fp8}"
-                )
-            # A source sends each of this rank's experts at most T tokens (a token
-            # selects an expert once): more, or fewer than 0, is corrupt data, and
-            # would size the receive buffers from it.
-            counts = row[fb.META_COLS :]
-            if counts and not (0 <= min(counts) and max(counts) <= T):
-                raise RuntimeError(
-                    f"dispatch: rank {s} announces between {min(counts)} and {max(counts)} "
-                    f"tokens for this rank's experts, outside [0, "
-                    f"num_max_dispatch_tokens_per_rank={T}]: its data is corrupt; nothing "
-                    f"was received"
-                )
 
     # --- combine -------------------------------------------------------------------------
 
@@ -714,93 +506,23 @@ class Buffer:
             ValueError: the handle is not from this Buffer, or two later
                 dispatches have reused its half.
         """
-        self._check_handle(handle, "get_next_combine_buffer")
-        self._check_half(handle, "get_next_combine_buffer")
-        half = handle._seq % 2
+        error = _checks.handle_error(handle, self._id) or _checks.half_error(handle, self._seq)
+        if error:
+            raise ValueError(f"get_next_combine_buffer: {error}")
+        state = handle.state
+        half = state.seq % 2
         shape = tuple(handle.src_info.shape) + (handle.hidden,)
+        device = handle.src_info.device
         buf = self._combine_buffers[half]
         if (
             buf is None
             or tuple(buf.shape) != shape
-            or buf.dtype != handle._dtype
-            or buf.device != handle.src_info.device
+            or buf.dtype != state.dtype
+            or buf.device != device
         ):
-            buf = torch.zeros(shape, dtype=handle._dtype, device=handle.src_info.device)
+            buf = torch.zeros(shape, dtype=state.dtype, device=device)
             self._combine_buffers[half] = buf
         return buf
-
-    def _check_handle(self, handle, what: str) -> None:
-        if not isinstance(handle, DispatchHandle) or not hasattr(handle, "_buffer"):
-            raise ValueError(
-                f"{what}: handle must be the DispatchHandle a dispatch returned, "
-                f"got {type(handle).__name__}"
-            )
-        if handle._buffer != self._id:
-            raise ValueError(f"{what}: handle comes from another Buffer's dispatch")
-        if not hasattr(handle, "_arrival"):
-            raise ValueError(
-                f"{what}: handle's dispatch has not finished: call its hook() or "
-                f"event.current_stream_wait() first"
-            )
-
-    def _check_half(self, handle, what: str) -> None:
-        if self._seq - handle._seq >= 2:
-            raise ValueError(
-                f"{what}: handle is from dispatch #{handle._seq}, but dispatch #{self._seq} has "
-                f"since reused its half of the buffer"
-            )
-
-    def _combine_error(
-        self, x, topk_idx, topk_weights, active_ranks, timeout_us, handle, zero_copy, modes, out
-    ) -> str | None:
-        try:
-            self._check_handle(handle, "combine")
-        except ValueError as e:
-            return str(e).removeprefix("combine: ")
-        epr, cols = handle.src_info.shape
-        device = handle.src_info.device
-        n, k = handle._topk_idx.shape
-        shape = [epr, cols, handle.hidden]
-        checks = [
-            _tensor_error("x", x, (handle._dtype,), 3, device, shape),
-            _tensor_error("topk_idx", topk_idx, (torch.int64, torch.int32), 2, device, [n, k]),
-            _tensor_error("topk_weights", topk_weights, _FLOAT_DTYPES, 2, device, [n, k]),
-            None
-            if active_ranks is None
-            else _tensor_error(
-                "active_ranks",
-                active_ranks,
-                (torch.int32,),
-                1,
-                device,
-                [handle.layout_range.shape[1]],
-            ),
-            _timeout_error(timeout_us),
-            _flags_error(zero_copy=zero_copy, async_finish=modes[0], return_recv_hook=modes[1]),
-            None
-            if not (modes[0] and modes[1])
-            else "async_finish and return_recv_hook are exclusive: set one of them",
-        ]
-        for c in checks:
-            if c:
-                return c
-        if not getattr(handle, "_on_device", False) and not torch.equal(
-            topk_idx, handle._topk_idx.to(topk_idx.dtype)
-        ):
-            return "topk_idx differs from the one that handle's dispatch routed"
-        if out is not None:
-            err = _tensor_error("out", out, (x.dtype,), 2, device, [n, handle.hidden])
-            if err:
-                return err
-        if zero_copy:
-            try:
-                self._check_half(handle, "combine")
-            except ValueError as e:
-                return str(e).removeprefix("combine: ")
-            buf = self._combine_buffers[handle._seq % 2]
-            if buf is None or x.data_ptr() != buf.data_ptr():
-                return "with zero_copy=True, x must be get_next_combine_buffer(handle)"
-        return None
 
     def combine(
         self,
@@ -848,26 +570,14 @@ class Buffer:
             mooncake.LeftOutError: this rank was left out of the group (a
                 ``RuntimeError``; ``.ranks == [this rank]``).
         """
-        if isinstance(handle, DispatchHandle) and getattr(handle, "_on_device", False):
-            return self._device.combine_call(
-                self,
-                x,
-                topk_idx,
-                topk_weights,
-                active_ranks,
-                timeout_us,
-                handle,
-                zero_copy,
-                async_finish,
-                return_recv_hook,
-                out,
-            )
-        R = (
-            handle.layout_range.shape[1]
-            if isinstance(handle, DispatchHandle) and hasattr(handle, "_buffer")
-            else self._call_ranks(None, "combine")
-        )
-        error = self._combine_error(
+        # A combine runs on its dispatch's path (a bad handle: the portable path, which
+        # says why on every rank).
+        state = handle.state if isinstance(handle, DispatchHandle) else None
+        device = self._device
+        on_device = state is not None and state.on_device and device is not None
+        path = device if on_device else self._portable
+        return path.combine_call(
+            self,
             x,
             topk_idx,
             topk_weights,
@@ -875,49 +585,7 @@ class Buffer:
             timeout_us,
             handle,
             zero_copy,
-            (async_finish, return_recv_hook),
+            async_finish,
+            return_recv_hook,
             out,
         )
-        if error:
-            # Still take part in the exchange (sending and expecting nothing), so
-            # that the others fail alike instead of waiting for this rank.
-            empty = torch.empty(0, dtype=torch.uint8)
-            try:
-                self._all_to_all(None, empty, empty, [0] * R, [0] * R, -1).wait()
-            except (ValueError, RuntimeError):
-                pass
-            raise ValueError(f"combine: {error}")
-        device = x.device
-        a = handle._arrival
-        back = fb.gather_outputs(x, a, handle._recv_rows)
-        sent_rows = int(handle._send_splits.sum())
-        returned = torch.empty(sent_rows, x.shape[2], dtype=x.dtype, device=device)
-        work = self._all_to_all(
-            device, returned, back, handle._send_splits, handle._recv_splits, timeout_us
-        )
-        work = _Rephrased(
-            work,
-            "combine: ranks disagree on the call (a rank rejected its arguments, or they pass "
-            "handles of different dispatches); nothing was combined",
-        )
-        mask = None if active_ranks is None else active_ranks.cpu().bool()
-        result = (
-            out
-            if out is not None
-            else torch.empty(handle._num_tokens, x.shape[2], dtype=x.dtype, device=device)
-        )
-        r, sent = handle._route, handle._sent
-
-        def finish() -> None:
-            now = self._present(R)
-            self._mark_failed(active_ranks, now)
-            alive = now if mask is None else now & mask
-            used = alive.to(device)[r.dest[sent]]
-            acc = fb.weighted_sum(returned, r, sent, used, topk_weights, handle._num_tokens)
-            result.copy_(acc)
-
-        pending = _Pending(work, finish)
-        if not async_finish and not return_recv_hook:
-            pending()
-        event = EventOverlap(pending if async_finish else None)
-        return result, event, pending if return_recv_hook else None

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from mooncake._checks import int_list, is_int64
 from mooncake._loader import load_extension
 from mooncake.errors import LeftOutError, PeerFailedError
 
@@ -185,20 +186,6 @@ def get_num_synced_ranks(backend=None) -> int:
     return _backend_of(backend).num_synced_ranks()
 
 
-def _is_int64(v) -> bool:
-    """An int (not a bool) that fits the backend's int64 arguments."""
-    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
-
-
-def _rank_list(name: str, ranks) -> list[int]:
-    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
-        raise ValueError(f"{name}: ranks must be a list of ints, got {ranks!r}")
-    ranks = list(ranks)
-    if not all(_is_int64(r) for r in ranks):
-        raise ValueError(f"{name}: ranks must be a list of ints, got {ranks!r}")
-    return ranks
-
-
 def extend_group_size_to(backend, size: int) -> None:
     """Makes ranks up to ``size`` joinable (they stay inactive until recovered).
 
@@ -211,7 +198,7 @@ def extend_group_size_to(backend, size: int) -> None:
         ValueError: ``size`` is not an int, or is below the current size or above
             ``max_world_size``.
     """
-    if not _is_int64(size):
+    if not is_int64(size):
         raise ValueError(f"extend_group_size_to: size must be an int, got {size!r}")
     _backend_of(backend).extend_group_size_to(size)
 
@@ -229,7 +216,7 @@ def get_peer_state(backend, ranks: list[int]) -> list[bool]:
         ValueError: ``ranks`` is not a list of ints, or a rank is outside
             ``[0, max_world_size)``.
     """
-    return _backend_of(backend).get_peer_state(_rank_list("get_peer_state", ranks))
+    return _backend_of(backend).get_peer_state(int_list("get_peer_state", "ranks", ranks))
 
 
 def _is_world(group, b) -> bool:
@@ -267,7 +254,7 @@ def recover_ranks(backend, ranks: list[int]) -> None:
             size, or has no process waiting (poll :func:`get_peer_state` first);
             the group stays usable.
     """
-    ranks = _rank_list("recover_ranks", ranks)
+    ranks = int_list("recover_ranks", "ranks", ranks)
     b = _backend_of(backend)
     b.recover_ranks(ranks)
     if not _is_world(backend, b):

@@ -51,6 +51,11 @@ void* ptr(const std::optional<at::Tensor>& t) {
 // keeps the old readers ahead of the new writer; and never while a stream is
 // being captured, since a graph keeps writing into the memory it captured.
 // Unlike the allocator, a recorded stream (record_stream) does not delay reuse.
+//
+// Callers get new tensors over the pool's storages, never the pool's own:
+// a tensor that has met Python keeps a reference from its Python object
+// after Python dropped it, so only the storage's count says who still holds
+// the memory (views and storage objects included).
 class OutputPool {
  public:
   using Key = std::array<int64_t, 6>;
@@ -65,7 +70,7 @@ class OutputPool {
       if (e.key == key && e.stream == stream && unused(e.tensors)) {
         e.last = ++clock_;
         ++hits_;
-        return e.tensors;
+        return shared(e.tensors);
       }
     ++misses_;
     std::vector<at::Tensor> fresh = make();
@@ -76,8 +81,9 @@ class OutputPool {
       for (auto& e : entries_)
         if (unused(e.tensors) && (slot == nullptr || e.last < slot->last)) slot = &e;
     }
-    if (slot != nullptr) *slot = Entry{key, stream, fresh, ++clock_};
-    return fresh;
+    if (slot == nullptr) return fresh;  // every set is in use: this one is the caller's alone
+    *slot = Entry{key, stream, std::move(fresh), ++clock_};
+    return shared(slot->tensors);
   }
 
   void clear() { entries_.clear(); }
@@ -96,8 +102,22 @@ class OutputPool {
 
   static bool unused(const std::vector<at::Tensor>& tensors) {
     for (const auto& t : tensors)
-      if (t.use_count() != 1 || t.storage().use_count() != 1) return false;
+      if (t.storage().use_count() != 1) return false;
     return true;
+  }
+
+  // New tensors over the same storages, sizes and strides.
+  static std::vector<at::Tensor> shared(const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> out;
+    out.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      auto impl = c10::make_intrusive<c10::TensorImpl>(
+          c10::Storage(t.storage()), c10::DispatchKeySet(c10::DispatchKey::CUDA), t.dtype());
+      impl->set_sizes_and_strides(t.sizes(), t.strides());
+      impl->set_storage_offset(t.storage_offset());
+      out.emplace_back(std::move(impl));
+    }
+    return out;
   }
 
   std::vector<Entry> entries_;

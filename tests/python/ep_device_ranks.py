@@ -224,27 +224,32 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
 
 
 def _check_pool(buf, case: Case, rank: int, world: int, cuda) -> None:
-    """A dispatch's outputs are reused by a later one only once nothing refers to them
-    (not even a view)."""
+    """A dispatch's outputs are reused by a later one (the pool's hit, not the caching
+    allocator's) once nothing refers to them, and never while a view is held."""
     E = _experts(case, world)
     x, idx, _ = _inputs(case, rank, world, 0, cuda)
+    stats = buf._device.ext.pool_stats
 
-    def ptr():
+    def call():
         return _dispatch(buf, x, idx, case, E, "plain")[0]
 
-    a = ptr()
-    b = ptr()
+    a = call()
+    b = call()
     if a.data_ptr() == b.data_ptr():
         raise AssertionError("a dispatch reused the outputs of one still held")
     first, view = a.data_ptr(), a[0]
     del a
-    c = ptr()
+    c = call()
     if c.data_ptr() == first:
         raise AssertionError("a dispatch reused outputs of which a view is still held")
+    freed = {first, c.data_ptr()}
     del view, c
-    d = ptr()
-    if d.data_ptr() != first:
-        raise AssertionError("a dispatch did not reuse the outputs nothing refers to")
+    hits = stats()[0]
+    d = call()
+    if stats()[0] != hits + 1 or d.data_ptr() not in freed:
+        raise AssertionError(
+            f"a dispatch did not reuse outputs nothing refers to (pool hits {hits} -> {stats()[0]})"
+        )
     del b, d
     torch.cuda.synchronize()
 

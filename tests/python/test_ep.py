@@ -196,27 +196,24 @@ def test_corrupt_counts_from_a_peer_raise_runtime_error(counts):
     """A peer's count row says how many tokens it sends each local expert, and so sizes
     the receive buffers: one outside [0, T] is refused as corrupt, naming the rank,
     before anything is allocated from it; a row inside the range passes."""
-    from types import SimpleNamespace
-
     import torch
 
     from mooncake import _ep_fallback as fb
-    from mooncake.mooncake_ep_buffer import Buffer
+    from mooncake._ep_portable import check_peers
 
     T, H, E = 8, 128, 4
-    me = SimpleNamespace(rank=0)
     theirs = torch.zeros(2, fb.META_COLS + 2, dtype=torch.int64)
     theirs[:, :4] = torch.tensor([T, H, E, 0])
     theirs[:, 4] = fb.STATUS_OK
     present = torch.tensor([True, True])
-    Buffer._check_peers(me, theirs, present, T, H, E, False)  # all zero: fine
+    check_peers(0, theirs, present, T, H, E, False)  # all zero: fine
     theirs[1, fb.META_COLS :] = torch.tensor([T, 0])
-    Buffer._check_peers(me, theirs, present, T, H, E, False)  # at most T: fine
+    check_peers(0, theirs, present, T, H, E, False)  # at most T: fine
     theirs[1, fb.META_COLS :] = torch.tensor(counts)
     with pytest.raises(RuntimeError, match=r"rank 1 announces .* corrupt"):
-        Buffer._check_peers(me, theirs, present, T, H, E, False)
+        check_peers(0, theirs, present, T, H, E, False)
     present[1] = False  # a rank outside the set is not read
-    Buffer._check_peers(me, theirs, present, T, H, E, False)
+    check_peers(0, theirs, present, T, H, E, False)
 
 
 # --- failures: kill, replace, kill again --------------------------------------------------------

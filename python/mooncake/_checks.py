@@ -1,0 +1,328 @@
+"""Argument rules of mooncake's Python API, written once for every caller.
+
+The process-group helpers (``pg``), the EP Buffer's constructors and both of
+its paths (portable and device) check their arguments here, so that a rule
+and its message exist in one place (``docs/argument-checks.md`` lists them
+with their tests).
+
+Two kinds of function: ``*_error`` returns the message of the first rule
+broken (None when there is none), for callers that must do something before
+they raise (a portable-path rank that rejects its call still takes part in the
+exchange); ``*_arg`` / ``int_list`` raise ValueError themselves. Messages do
+not carry the calling method's name; the caller puts it in front.
+
+Rules that read tensor *values* (the expert ids in ``topk_idx``, whether
+combine's ``topk_idx`` is the dispatch's) copy them to the host, which waits
+for the device: ``dispatch_error``/``combine_error`` skip them with
+``values=False``, as the device path does (its kernels check the ids, and the
+rank's next call raises what they found).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ._ep_types import DispatchHandle
+from ._loader import load_extension
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int64, torch.int32)
+#: Bound of the arguments the C++ core takes as C ints (slots, capacities, shapes ``T`` and
+#: ``E``).
+MAX_INT = 2**31
+#: The longest EP deadline in microseconds (about 35 years; ``-1`` means none): a longer
+#: one would overflow the nanosecond clocks the exchanges compute deadlines with.
+MAX_TIMEOUT_US = 2**50
+#: The same bound for the elastic Buffer's deadlines, in milliseconds.
+MAX_TIMEOUT_MS = 2**40
+
+
+# --- scalars and lists ------------------------------------------------------------------
+
+
+def is_int(v) -> bool:
+    """An int that is not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_int64(v) -> bool:
+    """An int (not a bool) that fits the backend's int64 arguments."""
+    return is_int(v) and -(2**63) <= v < 2**63
+
+
+def int_arg(what: str, name: str, v, low: int, high: int = MAX_INT) -> int:
+    """``v`` when it is an int in ``[low, high)``; else ValueError naming ``name``."""
+    if not is_int(v) or not low <= v < high:
+        raise ValueError(
+            f"{what}: {name} must be an int >= {low} and below 2**{high.bit_length() - 1}, "
+            f"got {v!r}"
+        )
+    return v
+
+
+def int_list(what: str, name: str, v) -> list[int]:
+    """``v`` as a list of ints that fit an int64: a list, a tuple, a tensor or any other
+    iterable but a string; else ValueError naming ``name``."""
+    if isinstance(v, torch.Tensor):
+        v = v.tolist()
+    if isinstance(v, (str, bytes)) or not isinstance(v, Iterable):
+        raise ValueError(f"{what}: {name} must be a list of ints, got {v!r}")
+    v = list(v)
+    if not all(is_int64(r) for r in v):
+        raise ValueError(f"{what}: {name} must be a list of ints, got {v!r}")
+    return v
+
+
+def timeout_error(timeout_us) -> str | None:
+    """The rule of an EP call's ``timeout_us``."""
+    if is_int(timeout_us) and (timeout_us == -1 or 0 < timeout_us <= MAX_TIMEOUT_US):
+        return None
+    return f"timeout_us must be -1 (no deadline) or an int in [1, 2**50], got {timeout_us!r}"
+
+
+def flags_error(**flags) -> str | None:
+    """The first of ``flags`` (name=value) that is not a bool, or None."""
+    for name, v in flags.items():
+        if not isinstance(v, bool):
+            return f"{name} must be a bool, got {v!r}"
+    return None
+
+
+def _shape_error(name: str, v) -> str | None:
+    """The rule of a shape argument (``T``, ``E``) that the core takes as a C int."""
+    if is_int(v) and 1 <= v < MAX_INT:
+        return None
+    return f"{name} must be an int in [1, 2**31), got {v!r}"
+
+
+def _exclusive_error(async_finish, return_recv_hook) -> str | None:
+    if async_finish and return_recv_hook:
+        return "async_finish and return_recv_hook are exclusive: set one of them"
+    return None
+
+
+# --- tensors ----------------------------------------------------------------------------
+
+
+def tensor_error(name, t, dtypes, ndim, device=None, shape=None) -> str | None:
+    """The first rule a tensor argument breaks, or None."""
+    if not isinstance(t, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        return f"{name} must be {want}, got {str(t.dtype).replace('torch.', '')}"
+    if t.dim() != ndim:
+        return f"{name} must have {ndim} dimensions, got shape {list(t.shape)}"
+    if shape is not None and list(t.shape) != list(shape):
+        return f"{name} must have shape {list(shape)}, got {list(t.shape)}"
+    if device is not None and t.device != device:
+        return f"{name} must be on {device} (where x is), got {t.device}"
+    return None
+
+
+def _active_ranks_error(active_ranks, device, num_ranks: int) -> str | None:
+    """The rule of an EP call's ``active_ranks`` (None: the members' own view)."""
+    if active_ranks is None:
+        return None
+    return tensor_error("active_ranks", active_ranks, (torch.int32,), 1, device, [num_ranks])
+
+
+# --- the EP Buffer ----------------------------------------------------------------------
+
+
+def size_hint_args(**shape) -> None:
+    """The rules of ``Buffer.get_ep_buffer_size_hint``'s arguments that the layout does
+    not check itself (it takes C ints)."""
+    for name, v in shape.items():
+        if not is_int(v):
+            raise ValueError(f"get_ep_buffer_size_hint: {name} must be an int, got {v!r}")
+        if not -MAX_INT < v < MAX_INT:
+            raise ValueError(f"get_ep_buffer_size_hint: {name} must be below 2**31, got {v}")
+
+
+def _workspace_error(have: int, max_tokens: int, hidden: int, R: int, E: int) -> str | None:
+    """Whether a dispatch of this shape fits ``have`` workspace bytes (0: no workspace,
+    nothing to fit)."""
+    if not have:
+        return None
+    need = load_extension().ep_layout(max_tokens, hidden, R, E)["total_bytes"]
+    if need <= have:
+        return None
+    return (
+        f"num_max_dispatch_tokens_per_rank={max_tokens}, hidden={hidden}, "
+        f"num_experts={E} need {need} workspace bytes, but this Buffer has "
+        f"num_ep_buffer_bytes={have} (see Buffer.get_ep_buffer_size_hint)"
+    )
+
+
+def dispatch_error(
+    members,
+    workspace_bytes: int,
+    x,
+    topk_idx,
+    active_ranks,
+    max_tokens,
+    num_experts,
+    timeout_us,
+    use_fp8,
+    stats,
+    async_finish,
+    return_recv_hook,
+    *,
+    values: bool,
+    path_device: torch.device | None = None,
+) -> str | None:
+    """The first rule a dispatch's arguments break, or None.
+
+    ``members`` says how many ranks the call covers and which devices and expert
+    counts they take (``_ep_group.GroupMembers`` or ``_ep_elastic.Slots``); ``x`` on
+    ``path_device`` is moved by the calling path itself (the device path's
+    workspace device), not by the members' exchange. ``values=False`` skips the
+    rules on ``topk_idx``'s values.
+    """
+    R = members.call_ranks(num_experts)
+    err = tensor_error("x", x, FLOAT_DTYPES, 2)
+    if err:
+        return err
+    n, h = x.shape
+    err = (
+        (None if x.device == path_device else members.device_error(x.device))
+        or tensor_error("topk_idx", topk_idx, INDEX_DTYPES, 2, x.device)
+        or _shape_error("num_max_dispatch_tokens_per_rank", max_tokens)
+        or _shape_error("num_experts", num_experts)
+        or timeout_error(timeout_us)
+        or flags_error(
+            use_fp8=use_fp8, async_finish=async_finish, return_recv_hook=return_recv_hook
+        )
+        or _exclusive_error(async_finish, return_recv_hook)
+        or _active_ranks_error(active_ranks, x.device, R)
+    )
+    if err:
+        return err
+    if topk_idx.shape[0] != n:
+        return f"topk_idx must have one row per token of x ({n}), got shape {list(topk_idx.shape)}"
+    err = members.experts_error(num_experts)
+    if err:
+        return err
+    if n > max_tokens:
+        return f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank ({max_tokens})"
+    if h < 1:
+        return f"x must have a hidden size >= 1, got {h}"
+    if use_fp8 and h % 128:
+        return f"x's hidden size ({h}) must be a multiple of 128 with use_fp8=True"
+    if values and topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            return f"topk_idx holds expert {bad}; ids must be in [0, {num_experts}) or -1"
+        # Each expert's rows from one source must fit its T slots.
+        per_expert = torch.bincount(topk_idx[topk_idx >= 0].long(), minlength=num_experts)
+        most = int(per_expert.max()) if per_expert.numel() else 0
+        if most > max_tokens:
+            e = int(per_expert.argmax())
+            return (
+                f"topk_idx sends {most} tokens to expert {e}, more than "
+                f"num_max_dispatch_tokens_per_rank ({max_tokens}): a token selects it twice"
+            )
+    if stats is not None:
+        err = tensor_error(
+            "cumulative_local_expert_recv_stats",
+            stats,
+            (torch.int32,),
+            1,
+            x.device,
+            [num_experts // R],
+        )
+        if err:
+            return err
+    return _workspace_error(workspace_bytes, max_tokens, h, R, num_experts)
+
+
+def handle_error(handle, buffer_id: int) -> str | None:
+    """Whether ``handle`` is a finished dispatch's handle of the Buffer ``buffer_id``."""
+    state = handle.state if isinstance(handle, DispatchHandle) else None
+    if state is None:
+        return f"handle must be the DispatchHandle a dispatch returned, got {type(handle).__name__}"
+    if state.buffer != buffer_id:
+        return "handle comes from another Buffer's dispatch"
+    if not state.finished:
+        return (
+            "handle's dispatch has not finished: call its hook() or "
+            "event.current_stream_wait() first"
+        )
+    return None
+
+
+def half_error(handle: DispatchHandle, seq: int) -> str | None:
+    """Whether the Buffer's later dispatches (the latest is ``seq``) reused the half of
+    the workspace that ``handle``'s dispatch wrote."""
+    if seq - handle.state.seq >= 2:
+        return (
+            f"handle is from dispatch #{handle.state.seq}, but dispatch #{seq} has since "
+            f"reused its half of the buffer"
+        )
+    return None
+
+
+def zero_copy_error(x, handle: DispatchHandle, combine_buffers) -> str | None:
+    """Whether ``x`` is the zero-copy combine buffer of ``handle``'s half."""
+    buf = combine_buffers[handle.state.seq % 2]
+    if buf is None or x.data_ptr() != buf.data_ptr():
+        return "with zero_copy=True, x must be get_next_combine_buffer(handle)"
+    return None
+
+
+def combine_error(
+    buffer_id: int,
+    seq: int,
+    combine_buffers,
+    x,
+    topk_idx,
+    topk_weights,
+    active_ranks,
+    timeout_us,
+    handle,
+    zero_copy,
+    async_finish,
+    return_recv_hook,
+    out,
+    *,
+    values: bool,
+) -> str | None:
+    """The first rule a combine's arguments break, or None.
+
+    ``buffer_id``, ``seq`` and ``combine_buffers``: the Buffer's id, its latest
+    dispatch's number and its zero-copy buffers. ``values=False`` skips comparing
+    ``topk_idx`` with the dispatch's.
+    """
+    err = handle_error(handle, buffer_id)
+    if err:
+        return err
+    state = handle.state
+    epr, cols = handle.src_info.shape
+    device = handle.src_info.device
+    n, k = state.topk_idx.shape
+    err = (
+        tensor_error("x", x, (state.dtype,), 3, device, [epr, cols, handle.hidden])
+        or tensor_error("topk_idx", topk_idx, INDEX_DTYPES, 2, device, [n, k])
+        or tensor_error("topk_weights", topk_weights, FLOAT_DTYPES, 2, device, [n, k])
+        or _active_ranks_error(active_ranks, device, handle.layout_range.shape[1])
+        or timeout_error(timeout_us)
+        or flags_error(
+            zero_copy=zero_copy, async_finish=async_finish, return_recv_hook=return_recv_hook
+        )
+        or _exclusive_error(async_finish, return_recv_hook)
+    )
+    if err:
+        return err
+    if values and not torch.equal(topk_idx, state.topk_idx.to(topk_idx.dtype)):
+        return "topk_idx differs from the one that handle's dispatch routed"
+    if out is not None:
+        err = tensor_error("out", out, (x.dtype,), 2, device, [n, handle.hidden])
+        if err:
+            return err
+    if zero_copy:
+        return half_error(handle, seq) or zero_copy_error(x, handle, combine_buffers)
+    return None

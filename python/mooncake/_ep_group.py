@@ -1,0 +1,111 @@
+"""The members of an EP Buffer built on a process group (``Buffer(group, ...)``).
+
+Who the ranks are (the group's), which of them take part right now (the
+group's rank-health mask, ``pg.get_active_ranks``) and how an exchange among
+them runs (the group's mooncake backend, ``alltoall_base`` with a per-exchange
+timeout). ``_ep_elastic.Slots`` answers the same questions for an elastic
+Buffer; the Buffer and its paths only ask them through these methods.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _ep_fallback as fb
+from . import pg
+from ._checks import MAX_INT, is_int
+
+
+class GroupMembers:
+    """The ranks of ``group``, as its mooncake backend sees them."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank = group.rank()
+        self.num_ranks = group.size()
+
+    # --- the shape of a call ----------------------------------------------------------
+
+    def call_ranks(self, num_experts, what: str = "dispatch") -> int:
+        """``R`` of a call with ``num_experts`` experts (``what``: the calling method)."""
+        return self.num_ranks
+
+    def local_experts(self, num_experts, num_ranks: int) -> int:
+        """``E/R``: the width of the counts rows (0 when num_experts is invalid)."""
+        valid = is_int(num_experts) and num_ranks <= num_experts < MAX_INT
+        return num_experts // num_ranks if valid else 0
+
+    def experts_error(self, num_experts: int) -> str | None:
+        if num_experts % self.num_ranks:
+            return (
+                f"num_experts ({num_experts}) must be divisible by the number of ranks "
+                f"({self.num_ranks})"
+            )
+        return None
+
+    def device_error(self, device: torch.device) -> str | None:
+        """Why the group's exchanges cannot move tensors on ``device`` (None: they can)."""
+        try:
+            self.backend_for(device)
+        except (RuntimeError, ValueError):
+            return f"x is on {device}, but the group has no mooncake backend for {device.type}"
+        return None
+
+    # --- who takes part, and the exchange ---------------------------------------------
+
+    def present(self, num_ranks: int) -> torch.Tensor:
+        """bool [num_ranks], on CPU: the ranks that take part right now."""
+        return pg.get_active_ranks(self.group)[:num_ranks].cpu().bool()
+
+    def all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
+        """Starts an uneven exchange of ``inp``'s rows (splits per rank); returns a Work.
+        ``device`` None: this rank rejected its call and only takes part. ``timeout_us``
+        is this exchange's own budget, from its start (-1: the group's timeout): a call
+        of several exchanges gives each the whole ``timeout_us``."""
+        return fb.all_to_all(self.backend_for(device), out, inp, out_splits, in_splits, timeout_us)
+
+    def backend_for(self, device: torch.device | None):
+        if device is None or device.type == "cpu":
+            return pg._backend_of(self.group)
+        b = self.group._get_backend(torch.device(device.type))
+        if not isinstance(b, pg.MooncakeBackend):
+            raise ValueError(
+                f"x is on {device}, but the group has no mooncake backend for {device.type}"
+            )
+        return b
+
+    # --- membership changes -----------------------------------------------------------
+
+    def agree(self, what: str, num_bytes: int) -> None:
+        """Checks, with every present member, that all have the same workspace size and
+        group size (collective: every member calls it).
+
+        Raises:
+            ValueError: a member has another ``num_bytes``.
+        """
+        try:
+            cpu = isinstance(self.group._get_backend(torch.device("cpu")), pg.MooncakeBackend)
+        except (RuntimeError, ValueError):
+            cpu = False
+        device = torch.device("cpu" if cpu else "cuda")
+        mine = torch.tensor([1, num_bytes, self.num_ranks], device=device)
+        everyone = torch.zeros(self.num_ranks * 3, dtype=torch.int64, device=device)
+        self.backend_for(device)._allgather_base(everyone, mine).wait()
+        rows = everyone.reshape(self.num_ranks, 3).tolist()
+        for r, (present, nbytes, size) in enumerate(rows):
+            if present and (nbytes, size) != (num_bytes, self.num_ranks):
+                raise ValueError(
+                    f"{what}: ranks disagree on num_ep_buffer_bytes: rank {r} has {nbytes}, "
+                    f"rank {self.rank} has {num_bytes}"
+                )
+
+    def refresh(self, num_bytes: int) -> None:
+        """``Buffer.update_ep_member``: the members after the group changed membership
+        agree again (the device path then reconnects)."""
+        self.agree("update_ep_member", num_bytes)
+
+    def mask_events(self) -> list[str]:
+        """Peers masked by the members' own exchanges: none here (the process group
+        leaves failed ranks out, and ``pg.get_active_ranks`` shows it)."""
+        return []
