@@ -29,7 +29,15 @@ import torch.distributed as dist
 
 from . import _ep_fallback as fb
 from . import pg
-from ._checks import MAX_INT, MAX_TIMEOUT_MS, int_arg, int_list, is_int, tensor_error
+from ._checks import (
+    MAX_INT,
+    MAX_TIMEOUT_MS,
+    flags_error,
+    int_arg,
+    int_list,
+    is_int,
+    tensor_error,
+)
 
 __all__ = ["Slots"]
 
@@ -154,8 +162,9 @@ class Slots:
 
     def connect(self, peers, activate) -> None:
         slots = self._slot_list("connect_ranks", peers)
-        if not isinstance(activate, bool):
-            raise ValueError(f"connect_ranks: activate must be a bool, got {activate!r}")
+        error = flags_error(activate=activate)
+        if error:
+            raise ValueError(f"connect_ranks: {error}")
         self._peers.connect(slots, activate)
 
     def set_masked(self, peer, mask) -> None:
@@ -163,8 +172,9 @@ class Slots:
         if not is_int(peer):
             raise ValueError(f"update_mask_buffer: peer must be an int, got {peer!r}")
         self._check_int_slot("update_mask_buffer", peer)
-        if not isinstance(mask, bool):
-            raise ValueError(f"update_mask_buffer: mask must be a bool, got {mask!r}")
+        error = flags_error(mask=mask)
+        if error:
+            raise ValueError(f"update_mask_buffer: {error}")
         if not mask:
             _sync_device()
         self._peers.set_masked(peer, mask)
