@@ -9,8 +9,10 @@
 #            the GPU, under MPS when it starts), then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
+#   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
-#            bench/bench_ep_device.py at world 1, then at 2 and 4 processes under MPS.
+#            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
+#            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS).
 # PYTEST_PATHS: what the Python step runs (default tests/python); PYTEST_ARGS: more.
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
 # bench_elastic.py (default: none, the full run, about a minute).
@@ -118,6 +120,21 @@ if wants epprof; then
   timeout 300 "$PY" bench/profile_ep_device.py --out "$OUT/bench/ep_profile.json" 2>&1 | tee "$OUT/ep_profile.log" | tail -60 || status=1
 fi
 
+# Not in the default steps: Nsight Compute over a few warm dispatch and combine
+# launches (T=128, H=7168, E=256: FP8 first), for tuning the kernels.
+if wants epncu; then
+  step "EP device path: Nsight Compute"
+  if command -v ncu >/dev/null; then
+    timeout 300 ncu --kernel-name regex:"dispatch_kernel|combine_kernel" --launch-skip ${NCU_SKIP:-40} \
+      --launch-count ${NCU_COUNT:-4} --section SpeedOfLight --section LaunchStats --section Occupancy \
+      --section WarpStateStats --section SourceCounters --section MemoryWorkloadAnalysis \
+      "$PY" bench/profile_ep_device.py >"$OUT/ncu.txt" 2>&1
+    echo "ncu: exit $? ($(grep -c 'Section: ' "$OUT/ncu.txt") sections in ncu.txt)"
+  else
+    echo "ncu not found: skipped"
+  fi
+fi
+
 if wants epbench; then
   mkdir -p "$OUT/bench"
   UP_JSON="$OUT/bench/ep_upstream.json"
@@ -134,10 +151,21 @@ if wants epbench; then
   "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds 1 --upstream "$UP_JSON" \
     --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep_device.log" | tail -12 || status=1
   cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_w1.json" 2>/dev/null
-  step "EP device path: benchmark, 2 and 4 processes (MPS)"
-  start_mps
-  "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds ${EP_WORLDS:-2,4} \
-    --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
-  stop_mps
+  if [ -n "${EP_WORLDS-2,4,8}" ]; then
+    step "EP device path: benchmark, ${EP_WORLDS-2,4,8} processes (MPS)"
+    start_mps
+    "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds "${EP_WORLDS-2,4,8}" \
+      --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -40 || status=1
+    cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_mps.json" 2>/dev/null
+    stop_mps
+  fi
+  # Without MPS the processes' kernels take turns on the GPU: a short run, to
+  # show the cost (EP_WORLDS_NO_MPS="" skips it).
+  if [ -n "${EP_WORLDS_NO_MPS-2}" ]; then
+    step "EP device path: benchmark, ${EP_WORLDS_NO_MPS-2} processes (no MPS)"
+    "$PY" bench/bench_ep_device.py --experts 256 --iters 30 --warmup 3 --worlds "${EP_WORLDS_NO_MPS-2}" \
+      --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
+    cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_no_mps.json" 2>/dev/null
+  fi
 fi
 exit $status

@@ -38,7 +38,7 @@ from ._ep_types import (
 )
 
 #: Status codes of ``src/kernels/api.h``.
-_BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT = 1, 2, 3, 4, 5
+_BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT, _NOT_RESIDENT = 1, 2, 3, 4, 5, 6
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # combine rows per token (src/ep/layout.h)
 _BOTH = getattr(pg._ext, "EP_PHASE_BOTH", 3)  # a launch of both phases
 _ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, present
@@ -157,6 +157,13 @@ class DevicePath:
             raise RuntimeError(
                 f"{what}: an earlier dispatch received a message from rank {d0} for local "
                 f"expert {d1} whose header disagrees with its place: the data is corrupt"
+            )
+        if code == _NOT_RESIDENT:
+            raise RuntimeError(
+                f"{what}: in an earlier FP8 dispatch on this rank only {d0} of its {d1} blocks "
+                f"ran at once (the GPU is shared with other work), so some tokens may have "
+                f"been sent before they were quantised; set MOONCAKE_EP_FORCE_FALLBACK=1 on "
+                f"such a GPU"
             )
         raise RuntimeError(
             f"{what}: an earlier dispatch received a count of {d1} from rank {d0}, more than "

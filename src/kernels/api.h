@@ -32,11 +32,12 @@ enum class Dtype : int32_t { kBf16 = 0, kFp16 = 1 };
 // Status words (device-written, host-mapped): the first error wins.
 enum StatusCode : int32_t {
   kStatusOk = 0,
-  kStatusBadExpert = 1,   // detail: the expert id, the token
-  kStatusOverflow = 2,    // detail: the expert, its rows
-  kStatusBadHeader = 3,   // detail: the source rank, the local expert
-  kStatusBadCount = 4,    // detail: the source rank, the count
-  kStatusSilentPeer = 5,  // detail: the rank masked for silence, the phase
+  kStatusBadExpert = 1,    // detail: the expert id, the token
+  kStatusOverflow = 2,     // detail: the expert, its rows
+  kStatusBadHeader = 3,    // detail: the source rank, the local expert
+  kStatusBadCount = 4,     // detail: the source rank, the count
+  kStatusSilentPeer = 5,   // detail: the rank masked for silence, the phase
+  kStatusNotResident = 6,  // detail: the blocks that arrived, the grid size
 };
 constexpr int kStatusWords = 4;  // code, detail 0, detail 1, timeouts so far
 
@@ -48,6 +49,7 @@ struct Common {
   int32_t* active_ranks;  // device int32 [R], 1 = healthy
   int64_t timeout_ns;     // per wait phase
   int32_t* status;        // kStatusWords ints, host-mapped
+  uint32_t* grid_sync;    // device, 2 words, zeroed once: the grid barrier's count and generation
   int32_t phases;         // Phase bits
   int32_t num_blocks;     // grid size; every block must be resident at once
 };

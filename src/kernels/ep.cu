@@ -13,9 +13,11 @@
 // rows reach the receiver in token order, as the portable path orders them);
 // then a warp per (row, part) stores header + payload into the owner's
 // [local expert][this rank] slots, BF16/FP16 from x, or FP8 from the stage
-// (quantize_kernel runs first and quantises each token once: quantising in
-// registers per destination instead made the send phase 6-9 us slower, as
-// it does the work K times at low occupancy); then the counts are published
+// (the grid first quantises each token once into it, and the blocks meet at a
+// grid barrier before the first copy; quantising in registers per
+// destination instead made the send phase 6-9 us slower, as it does the work
+// K times at low occupancy, and a quantise kernel of its own cost a second
+// launch, several us of host time per call); then the counts are published
 // with system-scope releases.
 // Receive phase: the block waits for the counts of all its local experts (a
 // thread per (expert, source), each with the phase's deadline), lays the
@@ -24,10 +26,10 @@
 //
 // Combine, send phase: the block stores the expert output of every row of its
 // (local expert, source) pairs into the source's [token][top-k column] row,
-// then raises one flag per pair. Receive phase: one block per token waits for
-// the flags of its selected experts and sums weight * row in fp32, in
-// ascending expert order (the portable path's order, so the result is
-// bit-identical), rounded once.
+// then raises one flag per pair. Receive phase: a block takes its tokens a
+// batch at a time, waits for the flags of their selected experts and sums
+// weight * row in fp32, in ascending expert order (the portable path's
+// order, so the result is bit-identical), rounded once.
 //
 // Blocks never wait on blocks that have not started: every block does its
 // send work before it waits, and the grid is at most as large as what is
@@ -55,6 +57,9 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
+// Signals between ranks are system-scope (a peer may be on another GPU).
+// GPU scope for peers all on this GPU measured the same (20.0 against
+// 20.2 us per FP8 dispatch and combine on an H200), so there is one kind.
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -92,8 +97,10 @@ __device__ __forceinline__ uint64_t deadline_of(int64_t timeout_ns) {
 // Waits until `*signal` satisfies `ready`, the source is masked, or the
 // deadline passes (then masks the source). True when the signal arrived.
 template <typename Ready>
-__device__ bool wait_for(const uint64_t* signal, Ready ready, uint64_t deadline, int32_t* active,
-                         int source, int32_t* status, int phase, uint64_t* value) {
+__device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, uint64_t deadline,
+                         int source, int phase, uint64_t* value) {
+  int32_t* active = c.active_ranks;
+  int32_t* status = c.status;
   while (true) {
     const uint64_t v = ld_acquire_sys(signal);
     if (ready(v)) {
@@ -155,9 +162,13 @@ __device__ __forceinline__ int4 from_float8<__half>(const float (&f)[8]) {
   return v;
 }
 
-// Rows move in chunks of kChunkBytes, a warp per chunk (four 16-byte loads
-// in flight per lane), so that a few rows still spread over every warp.
-constexpr int64_t kChunkBytes = 32 * 4 * 16;
+// Rows move in chunks of kChunkBytes, a warp per chunk (kVecs 16-byte loads
+// in flight per lane, all issued before any store), so that a few rows still
+// spread over every warp. The kernels are latency-bound at these sizes (a
+// block holds ~8 rows): 8 loads a lane halved the copy loops' round trips
+// against 4.
+constexpr int kVecs = 8;
+constexpr int64_t kChunkBytes = 32 * kVecs * 16;
 
 __device__ __forceinline__ int64_t chunks_of(int64_t bytes) {
   return (bytes + kChunkBytes - 1) / kChunkBytes;
@@ -172,14 +183,14 @@ __device__ __forceinline__ void copy_chunk(uint8_t* dst, const uint8_t* src, int
   const int64_t n = bytes / 16, first = c * (kChunkBytes / 16) + lane;
   auto* d = reinterpret_cast<int4*>(dst);
   const auto* s = reinterpret_cast<const int4*>(src);
-  int4 v[4];
+  int4 v[kVecs];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int64_t i = first + 32 * j;
     if (i < n) v[j] = kFresh ? s[i] : __ldg(s + i);
   }
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < kVecs; ++j) {
     const int64_t i = first + 32 * j;
     if (i < n) d[i] = v[j];
   }
@@ -224,10 +235,11 @@ __device__ __forceinline__ void quantize_blocks(const T* x, uint8_t* data, float
   }
 }
 
-// FP8: this rank's tokens quantised once into its stage rows (data, then
-// scales), which the dispatch kernel then copies to every selected expert.
+// FP8: this block's share of the rank's tokens quantised once into its stage
+// rows (data, then scales), which the send phase then copies to every
+// selected expert.
 template <typename Elem>
-__global__ void __launch_bounds__(kThreads, 1) quantize_kernel(const DispatchArgs a) {
+__device__ void quantize_share(const DispatchArgs& a) {
   const EpLayout& L = a.c.layout;
   const int64_t H = L.shape.hidden, blocks = H / 128;
   const int64_t per_row = (blocks + kQuantBlocks - 1) / kQuantBlocks;
@@ -241,6 +253,39 @@ __global__ void __launch_bounds__(kThreads, 1) quantize_kernel(const DispatchArg
                           reinterpret_cast<float*>(row + H), c * kQuantBlocks, blocks,
                           threadIdx.x % 32);
   }
+}
+
+// A grid barrier in two halves, so that a block does other work between
+// arriving and waiting. sync[0] counts arrivals, sync[1] is the generation:
+// the last block to arrive resets the count and advances the generation,
+// which the others wait for (the words return to a reusable state every
+// time, so graph replays work). Called by one thread, after a __syncthreads.
+__device__ __forceinline__ uint32_t grid_arrive(uint32_t* sync) {
+  const uint32_t gen = *reinterpret_cast<volatile uint32_t*>(sync + 1);
+  __threadfence();  // the block's stores (made visible to this thread by the barrier) first
+  if (atomicAdd(sync, 1) == gridDim.x - 1) {
+    *reinterpret_cast<volatile uint32_t*>(sync) = 0;
+    __threadfence();
+    atomicAdd(sync + 1, 1);
+  }
+  return gen;
+}
+
+// Waits for the generation after `gen`; past the deadline (blocks of the
+// launch were not all resident: a GPU shared with other work) it reports and
+// goes on, as the other waits do.
+__device__ void grid_wait(uint32_t* sync, uint32_t gen, int64_t timeout_ns, int32_t* status) {
+  const uint64_t deadline = now_ns() + static_cast<uint64_t>(timeout_ns);
+  while (*reinterpret_cast<volatile uint32_t*>(sync + 1) == gen) {
+    if (now_ns() > deadline) {
+      report(status, kStatusNotResident,
+             static_cast<int>(*reinterpret_cast<volatile uint32_t*>(sync)),
+             static_cast<int>(gridDim.x));
+      return;
+    }
+    __nanosleep(64);
+  }
+  __threadfence();  // the other blocks' stage rows, before this block reads them
 }
 
 // Exclusive prefix sums of v[0, n) into out[0, n], out[n] = the total, by
@@ -280,16 +325,22 @@ __device__ __forceinline__ int dealt(int count) {
   return b < count ? (count - b + g - 1) / g : 0;
 }
 
-// Work items the send phase collects before it copies them (two int arrays).
+// Rows a send phase collects before it copies them: each with its
+// destination pointer and its source, in shared memory, so that the copy
+// loop's every step is loads and stores with no global lookups between them
+// (reading topk_idx, the peer table or src_info there was a chain of
+// dependent round trips per chunk, most of the send phases' time).
 constexpr int kItems = 2048;
 // Rows a combine's receive phase loads at once per thread.
 constexpr int kLoads = 8;
+// Tokens a combine's receive phase takes at once (a thread per column).
+constexpr int kBatch = kThreads / EpLayout::kMaxTopk;
 
 template <typename Elem, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArgs a) {
   extern __shared__ int32_t s_dyn[];  // send: counts per (expert, warp); receive: counts, offsets
-  __shared__ int32_t s_flat[kItems];  // an item: its flat topk_idx entry and its slot
-  __shared__ int32_t s_slot[kItems];
+  __shared__ uint8_t* s_dst[kItems];  // an item: its message slot (null: dropped)
+  __shared__ int32_t s_flat[kItems];  // and its flat topk_idx entry
   __shared__ int32_t s_warp_base[kWarps + 1];
 
   const EpLayout& L = a.c.layout;
@@ -306,6 +357,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
   uint8_t* own = a.c.peers[a.c.rank];
 
   if (a.c.phases & kSend) {
+    __shared__ uint32_t s_gen;  // FP8: the grid barrier's generation at arrival
+    bool staged = !kFp8;        // whether every block's stage rows are in
+    if constexpr (kFp8) {
+      quantize_share<Elem>(a);
+      __syncthreads();
+      if (threadIdx.x == 0) s_gen = grid_arrive(a.c.grid_sync);
+    }
     // This block sends for experts blockIdx.x + i * G. One pass over topk_idx
     // in flat order gives each selection of them the next slot of its expert
     // (so a source's rows arrive in token order, as the portable path orders
@@ -315,7 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
     int32_t* s_rows = s_dyn + nb * kWarps;  // [nb]: rows given so far
     for (int i = threadIdx.x; i < nb; i += kThreads) s_rows[i] = 0;
     // The bytes after a header: BF16/FP16 rows from x, or FP8 data and scales
-    // from the stage (quantised once per token by quantize_kernel), padded to
+    // from the stage (quantised once per token above), padded to
     // 16 bytes (the message slot has room for them).
     const int64_t body_bytes = kFp8 ? (L.fp8_payload_bytes + 15) / 16 * 16 : 2 * H;
     const int64_t per_row = chunks_of(body_bytes);
@@ -325,8 +383,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       __syncthreads();
       const int64_t j = round + threadIdx.x;
       int mine = -1;  // this entry's expert, as the block numbers them
+      int64_t id = -1;
       if (j < entries) {
-        const int64_t id = load_idx(a.topk_idx, j, a.topk_int64);
+        id = load_idx(a.topk_idx, j, a.topk_int64);
         if (blockIdx.x == 0 && (id < -1 || id >= E))
           report(a.c.status, kStatusBadExpert, static_cast<int>(id), static_cast<int>(j / K));
         if (id >= 0 && id < E && id % G == blockIdx.x &&
@@ -361,33 +420,42 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       }
       __syncthreads();
       if (mine >= 0) {
+        // The header goes out now; the rows' bytes with every warp below.
         const int at = items + s_warp_base[warp] + __popc(matches & lanes_below);
+        const int slot = s_base[mine * kWarps + warp] + rank_in_warp;
+        const int e = static_cast<int>(id), t = static_cast<int>(j / K);
+        const int k = static_cast<int>(j % K), le = e % epr;
+        uint8_t* msg = nullptr;
+        if (slot < T) {
+          msg = a.c.peers[e / epr] + L.dispatch_msg(seq, le, a.c.rank, slot);
+          *reinterpret_cast<EpMsgHeader*>(msg) = EpMsgHeader{t, le, k, 0};
+        } else {
+          report(a.c.status, kStatusOverflow, e, slot + 1);
+        }
+        s_dst[at] = msg;
         s_flat[at] = static_cast<int>(j);
-        s_slot[at] = s_base[mine * kWarps + warp] + rank_in_warp;
       }
       items += s_warp_base[kWarps];
       const bool flush = items > kItems - kThreads || round + kThreads >= entries;
       __syncthreads();  // the items are in; s_base and s_warp_base may be refilled
       if (!flush) continue;
+      if (!staged) {  // the same in every thread, as `flush` is
+        if (threadIdx.x == 0) grid_wait(a.c.grid_sync, s_gen, a.c.timeout_ns, a.c.status);
+        __syncthreads();
+        staged = true;
+      }
       // A warp per (row, part): every warp has work even for a few rows.
       for (int64_t u = warp; u < items * per_row; u += kWarps) {
         const int i = static_cast<int>(u / per_row);
-        const int64_t c = u % per_row;
-        const int slot = s_slot[i], flat = s_flat[i];
-        const int e = static_cast<int>(load_idx(a.topk_idx, flat, a.topk_int64));
-        if (slot >= T) {
-          if (c == 0 && lane == 0) report(a.c.status, kStatusOverflow, e, slot + 1);
-          continue;
-        }
-        const int t = flat / K, k = flat % K, le = e % epr;
-        uint8_t* msg = a.c.peers[e / epr] + L.dispatch_msg(seq, le, a.c.rank, slot);
-        if (c == 0 && lane == 0) *reinterpret_cast<EpMsgHeader*>(msg) = EpMsgHeader{t, le, k, 0};
+        uint8_t* msg = s_dst[i];
+        if (msg == nullptr) continue;
+        const int64_t t = s_flat[i] / K;
         const uint8_t* row =
             kFp8 ? own + L.stage_row(seq, t) : static_cast<const uint8_t*>(a.x) + t * 2 * H;
-        copy_chunk<false>(msg + EpLayout::kHeaderBytes, row, body_bytes, c, lane);
+        copy_chunk<false>(msg + EpLayout::kHeaderBytes, row, body_bytes, u % per_row, lane);
       }
       items = 0;
-      __syncthreads();  // s_flat and s_slot are refilled next round
+      __syncthreads();  // s_dst and s_flat are refilled next round
     }
     if (entries == 0) __syncthreads();  // s_rows was zeroed
     // Every thread's stores are done (the barrier above), then each count is
@@ -424,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       const auto* sig = reinterpret_cast<const uint64_t*>(own + L.dispatch_count(seq, le, s));
       const auto ready = [seq](uint64_t x) { return (x >> 32) == (seq & 0xffffffffu); };
       if (ld_volatile(a.c.active_ranks + s) != 0 &&
-          wait_for(sig, ready, deadline, a.c.active_ranks, s, a.c.status, kRecv, &v)) {
+          wait_for(a.c, sig, ready, deadline, s, kRecv, &v)) {
         // Consumed: cleared, so a replay of a captured graph (the same
         // sequence number again) waits for the new count.
         *const_cast<uint64_t*>(sig) = 0;
@@ -493,11 +561,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
 
 template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs a) {
-  extern __shared__ int32_t s_dyn[];  // send: rows per (local expert, source) pair, then firsts
-  __shared__ float s_weight[EpLayout::kMaxTopk];
-  __shared__ int32_t s_slot[EpLayout::kMaxTopk];
-  __shared__ int32_t s_expert[EpLayout::kMaxTopk];
-  __shared__ int32_t s_used;
+  extern __shared__ int32_t s_dyn[];  // send: per (local expert, source) pair: rows, firsts, start
+  __shared__ uint8_t* s_dst[kItems];  // send: a row's destination (null: not returned)
+  __shared__ int32_t s_row[kItems];   // and its row in x
+  // receive: per token of a batch, its columns' weights and experts, the
+  // columns to sum in order, and how many
+  __shared__ float s_weight[kBatch][EpLayout::kMaxTopk];
+  __shared__ int32_t s_expert[kBatch][EpLayout::kMaxTopk];
+  __shared__ int32_t s_slot[kBatch][EpLayout::kMaxTopk];
+  __shared__ int32_t s_used[kBatch];
 
   const EpLayout& L = a.c.layout;
   const int R = static_cast<int>(L.shape.num_ranks);
@@ -514,28 +586,43 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     // This block returns the rows of pairs p = (local expert, source) =
     // blockIdx.x + i * G, all of them at once, then raises their flags.
     const int np = dealt(epr * R);
-    int32_t* s_rows = s_dyn;        // [np]
-    int32_t* s_first = s_dyn + np;  // [np + 1]
+    int32_t* s_rows = s_dyn;              // [np]
+    int32_t* s_first = s_dyn + np;        // [np + 1]
+    int32_t* s_start = s_first + np + 1;  // [np]: the pair's first row in x
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G;
       const bool live = ld_volatile(a.c.active_ranks + p % R) != 0;
-      s_rows[i] = live ? static_cast<int>(a.layout_range[p] & 0xffffffff) : 0;
+      const int64_t range = a.layout_range[p];
+      s_rows[i] = live ? static_cast<int>(range & 0xffffffff) : 0;
+      s_start[i] = static_cast<int>((p / R) * cols + (range >> 32));
     }
     __syncthreads();
     if (warp == 0) warp_exclusive_scan(s_rows, s_first, np, lane);
     __syncthreads();
+    const int total = s_first[np];
     const int64_t per_row = chunks_of(2 * H);
-    for (int64_t u = warp; u < s_first[np] * per_row; u += kWarps) {
-      const int g = static_cast<int>(u / per_row);
-      const int i = find_segment(s_first, np, g);
-      const int p = static_cast<int>(blockIdx.x) + i * G;
-      const int64_t row = (p / R) * cols + (a.layout_range[p] >> 32) + (g - s_first[i]);
-      const int t = a.src_info[row], k = a.src_slot[row];
-      if (t < 0 || t >= T || k < 0 || k >= EpLayout::kMaxTopk) continue;
-      copy_chunk<false>(a.c.peers[p % R] + L.combine_row(seq, t, k),
-                        static_cast<const uint8_t*>(a.x) + row * 2 * H, 2 * H, u % per_row, lane);
+    // kItems rows at a time: a thread per row finds its destination, then
+    // every warp copies.
+    for (int base = 0; base < total; base += kItems) {
+      const int n = min(kItems, total - base);
+      for (int q = threadIdx.x; q < n; q += kThreads) {
+        const int g = base + q, i = find_segment(s_first, np, g);
+        const int p = static_cast<int>(blockIdx.x) + i * G;
+        const int row = s_start[i] + (g - s_first[i]);
+        const int t = a.src_info[row], k = a.src_slot[row];
+        const bool ok = t >= 0 && t < T && k >= 0 && k < EpLayout::kMaxTopk;
+        s_dst[q] = ok ? a.c.peers[p % R] + L.combine_row(seq, t, k) : nullptr;
+        s_row[q] = row;
+      }
+      __syncthreads();
+      for (int64_t u = warp; u < n * per_row; u += kWarps) {
+        const int q = static_cast<int>(u / per_row);
+        if (s_dst[q] == nullptr) continue;
+        copy_chunk<false>(s_dst[q], static_cast<const uint8_t*>(a.x) + int64_t{s_row[q]} * 2 * H,
+                          2 * H, u % per_row, lane);
+      }
+      __syncthreads();  // s_dst and s_row are refilled; the last round: rows before flags
     }
-    __syncthreads();  // the rows, then the flags (as dispatch publishes its counts)
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
       st_release_sys(
@@ -545,11 +632,20 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   }
 
   if (a.c.phases & kRecv) {
+    // This block sums tokens blockIdx.x + i * G, kBatch at a time: a thread
+    // per (token, column) waits for its flag, a thread per token orders its
+    // columns, then every thread sums (token, 8 channels) units. One set of
+    // barriers per batch, not per token: with several ranks on a GPU a block
+    // holds several tokens, and their waits and sorts run side by side.
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
     const uint8_t* own = a.c.peers[a.c.rank];
-    for (int64_t t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-      if (threadIdx.x < K) {
-        const int k = threadIdx.x;
+    const int nt = dealt(static_cast<int>(a.num_tokens));
+    const int64_t vecs = H / 8;
+    for (int b0 = 0; b0 < nt; b0 += kBatch) {
+      const int nb = min(kBatch, nt - b0);
+      for (int q = threadIdx.x; q < nb * K; q += kThreads) {
+        const int i = q / K, k = q % K;
+        const int64_t t = blockIdx.x + static_cast<int64_t>(b0 + i) * G;
         const int64_t e = load_idx(a.topk_idx, t * K + k, a.topk_int64);
         bool used = false;
         if (e >= 0 && e < E) {
@@ -558,30 +654,34 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
           const auto* flag = reinterpret_cast<const uint64_t*>(own + L.combine_flag(seq, e));
           const auto ready = [seq](uint64_t x) { return x == seq; };
           used = ld_volatile(a.c.active_ranks + d) != 0 &&
-                 wait_for(flag, ready, deadline, a.c.active_ranks, d, a.c.status, kRecv, &v);
+                 wait_for(a.c, flag, ready, deadline, d, kRecv, &v);
         }
-        s_expert[k] = used ? static_cast<int>(e) : -1;
-        s_weight[k] = a.topk_weights[t * K + k];
+        s_expert[i][k] = used ? static_cast<int>(e) : -1;
+        s_weight[i][k] = a.topk_weights[t * K + k];
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
+      for (int i = threadIdx.x; i < nb; i += kThreads) {
         // Ascending expert, then column: the portable path's summation order.
+        const int32_t* expert = s_expert[i];
+        int32_t* slot = s_slot[i];
         int n = 0;
         for (int k = 0; k < K; ++k) {
-          if (s_expert[k] < 0) continue;
+          if (expert[k] < 0) continue;
           int at = n++;
-          while (at > 0 && s_expert[s_slot[at - 1]] > s_expert[k]) {
-            s_slot[at] = s_slot[at - 1];
+          while (at > 0 && expert[slot[at - 1]] > expert[k]) {
+            slot[at] = slot[at - 1];
             --at;
           }
-          s_slot[at] = k;
+          slot[at] = k;
         }
-        s_used = n;
+        s_used[i] = n;
       }
       __syncthreads();
-      const int n = s_used;
-      const int64_t vecs = H / 8;
-      for (int64_t v = threadIdx.x; v < vecs; v += kThreads) {
+      for (int64_t u = threadIdx.x; u < nb * vecs; u += kThreads) {
+        const int i = static_cast<int>(u / vecs);
+        const int64_t v = u % vecs, t = blockIdx.x + static_cast<int64_t>(b0 + i) * G;
+        const int n = s_used[i];
+        const int32_t* slot = s_slot[i];
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         // kLoads rows' loads in flight at once; the sums stay in order.
         for (int i0 = 0; i0 < n; i0 += kLoads) {
@@ -589,12 +689,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
 #pragma unroll
           for (int q = 0; q < kLoads; ++q)
             if (i0 + q < n)
-              raw[q] =
-                  reinterpret_cast<const int4*>(own + L.combine_row(seq, t, s_slot[i0 + q]))[v];
+              raw[q] = reinterpret_cast<const int4*>(own + L.combine_row(seq, t, slot[i0 + q]))[v];
 #pragma unroll
           for (int q = 0; q < kLoads; ++q) {
             if (i0 + q >= n) break;
-            const float w = s_weight[s_slot[i0 + q]];
+            const float w = s_weight[i][slot[i0 + q]];
             float f[8];
             to_float8<Elem>(raw[q], f);
 #pragma unroll
@@ -603,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
         }
         reinterpret_cast<int4*>(static_cast<Elem*>(a.out) + t * H)[v] = from_float8<Elem>(acc);
       }
-      __syncthreads();  // the shared selection is refilled for the next token
+      __syncthreads();  // the batch's shared selections are refilled for the next
     }
   }
 }
@@ -619,12 +718,16 @@ int64_t per_block(int64_t n, int64_t grid) {
   return (n + grid - 1) / grid;
 }
 
-// Dynamic shared memory past the default 48 KiB needs the kernel's consent
-// (once per kernel and size; launches with more experts per block than fit
-// in the default are rare: a small grid and ~700+ experts).
+// Shared memory past the default 48 KiB (static and dynamic together) needs
+// the kernel's consent (launches with more experts per block than fit in
+// the default are rare: a small grid and ~300+ experts). The static part is
+// at most the send items, the combine's batch and a few small arrays.
+constexpr size_t kStaticSmem =
+    kItems * (sizeof(void*) + sizeof(int32_t)) + kBatch * (EpLayout::kMaxTopk * 12 + 4) + 512;
+
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes, const char* what) {
-  if (bytes <= 48 * 1024) return;
+  if (bytes + kStaticSmem <= 48 * 1024) return;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(bytes));
   if (err != cudaSuccess)
@@ -640,8 +743,6 @@ void dispatch_as(const DispatchArgs& a, cudaStream_t stream) {
   const int64_t nl = per_block(a.c.layout.local_experts, a.c.num_blocks);
   const size_t smem = sizeof(int32_t) * std::max(nb * (kWarps + 1), nl * (2 * s.num_ranks + 3) + 1);
   allow_smem(dispatch_kernel<T, kFp8>, smem, "dispatch");
-  if (kFp8 && (a.c.phases & kSend) && a.num_tokens > 0)
-    quantize_kernel<T><<<a.c.num_blocks, kThreads, 0, stream>>>(a);
   dispatch_kernel<T, kFp8><<<a.c.num_blocks, kThreads, smem, stream>>>(a);
 }
 
@@ -662,7 +763,7 @@ void launch_dispatch(const DispatchArgs& a, CUstream_st* stream) {
 
 void launch_combine(const CombineArgs& a, CUstream_st* stream) {
   const int64_t np = per_block(a.c.layout.shape.num_experts, a.c.num_blocks);  // E/R * R pairs
-  const size_t smem = sizeof(int32_t) * (2 * np + 1);
+  const size_t smem = sizeof(int32_t) * (3 * np + 1);
   if (a.x_dtype == Dtype::kBf16) {
     allow_smem(combine_kernel<__nv_bfloat16>, smem, "combine");
     combine_kernel<__nv_bfloat16><<<a.c.num_blocks, kThreads, smem, stream>>>(a);

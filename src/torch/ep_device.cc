@@ -60,17 +60,33 @@ class OutputPool {
  public:
   using Key = std::array<int64_t, 6>;
 
+  // A set of outputs: the pool's (handed out as new tensors over its
+  // storages) or one the caller alone holds. The launch reads the pointers;
+  // the tensors for the caller are made after it (host time before a launch
+  // is latency, after it is overlap).
+  class Taken {
+   public:
+    explicit Taken(const std::vector<at::Tensor>* pooled) : pooled_(pooled) {}
+    explicit Taken(std::vector<at::Tensor> loose) : loose_(std::move(loose)) {}
+    const std::vector<at::Tensor>& tensors() const { return pooled_ ? *pooled_ : loose_; }
+    std::vector<at::Tensor> hand_out() { return pooled_ ? shared(*pooled_) : std::move(loose_); }
+
+   private:
+    const std::vector<at::Tensor>* pooled_ = nullptr;
+    std::vector<at::Tensor> loose_;
+  };
+
   template <typename Make>
-  std::vector<at::Tensor> take(const Key& key, cudaStream_t stream, Make make) {
+  Taken take(const Key& key, cudaStream_t stream, Make make) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
         capture != cudaStreamCaptureStatusNone)
-      return make();
+      return Taken(make());
     for (auto& e : entries_)
       if (e.key == key && e.stream == stream && unused(e.tensors)) {
         e.last = ++clock_;
         ++hits_;
-        return shared(e.tensors);
+        return Taken(&e.tensors);
       }
     ++misses_;
     std::vector<at::Tensor> fresh = make();
@@ -81,9 +97,10 @@ class OutputPool {
       for (auto& e : entries_)
         if (unused(e.tensors) && (slot == nullptr || e.last < slot->last)) slot = &e;
     }
-    if (slot == nullptr) return fresh;  // every set is in use: this one is the caller's alone
+    // Every set is in use: this one is the caller's alone.
+    if (slot == nullptr) return Taken(std::move(fresh));
     *slot = Entry{key, stream, std::move(fresh), ++clock_};
-    return shared(slot->tensors);
+    return Taken(&slot->tensors);
   }
 
   void clear() { entries_.clear(); }
@@ -138,6 +155,8 @@ class EpDevice {
     void* dev = nullptr;
     cuda_check(cudaHostGetDevicePointer(&dev, host, 0), "cudaHostGetDevicePointer");
     status_dev_ = static_cast<int32_t*>(dev);
+    cuda_check(cudaMalloc(&grid_sync_, 2 * sizeof(uint32_t)), "cudaMalloc of the grid barrier");
+    cuda_check(cudaMemset(grid_sync_, 0, 2 * sizeof(uint32_t)), "clearing the grid barrier");
     sm_count_ = device_sm_count(device_);
   }
 
@@ -147,6 +166,7 @@ class EpDevice {
     pool_.clear();
     maps_.clear();
     if (peers_ != nullptr) cudaFree(peers_);
+    cudaFree(grid_sync_);
     cudaFreeHost(status_host_);
   }
 
@@ -210,7 +230,9 @@ class EpDevice {
                  num_blocks, "dispatch");
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-    std::vector<at::Tensor> o = outputs ? *outputs : allocate(x, a.c.layout, use_fp8, stream);
+    OutputPool::Taken taken =
+        outputs ? OutputPool::Taken(*outputs) : allocate(x, a.c.layout, use_fp8, stream);
+    const std::vector<at::Tensor>& o = taken.tensors();
     MC_CHECK_ARG(o.size() == 6, "dispatch: outputs must be the 6 tensors of the first launch");
     a.x = x.data_ptr();
     a.x_dtype = dtype_of(x, "dispatch");
@@ -227,7 +249,7 @@ class EpDevice {
     a.layout_range = o[5].data_ptr<int64_t>();
     a.stats = static_cast<int32_t*>(ptr(stats));
     k::launch_dispatch(a, stream);
-    return o;
+    return taken.hand_out();
   }
 
   // Launches `phases` of a combine into `out` ([N, H] of x's dtype; taken
@@ -239,7 +261,10 @@ class EpDevice {
                      int64_t max_tokens, int64_t num_experts, int64_t seq, int64_t timeout_ns,
                      int64_t phases, int64_t num_blocks) {
     const at::Tensor x = x_arg.contiguous(), topk_idx = topk_arg.contiguous();
-    const at::Tensor topk_weights = weights_arg.to(at::kFloat).contiguous();
+    // (.to() goes through the dispatcher even when it has nothing to do.)
+    const at::Tensor topk_weights =
+        (weights_arg.scalar_type() == at::kFloat ? weights_arg : weights_arg.to(at::kFloat))
+            .contiguous();
     k::CombineArgs a{};
     a.c = common(max_tokens, x.size(2), num_experts, seq, active_ranks, timeout_ns, phases,
                  num_blocks, "combine");
@@ -256,15 +281,17 @@ class EpDevice {
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
     const int64_t n = topk_idx.size(0), h = x.size(2);
-    const at::Tensor out =
-        out_arg ? *out_arg
-                : pool_
-                      .take({kCombineOut, n, h, static_cast<int64_t>(x.scalar_type()), 0, 0},
-                            stream, [&] { return std::vector{at::empty({n, h}, x.options())}; })
-                      .front();
-    a.out = out.data_ptr();
+    if (out_arg) {
+      a.out = out_arg->data_ptr();
+      k::launch_combine(a, stream);
+      return *out_arg;
+    }
+    OutputPool::Taken taken =
+        pool_.take({kCombineOut, n, h, static_cast<int64_t>(x.scalar_type()), 0, 0}, stream,
+                   [&] { return std::vector{at::empty({n, h}, x.options())}; });
+    a.out = taken.tensors().front().data_ptr();
     k::launch_combine(a, stream);
-    return out;
+    return taken.hand_out().front();
   }
 
   // (hits, misses) of the output pool so far: how often a call found its
@@ -306,13 +333,14 @@ class EpDevice {
     c.active_ranks = active.data_ptr<int32_t>();
     c.timeout_ns = timeout_ns;
     c.status = status_dev_;
+    c.grid_sync = grid_sync_;
     c.phases = static_cast<int32_t>(phases);
     c.num_blocks = static_cast<int32_t>(num_blocks);
     return c;
   }
 
-  std::vector<at::Tensor> allocate(const at::Tensor& x, const EpLayout& l, bool use_fp8,
-                                   cudaStream_t stream) {
+  OutputPool::Taken allocate(const at::Tensor& x, const EpLayout& l, bool use_fp8,
+                             cudaStream_t stream) {
     const int64_t epr = l.local_experts, cols = l.shape.num_ranks * l.shape.max_tokens;
     const int64_t H = l.shape.hidden;
     const auto dtype = use_fp8 ? at::kFloat8_e4m3fn : x.scalar_type();
@@ -349,6 +377,7 @@ class EpDevice {
   int64_t rank_ = 0;
   int32_t* status_host_ = nullptr;
   int32_t* status_dev_ = nullptr;
+  uint32_t* grid_sync_ = nullptr;
   int sm_count_ = 0;
   OutputPool pool_;
 };
