@@ -162,28 +162,26 @@ MooncakeBackendOptions::MooncakeBackendOptions(at::Tensor active, bool extension
 MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout,
                                  c10::intrusive_ptr<MooncakeBackendOptions> options,
-                                 std::shared_ptr<TransferEngine> engine, bool cuda)
+                                 std::shared_ptr<TransferEngine> engine)
     : Backend(rank, size),
       store_(std::make_unique<C10dStore>(store)),
       engine_(std::move(engine)),
-      options_(std::move(options)),
-      cuda_(cuda) {
-  const char* name = cuda ? "mooncake" : "mooncake-cpu";
+      options_(std::move(options)) {
   if (!options_)
     options_ = c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), false, std::nullopt);
   if (options_->max_world_size.has_value())
-    MC_CHECK_ARG(*options_->max_world_size >= size, name, ": max_world_size (",
+    MC_CHECK_ARG(*options_->max_world_size >= size, kName, ": max_world_size (",
                  *options_->max_world_size, ") must be >= the world size (", size, ")");
   const int64_t slots = options_->max_world_size.value_or(size);
   if (options_->is_extension)
-    MC_CHECK_ARG(rank < slots, name, ": rank ", rank, " must be < max_world_size (", slots, ")");
+    MC_CHECK_ARG(rank < slots, kName, ": rank ", rank, " must be < max_world_size (", slots, ")");
   if (options_->active_ranks.defined()) {
     const at::Tensor& a = options_->active_ranks;
-    MC_CHECK_ARG(a.numel() == slots, name, ": active_ranks must have ", slots,
+    MC_CHECK_ARG(a.numel() == slots, kName, ": active_ranks must have ", slots,
                  " entries (max_world_size, or the world size), got ", a.numel());
-    MC_CHECK_ARG(a.device().is_cpu() != cuda, name, ": active_ranks must be on ",
-                 cuda ? "the CUDA device" : "the CPU", ", got ", a.device().str());
-    MC_CHECK_ARG(a.is_contiguous(), name, ": active_ranks must be contiguous");
+    MC_CHECK_ARG(a.device().is_cpu(), kName, ": active_ranks must be on the CPU, got ",
+                 a.device().str());
+    MC_CHECK_ARG(a.is_contiguous(), kName, ": active_ranks must be contiguous");
     active_ranks_ = a;
   } else {
     active_ranks_ = at::ones({slots}, at::TensorOptions().dtype(at::kInt));
@@ -221,10 +219,6 @@ void MooncakeBackend::show_view(const View& view) {
 
 MooncakeBackend::~MooncakeBackend() {
   shutdown();
-}
-
-const std::string MooncakeBackend::getBackendName() const {
-  return cuda_ ? "mooncake" : "mooncake-cpu";
 }
 
 void MooncakeBackend::shutdown() {
@@ -304,12 +298,8 @@ std::string MooncakeBackend::transport_of(int peer) const {
 void MooncakeBackend::check_tensor(const at::Tensor& t, const char* op, const char* arg) const {
   MC_CHECK_ARG(t.defined(), op, ": ", arg, " is undefined");
   MC_CHECK_ARG(t.layout() == at::kStrided, op, ": ", arg, " must be a dense (strided) tensor");
-  if (cuda_)
-    MC_CHECK_ARG(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor for backend mooncake, got ",
-                 t.device().str());
-  else
-    MC_CHECK_ARG(t.device().is_cpu(), op, ": ", arg,
-                 " must be a CPU tensor for backend mooncake-cpu, got ", t.device().str());
+  MC_CHECK_ARG(t.device().is_cpu(), op, ": ", arg,
+               " must be a CPU tensor for backend mooncake-cpu, got ", t.device().str());
   to_dtype(t.scalar_type(), op, arg);
 }
 

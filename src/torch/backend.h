@@ -1,6 +1,7 @@
-// The c10d::Backend for mooncake-cpu (and, later, mooncake on CUDA). The only
-// C++ besides module.cc that includes torch: it converts tensors to raw
-// buffers, validates arguments, and queues the core's collectives.
+// The c10d::Backend for mooncake-cpu. The only C++ besides module.cc that
+// includes torch: it converts tensors to raw buffers, validates arguments,
+// and queues the core's collectives. CPU tensors only: the CUDA backend
+// ("mooncake") is to be a class of its own.
 #pragma once
 
 #include <atomic>
@@ -34,10 +35,11 @@ class MooncakeBackend : public c10d::Backend {
   MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout,
                   c10::intrusive_ptr<MooncakeBackendOptions> options,
-                  std::shared_ptr<TransferEngine> engine, bool cuda);
+                  std::shared_ptr<TransferEngine> engine);
   ~MooncakeBackend() override;
 
-  const std::string getBackendName() const override;
+  static constexpr const char* kName = "mooncake-cpu";
+  const std::string getBackendName() const override { return kName; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
@@ -168,7 +170,6 @@ class MooncakeBackend : public c10d::Backend {
   int num_members_ = 0;
   std::atomic<int64_t> view_version_{0};  // bumped whenever show_view writes the view
   int64_t extended_size_ = 0;
-  bool cuda_;
   int64_t timeout_ms_;
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Request>> coalesced_;

@@ -32,8 +32,13 @@ c10::intrusive_ptr<MooncakeBackend> create_backend(
   MC_CHECK_ARG(!cuda || MOONCAKE_WITH_CUDA,
                "backend 'mooncake' needs CUDA, but this build of mooncake has none; use "
                "'mooncake-cpu' for CPU tensors");
+  // There is no CUDA backend yet (it is to be a class of its own, and pg.py
+  // does not register "mooncake"); a CUDA build's CUDA serves the EP device path.
+  MC_CHECK_ARG(!cuda,
+               "backend 'mooncake' (CUDA tensors) is not available yet; use 'mooncake-cpu' for "
+               "CPU tensors");
   return c10::make_intrusive<MooncakeBackend>(store, rank, size, timeout, options.value_or(nullptr),
-                                              std::move(engine), cuda);
+                                              std::move(engine));
 }
 
 // The elastic EP buffer's peers, with the store adapter they talk through.
