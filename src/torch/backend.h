@@ -1,6 +1,12 @@
-// The c10d::Backend for mooncake-cpu (and, later, mooncake on CUDA). The only
-// C++ besides module.cc that includes torch: it converts tensors to raw
-// buffers, validates arguments, and queues the core's collectives.
+// The c10d::Backend for mooncake-cpu: converts tensors to raw buffers,
+// validates arguments, and queues the core's collectives. CPU tensors only:
+// the CUDA backend ("mooncake") is to be a class of its own.
+//
+// The definitions are split by concern: backend.cc (construction, the view
+// and elastic membership, the op queue, coalescing), collectives_reduce.cc
+// and collectives_exchange.cc (the collectives), p2p_ops.cc (send and recv);
+// work.h (the Work it returns) and tensor_args.h (conversions and argument
+// checks) serve them all.
 #pragma once
 
 #include <atomic>
@@ -34,16 +40,18 @@ class MooncakeBackend : public c10d::Backend {
   MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout,
                   c10::intrusive_ptr<MooncakeBackendOptions> options,
-                  std::shared_ptr<TransferEngine> engine, bool cuda);
+                  std::shared_ptr<TransferEngine> engine);
   ~MooncakeBackend() override;
 
-  const std::string getBackendName() const override;
+  static constexpr const char* kName = "mooncake-cpu";
+  const std::string getBackendName() const override { return kName; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void setTimeout(std::chrono::milliseconds timeout) override;
 
+  // Collectives: collectives_reduce.cc and collectives_exchange.cc.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -85,6 +93,7 @@ class MooncakeBackend : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Point to point: p2p_ops.cc.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -143,12 +152,6 @@ class MooncakeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
                                       std::vector<at::Tensor> outputs,
                                       std::weak_ptr<OpQueue> queue = {});
-  void check_tensor(const at::Tensor& t, const char* op, const char* arg) const;
-  // `rank` names a rank of this group (or, with allow_any, -1: any source).
-  void check_rank(int64_t rank, const char* op, const char* arg, bool allow_any = false) const;
-  // `list` holds world-size tensors, each with the size and dtype of `like`.
-  void check_list(const std::vector<at::Tensor>& list, const at::Tensor& like, const char* op,
-                  const char* arg, const char* like_name) const;
   P2P& p2p();
   // Copies a view into the active_ranks tensor (on the op thread).
   void show_view(const View& view);
@@ -168,7 +171,6 @@ class MooncakeBackend : public c10d::Backend {
   int num_members_ = 0;
   std::atomic<int64_t> view_version_{0};  // bumped whenever show_view writes the view
   int64_t extended_size_ = 0;
-  bool cuda_;
   int64_t timeout_ms_;
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Request>> coalesced_;

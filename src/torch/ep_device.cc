@@ -4,7 +4,7 @@
 // (mooncake/_ep_device.py) validates the arguments and keeps the call
 // numbers; this file allocates the outputs and turns tensors into the launch
 // structs. Nothing here waits for the device.
-#include "torch/ep_device.h"
+#include "torch/bindings.h"
 
 #if MOONCAKE_WITH_CUDA
 
