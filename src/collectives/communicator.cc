@@ -62,8 +62,7 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
       capacity_(capacity > 0 ? capacity : size),
       config_(config),
       store_(store),
-      prefix_(prefix),
-      joining_(joining) {
+      prefix_(prefix) {
   MC_CHECK_ARG(size >= 1, "world size must be >= 1, got ", size);
   MC_CHECK_ARG(capacity_ >= size, "max_world_size (", capacity_, ") must be >= the world size (",
                size, ")");
@@ -94,54 +93,27 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
   p2p_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kP2P, Channels::Watch::kPeer,
                                     config_.hang_ms);
   if (joining) {
-    view_ = View::initial(1, capacity_);  // alone until admitted
-    view_.active[0] = 0;
-    view_.active[rank] = 1;
-    members_ = {rank};
+    runner_ = std::make_unique<OpRunner>(store_, prefix_, rank, size, capacity_, config_,
+                                         *endpoint_, *coll_, *p2p_, true, header_round());
     store_.set(prefix_ + "waiting/" + std::to_string(rank),
                str(incarnation_, ' ', capacity_));  // see waiting_incarnation
     return;
   }
   endpoint_->connect_all(size, Deadline::after_ms(config_.timeout_ms));
-  view_ = View::initial(size, capacity_);
-  members_ = view_.members();
-  coll_->set_watched(members_, view_.epoch);
+  runner_ = std::make_unique<OpRunner>(store_, prefix_, rank, size, capacity_, config_, *endpoint_,
+                                       *coll_, *p2p_, false, header_round());
+}
+
+OpRunner::HeaderRound Communicator::header_round() {
+  return [this](const OpMeta& meta) { exchange(meta, Plan(capacity_), false); };
 }
 
 Communicator::~Communicator() = default;
 
 void Communicator::stop() {
-  stopping_.store(true);
+  runner_->stop();
   coll_->set_stopping();
   p2p_->set_stopping();
-}
-
-View Communicator::view() const {
-  std::lock_guard<std::mutex> lock(view_mu_);
-  return view_;
-}
-
-void Communicator::set_view_listener(std::function<void(const View&)> listener) {
-  on_view_ = std::move(listener);
-}
-
-Communicator::OpMeta Communicator::begin(OpType type, DType dtype, RedOp op, int root,
-                                         uint64_t numel, int64_t timeout_ms,
-                                         std::string local_error) {
-  MC_CHECK_ARG(!joining_, op_name(type),
-               ": this process joins a running group (is_extension=True): call "
-               "pg.join_group() first");
-  int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
-  return OpMeta{type,
-                dtype,
-                op,
-                root,
-                numel,
-                ++op_seq_,
-                t,
-                Deadline::after_ms(t),
-                op_name(type),
-                std::move(local_error)};
 }
 
 std::string Communicator::root_error(int root, const char* what) const {
@@ -150,9 +122,10 @@ std::string Communicator::root_error(int root, const char* what) const {
 }
 
 std::string Communicator::width_error(const char* what) const {
-  if (members_.back() < size_) return {};
-  return str(what, ": rank ", members_.back(), " is a member, but this rank's per-rank tensor ",
-             "lists have only ", size_, " entries (the world size it was created with)");
+  if (runner_->members().back() < size_) return {};
+  return str(what, ": rank ", runner_->members().back(),
+             " is a member, but this rank's per-rank tensor ", "lists have only ", size_,
+             " entries (the world size it was created with)");
 }
 
 std::string Communicator::redop_error(RedOp op, DType dtype, const char* what) const {
@@ -209,7 +182,7 @@ MsgHeader Communicator::header(const OpMeta& meta) const {
 
 void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes) {
   const size_t chunk = coll_->layout().chunk_bytes;
-  const std::vector<int>& m = members_;
+  const std::vector<int>& m = runner_->members();
   const int n = static_cast<int>(m.size());
   const int me = static_cast<int>(std::find(m.begin(), m.end(), rank_) - m.begin());
   const bool rejected = !meta.local_error.empty();
@@ -268,10 +241,10 @@ void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& er
   MsgHeader v = h;
   v.edge_bytes = v.edge_expect = 0;
   v.numel = error.empty() ? 0 : 1;
-  for (int p : members_)
+  for (int p : runner_->members())
     if (p != rank_) coll_->send(p, v, nullptr, 0, meta.deadline, meta.name);
   int bad_peer = -1;
-  for (int p : members_) {
+  for (int p : runner_->members()) {
     if (p == rank_) continue;
     const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
     if (msg->numel != 0 && bad_peer < 0) bad_peer = p;
@@ -286,7 +259,7 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
                                    const size_t* shard_counts, void* out) {
   const size_t esize = dtype_size(meta.dtype);
   const size_t chunk = coll_->layout().chunk_bytes;
-  const std::vector<int>& m = members_;
+  const std::vector<int>& m = runner_->members();
   const int n = static_cast<int>(m.size());
   const int me = static_cast<int>(std::find(m.begin(), m.end(), rank_) - m.begin());
   const bool rejected = !meta.local_error.empty();
@@ -342,19 +315,21 @@ void Communicator::send_rejection(const OpMeta& meta, const MsgHeader& h, int pe
 
 void Communicator::reject(const std::string& reason, int64_t timeout_ms) {
   MC_ASSERT(!reason.empty());
-  OpMeta meta = begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms, reason);
-  run(meta, Finish::kForward, {}, {}, [&] { exchange(meta, Plan(capacity_), false); });
+  OpMeta meta =
+      runner_->begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms, reason);
+  HostOpData op_data({}, {});
+  runner_->run(meta, Finish::kForward, op_data, [&] { exchange(meta, Plan(capacity_), false); });
 }
 
 void Communicator::even_shards(size_t count, std::vector<size_t>& offsets,
                                std::vector<size_t>& counts) const {
   offsets.assign(static_cast<size_t>(capacity_), 0);
   counts.assign(static_cast<size_t>(capacity_), 0);
-  const size_t n = members_.size();
+  const size_t n = runner_->members().size();
   size_t base = count / n, extra = count % n;
   size_t at = 0;
   for (size_t j = 0; j < n; ++j) {
-    const int p = members_[j];
+    const int p = runner_->members()[j];
     offsets[p] = at;
     counts[p] = base + (j < extra ? 1 : 0);
     at += counts[p];
@@ -362,24 +337,24 @@ void Communicator::even_shards(size_t count, std::vector<size_t>& offsets,
 }
 
 bool Communicator::direct(size_t count, DType dtype) const {
-  return count * dtype_size(dtype) <= config_.small_bytes || members_.size() > count;
+  return count * dtype_size(dtype) <= config_.small_bytes || runner_->members().size() > count;
 }
 
 void Communicator::zero_others(void* const* outs, size_t bytes) const {
   for (int p = 0; p < size_; ++p)
-    if (!view_.is_member(p) && bytes != 0) std::memset(outs[p], 0, bytes);
+    if (!runner_->view().is_member(p) && bytes != 0) std::memset(outs[p], 0, bytes);
 }
 
 void Communicator::zero_others(void* const* outs, const size_t* counts, size_t esize) const {
   for (int p = 0; p < size_; ++p)
-    if (!view_.is_member(p) && counts[p] != 0) std::memset(outs[p], 0, counts[p] * esize);
+    if (!runner_->view().is_member(p) && counts[p] != 0) std::memset(outs[p], 0, counts[p] * esize);
 }
 
 // --- the ops ----------------------------------------------------------------------
 
 void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
-                      redop_error(op, dtype, "all_reduce"));
+  OpMeta meta = runner_->begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
+                               redop_error(op, dtype, "all_reduce"));
   const size_t esize = dtype_size(dtype);
   const size_t bytes = count * esize;
   auto* base = static_cast<uint8_t*>(data);
@@ -387,7 +362,8 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, i
   // writing: a recovery may start just after the result was written.
   const bool one_step = direct(count, dtype) && bytes <= config_.chunk_bytes;
   const Finish finish = one_step ? Finish::kForward : Finish::kCommit;
-  run(meta, finish, {{data, bytes}}, Region{data, bytes}, [&] {
+  HostOpData op_data({{data, bytes}}, Region{data, bytes});
+  runner_->run(meta, finish, op_data, [&] {
     const int cap = capacity_;
     if (!meta.local_error.empty() || direct(count, dtype)) {
       std::vector<const void*> src(static_cast<size_t>(cap), data);
@@ -398,12 +374,12 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, i
     std::vector<size_t> offsets, counts;
     even_shards(count, offsets, counts);
     std::vector<const void*> src(static_cast<size_t>(cap));
-    for (int p : members_) src[p] = base + offsets[p] * esize;
+    for (int p : runner_->members()) src[p] = base + offsets[p] * esize;
     uint8_t* mine = base + offsets[rank_] * esize;
     reduce_exchange(meta, src.data(), counts.data(), mine);
     // All-gather the reduced shards in place.
     Plan plan(cap);
-    for (int p : members_) {
+    for (int p : runner_->members()) {
       plan.send[p] = mine;
       plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
       plan.recv[p] = base + offsets[p] * esize;
@@ -417,11 +393,12 @@ void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int r
                           int64_t timeout_ms) {
   std::string error = root_error(root, "reduce");
   if (error.empty()) error = redop_error(op, dtype, "reduce");
-  OpMeta meta = begin(OpType::kReduce, dtype, op, root, count, timeout_ms, error);
+  OpMeta meta = runner_->begin(OpType::kReduce, dtype, op, root, count, timeout_ms, error);
   const size_t esize = dtype_size(dtype);
   auto* base = static_cast<uint8_t*>(data);
   const Region inplace = rank_ == root ? Region{data, count * esize} : Region{};
-  run(meta, Finish::kCommit, {}, inplace, [&] {
+  HostOpData op_data({}, inplace);
+  runner_->run(meta, Finish::kCommit, op_data, [&] {
     const int cap = capacity_;
     std::vector<const void*> src(static_cast<size_t>(cap), data);
     if (!meta.local_error.empty() || direct(count, dtype)) {
@@ -433,13 +410,13 @@ void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int r
     // Reduce-scatter into shards, then gather the shards to the root.
     std::vector<size_t> offsets, counts;
     even_shards(count, offsets, counts);
-    for (int p : members_) src[p] = base + offsets[p] * esize;
+    for (int p : runner_->members()) src[p] = base + offsets[p] * esize;
     std::vector<uint8_t> scratch(rank_ == root ? 0 : counts[rank_] * esize);
     uint8_t* mine = rank_ == root ? base + offsets[rank_] * esize : scratch.data();
     reduce_exchange(meta, src.data(), counts.data(), mine);
     Plan plan(cap);
     if (rank_ == root) {
-      for (int p : members_) {
+      for (int p : runner_->members()) {
         plan.recv[p] = base + offsets[p] * esize;
         plan.recv_bytes[p] = p == root ? 0 : counts[p] * esize;
       }
@@ -452,18 +429,19 @@ void Communicator::reduce(void* data, size_t count, DType dtype, RedOp op, int r
 }
 
 void Communicator::broadcast(void* data, size_t count, DType dtype, int root, int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kBroadcast, dtype, RedOp::kSum, root, count, timeout_ms,
-                      root_error(root, "broadcast"));
+  OpMeta meta = runner_->begin(OpType::kBroadcast, dtype, RedOp::kSum, root, count, timeout_ms,
+                               root_error(root, "broadcast"));
   const size_t esize = dtype_size(dtype);
   auto* base = static_cast<uint8_t*>(data);
   // The root only reads; the others have no input to keep.
   const Finish finish = direct(count, dtype) ? Finish::kForward : Finish::kCommit;
-  run(meta, finish, {{data, count * esize}}, {}, [&] {
+  HostOpData op_data({{data, count * esize}}, {});
+  runner_->run(meta, finish, op_data, [&] {
     Plan plan(capacity_);
     if (!meta.local_error.empty()) return exchange(meta, plan, false);
     if (direct(count, dtype)) {
       if (rank_ == root) {
-        for (int p : members_) {
+        for (int p : runner_->members()) {
           plan.send[p] = data;
           plan.send_bytes[p] = p == root ? 0 : count * esize;
         }
@@ -477,7 +455,7 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root, in
     std::vector<size_t> offsets, counts;
     even_shards(count, offsets, counts);
     if (rank_ == root) {
-      for (int p : members_) {
+      for (int p : runner_->members()) {
         plan.send[p] = base + offsets[p] * esize;
         plan.send_bytes[p] = p == root ? 0 : counts[p] * esize;
       }
@@ -486,7 +464,7 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root, in
       plan.recv_bytes[root] = counts[rank_] * esize;
     }
     exchange(meta, plan, false);
-    for (int p : members_) {
+    for (int p : runner_->members()) {
       plan.send[p] = base + offsets[rank_] * esize;
       plan.send_bytes[p] = p == rank_ ? 0 : counts[rank_] * esize;
       plan.recv[p] = base + offsets[p] * esize;
@@ -498,18 +476,19 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root, in
 
 void Communicator::all_gather(const void* in, size_t count, DType dtype, void* const* outs,
                               int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kAllGather, dtype, RedOp::kSum, -1, count, timeout_ms,
-                      width_error("all_gather"));
+  OpMeta meta = runner_->begin(OpType::kAllGather, dtype, RedOp::kSum, -1, count, timeout_ms,
+                               width_error("all_gather"));
   const size_t bytes = count * dtype_size(dtype);
   std::vector<Region> result;
   for (int p = 0; p < size_; ++p) result.push_back({outs[p], bytes});
   const Finish finish = bytes * static_cast<size_t>(size_) <= config_.small_bytes ? Finish::kForward
                                                                                   : Finish::kCommit;
-  run(meta, finish, result, {}, [&] {
+  HostOpData op_data(result, {});
+  runner_->run(meta, finish, op_data, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {
       zero_others(outs, bytes);
-      for (int p : members_) {
+      for (int p : runner_->members()) {
         plan.send[p] = in;
         plan.recv[p] = outs[p];
         plan.send_bytes[p] = plan.recv_bytes[p] = bytes;
@@ -523,12 +502,13 @@ void Communicator::reduce_scatter(const void* const* ins, void* out, size_t coun
                                   RedOp op, int64_t timeout_ms) {
   std::string error = redop_error(op, dtype, "reduce_scatter");
   if (error.empty()) error = width_error("reduce_scatter");
-  OpMeta meta = begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms, error);
-  run(meta, Finish::kCommit, {}, {}, [&] {
+  OpMeta meta = runner_->begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms, error);
+  HostOpData op_data({}, {});
+  runner_->run(meta, Finish::kCommit, op_data, [&] {
     std::vector<size_t> counts(static_cast<size_t>(capacity_), count);
     std::vector<const void*> src(static_cast<size_t>(capacity_), nullptr);
     if (meta.local_error.empty())
-      for (int p : members_) src[p] = ins[p];
+      for (int p : runner_->members()) src[p] = ins[p];
     reduce_exchange(meta, src.data(), counts.data(), out);
   });
 }
@@ -539,13 +519,14 @@ void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, v
   if (error.empty() && in_counts[rank_] != out_counts[rank_])
     error = str("all_to_all: rank ", rank_, " sends itself ", in_counts[rank_],
                 " elements but expects ", out_counts[rank_]);
-  OpMeta meta = begin(OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms, error);
+  OpMeta meta = runner_->begin(OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms, error);
   const size_t esize = dtype_size(dtype);
-  run(meta, Finish::kCommit, {}, {}, [&] {
+  HostOpData op_data({}, {});
+  runner_->run(meta, Finish::kCommit, op_data, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {
       zero_others(outs, out_counts, esize);
-      for (int p : members_) {
+      for (int p : runner_->members()) {
         plan.send[p] = ins[p];
         plan.recv[p] = outs[p];
         plan.send_bytes[p] = in_counts[p] * esize;
@@ -560,16 +541,17 @@ void Communicator::gather(const void* in, size_t count, DType dtype, void* const
                           int64_t timeout_ms) {
   std::string error = root_error(root, "gather");
   if (error.empty() && rank_ == root) error = width_error("gather");
-  OpMeta meta = begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms, error);
+  OpMeta meta = runner_->begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms, error);
   const size_t bytes = count * dtype_size(dtype);
-  run(meta, Finish::kCommit, {}, {}, [&] {
+  HostOpData op_data({}, {});
+  runner_->run(meta, Finish::kCommit, op_data, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {
       plan.send[root] = in;
       plan.send_bytes[root] = bytes;
       if (rank_ == root) {
         zero_others(outs, bytes);
-        for (int p : members_) {
+        for (int p : runner_->members()) {
           plan.recv[p] = outs[p];
           plan.recv_bytes[p] = bytes;
         }
@@ -583,15 +565,17 @@ void Communicator::scatter(const void* const* ins, void* out, size_t count, DTyp
                            int64_t timeout_ms) {
   std::string error = root_error(root, "scatter");
   if (error.empty() && rank_ == root) error = width_error("scatter");
-  OpMeta meta = begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms, error);
+  OpMeta meta =
+      runner_->begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms, error);
   const size_t bytes = count * dtype_size(dtype);
-  run(meta, Finish::kCommit, {}, {}, [&] {
+  HostOpData op_data({}, {});
+  runner_->run(meta, Finish::kCommit, op_data, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {
       plan.recv[root] = out;
       plan.recv_bytes[root] = bytes;
       if (rank_ == root)
-        for (int p : members_) {
+        for (int p : runner_->members()) {
           plan.send[p] = ins[p];
           plan.send_bytes[p] = bytes;
         }
@@ -601,8 +585,9 @@ void Communicator::scatter(const void* const* ins, void* out, size_t count, DTyp
 }
 
 void Communicator::barrier(int64_t timeout_ms) {
-  OpMeta meta = begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms);
-  run(meta, Finish::kForward, {}, {}, [&] { exchange(meta, Plan(capacity_), false); });
+  OpMeta meta = runner_->begin(OpType::kBarrier, DType::kUInt8, RedOp::kSum, -1, 0, timeout_ms);
+  HostOpData op_data({}, {});
+  runner_->run(meta, Finish::kForward, op_data, [&] { exchange(meta, Plan(capacity_), false); });
 }
 
 }  // namespace mooncake

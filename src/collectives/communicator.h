@@ -1,5 +1,7 @@
 // Collective algorithms over the message channels, on raw CPU buffers, among
-// the members of the group's current view.
+// the members of the group's current view: the host data plane. Each op's
+// lifecycle (numbering, re-runs after failures, the hand-on of results) is
+// OpRunner's (op_runner.h), which this class drives.
 //
 // Two shapes of exchange serve every op:
 //  * exchange(): each member sends an arbitrary byte range to each peer and
@@ -44,6 +46,7 @@
 #include <vector>
 
 #include "collectives/channel.h"
+#include "collectives/op_runner.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "membership/view.h"
@@ -51,30 +54,6 @@
 #include "transport/engine.h"
 
 namespace mooncake {
-
-enum class OpType : uint32_t {
-  kBarrier = 1,
-  kAllReduce,
-  kBroadcast,
-  kAllGather,
-  kReduceScatter,
-  kAllToAll,
-  kReduce,
-  kGather,
-  kScatter,
-  kAdmit,    // members take in new processes (recover_ranks)
-  kForward,  // a completed op's result, handed to a survivor that missed it
-};
-const char* op_name(OpType t);
-
-struct CommConfig {
-  int64_t timeout_ms = 30000;  // default deadline of one op; < 0: none
-  size_t chunk_bytes = 0;      // 0: MOONCAKE_CHUNK_BYTES
-  size_t small_bytes = 0;      // 0: MOONCAKE_SMALL_MSG_BYTES
-  int recover = -1;            // 1: survivors re-run failed ops; 0: ops fail; < 0: MOONCAKE_RECOVER
-  int64_t hang_ms = -1;        // silence that counts as a failure; 0: never; < 0: MOONCAKE_HANG_MS
-  static CommConfig from_env(int64_t timeout_ms);
-};
 
 class Communicator {
  public:
@@ -95,9 +74,11 @@ class Communicator {
   Endpoint& endpoint() { return *endpoint_; }
   Channels& p2p_channels() { return *p2p_; }
   // The current view (a copy: it changes on the op thread).
-  View view() const;
+  View view() const { return runner_->view_copy(); }
   // Called on the op thread after every membership change.
-  void set_view_listener(std::function<void(const View&)> listener);
+  void set_view_listener(std::function<void(const View&)> listener) {
+    runner_->set_view_listener(std::move(listener));
+  }
   // Wakes blocked waits and makes them fail: the group is going away.
   void stop();
 
@@ -144,24 +125,11 @@ class Communicator {
   void admit(const std::vector<int>& slots, int64_t timeout_ms = -1, bool wait = false,
              int limit = -1);
   // --- joining process's side ---
-  bool joining() const { return joining_; }
+  bool joining() const { return runner_->joining(); }
   // Blocks until the members admit this process, then connects to them.
   void join(int64_t timeout_ms = -1);
 
  private:
-  struct OpMeta {
-    OpType type;
-    DType dtype;
-    RedOp redop;
-    int root;
-    uint64_t numel;
-    uint64_t seq;
-    int64_t timeout_ms;
-    Deadline deadline;  // of the current attempt
-    const char* name;
-    std::string local_error;  // this rank rejected its own arguments
-  };
-
   // What one rank sends to and receives from each slot in an exchange.
   struct Plan {
     explicit Plan(int n)
@@ -174,41 +142,12 @@ class Communicator {
     std::vector<size_t> send_bytes;
     std::vector<size_t> recv_bytes;
   };
-  struct Region {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-  };
-  enum class Finish { kForward, kCommit };
-
-  // Starts an op. A non-empty `local_error` means this rank rejected its
-  // arguments: the op then only tells the others and throws that error.
-  OpMeta begin(OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
-               std::string local_error = {});
-  // Runs `attempt` until it succeeds among the members of the current view,
-  // recovering from failures in between (see the header comment). `inplace`
-  // is input that the attempt overwrites: it is restored before a re-run.
-  void run(OpMeta& meta, Finish finish, const std::vector<Region>& outputs, Region inplace,
-           const std::function<void()>& attempt);
-  // After a failed attempt: agreement, the new view, and handing on results.
-  // True when the op is complete without a re-run.
-  // `attempts`: re-runs of this op so far.
-  bool recover(const OpMeta& meta, Finish finish, const std::vector<Region>& outputs,
-               const Error& cause, int attempts);
-  // Records op `seq` as done: with `result` kept (kForward), or failed.
-  // Throws a recoverable error when peers told of a later epoch than ours.
-  void check_not_left_behind();
-  void finished(uint64_t seq, const std::vector<Region>* result, bool failed);
-  void send_result(uint64_t seq, int to, const Deadline& deadline);
-  void receive_result(const OpMeta& meta, int from, const std::vector<Region>& outputs);
-  void apply(const View& view);
-  // Connects to the processes of `slots` that `view` names (errors are left
-  // for the ops to find, so every member applies the same view).
-  void connect_new(const View& view, const std::vector<int>& slots, const Deadline& deadline);
-  // The incarnation of the process waiting to join `slot`, or -1.
   // The incarnation of the process waiting to join as `slot` (-1: none), and
   // the capacity (max_world_size) it was created with.
   int64_t waiting_incarnation(int slot, int64_t* capacity = nullptr);
 
+  // The runner's header-only round: an exchange of an empty plan.
+  OpRunner::HeaderRound header_round();
   MsgHeader header(const OpMeta& meta) const;
   // Step 0 of an op this rank rejected: the header, flagged, carries the error.
   void send_rejection(const OpMeta& meta, const MsgHeader& h, int peer);
@@ -236,25 +175,11 @@ class Communicator {
   Store& store_;
   const std::string prefix_;
   uint32_t incarnation_ = 0;
-  bool joining_ = false;
   std::unique_ptr<Endpoint> endpoint_;
   std::unique_ptr<Channels> coll_;
   std::unique_ptr<Channels> p2p_;
-  uint64_t op_seq_ = 0;
-
-  // Membership, owned by the op thread; view_ is also read by others.
-  mutable std::mutex view_mu_;
-  View view_;
-  std::vector<int> members_;  // view_.members()
-  std::function<void(const View&)> on_view_;
-  std::atomic<bool> stopping_{false};
-  // The last completed op, and its result when it finished kForward.
-  uint64_t done_seq_ = 0;
-  bool done_failed_ = false;
-  uint64_t kept_seq_ = 0;
-  bool has_kept_ = false;
-  std::vector<uint8_t> kept_;
-  std::vector<uint8_t> saved_input_;  // the input of an in-place op, for a re-run
+  // The ops' lifecycle and the group's membership; this class moves the bytes.
+  std::unique_ptr<OpRunner> runner_;
 };
 
 // Bytes a group segment needs for `capacity` ranks with `chunk_bytes` slots.

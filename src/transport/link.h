@@ -32,10 +32,26 @@ struct PeerAddress {
 // This machine's host key.
 const std::string& local_host_key();
 
+// A peer's memory as mapped into this process.
+struct PeerSpan {
+  uint8_t* data = nullptr;
+  size_t bytes = 0;
+};
+
+// Two shapes of transport sit behind a link. One moves bytes (tcp): the
+// data plane hands it what to write, and write() and signal() do the work.
+// The other maps the peer's memory here (shm, and for device memory
+// cuda_ipc.h): mapping() hands the data plane the peer's segment, so that it
+// can copy into it the way its memory wants (memcpy, or a kernel or a copy
+// on a stream for device memory) without going through write(); signal()
+// still publishes, as its ordering rules are the transport's.
 class PeerLink {
  public:
   virtual ~PeerLink() = default;
   virtual const char* transport() const = 0;
+  // The peer's segment mapped into this process, or an empty span when this
+  // transport only moves bytes.
+  virtual PeerSpan mapping() { return {}; }
   // One-sided write of `len` bytes into the peer's segment at `offset`.
   virtual void write(size_t offset, const void* src, size_t len, const Deadline& deadline) = 0;
   // Stores `value` into the peer's 64-bit flag at `offset` after every earlier

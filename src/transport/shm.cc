@@ -44,6 +44,7 @@ class ShmLink : public PeerLink {
     if (pidfd_ >= 0) ::close(pidfd_);
   }
   const char* transport() const override { return "shm"; }
+  PeerSpan mapping() override { return {mapping_.base(), mapping_.size()}; }
 
   void write(size_t offset, const void* src, size_t len, const Deadline&) override {
     MC_ASSERT(offset + len <= mapping_.size(), "write past the peer segment");
@@ -92,6 +93,7 @@ class SelfLink : public PeerLink {
  public:
   explicit SelfLink(Segment& segment) : segment_(segment) {}
   const char* transport() const override { return "self"; }
+  PeerSpan mapping() override { return {segment_.base(), segment_.size()}; }
   void write(size_t offset, const void* src, size_t len, const Deadline&) override {
     MC_ASSERT(offset + len <= segment_.size(), "write past the segment");
     if (len != 0) std::memcpy(segment_.base() + offset, src, len);

@@ -1,11 +1,13 @@
 // Endpoint and engine: peers on this host are reached through shared memory
 // unless tcp is forced, a rank reaches itself directly, addresses survive
 // the store, ranks that disagree on the segment size cannot connect, and
-// MOONCAKE_TRANSPORT is validated.
+// MOONCAKE_TRANSPORT is validated; links that map the peer's memory hand it
+// over.
 #include <gtest/gtest.h>
 
 #include <fstream>
 
+#include "core/wait.h"
 #include "errors.h"
 #include "scoped_env.h"
 #include "transport/endpoint_group.h"
@@ -31,6 +33,36 @@ TEST_P(EndpointTransport, PeersUseTheChosenTransportAndARankReachesItselfDirectl
                                                           : "shm")
           << "peer " << peer;
     store_barrier(r.store, "checked", r.rank, r.size);
+  });
+}
+
+// shm and self hand the data plane the peer's segment: bytes stored through
+// the mapping are what the peer finds in its own segment once signalled; tcp
+// only moves bytes and hands no mapping.
+TEST_P(EndpointTransport, MappingLinksHandOverThePeersSegment) {
+  constexpr size_t kBytes = 8192, kFlag = mooncake::kSegmentHeaderBytes, kData = kFlag + 64;
+  run_ranks(2, [this](Rank& r) {
+    auto ep = connect_endpoint(r, tcp(), kBytes);
+    const mooncake::PeerSpan self = ep->link(r.rank)->mapping();
+    EXPECT_EQ(self.data, ep->base());
+    EXPECT_EQ(self.bytes, ep->segment_bytes());
+    const mooncake::PeerSpan peer = ep->link(1 - r.rank)->mapping();
+    if (tcp()) {
+      EXPECT_EQ(peer.data, nullptr);
+      EXPECT_EQ(peer.bytes, 0u);
+    } else {
+      ASSERT_NE(peer.data, nullptr);
+      EXPECT_EQ(peer.bytes, ep->segment_bytes());
+      EXPECT_NE(peer.data, ep->base());  // the peer's memory, not this rank's
+      for (size_t i = 0; i < 64; ++i) peer.data[kData + i] = static_cast<uint8_t>(r.rank * 64 + i);
+      ep->link(1 - r.rank)->signal(kFlag, 1, 0, mooncake::Deadline::after_ms(5000));
+      ASSERT_TRUE(mooncake::wait_on(
+          ep->bell(0), [&] { return mooncake::load_flag(ep->base(), kFlag) >= 1; },
+          mooncake::Deadline::after_ms(5000), nullptr, 50));
+      for (size_t i = 0; i < 64; ++i)
+        ASSERT_EQ(ep->base()[kData + i], static_cast<uint8_t>((1 - r.rank) * 64 + i)) << i;
+    }
+    store_barrier(r.store, "mapped", r.rank, r.size);
   });
 }
 

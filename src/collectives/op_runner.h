@@ -1,0 +1,183 @@
+// An op's lifecycle among the group's current members, apart from how its
+// bytes move: numbering ops, running an attempt, and after a failure the
+// agreement on the next view, re-runs and the hand-on of results ("Failures"
+// in communicator.h). The data plane that moves the bytes (host memory over
+// the message channels: Communicator) gives each op an attempt to run and an
+// OpData saying how to keep its input and result; a device plane can give its
+// own, so the failure rules are written once for both.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "collectives/channel.h"
+#include "core/clock.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "membership/view.h"
+#include "store/store.h"
+#include "transport/engine.h"
+
+namespace mooncake {
+
+enum class OpType : uint32_t {
+  kBarrier = 1,
+  kAllReduce,
+  kBroadcast,
+  kAllGather,
+  kReduceScatter,
+  kAllToAll,
+  kReduce,
+  kGather,
+  kScatter,
+  kAdmit,    // members take in new processes (recover_ranks)
+  kForward,  // a completed op's result, handed to a survivor that missed it
+};
+const char* op_name(OpType t);
+
+struct CommConfig {
+  int64_t timeout_ms = 30000;  // default deadline of one op; < 0: none
+  size_t chunk_bytes = 0;      // 0: MOONCAKE_CHUNK_BYTES
+  size_t small_bytes = 0;      // 0: MOONCAKE_SMALL_MSG_BYTES
+  int recover = -1;            // 1: survivors re-run failed ops; 0: ops fail; < 0: MOONCAKE_RECOVER
+  int64_t hang_ms = -1;        // silence that counts as a failure; 0: never; < 0: MOONCAKE_HANG_MS
+  static CommConfig from_env(int64_t timeout_ms);
+};
+
+struct OpMeta {
+  OpType type;
+  DType dtype;
+  RedOp redop;
+  int root;
+  uint64_t numel;
+  uint64_t seq;
+  int64_t timeout_ms;
+  Deadline deadline;  // of the current attempt
+  const char* name;
+  std::string local_error;  // this rank rejected its own arguments
+};
+
+// How an op completes (see "Failures" in communicator.h).
+enum class Finish { kForward, kCommit };
+
+// What the lifecycle keeps of an op's data, wherever the data lives: the
+// input an in-place op overwrites (restored before a re-run) and, for a
+// kForward op, its result (kept after it completes, and written into a
+// survivor that missed it). Both as byte strings in host memory.
+class OpData {
+ public:
+  virtual ~OpData() = default;
+  virtual size_t input_bytes() const = 0;  // 0: nothing to keep
+  virtual void save_input(uint8_t* to) const = 0;
+  virtual void restore_input(const uint8_t* from) = 0;
+  virtual size_t result_bytes() const = 0;
+  virtual void read_result(uint8_t* to) const = 0;
+  // Bytes [at, at + len) of the result, handed on by a rank that completed it.
+  virtual void write_result(size_t at, const uint8_t* from, size_t len) = 0;
+};
+
+struct Region {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+};
+
+// An op's data in host memory: the result's parts in order, and the in-place input.
+class HostOpData final : public OpData {
+ public:
+  HostOpData(std::vector<Region> result, Region inplace)
+      : result_(std::move(result)), inplace_(inplace) {}
+  size_t input_bytes() const override { return inplace_.bytes; }
+  void save_input(uint8_t* to) const override;
+  void restore_input(const uint8_t* from) override;
+  size_t result_bytes() const override;
+  void read_result(uint8_t* to) const override;
+  void write_result(size_t at, const uint8_t* from, size_t len) override;
+
+ private:
+  std::vector<Region> result_;
+  Region inplace_;
+};
+
+class OpRunner {
+ public:
+  // An exchange of op headers only, among the current members (the data
+  // plane's, over the control channels): the commit round, and the step a
+  // rooted op takes in step with the others when its root is gone.
+  using HeaderRound = std::function<void(const OpMeta&)>;
+
+  // `joining`: a new process for an inactive slot, alone until admitted.
+  OpRunner(Store& store, std::string prefix, int rank, int size, int capacity,
+           const CommConfig& config, Endpoint& endpoint, Channels& coll, Channels& p2p,
+           bool joining, HeaderRound header_round);
+
+  // Numbers a new op (checks that this process may run ops). A non-empty
+  // `local_error` means this rank rejected its arguments: the op then only
+  // tells the others and throws that error.
+  OpMeta begin(OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
+               std::string local_error = {});
+  // Runs `attempt` until it succeeds among the members of the current view,
+  // recovering from failures in between.
+  void run(OpMeta& meta, Finish finish, OpData& data, const std::function<void()>& attempt);
+
+  // The current view and its members (the op thread's; view_copy for others).
+  const View& view() const { return view_; }
+  const std::vector<int>& members() const { return members_; }
+  View view_copy() const;
+  // Makes `view` current: drops links to ranks it leaves out, restarts the
+  // channels to its members, tells the listener.
+  void apply(const View& view);
+  // Connects to the processes of `slots` that `view` names (errors are left
+  // for the ops to find, so every member applies the same view).
+  void connect_new(const View& view, const std::vector<int>& slots, const Deadline& deadline);
+  void set_view_listener(std::function<void(const View&)> listener);
+  bool joining() const { return joining_; }
+  // After admission: a member from op `seq` on.
+  void joined(const View& view);
+  // Wakes blocked waits and makes them fail: the group is going away.
+  void stop() { stopping_.store(true); }
+
+ private:
+  // After a failed attempt: agreement, the new view, and handing on results.
+  // True when the op is complete without a re-run.
+  // `attempts`: re-runs of this op so far.
+  bool recover(const OpMeta& meta, Finish finish, OpData& data, const Error& cause, int attempts);
+  // Throws a recoverable error when a recovery was called at this rank's epoch.
+  void check_not_left_behind();
+  // Records op `seq` as done: with its result kept (kForward), or failed.
+  void finished(uint64_t seq, const OpData* result, bool failed);
+  void send_result(uint64_t seq, int to, const Deadline& deadline);
+  void receive_result(const OpMeta& meta, int from, OpData& data);
+
+  Store& store_;
+  const std::string prefix_;
+  const int rank_;
+  const int capacity_;
+  const CommConfig& config_;
+  Endpoint& endpoint_;
+  Channels& coll_;
+  Channels& p2p_;
+  bool joining_;
+  HeaderRound header_round_;
+  uint64_t op_seq_ = 0;
+
+  // Membership, owned by the op thread; view_ is also read by others.
+  mutable std::mutex view_mu_;
+  View view_;
+  std::vector<int> members_;  // view_.members()
+  std::function<void(const View&)> on_view_;
+  std::atomic<bool> stopping_{false};
+  // The last completed op, and its result when it finished kForward.
+  uint64_t done_seq_ = 0;
+  bool done_failed_ = false;
+  uint64_t kept_seq_ = 0;
+  bool has_kept_ = false;
+  std::vector<uint8_t> kept_;
+  std::vector<uint8_t> saved_input_;  // the input of an in-place op, for a re-run
+};
+
+}  // namespace mooncake
