@@ -19,7 +19,7 @@
 // sizes, dtypes, ops, roots) raise an invalid-argument error on every rank
 // and leave the channels in step for the next op.
 //
-// Failures (see DESIGN.md, "Failure semantics"). An op that sees a member
+// Failures (docs/failures.md says what callers see). An op that sees a member
 // die (or hang, or time out) abandons its attempt; the survivors agree on the
 // next view through the store (membership/agreement.h), the epoch goes up,
 // every channel restarts, and the op runs again among the survivors from its

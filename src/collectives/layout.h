@@ -1,5 +1,5 @@
-// The layout of one group's segment, as a struct with named offsets (STYLE.md
-// rule 5). Every rank computes the same layout from (capacity, chunk bytes).
+// The layout of one group's segment, as a struct with named offsets (not
+// pointer arithmetic). Every rank computes the same layout from (capacity, chunk bytes).
 //
 //   [header: doorbells]
 //   [flags: for each plane and peer p, a ready flag (messages p has posted to

@@ -1,6 +1,7 @@
-// The one registry of environment knobs (STYLE.md rule 7). Every variable the
-// library reads is declared in env.cc with its default and documentation;
-// `python -m mooncake doctor` and the README list them from there.
+// The one registry of environment knobs. Every variable the library reads is
+// declared in env.cc with its default and documentation; `python -m mooncake
+// doctor` lists them from there, and tests/python/test_docs.py checks that
+// docs/env.md does too.
 #pragma once
 
 #include <cstdint>

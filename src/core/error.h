@@ -1,4 +1,4 @@
-// Errors, in two kinds (STYLE.md rule 2):
+// Errors, in two kinds:
 //  * typed recoverable exceptions (bad argument, timeout, peer failure, this
 //    rank left out) that carry the operation, the peer and the cause; the
 //    torch binding maps them to ValueError / TimeoutError / PeerFailedError /

@@ -1,4 +1,4 @@
-// The narrow transport interface (STYLE.md rule 4): a connection from this
+// The narrow transport interface: a connection from this
 // rank to one peer's segment. Algorithms only see this; they never branch on
 // which transport serves a peer.
 #pragma once
