@@ -133,6 +133,10 @@ class LocalGroup:
     def pid(self, key: str) -> int:
         return self._procs[key].pid
 
+    def exited(self, key: str) -> bool:
+        """Whether the process has ended (by itself or killed)."""
+        return self._procs[key].exitcode is not None
+
     def kill(self, key: str | int, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` (kill -9 by default) to a process (a rank: its latest process)."""
         if isinstance(key, int):

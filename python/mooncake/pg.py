@@ -278,6 +278,8 @@ def join_group(backend=None) -> None:
     Raises:
         ValueError: the group was not created with ``is_extension=True``.
         TimeoutError: not recovered within the group's timeout.
+        PeerFailedError: no process of the group runs any more (none can admit
+            this one; a process on another host counts as running).
     """
     b = _backend_of(backend)
     b.join_group()

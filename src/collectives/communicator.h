@@ -145,6 +145,10 @@ class Communicator {
   // The incarnation of the process waiting to join as `slot` (-1: none), and
   // the capacity (max_world_size) it was created with.
   int64_t waiting_incarnation(int slot, int64_t* capacity = nullptr);
+  // While this process waits to be admitted: whether a process that could
+  // admit it may still run (the latest process of another slot; one on
+  // another host counts, as its end cannot be seen from here).
+  bool admitter_may_run();
 
   // The runner's header-only round: an exchange of an empty plan.
   OpRunner::HeaderRound header_round();

@@ -1,7 +1,10 @@
 // The Communicator's membership ops: admitting new processes into the group
 // (recover_ranks) and joining one as such a process. Running ops across
 // failures is OpRunner's (op_runner.h).
+#include <signal.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <thread>
 
 #include "collectives/communicator.h"
@@ -98,6 +101,21 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool
   runner_->apply(next);
 }
 
+bool Communicator::admitter_may_run() {
+  for (int r = 0; r < capacity_; ++r) {
+    if (r == rank_) continue;
+    const std::string counter = prefix_ + "slot/" + std::to_string(r) + "/inc";
+    const int64_t inc = store_.check(counter) ? store_.add(counter, 0) : 0;
+    const std::string key = prefix_ + "addr/" + std::to_string(r) + "/" + std::to_string(inc);
+    if (!store_.check(key)) continue;  // never started (or died before it said where)
+    const PeerAddress a = PeerAddress::decode(store_.get(key, 1000), " under '" + key + "'");
+    // One on another host, or in another pid namespace, cannot be seen from here.
+    if (a.host_key != local_host_key() || a.pid <= 0) return true;
+    if (::kill(a.pid, 0) == 0 || errno == EPERM) return true;
+  }
+  return false;
+}
+
 void Communicator::join(int64_t timeout_ms) {
   MC_CHECK_ARG(runner_->joining(),
                "join_group: this process is already a member (join_group is for "
@@ -107,10 +125,25 @@ void Communicator::join(int64_t timeout_ms) {
   const std::string me = std::to_string(rank_) + "/" + std::to_string(incarnation_);
   const std::string key = prefix_ + "admitted/" + me, refused = prefix_ + "refused/" + me;
   int64_t sleep_us = 500;
+  // Whether anyone could still admit this process is looked at every
+  // kProbeMs; twice "no" in a row ends the wait (a member may be between
+  // processes: its replacement publishes itself within milliseconds).
+  constexpr int64_t kProbeMs = 500;
+  Deadline probe = Deadline::after_ms(kProbeMs);
+  int nobody = 0;
   while (!store_.check(key)) {
     if (store_.check(refused))
       throw_error(ErrorKind::kInvalidArgument, -1,
                   "join_group: the members refused this process: ", store_.get(refused, 1000));
+    if (probe.expired()) {
+      nobody = admitter_may_run() ? 0 : nobody + 1;
+      if (nobody >= 2 && !store_.check(key))
+        throw_error(ErrorKind::kPeerFailed, -1,
+                    "join_group: no process of this group runs any more (every rank's latest "
+                    "process on this host has exited), so none can admit this one: start a "
+                    "new group instead of joining this one");
+      probe = Deadline::after_ms(kProbeMs);
+    }
     if (deadline.expired())
       throw_error(ErrorKind::kTimeout, -1, "join_group: not admitted within ", t,
                   " ms (the healthy ranks call recover_ranks with this rank)");
