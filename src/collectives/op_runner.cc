@@ -23,12 +23,14 @@ constexpr int64_t kReportGraceMs = 500;
 
 }  // namespace
 
+// (Empty regions are skipped: their pointers may be null, which memcpy
+// may not be given even for 0 bytes.)
 void HostOpData::save_input(uint8_t* to) const {
-  std::memcpy(to, inplace_.ptr, inplace_.bytes);
+  if (inplace_.bytes != 0) std::memcpy(to, inplace_.ptr, inplace_.bytes);
 }
 
 void HostOpData::restore_input(const uint8_t* from) {
-  std::memcpy(inplace_.ptr, from, inplace_.bytes);
+  if (inplace_.bytes != 0) std::memcpy(inplace_.ptr, from, inplace_.bytes);
 }
 
 size_t HostOpData::result_bytes() const {
@@ -39,6 +41,7 @@ size_t HostOpData::result_bytes() const {
 
 void HostOpData::read_result(uint8_t* to) const {
   for (const Region& r : result_) {
+    if (r.bytes == 0) continue;
     std::memcpy(to, r.ptr, r.bytes);
     to += r.bytes;
   }
