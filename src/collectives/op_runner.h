@@ -17,6 +17,7 @@
 
 #include "collectives/channel.h"
 #include "core/clock.h"
+#include "core/comm_config.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "membership/view.h"
@@ -39,15 +40,6 @@ enum class OpType : uint32_t {
   kForward,  // a completed op's result, handed to a survivor that missed it
 };
 const char* op_name(OpType t);
-
-struct CommConfig {
-  int64_t timeout_ms = 30000;  // default deadline of one op; < 0: none
-  size_t chunk_bytes = 0;      // 0: MOONCAKE_CHUNK_BYTES
-  size_t small_bytes = 0;      // 0: MOONCAKE_SMALL_MSG_BYTES
-  int recover = -1;            // 1: survivors re-run failed ops; 0: ops fail; < 0: MOONCAKE_RECOVER
-  int64_t hang_ms = -1;        // silence that counts as a failure; 0: never; < 0: MOONCAKE_HANG_MS
-  static CommConfig from_env(int64_t timeout_ms);
-};
 
 struct OpMeta {
   OpType type;

@@ -5,8 +5,7 @@
 #include <cstring>
 #include <thread>
 
-#include "collectives/communicator.h"
-#include "core/env.h"
+#include "core/comm_config.h"
 #include "core/error.h"
 #include "core/limits.h"
 #include "core/log.h"

@@ -1,6 +1,7 @@
-// Hints: words in a rank's segment header that its peers write, so that a
-// rank learns of a membership change while it waits or idles, without
-// asking the store on every op.
+// Hints: what the transport's hint words (SegmentHeader::hints, written by
+// peers with Endpoint::post_hint) mean to membership, so that a rank learns
+// of a membership change while it waits or idles, without asking the store
+// on every op. Two slots:
 //
 //  * recovery: "the members of epoch e are agreeing on the next view" (e + 1).
 //    A rank at epoch e abandons what it does and reports. A rank at an older
@@ -10,15 +11,15 @@
 //    ranks a decision leaves out, in case they still run.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 #include "transport/engine.h"
 
 namespace mooncake {
 
-inline constexpr size_t kRecoveryHint = offsetof(SegmentHeader, recovery_hint);
-inline constexpr size_t kLeftOutHint = offsetof(SegmentHeader, left_out_hint);
+inline constexpr int kRecoveryHint = 0;
+inline constexpr int kLeftOutHint = 1;
+static_assert(kRecoveryHint != kLeftOutHint && kLeftOutHint < kNumHints);
 
 // Whether a rank at `epoch` must stop and join (or learn the outcome of) an agreement.
 inline bool agreement_called(const Endpoint& endpoint, uint64_t epoch) {

@@ -215,18 +215,20 @@ const char* Endpoint::transport_of(int peer) const {
   return l != nullptr ? l->transport() : "none";
 }
 
-uint64_t Endpoint::hint(size_t offset) const {
-  MC_ASSERT(offset + 8 <= kSegmentHeaderBytes && offset % 8 == 0, "hint offset ", offset);
-  return __atomic_load_n(reinterpret_cast<const uint64_t*>(segment_.base() + offset),
-                         __ATOMIC_ACQUIRE);
+uint64_t Endpoint::hint(int slot) const {
+  MC_ASSERT(slot >= 0 && slot < kNumHints, "hint slot ", slot);
+  return reinterpret_cast<const SegmentHeader*>(segment_.base())
+      ->hints[slot]
+      .load(std::memory_order_acquire);
 }
 
-void Endpoint::post_hint(int peer, size_t offset, uint64_t value) {
+void Endpoint::post_hint(int peer, int slot, uint64_t value) {
+  MC_ASSERT(slot >= 0 && slot < kNumHints, "hint slot ", slot);
   auto l = link(peer);
   if (!l) return;
   try {
     for (int bell = 0; bell < kNumBells; ++bell)
-      l->signal_max(offset, value, bell, Deadline::after_ms(100));
+      l->signal_max(hint_offset(slot), value, bell, Deadline::after_ms(100));
   } catch (const Error&) {
     // A peer that cannot take it is gone or going: nothing to tell.
   }

@@ -84,12 +84,13 @@ class Endpoint {
   // Connections the tcp receiver dropped for breaking the protocol.
   uint64_t rejected_connections() const { return receiver_->rejected(); }
   int tcp_port() const { return receiver_->port(); }
-  // One of the hint words of the local segment header (see SegmentHeader).
-  uint64_t hint(size_t offset) const;
-  // Raises hint word `offset` of `peer`'s segment to `value` (never lowers
+  // Hint word `slot` (in [0, kNumHints)) of the local segment header (see
+  // SegmentHeader::hints; the layer above names the slots).
+  uint64_t hint(int slot) const;
+  // Raises hint word `slot` of `peer`'s segment to `value` (never lowers
   // it: a stale writer cannot undo a newer hint) and rings its doorbells
   // (best effort: a peer that is gone is skipped).
-  void post_hint(int peer, size_t offset, uint64_t value);
+  void post_hint(int peer, int slot, uint64_t value);
   // Bumped (and every doorbell rung) as soon as a connected peer is seen gone:
   // a wait that watches it looks at its peers at once, not at its next poll.
   uint64_t alarms() const { return alarms_.load(std::memory_order_acquire); }

@@ -14,6 +14,7 @@
 namespace mooncake {
 
 constexpr int kNumBells = 4;  // one per plane (collectives, p2p, ...)
+constexpr int kNumHints = 2;  // see SegmentHeader::hints
 constexpr size_t kSegmentHeaderBytes = 128;
 
 struct SegmentHeader {
@@ -21,10 +22,10 @@ struct SegmentHeader {
   // Bumped by the owner's heartbeat thread while its process runs: a peer
   // that sees it stand still knows the process is stopped, not just slow.
   std::atomic<uint64_t> heartbeat{0};
-  // Words that peers write to tell this process about membership changes
-  // (membership/hints.h): a recovery has started, or it was left out.
-  std::atomic<uint64_t> recovery_hint{0};
-  std::atomic<uint64_t> left_out_hint{0};
+  // Words that peers raise (never lower) to tell this process something while
+  // it waits or idles (Endpoint::post_hint). The transport only carries them:
+  // the layer above says what each one means.
+  std::atomic<uint64_t> hints[kNumHints] = {};
   // Who owns the segment, written before its address is published: a peer
   // that maps it checks these against the store's record, and the seal
   // against the group's secret, before it writes anything (shm.cc).
@@ -34,6 +35,11 @@ struct SegmentHeader {
   uint64_t seal = 0;
 };
 static_assert(sizeof(SegmentHeader) <= kSegmentHeaderBytes);
+
+// Where hint word `slot` (in [0, kNumHints)) sits in a segment.
+constexpr size_t hint_offset(int slot) {
+  return offsetof(SegmentHeader, hints) + static_cast<size_t>(slot) * sizeof(uint64_t);
+}
 
 class Segment {
  public:

@@ -1,7 +1,8 @@
 // CommConfig is validated once, when the Communicator is built: a chunk size
 // that is not a positive multiple of 64 is refused whether it comes from the
 // config or from MOONCAKE_CHUNK_BYTES; zero fields come from the environment;
-// ranks that disagree on the chunk size cannot connect.
+// ranks that disagree on the chunk size cannot connect. (Reading the
+// environment itself: tests/cpp/core/comm_config_test.cc.)
 #include <gtest/gtest.h>
 
 #include "collectives/communicator.h"
@@ -59,15 +60,6 @@ TEST(CommConfig, ZeroFieldsComeFromTheEnvironment) {
   EXPECT_EQ(comm->config().chunk_bytes, 1024u);
   EXPECT_EQ(comm->config().small_bytes, 777u);
   EXPECT_EQ(comm->config().timeout_ms, 1234);
-}
-
-TEST(CommConfig, FromEnvTakesThePgTimeoutOnlyWhenPositive) {
-  {
-    ScopedEnv timeout("MOONCAKE_PG_TIMEOUT_MS", "250");
-    EXPECT_EQ(CommConfig::from_env(9000).timeout_ms, 250);
-  }
-  ScopedEnv timeout("MOONCAKE_PG_TIMEOUT_MS", "0");
-  EXPECT_EQ(CommConfig::from_env(9000).timeout_ms, 9000);
 }
 
 TEST(CommConfig, RankAndSizeAreChecked) {

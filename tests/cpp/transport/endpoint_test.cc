@@ -2,7 +2,7 @@
 // unless tcp is forced, a rank reaches itself directly, addresses survive
 // the store, ranks that disagree on the segment size cannot connect, and
 // MOONCAKE_TRANSPORT is validated; links that map the peer's memory hand it
-// over.
+// over; a peer's hint words only grow, each on its own.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -63,6 +63,31 @@ TEST_P(EndpointTransport, MappingLinksHandOverThePeersSegment) {
         ASSERT_EQ(ep->base()[kData + i], static_cast<uint8_t>((1 - r.rank) * 64 + i)) << i;
     }
     store_barrier(r.store, "mapped", r.rank, r.size);
+  });
+}
+
+// Hint words are raised by peers and never lowered (a stale writer cannot
+// undo a newer hint); each slot is its own word, and a post wakes a waiter.
+TEST_P(EndpointTransport, HintWordsOnlyGrowEachOnItsOwn) {
+  static_assert(mooncake::kNumHints >= 2);
+  run_ranks(2, [this](Rank& r) {
+    auto ep = connect_endpoint(r, tcp(), 4096);
+    if (r.rank == 0) {
+      ep->post_hint(1, 0, 5);
+      ep->post_hint(1, 0, 3);  // lower: ignored
+      ep->post_hint(1, 1, 9);
+      EXPECT_EQ(ep->hint(0), 0u);  // its own: nobody posted to it
+      EXPECT_EQ(ep->hint(1), 0u);
+    } else {
+      // The posts arrive in order, so once slot 1 holds 9 slot 0 has seen both.
+      ASSERT_TRUE(mooncake::wait_on(
+          ep->bell(0), [&] { return ep->hint(1) == 9; }, mooncake::Deadline::after_ms(5000),
+          nullptr, 50));
+      EXPECT_EQ(ep->hint(0), 5u);
+      ep->post_hint(1, 1, 4);  // to itself, lower: ignored
+      EXPECT_EQ(ep->hint(1), 9u);
+    }
+    store_barrier(r.store, "hinted", r.rank, r.size);
   });
 }
 
