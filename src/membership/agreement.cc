@@ -77,15 +77,25 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
       const std::string key = base + "report/" + std::to_string(q);
       if (store.check(key)) {
         reports[q] = store.get(key, 1000);
-        const Report r = Report::decode(reports[q], " under '" + key + "'");
-        if (r.rank != q)
-          throw_error(ErrorKind::kInternal, -1, "malformed agreement report under '", key,
-                      "' in the store: it names rank ", r.rank);
+        try {
+          const Report r = Report::decode(reports[q], " under '" + key + "'");
+          if (r.rank != q)
+            throw_error(ErrorKind::kInternal, -1, "malformed agreement report under '", key,
+                        "' in the store: it names rank ", r.rank);
+        } catch (const Error&) {
+          // A decision made while this rank read the record stands for
+          // everyone (one who decided never read it): adopt it, so that a bad
+          // record that arrived late cannot split the survivors.
+          if (!store.check(decision_key)) throw;
+          decided = store.get(decision_key, 1000);
+          break;
+        }
         continue;
       }
       if (q != mine.rank && !responsive(q)) continue;
       settled = false;
     }
+    if (!decided.empty()) break;
     if (settled || deadline.expired()) {
       Decision d;
       d.view = current;

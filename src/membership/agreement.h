@@ -9,6 +9,10 @@
 // first proposal wins and everyone adopts it. Members that have not reported
 // when the deadline passes are left out. (Silence is judged by the transport's
 // heartbeats: see Endpoint::silent_ms.)
+//
+// A record that cannot be read (a bug, or a store written by something else)
+// is a kInternal error naming its key for everyone who reads it, unless a
+// decision exists by then: that decision stands, and everyone adopts it.
 #pragma once
 
 #include <cstdint>

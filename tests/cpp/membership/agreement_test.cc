@@ -524,6 +524,28 @@ TEST(Agreement, AMalformedReportIsAnInternalErrorNamingItsKeyForEveryone) {
   }
 }
 
+// Rank 0 decides without rank 2 (gone); rank 1 reads rank 2's slot only
+// after that decision, and finds a malformed report there: it adopts the
+// decision rather than failing while rank 0 goes on with it.
+TEST(Agreement, AMalformedReportThatArrivesAfterTheDecisionDoesNotSplitTheSurvivors) {
+  Group g;
+  const View current = starting_view(3);
+  std::atomic<bool> held{false};
+  std::vector<Participant> ps = plain({0, 1});
+  ps[0].responsive = [](int q) { return q != 2; };
+  ps[1].responsive = [](int) { return true; };
+  ps[1].hook = [&](Call call, const std::string& key, const std::string&) {
+    if (call != Call::kCheck || key != report_key(current, 2) || held.exchange(true)) return;
+    g.store().get(decision_key(current), kWaitMs);
+    g.store().set(report_key(current, 2), "garbage");
+  };
+  const auto outcomes = g.run(current, ps);
+  ASSERT_TRUE(held.load()) << "rank 1 never looked at rank 2's slot";
+  const View expected = next_view(current, {0, 1});
+  expect_decided(outcomes[0], expected, 0);
+  expect_decided(outcomes[1], expected, 1);
+}
+
 TEST(Agreement, AMalformedDecisionIsAnInternalErrorNamingItsKeyForEveryone) {
   const View current = starting_view(3);
   Decision wrong_epoch, wrong_capacity, wrong_reports;
