@@ -267,6 +267,10 @@ class Slots:
         """bool [num_ranks], on CPU: the active slots (this one included)."""
         return torch.tensor(self._peers.mask()[:num_ranks], dtype=torch.int32) == 0
 
+    def reject(self, device, reason: str) -> bool:
+        """As ``GroupMembers.reject``: not yet for slots (only this rank knows)."""
+        return False
+
     def all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
         """As ``GroupMembers.all_to_all``, among the active slots; runs at once."""
 

@@ -65,6 +65,19 @@ class GroupMembers:
         of several exchanges gives each the whole ``timeout_us``."""
         return fb.all_to_all(self.backend_for(device), out, inp, out_splits, in_splits, timeout_us)
 
+    def reject(self, device, reason: str) -> bool:
+        """Takes this rank's part in the next exchange without running it, so that every
+        member's exchange fails naming this rank and ``reason``. False where the
+        exchange's backend cannot (then only this rank knows)."""
+        backend = self.backend_for(device)
+        if not hasattr(backend, "reject_next"):
+            return False
+        try:
+            backend.reject_next(reason).wait()
+        except ValueError:
+            pass  # this rank's own part of the rejection
+        return True
+
     def backend_for(self, device: torch.device | None):
         if device is None or device.type == "cpu":
             return pg._backend_of(self.group)

@@ -170,7 +170,13 @@ class PortablePath:
             raise ValueError(f"dispatch: {error}")
         theirs = theirs.cpu()
         present = members.present(R)
-        check_peers(members.rank, theirs, present, T, H, num_experts, use_fp8)
+        try:
+            check_peers(members.rank, theirs, present, T, H, num_experts, use_fp8)
+        except RuntimeError as e:
+            # Corrupt counts are seen by this rank alone: it takes its part in the tokens
+            # exchange by rejecting it, so that every member's dispatch fails, naming it.
+            members.reject(device, str(e))
+            raise
         mutual = mask & present & (theirs[:, 5] == 1)
 
         # 2. tokens

@@ -93,6 +93,11 @@ class MooncakeBackend : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Takes this rank's part in the group's next collective without running it:
+  // every rank's call of that collective fails with a ValueError that names
+  // this rank and gives `reason` (for a layer above that found, on this rank
+  // only, that the op must not run: e.g. corrupt data from a peer).
+  c10::intrusive_ptr<c10d::Work> reject_next(const std::string& reason);
   // Point to point: p2p_ops.cc.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;

@@ -72,6 +72,7 @@ void register_backend(py::module_& m) {
       .def_property_readonly("joining", &MooncakeBackend::joining)
       .def("join_group", &MooncakeBackend::join_group, py::call_guard<py::gil_scoped_release>())
       .def("transport_of", &MooncakeBackend::transport_of, py::arg("peer"))
+      .def("reject_next", &MooncakeBackend::reject_next, py::arg("reason"))
       .def_property_readonly("engine", &MooncakeBackend::engine);
 
   m.def("create_backend", &create_backend, py::arg("store"), py::arg("rank"), py::arg("size"),

@@ -297,4 +297,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptio
   return enqueue(c10d::OpType::BARRIER, [this, timeout] { comm_->barrier(timeout); }, {});
 }
 
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reject_next(const std::string& reason) {
+  MC_CHECK_ARG(!reason.empty(), "reject_next: reason must not be empty");
+  int64_t timeout = timeout_ms_;
+  return enqueue(c10d::OpType::UNKNOWN, [this, reason, timeout] { comm_->reject(reason, timeout); },
+                 {});
+}
+
 }  // namespace mooncake

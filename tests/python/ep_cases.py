@@ -1201,6 +1201,40 @@ def c_disagree(ctx, field_: str):
     good_round(ctx)
 
 
+def c_corrupt_counts(ctx):
+    """Rank 1's counts row for rank 0 arrives corrupt (more than T tokens for an
+    expert): rank 0 alone can see it, and every rank's dispatch fails, rank 0's with
+    RuntimeError naming rank 1, the others' with ValueError naming rank 0 and why; the
+    group goes on."""
+    buf = get_buffer(ctx)
+    r = Round(ctx, buf, SMALL, "corrupt")
+    args = dispatch_args(r)
+    members = buf._portable.members
+    if ctx.rank == 1:
+        exchange = members.all_to_all
+
+        def corrupting(device, out, inp, out_splits, in_splits, timeout_us):
+            members.all_to_all = exchange  # once: the counts exchange of this call
+            inp = inp.clone()
+            from mooncake import _ep_fallback as fb
+
+            inp[0, fb.META_COLS] = args["num_max_dispatch_tokens_per_rank"] + 5
+            return exchange(device, out, inp, out_splits, in_splits, timeout_us)
+
+        members.all_to_all = corrupting
+    call = functools.partial(_call, buf, "dispatch", args)
+    if ctx.rank == 0:
+        try:
+            call()
+            ctx.fail("corrupt counts: rank 0 raised nothing")
+        except RuntimeError as e:
+            ctx.expect("rank 1" in str(e) and "corrupt" in str(e), f"rank 0: {e}")
+    else:
+        expect_value_error(ctx, call, ("rank 0", "corrupt"), f"rank {ctx.rank}")
+    members.__dict__.pop("all_to_all", None)
+    good_round(ctx, "after_corrupt")
+
+
 def c_bad_one_rank_experts_width(ctx):
     """One rank passes a num_experts whose E // R differs from the others' (so its counts
     row is wider): the others must still be told that this rank rejected its arguments."""
@@ -1344,6 +1378,7 @@ def bad_cases(world: int) -> list[Case]:
             Case("bad/dispatch/disagree_fp8", P(c_disagree, field_="fp8")),
             Case("bad_one_rank/dispatch/disagree_E", P(c_disagree, field_="E")),
             Case("bad_one_rank/dispatch/num_experts_other_width", c_bad_one_rank_experts_width),
+            Case("bad_one_rank/dispatch/corrupt_counts", c_corrupt_counts),
             Case(
                 "bad_one_rank/combine/peers_told_rejected",
                 P(c_combine_peers_told, bad=COMBINE_BAD[4]),
