@@ -12,13 +12,13 @@ the parent notes when each process has exited.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import pytest
 import torch
 
+from burners import cpu_burners
 from mooncake.launch import LocalGroup
 
 WORLD = 4
@@ -53,37 +53,23 @@ def _rank(rank: int, world: int, port: int, mode: str) -> float:
     return time.monotonic()
 
 
-def _burn(stop_at: float) -> None:
-    while time.monotonic() < stop_at:
-        pass
-
-
 def _run(mode: str, burners: int = 0) -> dict[str, float]:
     """Per process that returned: seconds from its last line to its exit."""
-    ctx = mp.get_context("spawn")
-    load = [ctx.Process(target=_burn, args=(time.monotonic() + 120,)) for _ in range(burners)]
-    for p in load:
-        p.start()
-    try:
-        with LocalGroup(WORLD) as group:
-            keys = group.start(_rank, args=(mode,))
-            if mode == "recovering":
-                group.expect_exit(WORLD - 1)
-            done = group.results(timeout_s=120)
-            exited: dict[str, float] = {}
-            limit = time.monotonic() + 60
-            while len(exited) < len(done) and time.monotonic() < limit:
-                for k in done:
-                    if k not in exited and group.exited(k):
-                        exited[k] = time.monotonic()
-                time.sleep(0.01)
-            late = [k for k in keys if k in done and k not in exited]
-            assert not late, f"processes {late} still run 60 s after returning from main"
-            return {k: exited[k] - done[k] for k in done}
-    finally:
-        for p in load:
-            p.kill()
-            p.join()
+    with cpu_burners(burners, limit_s=120), LocalGroup(WORLD) as group:
+        keys = group.start(_rank, args=(mode,))
+        if mode == "recovering":
+            group.expect_exit(WORLD - 1)
+        done = group.results(timeout_s=120)
+        exited: dict[str, float] = {}
+        limit = time.monotonic() + 60
+        while len(exited) < len(done) and time.monotonic() < limit:
+            for k in done:
+                if k not in exited and group.exited(k):
+                    exited[k] = time.monotonic()
+            time.sleep(0.01)
+        late = [k for k in keys if k in done and k not in exited]
+        assert not late, f"processes {late} still run 60 s after returning from main"
+        return {k: exited[k] - done[k] for k in done}
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,11 @@ is part of ``make test``; ``make stress`` runs the long one.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 
+from burners import cpu_burners
 from mooncake.launch import LocalGroup
 
 WORLD = 8
@@ -58,24 +58,10 @@ def _rank(rank: int, world: int, port: int, seconds: float) -> dict:
     }
 
 
-def _burn(stop_at: float) -> None:
-    while time.monotonic() < stop_at:
-        pass
-
-
 def _run(seconds: float) -> dict:
-    ctx = mp.get_context("spawn")
-    burners = [ctx.Process(target=_burn, args=(time.monotonic() + 600,)) for _ in range(BURNERS)]
-    for p in burners:
-        p.start()
-    try:
-        with LocalGroup(WORLD) as group:
-            group.start(_rank, args=(seconds,))
-            return group.results(timeout_s=seconds + 300)
-    finally:
-        for p in burners:
-            p.kill()
-            p.join()
+    with cpu_burners(BURNERS), LocalGroup(WORLD) as group:
+        group.start(_rank, args=(seconds,))
+        return group.results(timeout_s=seconds + 300)
 
 
 @pytest.mark.parametrize(
