@@ -106,7 +106,7 @@ bool Communicator::admitter_may_run() {
     if (r == rank_) continue;
     const std::string counter = prefix_ + "slot/" + std::to_string(r) + "/inc";
     const int64_t inc = store_.check(counter) ? store_.add(counter, 0) : 0;
-    const std::string key = prefix_ + "addr/" + std::to_string(r) + "/" + std::to_string(inc);
+    const std::string key = address_key(prefix_, r, static_cast<uint32_t>(inc));
     if (!store_.check(key)) continue;  // never started (or died before it said where)
     const PeerAddress a = PeerAddress::decode(store_.get(key, 1000), " under '" + key + "'");
     // One on another host, or in another pid namespace, cannot be seen from here.

@@ -135,8 +135,11 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   me.tcp_host = options_.host_ip.empty() ? default_host() : options_.host_ip;
   me.tcp_port = receiver_->port();
   shm_seal(segment_, me, secret_);
-  store_.set(prefix_ + "addr/" + std::to_string(rank) + "/" + std::to_string(incarnation),
-             me.encode());
+  store_.set(address_key(prefix_, rank, incarnation), me.encode());
+}
+
+std::string address_key(const std::string& prefix, int rank, uint32_t inc) {
+  return prefix + "addr/" + std::to_string(rank) + "/" + std::to_string(inc);
 }
 
 void Endpoint::connect_all(int size, const Deadline& deadline) {
@@ -150,7 +153,7 @@ void Endpoint::connect_all(int size, const Deadline& deadline) {
 void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   MC_CHECK_ARG(peer >= 0 && peer < capacity_ && peer != rank_,
                "connect: peer must be another slot in [0, ", capacity_, "), got ", peer);
-  const std::string key = prefix_ + "addr/" + std::to_string(peer) + "/" + std::to_string(inc);
+  const std::string key = address_key(prefix_, peer, inc);
   PeerAddress addr =
       PeerAddress::decode(store_.get(key, deadline.remaining_ms(1L << 40)), " under '" + key + "'");
   if (addr.rank != peer || addr.incarnation != inc)

@@ -38,6 +38,10 @@ class TransferEngine {
   EngineOptions options_;
 };
 
+// Where the process holding slot `rank` as incarnation `inc` publishes its
+// PeerAddress in the store.
+std::string address_key(const std::string& prefix, int rank, uint32_t inc);
+
 // One group's end of the transport in this process: the local segment, the
 // tcp receiver, one PeerLink per connected slot, and a heartbeat thread that
 // lets peers tell a stopped process from a slow one. Slots are connected and
