@@ -3,8 +3,11 @@
 # (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
 # and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
-# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench epdev epprof epbench";
-# the build always runs, incrementally), so a run can be split over device calls.
+# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench pgcuda epdev epprof
+# epbench"; the build always runs, incrementally), so a run can be split over device calls.
+#   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
+#            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
+#            GPU), then bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
 #   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
 #            the GPU, under MPS when it starts), then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
@@ -24,7 +27,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench epdev epprof epbench} "
+STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench pgcuda epdev epprof epbench} "
 step() { echo "== $1"; }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
@@ -85,6 +88,13 @@ fi
 if wants bench && [ -f bench/bench_elastic.py ]; then
   "$PY" bench/bench_elastic.py ${BENCH_ELASTIC_ARGS-} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_elastic.log" | tail -14 || status=1
 fi
+if wants pgcuda; then
+  step "CUDA backend: tests"
+  timeout 900 "$PY" -m pytest tests/python/test_cuda_backend.py tests/python/test_collectives.py \
+    tests/python/test_fault_tolerance.py -k "cuda" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
+fi
+
 # Several processes on one GPU run their kernels side by side only under MPS
 # (without it they time-slice: correct, milliseconds per round trip).
 MPS_ON=0
@@ -97,6 +107,17 @@ stop_mps() {
   if [ "$MPS_ON" = 1 ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=0; sleep 1; echo "MPS stopped"; fi
 }
 trap stop_mps EXIT
+
+if wants pgcuda; then
+  step "CUDA backend: benchmark (no MPS, then MPS at 2 and 4 processes)"
+  mkdir -p "$OUT/bench/mps"
+  timeout 400 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_ARGS:-} --out-dir "$OUT/bench" 2>&1 \
+    | tee "$OUT/bench_pg_cuda.log" | tail -60 || status=1
+  start_mps
+  timeout 300 "$PY" bench/bench_pg_cuda.py --worlds 2,4 --backends mooncake,staged,gloo \
+    --out-dir "$OUT/bench/mps" 2>&1 | tee "$OUT/bench_pg_cuda_mps.log" | tail -40 || status=1
+  stop_mps
+fi
 
 if wants epdev; then
   step "EP device path: tests (MPS)"

@@ -46,7 +46,8 @@ def init_rank(
     """Joins the group hosted by :func:`run_local` or :class:`LocalGroup` (call inside a rank).
 
     For mooncake backends, returns the ``active_ranks`` tensor the backend
-    keeps up to date (``[max_world_size or world_size]`` int32); a process
+    keeps up to date (``[max_world_size or world_size]`` int32, on the rank's
+    GPU for ``mooncake`` when there is one); a process
     started with ``is_extension=True`` then calls ``pg.join_group()``.
     """
     import torch
@@ -61,7 +62,12 @@ def init_rank(
     if backend.startswith("mooncake"):
         from mooncake import pg
 
-        active = torch.ones(max_world_size or world_size, dtype=torch.int32)
+        device = "cpu"
+        if backend == "mooncake" and torch.cuda.is_available():
+            # One GPU per rank where there are enough; several ranks share one otherwise.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = "cuda"
+        active = torch.ones(max_world_size or world_size, dtype=torch.int32, device=device)
         kwargs.setdefault(
             "pg_options", pg.MooncakeBackendOptions(active, is_extension, max_world_size)
         )

@@ -4,7 +4,10 @@ Importing this module registers two ``torch.distributed`` backends:
 
 * ``mooncake-cpu`` for CPU tensors (shared memory between processes on one
   host, tcp between hosts);
-* ``mooncake`` for CUDA tensors (only when this build has CUDA).
+* ``mooncake`` for CUDA tensors, and CPU tensors in the same group (only
+  when this build has CUDA). Its ops stage device tensors through pinned
+  host memory on a stream of its own, ordered after the caller's current
+  stream; ``Work.wait()`` makes the caller's stream wait for the results.
 
 Use it like gloo::
 
@@ -332,8 +335,12 @@ def _register() -> None:
         dist.Backend.register_backend(
             "mooncake-cpu", _create(False), extended_api=True, devices=["cpu"]
         )
-    # The CUDA backend ("mooncake") is registered once its device data path
-    # exists; until then CUDA tensors are rejected with a clear error.
+    # "mooncake" serves CUDA tensors and CPU tensors with one backend object
+    # (torch makes one when every device maps to the same backend name).
+    if _ext.build_info()["cuda"] and "mooncake" not in registered:
+        dist.Backend.register_backend(
+            "mooncake", _create(True), extended_api=True, devices=["cpu", "cuda"]
+        )
 
 
 _register()

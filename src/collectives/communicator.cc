@@ -331,6 +331,15 @@ void Communicator::zero_others(void* const* outs, const size_t* counts, size_t e
 
 // --- the ops ----------------------------------------------------------------------
 
+void Communicator::run_external(OpType type, DType dtype, RedOp op, int root, uint64_t numel,
+                                int64_t timeout_ms, const ExternalAttempt& attempt) {
+  OpMeta meta = runner_->begin(type, dtype, op, root, numel, timeout_ms);
+  HostOpData nothing({}, Region{});  // the inputs stay where the attempt reads them
+  runner_->run(meta, Finish::kCommit, nothing, [&] {
+    attempt(runner_->members(), [&] { exchange(meta, Plan(capacity_), false); });
+  });
+}
+
 void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
   OpMeta meta = runner_->begin(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
                                redop_error(op, dtype, "all_reduce"));

@@ -111,6 +111,18 @@ class Communicator {
   // rejected on this rank only.
   void reject(const std::string& reason, int64_t timeout_ms = -1);
 
+  // An op whose bytes move outside this class (the CUDA backend's device
+  // plane, through peers' mapped device memory), numbered and run like the
+  // others and completing kCommit (see "Failures"). Each attempt calls
+  // `attempt(members, sync)` with the view's members; `sync()` returns once
+  // every member has called it (a round of headers: calls that disagree on
+  // type, dtype, op, root or count raise an invalid-argument error on every
+  // rank). The attempt must leave its inputs as they were, for a re-run.
+  using ExternalAttempt =
+      std::function<void(const std::vector<int>& members, const std::function<void()>& sync)>;
+  void run_external(OpType type, DType dtype, RedOp op, int root, uint64_t numel,
+                    int64_t timeout_ms, const ExternalAttempt& attempt);
+
   // --- elastic membership (members' side) ---
   // For each slot, whether a new process has published itself for it and
   // waits to be admitted. Collective among the members: all get the same answer.

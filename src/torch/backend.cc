@@ -33,7 +33,7 @@ MooncakeBackendOptions::MooncakeBackendOptions(at::Tensor active, bool extension
 MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout,
                                  c10::intrusive_ptr<MooncakeBackendOptions> options,
-                                 std::shared_ptr<TransferEngine> engine)
+                                 std::shared_ptr<TransferEngine> engine, const char* name)
     : Backend(rank, size),
       store_(std::make_unique<C10dStore>(store)),
       engine_(std::move(engine)),
@@ -41,18 +41,18 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   if (!options_)
     options_ = c10::make_intrusive<MooncakeBackendOptions>(at::Tensor(), false, std::nullopt);
   if (options_->max_world_size.has_value())
-    MC_CHECK_ARG(*options_->max_world_size >= size, kName, ": max_world_size (",
+    MC_CHECK_ARG(*options_->max_world_size >= size, name, ": max_world_size (",
                  *options_->max_world_size, ") must be >= the world size (", size, ")");
   const int64_t slots = options_->max_world_size.value_or(size);
   if (options_->is_extension)
-    MC_CHECK_ARG(rank < slots, kName, ": rank ", rank, " must be < max_world_size (", slots, ")");
+    MC_CHECK_ARG(rank < slots, name, ": rank ", rank, " must be < max_world_size (", slots, ")");
   if (options_->active_ranks.defined()) {
     const at::Tensor& a = options_->active_ranks;
-    MC_CHECK_ARG(a.numel() == slots, kName, ": active_ranks must have ", slots,
+    MC_CHECK_ARG(a.numel() == slots, name, ": active_ranks must have ", slots,
                  " entries (max_world_size, or the world size), got ", a.numel());
-    MC_CHECK_ARG(a.device().is_cpu(), kName, ": active_ranks must be on the CPU, got ",
+    MC_CHECK_ARG(a.device().is_cpu(), name, ": active_ranks must be on the CPU, got ",
                  a.device().str());
-    MC_CHECK_ARG(a.is_contiguous(), kName, ": active_ranks must be contiguous");
+    MC_CHECK_ARG(a.is_contiguous(), name, ": active_ranks must be contiguous");
     active_ranks_ = a;
   } else {
     active_ranks_ = at::ones({slots}, at::TensorOptions().dtype(at::kInt));
@@ -71,8 +71,8 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
     generation = std::to_string(ticket / size);
     store_->set("mooncake/latest", generation);
   }
-  const std::string prefix = "mooncake/" + generation + "/";
-  comm_ = std::make_unique<Communicator>(*engine_, *store_, prefix, rank, size,
+  prefix_ = "mooncake/" + generation + "/";
+  comm_ = std::make_unique<Communicator>(*engine_, *store_, prefix_, rank, size,
                                          CommConfig::from_env(timeout_ms_), static_cast<int>(slots),
                                          options_->is_extension);
   extended_size_ = size;
@@ -85,6 +85,7 @@ void MooncakeBackend::show_view(const View& view) {
   auto acc = active_ranks_.accessor<int32_t, 1>();
   for (int i = 0; i < view.capacity(); ++i) acc[i] = view.active[i];
   num_members_ = view.num_members();
+  view_changed(active_ranks_);
   view_version_.fetch_add(1);
 }
 
@@ -175,6 +176,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::wrap(std::shared_ptr<Request> re
   if (coalescing_) coalesced_.push_back(request);
   return c10::make_intrusive<MooncakeWork>(rank_, type, std::move(request), std::move(outputs),
                                            std::move(queue));
+}
+
+std::shared_ptr<Request> MooncakeBackend::submit(Task task) {
+  MC_CHECK_ARG(!shut_down_.load(), getBackendName(), ": the process group was shut down");
+  return queue_->submit(std::move(task));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::enqueue(c10d::OpType type, Task task,

@@ -1,6 +1,6 @@
 // The c10d::Backend for mooncake-cpu: converts tensors to raw buffers,
-// validates arguments, and queues the core's collectives. CPU tensors only:
-// the CUDA backend ("mooncake") is to be a class of its own.
+// validates arguments, and queues the core's collectives. CPU tensors only;
+// the backend for CUDA tensors ("mooncake", cuda_backend.h) derives from it.
 //
 // The definitions are split by concern: backend.cc (construction, the view
 // and elastic membership, the op queue, coalescing), collectives_reduce.cc
@@ -40,7 +40,7 @@ class MooncakeBackend : public c10d::Backend {
   MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout,
                   c10::intrusive_ptr<MooncakeBackendOptions> options,
-                  std::shared_ptr<TransferEngine> engine);
+                  std::shared_ptr<TransferEngine> engine, const char* name = kName);
   ~MooncakeBackend() override;
 
   static constexpr const char* kName = "mooncake-cpu";
@@ -106,7 +106,7 @@ class MooncakeBackend : public c10d::Backend {
   void abort() override { shutdown(); }
 
   // The spec's pg.* helpers.
-  at::Tensor active_ranks() const { return active_ranks_; }
+  virtual at::Tensor active_ranks() const { return active_ranks_; }
   int num_synced_ranks() const;
   // Changes whenever active_ranks is rewritten: lets a caller keep a copy (on the
   // GPU, say) and refresh it only when the view changed.
@@ -123,8 +123,25 @@ class MooncakeBackend : public c10d::Backend {
   std::string transport_of(int peer) const;
   const std::shared_ptr<TransferEngine>& engine() const { return engine_; }
 
- private:
+ protected:
   using Task = std::function<void()>;
+  // Called (on the op thread, under the view lock) after the view has been
+  // copied into active_ranks_.
+  virtual void view_changed(const at::Tensor& active) {}
+  // Queues `task` on the op queue, in order with the collectives.
+  std::shared_ptr<Request> submit(Task task);
+  // Queues `task` on the collective thread; `outputs` become the Work's result.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
+                                         std::vector<at::Tensor> outputs);
+  int64_t op_timeout_ms(std::chrono::milliseconds op_timeout) const;
+  bool shut_down() const { return shut_down_.load(); }
+  Communicator& comm() { return *comm_; }
+  Store& store() { return *store_; }
+  // The store namespace of this incarnation of the group.
+  const std::string& prefix() const { return prefix_; }
+  int64_t timeout_ms() const { return timeout_ms_; }
+
+ private:
   // Builds and queues a collective. When this rank rejects its arguments
   // (ValueError here), it still takes its part in the collective so the
   // other ranks fail at once with an error naming this rank, rather than
@@ -149,9 +166,6 @@ class MooncakeBackend : public c10d::Backend {
   // is raised by endCoalescing and the batch posts nothing.
   c10::intrusive_ptr<c10d::Work> p2p_op(c10d::OpType type, std::vector<at::Tensor> outputs,
                                         const std::function<Post()>& check);
-  // Queues `task` on the collective thread; `outputs` become the Work's result.
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
-                                         std::vector<at::Tensor> outputs);
   // A Work for `request` (counted in a coalescing block); `queue` is the
   // queue it runs on, if any, so that a waiter can help run it.
   c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
@@ -162,9 +176,9 @@ class MooncakeBackend : public c10d::Backend {
   void show_view(const View& view);
   // Runs `task` on the op queue, in order with the collectives, and waits.
   void run_on_queue(const char* what, Task task);
-  int64_t op_timeout_ms(std::chrono::milliseconds op_timeout) const;
 
   std::unique_ptr<Store> store_;
+  std::string prefix_;
   std::shared_ptr<TransferEngine> engine_;
   std::unique_ptr<Communicator> comm_;
   std::unique_ptr<P2P> p2p_;

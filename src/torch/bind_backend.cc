@@ -1,6 +1,6 @@
-// Binds the mooncake-cpu backend: MooncakeBackendOptions (pg_options),
-// MooncakeBackend's helpers beyond c10d's (the pg.* API), and create_backend,
-// which mooncake/pg.py registers with torch.distributed.
+// Binds the backends: MooncakeBackendOptions (pg_options), MooncakeBackend's
+// helpers beyond c10d's (the pg.* API), MooncakeCudaBackend (with CUDA), and
+// create_backend, which mooncake/pg.py registers with torch.distributed.
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -8,6 +8,9 @@
 #include "core/error.h"
 #include "torch/backend.h"
 #include "torch/bindings.h"
+#if MOONCAKE_WITH_CUDA
+#include "torch/cuda_backend.h"
+#endif
 
 namespace py = pybind11;
 
@@ -24,11 +27,11 @@ c10::intrusive_ptr<MooncakeBackend> create_backend(
   MC_CHECK_ARG(!cuda || MOONCAKE_WITH_CUDA,
                "backend 'mooncake' needs CUDA, but this build of mooncake has none; use "
                "'mooncake-cpu' for CPU tensors");
-  // There is no CUDA backend yet (it is to be a class of its own, and pg.py
-  // does not register "mooncake"); a CUDA build's CUDA serves the EP device path.
-  MC_CHECK_ARG(!cuda,
-               "backend 'mooncake' (CUDA tensors) is not available yet; use 'mooncake-cpu' for "
-               "CPU tensors");
+#if MOONCAKE_WITH_CUDA
+  if (cuda)
+    return c10::make_intrusive<MooncakeCudaBackend>(store, rank, size, timeout,
+                                                    options.value_or(nullptr), std::move(engine));
+#endif
   return c10::make_intrusive<MooncakeBackend>(store, rank, size, timeout, options.value_or(nullptr),
                                               std::move(engine));
 }
@@ -74,6 +77,12 @@ void register_backend(py::module_& m) {
       .def("transport_of", &MooncakeBackend::transport_of, py::arg("peer"))
       .def("reject_next", &MooncakeBackend::reject_next, py::arg("reason"))
       .def_property_readonly("engine", &MooncakeBackend::engine);
+
+#if MOONCAKE_WITH_CUDA
+  py::class_<MooncakeCudaBackend, MooncakeBackend, c10::intrusive_ptr<MooncakeCudaBackend>>(
+      m, "MooncakeCudaBackend")
+      .def_property_readonly("device", &MooncakeCudaBackend::device);
+#endif
 
   m.def("create_backend", &create_backend, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::arg("timeout"), py::arg("options"), py::arg("engine"), py::arg("cuda"),

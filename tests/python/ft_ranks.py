@@ -150,11 +150,12 @@ class Ops:
     maps them to the global ranks that torch's src/dst arguments take.
     """
 
-    def __init__(self, rank, world_size, active, group=None, global_ranks=None):
+    def __init__(self, rank, world_size, active, group=None, global_ranks=None, device="cpu"):
         self.rank = rank
         self.world = world_size
         self.active = active
         self.group = group
+        self.device = torch.device(device)
         self.g = list(global_ranks) if global_ranks is not None else list(range(world_size))
 
     def run(self, kind: str, i: int, root=None):
@@ -174,10 +175,10 @@ class Ops:
             return (kind, "err", root, None, describe(e))
 
     def _full(self, n, value):
-        return torch.full((n,), value, dtype=torch.int64)
+        return torch.full((n,), value, dtype=torch.int64, device=self.device)
 
     def _ar(self):
-        x = torch.tensor([1 << self.rank], dtype=torch.int64)
+        x = torch.tensor([1 << self.rank], dtype=torch.int64, device=self.device)
         dist.all_reduce(x, group=self.group)
         return int(x.item())
 
@@ -202,17 +203,17 @@ class Ops:
         return None
 
     def _ag(self):
-        out = torch.full((self.world * MID,), -1, dtype=torch.int64)
+        out = self._full(self.world * MID, -1)
         dist.all_gather_into_tensor(out, self._full(MID, 1 << self.rank), group=self.group)
         return _slices_mask(out, MID, "all_gather")
 
     def _a2a(self):
-        out = torch.full((self.world * MID,), -1, dtype=torch.int64)
+        out = self._full(self.world * MID, -1)
         dist.all_to_all_single(out, self._full(self.world * MID, 1 << self.rank), group=self.group)
         return _slices_mask(out, MID, "all_to_all_single")
 
     def _rs(self):
-        out = torch.full((MID,), -1, dtype=torch.int64)
+        out = self._full(MID, -1)
         dist.reduce_scatter_tensor(
             out, self._full(self.world * MID, 1 << self.rank), group=self.group
         )
@@ -231,11 +232,7 @@ class Ops:
         return _uniform(x, "reduce") if self.rank == root else None
 
     def _gather(self, root):
-        outs = (
-            [torch.full((MID,), -1, dtype=torch.int64) for _ in range(self.world)]
-            if self.rank == root
-            else None
-        )
+        outs = [self._full(MID, -1) for _ in range(self.world)] if self.rank == root else None
         dist.gather(
             self._full(MID, 1 << self.rank), gather_list=outs, dst=self.g[root], group=self.group
         )
@@ -247,7 +244,7 @@ class Ops:
             if self.rank == root
             else None
         )
-        out = torch.full((MID,), -1, dtype=torch.int64)
+        out = self._full(MID, -1)
         dist.scatter(out, scatter_list=ins, src=self.g[root], group=self.group)
         got = _uniform(out, "scatter")
         if got != (root << 8) + self.rank:
@@ -262,7 +259,7 @@ class Ops:
         nxt, prv = members[(k + 1) % len(members)], members[k - 1]
         errors = []
         t0 = time.monotonic()
-        buf = torch.full((P2P_N,), -1, dtype=torch.int64)
+        buf = self._full(P2P_N, -1)
         works = []
         for direction, peer, call in (
             ("recv", prv, lambda: dist.irecv(buf, src=self.g[prv], group=self.group)),
@@ -317,8 +314,15 @@ def chaos_rank(rank, world_size, port, plan):
     phase. Every decision depends on op results only, which all survivors share, so they
     stay in step. A rank that learns it was left out returns at once.
     """
-    active, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"])
-    ops = Ops(rank, world_size, active)
+    device = plan.get("device", "cpu")
+    active, store = start_rank(
+        rank,
+        world_size,
+        port,
+        backend="mooncake" if device == "cuda" else "mooncake-cpu",
+        timeout_s=plan["timeout_s"],
+    )
+    ops = Ops(rank, world_size, active, device=device)
     kinds = plan["kinds"]
     n = len(kinds)
     log = []

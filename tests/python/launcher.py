@@ -56,6 +56,7 @@ CONTROLLED_ENV = (
     "MOONCAKE_P2P_UNCLAIMED_BYTES",
     "MOONCAKE_EP_WAIT_CAP_MS",
     "MOONCAKE_EP_FORCE_FALLBACK",
+    "MOONCAKE_CUDA_SEGMENT_BYTES",
 )
 #: Environment of the chunked launches: 4 KiB slots make "larger than the
 #: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,
@@ -102,6 +103,8 @@ class Launch:
     params: tuple[tuple[str, object], ...] = ()
     #: False: the worker does not create the default group (cases do).
     init_pg: bool = True
+    #: The backend of the default group (``mooncake`` also takes CUDA tensors).
+    backend: str = "mooncake-cpu"
     #: Default deadline of one collective (``init_process_group(timeout=...)``).
     op_timeout_s: float = 60.0
     #: Deadline of the whole launch.
@@ -230,6 +233,23 @@ def note_selected(items) -> None:
             _selected.setdefault(launch, []).append(case)
         else:
             _selected.setdefault(launch, [])
+
+
+def _cuda_reason() -> str:
+    """Why the CUDA tests cannot run here ('' when they can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA GPU on this machine (make gpu-check runs these)"
+    from mooncake._loader import load_extension
+
+    if not load_extension().build_info()["cuda"]:
+        return "this build of mooncake has no CUDA"
+    return ""
+
+
+#: Marks a test that needs a GPU and a CUDA build (skipped with the reason otherwise).
+needs_cuda = pytest.mark.skipif(bool(_cuda_reason()), reason=_cuda_reason() or "-")
 
 
 def check(launch: Launch, case: str) -> None:

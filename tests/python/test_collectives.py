@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize
+from launcher import SMALL_CHUNKS, Case, Launch, check, needs_cuda, parametrize
 from reference import (
     COMPLEX_DTYPES,
     DTYPES,
@@ -655,6 +655,35 @@ def big(world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES, transport_name="shm") ->
     return cases
 
 
+# --- the same cases on CUDA tensors (backend "mooncake") ---------------------------------
+
+#: Cases that call torch.distributed in ways DeviceDist does not mirror (coalescing blocks,
+#: functional collectives; test_cuda_backend.py has CUDA versions of them).
+NOT_ON_DEVICE = ("coalesced/", "functional/")
+
+
+def _on_device(fn, ctx) -> None:
+    """Runs case ``fn`` with this module's ``dist`` moving its tensors to the GPU."""
+    from device_dist import DeviceDist
+
+    global dist
+    host_dist, dist = dist, DeviceDist("cuda")
+    try:
+        fn(ctx)
+    finally:
+        dist = host_dist
+
+
+def on_device(world: int, of: str = "matrix", **params) -> list[Case]:
+    """The cases of ``of`` (matrix or big) with CUDA tensors."""
+    cases = {"matrix": matrix, "big": big}[of](world, **params)
+    return [
+        Case(c.name, functools.partial(_on_device, c.fn))
+        for c in cases
+        if not c.name.startswith(NOT_ON_DEVICE)
+    ]
+
+
 # --- launches -----------------------------------------------------------------------------
 
 TCP = (("MOONCAKE_TRANSPORT", "tcp"), *SMALL_CHUNKS)
@@ -692,8 +721,50 @@ LAUNCHES = [
     Launch(matrix, 4, "w4-tcp", env=TCP, params=(("transport_name", "tcp"),), stress=True),
 ]
 
+#: With a GPU (make gpu-check), all on CUDA tensors: the matrix at 1, 2 and 4 processes
+#: sharing it (through the device plane, which at 4 takes only inputs of up to 16 KiB, the
+#: rest being staged through host memory; at 2 again with the plane off), the big tensors at
+#: 2, and a tcp sample (staged: the plane serves groups on one host only).
+SEGMENT = "MOONCAKE_CUDA_SEGMENT_BYTES"
+CUDA_LAUNCHES = [
+    *(
+        Launch(on_device, w, f"cuda-w{w}-chunk4k", env=SMALL_CHUNKS, backend="mooncake")
+        for w in (1, 2)
+    ),
+    Launch(
+        on_device,
+        4,
+        "cuda-w4-chunk4k-seg16k",
+        env=(*SMALL_CHUNKS, (SEGMENT, "16384")),
+        backend="mooncake",
+    ),
+    Launch(
+        on_device,
+        2,
+        "cuda-w2-chunk4k-staged",
+        env=(*SMALL_CHUNKS, (SEGMENT, "0")),
+        backend="mooncake",
+    ),
+    Launch(on_device, 2, "cuda-w2-default", params=(("of", "big"),), backend="mooncake"),
+    Launch(
+        on_device,
+        3,
+        "cuda-w3-tcp-sample",
+        env=TCP,
+        params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "tcp")),
+        backend="mooncake",
+    ),
+]
+
 
 @pytest.mark.parametrize(("launch", "case"), parametrize(LAUNCHES))
 def test_collective(launch, case):
     """The case's result equals the local reference bit for bit on every rank."""
+    check(launch, case)
+
+
+@needs_cuda
+@pytest.mark.parametrize(("launch", "case"), parametrize(CUDA_LAUNCHES))
+def test_collective_cuda(launch, case):
+    """The same, with CUDA tensors on the ``mooncake`` backend."""
     check(launch, case)

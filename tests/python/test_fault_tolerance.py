@@ -42,6 +42,7 @@ from ft_ranks import (
     ranks_of,
     stopped_peer_recv_rank,
 )
+from launcher import needs_cuda
 
 STRESS_ROUNDS = int(os.environ.get("MOONCAKE_STRESS_ROUNDS", "12"))
 
@@ -164,6 +165,17 @@ def test_kill_random_stress(world, transport):
         seed = 1000 * world + r + (500 if transport == "tcp" else 0)
         plan = random_chaos_plan(seed, world)
         run_chaos(world, plan, env(CHUNKED, MOONCAKE_TRANSPORT=transport))
+
+
+@needs_cuda
+@pytest.mark.timeout(200)
+def test_kill_world4_cuda():
+    """World 4 on CUDA tensors (backend ``mooncake``, ``active_ranks`` on the GPU): rank 2
+    killed inside a chunked all_reduce, rank 0 right after an op, rank 3 inside a p2p
+    ring; the survivors agree op by op, as on the CPU."""
+    plan = chaos_plan(4, [([2], "in_big"), ([0], "between"), ([3], "in_p2p")])
+    plan["device"] = "cuda"
+    run_chaos(4, plan, env(CHUNKED))
 
 
 # --- p2p with a dead peer --------------------------------------------------------------------

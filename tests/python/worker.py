@@ -37,8 +37,16 @@ class RankContext:
     every rank makes the same sequence of calls even when a result is wrong.
     """
 
-    def __init__(self, rank: int, world_size: int, store: dist.Store, op_timeout_s: float):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: dist.Store,
+        op_timeout_s: float,
+        backend: str = "mooncake-cpu",
+    ):
         self.rank = rank
+        self.backend = backend
         self.world_size = world_size
         self.op_timeout_s = op_timeout_s
         self._root_store = store
@@ -114,14 +122,14 @@ class RankContext:
     # --- groups and out-of-band sync ---------------------------------------
 
     def init_pg(self, store_prefix: str | None = None, **kwargs) -> None:
-        """``init_process_group("mooncake-cpu")`` over a fresh store namespace, or over
-        ``store_prefix`` (the same one each time, as a re-initialising job would)."""
+        """``init_process_group`` of the launch's backend over a fresh store namespace, or
+        over ``store_prefix`` (the same one each time, as a re-initialising job would)."""
         import mooncake.pg  # noqa: F401 - registers the backend
 
         self._pg_count += 1
         kwargs.setdefault("timeout", timedelta(seconds=self.op_timeout_s))
         dist.init_process_group(
-            "mooncake-cpu",
+            self.backend,
             store=dist.PrefixStore(store_prefix or f"pg{self._pg_count}", self._root_store),
             rank=self.rank,
             world_size=self.world_size,
@@ -179,7 +187,7 @@ def main() -> None:
         "127.0.0.1", config["port"], world, is_master=False, timeout=timedelta(seconds=120)
     )
     harness = dist.PrefixStore("harness", store)
-    ctx = RankContext(rank, world, store, op_timeout_s)
+    ctx = RankContext(rank, world, store, op_timeout_s, launch.backend)
     if launch.init_pg:
         ctx.init_pg()
 

@@ -1,0 +1,235 @@
+"""The process-group backends on CUDA tensors: ``mooncake`` against gloo and NCCL.
+
+``mooncake`` runs twice: as it comes (same-host groups take the device plane
+for all_reduce, all_gather_into_tensor and reduce_scatter_tensor) and with
+``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
+path groups that span hosts take): column "staged".
+
+Each (backend, world size) is launched once: this process hosts the TCPStore
+and every rank is a subprocess (this file with ``--worker``) on the one GPU
+(several processes share it). Every point: warm-up ops, a barrier, then
+``iters`` back-to-back synchronous ops and a device synchronize; the time is
+the slowest rank's mean. NCCL runs at world 1 only (it refuses two ranks on
+one GPU). Beside them stands the device-to-device copy rate measured in the
+same run, the floor a copy-bound op is held to.
+
+Bus bandwidth as nccl-tests defines it: algbw x 2(n-1)/n for all_reduce,
+x (n-1)/n for the others (bytes = the per-rank input of all_reduce and
+all_to_all, the gathered output of all_gather, the input of reduce_scatter).
+
+    python bench/bench_pg_cuda.py --out-dir /tmp/out     # worlds 1, 2, 4; a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+SIZES = (8, 4 << 10, 1 << 20, 64 << 20)
+BACKENDS = ("mooncake", "staged", "gloo", "nccl")
+#: backend name given to torch, and environment, of each column
+COLUMNS = {
+    "mooncake": ("mooncake", {}),
+    "staged": ("mooncake", {"MOONCAKE_CUDA_SEGMENT_BYTES": "0"}),
+    "gloo": ("gloo", {}),
+    "nccl": ("nccl", {}),
+}
+
+
+def iters_for(nbytes: int) -> int:
+    return 200 if nbytes <= 64 << 10 else (40 if nbytes <= 4 << 20 else 8)
+
+
+def make_op(dist, torch, op: str, nbytes: int, world: int):
+    n = max(1, nbytes // 4)
+    n = (n + world - 1) // world * world
+    x = torch.ones(n, device="cuda")
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if op == "all_gather_into_tensor":
+        shard = torch.ones(n // world, device="cuda")  # bytes = the gathered output
+        out = torch.empty(n, device="cuda")
+        return lambda: dist.all_gather_into_tensor(out, shard)
+    if op == "reduce_scatter_tensor":
+        out = torch.empty(n // world, device="cuda")
+        return lambda: dist.reduce_scatter_tensor(out, x)
+    out = torch.empty(n, device="cuda")
+    return lambda: dist.all_to_all_single(out, x)
+
+
+def bus_factor(op: str, world: int) -> float:
+    if world == 1:
+        return 1.0
+    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+
+
+def copy_rate(torch) -> float:
+    """Device-to-device copy rate of 64 MiB, bytes/s (read + write counted once)."""
+    a = torch.ones(16 << 20, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        b.copy_(a)
+    end.record()
+    end.synchronize()
+    return 20 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
+
+
+def worker(backend: str, rank: int, world: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    if backend.startswith("mooncake"):
+        import mooncake.pg  # noqa: F401 - registers the backend
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    rows = []
+    for op in OPS:
+        for nbytes in SIZES:
+            try:
+                fn = make_op(dist, torch, op, nbytes, world)
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+                dist.barrier()
+                iters = iters_for(nbytes)
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                torch.cuda.synchronize()
+                seconds = (time.perf_counter() - t0) / iters
+                err = ""
+            except Exception as e:  # noqa: BLE001 - a backend without the op: recorded
+                seconds, err = float("nan"), f"{type(e).__name__}: {e}"[:200]
+            key = f"{op}/{nbytes}"
+            store.set(f"t/{key}/{rank}", json.dumps([seconds, err]))
+            if rank == 0:
+                got = [json.loads(store.get(f"t/{key}/{r}")) for r in range(world)]
+                errs = [g[1] for g in got if g[1]]
+                slowest = max(g[0] for g in got)
+                rows.append({"op": op, "bytes": nbytes, "us": slowest * 1e6, "error": errs[:1]})
+            if err:
+                break  # the rest of this op's sizes: unsupported (or failing) alike
+    if rank == 0:
+        Path(out).write_text(json.dumps({"rows": rows, "copy_rate": copy_rate(torch)}))
+    dist.destroy_process_group()
+
+
+def launch(backend: str, world: int, tmp: Path) -> dict:
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
+    out = tmp / f"{backend}-w{world}.json"
+    name, env = COLUMNS[backend]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                name,
+                str(r),
+                str(world),
+                str(port),
+                str(out),
+            ],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        )
+        for r in range(world)
+    ]
+    deadline = time.monotonic() + 600
+    for p in procs:
+        try:
+            p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    del store
+    if not out.exists():
+        return {"rows": [], "failed": f"exit codes {[p.returncode for p in procs]}"}
+    return json.loads(out.read_text())
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k:
+            return f"{n // k} {unit}"
+    return f"{n} B"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        backend, rank, world, port, out = args.worker
+        worker(backend, int(rank), int(world), int(port), out)
+        return 0
+    outdir = Path(args.out_dir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for world in [int(w) for w in args.worlds.split(",")]:
+        for backend in args.backends.split(","):
+            if backend == "nccl" and world > 1:
+                continue  # NCCL refuses two ranks on one GPU
+            t0 = time.monotonic()
+            results[f"{backend}/w{world}"] = launch(backend, world, outdir)
+            print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
+    (outdir / "pg_cuda.json").write_text(json.dumps(results, indent=1))
+    lines = [
+        "| op | bytes | world | mooncake µs | staged µs | gloo µs | nccl µs | mooncake / gloo "
+        "| mooncake busbw / copy rate |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for world in [int(w) for w in args.worlds.split(",")]:
+        for op in OPS:
+            for nbytes in SIZES:
+
+                def get(backend, op=op, nbytes=nbytes, world=world):
+                    for row in results.get(f"{backend}/w{world}", {}).get("rows", []):
+                        if row["op"] == op and row["bytes"] == nbytes and not row["error"]:
+                            return row["us"]
+                    return None
+
+                m, st, g, n = get("mooncake"), get("staged"), get("gloo"), get("nccl")
+                rate = results.get(f"mooncake/w{world}", {}).get("copy_rate")
+                bus = (
+                    f"{nbytes / (m * 1e-6) * bus_factor(op, world) / rate:.1%}"
+                    if m and rate
+                    else "-"
+                )
+                cells = [f"{v:.1f}" if v else "-" for v in (m, st, g, n)]
+                ratio = f"{m / g:.2f}" if m and g else "-"
+                lines.append(
+                    f"| {op} | {fmt_bytes(nbytes)} | {world} | {' | '.join(cells)} | {ratio} | {bus} |"
+                )
+    rate = next((r.get("copy_rate") for r in results.values() if r.get("copy_rate")), None)
+    if rate:
+        lines.append(f"\nDevice-to-device copy rate, same run: {rate / 1e9:.0f} GB/s.")
+    table = "\n".join(lines)
+    (outdir / "pg_cuda_table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+// launch_reduce (reduce.h): one thread per element, grid-stride; the
+// arithmetic mirrors collectives/reduce.cc element for element.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/reduce.h"
+
+namespace mooncake::kernels {
+namespace {
+
+struct Half {
+  uint16_t bits;
+};
+struct BFloat {
+  uint16_t bits;
+};
+
+__device__ float bf16_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
+// Round to nearest even; a NaN stays a (quiet) NaN: as float_to_bf16 on the host.
+__device__ uint16_t float_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if (f != f) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fff + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__device__ float half_to_float(uint16_t h) {
+  return __half2float(__ushort_as_half(h));
+}
+__device__ uint16_t float_to_half(float f) {
+  return __half_as_ushort(__float2half_rn(f));
+}
+
+template <typename T>
+struct Acc {
+  using type = T;
+  __device__ static T load(T v) { return v; }
+  __device__ static T store(T v) { return v; }
+};
+template <>
+struct Acc<Half> {
+  using type = float;
+  __device__ static float load(Half v) { return half_to_float(v.bits); }
+  __device__ static Half store(float v) { return Half{float_to_half(v)}; }
+};
+template <>
+struct Acc<BFloat> {
+  using type = float;
+  __device__ static float load(BFloat v) { return bf16_to_float(v.bits); }
+  __device__ static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
+};
+
+template <RedOp Op, typename A>
+__device__ A combine(A a, A b) {
+  if constexpr (std::is_same_v<A, bool>) {
+    if constexpr (Op == RedOp::kSum || Op == RedOp::kMax || Op == RedOp::kBor) return a || b;
+    if constexpr (Op == RedOp::kProduct || Op == RedOp::kMin || Op == RedOp::kBand) return a && b;
+    if constexpr (Op == RedOp::kBxor) return a != b;
+    return a;
+  } else if constexpr (std::is_floating_point_v<A>) {
+    // Written as separate operations so that no multiply-add is fused.
+    if constexpr (Op == RedOp::kSum || Op == RedOp::kAvg) return a + b;
+    if constexpr (Op == RedOp::kProduct) return a * b;
+    if constexpr (Op == RedOp::kMin) return (b != b || b < a) ? b : a;
+    if constexpr (Op == RedOp::kMax) return (b != b || b > a) ? b : a;
+    return a;
+  } else {
+    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
+    if constexpr (Op == RedOp::kSum) return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+    if constexpr (Op == RedOp::kProduct)
+      return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+    if constexpr (Op == RedOp::kMin) return b < a ? b : a;
+    if constexpr (Op == RedOp::kMax) return b > a ? b : a;
+    if constexpr (Op == RedOp::kBand) return a & b;
+    if constexpr (Op == RedOp::kBor) return a | b;
+    if constexpr (Op == RedOp::kBxor) return a ^ b;
+    return a;
+  }
+}
+
+template <typename T, RedOp Op>
+__global__ void reduce_kernel(ReduceArgs args) {
+  using A = typename Acc<T>::type;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < args.count;
+       i += stride) {
+    A acc = Acc<T>::load(static_cast<const T*>(args.srcs[0])[i]);
+    for (int s = 1; s < args.nsrc; ++s)
+      acc = combine<Op, A>(acc, Acc<T>::load(static_cast<const T*>(args.srcs[s])[i]));
+    if constexpr (std::is_floating_point_v<A> && Op == RedOp::kAvg)
+      acc = acc / static_cast<A>(args.avg_divisor);  // IEEE division (nvcc's default)
+    static_cast<T*>(args.out)[i] = Acc<T>::store(acc);
+  }
+}
+
+template <typename T, RedOp Op>
+int launch_typed_op(const ReduceArgs& a, cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  size_t blocks = (a.count + kThreads - 1) / kThreads;
+  if (blocks > 4096) blocks = 4096;
+  reduce_kernel<T, Op><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_typed(const ReduceArgs& a, cudaStream_t s) {
+  switch (a.op) {
+    case RedOp::kSum: return launch_typed_op<T, RedOp::kSum>(a, s);
+    case RedOp::kProduct: return launch_typed_op<T, RedOp::kProduct>(a, s);
+    case RedOp::kMin: return launch_typed_op<T, RedOp::kMin>(a, s);
+    case RedOp::kMax: return launch_typed_op<T, RedOp::kMax>(a, s);
+    case RedOp::kAvg: return launch_typed_op<T, RedOp::kAvg>(a, s);
+    case RedOp::kBand: return launch_typed_op<T, RedOp::kBand>(a, s);
+    case RedOp::kBor: return launch_typed_op<T, RedOp::kBor>(a, s);
+    case RedOp::kBxor: return launch_typed_op<T, RedOp::kBxor>(a, s);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace
+
+int launch_reduce(const ReduceArgs& a, CUstream_st* stream) {
+  if (a.count == 0) return 0;
+  if (a.nsrc < 1 || a.nsrc > kMaxReduceSources) return static_cast<int>(cudaErrorInvalidValue);
+  switch (a.dtype) {
+    case DType::kBool: return launch_typed<bool>(a, stream);
+    case DType::kUInt8: return launch_typed<uint8_t>(a, stream);
+    case DType::kInt8: return launch_typed<int8_t>(a, stream);
+    case DType::kInt16: return launch_typed<int16_t>(a, stream);
+    case DType::kInt32: return launch_typed<int32_t>(a, stream);
+    case DType::kInt64: return launch_typed<int64_t>(a, stream);
+    case DType::kUInt16: return launch_typed<uint16_t>(a, stream);
+    case DType::kUInt32: return launch_typed<uint32_t>(a, stream);
+    case DType::kUInt64: return launch_typed<uint64_t>(a, stream);
+    case DType::kFloat16: return launch_typed<Half>(a, stream);
+    case DType::kBFloat16: return launch_typed<BFloat>(a, stream);
+    case DType::kFloat32: return launch_typed<float>(a, stream);
+    case DType::kFloat64: return launch_typed<double>(a, stream);
+    default: return static_cast<int>(cudaErrorInvalidValue);
+  }
+}
+
+}  // namespace mooncake::kernels
