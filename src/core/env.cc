@@ -47,6 +47,10 @@ const std::vector<EnvVar>& env_registry() {
        "all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor whose input "
        "fits go GPU to GPU through it; larger ones, other ops, and groups that span hosts "
        "stage through host memory. 0: no segment (every op is staged)."},
+      {"MOONCAKE_CUDA_PLANE_MIN_BYTES", "65536",
+       "Backend mooncake: ops with smaller inputs are staged through host memory even where "
+       "the device segment could take them (for small messages the staged path's two copies "
+       "cost less than the device plane's waits for the GPU)."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

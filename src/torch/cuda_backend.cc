@@ -432,6 +432,7 @@ MooncakeCudaBackend::MooncakeCudaBackend(const c10::intrusive_ptr<c10d::Store>& 
     device_ = c10::cuda::current_device();
     stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true,
                                            static_cast<c10::DeviceIndex>(device_));
+    plane_min_bytes_ = static_cast<size_t>(env_int("MOONCAKE_CUDA_PLANE_MIN_BYTES"));
     const int64_t bytes = env_int("MOONCAKE_CUDA_SEGMENT_BYTES");
     if (bytes > 0 && env_string("MOONCAKE_TRANSPORT") != "tcp")
       plane_ = std::make_unique<CudaPlane>(MooncakeBackend::store(), prefix(), rank, size, device_,
@@ -484,7 +485,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::staged(const char* op, Kind 
 // --- the device plane ---------------------------------------------------------------
 
 bool MooncakeCudaBackend::on_plane(std::initializer_list<at::Tensor> tensors, size_t bytes) {
-  if (!plane_ || size_ > kernels::kMaxReduceSources || bytes > plane_->capacity()) return false;
+  if (!plane_ || size_ > kernels::kMaxReduceSources || bytes > plane_->capacity() ||
+      bytes < plane_min_bytes_)
+    return false;
   for (const at::Tensor& t : tensors)
     if (!t.defined() || !t.is_cuda() || t.device().index() != device_ ||
         t.layout() != at::kStrided || t.scalar_type() != tensors.begin()->scalar_type())

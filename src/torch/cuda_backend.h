@@ -16,9 +16,10 @@
 //
 // This is the portable device path (it also serves peers on other hosts).
 // When every rank runs on this host, all_reduce, broadcast,
-// all_gather_into_tensor and reduce_scatter_tensor of up to
-// MOONCAKE_CUDA_SEGMENT_BYTES take the device plane instead (cuda_plane.h):
-// GPU to GPU through mapped segments, with the same failure handling.
+// all_gather_into_tensor and reduce_scatter_tensor whose input is between
+// MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES take the
+// device plane instead (cuda_plane.h): GPU to GPU through mapped segments,
+// with the same failure handling.
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
@@ -132,6 +133,7 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   std::optional<c10::cuda::CUDAStream> stream_;
   at::Tensor user_active_;            // what active_ranks() returns
   std::unique_ptr<CudaPlane> plane_;  // null: every op is staged through the host
+  size_t plane_min_bytes_ = 0;        // smaller inputs are staged
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;

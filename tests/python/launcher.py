@@ -57,6 +57,7 @@ CONTROLLED_ENV = (
     "MOONCAKE_EP_WAIT_CAP_MS",
     "MOONCAKE_EP_FORCE_FALLBACK",
     "MOONCAKE_CUDA_SEGMENT_BYTES",
+    "MOONCAKE_CUDA_PLANE_MIN_BYTES",
 )
 #: Environment of the chunked launches: 4 KiB slots make "larger than the
 #: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,

@@ -726,16 +726,19 @@ LAUNCHES = [
 #: rest being staged through host memory; at 2 again with the plane off), the big tensors at
 #: 2, and a tcp sample (staged: the plane serves groups on one host only).
 SEGMENT = "MOONCAKE_CUDA_SEGMENT_BYTES"
+PLANE_ALL = (("MOONCAKE_CUDA_PLANE_MIN_BYTES", "0"),)  # every size that fits takes the plane
 CUDA_LAUNCHES = [
     *(
-        Launch(on_device, w, f"cuda-w{w}-chunk4k", env=SMALL_CHUNKS, backend="mooncake")
+        Launch(
+            on_device, w, f"cuda-w{w}-chunk4k", env=(*SMALL_CHUNKS, *PLANE_ALL), backend="mooncake"
+        )
         for w in (1, 2)
     ),
     Launch(
         on_device,
         4,
         "cuda-w4-chunk4k-seg16k",
-        env=(*SMALL_CHUNKS, (SEGMENT, "16384")),
+        env=(*SMALL_CHUNKS, *PLANE_ALL, (SEGMENT, "16384")),
         backend="mooncake",
     ),
     Launch(
@@ -745,7 +748,9 @@ CUDA_LAUNCHES = [
         env=(*SMALL_CHUNKS, (SEGMENT, "0")),
         backend="mooncake",
     ),
-    Launch(on_device, 2, "cuda-w2-default", params=(("of", "big"),), backend="mooncake"),
+    Launch(
+        on_device, 2, "cuda-w2-default", env=PLANE_ALL, params=(("of", "big"),), backend="mooncake"
+    ),
     Launch(
         on_device,
         3,

@@ -271,7 +271,13 @@ def cases(world: int) -> list[Case]:
     ]
 
 
-LAUNCHES = [Launch(cases, w, f"cuda-w{w}", backend="mooncake") for w in (1, 2, 4)]
+#: Default launches (ops under 64 KiB staged through host memory, larger ones on the device
+#: plane) and launches where every op that fits takes the plane.
+PLANE_ALL = (("MOONCAKE_CUDA_PLANE_MIN_BYTES", "0"),)
+LAUNCHES = [
+    *(Launch(cases, w, f"cuda-w{w}", backend="mooncake") for w in (1, 2, 4)),
+    *(Launch(cases, w, f"cuda-w{w}-plane", env=PLANE_ALL, backend="mooncake") for w in (2, 4)),
+]
 
 
 @pytest.mark.parametrize(("launch", "case"), parametrize(LAUNCHES))

@@ -170,12 +170,13 @@ def test_kill_random_stress(world, transport):
 @needs_cuda
 @pytest.mark.timeout(200)
 def test_kill_world4_cuda():
-    """World 4 on CUDA tensors (backend ``mooncake``, ``active_ranks`` on the GPU): rank 2
-    killed inside a chunked all_reduce, rank 0 right after an op, rank 3 inside a p2p
+    """World 4 on CUDA tensors (backend ``mooncake``, ``active_ranks`` on the GPU, the device
+    plane for every op it takes): rank 2 killed inside a big all_reduce, rank 0 right after an op, rank 3 inside a p2p
     ring; the survivors agree op by op, as on the CPU."""
     plan = chaos_plan(4, [([2], "in_big"), ([0], "between"), ([3], "in_p2p")])
     plan["device"] = "cuda"
-    run_chaos(4, plan, env(CHUNKED))
+    # Every op that fits takes the device plane (the others are staged through host memory).
+    run_chaos(4, plan, env(CHUNKED, MOONCAKE_CUDA_PLANE_MIN_BYTES="0"))
 
 
 # --- p2p with a dead peer --------------------------------------------------------------------
