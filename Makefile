@@ -99,6 +99,7 @@ bench: build
 	$(PY) bench/bench_ep.py
 	$(PY) bench/bench_elastic.py
 	$(PY) bench/bench_ep_device.py
+	$(PY) bench/bench_pg_cuda.py
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)

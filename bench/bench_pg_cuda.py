@@ -184,6 +184,11 @@ def main(argv=None) -> int:
         backend, rank, world, port, out = args.worker
         worker(backend, int(rank), int(world), int(port), out)
         return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_pg_cuda: no CUDA GPU here; nothing to measure")
+        return 0
     outdir = Path(args.out_dir)
     outdir.mkdir(parents=True, exist_ok=True)
     results = {}
