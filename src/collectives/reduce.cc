@@ -5,6 +5,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "collectives/combine.h"
 #include "core/error.h"
 
 namespace mooncake {
@@ -67,37 +68,6 @@ struct Acc<BFloat> {
   static float load(BFloat v) { return bf16_to_float(v.bits); }
   static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
 };
-
-// One op on two accumulators. The op is a template argument so that the
-// loops below have no branch per element and the compiler can vectorise them.
-template <RedOp Op, typename A>
-A combine(A a, A b) {
-  if constexpr (std::is_same_v<A, bool>) {
-    if constexpr (Op == RedOp::kSum || Op == RedOp::kMax || Op == RedOp::kBor) return a || b;
-    if constexpr (Op == RedOp::kProduct || Op == RedOp::kMin || Op == RedOp::kBand) return a && b;
-    if constexpr (Op == RedOp::kBxor) return a != b;
-    return a;
-  } else if constexpr (std::is_floating_point_v<A>) {
-    if constexpr (Op == RedOp::kSum || Op == RedOp::kAvg) return a + b;
-    if constexpr (Op == RedOp::kProduct) return a * b;
-    if constexpr (Op == RedOp::kMin) return (std::isnan(b) || b < a) ? b : a;
-    if constexpr (Op == RedOp::kMax) return (std::isnan(b) || b > a) ? b : a;
-    return a;
-  } else {
-    // Wrap-around arithmetic, as torch does, in an unsigned type at least as
-    // wide as int so that narrow types are not promoted to (signed) int.
-    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
-    if constexpr (Op == RedOp::kSum) return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
-    if constexpr (Op == RedOp::kProduct)
-      return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
-    if constexpr (Op == RedOp::kMin) return b < a ? b : a;
-    if constexpr (Op == RedOp::kMax) return b > a ? b : a;
-    if constexpr (Op == RedOp::kBand) return a & b;
-    if constexpr (Op == RedOp::kBor) return a | b;
-    if constexpr (Op == RedOp::kBxor) return a ^ b;
-    return a;
-  }
-}
 
 template <typename T, RedOp Op>
 void reduce_typed_op(void* out_v, const void* const* srcs_v, int nsrc, size_t count,

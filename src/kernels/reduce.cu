@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "collectives/combine.h"
 #include "kernels/reduce.h"
 
 namespace mooncake::kernels {
@@ -55,34 +56,6 @@ struct Acc<BFloat> {
   __device__ static float load(BFloat v) { return bf16_to_float(v.bits); }
   __device__ static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
 };
-
-template <RedOp Op, typename A>
-__device__ A combine(A a, A b) {
-  if constexpr (std::is_same_v<A, bool>) {
-    if constexpr (Op == RedOp::kSum || Op == RedOp::kMax || Op == RedOp::kBor) return a || b;
-    if constexpr (Op == RedOp::kProduct || Op == RedOp::kMin || Op == RedOp::kBand) return a && b;
-    if constexpr (Op == RedOp::kBxor) return a != b;
-    return a;
-  } else if constexpr (std::is_floating_point_v<A>) {
-    // Written as separate operations so that no multiply-add is fused.
-    if constexpr (Op == RedOp::kSum || Op == RedOp::kAvg) return a + b;
-    if constexpr (Op == RedOp::kProduct) return a * b;
-    if constexpr (Op == RedOp::kMin) return (b != b || b < a) ? b : a;
-    if constexpr (Op == RedOp::kMax) return (b != b || b > a) ? b : a;
-    return a;
-  } else {
-    using U = std::conditional_t<(sizeof(A) < sizeof(unsigned)), unsigned, std::make_unsigned_t<A>>;
-    if constexpr (Op == RedOp::kSum) return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
-    if constexpr (Op == RedOp::kProduct)
-      return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
-    if constexpr (Op == RedOp::kMin) return b < a ? b : a;
-    if constexpr (Op == RedOp::kMax) return b > a ? b : a;
-    if constexpr (Op == RedOp::kBand) return a & b;
-    if constexpr (Op == RedOp::kBor) return a | b;
-    if constexpr (Op == RedOp::kBxor) return a ^ b;
-    return a;
-  }
-}
 
 template <typename T, RedOp Op>
 __device__ void reduce_one(const ReduceArgs& args, size_t i) {
