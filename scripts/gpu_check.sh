@@ -7,7 +7,8 @@
 # epbench"; the build always runs, incrementally), so a run can be split over device calls.
 #   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
-#            GPU), then bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
+#            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS), then
+#            bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
 #   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
 #            the GPU, under MPS when it starts), then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
@@ -93,6 +94,14 @@ if wants pgcuda; then
   timeout 900 "$PY" -m pytest tests/python/test_cuda_backend.py tests/python/test_collectives.py \
     tests/python/test_fault_tolerance.py -k "cuda" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
+  step "CUDA backend: compute-sanitizer"
+  for tool in ${PG_SANITIZE_TOOLS:-memcheck racecheck}; do
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" tests/python/cuda_backend_round.py \
+      >"$OUT/sanitizer_pg_$tool.log" 2>&1
+    rc=$?
+    echo "$tool: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|cuda_backend_round' "$OUT/sanitizer_pg_$tool.log" | tail -2 | tr '\n' ' '))"
+    [ $rc = 0 ] || status=1
+  done
 fi
 
 # Several processes on one GPU run their kernels side by side only under MPS

@@ -159,17 +159,19 @@ MsgHeader Communicator::header(const OpMeta& meta) const {
   return h;
 }
 
-void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes) {
+void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes,
+                            bool headers_only, uint64_t* value) {
   const size_t chunk = coll_->layout().chunk_bytes;
   const std::vector<int>& m = runner_->members();
   const int n = static_cast<int>(m.size());
   const int me = static_cast<int>(std::find(m.begin(), m.end(), rank_) - m.begin());
   const bool rejected = !meta.local_error.empty();
-  if (!rejected && plan.send_bytes[rank_] != 0 && plan.send[rank_] != plan.recv[rank_])
+  if (!rejected && !headers_only && plan.send_bytes[rank_] != 0 &&
+      plan.send[rank_] != plan.recv[rank_])
     std::memmove(plan.recv[rank_], plan.send[rank_], plan.send_bytes[rank_]);
   size_t steps = 1;
   for (int p : m) {
-    if (p == rank_ || rejected) continue;
+    if (p == rank_ || rejected || headers_only) continue;
     steps = std::max(
         {steps, num_pieces(plan.send_bytes[p], chunk), num_pieces(plan.recv_bytes[p], chunk)});
   }
@@ -183,7 +185,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
         send_rejection(meta, h, p);
         continue;
       }
-      size_t len = piece_bytes(plan.send_bytes[p], chunk, k);
+      size_t len = headers_only ? 0 : piece_bytes(plan.send_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
       h.edge_bytes = plan.send_bytes[p];
       h.edge_expect = plan.recv_bytes[p];
@@ -192,7 +194,7 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
     }
     for (int i = 1; i < n; ++i) {
       const int p = m[(me - i + n) % n];
-      size_t len = piece_bytes(plan.recv_bytes[p], chunk, k);
+      size_t len = headers_only ? 0 : piece_bytes(plan.recv_bytes[p], chunk, k);
       if (k != 0 && len == 0) continue;
       const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
       if (k == 0) {
@@ -211,14 +213,17 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
     // rank sees the mismatch: share verdicts before anyone moves on. A rank
     // that rejected its arguments is seen by all in step 0, so then everyone
     // skips this round alike.
-    if (k == 0 && agree_on_sizes && n > 1 && !rejected && !peer_rejected) agree(meta, h, error);
+    if (k == 0 && agree_on_sizes && n > 1 && !rejected && !peer_rejected)
+      agree(meta, h, error, value);
     if (k == 0 && !error.empty()) throw_error(ErrorKind::kInvalidArgument, -1, error);
   }
 }
 
-void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& error) {
+void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& error,
+                         uint64_t* value) {
   MsgHeader v = h;
-  v.edge_bytes = v.edge_expect = 0;
+  v.edge_bytes = value != nullptr ? *value : 0;
+  v.edge_expect = 0;
   v.numel = error.empty() ? 0 : 1;
   for (int p : runner_->members())
     if (p != rank_) coll_->send(p, v, nullptr, 0, meta.deadline, meta.name);
@@ -227,6 +232,7 @@ void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& er
     if (p == rank_) continue;
     const MsgHeader* msg = coll_->receive(p, meta.deadline, meta.name);
     if (msg->numel != 0 && bad_peer < 0) bad_peer = p;
+    if (value != nullptr && msg->edge_bytes > *value) *value = msg->edge_bytes;
     coll_->release(p, meta.deadline);
   }
   if (error.empty() && bad_peer >= 0)
@@ -335,9 +341,17 @@ void Communicator::run_external(OpType type, DType dtype, RedOp op, int root, ui
                                 int64_t timeout_ms, const ExternalAttempt& attempt) {
   OpMeta meta = runner_->begin(type, dtype, op, root, numel, timeout_ms);
   HostOpData nothing({}, Region{});  // the inputs stay where the attempt reads them
-  runner_->run(meta, Finish::kCommit, nothing, [&] {
-    attempt(runner_->members(), [&] { exchange(meta, Plan(capacity_), false); });
-  });
+  ExternalSync sync;
+  sync.barrier = [&] { exchange(meta, Plan(capacity_), false); };
+  sync.sized = [&](const std::vector<size_t>& send, const std::vector<size_t>& recv,
+                   uint64_t value) {
+    Plan plan(capacity_);
+    plan.send_bytes = send;
+    plan.recv_bytes = recv;
+    exchange(meta, plan, true, /*headers_only=*/true, &value);
+    return value;
+  };
+  runner_->run(meta, Finish::kCommit, nothing, [&] { attempt(runner_->members(), sync); });
 }
 
 void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms) {

@@ -114,12 +114,23 @@ class Communicator {
   // An op whose bytes move outside this class (the CUDA backend's device
   // plane, through peers' mapped device memory), numbered and run like the
   // others and completing kCommit (see "Failures"). Each attempt calls
-  // `attempt(members, sync)` with the view's members; `sync()` returns once
-  // every member has called it (a round of headers: calls that disagree on
-  // type, dtype, op, root or count raise an invalid-argument error on every
-  // rank). The attempt must leave its inputs as they were, for a re-run.
+  // `attempt(members, sync)` with the view's members. The attempt must leave
+  // its inputs as they were, for a re-run.
+  struct ExternalSync {
+    // Returns once every member has called it (a round of headers: calls
+    // that disagree on type, dtype, op, root or count raise an
+    // invalid-argument error on every rank).
+    std::function<void()> barrier;
+    // The same, where each edge also carries its byte counts (per slot: what
+    // this rank sends to and expects from each), checked at both ends: sizes
+    // that disagree on any edge raise an invalid-argument error on every
+    // rank. Returns the largest `value` any member passed.
+    std::function<uint64_t(const std::vector<size_t>& send_bytes,
+                           const std::vector<size_t>& recv_bytes, uint64_t value)>
+        sized;
+  };
   using ExternalAttempt =
-      std::function<void(const std::vector<int>& members, const std::function<void()>& sync)>;
+      std::function<void(const std::vector<int>& members, const ExternalSync& sync)>;
   void run_external(OpType type, DType dtype, RedOp op, int root, uint64_t numel,
                     int64_t timeout_ms, const ExternalAttempt& attempt);
 
@@ -167,8 +178,12 @@ class Communicator {
   MsgHeader header(const OpMeta& meta) const;
   // Step 0 of an op this rank rejected: the header, flagged, carries the error.
   void send_rejection(const OpMeta& meta, const MsgHeader& h, int peer);
-  void exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes);
-  void agree(const OpMeta& meta, const MsgHeader& h, std::string& error);
+  // `headers_only`: the plan's sizes travel in the headers (and are checked)
+  // but no bytes move. `value`: with agree_on_sizes, becomes the largest any
+  // member passed.
+  void exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes,
+                bool headers_only = false, uint64_t* value = nullptr);
+  void agree(const OpMeta& meta, const MsgHeader& h, std::string& error, uint64_t* value);
   void reduce_exchange(const OpMeta& meta, const void* const* shard_src, const size_t* shard_counts,
                        void* out);
   std::string root_error(int root, const char* what) const;

@@ -198,33 +198,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
     check_tensor(output, "all_to_all_single", "output");
     MC_CHECK_ARG(input.scalar_type() == output.scalar_type(),
                  "all_to_all_single: output dtype differs from input dtype");
-    // Splits are along dim 0, in rows of the remaining dims.
-    auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& given, const char* arg,
-                      const char* tensor) {
-      const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-      std::vector<size_t> counts(static_cast<size_t>(size_));
-      const size_t row = rows == 0 ? 0 : elems(t) / static_cast<size_t>(rows);
-      if (given.empty()) {
-        MC_CHECK_ARG(rows % size_ == 0, "all_to_all_single: ", tensor, " dim 0 (", rows,
-                     ") must be divisible by the world size (", size_, ") when ", arg,
-                     " is not given");
-        for (auto& c : counts) c = static_cast<size_t>(rows / size_) * row;
-      } else {
-        check_count(given.size(), static_cast<size_t>(size_), "all_to_all_single", arg);
-        int64_t total = 0;
-        for (int p = 0; p < size_; ++p) {
-          MC_CHECK_ARG(given[p] >= 0, "all_to_all_single: ", arg, " must be >= 0, got ", given[p]);
-          counts[p] = static_cast<size_t>(given[p]) * row;
-          total += given[p];
-        }
-        MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total, " but ", tensor,
-                     " dim 0 has ", rows, " rows");
-      }
-      return counts;
-    };
-    std::vector<size_t> in_counts = splits(input, input_split_sizes, "input_split_sizes", "input");
+    std::vector<size_t> in_counts =
+        split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");
     std::vector<size_t> out_counts =
-        splits(output, output_split_sizes, "output_split_sizes", "output");
+        split_counts(output, output_split_sizes, size_, "output_split_sizes", "output");
     DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
     int64_t timeout = op_timeout_ms(opts.timeout);
     at::Tensor in = input, out = output;

@@ -484,10 +484,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::staged(const char* op, Kind 
 
 // --- the device plane ---------------------------------------------------------------
 
-bool MooncakeCudaBackend::on_plane(std::initializer_list<at::Tensor> tensors, size_t bytes) {
-  if (!plane_ || size_ > kernels::kMaxReduceSources || bytes > plane_->capacity() ||
-      bytes < plane_min_bytes_)
-    return false;
+bool MooncakeCudaBackend::on_plane(std::initializer_list<at::Tensor> tensors,
+                                   std::optional<size_t> bytes) {
+  if (!plane_ || size_ > kernels::kMaxReduceSources) return false;
+  if (bytes && (*bytes > plane_->capacity() || *bytes < plane_min_bytes_)) return false;
+  // all_to_all_single gives each peer a region of at least 256 bytes.
+  if (!bytes && plane_->capacity() < static_cast<size_t>(size_) * 256) return false;
   for (const at::Tensor& t : tensors)
     if (!t.defined() || !t.is_cuda() || t.device().index() != device_ ||
         t.layout() != at::kStrided || t.scalar_type() != tensors.begin()->scalar_type())
@@ -505,6 +507,12 @@ at::Tensor MooncakeCudaBackend::segment_as(const at::Tensor& like) const {
                        at::TensorOptions().dtype(like.scalar_type()).device(like.device()));
 }
 
+void MooncakeCudaBackend::wait_stream() {
+  Event done(true);
+  done.record(*stream_);
+  wait_event(done);
+}
+
 void MooncakeCudaBackend::plane_run(
     OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
     const std::function<void()>& copy_in,
@@ -513,17 +521,13 @@ void MooncakeCudaBackend::plane_run(
   c10::cuda::CUDAStreamGuard stream_guard(*stream_);
   // The segment is free: the last op's commit round said every member had read it.
   copy_in();
-  Event in_place(true);
-  in_place.record(*stream_);
-  wait_event(in_place);
+  wait_stream();
   comm().run_external(type, dtype, op, root, numel, timeout_ms,
-                      [&](const std::vector<int>& members, const std::function<void()>& sync) {
+                      [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
                         auto segments = plane_->segments(members, comm().view().epoch, timeout_ms);
-                        sync();  // every member's input is in its segment
+                        sync.barrier();  // every member's input is in its segment
                         move(members, segments);
-                        Event done(true);
-                        done.record(*stream_);
-                        wait_event(done);  // before the commit round lets peers reuse theirs
+                        wait_stream();  // before the commit round lets peers reuse theirs
                       });
 }
 
@@ -549,6 +553,79 @@ void check_width(const std::vector<int>& members, int size, const char* op) {
 }
 
 }  // namespace
+
+void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Tensor& out,
+                                           const std::vector<size_t>& in_counts,
+                                           const std::vector<size_t>& out_counts, DType dtype,
+                                           int64_t timeout_ms) {
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
+  c10::cuda::CUDAStreamGuard stream_guard(*stream_);
+  const at::Tensor in = input.contiguous();
+  const size_t esize = dtype_size(dtype);
+  std::vector<size_t> in_at(static_cast<size_t>(size_)), out_at(static_cast<size_t>(size_));
+  for (int p = 1; p < size_; ++p) {
+    in_at[p] = in_at[p - 1] + in_counts[p - 1] * esize;
+    out_at[p] = out_at[p - 1] + out_counts[p - 1] * esize;
+  }
+  // Region p of a rank's segment holds what it sends rank p, one piece per round.
+  const size_t region = plane_->capacity() / static_cast<size_t>(size_) / 256 * 256;
+  const auto* src = static_cast<const uint8_t*>(in.data_ptr());
+  auto* dst = static_cast<uint8_t*>(out.data_ptr());
+  uint8_t* mine = plane_->mine();
+  auto piece = [&](size_t bytes, size_t k) {
+    return k * region >= bytes ? 0 : std::min(region, bytes - k * region);
+  };
+  auto copy = [&](void* to, const void* from, size_t len, const char* what) {
+    if (len != 0)
+      cuda_check(cudaMemcpyAsync(to, from, len, cudaMemcpyDeviceToDevice, *stream_), what);
+  };
+  comm().run_external(
+      OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms,
+      [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
+        check_width(members, size_, "all_to_all_single");
+        auto segments = plane_->segments(members, comm().view().epoch, timeout_ms);
+        std::vector<size_t> send(static_cast<size_t>(comm().capacity()), 0), recv = send;
+        uint64_t my_rounds = 0;
+        for (int p : members) {
+          if (p == rank_) continue;
+          send[p] = in_counts[p] * esize;
+          recv[p] = out_counts[p] * esize;
+          my_rounds = std::max(
+              {my_rounds, (send[p] + region - 1) / region, (recv[p] + region - 1) / region});
+        }
+        auto stage = [&](size_t k) {
+          for (int p : members)
+            if (p != rank_)
+              copy(mine + p * region, src + in_at[p] + k * region, piece(send[p], k),
+                   "all_to_all_single staging");
+          wait_stream();
+        };
+        // Round 0 is staged before the round of headers that checks the
+        // sizes, which so also says every member's pieces are in place.
+        stage(0);
+        const uint64_t rounds = sync.sized(send, recv, my_rounds);
+        copy(dst + out_at[rank_], src + in_at[rank_], in_counts[rank_] * esize,
+             "all_to_all_single own slice");
+        std::vector<bool> member(static_cast<size_t>(size_), false);
+        for (int p : members) member[p] = true;
+        for (int p = 0; p < size_; ++p)  // ranks outside the view: zeros
+          if (!member[p] && out_counts[p] != 0)
+            cuda_check(cudaMemsetAsync(dst + out_at[p], 0, out_counts[p] * esize, *stream_),
+                       "all_to_all_single zero fill");
+        for (uint64_t k = 0; k < rounds; ++k) {
+          if (k > 0) {
+            sync.barrier();  // every member has read round k - 1
+            stage(k);
+            sync.barrier();  // every member's round k is in place
+          }
+          for (size_t i = 0; i < members.size(); ++i)
+            if (members[i] != rank_)
+              copy(dst + out_at[members[i]] + k * region, segments[i] + rank_ * region,
+                   piece(recv[members[i]], k), "all_to_all_single copy");
+          wait_stream();
+        }
+      });
+}
 
 // --- the ops ----------------------------------------------------------------------------
 
@@ -783,6 +860,28 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter_tensor_coales
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  // Inputs differ in size from rank to rank, so whether the op takes the
+  // plane must not depend on sizes: it does whenever the plane serves the group.
+  if (on_plane({input, output}, std::nullopt)) {
+    return staged("all_to_all_single", Kind::kCollective, [&](Staging& s) {
+      std::vector<size_t> in_counts =
+          split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");
+      std::vector<size_t> out_counts =
+          split_counts(output, output_split_sizes, size_, "output_split_sizes", "output");
+      MC_CHECK_ARG(in_counts[rank_] == out_counts[rank_], "all_to_all_single: rank ", rank_,
+                   " sends itself ", in_counts[rank_], " elements but expects ", out_counts[rank_],
+                   " from itself");
+      const DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      s.keep(input);
+      at::Tensor in = input;
+      at::Tensor out = s.device_out(output);
+      return s.run_device(c10d::OpType::ALLTOALL_BASE, {output},
+                          [this, in, out, in_counts, out_counts, dt, timeout] {
+                            plane_all_to_all(in, out, in_counts, out_counts, dt, timeout);
+                          });
+    });
+  }
   return staged("all_to_all_single", Kind::kCollective, [&](Staging& s) {
     auto in = s.in(input, "input");
     auto out = s.out(output, "output");

@@ -17,9 +17,9 @@
 // This is the portable device path (it also serves peers on other hosts).
 // When every rank runs on this host, all_reduce, broadcast,
 // all_gather_into_tensor and reduce_scatter_tensor whose input is between
-// MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES take the
-// device plane instead (cuda_plane.h): GPU to GPU through mapped segments,
-// with the same failure handling.
+// MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES, and every
+// all_to_all_single, take the device plane instead (cuda_plane.h): GPU to GPU
+// through mapped segments, with the same failure handling.
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
@@ -117,7 +117,8 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // and whose input is `bytes` long runs on it: the decision depends only on
   // what every rank of the op shares (the group, the dtype, the size), so
   // that all of them take the same path.
-  bool on_plane(std::initializer_list<at::Tensor> tensors, size_t bytes);
+  // `bytes` nullopt: an op whose inputs differ in size between ranks (any fits).
+  bool on_plane(std::initializer_list<at::Tensor> tensors, std::optional<size_t> bytes);
   // On the op thread: `copy_in` queues this rank's input into its segment;
   // once it is there, `move(members, segments)` queues the op's reads of the
   // members' segments, among the members, until it succeeds (re-runs after
@@ -126,6 +127,14 @@ class MooncakeCudaBackend final : public MooncakeBackend {
       OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
       const std::function<void()>& copy_in,
       const std::function<void(const std::vector<int>&, const std::vector<const uint8_t*>&)>& move);
+  // On the op thread: waits until the staging stream has run what is queued.
+  void wait_stream();
+  // all_to_all_single on the device plane (every rank's input staged in
+  // regions of its segment, one per destination, in as many rounds as the
+  // largest edge needs).
+  void plane_all_to_all(const at::Tensor& input, const at::Tensor& out,
+                        const std::vector<size_t>& in_counts, const std::vector<size_t>& out_counts,
+                        DType dtype, int64_t timeout_ms);
   // This rank's segment seen as a contiguous tensor shaped like `like`.
   at::Tensor segment_as(const at::Tensor& like) const;
 

@@ -87,4 +87,28 @@ void check_list(const std::vector<at::Tensor>& list, int world_size, const at::T
   }
 }
 
+std::vector<size_t> split_counts(const at::Tensor& t, const std::vector<int64_t>& given,
+                                 int world_size, const char* arg, const char* tensor) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  std::vector<size_t> counts(static_cast<size_t>(world_size));
+  const size_t row = rows == 0 ? 0 : elems(t) / static_cast<size_t>(rows);
+  if (given.empty()) {
+    MC_CHECK_ARG(rows % world_size == 0, "all_to_all_single: ", tensor, " dim 0 (", rows,
+                 ") must be divisible by the world size (", world_size, ") when ", arg,
+                 " is not given");
+    for (auto& c : counts) c = static_cast<size_t>(rows / world_size) * row;
+    return counts;
+  }
+  check_count(given.size(), static_cast<size_t>(world_size), "all_to_all_single", arg);
+  int64_t total = 0;
+  for (int p = 0; p < world_size; ++p) {
+    MC_CHECK_ARG(given[p] >= 0, "all_to_all_single: ", arg, " must be >= 0, got ", given[p]);
+    counts[p] = static_cast<size_t>(given[p]) * row;
+    total += given[p];
+  }
+  MC_CHECK_ARG(total == rows, "all_to_all_single: ", arg, " sum to ", total, " but ", tensor,
+               " dim 0 has ", rows, " rows");
+  return counts;
+}
+
 }  // namespace mooncake

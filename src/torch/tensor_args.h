@@ -47,6 +47,11 @@ void check_tensor(const at::Tensor& t, const char* op, const char* arg);
 // `rank` names a rank of a group of `world_size` (or, with allow_any, -1: any source).
 void check_rank(int64_t rank, int world_size, const char* op, const char* arg,
                 bool allow_any = false);
+// all_to_all_single's split of `t` along dim 0 (rows of the remaining dims):
+// the elements (as elems() counts them) for each of the `world_size` ranks,
+// from `given` (row counts; empty: equal parts). `arg` and `tensor` name them.
+std::vector<size_t> split_counts(const at::Tensor& t, const std::vector<int64_t>& given,
+                                 int world_size, const char* arg, const char* tensor);
 // `list` holds world-size tensors, each with the size and dtype of `like`.
 void check_list(const std::vector<at::Tensor>& list, int world_size, const at::Tensor& like,
                 const char* op, const char* arg, const char* like_name);

@@ -9,7 +9,8 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
 * coalescing blocks, ``batch_isend_irecv``, functional collectives, p2p (also
   from any source) on CUDA tensors;
 * one group serves CPU tensors too; ``active_ranks`` is a CUDA int32 tensor;
-* bad input (CPU and CUDA tensors mixed, an op under CUDA graph capture) raises ValueError naming the argument on every rank,
+* bad input (CPU and CUDA tensors mixed, split sizes that disagree between ranks, an op
+  under CUDA graph capture) raises ValueError naming the argument on every rank,
   and the group goes on.
 
 Runs only with a GPU and a CUDA build (``make gpu-check``); several processes
@@ -221,6 +222,20 @@ def bad_input(ctx):
         _usable(ctx, "one rank's bad call")
 
 
+def split_mismatch(ctx):
+    """all_to_all_single whose split sizes disagree on one edge (rank 0 sends rank 1 a row
+    more than rank 1 expects): ValueError on every rank, and the group goes on."""
+    world, n = ctx.world_size, 3
+    if world == 1:
+        return
+    send = [n + 1 if (ctx.rank == 0 and d == 1) else n for d in range(world)]
+    x = torch.ones(sum(send), 2, device="cuda")
+    out = torch.empty(world * n, 2, device="cuda")
+    with ctx.expect_raises(ValueError, "split sizes"):
+        dist.all_to_all_single(out, x, output_split_sizes=[n] * world, input_split_sizes=send)
+    _usable(ctx, "a split mismatch")
+
+
 def graph_capture(ctx):
     """An op under CUDA graph capture raises ValueError saying why, on every rank."""
     x = torch.ones(4, device="cuda")
@@ -266,6 +281,7 @@ def cases(world: int) -> list[Case]:
         Case("cpu_tensors_too", cpu_tensors_too),
         Case("active_ranks", active_ranks),
         Case("bad_input", bad_input),
+        Case("split_mismatch", split_mismatch),
         Case("graph_capture", graph_capture),
         Case("big", big),
     ]
