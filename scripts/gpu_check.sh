@@ -30,6 +30,20 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 status=0
 STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench pgcuda epdev epprof epbench} "
 step() { echo "== $1"; }
+# sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
+# log in $OUT/LOG_STEM_TOOL.log; any error fails the run.
+sanitize() {
+  local script=$1 stem=$2 tool rc
+  shift 2
+  for tool in "$@"; do
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" "$script" \
+      >"$OUT/${stem}_$tool.log" 2>&1
+    rc=$?
+    echo "$tool: exit $rc ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|$(basename "$script" .py)" \
+      "$OUT/${stem}_$tool.log" | tail -2 | tr '\n' ' '))"
+    [ $rc = 0 ] || status=1
+  done
+}
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
 step "machine"
@@ -95,13 +109,7 @@ if wants pgcuda; then
     tests/python/test_fault_tolerance.py -k "cuda" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
-  for tool in ${PG_SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" tests/python/cuda_backend_round.py \
-      >"$OUT/sanitizer_pg_$tool.log" 2>&1
-    rc=$?
-    echo "$tool: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|cuda_backend_round' "$OUT/sanitizer_pg_$tool.log" | tail -2 | tr '\n' ' '))"
-    [ $rc = 0 ] || status=1
-  done
+  sanitize tests/python/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS:-memcheck racecheck}
 fi
 
 # Several processes on one GPU run their kernels side by side only under MPS
@@ -135,13 +143,7 @@ if wants epdev; then
     | tee "$OUT/pytest_ep_device.log" | tail -15 || status=1
   stop_mps
   step "EP device path: compute-sanitizer"
-  for tool in ${EP_SANITIZE_TOOLS:-memcheck racecheck}; do
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" tests/python/ep_device_ranks.py \
-      >"$OUT/sanitizer_$tool.log" 2>&1
-    rc=$?
-    echo "$tool: exit $rc ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|ep_device_ranks' "$OUT/sanitizer_$tool.log" | tail -2 | tr '\n' ' '))"
-    [ $rc = 0 ] || status=1
-  done
+  sanitize tests/python/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS:-memcheck racecheck}
 fi
 
 if wants epprof; then
