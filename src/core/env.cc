@@ -43,7 +43,8 @@ const std::vector<EnvVar>& env_registry() {
        "1: EP dispatch/combine always take the portable path (torch ops over the process "
        "group), even where the device path could run."},
       {"MOONCAKE_CUDA_SEGMENT_BYTES", "67108864",
-       "Backend mooncake: bytes of each rank's device segment, which same-host peers map. "
+       "Backend mooncake: bytes of each rank's device segment (allocated by the first op that "
+       "uses it), which same-host peers map. "
        "all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor whose input "
        "fits go GPU to GPU through it; larger ones, other ops, and groups that span hosts "
        "stage through host memory. 0: no segment (every op is staged)."},

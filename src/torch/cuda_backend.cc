@@ -502,8 +502,8 @@ bool MooncakeCudaBackend::on_plane(std::initializer_list<at::Tensor> tensors,
   return plane_->same_host(timeout_ms());
 }
 
-at::Tensor MooncakeCudaBackend::segment_as(const at::Tensor& like) const {
-  return at::from_blob(plane_->mine(), like.sizes(),
+at::Tensor MooncakeCudaBackend::segment_as(const at::Tensor& like) {
+  return at::from_blob(plane_->mine(comm().view()), like.sizes(),
                        at::TensorOptions().dtype(like.scalar_type()).device(like.device()));
 }
 
@@ -524,7 +524,7 @@ void MooncakeCudaBackend::plane_run(
   wait_stream();
   comm().run_external(type, dtype, op, root, numel, timeout_ms,
                       [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
-                        auto segments = plane_->segments(members, comm().view().epoch, timeout_ms);
+                        auto segments = plane_->segments(members, comm().view(), timeout_ms);
                         sync.barrier();  // every member's input is in its segment
                         move(members, segments);
                         wait_stream();  // before the commit round lets peers reuse theirs
@@ -571,7 +571,7 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
   const size_t region = plane_->capacity() / static_cast<size_t>(size_) / 256 * 256;
   const auto* src = static_cast<const uint8_t*>(in.data_ptr());
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  uint8_t* mine = plane_->mine();
+  uint8_t* mine = plane_->mine(comm().view());
   auto piece = [&](size_t bytes, size_t k) {
     return k * region >= bytes ? 0 : std::min(region, bytes - k * region);
   };
@@ -583,7 +583,7 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
       OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms,
       [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
         check_width(members, size_, "all_to_all_single");
-        auto segments = plane_->segments(members, comm().view().epoch, timeout_ms);
+        auto segments = plane_->segments(members, comm().view(), timeout_ms);
         std::vector<size_t> send(static_cast<size_t>(comm().capacity()), 0), recv = send;
         uint64_t my_rounds = 0;
         for (int p : members) {

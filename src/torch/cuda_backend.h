@@ -136,7 +136,7 @@ class MooncakeCudaBackend final : public MooncakeBackend {
                         const std::vector<size_t>& in_counts, const std::vector<size_t>& out_counts,
                         DType dtype, int64_t timeout_ms);
   // This rank's segment seen as a contiguous tensor shaped like `like`.
-  at::Tensor segment_as(const at::Tensor& like) const;
+  at::Tensor segment_as(const at::Tensor& like);
 
   int device_ = -1;  // -1: this process sees no GPU (CPU tensors only)
   std::optional<c10::cuda::CUDAStream> stream_;

@@ -25,9 +25,20 @@ CudaPlane::CudaPlane(Store& store, std::string prefix, int rank, int world_size,
       rank_(rank),
       world_size_(world_size),
       device_(device),
-      segment_(bytes, device) {
+      bytes_(bytes) {
   store_.set(prefix_ + "cuda/host/" + std::to_string(rank_), host_identity());
-  store_.set(prefix_ + "cuda/seg/" + std::to_string(rank_), segment_.handle());
+}
+
+std::string CudaPlane::key(int slot, uint32_t incarnation) const {
+  return prefix_ + "cuda/seg/" + std::to_string(slot) + "/" + std::to_string(incarnation);
+}
+
+uint8_t* CudaPlane::mine(const View& view) {
+  if (!segment_) {
+    segment_ = std::make_unique<DeviceSegment>(bytes_, device_);
+    store_.set(key(rank_, view.incarnation[static_cast<size_t>(rank_)]), segment_->handle());
+  }
+  return segment_->data();
 }
 
 bool CudaPlane::same_host(int64_t timeout_ms) {
@@ -41,30 +52,23 @@ bool CudaPlane::same_host(int64_t timeout_ms) {
   return same_host_ == 1;
 }
 
-std::vector<const uint8_t*> CudaPlane::segments(const std::vector<int>& members, uint64_t epoch,
+std::vector<const uint8_t*> CudaPlane::segments(const std::vector<int>& members, const View& view,
                                                 int64_t timeout_ms) {
-  if (epoch != epoch_) {
-    for (int p : members) {
-      if (p == rank_) continue;
-      std::string handle = store_.get(prefix_ + "cuda/seg/" + std::to_string(p), timeout_ms);
-      Peer& peer = peers_[p];
-      if (peer.handle != handle) {  // a new process in that slot: map its segment
-        peer.mapping = std::make_unique<PeerMapping>(handle, device_);
-        peer.handle = std::move(handle);
-      }
-    }
-    epoch_ = epoch;
-  }
   std::vector<const uint8_t*> out;
   out.reserve(members.size());
   for (int p : members) {
     if (p == rank_) {
-      out.push_back(segment_.data());
+      out.push_back(mine(view));
       continue;
     }
-    auto it = peers_.find(p);
-    MC_ASSERT(it != peers_.end() && it->second.mapping, "segment of member ", p, " not mapped");
-    out.push_back(it->second.mapping->data());
+    const uint32_t incarnation = view.incarnation[static_cast<size_t>(p)];
+    Peer& peer = peers_[p];
+    if (!peer.mapping || peer.incarnation != incarnation) {  // a process not mapped yet
+      peer.mapping =
+          std::make_unique<PeerMapping>(store_.get(key(p, incarnation), timeout_ms), device_);
+      peer.incarnation = incarnation;
+    }
+    out.push_back(peer.mapping->data());
   }
   return out;
 }

@@ -236,6 +236,25 @@ def split_mismatch(ctx):
     _usable(ctx, "a split mismatch")
 
 
+def subgroup(ctx):
+    """A subgroup of the even ranks (its own device segments, mapped among its members) and
+    the world group, used in turn; 128 KiB tensors, which take the device plane."""
+    world, n = ctx.world_size, 1 << 15
+    ranks = list(range(0, world, 2))
+    g = dist.new_group(ranks)
+    for i in range(2):
+        x = torch.full((n,), float(ctx.rank + 1), device="cuda")
+        if ctx.rank in ranks:
+            dist.all_reduce(x, group=g)
+            want = float(sum(r + 1 for r in ranks))
+            ctx.expect(bool((x == want).all()), f"subgroup all_reduce {i}: {x[0].item()}")
+        y = torch.full((n,), float(ctx.rank + 1), device="cuda")
+        dist.all_reduce(y)
+        want = world * (world + 1) / 2
+        ctx.expect(bool((y == want).all()), f"world all_reduce {i}: {y[0].item()}")
+    dist.destroy_process_group(g)
+
+
 def graph_capture(ctx):
     """An op under CUDA graph capture raises ValueError saying why, on every rank."""
     x = torch.ones(4, device="cuda")
@@ -282,6 +301,7 @@ def cases(world: int) -> list[Case]:
         Case("active_ranks", active_ranks),
         Case("bad_input", bad_input),
         Case("split_mismatch", split_mismatch),
+        Case("subgroup", subgroup),
         Case("graph_capture", graph_capture),
         Case("big", big),
     ]
