@@ -5,8 +5,8 @@ for all_reduce, all_gather_into_tensor and reduce_scatter_tensor) and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
 
-Each (backend, world size) is launched once: this process hosts the TCPStore
-and every rank is a subprocess (this file with ``--worker``) on the one GPU
+Each (backend, world size) is launched once with ``mooncake.launch`` (this
+process hosts the TCPStore, every rank is a spawned process) on the one GPU
 (several processes share it). Every point: warm-up ops, a barrier, then
 ``iters`` back-to-back synchronous ops and a device synchronize; the time is
 the slowest rank's mean. NCCL runs at world 1 only (it refuses two ranks on
@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -86,17 +83,16 @@ def copy_rate(torch) -> float:
     return 20 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
 
 
-def worker(backend: str, rank: int, world: int, port: int, out: str) -> None:
+def worker(rank: int, world: int, port: int, backend: str) -> dict | None:
+    """One rank (mooncake.launch runs it): every op and size; rank 0 returns the rows."""
     import torch
     import torch.distributed as dist
 
+    from mooncake.launch import init_rank
+
     torch.cuda.set_device(0)
+    init_rank(rank, world, port, backend, timeout_s=120)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-    if backend.startswith("mooncake"):
-        import mooncake.pg  # noqa: F401 - registers the backend
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120)
-    )
     rows = []
     for op in OPS:
         for nbytes in SIZES:
@@ -124,46 +120,19 @@ def worker(backend: str, rank: int, world: int, port: int, out: str) -> None:
                 rows.append({"op": op, "bytes": nbytes, "us": slowest * 1e6, "error": errs[:1]})
             if err:
                 break  # the rest of this op's sizes: unsupported (or failing) alike
-    if rank == 0:
-        Path(out).write_text(json.dumps({"rows": rows, "copy_rate": copy_rate(torch)}))
+    result = {"rows": rows, "copy_rate": copy_rate(torch)} if rank == 0 else None
     dist.destroy_process_group()
+    return result
 
 
-def launch(backend: str, world: int, tmp: Path) -> dict:
-    import torch.distributed as dist
+def launch(column: str, world: int) -> dict:
+    from mooncake.launch import run_local
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False)
-    out = tmp / f"{backend}-w{world}.json"
-    name, env = COLUMNS[backend]
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--worker",
-                name,
-                str(r),
-                str(world),
-                str(port),
-                str(out),
-            ],
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-        )
-        for r in range(world)
-    ]
-    deadline = time.monotonic() + 600
-    for p in procs:
-        try:
-            p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    del store
-    if not out.exists():
-        return {"rows": [], "failed": f"exit codes {[p.returncode for p in procs]}"}
-    return json.loads(out.read_text())
+    backend, env = COLUMNS[column]
+    try:
+        return run_local(worker, world, args=(backend,), env=env, timeout_s=600)[0]
+    except RuntimeError as e:
+        return {"rows": [], "failed": str(e)[-2000:]}
 
 
 def fmt_bytes(n: int) -> str:
@@ -178,12 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    p.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.worker:
-        backend, rank, world, port, out = args.worker
-        worker(backend, int(rank), int(world), int(port), out)
-        return 0
     import torch
 
     if not torch.cuda.is_available():
@@ -197,7 +161,7 @@ def main(argv=None) -> int:
             if backend == "nccl" and world > 1:
                 continue  # NCCL refuses two ranks on one GPU
             t0 = time.monotonic()
-            results[f"{backend}/w{world}"] = launch(backend, world, outdir)
+            results[f"{backend}/w{world}"] = launch(backend, world)
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
     (outdir / "pg_cuda.json").write_text(json.dumps(results, indent=1))
     lines = [
