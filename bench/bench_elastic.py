@@ -32,9 +32,7 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -183,60 +181,47 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
 # --- the parent -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _role(slot: int, world: int, port: int, role: str, cfg: dict) -> None:
+    process(role, slot, world, port, cfg)
 
 
 def run_world(world: int, cfg: dict, timeout_s: float) -> dict:
-    import torch.distributed as dist
+    from mooncake.launch import LocalGroup
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent / "python"))
-    roles = [("member", s) for s in range(world)]
-    roles += [("standby", k) for k in range(cfg["replacements"])]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--role", r, str(s), str(world), str(port), json.dumps(cfg)],
-            env=env,
-        )
-        for r, s in roles
-    ]
     started = time.time()
-    try:
-        for p in procs:
-            p.wait(timeout=max(1, timeout_s - (time.time() - started)))
-    except subprocess.TimeoutExpired:
-        print(f"# world {world}: timed out after {timeout_s} s", file=sys.stderr)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    samples: dict[str, list[float]] = {m: [] for m in MEASURES}
-    keys = [f"result/{s}" for s in range(world)]
-    keys += [f"result/standby{k}" for k in range(cfg["replacements"])]
-    for key in keys:
-        if store.check([key]):
-            for m, v in json.loads(store.get(key)).items():
-                samples[m] += v
-    rows = []
-    for m, v in samples.items():
-        if v:
-            v = sorted(v)
-            rows.append(
-                {
-                    "measure": m,
-                    "what": MEASURES[m],
-                    "n": len(v),
-                    "median_ms": statistics.median(v) * 1e3,
-                    "p90_ms": v[min(len(v) - 1, int(0.9 * len(v)))] * 1e3,
-                    "max_ms": v[-1] * 1e3,
-                }
-            )
-    codes = [p.returncode for p in procs]
+    with LocalGroup(world, env={"OMP_NUM_THREADS": "1"}) as group:
+        store = group.store
+        keys = group.start(_role, args=("member", cfg))
+        keys += group.start(_role, ranks=range(cfg["replacements"]), args=("standby", cfg))
+        while not all(group.exited(k) for k in keys) and time.time() - started < timeout_s:
+            time.sleep(0.1)
+        if not all(group.exited(k) for k in keys):
+            print(f"# world {world}: timed out after {timeout_s} s", file=sys.stderr)
+        for k in keys:
+            if not group.exited(k):
+                group.kill(k)
+        codes = [group.wait(k) for k in keys]
+        samples: dict[str, list[float]] = {m: [] for m in MEASURES}
+        keys = [f"result/{s}" for s in range(world)]
+        keys += [f"result/standby{k}" for k in range(cfg["replacements"])]
+        for key in keys:
+            if store.check([key]):
+                for m, v in json.loads(store.get(key)).items():
+                    samples[m] += v
+        rows = []
+        for m, v in samples.items():
+            if v:
+                v = sorted(v)
+                rows.append(
+                    {
+                        "measure": m,
+                        "what": MEASURES[m],
+                        "n": len(v),
+                        "median_ms": statistics.median(v) * 1e3,
+                        "p90_ms": v[min(len(v) - 1, int(0.9 * len(v)))] * 1e3,
+                        "max_ms": v[-1] * 1e3,
+                    }
+                )
     return {"world": world, "wall_s": round(time.time() - started, 1), "rows": rows, "exit": codes}
 
 
@@ -304,8 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--role":
-        role, slot, world, port, cfg = sys.argv[2:7]
-        process(role, int(slot), int(world), int(port), json.loads(cfg))
-    else:
-        sys.exit(main())
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """nccl-tests-style benchmark of the ``mooncake-cpu`` backend against gloo, with floors.
 
-For each world size, each backend is launched once the way torchrun does it:
-this process hosts the ``TCPStore`` and every rank is a subprocess (this file
-with ``--worker``) that runs every op and size inside one process group. Each
+For each world size, each backend is launched once the way torchrun does it
+(``mooncake.launch``): this process hosts the ``TCPStore`` and every rank is a
+spawned process that runs every op and size inside one process group. Each
 point is timed as: barrier, warm-up ops, then a few timed loops of
 back-to-back ops, each between barriers. A loop's time is the slowest rank's
 mean; a point's is its fastest loop's (the others are kept in the JSON).
@@ -120,7 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="world 4, sizes 8 B/4K/64K/1M/16M, short loops: a smoke run of about a minute",
     )
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
 
@@ -231,7 +230,8 @@ def us(seconds: list[float]) -> list[float]:
     return [round(s * 1e6, 3) for s in seconds]
 
 
-def run_worker(cfg: dict) -> None:
+def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
+    """One rank (``mooncake.launch.LocalGroup`` runs it); its points go to the store."""
     import torch
     import torch.distributed as dist
 
@@ -241,8 +241,7 @@ def run_worker(cfg: dict) -> None:
     if cfg["backend"].startswith("mooncake"):
         from mooncake import pg  # noqa: F401  (registers the backend)
 
-    rank, world = cfg["rank"], cfg["world"]
-    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
     dist.init_process_group(
         cfg["backend"],
         store=store,
@@ -302,41 +301,31 @@ def run_worker(cfg: dict) -> None:
 
 def launch(backend: str, world: int, cfg: dict, timeout: float) -> dict:
     """Runs one group of ``world`` ranks; returns each rank's points and any error."""
-    import torch.distributed as dist
+    from mooncake.launch import LocalGroup
 
     started, load = time.monotonic(), os.getloadavg()[0]
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    procs = []
-    for rank in range(world):
-        rank_cfg = dict(cfg, backend=backend, rank=rank, world=world, port=store.port)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(rank_cfg)],
-                env=env,
-            )
-        )
-    deadline = time.monotonic() + timeout
     error = None
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            error = f"timed out after {timeout:.0f} s"
-            break
-        if any(p.returncode not in (None, 0) for p in procs):
-            # A rank died: the others should fail fast; give them a grace period.
-            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-        time.sleep(0.1)
-    for p in procs:  # only the ranks this launch started
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
-    if error is None and any(codes):
-        error = f"ranks exited with codes {codes}"
-    per_rank = []
-    for rank in range(world):
-        key = f"result/{rank}"
-        per_rank.append(json.loads(store.get(key)) if store.check([key]) else [])
+    with LocalGroup(world, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as group:
+        keys = group.start(run_worker, args=(dict(cfg, backend=backend),))
+        deadline = time.monotonic() + timeout
+        while not all(group.exited(k) for k in keys):
+            if time.monotonic() > deadline:
+                error = f"timed out after {timeout:.0f} s"
+                break
+            if any(group.exitcode(k) not in (None, 0) for k in keys):
+                # A rank died: the others should fail fast; give them a grace period.
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+            time.sleep(0.1)
+        for k in keys:
+            if not group.exited(k):
+                group.kill(k)
+        codes = [group.wait(k) for k in keys]
+        if error is None and any(codes):
+            error = f"ranks exited with codes {codes}"
+        per_rank = []
+        for rank in range(world):
+            key = f"result/{rank}"
+            per_rank.append(json.loads(group.store.get(key)) if group.store.check([key]) else [])
     return {
         "backend": backend,
         "world": world,
@@ -429,9 +418,6 @@ def measure_floors(worlds: list[int], quick: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.worker:
-        run_worker(json.loads(args.worker))
-        return 0
     if args.quick:
         args.world_sizes = "4"
         args.sizes = args.sizes or ",".join(str(s) for s in QUICK_SIZES)

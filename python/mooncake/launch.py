@@ -75,12 +75,25 @@ def init_rank(
     return active
 
 
-def _entry(fn, key, rank, world_size, port, args, env, queue):
-    os.environ.update(env)
+def _entry(fn, key, rank, world_size, port, args, env, log_dir, queue):
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if log_dir is not None:
+        # At the descriptor level, so that what the C++ core prints goes there too.
+        fd = os.open(os.path.join(log_dir, f"{key}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         # Pickled here, by value: a tensor in the result would otherwise travel as a
         # shared-memory handle that dies with this process.
         queue.put((key, True, pickle.dumps(fn(rank, world_size, port, *args))))
+    except SystemExit as e:  # fn chose its exit code: keep it
+        queue.put((key, False, f"exited with code {e.code}"))
+        raise
     except BaseException:  # noqa: BLE001  (reported to the parent)
         queue.put((key, False, traceback.format_exc()))
 
@@ -94,14 +107,23 @@ class LocalGroup:
 
     Args:
         world_size: the group's world size.
-        env: environment variables set in every process before ``fn`` runs.
+        env: environment variables set in every process before ``fn`` runs
+            (a ``None`` value removes the variable).
+        log_dir: when given, each process's stdout and stderr go to
+            ``<log_dir>/<key>.log``.
     """
 
-    def __init__(self, world_size: int, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        env: dict[str, str | None] | None = None,
+        log_dir: str | None = None,
+    ):
         import torch.distributed as dist
 
         self.world_size = world_size
         self.env = dict(env or {})
+        self.log_dir = log_dir
         self.store = dist.TCPStore(
             "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
         )
@@ -129,7 +151,17 @@ class LocalGroup:
             key = str(rank) if n == 0 else f"{rank}.{n}"
             p = self._ctx.Process(
                 target=_entry,
-                args=(fn, key, rank, self.world_size, self.port, args, self.env, self._queue),
+                args=(
+                    fn,
+                    key,
+                    rank,
+                    self.world_size,
+                    self.port,
+                    args,
+                    self.env,
+                    self.log_dir,
+                    self._queue,
+                ),
             )
             p.start()
             self._procs[key] = p
@@ -142,6 +174,15 @@ class LocalGroup:
     def exited(self, key: str) -> bool:
         """Whether the process has ended (by itself or killed)."""
         return self._procs[key].exitcode is not None
+
+    def wait(self, key: str) -> int | None:
+        """Waits for the process to end; returns its exit code."""
+        self._procs[key].join()
+        return self._procs[key].exitcode
+
+    def exitcode(self, key: str) -> int | None:
+        """The process's exit code (negative: the signal that ended it); None while it runs."""
+        return self._procs[key].exitcode
 
     def kill(self, key: str | int, sig: int = signal.SIGKILL) -> None:
         """Sends ``sig`` (kill -9 by default) to a process (a rank: its latest process)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,6 @@ import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -38,7 +36,7 @@ class Proc:
     slot: int
     gen: int
     role: dict
-    popen: subprocess.Popen
+    group_key: str  # the process's key in the LocalGroup ("2", "2.1", ...)
     killed: str = ""  # why the parent killed it ("planned": a rank asked)
     returncode: int | None = None
     records: list[dict] = field(default_factory=list)
@@ -49,8 +47,8 @@ class Proc:
         return f"{self.slot}.{self.gen}"
 
     def collect(self, folder: Path) -> None:
-        records, self.log = read_run_files(folder, self.key)
-        self.records += records
+        self.records += read_run_files(folder, self.key)[0]
+        self.log = read_run_files(folder, self.group_key)[1]
 
     def trouble(self) -> str:
         """Why this process did not end well ("" if it did, or was killed as planned)."""
@@ -84,11 +82,7 @@ class Timeline:
 
     def __init__(self, scenario, params, initial, env=None, timeout_s=150.0, grace_s=20.0):
         self.scenario, self.params, self.initial = scenario, params, list(initial)
-        self.env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in CONTROLLED_ENV and k != "MOONCAKE_LOG_LEVEL"
-        }
+        self.env: dict[str, str | None] = {k: None for k in CONTROLLED_ENV}
         self.env.update(
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
@@ -106,58 +100,42 @@ class Timeline:
         self.seconds = 0.0
 
     def run(self) -> Timeline:
-        import torch.distributed as dist
+        from mooncake.launch import LocalGroup
 
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="mooncake-elastic-") as tmp:
             self.dir = Path(tmp)
-            store = dist.TCPStore(
-                "127.0.0.1",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=60),
-            )
-            cfg = {"port": store.port, "scenario": self.scenario, "params": self.params, "dir": tmp}
-            self.config = self.dir / "config.json"
-            self.config.write_text(json.dumps(cfg))
-            try:
-                for slot in self.initial:
-                    self._spawn(slot, {})
-                self._supervise(store, t0 + self.timeout_s)
-            finally:
-                for p in self.procs:
-                    if p.popen.poll() is None:
-                        _kill(p.popen)
-                        p.killed = p.killed or "left running when the timeline ended"
-                for p in self.procs:
-                    p.returncode = p.popen.wait()
-                del store
+            capacity = max(self.initial, default=0) + 1
+            with LocalGroup(capacity, env=self.env, log_dir=tmp) as group:
+                self.group = group
+                cfg = {"port": group.port, "scenario": self.scenario, "params": self.params}
+                cfg["dir"] = tmp
+                self.config = self.dir / "config.json"
+                self.config.write_text(json.dumps(cfg))
+                try:
+                    for slot in self.initial:
+                        self._spawn(slot, {})
+                    self._supervise(group.store, t0 + self.timeout_s)
+                finally:
+                    for p in self.procs:
+                        if not group.exited(p.group_key):
+                            group.kill(p.group_key)
+                            p.killed = p.killed or "left running when the timeline ended"
+                    for p in self.procs:
+                        p.returncode = group.wait(p.group_key)
             for p in self.procs:
                 p.collect(self.dir)
         self.seconds = time.monotonic() - t0
         return self
 
     def _spawn(self, slot: int, role: dict) -> None:
+        from elastic_ranks import process_main
+
         gen = sum(1 for p in self.procs if p.slot == slot)
-        with open(self.dir / f"{slot}.{gen}.log", "wb") as log:  # the child keeps its copy
-            popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE / "elastic_ranks.py"),
-                    str(self.config),
-                    str(slot),
-                    str(gen),
-                    json.dumps(role),
-                ],
-                cwd=REPO,
-                env=self.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self.procs.append(Proc(slot, gen, role, popen))
+        (key,) = self.group.start(
+            process_main, ranks=[slot], args=(str(self.config), gen, json.dumps(role))
+        )
+        self.procs.append(Proc(slot, gen, role, key))
 
     def current(self, slot: int) -> Proc:
         return [p for p in self.procs if p.slot == slot][-1]
@@ -165,7 +143,7 @@ class Timeline:
     def _supervise(self, store, deadline: float) -> None:
         next_req, kills, failed_at = 0, [], None
         while True:
-            running = any(p.popen.poll() is None for p in self.procs)
+            running = any(not self.group.exited(p.group_key) for p in self.procs)
             now = time.monotonic()
             while store.check([f"tl/req/{next_req}"]):
                 req = json.loads(store.get(f"tl/req/{next_req}"))
@@ -181,11 +159,11 @@ class Timeline:
                 kills.remove(due)
                 victim = self.current(due[1])
                 victim.killed = "planned"
-                _kill(victim.popen)
-                victim.popen.wait(timeout=30)
+                self.group.kill(victim.group_key)
+                self.group.wait(victim.group_key)
                 store.set(f"tl/killed/{victim.slot}/{victim.gen}", "1")
             for p in self.procs:
-                rc = p.popen.poll()
+                rc = self.group.exitcode(p.group_key)
                 if rc not in (None, 0) and not p.killed and failed_at is None:
                     failed_at = now
                     store.set("tl/abort", f"process {p.key} exited with code {rc}")
@@ -241,13 +219,6 @@ class Timeline:
 
     def rounds_of(self, phase: str):
         return [(p, r) for p, r in self.records([phase], "round")]
-
-
-def _kill(popen: subprocess.Popen) -> None:
-    try:
-        os.killpg(popen.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def report(problems: list[str], tl: Timeline) -> str:

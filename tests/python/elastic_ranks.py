@@ -1,4 +1,5 @@
-"""The rank side of test_ep_elastic.py: ``python elastic_ranks.py CONFIG SLOT GEN ROLE``.
+"""The rank side of test_ep_elastic.py: :func:`process_main`, run by elastic_parent.py in
+the processes of a ``mooncake.launch.LocalGroup``.
 
 One process holds one slot of an elastic EP buffer (``Buffer.create_elastic``) and plays
 its part of a scenario's timeline (:data:`SCENARIOS`). There is no process group: the
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 import traceback
@@ -791,8 +791,9 @@ def silent(rk: Rank) -> None:
 SCENARIOS = {"growth": growth, "fault": fault, "contract": contract, "silent": silent}
 
 
-def main() -> int:
-    cfg_path, slot, gen, role = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def process_main(slot: int, capacity: int, port: int, cfg_path: str, gen: int, role: str) -> None:
+    """One process of a timeline (``mooncake.launch.LocalGroup`` runs it): slot
+    ``slot``'s ``gen``-th. Exits with code 3 when told to abort, 1 on an error."""
     torch.set_num_threads(1)
     with open(cfg_path) as f:
         cfg = json.load(f)
@@ -800,14 +801,9 @@ def main() -> int:
     try:
         SCENARIOS[cfg["scenario"]](rk)
         rk.emit("done")
-        return 0
     except Aborted as e:
         rk.emit("aborted", phase=rk.phase, reason=str(e))
-        return 3
+        raise SystemExit(3) from None
     except BaseException:  # noqa: BLE001 - reported to the parent
         rk.emit("error", phase=rk.phase, traceback=traceback.format_exc())
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        raise SystemExit(1) from None

@@ -2,10 +2,12 @@
 
 Starting a rank costs seconds (python, torch, the backend's rendezvous), so a
 launch starts its N ranks once and runs a whole list of cases in them. The
-parent (the pytest process) hosts the ``torch.distributed.TCPStore``, as
-torchrun's agent does, so that no rank is special; each rank is a
-subprocess running ``worker.py``, which connects to the store, calls
-``init_process_group("mooncake-cpu", ...)``, runs the cases in order and
+ranks are the processes of a ``mooncake.launch.LocalGroup`` (the launcher
+the package, the demo and the other tests use): the parent (the pytest
+process) hosts the ``torch.distributed.TCPStore``, as torchrun's agent does,
+so that no rank is special; each rank runs ``worker.rank_main``, which
+connects to the store, calls ``init_process_group`` (``mooncake-cpu`` unless
+the launch names another backend), runs the cases in order and
 appends one JSON line per event to its own result file. After every case
 the ranks compare verdicts through the store; a case that raised on some
 rank is followed by a probe all_reduce, and the launch stops if the group
@@ -25,17 +27,12 @@ environment, so that case names mean the same thing on every run.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -130,7 +127,7 @@ class RankRun:
 
     def collect(self, tmp: Path) -> None:
         """Reads the rank's result file and log from the launch folder."""
-        records, self.log = read_run_files(tmp, f"rank{self.rank}")
+        records, self.log = read_run_files(tmp, str(self.rank))
         self.records += records
 
     def log_tail(self, lines: int = 25) -> str:
@@ -270,8 +267,9 @@ def results() -> dict[Launch, LaunchResult]:
     return _results
 
 
-def _child_env(launch: Launch) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
+def _child_env(launch: Launch) -> dict[str, str | None]:
+    """The ranks' environment: the knobs of CONTROLLED_ENV only as the launch sets them."""
+    env: dict[str, str | None] = {k: None for k in CONTROLLED_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env.update(dict(launch.env))
     return env
@@ -280,80 +278,45 @@ def _child_env(launch: Launch) -> dict[str, str]:
 def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
     """Starts ``launch.world_size`` ranks, runs the (selected) cases, collects every rank's records.
 
-    Never hangs: ranks are killed at ``launch.timeout_s``, or ``launch.grace_s``
-    after another rank exited with an error.
+    The ranks are processes of a ``mooncake.launch.LocalGroup`` (which hosts the
+    store, as torchrun's agent does) running ``worker.rank_main``. Never hangs:
+    ranks are killed at ``launch.timeout_s``, or ``launch.grace_s`` after another
+    rank exited with an error.
     """
-    import torch.distributed as dist
+    from mooncake.launch import LocalGroup
+    from worker import rank_main
 
     n = launch.world_size
     with tempfile.TemporaryDirectory(prefix="mooncake-launch-") as tmpdir:
         tmp = Path(tmpdir)
-        store = dist.TCPStore(
-            "127.0.0.1", 0, n, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
         config = {
             "launch": launch,  # pickled by reference: the builder is a module-level function
-            "port": store.port,
             "selected": selected,
-            "out": str(tmp / "rank{rank}.jsonl"),
+            "out": str(tmp / "{rank}.jsonl"),
         }
         (tmp / "config.pkl").write_bytes(pickle.dumps(config))
         runs = [RankRun(rank) for rank in range(n)]
         start = time.monotonic()
-        try:
-            _start_and_supervise(launch, tmp, runs)
-        finally:
-            del store
+        with LocalGroup(n, env=_child_env(launch), log_dir=str(tmp)) as group:
+            try:
+                group.start(rank_main, args=(str(tmp / "config.pkl"),))
+                _supervise(group, runs, start + launch.timeout_s, launch.grace_s)
+            finally:
+                for rr in runs:
+                    key = str(rr.rank)
+                    if not group.exited(key):
+                        group.kill(key)
+                        rr.killed = rr.killed or "the test session was interrupted"
+                    rr.returncode = group.wait(key)
         for rr in runs:
             rr.collect(tmp)
     return LaunchResult(launch, runs, time.monotonic() - start)
 
 
-def _start_and_supervise(launch: Launch, tmp: Path, runs: list[RankRun]) -> None:
-    env = _child_env(launch)
-    procs: list[subprocess.Popen] = []
-    start = time.monotonic()
-    try:
-        for rr in runs:
-            with open(tmp / f"rank{rr.rank}.log", "wb") as log:  # the child keeps its own copy
-                procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            str(HERE / "worker.py"),
-                            str(tmp / "config.pkl"),
-                            str(rr.rank),
-                        ],
-                        cwd=REPO,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        _supervise(procs, runs, start + launch.timeout_s, launch.grace_s)
-    finally:
-        for proc, rr in zip(procs, runs, strict=False):
-            if proc.poll() is None:
-                _kill(proc)
-                rr.killed = rr.killed or "the test session was interrupted"
-            rr.returncode = proc.wait()
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _supervise(
-    procs: list[subprocess.Popen], runs: list[RankRun], deadline: float, grace_s: float
-) -> None:
+def _supervise(group, runs: list[RankRun], deadline: float, grace_s: float) -> None:
     first_error_at = None
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [group.exitcode(str(rr.rank)) for rr in runs]
         if all(c is not None for c in codes):
             return
         now = time.monotonic()
@@ -365,9 +328,9 @@ def _supervise(
         elif first_error_at is not None and now - first_error_at > grace_s:
             reason = f"another rank died and this one did not exit within {grace_s:.0f} s"
         if reason:
-            for proc, rr in zip(procs, runs, strict=True):
-                if proc.poll() is None:
-                    _kill(proc)
+            for rr in runs:
+                if not group.exited(str(rr.rank)):
+                    group.kill(str(rr.rank))
                     rr.killed = reason
             return
         time.sleep(0.05)

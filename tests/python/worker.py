@@ -1,4 +1,5 @@
-"""The rank side of a launch (see launcher.py): ``python worker.py CONFIG RANK``.
+"""The rank side of a launch (see launcher.py): :func:`rank_main`, which
+``mooncake.launch.LocalGroup`` runs in each rank's process.
 
 Connects to the launcher's TCPStore, creates the default ``mooncake-cpu``
 group (unless the launch says the cases do it), runs the selected cases in
@@ -18,7 +19,6 @@ import contextlib
 import json
 import os
 import pickle
-import sys
 import time
 import traceback
 from datetime import timedelta
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from reference import make_tensor, mismatch, seed_of  # worker.py's folder is sys.path[0]
+from reference import make_tensor, mismatch, seed_of  # this folder is on sys.path
 
 
 class RankContext:
@@ -164,11 +164,10 @@ def _agree(store: dist.Store, key: str, rank: int, world: int, value: str, timeo
     return [v.decode() for v in store.multi_get(keys)]
 
 
-def main() -> None:
-    config = pickle.loads(Path(sys.argv[1]).read_bytes())
+def rank_main(rank: int, world: int, port: int, config_path: str) -> None:
+    """Runs the launch's cases on this rank (``config_path``: the launcher's pickled config)."""
+    config = pickle.loads(Path(config_path).read_bytes())
     launch = config["launch"]
-    rank = int(sys.argv[2])
-    world = launch.world_size
     out = open(config["out"].format(rank=rank), "a", buffering=1)
 
     def record(**fields) -> None:
@@ -183,9 +182,7 @@ def main() -> None:
 
     op_timeout_s = launch.op_timeout_s
     sync_timeout_s = op_timeout_s * 2 + 60
-    store = dist.TCPStore(
-        "127.0.0.1", config["port"], world, is_master=False, timeout=timedelta(seconds=120)
-    )
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
     harness = dist.PrefixStore("harness", store)
     ctx = RankContext(rank, world, store, op_timeout_s, launch.backend)
     if launch.init_pg:
@@ -229,7 +226,3 @@ def main() -> None:
         dist.destroy_process_group()
     record(event="exit")
     out.close()
-
-
-if __name__ == "__main__":
-    main()
