@@ -93,12 +93,16 @@ void Communicator::admit(const std::vector<int>& slots, int64_t timeout_ms, bool
     next.since[slots[i]] = next.epoch;
   }
   // A newcomer listens before it says it waits: one that cannot be reached
-  // within a second is gone, and the next op finds it out.
+  // within a second is gone, which the barrier below finds out.
   runner_->connect_new(next, slots, Deadline::after_ms(std::min<int64_t>(meta.timeout_ms, 1000)));
   for (size_t i = 0; i < slots.size(); ++i)
     store_.set(prefix_ + "admitted/" + std::to_string(slots[i]) + "/" + std::to_string(incs[i]),
                next.encode());
   runner_->apply(next);
+  // The first op of the new view, which the newcomers take in join(): a
+  // newcomer that died meanwhile is left out here, before admit returns,
+  // rather than by the caller's next op.
+  barrier(timeout_ms);
 }
 
 bool Communicator::admitter_may_run() {
@@ -159,6 +163,7 @@ void Communicator::join(int64_t timeout_ms) {
   std::vector<int> others = view.members();
   runner_->connect_new(view, others, deadline);
   runner_->joined(view);
+  barrier(timeout_ms);  // the members' last step of admit()
 }
 
 }  // namespace mooncake

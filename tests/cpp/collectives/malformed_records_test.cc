@@ -117,8 +117,8 @@ TEST_P(MalformedJoinRecords, FailTheCallThatReadsThemAndTheGroupGoesOn) {
           }
           EXPECT_EQ(member_mask(comm), 0b11);
           store_barrier(r.store, "joiner checked", r.rank, 2);
-          comm.admit({2});  // writes the right view under admitted/2/<inc>
-          r.store.set("admitted/" + std::to_string(r.rank), "1");
+          r.store.set("admitting/" + std::to_string(r.rank), "1");
+          comm.admit({2});  // writes the right view under admitted/2/<inc>, then a barrier
           EXPECT_EQ(member_mask(comm), 0b111);
           EXPECT_EQ(comm.view().members(), (std::vector<int>{0, 1, 2}));
         } else {
@@ -134,10 +134,18 @@ TEST_P(MalformedJoinRecords, FailTheCallThatReadsThemAndTheGroupGoesOn) {
             r.store.set("join checked " + std::to_string(i), "1");
           }
           // Rank 0 leaves the last spoilt view in place until the members
-          // admit this process for real (which overwrites it).
-          r.store.get("admitted/0", 30000);
-          r.store.get("admitted/1", 30000);
-          comm.join(10000);
+          // admit this process for real, which overwrites it and then waits
+          // for this process in a barrier: join until the right view is there.
+          r.store.get("admitting/0", 30000);
+          r.store.get("admitting/1", 30000);
+          const mooncake::Deadline deadline = mooncake::Deadline::after_ms(30000);
+          while (comm.joining() && !deadline.expired()) {
+            try {
+              comm.join(10000);
+            } catch (const mooncake::Error&) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(2));
+            }
+          }
           EXPECT_FALSE(comm.joining());
           EXPECT_EQ(member_mask(comm), 0b111);
           EXPECT_EQ(comm.view().members(), (std::vector<int>{0, 1, 2}));
