@@ -268,8 +268,10 @@ class Slots:
         return torch.tensor(self._peers.mask()[:num_ranks], dtype=torch.int32) == 0
 
     def reject(self, device, reason: str) -> bool:
-        """As ``GroupMembers.reject``: not yet for slots (only this rank knows)."""
-        return False
+        """As ``GroupMembers.reject``: takes this slot's part in the next exchange by
+        rejecting it, so that every active slot's exchange fails naming this one."""
+        self._peers.reject(reason, -1)
+        return True
 
     def all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
         """As ``GroupMembers.all_to_all``, among the active slots; runs at once."""
@@ -291,6 +293,13 @@ class Slots:
             len(out_splits),
             timeout_ms,
         )
+        rejected = self._peers.rejections()
+        if rejected:
+            raise ValueError(
+                "; ".join(
+                    f"the op was not run: rank {slot} rejected it: {why}" for slot, why in rejected
+                )
+            )
         if host_out is not out:
             out.copy_(host_out)
         return _Done()

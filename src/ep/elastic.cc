@@ -258,15 +258,40 @@ void ElasticPeers::mark_failed(int peer, const std::string& why) {
 std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_t* send_bytes,
                                             void* const* recv, const size_t* recv_bytes, int bound,
                                             int64_t timeout_ms) {
+  return run_exchange(send, send_bytes, recv, recv_bytes, bound, timeout_ms, nullptr);
+}
+
+void ElasticPeers::reject(const std::string& reason, int64_t timeout_ms) {
+  MC_CHECK_ARG(!reason.empty(), "reject: reason must not be empty");
+  const size_t n = static_cast<size_t>(config_.capacity);
+  std::vector<const void*> send(n, nullptr);
+  std::vector<void*> recv(n, nullptr);
+  std::vector<size_t> bytes(n, 0);
+  run_exchange(send.data(), bytes.data(), recv.data(), bytes.data(), slots_.rank_bound(),
+               timeout_ms, &reason);
+}
+
+std::vector<std::pair<int, std::string>> ElasticPeers::rejections() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return rejections_;
+}
+
+std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const size_t* send_bytes,
+                                                void* const* recv, const size_t* recv_bytes,
+                                                int bound, int64_t timeout_ms,
+                                                const std::string* reject) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rejections_.clear();
   const int me = config_.rank;
   MC_CHECK_ARG(bound > me && bound <= config_.capacity, "exchange: bound must be in (", me, ", ",
                config_.capacity, "], got ", bound);
   std::vector<uint8_t> got(static_cast<size_t>(config_.capacity), 0);
   got[static_cast<size_t>(me)] = 1;
-  if (send_bytes[me] != 0 && send[me] != recv[me])
+  if (!reject && send_bytes[me] != 0 && send[me] != recv[me])
     std::memmove(recv[me], send[me], std::min(send_bytes[me], recv_bytes[me]));
   const size_t chunk = config_.chunk_bytes;
+  // A rejection is one piece to each peer, carrying the reason (cut to a piece).
+  const std::string why = reject ? reject->substr(0, chunk) : std::string();
   const int64_t limit_ms = timeout_ms < 0 ? config_.timeout_ms : timeout_ms;
   const Deadline deadline = Deadline::after_ms(limit_ms);
   // One stream per active peer: its pieces out and its pieces in. Every
@@ -283,8 +308,9 @@ std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_
     const int p = (me + i) % bound;  // start after this rank: not everyone hits rank 0 first
     if (!slots_.active(p)) continue;
     const uint64_t call = ++peers_[static_cast<size_t>(p)].calls;
-    streams.push_back(
-        {p, call, num_pieces(send_bytes[p], chunk), 0, num_pieces(recv_bytes[p], chunk), 0, false});
+    // Rejecting, what the peer sends is learnt from its first piece.
+    streams.push_back({p, call, reject ? 1 : num_pieces(send_bytes[p], chunk), 0,
+                       reject ? 1 : num_pieces(recv_bytes[p], chunk), 0, false});
   }
   auto fail = [&](Stream& s, const std::string& why) {
     s.failed = true;
@@ -299,6 +325,13 @@ std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_
         MsgHeader h{};
         h.op_type = kElasticMsg;
         h.op_seq = s.call;
+        if (reject) {
+          h.flags = kMsgRejected;
+          channels_->send(p, h, why.data(), why.size(), deadline, "ep exchange");
+          ++s.sent;
+          moved = true;
+          continue;
+        }
         h.edge_bytes = send_bytes[p];
         h.edge_expect = recv_bytes[p];
         const size_t len = piece_bytes(send_bytes[p], chunk, s.sent);
@@ -312,6 +345,21 @@ std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_
         moved = true;
         if (msg->op_seq < s.call) {  // late, from an exchange this side gave up on
           channels_->release(p, deadline);
+          continue;
+        }
+        if (msg->op_type == kElasticMsg && msg->op_seq == s.call && s.received == 0 &&
+            (msg->flags & kMsgRejected) != 0) {  // the peer takes its part by rejecting
+          rejections_.emplace_back(p,
+                                   std::string(reinterpret_cast<const char*>(msg + 1), msg->len));
+          channels_->release(p, deadline);
+          s.received = s.to_recv;
+          continue;
+        }
+        if (reject && msg->op_type == kElasticMsg && msg->op_seq == s.call) {
+          // Rejecting: drain the peer's message, however long it says it is.
+          if (s.received == 0) s.to_recv = num_pieces(msg->edge_bytes, chunk);
+          channels_->release(p, deadline);
+          ++s.received;
           continue;
         }
         const size_t len = piece_bytes(recv_bytes[p], chunk, s.received);

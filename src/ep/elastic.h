@@ -47,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "collectives/channel.h"
@@ -102,6 +103,14 @@ class ElasticPeers {
   std::vector<uint8_t> exchange(const void* const* send, const size_t* send_bytes,
                                 void* const* recv, const size_t* recv_bytes, int bound,
                                 int64_t timeout_ms);
+  // Takes this rank's part in an exchange among the active slots (below the
+  // rank bound) without its data: each peer gets `reason` instead of its
+  // messages and finds it in rejections() after its exchange, as it would
+  // an error of its own (for what this rank alone can see, such as a peer's
+  // corrupt counts); what the peers send here is drained.
+  void reject(const std::string& reason, int64_t timeout_ms);
+  // (slot, reason) of the peers that rejected the last exchange.
+  std::vector<std::pair<int, std::string>> rejections() const;
   // An exchange of empty messages among all active slots (one phase: one
   // timeout_ms).
   std::vector<uint8_t> barrier(int64_t timeout_ms);
@@ -151,6 +160,11 @@ class ElasticPeers {
   mutable std::mutex mu_;
   std::vector<Peer> peers_;
   std::vector<std::string> events_;
+  std::vector<std::pair<int, std::string>> rejections_;  // of the last exchange
+  // exchange(), or with `reject` its rejecting form (see reject()).
+  std::vector<uint8_t> run_exchange(const void* const* send, const size_t* send_bytes,
+                                    void* const* recv, const size_t* recv_bytes, int bound,
+                                    int64_t timeout_ms, const std::string* reject);
 };
 
 }  // namespace mooncake

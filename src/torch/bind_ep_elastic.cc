@@ -107,6 +107,13 @@ void register_ep_elastic(py::module_& m) {
           "barrier",
           [](ElasticHandle& h, int64_t timeout_ms) { return h.peers->barrier(timeout_ms); },
           py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reject",
+          [](ElasticHandle& h, const std::string& reason, int64_t timeout_ms) {
+            h.peers->reject(reason, timeout_ms);
+          },
+          py::arg("reason"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def("rejections", [](const ElasticHandle& h) { return h.peers->rejections(); })
       .def("state", [](const ElasticHandle& h,
                        int slot) { return slot_state_name(h.peers->slots().state(slot)); })
       .def("generation",

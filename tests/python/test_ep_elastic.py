@@ -626,6 +626,34 @@ def test_dispatch_num_experts_range(store):
     assert verified_rounds([buf], [2], "after", n=6) == []  # R = 3, 4 and 4 (mid)
 
 
+def test_corrupt_counts_fail_every_slot(store):
+    """Slot 1's counts for slot 0 arrive corrupt (more than T tokens for an expert): slot 0
+    alone can see it, takes its part in the tokens exchange by rejecting it, and raises
+    RuntimeError naming slot 1; slot 1 raises ValueError naming slot 0 and why. Then rounds
+    between them are exact again."""
+    from mooncake import _ep_fallback as fb
+
+    b0, b1 = connected_pair(store, fresh_prefix())
+    members = b1._portable.members
+    exchange = members.all_to_all
+
+    def corrupting(device, out, inp, out_splits, in_splits, timeout_us):
+        members.all_to_all = exchange  # once: the counts exchange of this call
+        inp = inp.clone()
+        inp[0, fb.META_COLS] = SPEC.T + 5
+        return exchange(device, out, inp, out_splits, in_splits, timeout_us)
+
+    members.all_to_all = corrupting
+    e0, e1 = in_threads(lambda: tiny_dispatch(b0, 8), lambda: tiny_dispatch(b1, 8))
+    members.__dict__.pop("all_to_all", None)
+    assert isinstance(e0, RuntimeError) and not isinstance(e0, ValueError), e0
+    assert "rank 1" in str(e0) and "corrupt" in str(e0), e0
+    assert isinstance(e1, ValueError), e1
+    assert "rank 0" in str(e1) and "corrupt" in str(e1), e1
+    assert b0.mask_events() == [] and b1.mask_events() == []  # nobody was masked for it
+    assert verified_rounds([b0, b1], [0, 1], "after") == []
+
+
 def test_store_waits_are_bounded_by_metadata_timeout(store):
     """connect_ranks to a slot nobody holds, and publishing a peer that never connects
     back, raise TimeoutError after about metadata_timeout_ms, naming it; the buffer stays
