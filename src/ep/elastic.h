@@ -99,7 +99,8 @@ class ElasticPeers {
   // from it (arrays of capacity entries; this rank's own entry is copied).
   // A peer that fails, stays silent past timeout_ms from this exchange's start
   // (< 0: the configured one) or sends the wrong number of bytes is masked.
-  // Returns, per slot, 1 when its data arrived (this rank included).
+  // Returns, per slot, 1 when its data arrived (this rank included) or it
+  // rejected the exchange (see reject(): nothing of it is written then).
   std::vector<uint8_t> exchange(const void* const* send, const size_t* send_bytes,
                                 void* const* recv, const size_t* recv_bytes, int bound,
                                 int64_t timeout_ms);

@@ -246,6 +246,37 @@ TEST_P(ElasticPeersTest, StagedPeersTakeNoPartUntilPublished) {
   });
 }
 
+// A slot that takes its part in an exchange by rejecting it: each peer's
+// exchange returns with the reason in rejections() and nothing written from
+// that slot, the rejecting slot drains the peers' multi-piece messages, nobody
+// is masked, and the next exchange is in step.
+TEST_P(ElasticPeersTest, ARejectionReachesEveryPeerAndKeepsTheChannelsInStep) {
+  const bool tcp = this->tcp();
+  run_ranks(3, [&](Rank& r) {
+    auto peers = make_peers(r, tcp, config(r.rank, 4));
+    const std::vector<int> o = others(r.rank, 3);
+    peers->connect(o, /*activate=*/false);
+    for (int q : o) peers->set_masked(q, false);
+    const Sizes big = fixed(2 * peers->config().chunk_bytes + 5);  // three pieces per message
+    if (r.rank == 1) {
+      peers->reject("rank 2's counts are corrupt", 5000);
+      EXPECT_TRUE(peers->rejections().empty());
+    } else {
+      Received x = exchange_round(*peers, 1, 3, 5000, big);
+      EXPECT_EQ(peers->rejections(),
+                (std::vector<std::pair<int, std::string>>{{1, "rank 2's counts are corrupt"}}));
+      for (uint8_t b : x.data[1]) ASSERT_EQ(b, kUntouched) << "slot 1's data was written";
+      const int other = r.rank == 0 ? 2 : 0;
+      EXPECT_TRUE(arrived(x, other, r.rank, 1));
+    }
+    Received next = exchange_round(*peers, 2, 3, 5000, big);
+    EXPECT_EQ(next.got, only(4, {0, 1, 2}));
+    for (int src = 0; src < 3; ++src) EXPECT_TRUE(arrived(next, src, r.rank, 2));
+    EXPECT_TRUE(peers->rejections().empty());
+    EXPECT_TRUE(peers->events().empty()) << joined(peers->events());
+  });
+}
+
 TEST_P(ElasticPeersTest, SparseSlotsKeepTheirGlobalIndices) {
   const bool tcp = this->tcp();
   run_ranks(2, [&](Rank& r) {
