@@ -94,6 +94,7 @@ demo: build
 	$(PY) examples/elastic_ep.py
 
 bench: build
+	$(BUILD)/mooncake_reduce_bench
 	$(PY) bench/bench_pg.py
 	$(PY) bench/bench_recovery.py
 	$(PY) bench/bench_ep.py
