@@ -193,9 +193,7 @@ def run_world(world: int, cfg: dict, timeout_s: float) -> dict:
         store = group.store
         keys = group.start(_role, args=("member", cfg))
         keys += group.start(_role, ranks=range(cfg["replacements"]), args=("standby", cfg))
-        while not all(group.exited(k) for k in keys) and time.time() - started < timeout_s:
-            time.sleep(0.1)
-        if not all(group.exited(k) for k in keys):
+        if group.wait_all(keys, timeout_s):
             print(f"# world {world}: timed out after {timeout_s} s", file=sys.stderr)
         for k in keys:
             if not group.exited(k):

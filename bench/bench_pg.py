@@ -307,15 +307,9 @@ def launch(backend: str, world: int, cfg: dict, timeout: float) -> dict:
     error = None
     with LocalGroup(world, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as group:
         keys = group.start(run_worker, args=(dict(cfg, backend=backend),))
-        deadline = time.monotonic() + timeout
-        while not all(group.exited(k) for k in keys):
-            if time.monotonic() > deadline:
-                error = f"timed out after {timeout:.0f} s"
-                break
-            if any(group.exitcode(k) not in (None, 0) for k in keys):
-                # A rank died: the others should fail fast; give them a grace period.
-                deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-            time.sleep(0.1)
+        # A rank that dies should make the others fail fast: they get a grace period.
+        if group.wait_all(keys, timeout, FAILURE_GRACE_S) == "deadline":
+            error = f"timed out after {timeout:.0f} s"
         for k in keys:
             if not group.exited(k):
                 group.kill(k)

@@ -175,6 +175,30 @@ class LocalGroup:
         """Whether the process has ended (by itself or killed)."""
         return self._procs[key].exitcode is not None
 
+    def wait_all(self, keys: Iterable[str], timeout_s: float, grace_s: float | None = None) -> str:
+        """Waits until every process of ``keys`` has ended, and kills none.
+
+        Returns ``""`` when they all ended, ``"deadline"`` when ``timeout_s``
+        passed first, and ``"grace"`` when one of them failed (a non-zero exit)
+        and others still ran ``grace_s`` later.
+        """
+        keys = list(keys)
+        deadline = time.monotonic() + timeout_s
+        failed_at = None
+        while True:
+            codes = [self.exitcode(k) for k in keys]
+            if all(c is not None for c in codes):
+                return ""
+            now = time.monotonic()
+            if now > deadline:
+                return "deadline"
+            if grace_s is not None:
+                if failed_at is None and any(c not in (None, 0) for c in codes):
+                    failed_at = now
+                if failed_at is not None and now - failed_at > grace_s:
+                    return "grace"
+            time.sleep(0.05)
+
     def wait(self, key: str) -> int | None:
         """Waits for the process to end; returns its exit code."""
         self._procs[key].join()

@@ -300,7 +300,18 @@ def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
         with LocalGroup(n, env=_child_env(launch), log_dir=str(tmp)) as group:
             try:
                 group.start(rank_main, args=(str(tmp / "config.pkl"),))
-                _supervise(group, runs, start + launch.timeout_s, launch.grace_s)
+                why = group.wait_all(
+                    [str(rr.rank) for rr in runs], launch.timeout_s, launch.grace_s
+                )
+                reason = {
+                    "deadline": "the launch ran past its deadline",
+                    "grace": f"another rank died and this one did not exit within "
+                    f"{launch.grace_s:.0f} s",
+                }.get(why, "")
+                for rr in runs:
+                    if reason and not group.exited(str(rr.rank)):
+                        group.kill(str(rr.rank))
+                        rr.killed = reason
             finally:
                 for rr in runs:
                     key = str(rr.rank)
@@ -311,26 +322,3 @@ def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
         for rr in runs:
             rr.collect(tmp)
     return LaunchResult(launch, runs, time.monotonic() - start)
-
-
-def _supervise(group, runs: list[RankRun], deadline: float, grace_s: float) -> None:
-    first_error_at = None
-    while True:
-        codes = [group.exitcode(str(rr.rank)) for rr in runs]
-        if all(c is not None for c in codes):
-            return
-        now = time.monotonic()
-        if first_error_at is None and any(c not in (None, 0) for c in codes):
-            first_error_at = now
-        reason = ""
-        if now > deadline:
-            reason = "the launch ran past its deadline"
-        elif first_error_at is not None and now - first_error_at > grace_s:
-            reason = f"another rank died and this one did not exit within {grace_s:.0f} s"
-        if reason:
-            for rr in runs:
-                if not group.exited(str(rr.rank)):
-                    group.kill(str(rr.rank))
-                    rr.killed = reason
-            return
-        time.sleep(0.05)
