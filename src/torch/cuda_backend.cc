@@ -524,8 +524,10 @@ void MooncakeCudaBackend::plane_run(
   wait_stream();
   comm().run_external(type, dtype, op, root, numel, timeout_ms,
                       [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
+                        // Every member's input is in its segment, published: a member that
+                        // died before is found here, not by a wait for its segment.
+                        sync.barrier();
                         auto segments = plane_->segments(members, comm().view(), timeout_ms);
-                        sync.barrier();  // every member's input is in its segment
                         move(members, segments);
                         wait_stream();  // before the commit round lets peers reuse theirs
                       });
@@ -583,7 +585,6 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
       OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms,
       [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
         check_width(members, size_, "all_to_all_single");
-        auto segments = plane_->segments(members, comm().view(), timeout_ms);
         std::vector<size_t> send(static_cast<size_t>(comm().capacity()), 0), recv = send;
         uint64_t my_rounds = 0;
         for (int p : members) {
@@ -604,6 +605,8 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
         // sizes, which so also says every member's pieces are in place.
         stage(0);
         const uint64_t rounds = sync.sized(send, recv, my_rounds);
+        // After that round every member has published its segment (see plane_run).
+        auto segments = plane_->segments(members, comm().view(), timeout_ms);
         copy(dst + out_at[rank_], src + in_at[rank_], in_counts[rank_] * esize,
              "all_to_all_single own slice");
         std::vector<bool> member(static_cast<size_t>(size_), false);
