@@ -116,6 +116,17 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         host[f"{tag} Buffer.dispatch"] = host_us(
             lambda fp8=fp8: buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
         )
+        # The send half alone (its receive half never runs: host time only).
+        host[f"{tag} Buffer.dispatch, send half"] = host_us(
+            lambda fp8=fp8: buf.dispatch(
+                x, idx, active, T, E, -1, use_fp8=fp8, return_recv_hook=True
+            )
+        )
+        host[f"{tag} ext.dispatch, send phase, outputs given"] = host_us(
+            lambda outs=outs, fp8=fp8: dev.ext.dispatch(
+                x, idx, active, None, outs, T, E, buf._seq + 1, 10**9, fp8, 1, dev.num_blocks
+            )
+        )
         res[f"{tag} dispatch back-to-back us"] = back_to_back_us(
             lambda fp8=fp8: buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
         )

@@ -206,7 +206,7 @@ class Buffer:
         A closed formula (``src/ep/layout.h``): two halves (even and odd calls),
         each ``align128(2E * 8)`` signal bytes + a dispatch region of
         ``E * T * M`` + a combine region of ``T * 16 * 2H`` + a stage of
-        ``T * M``, where ``M = align16(16 + max(2H, H + 4 * ceil(H / 128)))``
+        ``T * M`` + an index of ``T * 16 * 8``, where ``M = align16(16 + max(2H, H + 4 * ceil(H / 128)))``
         is one dispatch message (a 16-byte header and a BF16 or FP8 payload)
         and ``2H`` one combine row; every region is 128-byte aligned. For
         T=128, H=7168, R=8, E=288 that is about 1.1 GB.

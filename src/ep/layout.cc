@@ -54,16 +54,19 @@ EpLayout::EpLayout(const EpShape& s) : shape(s) {
                            combine_msg_bytes, "combine"),
                kAlign);
   const size_t stage = align_up(checked_mul(T, dispatch_msg_bytes, "stage"), kAlign);
-  half_bytes = signals + dispatch + combine + stage;
+  const size_t index = align_up(
+      checked_mul(checked_mul(T, static_cast<size_t>(kMaxTopk), "index"), 8, "index"), kAlign);
+  half_bytes = signals + dispatch + combine + stage + index;
   MC_CHECK_ARG(half_bytes <= kMaxBytes / 2, f, ": the workspace would exceed 2^50 bytes");
   // Both halves' signals first: their offsets depend on E and R only, so a call
   // of another T or H never reads a signal where an earlier call left data.
   for (int i = 0; i < 2; ++i) {
-    const size_t data = 2 * signals + static_cast<size_t>(i) * (dispatch + combine + stage);
+    const size_t data = 2 * signals + static_cast<size_t>(i) * (dispatch + combine + stage + index);
     halves[i].signals = {static_cast<size_t>(i) * signals, signals};
     halves[i].dispatch = {data, dispatch};
     halves[i].combine = {data + dispatch, combine};
     halves[i].stage = {data + dispatch + combine, stage};
+    halves[i].index = {data + dispatch + combine + stage, index};
   }
   total_bytes = 2 * half_bytes;
 }

@@ -11,9 +11,9 @@
 // number), so that one call's combine can still read its half while the next
 // dispatch fills the other:
 //
-//   | signals 0 | signals 1 | dispatch 0 | combine 0 | stage 0 | dispatch 1 | ... |
+//   | signals 0 | signals 1 | dispatch 0 | combine 0 | stage 0 | index 0 | dispatch 1 | ... |
 //
-// (half = signals + dispatch + combine + stage; total = 2 * half). The signals of
+// (half = signals + dispatch + combine + stage + index; total = 2 * half). The signals of
 // both halves come first, so their places depend on E and R alone: a call of
 // another T or H never takes data an earlier call left for a signal.
 //
@@ -30,7 +30,14 @@
 //   combine   T * kMaxTopk rows of 2H bytes, [T tokens][top-k slot]: the
 //             expert outputs coming back for this rank's own tokens;
 //   stage     T rows of one message each: this rank's tokens quantised to FP8
-//             once, before they are copied to every expert that selected them.
+//             once, before they are copied to every expert that selected them
+//             (or, for a dispatch split by a receive hook, copied as they are,
+//             so that the receive half reads this rank's own rows from here);
+//   index     T * kMaxTopk int64, [T tokens][top-k slot]: where each of this
+//             rank's tokens landed among its own experts' rows (`seq << 32 |
+//             row`), so that a combine reads those expert outputs where they
+//             are instead of copying them to itself first. Only this rank
+//             writes or reads it.
 //
 // Senders store straight into the peer's mapped workspace (cuda_ipc), so no
 // send region is reserved; a transport that must stage would add one.
@@ -84,7 +91,7 @@ struct EpLayout {
     size_t bytes = 0;
   };
   struct Half {
-    Region signals, dispatch, combine, stage;
+    Region signals, dispatch, combine, stage, index;
   };
 
   EpLayout() = default;
@@ -118,6 +125,9 @@ struct EpLayout {
   }
   MC_HD size_t stage_row(uint64_t seq, int64_t token) const {
     return halves[seq & 1].stage.offset + static_cast<size_t>(token) * dispatch_msg_bytes;
+  }
+  MC_HD size_t combine_index(uint64_t seq, int64_t token, int64_t topk_slot) const {
+    return halves[seq & 1].index.offset + 8 * static_cast<size_t>(token * kMaxTopk + topk_slot);
   }
   MC_HD size_t combine_row(uint64_t seq, int64_t token, int64_t topk_slot) const {
     return halves[seq & 1].combine.offset +

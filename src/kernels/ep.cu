@@ -255,6 +255,22 @@ __device__ void quantize_share(const DispatchArgs& a) {
   }
 }
 
+// BF16/FP16 split by a receive hook: the rank's tokens copied once into its
+// stage rows, from which the receive half (a later launch, when `x` may have
+// changed) reads the rows this rank sends to itself.
+__device__ void stage_share(const DispatchArgs& a) {
+  const EpLayout& L = a.c.layout;
+  const int64_t bytes = 2 * L.shape.hidden, per_row = chunks_of(bytes);
+  uint8_t* own = a.c.peers[a.c.rank];
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t u = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
+       u < a.num_tokens * per_row; u += warps) {
+    const int64_t t = u / per_row;
+    copy_chunk<false>(own + L.stage_row(a.c.seq, t), static_cast<const uint8_t*>(a.x) + t * bytes,
+                      bytes, u % per_row, threadIdx.x % 32);
+  }
+}
+
 // A grid barrier in two halves, so that a block does other work between
 // arriving and waiting. sync[0] counts arrivals, sync[1] is the generation:
 // the last block to arrive resets the count and advances the generation,
@@ -363,6 +379,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       quantize_share<Elem>(a);
       __syncthreads();
       if (threadIdx.x == 0) s_gen = grid_arrive(a.c.grid_sync);
+    } else if (a.c.phases != kBoth) {
+      stage_share(a);
     }
     // This block sends for experts blockIdx.x + i * G. One pass over topk_idx
     // in flat order gives each selection of them the next slot of its expert
@@ -432,7 +450,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
         } else {
           report(a.c.status, kStatusOverflow, e, slot + 1);
         }
-        s_dst[at] = msg;
+        // Rows for this rank's own experts go as headers alone: the receive
+        // phase copies their bytes from x or the stage (one copy, not two).
+        s_dst[at] = e / epr == a.c.rank ? nullptr : msg;
         s_flat[at] = static_cast<int>(j);
       }
       items += s_warp_base[kWarps];
@@ -522,34 +542,58 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
     __syncthreads();
     if (warp == 0) warp_exclusive_scan(s_total, s_first, nl, lane);
     __syncthreads();
+    // kItems rows at a time: a thread per row reads its header and finds where
+    // its bytes are (the message, or for this rank's own rows x or the stage),
+    // then every warp copies (no lookups between a copy's loads).
     const int64_t data_bytes = kFp8 ? H : 2 * H;
     const int64_t per_row = chunks_of(data_bytes);
-    for (int64_t u = warp; u < s_first[nl] * per_row; u += kWarps) {
-      const int g = static_cast<int>(u / per_row);
-      const int64_t c = u % per_row;
-      const int i = find_segment(s_first, nl, g);
-      const int32_t* off = s_off + i * (R + 1);
-      const int r = g - s_first[i], s = find_segment(off, R, r);
-      const int le = static_cast<int>(blockIdx.x) + i * G;
-      const uint8_t* msg = own + L.dispatch_msg(seq, le, s, r - off[s]);
-      const uint8_t* body = msg + EpLayout::kHeaderBytes;
-      const int64_t row = le * cols + r;
-      copy_chunk<true>(static_cast<uint8_t*>(a.recv_x) + row * data_bytes, body, data_bytes, c,
-                       lane);
-      if (c != 0) continue;
-      const EpMsgHeader h = *reinterpret_cast<const EpMsgHeader*>(msg);
-      const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
-                      h.topk_slot < EpLayout::kMaxTopk;
-      if (lane == 0) {
+    const bool from_x = !kFp8 && a.c.phases == kBoth;  // own rows: x is this launch's input
+    const int total = s_first[nl];
+    for (int base = 0; base < total; base += kItems) {
+      const int n = min(kItems, total - base);
+      for (int q = threadIdx.x; q < n; q += kThreads) {
+        const int g = base + q, i = find_segment(s_first, nl, g);
+        const int32_t* off = s_off + i * (R + 1);
+        const int r = g - s_first[i], s = find_segment(off, R, r);
+        const int le = static_cast<int>(blockIdx.x) + i * G;
+        const uint8_t* msg = own + L.dispatch_msg(seq, le, s, r - off[s]);
+        const EpMsgHeader h = *reinterpret_cast<const EpMsgHeader*>(msg);
+        const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
+                        h.topk_slot < EpLayout::kMaxTopk &&
+                        (s != a.c.rank || h.token < a.num_tokens);
+        const int64_t row = le * cols + r;
         a.src_info[row] = ok ? h.token : -1;
         a.src_slot[row] = ok ? h.topk_slot : 0;
-        if (!ok) report(a.c.status, kStatusBadHeader, s, le);
+        const uint8_t* body = msg + EpLayout::kHeaderBytes;
+        if (!ok) {
+          report(a.c.status, kStatusBadHeader, s, le);
+          body = nullptr;
+        } else if (s == a.c.rank) {
+          body = from_x ? static_cast<const uint8_t*>(a.x) + h.token * data_bytes
+                        : own + L.stage_row(seq, h.token);
+          // Where this token's expert output will be, for the combine.
+          *reinterpret_cast<uint64_t*>(own + L.combine_index(seq, h.token, h.topk_slot)) =
+              (seq << 32) | static_cast<uint32_t>(row);
+        }
+        s_dst[q] = const_cast<uint8_t*>(body);
+        s_flat[q] = static_cast<int32_t>(row);
       }
-      if constexpr (kFp8) {
-        const int64_t nscale = H / EpLayout::kFp8Block;
-        for (int64_t j = lane; j < nscale; j += 32)
-          a.recv_scales[row * nscale + j] = reinterpret_cast<const float*>(body + H)[j];
+      __syncthreads();
+      for (int64_t u = warp; u < n * per_row; u += kWarps) {
+        const int q = static_cast<int>(u / per_row);
+        const uint8_t* body = s_dst[q];
+        if (body == nullptr) continue;
+        const int64_t c = u % per_row, row = s_flat[q];
+        copy_chunk<true>(static_cast<uint8_t*>(a.recv_x) + row * data_bytes, body, data_bytes, c,
+                         lane);
+        if constexpr (kFp8) {
+          if (c != 0) continue;
+          const int64_t nscale = H / EpLayout::kFp8Block;
+          for (int64_t j = lane; j < nscale; j += 32)
+            a.recv_scales[row * nscale + j] = reinterpret_cast<const float*>(body + H)[j];
+        }
       }
+      __syncthreads();  // s_dst and s_flat are refilled next round
     }
     for (int64_t q = threadIdx.x; q < nl * cols; q += kThreads) {
       const int i = static_cast<int>(q / cols);
@@ -569,6 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   __shared__ float s_weight[kBatch][EpLayout::kMaxTopk];
   __shared__ int32_t s_expert[kBatch][EpLayout::kMaxTopk];
   __shared__ int32_t s_slot[kBatch][EpLayout::kMaxTopk];
+  __shared__ const uint8_t* s_src[kBatch][EpLayout::kMaxTopk];  // each column's row
   __shared__ int32_t s_used[kBatch];
 
   const EpLayout& L = a.c.layout;
@@ -581,6 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const int K = a.topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint64_t seq = a.c.seq;
+  const bool both = a.c.phases == kBoth;  // split: own rows go through the combine rows too
 
   if (a.c.phases & kSend) {
     // This block returns the rows of pairs p = (local expert, source) =
@@ -589,9 +635,11 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     int32_t* s_rows = s_dyn;              // [np]
     int32_t* s_first = s_dyn + np;        // [np + 1]
     int32_t* s_start = s_first + np + 1;  // [np]: the pair's first row in x
+    // In one launch, this rank's own pairs need nothing sent: the receive
+    // phase reads their rows in x (the dispatch left where, in the index).
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G;
-      const bool live = ld_volatile(a.c.active_ranks + p % R) != 0;
+      const bool live = ld_volatile(a.c.active_ranks + p % R) != 0 && !(both && p % R == a.c.rank);
       const int64_t range = a.layout_range[p];
       s_rows[i] = live ? static_cast<int>(range & 0xffffffff) : 0;
       s_start[i] = static_cast<int>((p / R) * cols + (range >> 32));
@@ -625,6 +673,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     }
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
+      if (both && s == a.c.rank) continue;
       st_release_sys(
           reinterpret_cast<uint64_t*>(a.c.peers[s] + L.combine_flag(seq, a.c.rank * epr + le)),
           seq);
@@ -648,15 +697,27 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
         const int64_t t = blockIdx.x + static_cast<int64_t>(b0 + i) * G;
         const int64_t e = load_idx(a.topk_idx, t * K + k, a.topk_int64);
         bool used = false;
+        const uint8_t* src = own + L.combine_row(seq, t, k);
         if (e >= 0 && e < E) {
           const int d = static_cast<int>(e / epr);
-          uint64_t v = 0;
-          const auto* flag = reinterpret_cast<const uint64_t*>(own + L.combine_flag(seq, e));
-          const auto ready = [seq](uint64_t x) { return x == seq; };
-          used = ld_volatile(a.c.active_ranks + d) != 0 &&
-                 wait_for(a.c, flag, ready, deadline, d, kRecv, &v);
+          if (ld_volatile(a.c.active_ranks + d) == 0) {
+          } else if (both && d == a.c.rank) {
+            // This rank's own expert: its output is in x, at the row this
+            // call's dispatch recorded (an entry of another call: not delivered).
+            const uint64_t at =
+                *reinterpret_cast<const uint64_t*>(own + L.combine_index(seq, t, k));
+            const int64_t row = static_cast<int64_t>(at & 0xffffffffu);
+            used = (at >> 32) == (seq & 0xffffffffu) && row < epr * cols;
+            src = static_cast<const uint8_t*>(a.x) + row * 2 * H;
+          } else {
+            uint64_t v = 0;
+            const auto* flag = reinterpret_cast<const uint64_t*>(own + L.combine_flag(seq, e));
+            const auto ready = [seq](uint64_t x) { return x == seq; };
+            used = wait_for(a.c, flag, ready, deadline, d, kRecv, &v);
+          }
         }
         s_expert[i][k] = used ? static_cast<int>(e) : -1;
+        s_src[i][k] = src;
         s_weight[i][k] = a.topk_weights[t * K + k];
       }
       __syncthreads();
@@ -688,8 +749,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
           int4 raw[kLoads];
 #pragma unroll
           for (int q = 0; q < kLoads; ++q)
-            if (i0 + q < n)
-              raw[q] = reinterpret_cast<const int4*>(own + L.combine_row(seq, t, slot[i0 + q]))[v];
+            if (i0 + q < n) raw[q] = reinterpret_cast<const int4*>(s_src[i][slot[i0 + q]])[v];
 #pragma unroll
           for (int q = 0; q < kLoads; ++q) {
             if (i0 + q >= n) break;
@@ -723,7 +783,7 @@ int64_t per_block(int64_t n, int64_t grid) {
 // the default are rare: a small grid and ~300+ experts). The static part is
 // at most the send items, the combine's batch and a few small arrays.
 constexpr size_t kStaticSmem =
-    kItems * (sizeof(void*) + sizeof(int32_t)) + kBatch * (EpLayout::kMaxTopk * 12 + 4) + 512;
+    kItems * (sizeof(void*) + sizeof(int32_t)) + kBatch * (EpLayout::kMaxTopk * 20 + 4) + 512;
 
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes, const char* what) {

@@ -22,6 +22,7 @@ void register_ep_layout(py::module_& m) {
           d["dispatch"] = region(h.dispatch);
           d["combine"] = region(h.combine);
           d["stage"] = region(h.stage);
+          d["index"] = region(h.index);
           halves.append(d);
         }
         py::dict d;

@@ -32,7 +32,10 @@ class Case:
     K: int = 8
     fp8: bool = True
     dtype: torch.dtype = torch.bfloat16
-    mode: str = "plain"  # plain, hook, async, zero_copy, graph, pool
+    # plain, hook, async, zero_copy, graph, pool; hook_clobber: a dispatch hook, with x
+    # zeroed between the send half and the hook; combine_hook: a plain dispatch, then a
+    # combine hook with its x zeroed between the halves (a half must not read x later)
+    mode: str = "plain"
     tokens: int = -1  # -1: T on every rank; else this many (rank 0 sends none)
     drop: float = 0.0  # share of selections set to -1
     duplicates: bool = False  # some tokens select one expert twice
@@ -49,6 +52,9 @@ CASES = [
     Case("fp8/async", mode="async"),
     Case("bf16/zero_copy", fp8=False, mode="zero_copy"),
     Case("fp8/zero_copy/hook", mode="zero_copy"),
+    Case("bf16/hook_clobber", fp8=False, mode="hook_clobber"),
+    Case("fp8/hook_clobber", mode="hook_clobber"),
+    Case("bf16/combine_hook", fp8=False, mode="combine_hook"),
     Case("fp8/graph", mode="graph"),
     Case("bf16/graph", fp8=False, mode="graph"),
     Case("fp16", fp8=False, dtype=torch.float16),
@@ -143,7 +149,9 @@ def _compare_dispatch(dev, ref, fp8: bool) -> None:
 
 
 def _dispatch(buf, x, idx, case, E, mode, timeout_us=-1):
-    hook = mode in ("hook", "zero_copy")
+    hook = mode in ("hook", "zero_copy", "hook_clobber")
+    if mode == "hook_clobber":
+        x = x.clone()
     recv_x, cnt, handle, event, recv_hook = buf.dispatch(
         x,
         idx,
@@ -156,6 +164,8 @@ def _dispatch(buf, x, idx, case, E, mode, timeout_us=-1):
         return_recv_hook=hook,
     )
     if hook:
+        if mode == "hook_clobber":
+            x.zero_()
         recv_hook()
     event.current_stream_wait()
     return recv_x, cnt, handle
@@ -165,6 +175,8 @@ def _combine(buf, y, idx, w, handle, mode, timeout_us=-1):
     if mode == "zero_copy":
         buf.get_next_combine_buffer(handle).copy_(y)
         y = buf.get_next_combine_buffer(handle)
+    elif mode == "combine_hook":
+        y = y.clone()
     out, event, recv_hook = buf.combine(
         y,
         idx,
@@ -174,9 +186,11 @@ def _combine(buf, y, idx, w, handle, mode, timeout_us=-1):
         handle,
         zero_copy=mode == "zero_copy",
         async_finish=mode == "async",
-        return_recv_hook=mode == "hook",
+        return_recv_hook=mode in ("hook", "combine_hook"),
     )
     if recv_hook is not None:
+        if mode == "combine_hook":
+            y.zero_()
         recv_hook()
     event.current_stream_wait()
     return out

@@ -89,11 +89,11 @@ def _align(v: int, a: int) -> int:
 def hint_formula(T: int, H: int, R: int, E: int) -> int:
     """The docstring's formula, written out: two halves, each align128(2E * 8) signal
     bytes + a dispatch region of E * T * M + a combine region of T * 16 * 2H + a stage
-    region of T * M, with
+    region of T * M + an index region of T * 16 * 8, with
     M = align16(16 + max(2H, H + 4 * ceil(H / 128))), every region 128-byte aligned."""
     m = _align(16 + max(2 * H, H + 4 * -(-H // 128)), 16)
     half = _align(2 * E * 8, 128) + _align(E * T * m, 128) + _align(T * 16 * 2 * H, 128)
-    half += _align(T * m, 128)
+    half += _align(T * m, 128) + _align(T * 16 * 8, 128)
     return 2 * half
 
 
@@ -135,11 +135,12 @@ def test_size_hint_is_the_documented_formula(shape):
         "dispatch": _align(E * T * m, 128),
         "combine": _align(T * 16 * 2 * H, 128),
         "stage": _align(T * m, 128),
+        "index": _align(T * 16 * 8, 128),
     }
     h0, h1 = layout["halves"]
-    at = 0  # both halves' signals, then each half's dispatch and combine regions
+    at = 0  # both halves' signals, then each half's data regions
     for h, region in [(h0, "signals"), (h1, "signals")] + [
-        (h, r) for h in (h0, h1) for r in ("dispatch", "combine", "stage")
+        (h, r) for h in (h0, h1) for r in ("dispatch", "combine", "stage", "index")
     ]:
         offset, nbytes = h[region]
         assert (offset, nbytes) == (at, sizes[region]), (region, h)

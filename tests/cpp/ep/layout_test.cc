@@ -24,7 +24,8 @@ size_t formula(size_t T, size_t H, size_t E) {
   const size_t dispatch = up(E * T * msg, 128);
   const size_t combine = up(T * 16 * 2 * H, 128);
   const size_t stage = up(T * msg, 128);
-  return 2 * (signals + dispatch + combine + stage);
+  const size_t index = up(T * 16 * 8, 128);
+  return 2 * (signals + dispatch + combine + stage + index);
 }
 
 TEST(EpLayout, SizeHintIsTheClosedFormula) {
@@ -43,15 +44,16 @@ TEST(EpLayout, KnownValueForADeepSeekShape) {
   EXPECT_EQ(l.dispatch_msg_bytes, 14352u);
   EXPECT_EQ(l.combine_msg_bytes, 14336u);
   EXPECT_EQ(l.fp8_payload_bytes, 7168u + 4u * 56u);
-  EXPECT_EQ(l.total_bytes, 2u * (4608u + 529072128u + 29360128u + 1837056u));
+  EXPECT_EQ(l.total_bytes, 2u * (4608u + 529072128u + 29360128u + 1837056u + 16384u));
 }
 
 TEST(EpLayout, RegionsAreAlignedAndDisjointAndFillTheWorkspace) {
   const EpLayout l(EpShape{37, 896, 4, 12});
   const auto& h = l.halves;
   size_t at = 0;
-  for (const EpLayout::Region* r : {&h[0].signals, &h[1].signals, &h[0].dispatch, &h[0].combine,
-                                    &h[0].stage, &h[1].dispatch, &h[1].combine, &h[1].stage}) {
+  for (const EpLayout::Region* r :
+       {&h[0].signals, &h[1].signals, &h[0].dispatch, &h[0].combine, &h[0].stage, &h[0].index,
+        &h[1].dispatch, &h[1].combine, &h[1].stage, &h[1].index}) {
     EXPECT_EQ(r->offset, at);
     EXPECT_EQ(r->offset % EpLayout::kAlign, 0u);
     EXPECT_EQ(r->bytes % EpLayout::kAlign, 0u);
@@ -121,6 +123,13 @@ TEST(EpLayout, AccessorsStayInsideTheirRegions) {
       EXPECT_EQ(l.stage_row(seq, t), h.stage.offset + t * l.dispatch_msg_bytes);
       EXPECT_TRUE(inside(h.stage, l.stage_row(seq, t), l.dispatch_msg_bytes));
     }
+    next = h.index.offset;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < EpLayout::kMaxTopk; ++k) {
+        EXPECT_EQ(l.combine_index(seq, t, k), next);
+        EXPECT_TRUE(inside(h.index, next, 8));
+        next += 8;
+      }
   }
 }
 
