@@ -28,19 +28,12 @@ import os
 import torch
 
 from . import _checks, pg
-from ._ep_types import (
-    NO_WAIT,
-    DispatchHandle,
-    EventOverlap,
-    HandleState,
-    stream_waiter,
-    tensor_key,
-)
+from ._ep_types import DispatchHandle, HandleState, stream_waiter, tensor_key
 
 #: Status codes of ``src/kernels/api.h``.
 _BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT, _NOT_RESIDENT = 1, 2, 3, 4, 5, 6
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # combine rows per token (src/ep/layout.h)
-_BOTH = getattr(pg._ext, "EP_PHASE_BOTH", 3)  # a launch of both phases
+_BOTH = pg._ext.EP_PHASE_BOTH  # a launch of both phases
 _ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, present
 
 
@@ -245,7 +238,7 @@ class DevicePath:
             buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, src_slot, event
         )
         handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
-        overlap = NO_WAIT if event is None else EventOverlap(stream_waiter(event))
+        overlap = stream_waiter(event)
         if not hook:
             return recv_x, recv_count, handle, overlap, None
 
@@ -307,7 +300,7 @@ class DevicePath:
             hook,
         )
         buf.path = "device"
-        overlap = NO_WAIT if event is None else EventOverlap(stream_waiter(event))
+        overlap = stream_waiter(event)
         return result, overlap, recv_hook
 
     # --- calls ----------------------------------------------------------------------------

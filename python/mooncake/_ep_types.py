@@ -89,12 +89,12 @@ class DispatchHandle(NamedTuple):
 NO_WAIT = EventOverlap()
 
 
-def stream_waiter(event) -> Callable[[], None] | None:
-    """What ``EventOverlap.current_stream_wait`` does for a device-path call: make the
-    current stream wait for ``event`` (None: the call ran on the current stream)."""
+def stream_waiter(event) -> EventOverlap:
+    """A device-path call's EventOverlap: ``current_stream_wait`` makes the current
+    stream wait for ``event`` (None: the call ran on the current stream, NO_WAIT)."""
     if event is None:
-        return None
-    return lambda: torch.cuda.current_stream().wait_event(event)
+        return NO_WAIT
+    return EventOverlap(lambda: torch.cuda.current_stream().wait_event(event))
 
 
 def tensor_key(t) -> tuple | None:

@@ -120,45 +120,44 @@ __device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, u
   }
 }
 
+// BF16/FP16 pairs to and from fp32 (round to nearest on the way back).
 template <typename T>
-__device__ __forceinline__ void to_float8(const int4& v, float (&f)[8]);
+struct Pair;
 template <>
-__device__ __forceinline__ void to_float8<__nv_bfloat16>(const int4& v, float (&f)[8]) {
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
+struct Pair<__nv_bfloat16> {
+  using Two = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(Two v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ Two from_floats(float a, float b) {
+    return __floats2bfloat162_rn(a, b);
   }
-}
+};
 template <>
-__device__ __forceinline__ void to_float8<__half>(const int4& v, float (&f)[8]) {
-  const auto* h = reinterpret_cast<const __half2*>(&v);
+struct Pair<__half> {
+  using Two = __half2;
+  static __device__ __forceinline__ float2 to_float2(Two v) { return __half22float2(v); }
+  static __device__ __forceinline__ Two from_floats(float a, float b) {
+    return __floats2half2_rn(a, b);
+  }
+};
+
+// 8 channels (16 bytes) of T to fp32 and back.
+template <typename T>
+__device__ __forceinline__ void to_float8(const int4& v, float (&f)[8]) {
+  const auto* h = reinterpret_cast<const typename Pair<T>::Two*>(&v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 p = __half22float2(h[i]);
+    const float2 p = Pair<T>::to_float2(h[i]);
     f[2 * i] = p.x;
     f[2 * i + 1] = p.y;
   }
 }
 
 template <typename T>
-__device__ __forceinline__ int4 from_float8(const float (&f)[8]);
-template <>
-__device__ __forceinline__ int4 from_float8<__nv_bfloat16>(const float (&f)[8]) {
+__device__ __forceinline__ int4 from_float8(const float (&f)[8]) {
   int4 v;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
+  auto* h = reinterpret_cast<typename Pair<T>::Two*>(&v);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  return v;
-}
-template <>
-__device__ __forceinline__ int4 from_float8<__half>(const float (&f)[8]) {
-  int4 v;
-  auto* h = reinterpret_cast<__half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) h[i] = Pair<T>::from_floats(f[2 * i], f[2 * i + 1]);
   return v;
 }
 
@@ -335,6 +334,26 @@ __device__ __forceinline__ int find_segment(const int32_t* offsets, int n, int g
   return lo;
 }
 
+// The mask as this launch found it, in shared memory: one load per rank per
+// block at the start (beside the launch's first loads), instead of a
+// dependent global load before each use. Ranks past kSnapRanks read the
+// global mask. Waits still read it live, where another thread may mask a
+// silent peer.
+constexpr int kSnapRanks = 1024;
+
+struct MaskSnapshot {
+  uint8_t live[kSnapRanks];
+
+  // Every thread calls it; a __syncthreads must follow before the first use.
+  __device__ void load(const int32_t* active, int R) {
+    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads)
+      live[r] = ld_volatile(active + r) != 0;
+  }
+  __device__ bool operator()(const int32_t* active, int r) const {
+    return r < kSnapRanks ? live[r] != 0 : ld_volatile(active + r) != 0;
+  }
+};
+
 // How many of `count` things, dealt round-robin over the grid, block b gets.
 __device__ __forceinline__ int dealt(int count) {
   const int b = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
@@ -371,6 +390,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
   const unsigned lanes_below = (1u << lane) - 1;
   const uint64_t seq = a.c.seq;
   uint8_t* own = a.c.peers[a.c.rank];
+  __shared__ MaskSnapshot s_live;
+  // The send pass's first topk_idx entry, loaded now so that its latency
+  // overlaps the mask's (and FP8's quantisation); each round then loads the
+  // next round's entry before it works on its own.
+  int64_t next_id = (a.c.phases & kSend) && threadIdx.x < entries
+                        ? load_idx(a.topk_idx, threadIdx.x, a.topk_int64)
+                        : -1;
+  s_live.load(a.c.active_ranks, R);
+  __syncthreads();
 
   if (a.c.phases & kSend) {
     __shared__ uint32_t s_gen;  // FP8: the grid barrier's generation at arrival
@@ -403,11 +431,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       int mine = -1;  // this entry's expert, as the block numbers them
       int64_t id = -1;
       if (j < entries) {
-        id = load_idx(a.topk_idx, j, a.topk_int64);
+        id = next_id;
+        if (j + kThreads < entries) next_id = load_idx(a.topk_idx, j + kThreads, a.topk_int64);
         if (blockIdx.x == 0 && (id < -1 || id >= E))
           report(a.c.status, kStatusBadExpert, static_cast<int>(id), static_cast<int>(j / K));
         if (id >= 0 && id < E && id % G == blockIdx.x &&
-            ld_volatile(a.c.active_ranks + id / epr) != 0)
+            s_live(a.c.active_ranks, static_cast<int>(id / epr)))
           mine = static_cast<int>(id / G);
       }
       const unsigned same = __match_any_sync(0xffffffffu, mine);
@@ -511,8 +540,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       int count = 0;
       const auto* sig = reinterpret_cast<const uint64_t*>(own + L.dispatch_count(seq, le, s));
       const auto ready = [seq](uint64_t x) { return (x >> 32) == (seq & 0xffffffffu); };
-      if (ld_volatile(a.c.active_ranks + s) != 0 &&
-          wait_for(a.c, sig, ready, deadline, s, kRecv, &v)) {
+      if (s_live(a.c.active_ranks, s) && wait_for(a.c, sig, ready, deadline, s, kRecv, &v)) {
         // Consumed: cleared, so a replay of a captured graph (the same
         // sequence number again) waits for the new count.
         *const_cast<uint64_t*>(sig) = 0;
@@ -627,6 +655,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint64_t seq = a.c.seq;
   const bool both = a.c.phases == kBoth;  // split: own rows go through the combine rows too
+  __shared__ MaskSnapshot s_live;
+  s_live.load(a.c.active_ranks, R);
+  __syncthreads();
 
   if (a.c.phases & kSend) {
     // This block returns the rows of pairs p = (local expert, source) =
@@ -639,9 +670,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     // phase reads their rows in x (the dispatch left where, in the index).
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G;
-      const bool live = ld_volatile(a.c.active_ranks + p % R) != 0 && !(both && p % R == a.c.rank);
-      const int64_t range = a.layout_range[p];
-      s_rows[i] = live ? static_cast<int>(range & 0xffffffff) : 0;
+      const bool live = s_live(a.c.active_ranks, p % R) && !(both && p % R == a.c.rank);
+      const int64_t range = live ? a.layout_range[p] : 0;
+      s_rows[i] = static_cast<int>(range & 0xffffffff);
       s_start[i] = static_cast<int>((p / R) * cols + (range >> 32));
     }
     __syncthreads();
@@ -700,7 +731,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
         const uint8_t* src = own + L.combine_row(seq, t, k);
         if (e >= 0 && e < E) {
           const int d = static_cast<int>(e / epr);
-          if (ld_volatile(a.c.active_ranks + d) == 0) {
+          if (!s_live(a.c.active_ranks, d)) {
           } else if (both && d == a.c.rank) {
             // This rank's own expert: its output is in x, at the row this
             // call's dispatch recorded (an entry of another call: not delivered).
@@ -782,8 +813,8 @@ int64_t per_block(int64_t n, int64_t grid) {
 // the kernel's consent (launches with more experts per block than fit in
 // the default are rare: a small grid and ~300+ experts). The static part is
 // at most the send items, the combine's batch and a few small arrays.
-constexpr size_t kStaticSmem =
-    kItems * (sizeof(void*) + sizeof(int32_t)) + kBatch * (EpLayout::kMaxTopk * 20 + 4) + 512;
+constexpr size_t kStaticSmem = kItems * (sizeof(void*) + sizeof(int32_t)) +
+                               kBatch * (EpLayout::kMaxTopk * 20 + 4) + kSnapRanks + 512;
 
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes, const char* what) {

@@ -4,7 +4,21 @@
 // (mooncake/_ep_device.py) validates the arguments and keeps the call
 // numbers; this file allocates the outputs and turns tensors into the launch
 // structs. Nothing here waits for the device.
+#include "kernels/api.h"
 #include "torch/bindings.h"
+
+namespace mooncake {
+namespace {
+
+// The launch phases, in every build, so Python names them in one place.
+void register_ep_phases(pybind11::module_& m) {
+  m.attr("EP_PHASE_SEND") = static_cast<int>(kernels::kSend);
+  m.attr("EP_PHASE_RECV") = static_cast<int>(kernels::kRecv);
+  m.attr("EP_PHASE_BOTH") = static_cast<int>(kernels::kBoth);
+}
+
+}  // namespace
+}  // namespace mooncake
 
 #if MOONCAKE_WITH_CUDA
 
@@ -406,9 +420,7 @@ void register_ep_device(py::module_& m) {
       .def("status", &EpDevice::status, py::arg("clear") = false)
       .def("status_code", &EpDevice::status_code)
       .def("pool_stats", &EpDevice::pool_stats);
-  m.attr("EP_PHASE_SEND") = static_cast<int>(k::kSend);
-  m.attr("EP_PHASE_RECV") = static_cast<int>(k::kRecv);
-  m.attr("EP_PHASE_BOTH") = static_cast<int>(k::kBoth);
+  register_ep_phases(m);
 }
 
 }  // namespace mooncake
@@ -416,7 +428,9 @@ void register_ep_device(py::module_& m) {
 #else  // a CPU build: no device path (Python sees no EpDevice and runs the portable one)
 
 namespace mooncake {
-void register_ep_device(pybind11::module_&) {}
+void register_ep_device(pybind11::module_& m) {
+  register_ep_phases(m);
+}
 }  // namespace mooncake
 
 #endif
