@@ -226,7 +226,7 @@ class Slots:
         """Why exchanges masked peers so far, oldest first."""
         return self.need_peers("mask_events").events()
 
-    def refresh(self, num_bytes: int) -> None:
+    def refresh(self, num_bytes: int, seq: int) -> int:
         raise RuntimeError(
             "update_ep_member: an elastic Buffer changes its peers with connect_ranks, "
             "update_mask_buffer and disconnect_ranks"

@@ -90,9 +90,11 @@ class GroupMembers:
 
     # --- membership changes -----------------------------------------------------------
 
-    def agree(self, what: str, num_bytes: int) -> None:
+    def agree(self, what: str, num_bytes: int, seq: int = 0) -> int:
         """Checks, with every present member, that all have the same workspace size and
-        group size (collective: every member calls it).
+        group size (collective: every member calls it); returns the highest call number
+        ``seq`` among them, which every member takes as its own (a replacement starts
+        at 0, the others where they are: the device path tags its signals with it).
 
         Raises:
             ValueError: a member has another ``num_bytes``.
@@ -102,21 +104,23 @@ class GroupMembers:
         except (RuntimeError, ValueError):
             cpu = False
         device = torch.device("cpu" if cpu else "cuda")
-        mine = torch.tensor([1, num_bytes, self.num_ranks], device=device)
-        everyone = torch.zeros(self.num_ranks * 3, dtype=torch.int64, device=device)
+        mine = torch.tensor([1, num_bytes, self.num_ranks, seq], device=device)
+        everyone = torch.zeros(self.num_ranks * 4, dtype=torch.int64, device=device)
         self.backend_for(device)._allgather_base(everyone, mine).wait()
-        rows = everyone.reshape(self.num_ranks, 3).tolist()
-        for r, (present, nbytes, size) in enumerate(rows):
+        rows = everyone.reshape(self.num_ranks, 4).tolist()
+        for r, (present, nbytes, size, _) in enumerate(rows):
             if present and (nbytes, size) != (num_bytes, self.num_ranks):
                 raise ValueError(
                     f"{what}: ranks disagree on num_ep_buffer_bytes: rank {r} has {nbytes}, "
                     f"rank {self.rank} has {num_bytes}"
                 )
+        return max(row[3] for row in rows if row[0])
 
-    def refresh(self, num_bytes: int) -> None:
+    def refresh(self, num_bytes: int, seq: int) -> int:
         """``Buffer.update_ep_member``: the members after the group changed membership
-        agree again (the device path then reconnects)."""
-        self.agree("update_ep_member", num_bytes)
+        agree again (the device path then reconnects); returns the call number to go on
+        from, as :meth:`agree`."""
+        return self.agree("update_ep_member", num_bytes, seq)
 
     def mask_events(self) -> list[str]:
         """Peers masked by the members' own exchanges: none here (the process group

@@ -130,7 +130,8 @@ class Buffer:
             )
         self._compose(GroupMembers(group), num_ep_buffer_bytes)
         workspace_device = _workspace_device(group, device)
-        self._members.agree("Buffer", num_ep_buffer_bytes)
+        # A replacement's constructor meets the others' update_ep_member here.
+        self._seq = self._members.agree("Buffer", num_ep_buffer_bytes, self._seq)
         if workspace_device is not None and num_ep_buffer_bytes > 0:
             self._device = _ep_device.DevicePath(
                 group, num_ep_buffer_bytes, workspace_device, self.rank, self.num_ranks
@@ -236,13 +237,15 @@ class Buffer:
         ``active_ranks`` back at 1 for the recovered ranks (or
         ``active_ranks=None``) runs at full strength. A rank that died is
         masked by dispatch and combine themselves; no call is needed for that.
+        The replacement takes over the others' call count, which the device
+        path's signals carry, so its first dispatch is theirs.
 
         Raises:
             ValueError: the members disagree on ``num_ep_buffer_bytes``.
             RuntimeError: an elastic Buffer (it changes its peers with
                 :meth:`connect_ranks` and the other slot methods).
         """
-        self._members.refresh(self.num_ep_buffer_bytes)
+        self._seq = self._members.refresh(self.num_ep_buffer_bytes, self._seq)
         if self._device is not None:
             self._device.connect()
 

@@ -300,33 +300,11 @@ def rank_cases(rank: int, world: int, port: int, names: list[str]) -> dict[str, 
     return out
 
 
-def rank_exit(rank: int, world: int, port: int, when: str, victim: int) -> dict:
-    """``victim`` exits before the dispatch (``when="dispatch"``) or between dispatch
-    and combine (``"combine"``); the others must finish within the deadline with
-    exactly the victim masked and every other row exact."""
-    import torch.distributed as dist
-
-    T, H, E, K, timeout_us = 32, 1024, 8 * world, 4, 1_500_000
-    buf = _setup(rank, world, port, T, H, E)
-    case = Case("exit", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
-    cuda = torch.device("cuda", 0)
-    xs = [None] * world
-    x, idx, w = _inputs(case, rank, world, 0, "cpu")
-    dist.all_gather_object(xs, (x, idx, w))  # everyone's inputs, for the model below
-    if rank == victim and when == "dispatch":
-        os._exit(0)
-    active = torch.ones(world, dtype=torch.int32, device=cuda)
-    t0 = time.monotonic()
-    recv_x, cnt, handle, _, _ = buf.dispatch(
-        x.to(cuda), idx.to(cuda), active, T, E, timeout_us, use_fp8=False
-    )
-    torch.cuda.synchronize()
-    t_dispatch = time.monotonic() - t0
-    if rank == victim:
-        os._exit(0)
-    epr = E // world
-    live = [s for s in range(world) if not (s == victim and when == "dispatch")]
-    # The model: rows per local expert, by source rank, token order within a source.
+def _check_recv(recv_x, cnt, rank: int, E: int, K: int, xs, live) -> None:
+    """recv_x and recv_count against the model: per local expert, the rows of the
+    ``live`` sources in rank order, token order within a source (``xs[s]``: source
+    s's (x, topk_idx, weights) on the CPU)."""
+    epr = E // len(xs)
     for j in range(epr):
         e = rank * epr + j
         rows = [
@@ -340,28 +318,140 @@ def rank_exit(rank: int, world: int, port: int, when: str, victim: int) -> dict:
             raise AssertionError(f"expert {j}: {int(cnt[j])} rows, the model says {len(rows)}")
         if rows:
             _same(recv_x[j, : len(rows)], torch.stack(rows), f"recv_x[{j}]")
+
+
+def _check_combine(out, x, idx, w, epr: int, dead) -> None:
+    """combine's output against the model, the experts being y = 0.5 * x: per token,
+    its selections whose expert's rank is not in ``dead``, in ascending expert order."""
+    want = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1])
+        for k in sorted(range(idx.shape[1]), key=lambda k: (int(idx[t, k]), k)):
+            e = int(idx[t, k])
+            if e < 0 or e // epr in dead:
+                continue
+            acc = acc + (x[t].float() * 0.5).to(torch.bfloat16).float() * w[t, k].float()
+        want[t] = acc
+    _same(out, want.to(torch.bfloat16), "combine output")
+
+
+def _model_round(buf, case: Case, rank: int, world: int, step: int, dead, timeout_us) -> dict:
+    """One dispatch and combine of everyone's inputs for ``step`` (each rank makes every
+    rank's inputs itself), checked against the model with the ranks in ``dead`` silent."""
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    E, K = _experts(case, world), case.K
+    xs = [_inputs(case, s, world, step, "cpu") for s in range(world)]
+    x, idx, w = xs[rank]
+    active = torch.ones(world, dtype=torch.int32, device=cuda)
+    t0 = time.monotonic()
+    recv_x, cnt, handle, _, _ = buf.dispatch(
+        x.to(cuda), idx.to(cuda), active, case.T, E, timeout_us, use_fp8=False
+    )
+    torch.cuda.synchronize()
+    t_dispatch = time.monotonic() - t0
+    if buf.path != "device":
+        raise AssertionError(f"the dispatch ran the {buf.path} path")
+    _check_recv(recv_x, cnt, rank, E, K, xs, [s for s in range(world) if s not in dead])
     y = (recv_x.float() * 0.5).to(torch.bfloat16)
     t0 = time.monotonic()
     out, _, _ = buf.combine(y, idx.to(cuda), w.to(cuda), active, timeout_us, handle)
     torch.cuda.synchronize()
     t_combine = time.monotonic() - t0
-    # The model: per token, its selections whose expert's rank is alive, ascending expert.
-    want = torch.zeros(x.shape[0], H)
-    for t in range(x.shape[0]):
-        acc = torch.zeros(H)
-        for k in sorted(range(K), key=lambda k: (int(idx[t, k]), k)):
-            e = int(idx[t, k])
-            if e < 0 or e // epr == victim:
-                continue
-            acc = acc + (x[t].float() * 0.5).to(torch.bfloat16).float() * w[t, k].float()
-        want[t] = acc
-    _same(out, want.to(torch.bfloat16), "combine output")
+    _check_combine(out, x, idx, w, E // world, dead)
+    return {
+        "active": active.cpu().tolist(),
+        "dispatch_s": t_dispatch,
+        "combine_s": t_combine,
+        "seq": buf._seq,
+    }
+
+
+def rank_exit(rank: int, world: int, port: int, when: str, victim: int) -> dict:
+    """``victim`` exits before the dispatch (``when="dispatch"``) or between dispatch
+    and combine (``"combine"``); the others must finish within the deadline with
+    exactly the victim masked and every other row exact."""
+    T, H, E, K, timeout_us = 32, 1024, 8 * world, 4, 1_500_000
+    buf = _setup(rank, world, port, T, H, E)
+    case = Case("exit", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
+    cuda = torch.device("cuda", 0)
+    xs = [_inputs(case, s, world, 0, "cpu") for s in range(world)]
+    x, idx, w = xs[rank]
+    if rank == victim and when == "dispatch":
+        os._exit(0)
+    active = torch.ones(world, dtype=torch.int32, device=cuda)
+    t0 = time.monotonic()
+    recv_x, cnt, handle, _, _ = buf.dispatch(
+        x.to(cuda), idx.to(cuda), active, T, E, timeout_us, use_fp8=False
+    )
+    torch.cuda.synchronize()
+    t_dispatch = time.monotonic() - t0
+    if rank == victim:
+        os._exit(0)
+    live = [s for s in range(world) if not (s == victim and when == "dispatch")]
+    _check_recv(recv_x, cnt, rank, E, K, xs, live)
+    y = (recv_x.float() * 0.5).to(torch.bfloat16)
+    t0 = time.monotonic()
+    out, _, _ = buf.combine(y, idx.to(cuda), w.to(cuda), active, timeout_us, handle)
+    torch.cuda.synchronize()
+    t_combine = time.monotonic() - t0
+    _check_combine(out, x, idx, w, E // world, {victim})
     return {
         "active": active.cpu().tolist(),
         "dispatch_s": t_dispatch,
         "combine_s": t_combine,
         "events": buf.mask_events(),
     }
+
+
+REPLACE = Case("replace", T=32, H=1024, experts_per_rank=8, K=4, fp8=False)
+
+
+def rank_replace(rank: int, world: int, port: int, backend: str, victim: int, role: str) -> dict:
+    """A round with everyone; ``victim`` exits; a round among the survivors (it is
+    masked at the deadline); a replacement joins (``role="joiner"``: pg.join_group and
+    a new Buffer, while the survivors call recover_ranks and update_ep_member); then
+    rounds at full strength on the device path, the replacement's first included."""
+    import torch.distributed as dist
+
+    from mooncake import pg
+    from mooncake.launch import init_rank
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    torch.cuda.set_device(0)
+    timeout_us = 1_500_000
+    T, H, E = REPLACE.T, REPLACE.H, _experts(REPLACE, world)
+    hint = Buffer.get_ep_buffer_size_hint(T, H, world, E)
+    joiner = role == "joiner"
+    init_rank(rank, world, port, backend, max_world_size=world, is_extension=joiner, timeout_s=20.0)
+    W = dist.group.WORLD
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    out: dict = {"rounds": []}
+    if joiner:
+        pg.join_group(W)
+        buf = Buffer(W, hint, device="cuda")
+    else:
+        buf = Buffer(W, hint, device="cuda")
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 0, set(), timeout_us))
+        if rank == victim:
+            store.set("dying", "1")
+            os._exit(0)
+        while not store.check(["dead"]):
+            time.sleep(0.005)
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 1, {victim}, timeout_us))
+        deadline = time.monotonic() + 120
+        while not all(pg.get_peer_state(W, [victim])):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no replacement waits")
+            time.sleep(0.02)
+        pg.recover_ranks(W, [victim])
+        buf.update_ep_member()
+    if not all(buf._device.reachable):
+        raise AssertionError(f"rank {rank}: not every peer is mapped: {buf._device.reachable}")
+    dist.barrier(W)  # the group at full strength (the first call's deadline is short)
+    for step in (2, 3):
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, step, set(), timeout_us))
+    out["events"] = buf.mask_events()
+    return out
 
 
 def main() -> int:

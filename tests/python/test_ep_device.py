@@ -20,6 +20,8 @@ slower, hence the generous deadlines).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -75,3 +77,35 @@ def test_a_rank_that_exits(when):
         # The deadline, plus a bound for the launch and for time-slicing without MPS.
         assert masked_in < timeout_s + 2.0, res
         assert res["events"] and f"rank {victim} masked" in res["events"][0], res
+
+
+@pytest.mark.parametrize("backend", ["mooncake-cpu", "mooncake"])
+def test_a_replaced_rank(backend):
+    """A rank exits, the survivors mask it, a replacement joins the group and builds its
+    Buffer while the survivors call update_ep_member; then the device path runs at full
+    strength, the replacement's first call included (they agree on the call count)."""
+    from mooncake.launch import LocalGroup
+
+    world, victim = 3, 2
+    with LocalGroup(world, ENV) as group:
+        group.start(edr.rank_replace, args=(backend, victim, "member"))
+        deadline = time.monotonic() + 180
+        while not group.store.check(["dying"]):
+            assert time.monotonic() < deadline, "the victim never got to its exit"
+            time.sleep(0.05)
+        group.expect_exit(victim)
+        assert group.wait_all([str(victim)], timeout_s=60) == "", "the victim did not exit"
+        group.store.set("dead", "1")
+        group.start(edr.rank_replace, ranks=[victim], args=(backend, victim, "joiner"))
+        results = group.results(timeout_s=240)
+    assert sorted(results) == ["0", "1", f"{victim}.1"], sorted(results)
+    for key, res in results.items():
+        rounds = res["rounds"]
+        full = rounds[-2:]
+        assert all(r["active"] == [1] * world for r in full), (key, rounds)
+        assert len({r["seq"] for r in full}) == 2, (key, rounds)
+        if key != f"{victim}.1":
+            assert rounds[1]["active"] == [1, 1, 0], (key, rounds)
+            assert rounds[1]["dispatch_s"] < 1.5 + 2.0, (key, rounds)
+    seqs = {tuple(r["seq"] for r in res["rounds"][-2:]) for res in results.values()}
+    assert len(seqs) == 1, f"the ranks' call numbers differ: {seqs}"
