@@ -15,6 +15,9 @@ Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch 
       one_bell_(one_bell),
       target_send_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
       target_recv_gen_(new std::atomic<uint64_t>[static_cast<size_t>(layout.capacity)]),
+      target_recv_region_(new std::atomic<int>[static_cast<size_t>(layout.capacity)]),
+      recv_region_(static_cast<size_t>(layout.capacity), 0),
+      send_region_(slot_region(endpoint.incarnation())),
       send_gen_(static_cast<size_t>(layout.capacity), 1),
       recv_gen_(static_cast<size_t>(layout.capacity), 1),
       sent_(static_cast<size_t>(layout.capacity), 0),
@@ -22,13 +25,16 @@ Channels::Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch 
   for (int p = 0; p < layout.capacity; ++p) {
     target_send_gen_[p].store(1);
     target_recv_gen_[p].store(1);
+    target_recv_region_[p].store(0);  // the first processes are incarnation 0
   }
 }
 
-void Channels::restart(int peer, uint64_t send_gen, uint64_t recv_gen) {
+void Channels::restart(int peer, uint64_t send_gen, uint64_t recv_gen, uint32_t incarnation) {
   for (uint64_t gen : {send_gen, recv_gen})
     MC_ASSERT(gen > 0 && gen <= kMaxChannelGen, "channel generation ", gen);
   target_send_gen_[peer].store(send_gen, std::memory_order_release);
+  // The region before the generation: sync_recv reads them in the other order.
+  target_recv_region_[peer].store(slot_region(incarnation), std::memory_order_release);
   target_recv_gen_[peer].store(recv_gen, std::memory_order_release);
 }
 
@@ -43,6 +49,7 @@ void Channels::sync_recv(int peer) {
   const uint64_t gen = target_recv_gen_[peer].load(std::memory_order_acquire);
   if (gen == recv_gen_[peer]) return;
   recv_gen_[peer] = gen;
+  recv_region_[peer] = target_recv_region_[peer].load(std::memory_order_acquire);
   received_[peer] = 0;
 }
 
@@ -103,7 +110,7 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
     if (!has_slot()) check_peer(peer, what);
   }
   const int me = endpoint_.rank();
-  const size_t at = layout_.slot(plane_, me, static_cast<int>(m % kSlotsPerChannel));
+  const size_t at = layout_.slot(plane_, me, static_cast<int>(m % kSlotsPerChannel), send_region_);
   MsgHeader h = header;
   h.len = static_cast<uint32_t>(len);
   link->write(at, &h, sizeof(h), deadline);
@@ -126,7 +133,8 @@ const MsgHeader* Channels::poll(int peer) {
   if (flag_count(load_flag(base, layout_.ready_flag(plane_, peer)), recv_gen_[peer]) < next)
     return nullptr;
   return reinterpret_cast<const MsgHeader*>(
-      base + layout_.slot(plane_, peer, static_cast<int>(received_[peer] % kSlotsPerChannel)));
+      base + layout_.slot(plane_, peer, static_cast<int>(received_[peer] % kSlotsPerChannel),
+                          recv_region_[peer]));
 }
 
 const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const char* what) {

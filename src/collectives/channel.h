@@ -47,13 +47,16 @@ class Channels {
   Channels(Endpoint& endpoint, const Layout& layout, Plane plane, Watch watch, int64_t hang_ms,
            bool one_bell = false);
 
-  // Restarts both directions of the channel to `peer` at generation `gen`.
-  // Safe from any thread: the sending and receiving threads pick it up at
-  // their next use of the channel.
-  void restart(int peer, uint64_t gen) { restart(peer, gen, gen); }
+  // Restarts both directions of the channel to `peer` at generation `gen`,
+  // `peer` now being the process of incarnation `incarnation` (its messages
+  // land in that incarnation's slot region). Safe from any thread: the
+  // sending and receiving threads pick it up at their next use of the channel.
+  void restart(int peer, uint64_t gen, uint32_t incarnation) {
+    restart(peer, gen, gen, incarnation);
+  }
   // The same with a generation per direction: `send_gen` for our messages to
   // `peer`, `recv_gen` for its messages to us (each chosen by its sender).
-  void restart(int peer, uint64_t send_gen, uint64_t recv_gen);
+  void restart(int peer, uint64_t send_gen, uint64_t recv_gen, uint32_t incarnation);
   // The ranks whose death fails a wait with kAnyWatched (set by the thread
   // that runs the collectives).
   // `epoch` is the view's: a wait fails once a peer tells of a later one.
@@ -114,9 +117,12 @@ class Channels {
   uint64_t epoch_ = 0;
   std::unique_ptr<std::atomic<uint64_t>[]> target_send_gen_;  // per peer
   std::unique_ptr<std::atomic<uint64_t>[]> target_recv_gen_;  // per peer
-  std::vector<uint64_t> send_gen_, recv_gen_;                 // generation each side runs in
-  std::vector<uint64_t> sent_;      // messages sent to each peer in send_gen_
-  std::vector<uint64_t> received_;  // messages consumed from each peer in recv_gen_
+  std::unique_ptr<std::atomic<int>[]> target_recv_region_;    // per peer
+  std::vector<int> recv_region_;               // the slot region each peer's messages land in
+  int send_region_;                            // ours, in the peers' segments
+  std::vector<uint64_t> send_gen_, recv_gen_;  // generation each side runs in
+  std::vector<uint64_t> sent_;                 // messages sent to each peer in send_gen_
+  std::vector<uint64_t> received_;             // messages consumed from each peer in recv_gen_
   std::atomic<bool> stopping_{false};
 };
 

@@ -4,7 +4,16 @@
 //   [header: doorbells]
 //   [flags: for each plane and peer p, a ready flag (messages p has posted to
 //    us) and an ack flag (our messages p has consumed), 64 bytes apart]
-//   [slots: for each plane, peer p and slot s, a 64-byte MsgHeader + chunk]
+//   [slots: for each region r, plane, peer p and slot s, a 64-byte MsgHeader + chunk]
+//
+// Fencing: a sender writes into the region of its own incarnation's parity,
+// and a receiver reads the region of the sender's current incarnation. A
+// process that was left out while stopped and then resumes may still finish
+// the piece it was writing when it stopped (its mapping of our segment cannot
+// be taken back); that piece lands in the region of its own incarnation,
+// which the replacement in its slot (the next incarnation) never uses. Only a
+// process stopped across two replacements of its slot could reach a region in
+// use again. The flags need no regions: their values carry a generation.
 #pragma once
 
 #include <algorithm>
@@ -21,6 +30,12 @@ static_assert(2 * kNumPlanes <= kNumBells, "a data bell and an ack bell per plan
 constexpr int kSlotsPerChannel =
     2;  // double buffering: a peer fills one slot while we read the other
 constexpr size_t kFlagStride = 64;  // one cache line per flag: writers never share a line
+constexpr int kSlotRegions = 2;     // by the sender's incarnation parity (see Fencing above)
+
+// The slot region of a sender's incarnation.
+inline int slot_region(uint32_t incarnation) {
+  return static_cast<int>(incarnation % kSlotRegions);
+}
 
 constexpr uint16_t kMsgRejected = 1;  // the sender rejected its own arguments for this op
 
@@ -64,14 +79,16 @@ struct Layout {
     return flags_begin() + static_cast<size_t>(kNumPlanes) * capacity * 2 * kFlagStride;
   }
   size_t slot_bytes() const { return sizeof(MsgHeader) + chunk_bytes; }
-  // Where messages from `src` on `plane` land, slot `slot`.
-  size_t slot(Plane plane, int src, int slot_index) const {
-    size_t index = (static_cast<size_t>(plane) * capacity + src) * kSlotsPerChannel + slot_index;
-    return slots_begin() + index * slot_bytes();
+  // Where messages from `src` on `plane` land, slot `slot`, in region `region`
+  // (slot_region of the sender's incarnation).
+  size_t slot(Plane plane, int src, int slot_index, int region) const {
+    const size_t channel =
+        (static_cast<size_t>(region) * kNumPlanes + static_cast<size_t>(plane)) * capacity + src;
+    return slots_begin() + (channel * kSlotsPerChannel + slot_index) * slot_bytes();
   }
   size_t total_bytes() const {
-    return slot(Plane::kCollective, 0, 0) +
-           static_cast<size_t>(kNumPlanes) * capacity * kSlotsPerChannel * slot_bytes();
+    return slots_begin() + static_cast<size_t>(kSlotRegions) * kNumPlanes * capacity *
+                               kSlotsPerChannel * slot_bytes();
   }
 };
 

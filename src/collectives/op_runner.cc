@@ -321,7 +321,7 @@ void OpRunner::apply(const View& view) {
     announce_left_out(endpoint_, p, view.epoch);  // it learns so, if it lives
     endpoint_.disconnect(p);
   }
-  for (int p : members_) coll_.restart(p, view.collective_gen(rank_, p));
+  for (int p : members_) coll_.restart(p, view.collective_gen(rank_, p), view.incarnation[p]);
   coll_.set_watched(members_, view.epoch);
   if (on_view_) on_view_(view);
 }
@@ -336,7 +336,7 @@ void OpRunner::connect_new(const View& view, const std::vector<int>& slots,
       MC_LOG(kWarn, "membership: cannot connect to rank ", q, ": ", e.what());
       endpoint_.disconnect(q);
     }
-    p2p_.restart(q, view.p2p_gen(rank_, q));
+    p2p_.restart(q, view.p2p_gen(rank_, q), view.incarnation[q]);
   }
 }
 

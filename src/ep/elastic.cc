@@ -228,7 +228,7 @@ void ElasticPeers::set_masked_locked(int peer, bool masked) {
     p.recv_gen = p.last_gen = gen;
     p.calls = 0;
     p.masked_since = false;
-    channels_->restart(peer, p.send_gen, p.recv_gen);
+    channels_->restart(peer, p.send_gen, p.recv_gen, p.inc);
   }
   slots_.set_masked(peer, false);
 }

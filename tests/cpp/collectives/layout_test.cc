@@ -31,13 +31,14 @@ TEST(Layout, FlagsAndSlotsNeverOverlapAndFitTheSegment) {
             EXPECT_LE(flag + mooncake::kFlagStride, l.slots_begin());
             regions.emplace_back(flag, flag + mooncake::kFlagStride);
           }
-          for (int s = 0; s < mooncake::kSlotsPerChannel; ++s) {
-            const size_t slot = l.slot(plane, peer, s);
-            EXPECT_EQ(slot % 64, 0u);
-            EXPECT_GE(slot, l.slots_begin());
-            EXPECT_LE(slot + l.slot_bytes(), l.total_bytes());
-            regions.emplace_back(slot, slot + l.slot_bytes());
-          }
+          for (int region = 0; region < mooncake::kSlotRegions; ++region)
+            for (int s = 0; s < mooncake::kSlotsPerChannel; ++s) {
+              const size_t slot = l.slot(plane, peer, s, region);
+              EXPECT_EQ(slot % 64, 0u);
+              EXPECT_GE(slot, l.slots_begin());
+              EXPECT_LE(slot + l.slot_bytes(), l.total_bytes());
+              regions.emplace_back(slot, slot + l.slot_bytes());
+            }
         }
       }
       std::sort(regions.begin(), regions.end());
@@ -47,6 +48,17 @@ TEST(Layout, FlagsAndSlotsNeverOverlapAndFitTheSegment) {
       EXPECT_EQ(regions.back().second, l.total_bytes()) << "no slack after the last slot";
     }
   }
+}
+
+// Consecutive incarnations of a slot's process write into different regions,
+// and every other incarnation into the same one.
+TEST(Layout, IncarnationsAlternateBetweenTwoSlotRegions) {
+  EXPECT_EQ(mooncake::slot_region(0), 0);
+  EXPECT_EQ(mooncake::slot_region(1), 1);
+  EXPECT_EQ(mooncake::slot_region(2), 0);
+  EXPECT_EQ(mooncake::slot_region(7), 1);
+  const Layout l = mooncake::make_layout(3, 256);
+  EXPECT_NE(l.slot(Plane::kCollective, 2, 0, 0), l.slot(Plane::kCollective, 2, 0, 1));
 }
 
 TEST(Layout, ASlotIsAHeaderAndAChunk) {
