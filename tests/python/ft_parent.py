@@ -142,7 +142,10 @@ def chaos_plan(
     Modes: ``random`` (the parent kills at a random time), ``between`` (right after an
     op), ``in_small`` / ``in_big`` / ``in_p2p`` / ``in_ag`` / ``in_a2a`` (a timer inside
     that kind of op), ``stop`` (the parent sends SIGSTOP at a random time, and SIGCONT once
-    the others moved on), ``stop_between`` (the same, between two ops of the victim).
+    the others moved on), ``stop_between`` (the same, between two ops of the victim),
+    ``slow`` (the parent stops the rank for 0.3-0.8 s, well under the tests'
+    MOONCAKE_HANG_MS of 2 s, at a random moment of the phase's first round: a slow rank,
+    not a failed one, which must not be left out; the phase removes nobody).
     Several victims: the parent kills them a random gap apart.
     """
     rng = random.Random(seed)
@@ -160,6 +163,18 @@ def chaos_plan(
         elif mode == "between":
             assert len(victims) == 1, mode
             ev.update(mode="between", arm_at=rng.randrange(2 * n))
+        elif mode == "slow":
+            assert len(victims) == 1, mode
+            ev.update(
+                victims=[],
+                slowed=list(victims),
+                mode="slow",
+                # Within the phase's first round: the phase ends one round after the
+                # first op over everyone, so a later op might never come.
+                arm_at=rng.randrange(n),
+                delay_s=rng.uniform(0, 0.05),
+                slow_s=rng.uniform(0.3, 0.8),
+            )
         elif mode == "stop_between":
             assert len(victims) == 1, mode
             ev.update(mode="pause", arm_at=rng.randrange(2 * n), pause_s=1.5, delay_s=0.1)
@@ -193,7 +208,16 @@ def conduct_chaos(plan):
         for e, ev in enumerate(plan["events"], start=1):
             survivors = members - set(ev["victims"])
             wait_key(group, f"arm/{e}", 180, extra)
-            if ev["mode"] in ("parent", "pause"):
+            if ev["mode"] == "slow":
+                time.sleep(ev["delay_s"])
+                for v in ev["slowed"]:
+                    group.kill(v, signal.SIGSTOP)
+                time.sleep(ev["slow_s"])
+                for v in ev["slowed"]:
+                    group.kill(v, signal.SIGCONT)
+                group.store.set(f"resumed/{e}", "1")
+                extra.setdefault("slows", []).append((e, ev["slowed"], ev["slow_s"]))
+            elif ev["mode"] in ("parent", "pause"):
                 time.sleep(ev["delay_s"])
                 sig = signal.SIGSTOP if ev["label"] in STOPS else signal.SIGKILL
                 for k, v in enumerate(ev["victims"]):
@@ -252,7 +276,9 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
       TimeoutError), in time; no op returns wrong data;
     * each phase converged in time; ``active_ranks`` and ``get_num_synced_ranks`` match;
     * a stopped rank (mode ``stop``) agrees with the survivors on every op it completed,
-      and learns it was left out (a LeftOutError with ``.ranks == [itself]``).
+      and learns it was left out (a LeftOutError with ``.ranks == [itself]``);
+    * a slowed rank (mode ``slow``) is an ordinary survivor: left out of nothing, every
+      op of its phase over everyone (the rules above, with nobody removed).
     """
     problems: list[str] = []
     events = plan["events"]

@@ -307,7 +307,11 @@ def chaos_rank(rank, world_size, port, plan):
       duration) after the op of index ``arm_at`` starts;
     * ``"between"``: kill -9 right after op ``arm_at`` returns;
     * ``"pause"``: after op ``arm_at``, sets ``arm/<e>`` and sleeps ``pause_s`` (the
-      parent sends SIGSTOP meanwhile, and SIGCONT once the others moved on).
+      parent sends SIGSTOP meanwhile, and SIGCONT once the others moved on);
+    * ``"slow"``: the rank in ``slowed`` sets ``arm/<e>`` before op ``arm_at`` and goes
+      on, but not past that op before the parent, which stops it for less than the
+      hang limit meanwhile, has resumed it (``resumed/<e>``): the stop lands inside op
+      ``arm_at`` or while the others wait in the next one. Nobody leaves.
 
     The others run ops until one covers exactly the survivors, then one more round of
     every kind (all of which must cover exactly the survivors), and go on to the next
@@ -340,7 +344,7 @@ def chaos_rank(rank, world_size, port, plan):
     phase_s = []
     for e, event in enumerate(plan["events"], start=1):
         target = members - set(event["victims"])
-        victim = rank in event["victims"]
+        victim = rank in event["victims"] or rank in event.get("slowed", ())
         t_phase = time.monotonic()
         converged_at = None
         i = 0
@@ -363,6 +367,10 @@ def chaos_rank(rank, world_size, port, plan):
             if arm and event["mode"] == "pause":  # the parent stops this process meanwhile
                 store.set(f"arm/{e}", str(rank))
                 time.sleep(event["pause_s"])
+            if arm and event["mode"] == "slow":
+                deadline = time.monotonic() + 60
+                while not store.check([f"resumed/{e}"]) and time.monotonic() < deadline:
+                    time.sleep(0.001)
             i += 1
             if converged_at is None and kind in MASK_KINDS and rec[3] == bits(target):
                 converged_at = i

@@ -135,15 +135,29 @@ def test_kill_during_p2p():
     run_chaos(6, plan, env(CHUNKED), timeout_s=90)
 
 
+@pytest.mark.timeout(200)
+def test_slow_ranks_are_never_left_out():
+    """World 4: rank 1, then rank 0, is stopped for 0.3-0.8 s (a slow rank: under the
+    2 s hang limit) inside the ops; nobody is left out and every op covers all four.
+    Then rank 2 is killed and rank 3 slowed: the three survivors go on, and the slow
+    one stays among them."""
+    plan = chaos_plan(11, [([1], "slow"), ([0], "slow"), ([2], "random"), ([3], "slow")])
+    out = run_chaos(4, plan, env(CHUNKED))
+    assert len(out.extra["slows"]) == 3, out.extra
+
+
 def random_chaos_plan(seed: int, world: int):
-    """Up to world-1 failures of random ranks (rank 0 often among them), random modes."""
+    """Up to world-1 failures of random ranks (rank 0 often among them), random modes,
+    and now and then a rank that is only slow (stopped under the hang limit)."""
     rng = random.Random(seed)
     order = list(range(world))
     rng.shuffle(order)
     n_events = rng.randint(1, min(4, world - 1))
     events, k = [], 0
     while len(events) < n_events and k < world - 1:
-        if k + 2 <= world - 1 and rng.random() < 0.25:
+        if rng.random() < 0.2:
+            events.append(([rng.choice(order[k:])], "slow"))  # removes nobody
+        elif k + 2 <= world - 1 and rng.random() < 0.25:
             events.append((order[k : k + 2], "random", rng.choice([(0, 0.001), (0.005, 0.1)])))
             k += 2
         else:
