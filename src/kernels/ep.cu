@@ -31,6 +31,13 @@
 // weight * row in fp32, in ascending expert order (the portable path's
 // order, so the result is bit-identical), rounded once.
 //
+// A rank's rows for its own experts move once: dispatch stores only their
+// headers, and the receive phase copies their bytes from x (or from the
+// stage: FP8, or a hook-split BF16 dispatch, whose send half copies x there)
+// and records in the index region where each landed; a one-launch combine
+// then sums those expert outputs straight from its x (a split one still
+// copies them in its send half, as the hook may come after x changed).
+//
 // Blocks never wait on blocks that have not started: every block does its
 // send work before it waits, and the grid is at most as large as what is
 // resident at once (the host sizes it).
