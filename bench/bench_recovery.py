@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import math
 import os
 import signal
 import statistics
@@ -569,10 +570,20 @@ def join_record(
 # --- summary --------------------------------------------------------------------------
 
 
+def percentile(values: list[float], p: float) -> float | None:
+    """The nearest-rank percentile (p in (0, 100]): with fewer than 100 values, p99 is
+    the maximum."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
 def stats(values: list[float]) -> dict:
     return {
         "n": len(values),
         "median_ms": statistics.median(values) if values else None,
+        "p99_ms": percentile(values, 99),
         "max_ms": max(values) if values else None,
         "min_ms": min(values) if values else None,
         "values_ms": [round(v, 2) for v in values],
@@ -652,15 +663,16 @@ def markdown_table(rows: list[dict], meta: dict, problems: list[str], errors: li
         "repetition's time is its slowest rank's; `rank 0` counts the repetitions in which "
         "rank 0 was the one that failed (or was replaced).",
         "",
-        "| measure | world | reps | rank 0 | median (ms) | max (ms) | target (ms) | met |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| measure | world | reps | rank 0 | median (ms) | p99 (ms) | max (ms) | target (ms) "
+        "| met |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
         lines.append(
             f"| {r['measure']} | {r['world']} | {r['n']} | {r['rank0']} | "
-            f"{fmt_ms(r['median_ms'])} | {fmt_ms(r['max_ms'])} | {fmt_ms(r['target_ms'])} | "
-            f"{met} |"
+            f"{fmt_ms(r['median_ms'])} | {fmt_ms(r['p99_ms'])} | {fmt_ms(r['max_ms'])} | "
+            f"{fmt_ms(r['target_ms'])} | {met} |"
         )
     loops = ", ".join(f"{k} {v:.0f} µs" for k, v in meta["busy_op_us"].items())
     lines += [
@@ -679,16 +691,16 @@ def print_table(rows: list[dict]) -> None:
 
     say()
     say(
-        f"# {'measure':<56} {'world':>5} {'reps':>4} {'rank0':>5} {'median':>8} {'max':>8} "
-        f"{'target':>8}"
+        f"# {'measure':<56} {'world':>5} {'reps':>4} {'rank0':>5} {'median':>8} {'p99':>8} "
+        f"{'max':>8} {'target':>8}"
     )
-    say(f"# {'':<56} {'':>5} {'':>4} {'':>5} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8}")
+    say(f"# {'':<56} {'':>5} {'':>4} {'':>5} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8}")
     for r in rows:
         met = "" if r["met"] is None else ("  met" if r["met"] else "  MISS")
         say(
             f"  {r['measure']:<56} {r['world']:>5} {r['n']:>4} {r['rank0']:>5} "
-            f"{fmt_ms(r['median_ms']):>8} {fmt_ms(r['max_ms']):>8} {fmt_ms(r['target_ms']):>8}"
-            f"{met}"
+            f"{fmt_ms(r['median_ms']):>8} {fmt_ms(r['p99_ms']):>8} {fmt_ms(r['max_ms']):>8} "
+            f"{fmt_ms(r['target_ms']):>8}{met}"
         )
     say(f"# for comparison: {UPSTREAM['text']}")
 
