@@ -195,10 +195,7 @@ def run_world(world: int, cfg: dict, timeout_s: float) -> dict:
         keys += group.start(_role, ranks=range(cfg["replacements"]), args=("standby", cfg))
         if group.wait_all(keys, timeout_s):
             print(f"# world {world}: timed out after {timeout_s} s", file=sys.stderr)
-        for k in keys:
-            if not group.exited(k):
-                group.kill(k)
-        codes = [group.wait(k) for k in keys]
+        codes = group.reap(keys)
         samples: dict[str, list[float]] = {m: [] for m in MEASURES}
         keys = [f"result/{s}" for s in range(world)]
         keys += [f"result/standby{k}" for k in range(cfg["replacements"])]

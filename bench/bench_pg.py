@@ -310,10 +310,7 @@ def launch(backend: str, world: int, cfg: dict, timeout: float) -> dict:
         # A rank that dies should make the others fail fast: they get a grace period.
         if group.wait_all(keys, timeout, FAILURE_GRACE_S) == "deadline":
             error = f"timed out after {timeout:.0f} s"
-        for k in keys:
-            if not group.exited(k):
-                group.kill(k)
-        codes = [group.wait(k) for k in keys]
+        codes = group.reap(keys)
         if error is None and any(codes):
             error = f"ranks exited with codes {codes}"
         per_rank = []

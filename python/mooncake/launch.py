@@ -204,6 +204,15 @@ class LocalGroup:
         self._procs[key].join()
         return self._procs[key].exitcode
 
+    def reap(self, keys: Iterable[str]) -> list[int | None]:
+        """Kills those of ``keys`` that still run (kill -9), waits for every one and
+        returns their exit codes, in order."""
+        keys = list(keys)
+        for key in keys:
+            if not self.exited(key):
+                self.kill(key)
+        return [self.wait(key) for key in keys]
+
     def exitcode(self, key: str) -> int | None:
         """The process's exit code (negative: the signal that ended it); None while it runs."""
         return self._procs[key].exitcode

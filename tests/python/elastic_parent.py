@@ -119,10 +119,10 @@ class Timeline:
                 finally:
                     for p in self.procs:
                         if not group.exited(p.group_key):
-                            group.kill(p.group_key)
                             p.killed = p.killed or "left running when the timeline ended"
-                    for p in self.procs:
-                        p.returncode = group.wait(p.group_key)
+                    codes = group.reap(p.group_key for p in self.procs)
+                    for p, code in zip(self.procs, codes, strict=True):
+                        p.returncode = code
             for p in self.procs:
                 p.collect(self.dir)
         self.seconds = time.monotonic() - t0

@@ -314,11 +314,11 @@ def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
                         rr.killed = reason
             finally:
                 for rr in runs:
-                    key = str(rr.rank)
-                    if not group.exited(key):
-                        group.kill(key)
+                    if not group.exited(str(rr.rank)):
                         rr.killed = rr.killed or "the test session was interrupted"
-                    rr.returncode = group.wait(key)
+                codes = group.reap(str(rr.rank) for rr in runs)
+                for rr, code in zip(runs, codes, strict=True):
+                    rr.returncode = code
         for rr in runs:
             rr.collect(tmp)
     return LaunchResult(launch, runs, time.monotonic() - start)
