@@ -12,12 +12,14 @@ dispatch in FP8 and BF16, combine in BF16. For each case it times:
 - ``kernel``: the same dispatch or combine captured in a CUDA graph and
   replayed, which leaves out the host side;
 - ``floor``: a device-to-device copy of the bytes the call must move (each
-  selected token's payload once), timed the same way;
+  selected token's payload once), timed the same way; with several processes
+  all of them copy at once, as their calls share the GPU's bandwidth;
 - ``portable``: the portable path on the same GPU tensors, where the build can
   run it (it needs a ``mooncake`` CUDA backend; skipped otherwise).
 
 With ``--worlds 2,4`` it also runs 2 and 4 processes sharing the GPU (each
-call after a barrier; the slowest rank's median is reported). Run those
+call after a barrier; the slowest rank's median is reported; ``kernel`` there
+is the dispatch graph alone). Run those
 under MPS (``scripts/gpu_check.sh`` starts it): without MPS, kernels of
 different processes time-slice and a call waits milliseconds for its peers.
 
@@ -139,20 +141,27 @@ def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None) -> dic
             send += s
             recv += r
     res["send_half_us"], res["recv_half_us"] = send, recv
-    if barrier is None:
-        res.update(graph_times(buf, T, E, fp8, sets[0], y, active, iters))
+    res.update(graph_times(buf, T, E, fp8, sets[0], y, active, iters, barrier))
     return res
 
 
-def graph_times(buf, T, E, fp8, inputs, y, active, iters) -> dict:
-    """Kernel time: one dispatch (and one combine) captured and replayed."""
+def graph_times(buf, T, E, fp8, inputs, y, active, iters, barrier=None) -> dict:
+    """Kernel time: one dispatch (and at world 1 one combine) captured and replayed.
+
+    With peers every replay follows a barrier (a dispatch replay waits for its
+    peers' counts, which each consumes and clears); a replayed combine would
+    find its flags still raised by the replay before, so it is timed at world
+    1 only."""
     x, idx, w = inputs
     out = {}
+    warm = 0 if barrier is not None else 5
     try:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             _, _, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
-        out["dispatch_kernel_us"] = timed(g.replay, iters, 5)
+        out["dispatch_kernel_us"] = timed(g.replay, iters, warm, barrier)
+        if barrier is not None:
+            return out
         gs = torch.cuda.CUDAGraph()  # the send phase alone (its counts are never consumed)
         with torch.cuda.graph(gs):
             buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8, return_recv_hook=True)
@@ -166,10 +175,12 @@ def graph_times(buf, T, E, fp8, inputs, y, active, iters) -> dict:
     return out
 
 
-def floor_us(nbytes: int, iters: int) -> float:
+def floor_us(nbytes: int, iters: int, barrier=None) -> list[float]:
+    """A device-to-device copy of ``nbytes``, timed like a call; with peers every
+    process copies at once after a barrier (they share the GPU's bandwidth)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return median(timed(lambda: dst.copy_(src), iters, 5))
+    return timed(lambda: dst.copy_(src), iters, 5, barrier)
 
 
 def member(rank: int, world: int, port: int, cfg: dict) -> list[dict]:
@@ -192,10 +203,9 @@ def member(rank: int, world: int, port: int, cfg: dict) -> list[dict]:
     for E in cfg["experts"]:
         for fp8 in cfg["fp8"]:
             r = measure_case(buf, T, H, E, K, fp8, cfg["iters"], cfg["warmup"], rank, barrier)
-            if world == 1:
-                moved = T * K * payload_bytes(H, fp8)
-                r["dispatch_floor_us"] = floor_us(moved, cfg["iters"])
-                r["combine_floor_us"] = floor_us(T * K * 2 * H, cfg["iters"])
+            moved = T * K * payload_bytes(H, fp8)
+            r["dispatch_floor_us"] = floor_us(moved, cfg["iters"], barrier)
+            r["combine_floor_us"] = floor_us(T * K * 2 * H, cfg["iters"], barrier)
             rows.append(r)
     return rows
 

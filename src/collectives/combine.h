@@ -6,12 +6,7 @@
 #include <type_traits>
 
 #include "core/dtype.h"
-
-#if defined(__CUDACC__)
-#define MC_HOST_DEVICE __host__ __device__
-#else
-#define MC_HOST_DEVICE
-#endif
+#include "core/hd.h"
 
 namespace mooncake {
 
@@ -20,7 +15,7 @@ namespace mooncake {
 // NaN (b != b only for NaN: no -ffast-math here); integers wrap around, as
 // torch's do.
 template <RedOp Op, typename A>
-MC_HOST_DEVICE inline A combine(A a, A b) {
+MC_HD inline A combine(A a, A b) {
   if constexpr (std::is_same_v<A, bool>) {
     if constexpr (Op == RedOp::kSum || Op == RedOp::kMax || Op == RedOp::kBor) return a || b;
     if constexpr (Op == RedOp::kProduct || Op == RedOp::kMin || Op == RedOp::kBand) return a && b;

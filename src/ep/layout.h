@@ -26,21 +26,24 @@
 //   dispatch  E*T messages, [E/R local experts][R sources][T slots]: the most
 //             any call can deliver (every token of every source to every
 //             local expert); a source writes its rows for local expert j, in
-//             token order, into its own T slots;
+//             token order, into its own T slots. The device path writes only
+//             the headers: every peer's stage is mapped, so the receiver
+//             copies the bytes from there (see stage). The payload room is
+//             kept for a path that cannot read its peers' memory, and so
+//             that the size hint does not depend on the path;
 //   combine   T * kMaxTopk rows of 2H bytes, [T tokens][top-k slot]: the
 //             expert outputs coming back for this rank's own tokens;
-//   stage     T rows of one message each: this rank's tokens quantised to FP8
-//             once, before they are copied to every expert that selected them
-//             (or, for a dispatch split by a receive hook, copied as they are,
-//             so that the receive half reads this rank's own rows from here);
+//   stage     T rows of one message each: this rank's tokens as the
+//             receivers copy them (quantised to FP8 once, or copied as they
+//             are); a BF16/FP16 call at world 1 in one launch skips it;
 //   index     T * kMaxTopk int64, [T tokens][top-k slot]: where each of this
 //             rank's tokens landed among its own experts' rows (`seq << 32 |
 //             row`), so that a combine reads those expert outputs where they
 //             are instead of copying them to itself first. Only this rank
 //             writes or reads it.
 //
-// Senders store straight into the peer's mapped workspace (cuda_ipc), so no
-// send region is reserved; a transport that must stage would add one.
+// Ranks read and write each other's mapped workspaces (cuda_ipc), so no send
+// region is reserved; a transport that must stage would add one.
 //
 // Messages:
 //   dispatch  a 16-byte EpMsgHeader + payload: 2H bytes of BF16/FP16, or with
@@ -56,11 +59,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MC_HD __host__ __device__
-#else
-#define MC_HD
-#endif
+#include "core/hd.h"
 
 namespace mooncake {
 

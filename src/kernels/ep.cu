@@ -8,21 +8,24 @@
 // holds ~2 experts of ~4 rows each, and doing them one after the other was
 // most of the kernels' time.
 //
-// Dispatch, send phase: one pass over topk_idx in flat order gives each
-// selection of the block's experts the next slot of its expert (a source's
-// rows reach the receiver in token order, as the portable path orders them);
-// then a warp per (row, part) stores header + payload into the owner's
-// [local expert][this rank] slots, BF16/FP16 from x, or FP8 from the stage
-// (the grid first quantises each token once into it, and the blocks meet at a
-// grid barrier before the first copy; quantising in registers per
-// destination instead made the send phase 6-9 us slower, as it does the work
-// K times at low occupancy, and a quantise kernel of its own cost a second
-// launch, several us of host time per call); then the counts are published
-// with system-scope releases.
+// Dispatch, send phase: the grid first puts this rank's tokens into its
+// stage, once per token (FP8: quantised there; quantising per destination
+// instead made the send phase 6-9 us slower, as it does the work K times at
+// low occupancy, and a quantise kernel of its own cost a second launch,
+// several us of host time per call; BF16/FP16: copied there, except at world
+// 1 in one launch). One pass over topk_idx in flat order gives each selection
+// of the block's experts the next slot of its expert (a source's rows reach
+// the receiver in token order, as the portable path orders them) and stores
+// the row's header there, in the owner's [local expert][this rank] slots.
+// After a grid barrier (every block's stage rows are in) the counts are
+// published with system-scope releases.
 // Receive phase: the block waits for the counts of all its local experts (a
 // thread per (expert, source), each with the phase's deadline), lays the
-// sources out in rank order and unpacks every row into recv_x, src_info and
-// layout_range.
+// sources out in rank order, and copies every row's bytes from its source's
+// stage (mapped, as the whole workspace is) straight into recv_x, filling
+// src_info and layout_range. Pulling the rows moves each selected row once;
+// pushing them into the receiver's slots first moved it twice, which
+// cost little at world 1 but doubled the bytes when several ranks share a GPU.
 //
 // Combine, send phase: the block stores the expert output of every row of its
 // (local expert, source) pairs into the source's [token][top-k column] row,
@@ -31,12 +34,11 @@
 // weight * row in fp32, in ascending expert order (the portable path's
 // order, so the result is bit-identical), rounded once.
 //
-// A rank's rows for its own experts move once: dispatch stores only their
-// headers, and the receive phase copies their bytes from x (or from the
-// stage: FP8, or a hook-split BF16 dispatch, whose send half copies x there)
-// and records in the index region where each landed; a one-launch combine
-// then sums those expert outputs straight from its x (a split one still
-// copies them in its send half, as the hook may come after x changed).
+// A rank's rows for its own experts: in a one-launch BF16/FP16 call the
+// receive phase copies them from x, and it records in the index region where
+// each landed; a one-launch combine then sums those expert outputs straight
+// from its x (a split one still copies them in its send half, as the hook
+// may come after x changed).
 //
 // Blocks never wait on blocks that have not started: every block does its
 // send work before it waits, and the grid is at most as large as what is
@@ -261,9 +263,9 @@ __device__ void quantize_share(const DispatchArgs& a) {
   }
 }
 
-// BF16/FP16 split by a receive hook: the rank's tokens copied once into its
-// stage rows, from which the receive half (a later launch, when `x` may have
-// changed) reads the rows this rank sends to itself.
+// BF16/FP16: the rank's tokens copied once into its stage rows, from which
+// the receivers read them (peers, and this rank's own receive half when a
+// hook splits the call: a later launch, when `x` may have changed).
 __device__ void stage_share(const DispatchArgs& a) {
   const EpLayout& L = a.c.layout;
   const int64_t bytes = 2 * L.shape.hidden, per_row = chunks_of(bytes);
@@ -367,11 +369,11 @@ __device__ __forceinline__ int dealt(int count) {
   return b < count ? (count - b + g - 1) / g : 0;
 }
 
-// Rows a send phase collects before it copies them: each with its
-// destination pointer and its source, in shared memory, so that the copy
-// loop's every step is loads and stores with no global lookups between them
-// (reading topk_idx, the peer table or src_info there was a chain of
-// dependent round trips per chunk, most of the send phases' time).
+// Rows a copy phase (dispatch receive, combine send) collects before it
+// copies them: each with its source and destination, in shared memory, so
+// that the copy loop's every step is loads and stores with no global lookups
+// between them (reading headers, the peer table or src_info there was a
+// chain of dependent round trips per chunk, most of those phases' time).
 constexpr int kItems = 2048;
 // Rows a combine's receive phase loads at once per thread.
 constexpr int kLoads = 8;
@@ -381,9 +383,8 @@ constexpr int kBatch = kThreads / EpLayout::kMaxTopk;
 template <typename Elem, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArgs a) {
   extern __shared__ int32_t s_dyn[];  // send: counts per (expert, warp); receive: counts, offsets
-  __shared__ uint8_t* s_dst[kItems];  // an item: its message slot (null: dropped)
-  __shared__ int32_t s_flat[kItems];  // and its flat topk_idx entry
-  __shared__ int32_t s_warp_base[kWarps + 1];
+  __shared__ const uint8_t* s_src[kItems];  // receive: a row's bytes (null: dropped)
+  __shared__ int32_t s_row[kItems];         // and its row in recv_x
 
   const EpLayout& L = a.c.layout;
   const int R = static_cast<int>(L.shape.num_ranks);
@@ -408,29 +409,34 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
   __syncthreads();
 
   if (a.c.phases & kSend) {
-    __shared__ uint32_t s_gen;  // FP8: the grid barrier's generation at arrival
-    bool staged = !kFp8;        // whether every block's stage rows are in
+    // Receivers read this rank's rows from its stage (FP8: quantised there;
+    // BF16/FP16: copied there, except in a one-launch call at world 1, whose
+    // receive phase reads x itself). Rows other blocks stage are read by
+    // other ranks as soon as a count is out, so with peers (or FP8's own
+    // rows, read by other blocks of this launch) the blocks meet at a grid
+    // barrier before the first count goes out.
+    __shared__ uint32_t s_gen;  // the grid barrier's generation at arrival
+    bool staged = true;         // whether every block's stage rows are in
     if constexpr (kFp8) {
       quantize_share<Elem>(a);
+      staged = false;
+    } else if (R > 1 || a.c.phases != kBoth) {
+      stage_share(a);
+      staged = R == 1;  // a hook's receive half at world 1 is a later launch
+    }
+    if (!staged) {
       __syncthreads();
       if (threadIdx.x == 0) s_gen = grid_arrive(a.c.grid_sync);
-    } else if (a.c.phases != kBoth) {
-      stage_share(a);
     }
     // This block sends for experts blockIdx.x + i * G. One pass over topk_idx
     // in flat order gives each selection of them the next slot of its expert
     // (so a source's rows arrive in token order, as the portable path orders
-    // them); the rows are then stored by every warp of the block at once.
+    // them), and the slot gets the row's header; the receiver copies the
+    // bytes from the stage (or x) straight into recv_x.
     const int nb = dealt(E);
     int32_t* s_base = s_dyn;                // [nb][kWarps]: this round's rows per warp, then bases
     int32_t* s_rows = s_dyn + nb * kWarps;  // [nb]: rows given so far
     for (int i = threadIdx.x; i < nb; i += kThreads) s_rows[i] = 0;
-    // The bytes after a header: BF16/FP16 rows from x, or FP8 data and scales
-    // from the stage (quantised once per token above), padded to
-    // 16 bytes (the message slot has room for them).
-    const int64_t body_bytes = kFp8 ? (L.fp8_payload_bytes + 15) / 16 * 16 : 2 * H;
-    const int64_t per_row = chunks_of(body_bytes);
-    int items = 0;  // the same in every thread
     for (int64_t round = 0; round < entries; round += kThreads) {
       for (int i = threadIdx.x; i < nb * kWarps; i += kThreads) s_base[i] = 0;
       __syncthreads();
@@ -447,10 +453,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
           mine = static_cast<int>(id / G);
       }
       const unsigned same = __match_any_sync(0xffffffffu, mine);
-      const unsigned matches = __ballot_sync(0xffffffffu, mine >= 0);
       const int rank_in_warp = __popc(same & lanes_below);
       if (mine >= 0 && rank_in_warp == 0) s_base[mine * kWarps + warp] = __popc(same);
-      if (lane == 0) s_warp_base[warp] = __popc(matches);
       __syncthreads();
       for (int i = threadIdx.x; i < nb; i += kThreads) {
         int at = s_rows[i];
@@ -461,59 +465,25 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
         }
         s_rows[i] = at;
       }
-      if (warp == kWarps - 1) {  // its threads are past the loop above (nb <= kThreads - 32)
-        const int c = lane < kWarps ? s_warp_base[lane] : 0;
-        int incl = c;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-          const int y = __shfl_up_sync(0xffffffffu, incl, o);
-          if (lane >= o) incl += y;
-        }
-        if (lane < kWarps) s_warp_base[lane] = incl - c;
-        if (lane == 31) s_warp_base[kWarps] = incl;
-      }
       __syncthreads();
       if (mine >= 0) {
-        // The header goes out now; the rows' bytes with every warp below.
-        const int at = items + s_warp_base[warp] + __popc(matches & lanes_below);
         const int slot = s_base[mine * kWarps + warp] + rank_in_warp;
         const int e = static_cast<int>(id), t = static_cast<int>(j / K);
         const int k = static_cast<int>(j % K), le = e % epr;
-        uint8_t* msg = nullptr;
-        if (slot < T) {
-          msg = a.c.peers[e / epr] + L.dispatch_msg(seq, le, a.c.rank, slot);
-          *reinterpret_cast<EpMsgHeader*>(msg) = EpMsgHeader{t, le, k, 0};
-        } else {
+        if (slot < T)
+          *reinterpret_cast<EpMsgHeader*>(a.c.peers[e / epr] +
+                                          L.dispatch_msg(seq, le, a.c.rank, slot)) =
+              EpMsgHeader{t, le, k, 0};
+        else
           report(a.c.status, kStatusOverflow, e, slot + 1);
-        }
-        // Rows for this rank's own experts go as headers alone: the receive
-        // phase copies their bytes from x or the stage (one copy, not two).
-        s_dst[at] = e / epr == a.c.rank ? nullptr : msg;
-        s_flat[at] = static_cast<int>(j);
       }
-      items += s_warp_base[kWarps];
-      const bool flush = items > kItems - kThreads || round + kThreads >= entries;
-      __syncthreads();  // the items are in; s_base and s_warp_base may be refilled
-      if (!flush) continue;
-      if (!staged) {  // the same in every thread, as `flush` is
-        if (threadIdx.x == 0) grid_wait(a.c.grid_sync, s_gen, a.c.timeout_ns, a.c.status);
-        __syncthreads();
-        staged = true;
-      }
-      // A warp per (row, part): every warp has work even for a few rows.
-      for (int64_t u = warp; u < items * per_row; u += kWarps) {
-        const int i = static_cast<int>(u / per_row);
-        uint8_t* msg = s_dst[i];
-        if (msg == nullptr) continue;
-        const int64_t t = s_flat[i] / K;
-        const uint8_t* row =
-            kFp8 ? own + L.stage_row(seq, t) : static_cast<const uint8_t*>(a.x) + t * 2 * H;
-        copy_chunk<false>(msg + EpLayout::kHeaderBytes, row, body_bytes, u % per_row, lane);
-      }
-      items = 0;
-      __syncthreads();  // s_dst and s_flat are refilled next round
+      __syncthreads();  // s_base is refilled next round
     }
     if (entries == 0) __syncthreads();  // s_rows was zeroed
+    if (!staged) {
+      if (threadIdx.x == 0) grid_wait(a.c.grid_sync, s_gen, a.c.timeout_ns, a.c.status);
+      __syncthreads();
+    }
     // Every thread's stores are done (the barrier above), then each count is
     // published with a release, which is cumulative: it covers what the
     // barrier made visible to the publishing thread.
@@ -578,8 +548,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
     if (warp == 0) warp_exclusive_scan(s_total, s_first, nl, lane);
     __syncthreads();
     // kItems rows at a time: a thread per row reads its header and finds where
-    // its bytes are (the message, or for this rank's own rows x or the stage),
-    // then every warp copies (no lookups between a copy's loads).
+    // its bytes are (the source's stage row, or for this rank's own rows in a
+    // one-launch BF16/FP16 call, x), then every warp copies (no lookups
+    // between a copy's loads).
     const int64_t data_bytes = kFp8 ? H : 2 * H;
     const int64_t per_row = chunks_of(data_bytes);
     const bool from_x = !kFp8 && a.c.phases == kBoth;  // own rows: x is this launch's input
@@ -591,34 +562,35 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
         const int32_t* off = s_off + i * (R + 1);
         const int r = g - s_first[i], s = find_segment(off, R, r);
         const int le = static_cast<int>(blockIdx.x) + i * G;
-        const uint8_t* msg = own + L.dispatch_msg(seq, le, s, r - off[s]);
-        const EpMsgHeader h = *reinterpret_cast<const EpMsgHeader*>(msg);
+        const EpMsgHeader h =
+            *reinterpret_cast<const EpMsgHeader*>(own + L.dispatch_msg(seq, le, s, r - off[s]));
         const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
                         h.topk_slot < EpLayout::kMaxTopk &&
                         (s != a.c.rank || h.token < a.num_tokens);
         const int64_t row = le * cols + r;
         a.src_info[row] = ok ? h.token : -1;
         a.src_slot[row] = ok ? h.topk_slot : 0;
-        const uint8_t* body = msg + EpLayout::kHeaderBytes;
+        const uint8_t* body = nullptr;
         if (!ok) {
           report(a.c.status, kStatusBadHeader, s, le);
-          body = nullptr;
         } else if (s == a.c.rank) {
           body = from_x ? static_cast<const uint8_t*>(a.x) + h.token * data_bytes
                         : own + L.stage_row(seq, h.token);
           // Where this token's expert output will be, for the combine.
           *reinterpret_cast<uint64_t*>(own + L.combine_index(seq, h.token, h.topk_slot)) =
               (seq << 32) | static_cast<uint32_t>(row);
+        } else {
+          body = a.c.peers[s] + L.stage_row(seq, h.token);
         }
-        s_dst[q] = const_cast<uint8_t*>(body);
-        s_flat[q] = static_cast<int32_t>(row);
+        s_src[q] = body;
+        s_row[q] = static_cast<int32_t>(row);
       }
       __syncthreads();
       for (int64_t u = warp; u < n * per_row; u += kWarps) {
         const int q = static_cast<int>(u / per_row);
-        const uint8_t* body = s_dst[q];
+        const uint8_t* body = s_src[q];
         if (body == nullptr) continue;
-        const int64_t c = u % per_row, row = s_flat[q];
+        const int64_t c = u % per_row, row = s_row[q];
         copy_chunk<true>(static_cast<uint8_t*>(a.recv_x) + row * data_bytes, body, data_bytes, c,
                          lane);
         if constexpr (kFp8) {
@@ -628,7 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
             a.recv_scales[row * nscale + j] = reinterpret_cast<const float*>(body + H)[j];
         }
       }
-      __syncthreads();  // s_dst and s_flat are refilled next round
+      __syncthreads();  // s_src and s_row are refilled next round
     }
     for (int64_t q = threadIdx.x; q < nl * cols; q += kThreads) {
       const int i = static_cast<int>(q / cols);
