@@ -18,6 +18,7 @@
 #include <thread>
 #include <utility>
 
+#include "collectives/layout.h"
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
@@ -508,9 +509,9 @@ at::Tensor MooncakeCudaBackend::segment_as(const at::Tensor& like) {
 }
 
 void MooncakeCudaBackend::wait_stream() {
-  Event done(true);
-  done.record(*stream_);
-  wait_event(done);
+  if (!stream_done_) stream_done_ = make_event(true);
+  stream_done_->record(*stream_);
+  wait_event(*stream_done_);
 }
 
 void MooncakeCudaBackend::plane_run(
@@ -574,9 +575,7 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
   const auto* src = static_cast<const uint8_t*>(in.data_ptr());
   auto* dst = static_cast<uint8_t*>(out.data_ptr());
   uint8_t* mine = plane_->mine(comm().view());
-  auto piece = [&](size_t bytes, size_t k) {
-    return k * region >= bytes ? 0 : std::min(region, bytes - k * region);
-  };
+  auto piece = [&](size_t bytes, size_t k) { return piece_bytes(bytes, region, k); };
   auto copy = [&](void* to, const void* from, size_t len, const char* what) {
     if (len != 0)
       cuda_check(cudaMemcpyAsync(to, from, len, cudaMemcpyDeviceToDevice, *stream_), what);
@@ -641,8 +640,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
       at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
       const int64_t timeout = op_timeout_ms(opts.timeout);
-      s.keep(t);
-      at::Tensor out = rank_ == root ? t : s.device_out(t);
+      // The root's tensor is only read; the others' are written (device_out keeps them too).
+      const at::Tensor out = rank_ == root ? t : s.device_out(t);
+      if (rank_ == root) s.keep(t);
       return s.run_device(c10d::OpType::BROADCAST, {t}, [this, t, out, dt, root, timeout] {
         plane_run(
             OpType::kBroadcast, dt, RedOp::kSum, root, elems(t), timeout,

@@ -140,9 +140,10 @@ class MooncakeCudaBackend final : public MooncakeBackend {
 
   int device_ = -1;  // -1: this process sees no GPU (CPU tensors only)
   std::optional<c10::cuda::CUDAStream> stream_;
-  at::Tensor user_active_;            // what active_ranks() returns
-  std::unique_ptr<CudaPlane> plane_;  // null: every op is staged through the host
-  size_t plane_min_bytes_ = 0;        // smaller inputs are staged
+  at::Tensor user_active_;              // what active_ranks() returns
+  std::unique_ptr<CudaPlane> plane_;    // null: every op is staged through the host
+  size_t plane_min_bytes_ = 0;          // smaller inputs are staged
+  std::shared_ptr<Event> stream_done_;  // wait_stream's event (made on its first call)
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;
