@@ -7,6 +7,9 @@ dispatch in FP8 and BF16, combine in BF16. For each case it times:
   device is synchronised first) with CUDA events around the call, so a time
   covers the Python wrapper, the launch and the kernels; the same method as
   ``bench_ep_upstream.py`` uses for upstream's kernels;
+- ``zero-copy``: combine with ``zero_copy=True``, its expert outputs written
+  into ``get_next_combine_buffer`` before the timed call (the workspace itself:
+  token owners read them there, so the call copies nothing first);
 - ``send half`` / ``recv half``: ``return_recv_hook=True``: the dispatch call
   (its send phase) and the hook (its receive phase), each on its own;
 - ``kernel``: the same dispatch or combine captured in a CUDA graph and
@@ -108,21 +111,35 @@ def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None) -> dic
     # The expert outputs for FP8 are made once (bf16, from one dispatch's rows): made
     # per round, their ~0.5 GB conversion just before each timed combine left the
     # host thread cold from the long sync (combine host time 22 against 16 us).
-    combine_us, combine_host = [], []
+    # With zero_copy the expert outputs are first written into the Buffer's combine
+    # buffer (outside the timed call, as an expert kernel would write them there:
+    # the rows received, not the whole [E/R, R*T, H], whose ~0.5 GB of writes just
+    # before the call would leave the cache full of them).
     y_fp8 = None
-    for it in range(warmup + iters):
-        x, idx, w = nxt()
-        recv_x, _, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
-        if fp8 and y_fp8 is None:
-            y_fp8 = recv_x[0].to(torch.bfloat16)
-        y = y_fp8 if fp8 else recv_x
-        call = lambda y=y, idx=idx, w=w, h=handle: buf.combine(y, idx, w, active, -1, h)  # noqa: E731
-        host: list[float] = []
-        t = timed(call, 1, 0, barrier, host)
-        if it >= warmup:
-            combine_us += t
-            combine_host += host
-    res["combine_us"], res["combine_host_us"] = combine_us, combine_host
+    for zero_copy in (False, True):
+        combine_us, combine_host = [], []
+        for it in range(warmup + iters):
+            x, idx, w = nxt()
+            recv_x, count, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
+            if fp8 and y_fp8 is None:
+                y_fp8 = recv_x[0].to(torch.bfloat16)
+            y = y_fp8 if fp8 else recv_x
+            if zero_copy:
+                n = int(count.max())
+                z = buf.get_next_combine_buffer(handle)
+                z[:, :n].copy_(y[:, :n])
+                y = z
+
+            def call(y=y, idx=idx, w=w, h=handle, z=zero_copy):
+                return buf.combine(y, idx, w, active, -1, h, zero_copy=z)
+
+            host: list[float] = []
+            t = timed(call, 1, 0, barrier, host)
+            if it >= warmup:
+                combine_us += t
+                combine_host += host
+        key = "combine_zero_copy" if zero_copy else "combine"
+        res[f"{key}_us"], res[f"{key}_host_us"] = combine_us, combine_host
 
     hooks = []
 
@@ -244,8 +261,8 @@ def table(world: int, rows: list[dict], up: dict) -> str:
     lines = [
         f"world {world}: median µs (T=128, H=7168, top-8)",
         "| E | dispatch | ours | kernel | send half | (kernel) | recv half | upstream | floor "
-        "| combine | ours | kernel | upstream | floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| combine | ours | zero-copy | kernel | upstream | floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         u = up.get((r["E"], r["fp8"]), {}) if "error" not in up else {}
@@ -259,6 +276,7 @@ def table(world: int, rows: list[dict], up: dict) -> str:
             f"| {fmt(r.get('send_kernel_us'))} "
             f"| {fmt(r['recv_half_us'])} | {fmt(um('dispatch_us'))} "
             f"| {fmt(r.get('dispatch_floor_us'))} | BF16 | {fmt(r['combine_us'])} "
+            f"| {fmt(r.get('combine_zero_copy_us'))} "
             f"| {fmt(r.get('combine_kernel_us'))} | {fmt(um('combine_us'))} "
             f"| {fmt(r.get('combine_floor_us'))} |"
         )

@@ -2,10 +2,12 @@
 
 Every rank of the group allocates its workspace (``get_ep_buffer_size_hint``
 bytes) in device memory and exports it; same-host peers map each other's
-through CUDA IPC (``src/transport/cuda_ipc.h``). A dispatch stores each
-token straight into the workspaces of the ranks holding its experts and
-publishes per-(expert, source) counts; a combine stores expert outputs back
-into their tokens' owners and sums them there (``src/kernels/ep.cu``). The
+through CUDA IPC (``src/transport/cuda_ipc.h``). A dispatch stages each token
+once, sends headers to the ranks holding its experts and publishes
+per-(expert, source) counts; those ranks copy the rows from its stage. A
+combine puts the expert outputs in the workspace (the zero-copy buffer is
+already there) and flags them; each token's owner sums them from there
+(``src/kernels/ep.cu``). The
 host only allocates outputs and launches: nothing here waits for the device,
 so calls can be captured in a CUDA graph.
 
@@ -86,6 +88,7 @@ class DevicePath:
         self._mask_events: list[str] = []
         self._checked_dispatch: tuple | None = None  # the last call shapes that passed
         self._checked_combine: tuple | None = None
+        self._combine_views: dict[tuple, torch.Tensor] = {}  # combine_buffer's, per half and shape
         self.connect()
 
     def connect(self) -> None:
@@ -229,14 +232,12 @@ class DevicePath:
             self._mask_events += self.raise_reported("dispatch")
         seq = buf._seq + 1
         mask = self._mask(buf, active_ranks, R, x.device)
-        recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook = self.dispatch(
+        recv_x, recv_count, src_info, layout_range, event, recv_hook = self.dispatch(
             x, topk_idx, mask, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
         )
         buf._seq, buf.path = seq, "device"
         dtype = torch.bfloat16 if use_fp8 else x.dtype
-        state = HandleState(
-            buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, src_slot, event
-        )
+        state = HandleState(buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, event)
         handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
         overlap = stream_waiter(event)
         if not hook:
@@ -285,8 +286,6 @@ class DevicePath:
         mask = self._mask(buf, active_ranks, R, x.device)
         result, event, recv_hook = self.combine(
             x,
-            handle.src_info,
-            state.src_slot,
             handle.layout_range,
             topk_idx,
             topk_weights,
@@ -303,6 +302,19 @@ class DevicePath:
         overlap = stream_waiter(event)
         return result, overlap, recv_hook
 
+    def combine_buffer(self, handle: DispatchHandle) -> torch.Tensor:
+        """The zero-copy combine buffer of ``handle``'s half: the workspace's rows
+        region, where the token owners read the expert outputs."""
+        state = handle.state
+        key = (state.seq % 2, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
+               handle.num_experts, state.dtype)  # fmt: skip
+        view = self._combine_views.get(key)
+        if view is None:
+            like = torch.empty(0, dtype=state.dtype)
+            view = self.ext.combine_buffer(key[1], key[2], key[3], state.seq, like)
+            self._combine_views[key] = view
+        return view
+
     # --- calls ----------------------------------------------------------------------------
 
     def timeout_ns(self, timeout_us: int) -> int:
@@ -311,8 +323,8 @@ class DevicePath:
     def dispatch(
         self, x, topk_idx, active, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
     ):
-        """Launches a dispatch; returns ``(recv_x, recv_count, src_info, src_slot,
-        layout_range, event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
+        """Launches a dispatch; returns ``(recv_x, recv_count, src_info, layout_range,
+        event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
         None and ``recv_hook`` the receive half's launcher (hook) or None."""
         launch, blocks, timeout_ns = self.ext.dispatch, self.num_blocks, self.timeout_ns(timeout_us)
         event = recv_hook = None
@@ -334,17 +346,17 @@ class DevicePath:
             if event is not None:
                 for t in (x, topk_idx, active, *outputs, *(() if stats is None else (stats,))):
                     t.record_stream(self._comm)  # made on the caller's stream, used on ours
-        data, scales, recv_count, src_info, src_slot, layout_range = outputs
+        data, scales, recv_count, src_info, layout_range = outputs
         recv_x = (data, scales) if use_fp8 else data
-        return recv_x, recv_count, src_info, src_slot, layout_range, event, recv_hook
+        return recv_x, recv_count, src_info, layout_range, event, recv_hook
 
     def combine(
-        self, x, src_info, src_slot, layout_range, topk_idx, weights, active, out, T, E, seq,
-        timeout_us, async_finish, hook,
+        self, x, layout_range, topk_idx, weights, active, out, T, E, seq, timeout_us,
+        async_finish, hook,
     ):  # fmt: skip
         """Launches a combine; returns ``(out, event, recv_hook)`` as dispatch."""
         launch, blocks, timeout_ns = self.ext.combine, self.num_blocks, self.timeout_ns(timeout_us)
-        args = (x, src_info, src_slot, layout_range, topk_idx, weights, active)
+        args = (x, layout_range, topk_idx, weights, active)
         if not (hook or async_finish):
             result = launch(*args, out, T, E, seq, timeout_ns, _BOTH, blocks)
             return result, None, None

@@ -44,7 +44,6 @@ class HandleState:
     topk_idx: torch.Tensor  # the dispatch's (the portable path keeps a copy)
     finished: bool  # the receive half has run: combine takes the handle
     on_device: bool = False  # the device path ran it, so its combine runs there
-    src_slot: torch.Tensor | None = None  # device path: where each received row sits
     event: Any = None  # device path: the dispatch's CUDA event when it ran on its own stream
     exchange: Any = None  # portable path: what went where (``_ep_portable.Exchange``)
 

@@ -205,12 +205,12 @@ class Buffer:
         """The workspace, in bytes, for dispatches of up to ``T`` tokens per rank.
 
         A closed formula (``src/ep/layout.h``): two halves (even and odd calls),
-        each ``align128(2E * 8)`` signal bytes + a dispatch region of
-        ``E * T * M`` + a combine region of ``T * 16 * 2H`` + a stage of
-        ``T * M`` + an index of ``T * 16 * 8``, where ``M = align16(16 + max(2H, H + 4 * ceil(H / 128)))``
-        is one dispatch message (a 16-byte header and a BF16 or FP8 payload)
-        and ``2H`` one combine row; every region is 128-byte aligned. For
-        T=128, H=7168, R=8, E=288 that is about 1.1 GB.
+        each ``align128(2E * 8)`` signal bytes + ``E * T`` message headers of
+        16 bytes + ``E * T`` rows of ``P`` (the expert outputs a combine
+        returns) + a stage of ``T * P`` + an index of ``T * 16 * 8``, where
+        ``P = align16(max(2H, H + 4 * ceil(H / 128)))`` is one row (BF16, or
+        FP8 with its scales); every region is 128-byte aligned. For T=128,
+        H=7168, R=8, E=288 that is about 1.06 GB.
 
         Raises:
             ValueError: an argument is < 1, ``num_experts % num_ranks != 0``, or
@@ -503,7 +503,10 @@ class Buffer:
 
         Returns:
             ``[E/R, R*T, H]`` of the dispatch's dtype (bf16 with FP8), on the
-            dispatch's device; one per half (even and odd calls), reused.
+            dispatch's device; one per half (even and odd calls), reused. On
+            the device path it is the workspace itself (token owners read the
+            expert outputs where they are, so the combine copies nothing); it
+            stays valid while this Buffer lives.
 
         Raises:
             ValueError: the handle is not from this Buffer, or two later
@@ -514,6 +517,9 @@ class Buffer:
             raise ValueError(f"get_next_combine_buffer: {error}")
         state = handle.state
         half = state.seq % 2
+        if state.on_device and self._device is not None:
+            self._combine_buffers[half] = self._device.combine_buffer(handle)
+            return self._combine_buffers[half]
         shape = tuple(handle.src_info.shape) + (handle.hidden,)
         device = handle.src_info.device
         buf = self._combine_buffers[half]

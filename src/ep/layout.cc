@@ -43,30 +43,27 @@ EpLayout::EpLayout(const EpShape& s) : shape(s) {
   const size_t scales = (H + kFp8Block - 1) / kFp8Block;
   bf16_payload_bytes = 2 * H;
   fp8_payload_bytes = H + 4 * scales;
-  dispatch_msg_bytes = align_up(kHeaderBytes + std::max(bf16_payload_bytes, fp8_payload_bytes), 16);
-  combine_msg_bytes = 2 * H;
+  row_bytes = align_up(std::max(bf16_payload_bytes, fp8_payload_bytes), 16);
 
   const size_t signals = align_up(2 * E * sizeof(int64_t), kAlign);
-  const size_t dispatch =
-      align_up(checked_mul(checked_mul(E, T, "dispatch"), dispatch_msg_bytes, "dispatch"), kAlign);
-  const size_t combine =
-      align_up(checked_mul(checked_mul(T, static_cast<size_t>(kMaxTopk), "combine"),
-                           combine_msg_bytes, "combine"),
-               kAlign);
-  const size_t stage = align_up(checked_mul(T, dispatch_msg_bytes, "stage"), kAlign);
+  const size_t slots = checked_mul(E, T, "headers");
+  const size_t headers = align_up(checked_mul(slots, kHeaderBytes, "headers"), kAlign);
+  const size_t rows = align_up(checked_mul(slots, row_bytes, "rows"), kAlign);
+  const size_t stage = align_up(checked_mul(T, row_bytes, "stage"), kAlign);
   const size_t index = align_up(
       checked_mul(checked_mul(T, static_cast<size_t>(kMaxTopk), "index"), 8, "index"), kAlign);
-  half_bytes = signals + dispatch + combine + stage + index;
+  const size_t data = headers + rows + stage + index;
+  half_bytes = signals + data;
   MC_CHECK_ARG(half_bytes <= kMaxBytes / 2, f, ": the workspace would exceed 2^50 bytes");
   // Both halves' signals first: their offsets depend on E and R only, so a call
   // of another T or H never reads a signal where an earlier call left data.
   for (int i = 0; i < 2; ++i) {
-    const size_t data = 2 * signals + static_cast<size_t>(i) * (dispatch + combine + stage + index);
+    const size_t at = 2 * signals + static_cast<size_t>(i) * data;
     halves[i].signals = {static_cast<size_t>(i) * signals, signals};
-    halves[i].dispatch = {data, dispatch};
-    halves[i].combine = {data + dispatch, combine};
-    halves[i].stage = {data + dispatch + combine, stage};
-    halves[i].index = {data + dispatch + combine + stage, index};
+    halves[i].headers = {at, headers};
+    halves[i].rows = {at + headers, rows};
+    halves[i].stage = {at + headers + rows, stage};
+    halves[i].index = {at + headers + rows + stage, index};
   }
   total_bytes = 2 * half_bytes;
 }

@@ -1,7 +1,7 @@
 // The EP workspace: what every rank reserves for low-latency dispatch and
 // combine, as one struct with named offsets. The size hint that
 // Buffer.get_ep_buffer_size_hint returns is EpLayout(shape).total_bytes; the
-// device kernels (src/kernels) place their signals and messages with the
+// device kernels (src/kernels) place their signals and rows with the
 // accessors below, which compile for host and device alike.
 //
 // Shapes: T = max tokens a rank dispatches per call, H = hidden size,
@@ -11,47 +11,43 @@
 // number), so that one call's combine can still read its half while the next
 // dispatch fills the other:
 //
-//   | signals 0 | signals 1 | dispatch 0 | combine 0 | stage 0 | index 0 | dispatch 1 | ... |
+//   | signals 0 | signals 1 | headers 0 | rows 0 | stage 0 | index 0 | headers 1 | ... |
 //
-// (half = signals + dispatch + combine + stage + index; total = 2 * half). The signals of
-// both halves come first, so their places depend on E and R alone: a call of
-// another T or H never takes data an earlier call left for a signal.
+// (half = signals + headers + rows + stage + index; total = 2 * half). The
+// signals of both halves come first, so their places depend on E and R alone:
+// a call of another T or H never takes data an earlier call left for a signal.
 //
 //   signals   2E int64, 128-byte aligned: E dispatch counts, one per (local
 //             expert, source rank) ([E/R][R]), each `seq << 32 | count`; and
 //             E combine flags, one per global expert a token may hear back
-//             from, each `seq`. A signal carries its call's sequence number,
-//             so a late write from a dead or masked peer, or from an earlier
-//             call, never reads as this call's, and nothing is ever cleared;
-//   dispatch  E*T messages, [E/R local experts][R sources][T slots]: the most
-//             any call can deliver (every token of every source to every
-//             local expert); a source writes its rows for local expert j, in
-//             token order, into its own T slots. The device path writes only
-//             the headers: every peer's stage is mapped, so the receiver
-//             copies the bytes from there (see stage). The payload room is
-//             kept for a path that cannot read its peers' memory, and so
-//             that the size hint does not depend on the path;
-//   combine   T * kMaxTopk rows of 2H bytes, [T tokens][top-k slot]: the
-//             expert outputs coming back for this rank's own tokens;
-//   stage     T rows of one message each: this rank's tokens as the
-//             receivers copy them (quantised to FP8 once, or copied as they
-//             are); a BF16/FP16 call at world 1 in one launch skips it;
-//   index     T * kMaxTopk int64, [T tokens][top-k slot]: where each of this
-//             rank's tokens landed among its own experts' rows (`seq << 32 |
-//             row`), so that a combine reads those expert outputs where they
-//             are instead of copying them to itself first. Only this rank
-//             writes or reads it.
+//             from, each `seq << 32 | first row` (the first of this rank's
+//             rows among the expert's, or kNoRows). A signal carries its
+//             call's sequence number, so a late write from a dead or masked
+//             peer, or from an earlier call, never reads as this call's;
+//   headers   E*T EpMsgHeaders, [E/R local experts][R sources][T slots]: the
+//             most any call can deliver (every token of every source to
+//             every local expert); a source writes the headers of its rows for
+//             local expert j, in token order, into its own T slots;
+//   rows      E*T rows of `row_bytes`, [E/R local experts][R*T]: the expert
+//             outputs a combine returns, in recv_x's layout (the zero-copy
+//             combine buffer is this region, as a [E/R, R*T, H] tensor). The
+//             token owners read them from here. A path that cannot read its
+//             peers' memory would receive dispatch payloads here;
+//   stage     T rows of `row_bytes`: this rank's tokens as the receivers copy
+//             them (quantised to FP8 once, or as they are); a BF16/FP16 call
+//             at world 1 in one launch skips it;
+//   index     T * kMaxTopk int64, [T tokens][top-k slot]: which slot each of
+//             this rank's selections took at its expert (`seq << 32 | slot`),
+//             so that a combine finds the expert's output row (the expert's
+//             first row for this rank, from the flag, plus the slot). Only
+//             this rank writes or reads it.
 //
-// Ranks read and write each other's mapped workspaces (cuda_ipc), so no send
-// region is reserved; a transport that must stage would add one.
+// Ranks read each other's mapped workspaces (cuda_ipc), so no send region is
+// reserved; a transport that must stage would add one.
 //
-// Messages:
-//   dispatch  a 16-byte EpMsgHeader + payload: 2H bytes of BF16/FP16, or with
-//             FP8 H bytes of e4m3 plus ceil(H/128) fp32 scales (one per 128
-//             channels); the slot is sized for the larger of the two, so one
-//             layout serves both;
-//   combine   2H bytes of BF16/FP16, no header: the slot says which (token,
-//             top-k column) the row answers.
+// Rows: 2H bytes of BF16/FP16, or with FP8 H bytes of e4m3 plus ceil(H/128)
+// fp32 scales (one per 128 channels); `row_bytes` is the larger, 16-byte
+// aligned (2H whenever H % 8 == 0, so the rows region is a plain tensor).
 //
 // Every region starts on a 128-byte boundary.
 #pragma once
@@ -84,13 +80,15 @@ struct EpLayout {
   static constexpr size_t kHeaderBytes = sizeof(EpMsgHeader);
   static constexpr int64_t kFp8Block = 128;  // channels per FP8 scale
   static constexpr int64_t kMaxTopk = 16;    // combine slots per token
+  // A combine flag's low word when the expert got none of this rank's rows.
+  static constexpr uint32_t kNoRows = 0xffffffffu;
 
   struct Region {
     size_t offset = 0;  // from the start of the workspace
     size_t bytes = 0;
   };
   struct Half {
-    Region signals, dispatch, combine, stage, index;
+    Region signals, headers, rows, stage, index;
   };
 
   EpLayout() = default;
@@ -101,8 +99,7 @@ struct EpLayout {
   int64_t local_experts = 0;      // E / R
   size_t bf16_payload_bytes = 0;  // 2H
   size_t fp8_payload_bytes = 0;   // H + 4 * ceil(H / 128)
-  size_t dispatch_msg_bytes = 0;  // header + the larger payload, aligned to 16
-  size_t combine_msg_bytes = 0;   // 2H
+  size_t row_bytes = 0;           // the larger payload, aligned to 16
   Half halves[2];
   size_t half_bytes = 0;
   size_t total_bytes = 0;  // the size hint
@@ -117,20 +114,19 @@ struct EpLayout {
     return halves[seq & 1].signals.offset + 8 * static_cast<size_t>(shape.num_experts) +
            8 * static_cast<size_t>(global_expert);
   }
-  MC_HD size_t dispatch_msg(uint64_t seq, int64_t local_expert, int64_t source,
-                            int64_t slot) const {
+  MC_HD size_t header(uint64_t seq, int64_t local_expert, int64_t source, int64_t slot) const {
     const auto index = (local_expert * shape.num_ranks + source) * shape.max_tokens + slot;
-    return halves[seq & 1].dispatch.offset + static_cast<size_t>(index) * dispatch_msg_bytes;
+    return halves[seq & 1].headers.offset + static_cast<size_t>(index) * kHeaderBytes;
+  }
+  // Row `row` of [E/R * R*T] (local expert * R*T + column).
+  MC_HD size_t expert_row(uint64_t seq, int64_t row) const {
+    return halves[seq & 1].rows.offset + static_cast<size_t>(row) * row_bytes;
   }
   MC_HD size_t stage_row(uint64_t seq, int64_t token) const {
-    return halves[seq & 1].stage.offset + static_cast<size_t>(token) * dispatch_msg_bytes;
+    return halves[seq & 1].stage.offset + static_cast<size_t>(token) * row_bytes;
   }
   MC_HD size_t combine_index(uint64_t seq, int64_t token, int64_t topk_slot) const {
     return halves[seq & 1].index.offset + 8 * static_cast<size_t>(token * kMaxTopk + topk_slot);
-  }
-  MC_HD size_t combine_row(uint64_t seq, int64_t token, int64_t topk_slot) const {
-    return halves[seq & 1].combine.offset +
-           static_cast<size_t>(token * kMaxTopk + topk_slot) * combine_msg_bytes;
   }
 };
 

@@ -67,17 +67,14 @@ struct DispatchArgs {
   float* recv_scales;     // [E/R, R*T, H/128] with FP8, else null
   int32_t* recv_count;    // [E/R]
   int32_t* src_info;      // [E/R, R*T]: source token per row, -1 past recv_count
-  int32_t* src_slot;      // [E/R, R*T]: the top-k column that selected it
   int64_t* layout_range;  // [E/R, R]: offset << 32 | count per source
   int32_t* stats;         // [E/R] cumulative tokens received, or null
 };
 
 struct CombineArgs {
   Common c;
-  const void* x;  // [E/R, R*T, H] expert outputs in recv_x's layout
+  const void* x;  // [E/R, R*T, H] expert outputs in recv_x's layout (or the rows region)
   Dtype x_dtype;
-  const int32_t* src_info;
-  const int32_t* src_slot;
   const int64_t* layout_range;
   int64_t num_tokens;    // N of the dispatch
   const void* topk_idx;  // [N, K]

@@ -27,18 +27,20 @@
 // pushing them into the receiver's slots first moved it twice, which
 // cost little at world 1 but doubled the bytes when several ranks share a GPU.
 //
-// Combine, send phase: the block stores the expert output of every row of its
-// (local expert, source) pairs into the source's [token][top-k column] row,
-// then raises one flag per pair. Receive phase: a block takes its tokens a
-// batch at a time, waits for the flags of their selected experts and sums
-// weight * row in fp32, in ascending expert order (the portable path's
-// order, so the result is bit-identical), rounded once.
+// Combine, send phase: the block copies the expert outputs of its (local
+// expert, source) pairs from x into this rank's rows region (nothing to copy
+// when x is that region: the zero-copy buffer), then raises one flag per pair
+// at the source, carrying where the pair's rows start. Receive phase: a block
+// takes its tokens a batch at a time; for each selection it waits for the
+// expert's flag, finds the row (that start plus the slot the dispatch
+// recorded in the index region) and sums weight * row in fp32 straight from
+// the expert owner's workspace, in ascending expert order (the portable
+// path's order, so the result is bit-identical), rounded once.
 //
-// A rank's rows for its own experts: in a one-launch BF16/FP16 call the
-// receive phase copies them from x, and it records in the index region where
-// each landed; a one-launch combine then sums those expert outputs straight
-// from its x (a split one still copies them in its send half, as the hook
-// may come after x changed).
+// A rank's rows for its own experts, in one launch: dispatch copies BF16/FP16
+// ones from x, and combine sums those expert outputs straight from its x (a
+// split combine copies them in its send half, as the hook may come after x
+// changed).
 //
 // Blocks never wait on blocks that have not started: every block does its
 // send work before it waits, and the grid is at most as large as what is
@@ -470,12 +472,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
         const int slot = s_base[mine * kWarps + warp] + rank_in_warp;
         const int e = static_cast<int>(id), t = static_cast<int>(j / K);
         const int k = static_cast<int>(j % K), le = e % epr;
-        if (slot < T)
-          *reinterpret_cast<EpMsgHeader*>(a.c.peers[e / epr] +
-                                          L.dispatch_msg(seq, le, a.c.rank, slot)) =
+        if (slot < T) {
+          *reinterpret_cast<EpMsgHeader*>(a.c.peers[e / epr] + L.header(seq, le, a.c.rank, slot)) =
               EpMsgHeader{t, le, k, 0};
-        else
+          // The combine finds this selection's expert output by its slot.
+          *reinterpret_cast<uint64_t*>(own + L.combine_index(seq, t, k)) =
+              (seq << 32) | static_cast<uint32_t>(slot);
+        } else {
           report(a.c.status, kStatusOverflow, e, slot + 1);
+        }
       }
       __syncthreads();  // s_base is refilled next round
     }
@@ -563,22 +568,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
         const int r = g - s_first[i], s = find_segment(off, R, r);
         const int le = static_cast<int>(blockIdx.x) + i * G;
         const EpMsgHeader h =
-            *reinterpret_cast<const EpMsgHeader*>(own + L.dispatch_msg(seq, le, s, r - off[s]));
+            *reinterpret_cast<const EpMsgHeader*>(own + L.header(seq, le, s, r - off[s]));
         const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
                         h.topk_slot < EpLayout::kMaxTopk &&
                         (s != a.c.rank || h.token < a.num_tokens);
         const int64_t row = le * cols + r;
         a.src_info[row] = ok ? h.token : -1;
-        a.src_slot[row] = ok ? h.topk_slot : 0;
         const uint8_t* body = nullptr;
         if (!ok) {
           report(a.c.status, kStatusBadHeader, s, le);
-        } else if (s == a.c.rank) {
-          body = from_x ? static_cast<const uint8_t*>(a.x) + h.token * data_bytes
-                        : own + L.stage_row(seq, h.token);
-          // Where this token's expert output will be, for the combine.
-          *reinterpret_cast<uint64_t*>(own + L.combine_index(seq, h.token, h.topk_slot)) =
-              (seq << 32) | static_cast<uint32_t>(row);
+        } else if (s == a.c.rank && from_x) {
+          body = static_cast<const uint8_t*>(a.x) + h.token * data_bytes;
         } else {
           body = a.c.peers[s] + L.stage_row(seq, h.token);
         }
@@ -613,8 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
 template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs a) {
   extern __shared__ int32_t s_dyn[];  // send: per (local expert, source) pair: rows, firsts, start
-  __shared__ uint8_t* s_dst[kItems];  // send: a row's destination (null: not returned)
-  __shared__ int32_t s_row[kItems];   // and its row in x
+  __shared__ int32_t s_row[kItems];   // send: a row to copy
   // receive: per token of a batch, its columns' weights and experts, the
   // columns to sum in order, and how many
   __shared__ float s_weight[kBatch][EpLayout::kMaxTopk];
@@ -633,24 +632,29 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const int K = a.topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint64_t seq = a.c.seq;
-  const bool both = a.c.phases == kBoth;  // split: own rows go through the combine rows too
+  const uint32_t tag = static_cast<uint32_t>(seq);
+  const bool both = a.c.phases == kBoth;  // split: own rows go through the rows region too
+  uint8_t* own = a.c.peers[a.c.rank];
   __shared__ MaskSnapshot s_live;
   s_live.load(a.c.active_ranks, R);
   __syncthreads();
 
   if (a.c.phases & kSend) {
-    // This block returns the rows of pairs p = (local expert, source) =
-    // blockIdx.x + i * G, all of them at once, then raises their flags.
+    // This block serves the pairs p = (local expert, source) = blockIdx.x +
+    // i * G: it copies their rows of x into this rank's rows region (nothing
+    // to copy when x is that region: the zero-copy buffer), then raises one
+    // flag per pair at the source, carrying the pair's first row there.
     const int np = dealt(epr * R);
-    int32_t* s_rows = s_dyn;              // [np]
+    int32_t* s_rows = s_dyn;              // [np]: rows to copy
     int32_t* s_first = s_dyn + np;        // [np + 1]
-    int32_t* s_start = s_first + np + 1;  // [np]: the pair's first row in x
-    // In one launch, this rank's own pairs need nothing sent: the receive
-    // phase reads their rows in x (the dispatch left where, in the index).
+    int32_t* s_start = s_first + np + 1;  // [np]: the pair's first row
+    const bool in_place = a.x == own + L.expert_row(seq, 0);
+    // In one launch, this rank's own pairs need nothing copied: the receive
+    // phase reads their rows in x.
     for (int i = threadIdx.x; i < np; i += kThreads) {
-      const int p = static_cast<int>(blockIdx.x) + i * G;
-      const bool live = s_live(a.c.active_ranks, p % R) && !(both && p % R == a.c.rank);
-      const int64_t range = live ? a.layout_range[p] : 0;
+      const int p = static_cast<int>(blockIdx.x) + i * G, s = p % R;
+      const bool copy = !in_place && s_live(a.c.active_ranks, s) && !(both && s == a.c.rank);
+      const int64_t range = copy ? a.layout_range[p] : 0;
       s_rows[i] = static_cast<int>(range & 0xffffffff);
       s_start[i] = static_cast<int>((p / R) * cols + (range >> 32));
     }
@@ -659,45 +663,43 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     __syncthreads();
     const int total = s_first[np];
     const int64_t per_row = chunks_of(2 * H);
-    // kItems rows at a time: a thread per row finds its destination, then
-    // every warp copies.
+    // kItems rows at a time: a thread per row finds it, then every warp copies.
     for (int base = 0; base < total; base += kItems) {
       const int n = min(kItems, total - base);
       for (int q = threadIdx.x; q < n; q += kThreads) {
         const int g = base + q, i = find_segment(s_first, np, g);
-        const int p = static_cast<int>(blockIdx.x) + i * G;
-        const int row = s_start[i] + (g - s_first[i]);
-        const int t = a.src_info[row], k = a.src_slot[row];
-        const bool ok = t >= 0 && t < T && k >= 0 && k < EpLayout::kMaxTopk;
-        s_dst[q] = ok ? a.c.peers[p % R] + L.combine_row(seq, t, k) : nullptr;
-        s_row[q] = row;
+        s_row[q] = s_start[i] + (g - s_first[i]);
       }
       __syncthreads();
       for (int64_t u = warp; u < n * per_row; u += kWarps) {
-        const int q = static_cast<int>(u / per_row);
-        if (s_dst[q] == nullptr) continue;
-        copy_chunk<false>(s_dst[q], static_cast<const uint8_t*>(a.x) + int64_t{s_row[q]} * 2 * H,
-                          2 * H, u % per_row, lane);
+        const int64_t row = s_row[u / per_row];
+        copy_chunk<false>(own + L.expert_row(seq, row),
+                          static_cast<const uint8_t*>(a.x) + row * 2 * H, 2 * H, u % per_row, lane);
       }
-      __syncthreads();  // s_dst and s_row are refilled; the last round: rows before flags
+      __syncthreads();  // s_row is refilled; the last round: rows before flags
     }
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
-      if (both && s == a.c.rank) continue;
+      if (!s_live(a.c.active_ranks, s) || (both && s == a.c.rank)) continue;
+      const int64_t range = a.layout_range[p];
+      const uint32_t first =
+          (range & 0xffffffff) != 0 ? static_cast<uint32_t>(range >> 32) : EpLayout::kNoRows;
       st_release_sys(
           reinterpret_cast<uint64_t*>(a.c.peers[s] + L.combine_flag(seq, a.c.rank * epr + le)),
-          seq);
+          (seq << 32) | first);
     }
   }
 
   if (a.c.phases & kRecv) {
     // This block sums tokens blockIdx.x + i * G, kBatch at a time: a thread
-    // per (token, column) waits for its flag, a thread per token orders its
-    // columns, then every thread sums (token, 8 channels) units. One set of
-    // barriers per batch, not per token: with several ranks on a GPU a block
-    // holds several tokens, and their waits and sorts run side by side.
+    // per (token, column) finds its expert output (waiting for the expert's
+    // flag, which says where the expert's rows for this rank start; the
+    // dispatch recorded the slot), a thread per token orders its columns,
+    // then every thread sums (token, 8 channels) units, reading the rows
+    // where the experts' owners keep them. One set of barriers per batch, not
+    // per token: with several ranks on a GPU a block holds several tokens,
+    // and their waits and sorts run side by side.
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
-    const uint8_t* own = a.c.peers[a.c.rank];
     const int nt = dealt(static_cast<int>(a.num_tokens));
     const int64_t vecs = H / 8;
     for (int b0 = 0; b0 < nt; b0 += kBatch) {
@@ -707,23 +709,29 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
         const int64_t t = blockIdx.x + static_cast<int64_t>(b0 + i) * G;
         const int64_t e = load_idx(a.topk_idx, t * K + k, a.topk_int64);
         bool used = false;
-        const uint8_t* src = own + L.combine_row(seq, t, k);
+        const uint8_t* src = nullptr;
         if (e >= 0 && e < E) {
-          const int d = static_cast<int>(e / epr);
+          const int d = static_cast<int>(e / epr), le = static_cast<int>(e % epr);
+          // The slot this selection took at its expert (an entry of another
+          // call: it was not delivered).
+          const uint64_t at = *reinterpret_cast<const uint64_t*>(own + L.combine_index(seq, t, k));
+          const bool sent = (at >> 32) == tag;
+          const int64_t slot = static_cast<int64_t>(at & 0xffffffffu);
           if (!s_live(a.c.active_ranks, d)) {
           } else if (both && d == a.c.rank) {
-            // This rank's own expert: its output is in x, at the row this
-            // call's dispatch recorded (an entry of another call: not delivered).
-            const uint64_t at =
-                *reinterpret_cast<const uint64_t*>(own + L.combine_index(seq, t, k));
-            const int64_t row = static_cast<int64_t>(at & 0xffffffffu);
-            used = (at >> 32) == (seq & 0xffffffffu) && row < epr * cols;
-            src = static_cast<const uint8_t*>(a.x) + row * 2 * H;
+            // This rank's own expert: its output is in x, where the dispatch put the row.
+            const int64_t range = a.layout_range[static_cast<int64_t>(le) * R + a.c.rank];
+            used = sent && slot < (range & 0xffffffff);
+            src = static_cast<const uint8_t*>(a.x) + (le * cols + (range >> 32) + slot) * 2 * H;
           } else {
             uint64_t v = 0;
             const auto* flag = reinterpret_cast<const uint64_t*>(own + L.combine_flag(seq, e));
-            const auto ready = [seq](uint64_t x) { return x == seq; };
-            used = wait_for(a.c, flag, ready, deadline, d, kRecv, &v);
+            const auto ready = [tag](uint64_t x) { return (x >> 32) == tag; };
+            if (wait_for(a.c, flag, ready, deadline, d, kRecv, &v)) {
+              const uint32_t first = static_cast<uint32_t>(v);
+              used = sent && first != EpLayout::kNoRows && first + slot < cols;
+              src = a.c.peers[d] + L.expert_row(seq, le * cols + first + slot);
+            }
           }
         }
         s_expert[i][k] = used ? static_cast<int>(e) : -1;

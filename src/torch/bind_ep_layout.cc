@@ -19,8 +19,8 @@ void register_ep_layout(py::module_& m) {
         for (const auto& h : l.halves) {
           py::dict d;
           d["signals"] = region(h.signals);
-          d["dispatch"] = region(h.dispatch);
-          d["combine"] = region(h.combine);
+          d["headers"] = region(h.headers);
+          d["rows"] = region(h.rows);
           d["stage"] = region(h.stage);
           d["index"] = region(h.index);
           halves.append(d);
@@ -29,8 +29,7 @@ void register_ep_layout(py::module_& m) {
         d["total_bytes"] = l.total_bytes;
         d["half_bytes"] = l.half_bytes;
         d["local_experts"] = l.local_experts;
-        d["dispatch_msg_bytes"] = l.dispatch_msg_bytes;
-        d["combine_msg_bytes"] = l.combine_msg_bytes;
+        d["row_bytes"] = l.row_bytes;
         d["bf16_payload_bytes"] = l.bf16_payload_bytes;
         d["fp8_payload_bytes"] = l.fp8_payload_bytes;
         d["header_bytes"] = EpLayout::kHeaderBytes;

@@ -23,6 +23,7 @@ void register_ep_phases(pybind11::module_& m) {
 #if MOONCAKE_WITH_CUDA
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -228,7 +229,7 @@ class EpDevice {
   }
 
   // Launches `phases` of a dispatch. Its outputs are [recv_x, recv_scales
-  // (empty without FP8), recv_count, src_info, src_slot, layout_range]:
+  // (empty without FP8), recv_count, src_info, layout_range]:
   // taken here on the current stream when `outputs` is None (the first launch
   // of a call), else those of the call's first launch.
   std::vector<at::Tensor> dispatch(const at::Tensor& x_arg, const at::Tensor& topk_arg,
@@ -247,7 +248,7 @@ class EpDevice {
     OutputPool::Taken taken =
         outputs ? OutputPool::Taken(*outputs) : allocate(x, a.c.layout, use_fp8, stream);
     const std::vector<at::Tensor>& o = taken.tensors();
-    MC_CHECK_ARG(o.size() == 6, "dispatch: outputs must be the 6 tensors of the first launch");
+    MC_CHECK_ARG(o.size() == 5, "dispatch: outputs must be the 5 tensors of the first launch");
     a.x = x.data_ptr();
     a.x_dtype = dtype_of(x, "dispatch");
     a.num_tokens = x.size(0);
@@ -259,8 +260,7 @@ class EpDevice {
     a.recv_scales = use_fp8 ? o[1].data_ptr<float>() : nullptr;
     a.recv_count = o[2].data_ptr<int32_t>();
     a.src_info = o[3].data_ptr<int32_t>();
-    a.src_slot = o[4].data_ptr<int32_t>();
-    a.layout_range = o[5].data_ptr<int64_t>();
+    a.layout_range = o[4].data_ptr<int64_t>();
     a.stats = static_cast<int32_t*>(ptr(stats));
     k::launch_dispatch(a, stream);
     return taken.hand_out();
@@ -268,8 +268,7 @@ class EpDevice {
 
   // Launches `phases` of a combine into `out` ([N, H] of x's dtype; taken
   // here when None) and returns it.
-  at::Tensor combine(const at::Tensor& x_arg, const at::Tensor& src_info,
-                     const at::Tensor& src_slot, const at::Tensor& layout_range,
+  at::Tensor combine(const at::Tensor& x_arg, const at::Tensor& layout_range,
                      const at::Tensor& topk_arg, const at::Tensor& weights_arg,
                      const at::Tensor& active_ranks, const std::optional<at::Tensor>& out_arg,
                      int64_t max_tokens, int64_t num_experts, int64_t seq, int64_t timeout_ns,
@@ -284,8 +283,6 @@ class EpDevice {
                  num_blocks, "combine");
     a.x = x.data_ptr();
     a.x_dtype = dtype_of(x, "combine");
-    a.src_info = src_info.data_ptr<int32_t>();
-    a.src_slot = src_slot.data_ptr<int32_t>();
     a.layout_range = layout_range.data_ptr<int64_t>();
     a.num_tokens = topk_idx.size(0);
     a.topk_idx = topk_idx.data_ptr();
@@ -306,6 +303,25 @@ class EpDevice {
     a.out = taken.tensors().front().data_ptr();
     k::launch_combine(a, stream);
     return taken.hand_out().front();
+  }
+
+  // The rows region of call `seq`'s half as a [E/R, R*T, H] tensor of
+  // `dtype` (bfloat16 or float16): the zero-copy combine buffer, whose rows the
+  // token owners read in place. It does not own the memory: it is valid while
+  // this workspace lives.
+  at::Tensor combine_buffer(int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t seq,
+                            const at::Tensor& like) {
+    const char* what = "get_next_combine_buffer";
+    MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
+    dtype_of(like, what);
+    MC_CHECK_ARG(hidden % 8 == 0, what, ": hidden must be a multiple of 8, got ", hidden);
+    MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
+    const EpLayout l(EpShape{max_tokens, hidden, num_ranks_, num_experts});
+    MC_CHECK_ARG(l.total_bytes <= workspace_.size(), what, ": the call needs ", l.total_bytes,
+                 " workspace bytes, the buffer has ", workspace_.size());
+    return at::from_blob(workspace_.data() + l.expert_row(static_cast<uint64_t>(seq), 0),
+                         {l.local_experts, num_ranks_ * max_tokens, hidden},
+                         at::TensorOptions().dtype(like.scalar_type()).device(at::kCUDA, device_));
   }
 
   // (hits, misses) of the output pool so far: how often a call found its
@@ -366,7 +382,6 @@ class EpDevice {
               at::empty({use_fp8 ? epr : 0, cols, H / EpLayout::kFp8Block}, opts.dtype(at::kFloat)),
               at::empty({epr}, opts.dtype(at::kInt)),
               at::empty({epr, cols}, opts.dtype(at::kInt)),
-              at::empty({epr, cols}, opts.dtype(at::kInt)),
               at::empty({epr, l.shape.num_ranks}, opts.dtype(at::kLong)),
           };
         });
@@ -413,10 +428,12 @@ void register_ep_device(py::module_& m) {
            py::arg("active_ranks"), py::arg("stats"), py::arg("outputs"), py::arg("max_tokens"),
            py::arg("num_experts"), py::arg("seq"), py::arg("timeout_ns"), py::arg("use_fp8"),
            py::arg("phases"), py::arg("num_blocks"))
-      .def("combine", &EpDevice::combine, py::arg("x"), py::arg("src_info"), py::arg("src_slot"),
-           py::arg("layout_range"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("active_ranks"), py::arg("out"), py::arg("max_tokens"), py::arg("num_experts"),
-           py::arg("seq"), py::arg("timeout_ns"), py::arg("phases"), py::arg("num_blocks"))
+      .def("combine", &EpDevice::combine, py::arg("x"), py::arg("layout_range"),
+           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("active_ranks"), py::arg("out"),
+           py::arg("max_tokens"), py::arg("num_experts"), py::arg("seq"), py::arg("timeout_ns"),
+           py::arg("phases"), py::arg("num_blocks"))
+      .def("combine_buffer", &EpDevice::combine_buffer, py::arg("max_tokens"), py::arg("hidden"),
+           py::arg("num_experts"), py::arg("seq"), py::arg("like"))
       .def("status", &EpDevice::status, py::arg("clear") = false)
       .def("status_code", &EpDevice::status_code)
       .def("pool_stats", &EpDevice::pool_stats);

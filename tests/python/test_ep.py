@@ -88,12 +88,12 @@ def _align(v: int, a: int) -> int:
 
 def hint_formula(T: int, H: int, R: int, E: int) -> int:
     """The docstring's formula, written out: two halves, each align128(2E * 8) signal
-    bytes + a dispatch region of E * T * M + a combine region of T * 16 * 2H + a stage
-    region of T * M + an index region of T * 16 * 8, with
-    M = align16(16 + max(2H, H + 4 * ceil(H / 128))), every region 128-byte aligned."""
-    m = _align(16 + max(2 * H, H + 4 * -(-H // 128)), 16)
-    half = _align(2 * E * 8, 128) + _align(E * T * m, 128) + _align(T * 16 * 2 * H, 128)
-    half += _align(T * m, 128) + _align(T * 16 * 8, 128)
+    bytes + E * T headers of 16 bytes + E * T rows of P + a stage of T * P + an index
+    of T * 16 * 8, with P = align16(max(2H, H + 4 * ceil(H / 128))), every region
+    128-byte aligned."""
+    p = _align(max(2 * H, H + 4 * -(-H // 128)), 16)
+    half = _align(2 * E * 8, 128) + _align(E * T * 16, 128) + _align(E * T * p, 128)
+    half += _align(T * p, 128) + _align(T * 16 * 8, 128)
     return 2 * half
 
 
@@ -122,9 +122,8 @@ def test_size_hint_is_the_documented_formula(shape):
     assert hint == hint_formula(T, H, R, E)
     layout = pg._ext.ep_layout(T, H, R, E)
     assert layout["total_bytes"] == hint
-    m = _align(16 + max(2 * H, H + 4 * -(-H // 128)), 16)
-    assert layout["dispatch_msg_bytes"] == m
-    assert layout["combine_msg_bytes"] == 2 * H
+    p = _align(max(2 * H, H + 4 * -(-H // 128)), 16)
+    assert layout["row_bytes"] == p
     assert layout["bf16_payload_bytes"] == 2 * H
     assert layout["fp8_payload_bytes"] == H + 4 * -(-H // 128)
     assert layout["local_experts"] == E // R
@@ -132,15 +131,15 @@ def test_size_hint_is_the_documented_formula(shape):
     assert 2 * half == hint
     sizes = {
         "signals": _align(16 * E, 128),
-        "dispatch": _align(E * T * m, 128),
-        "combine": _align(T * 16 * 2 * H, 128),
-        "stage": _align(T * m, 128),
+        "headers": _align(E * T * 16, 128),
+        "rows": _align(E * T * p, 128),
+        "stage": _align(T * p, 128),
         "index": _align(T * 16 * 8, 128),
     }
     h0, h1 = layout["halves"]
     at = 0  # both halves' signals, then each half's data regions
     for h, region in [(h0, "signals"), (h1, "signals")] + [
-        (h, r) for h in (h0, h1) for r in ("dispatch", "combine", "stage", "index")
+        (h, r) for h in (h0, h1) for r in ("headers", "rows", "stage", "index")
     ]:
         offset, nbytes = h[region]
         assert (offset, nbytes) == (at, sizes[region]), (region, h)
@@ -149,12 +148,12 @@ def test_size_hint_is_the_documented_formula(shape):
     assert at == 2 * half
 
 
-def test_size_hint_of_the_reference_shape_is_about_1_1_gb():
-    """T=128, H=7168, R=8, E=288: about 1.1 GB, as documented."""
+def test_size_hint_of_the_reference_shape_is_about_1_06_gb():
+    """T=128, H=7168, R=8, E=288: about 1.06 GB, as documented."""
     from mooncake.mooncake_ep_buffer import Buffer
 
     hint = Buffer.get_ep_buffer_size_hint(128, 7168, 8, 288)
-    assert 1.1e9 < hint < 1.15e9, hint
+    assert 1.05e9 < hint < 1.07e9, hint
 
 
 BAD_HINTS = [

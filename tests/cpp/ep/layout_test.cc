@@ -19,13 +19,13 @@ size_t up(size_t n, size_t a) {
 
 // The formula as the header states it, written out independently.
 size_t formula(size_t T, size_t H, size_t E) {
-  const size_t msg = up(16 + std::max(2 * H, H + 4 * ((H + 127) / 128)), 16);
+  const size_t row = up(std::max(2 * H, H + 4 * ((H + 127) / 128)), 16);
   const size_t signals = up(2 * E * 8, 128);
-  const size_t dispatch = up(E * T * msg, 128);
-  const size_t combine = up(T * 16 * 2 * H, 128);
-  const size_t stage = up(T * msg, 128);
+  const size_t headers = up(E * T * 16, 128);
+  const size_t rows = up(E * T * row, 128);
+  const size_t stage = up(T * row, 128);
   const size_t index = up(T * 16 * 8, 128);
-  return 2 * (signals + dispatch + combine + stage + index);
+  return 2 * (signals + headers + rows + stage + index);
 }
 
 TEST(EpLayout, SizeHintIsTheClosedFormula) {
@@ -39,12 +39,11 @@ TEST(EpLayout, SizeHintIsTheClosedFormula) {
 }
 
 TEST(EpLayout, KnownValueForADeepSeekShape) {
-  // T=128, H=7168, R=8, E=288: a dispatch message is 16 + 14336 bytes.
+  // T=128, H=7168, R=8, E=288: a row is 14336 bytes (BF16), a header 16.
   const EpLayout l(EpShape{128, 7168, 8, 288});
-  EXPECT_EQ(l.dispatch_msg_bytes, 14352u);
-  EXPECT_EQ(l.combine_msg_bytes, 14336u);
+  EXPECT_EQ(l.row_bytes, 14336u);
   EXPECT_EQ(l.fp8_payload_bytes, 7168u + 4u * 56u);
-  EXPECT_EQ(l.total_bytes, 2u * (4608u + 529072128u + 29360128u + 1837056u + 16384u));
+  EXPECT_EQ(l.total_bytes, 2u * (4608u + 589824u + 528482304u + 1835008u + 16384u));
 }
 
 TEST(EpLayout, RegionsAreAlignedAndDisjointAndFillTheWorkspace) {
@@ -52,8 +51,8 @@ TEST(EpLayout, RegionsAreAlignedAndDisjointAndFillTheWorkspace) {
   const auto& h = l.halves;
   size_t at = 0;
   for (const EpLayout::Region* r :
-       {&h[0].signals, &h[1].signals, &h[0].dispatch, &h[0].combine, &h[0].stage, &h[0].index,
-        &h[1].dispatch, &h[1].combine, &h[1].stage, &h[1].index}) {
+       {&h[0].signals, &h[1].signals, &h[0].headers, &h[0].rows, &h[0].stage, &h[0].index,
+        &h[1].headers, &h[1].rows, &h[1].stage, &h[1].index}) {
     EXPECT_EQ(r->offset, at);
     EXPECT_EQ(r->offset % EpLayout::kAlign, 0u);
     EXPECT_EQ(r->bytes % EpLayout::kAlign, 0u);
@@ -77,10 +76,13 @@ TEST(EpLayout, EveryMessageFitsItsRegion) {
   const EpLayout l(EpShape{T, H, R, E});
   const auto& h = l.halves[0];
   EXPECT_GE(h.signals.bytes, 2u * E * 8);
-  EXPECT_GE(h.dispatch.bytes, (E / R) * R * T * l.dispatch_msg_bytes);
-  EXPECT_GE(h.combine.bytes, T * EpLayout::kMaxTopk * l.combine_msg_bytes);
-  EXPECT_GE(l.dispatch_msg_bytes, EpLayout::kHeaderBytes + l.fp8_payload_bytes);
-  EXPECT_GE(l.dispatch_msg_bytes, EpLayout::kHeaderBytes + l.bf16_payload_bytes);
+  EXPECT_GE(h.headers.bytes, (E / R) * R * T * EpLayout::kHeaderBytes);
+  EXPECT_GE(h.rows.bytes, (E / R) * R * T * l.row_bytes);
+  EXPECT_GE(l.row_bytes, l.fp8_payload_bytes);
+  EXPECT_GE(l.row_bytes, l.bf16_payload_bytes);
+  // With H % 8 == 0 a row is exactly 2H bytes: the rows region is a plain
+  // [E/R, R*T, H] tensor (the zero-copy combine buffer).
+  for (int64_t h8 : {8, 128, 7168}) EXPECT_EQ(EpLayout(EpShape{T, h8, R, E}).row_bytes, 2u * h8);
 }
 
 // The accessors the kernels use: every place of every call lands inside its
@@ -104,24 +106,23 @@ TEST(EpLayout, AccessorsStayInsideTheirRegions) {
       next += 8;
     }
     EXPECT_TRUE(inside(h.signals, h.signals.offset, next - h.signals.offset));
-    next = h.dispatch.offset;
+    next = h.headers.offset;
     for (int64_t j = 0; j < E / R; ++j)
       for (int64_t s = 0; s < R; ++s)
         for (int64_t t = 0; t < T; ++t) {
-          EXPECT_EQ(l.dispatch_msg(seq, j, s, t), next);
-          EXPECT_TRUE(inside(h.dispatch, next, l.dispatch_msg_bytes));
-          next += l.dispatch_msg_bytes;
+          EXPECT_EQ(l.header(seq, j, s, t), next);
+          EXPECT_TRUE(inside(h.headers, next, EpLayout::kHeaderBytes));
+          next += EpLayout::kHeaderBytes;
         }
-    next = h.combine.offset;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < EpLayout::kMaxTopk; ++k) {
-        EXPECT_EQ(l.combine_row(seq, t, k), next);
-        EXPECT_TRUE(inside(h.combine, next, l.combine_msg_bytes));
-        next += l.combine_msg_bytes;
-      }
+    next = h.rows.offset;
+    for (int64_t row = 0; row < E * T; ++row) {
+      EXPECT_EQ(l.expert_row(seq, row), next);
+      EXPECT_TRUE(inside(h.rows, next, l.row_bytes));
+      next += l.row_bytes;
+    }
     for (int64_t t = 0; t < T; ++t) {
-      EXPECT_EQ(l.stage_row(seq, t), h.stage.offset + t * l.dispatch_msg_bytes);
-      EXPECT_TRUE(inside(h.stage, l.stage_row(seq, t), l.dispatch_msg_bytes));
+      EXPECT_EQ(l.stage_row(seq, t), h.stage.offset + t * l.row_bytes);
+      EXPECT_TRUE(inside(h.stage, l.stage_row(seq, t), l.row_bytes));
     }
     next = h.index.offset;
     for (int64_t t = 0; t < T; ++t)
