@@ -111,7 +111,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
         import torch.distributed as dist
 
         from mooncake import pg
-        from mooncake.launch import init_rank
+        from mooncake.launch import init_rank, process_resources
 
         t_import = time.time()
         torch.set_num_threads(1)
@@ -183,6 +183,8 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
                         "busy_op_us": (t0 - busy_since[0]) / ops * 1e6
                         if mode == "busy" and ops > 0
                         else None,
+                        # fds, threads, RSS: a long run must not grow them
+                        "res": process_resources(),
                     }
                 )
                 prev = n
@@ -455,6 +457,7 @@ def run_scenario(scenario: str, world: int, reps: int, args) -> dict:
                 raise BenchError(f"process {k} failed: {result['traceback']}")
         out["final_states"] = {k: read_json(store, f"result/{k}") for k in live.values()}
         out["problems"] += check_membership(store, scenario, world, incarnation)
+        out["growth"] = resource_growth(out["final_states"])
     except BenchError as e:
         out["error"] = str(e)
         log(f"# {scenario} world {world}: ERROR {e}")
@@ -468,6 +471,29 @@ def run_scenario(scenario: str, world: int, reps: int, args) -> dict:
         os.rmdir(stamp_dir)
     out["wall_s"] = round(time.time() - started, 1)
     return out
+
+
+def resource_growth(final_states: dict) -> dict | None:
+    """The longest-lived process's fds, threads and RSS: at its third membership change
+    (after the first failure and replacement it saw: connections to a new process made
+    once) and at its last; None when no process saw four changes."""
+    best = None
+    for key, st in final_states.items():
+        samples = [e["res"] for e in st["events"] if "res" in e]
+        if len(samples) >= 4 and (best is None or len(samples) > best["changes"]):
+            best = {"key": key, "changes": len(samples), "from": samples[2], "to": samples[-1]}
+    return best
+
+
+def growth_line(g: dict) -> str:
+    grow = g["growth"]
+    a, b = grow["from"], grow["to"]
+    return (
+        f"Resources, {g['scenario']} world {g['world']}: process {grow['key']}, the "
+        f"longest-lived, went through {grow['changes']} membership changes; from its third to its "
+        f"last: fds {a['fds']} -> {b['fds']}, threads {a['threads']} -> {b['threads']}, RSS "
+        f"{a['rss_kib']} -> {b['rss_kib']} KiB."
+    )
 
 
 def diagnose(group, store, stamp_dir: str, incarnation: dict[int, int]) -> dict:
@@ -679,6 +705,9 @@ def markdown_table(rows: list[dict], meta: dict, problems: list[str], errors: li
         "",
         f"Before each fault the survivors ran back-to-back 12-byte all_reduce (per op: {loops}).",
         "",
+    ]
+    lines += [f"{line}\n" for line in meta.get("growth", [])]
+    lines += [
         f"For comparison: {UPSTREAM['text']}.",
     ]
     lines += [f"\nPROBLEM: {p}" for p in problems]
@@ -779,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         "worlds_note": f"world {' and '.join(map(str, worlds))}"
         + (" (--quick)" if args.quick else ""),
         "method": "see the module docstring and bench/README.md, 'Recovery benchmark'",
+        "growth": [growth_line(g) for g in groups if g.get("growth")],
         "busy_op_us": {
             f"{g['scenario']} world {g['world']}": round(
                 statistics.median(f["busy_op_us"] for f in g["faults"] if f["busy_op_us"]), 1
@@ -788,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print_table(rows)
+    for line in meta["growth"]:
+        say(f"# {line}")
     for p in problems:
         say(f"# PROBLEM: {p}")
     for e in errors:

@@ -98,6 +98,21 @@ def _entry(fn, key, rank, world_size, port, args, env, log_dir, queue):
         queue.put((key, False, traceback.format_exc()))
 
 
+def process_resources() -> dict[str, int]:
+    """This process's open fds, threads and resident memory (KiB), from /proc: what a
+    long run of failures and replacements must not grow."""
+    rss = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": len(os.listdir("/proc/self/task")),
+        "rss_kib": rss,
+    }
+
+
 class LocalGroup:
     """Processes on this host that form one group, with the store hosted here.
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake import PeerFailedError, pg
-from mooncake.launch import init_rank
+from mooncake.launch import init_rank, process_resources
 
 BIG = 1 << 16  # int64 elements of the big all_reduce: 512 KiB, 128 slots of 4 KiB
 MID = 1536  # int64 elements per rank slice of the other ops: 12 KiB, 3 slots of 4 KiB
@@ -93,20 +93,6 @@ def start_rank(rank, world_size, port, *, barrier=True, **init_kwargs):
 
 def members_of(active: torch.Tensor) -> list[int]:
     return [r for r, a in enumerate(active.tolist()) if a]
-
-
-def resources() -> dict[str, int]:
-    """This process's open fds, threads and resident memory (KiB)."""
-    rss = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1])
-    return {
-        "fds": len(os.listdir("/proc/self/fd")),
-        "threads": len(os.listdir("/proc/self/task")),
-        "rss_kib": rss,
-    }
 
 
 def kill_self_after(seconds: float) -> threading.Timer:
@@ -684,7 +670,7 @@ def elastic_rank(rank, world_size, port, plan):
             want_battery = 0
             store.set(f"full/{rank}/{pid}", "1")
             if rank == plan.get("survivor"):
-                out["samples"].append(resources())
+                out["samples"].append(process_resources())
         if missing:
             try:
                 ready = pg.get_peer_state(W, missing)
