@@ -96,15 +96,15 @@ void Communicator::stop() {
 }
 
 std::string Communicator::root_error(int root, const char* what) const {
-  if (root >= 0 && root < size_) return {};
-  return str(what, ": root rank must be in [0, ", size_, "), got ", root);
+  if (root >= 0 && root < capacity_) return {};
+  return str(what, ": root rank must be in [0, ", capacity_, "), got ", root);
 }
 
-std::string Communicator::width_error(const char* what) const {
-  if (runner_->members().back() < size_) return {};
+std::string Communicator::width_error(const char* what, int width) const {
+  if (runner_->members().back() < width) return {};
   return str(what, ": rank ", runner_->members().back(),
-             " is a member, but this rank's per-rank tensor ", "lists have only ", size_,
-             " entries (the world size it was created with)");
+             " is a member, but this rank's per-rank tensor lists have only ", width,
+             " entries (give one per rank up to the highest member)");
 }
 
 std::string Communicator::redop_error(RedOp op, DType dtype, const char* what) const {
@@ -325,13 +325,14 @@ bool Communicator::direct(size_t count, DType dtype) const {
   return count * dtype_size(dtype) <= config_.small_bytes || runner_->members().size() > count;
 }
 
-void Communicator::zero_others(void* const* outs, size_t bytes) const {
-  for (int p = 0; p < size_; ++p)
+void Communicator::zero_others(void* const* outs, size_t bytes, int width) const {
+  for (int p = 0; p < width; ++p)
     if (!runner_->view().is_member(p) && bytes != 0) std::memset(outs[p], 0, bytes);
 }
 
-void Communicator::zero_others(void* const* outs, const size_t* counts, size_t esize) const {
-  for (int p = 0; p < size_; ++p)
+void Communicator::zero_others(void* const* outs, const size_t* counts, size_t esize,
+                               int width) const {
+  for (int p = 0; p < width; ++p)
     if (!runner_->view().is_member(p) && counts[p] != 0) std::memset(outs[p], 0, counts[p] * esize);
 }
 
@@ -477,19 +478,20 @@ void Communicator::broadcast(void* data, size_t count, DType dtype, int root, in
 }
 
 void Communicator::all_gather(const void* in, size_t count, DType dtype, void* const* outs,
-                              int64_t timeout_ms) {
+                              int64_t timeout_ms, int width) {
+  const int w = width_of(width);
   OpMeta meta = runner_->begin(OpType::kAllGather, dtype, RedOp::kSum, -1, count, timeout_ms,
-                               width_error("all_gather"));
+                               width_error("all_gather", w));
   const size_t bytes = count * dtype_size(dtype);
   std::vector<Region> result;
-  for (int p = 0; p < size_; ++p) result.push_back({outs[p], bytes});
-  const Finish finish = bytes * static_cast<size_t>(size_) <= config_.small_bytes ? Finish::kForward
-                                                                                  : Finish::kCommit;
+  for (int p = 0; p < w; ++p) result.push_back({outs[p], bytes});
+  const Finish finish =
+      bytes * static_cast<size_t>(w) <= config_.small_bytes ? Finish::kForward : Finish::kCommit;
   HostOpData op_data(result, {});
   runner_->run(meta, finish, op_data, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {
-      zero_others(outs, bytes);
+      zero_others(outs, bytes, w);
       for (int p : runner_->members()) {
         plan.send[p] = in;
         plan.recv[p] = outs[p];
@@ -501,9 +503,9 @@ void Communicator::all_gather(const void* in, size_t count, DType dtype, void* c
 }
 
 void Communicator::reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype,
-                                  RedOp op, int64_t timeout_ms) {
+                                  RedOp op, int64_t timeout_ms, int width) {
   std::string error = redop_error(op, dtype, "reduce_scatter");
-  if (error.empty()) error = width_error("reduce_scatter");
+  if (error.empty()) error = width_error("reduce_scatter", width_of(width));
   OpMeta meta = runner_->begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms, error);
   HostOpData op_data({}, {});
   runner_->run(meta, Finish::kCommit, op_data, [&] {
@@ -516,8 +518,10 @@ void Communicator::reduce_scatter(const void* const* ins, void* out, size_t coun
 }
 
 void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, void* const* outs,
-                              const size_t* out_counts, DType dtype, int64_t timeout_ms) {
-  std::string error = width_error("all_to_all");
+                              const size_t* out_counts, DType dtype, int64_t timeout_ms,
+                              int width) {
+  const int w = width_of(width);
+  std::string error = width_error("all_to_all", w);
   if (error.empty() && in_counts[rank_] != out_counts[rank_])
     error = str("all_to_all: rank ", rank_, " sends itself ", in_counts[rank_],
                 " elements but expects ", out_counts[rank_]);
@@ -527,7 +531,7 @@ void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, v
   runner_->run(meta, Finish::kCommit, op_data, [&] {
     Plan plan(capacity_);
     if (meta.local_error.empty()) {
-      zero_others(outs, out_counts, esize);
+      zero_others(outs, out_counts, esize, w);
       for (int p : runner_->members()) {
         plan.send[p] = ins[p];
         plan.recv[p] = outs[p];
@@ -540,9 +544,10 @@ void Communicator::all_to_all(const void* const* ins, const size_t* in_counts, v
 }
 
 void Communicator::gather(const void* in, size_t count, DType dtype, void* const* outs, int root,
-                          int64_t timeout_ms) {
+                          int64_t timeout_ms, int width) {
+  const int w = width_of(width);
   std::string error = root_error(root, "gather");
-  if (error.empty() && rank_ == root) error = width_error("gather");
+  if (error.empty() && rank_ == root) error = width_error("gather", w);
   OpMeta meta = runner_->begin(OpType::kGather, dtype, RedOp::kSum, root, count, timeout_ms, error);
   const size_t bytes = count * dtype_size(dtype);
   HostOpData op_data({}, {});
@@ -552,7 +557,7 @@ void Communicator::gather(const void* in, size_t count, DType dtype, void* const
       plan.send[root] = in;
       plan.send_bytes[root] = bytes;
       if (rank_ == root) {
-        zero_others(outs, bytes);
+        zero_others(outs, bytes, w);
         for (int p : runner_->members()) {
           plan.recv[p] = outs[p];
           plan.recv_bytes[p] = bytes;
@@ -564,9 +569,9 @@ void Communicator::gather(const void* in, size_t count, DType dtype, void* const
 }
 
 void Communicator::scatter(const void* const* ins, void* out, size_t count, DType dtype, int root,
-                           int64_t timeout_ms) {
+                           int64_t timeout_ms, int width) {
   std::string error = root_error(root, "scatter");
-  if (error.empty() && rank_ == root) error = width_error("scatter");
+  if (error.empty() && rank_ == root) error = width_error("scatter", width_of(width));
   OpMeta meta =
       runner_->begin(OpType::kScatter, dtype, RedOp::kSum, root, count, timeout_ms, error);
   const size_t bytes = count * dtype_size(dtype);

@@ -83,27 +83,29 @@ class Communicator {
   void stop();
 
   // Every op blocks until done. timeout_ms < 0: the configured default.
-  // Per-rank arrays (ins/outs/counts) have size() entries, indexed by rank;
-  // the entries of ranks outside the view are ignored (inputs) or zero-filled
-  // (outputs).
+  // Per-rank arrays (ins/outs/counts) have `width` entries (0: size()),
+  // indexed by rank, so that ranks that joined past the world size can be
+  // addressed; a member at or past `width` makes the op fail on this rank. The
+  // entries of ranks outside the view are ignored (inputs) or zero-filled
+  // (outputs). A root may be any slot below the capacity.
   void all_reduce(void* data, size_t count, DType dtype, RedOp op, int64_t timeout_ms = -1);
   void reduce(void* data, size_t count, DType dtype, RedOp op, int root, int64_t timeout_ms = -1);
   void broadcast(void* data, size_t count, DType dtype, int root, int64_t timeout_ms = -1);
   // outs[p] receives rank p's `count` elements.
   void all_gather(const void* in, size_t count, DType dtype, void* const* outs,
-                  int64_t timeout_ms = -1);
+                  int64_t timeout_ms = -1, int width = 0);
   // ins[p] is this rank's contribution to rank p's shard of `count` elements.
   void reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype, RedOp op,
-                      int64_t timeout_ms = -1);
+                      int64_t timeout_ms = -1, int width = 0);
   // ins[p]/in_counts[p] go to rank p; outs[p]/out_counts[p] come from rank p.
   void all_to_all(const void* const* ins, const size_t* in_counts, void* const* outs,
-                  const size_t* out_counts, DType dtype, int64_t timeout_ms = -1);
+                  const size_t* out_counts, DType dtype, int64_t timeout_ms = -1, int width = 0);
   // outs (root only) receives every rank's `count` elements.
   void gather(const void* in, size_t count, DType dtype, void* const* outs, int root,
-              int64_t timeout_ms = -1);
+              int64_t timeout_ms = -1, int width = 0);
   // ins (root only) holds each rank's `count` elements.
   void scatter(const void* const* ins, void* out, size_t count, DType dtype, int root,
-               int64_t timeout_ms = -1);
+               int64_t timeout_ms = -1, int width = 0);
   void barrier(int64_t timeout_ms = -1);
   // Takes this rank's part in the next collective without running it: every
   // rank's call of it fails with an invalid-argument error that names this
@@ -187,8 +189,11 @@ class Communicator {
   void reduce_exchange(const OpMeta& meta, const void* const* shard_src, const size_t* shard_counts,
                        void* out);
   std::string root_error(int root, const char* what) const;
-  // A member beyond the per-rank arrays (after an extension past the world size).
-  std::string width_error(const char* what) const;
+  // A member beyond the per-rank arrays of `width` entries (after an extension
+  // past them).
+  std::string width_error(const char* what, int width) const;
+  // The per-rank arrays' width of a call (0: the world size).
+  int width_of(int width) const { return width > 0 ? width : size_; }
   std::string redop_error(RedOp op, DType dtype, const char* what) const;
   std::string validate(const OpMeta& meta, const MsgHeader& h, int peer, size_t expect_recv,
                        size_t expect_send) const;
@@ -196,8 +201,8 @@ class Communicator {
   void even_shards(size_t count, std::vector<size_t>& offsets, std::vector<size_t>& counts) const;
   // Whether an op of `count` elements goes direct (one hop) rather than sharded.
   bool direct(size_t count, DType dtype) const;
-  void zero_others(void* const* outs, size_t bytes) const;
-  void zero_others(void* const* outs, const size_t* counts, size_t esize) const;
+  void zero_others(void* const* outs, size_t bytes, int width) const;
+  void zero_others(void* const* outs, const size_t* counts, size_t esize, int width) const;
 
   const int rank_;
   const int size_;

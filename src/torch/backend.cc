@@ -125,6 +125,20 @@ void MooncakeBackend::run_on_queue(const char* what, Task task) {
   if (auto error = request->error()) std::rethrow_exception(error);
 }
 
+int MooncakeBackend::list_width(size_t n, const char* op, const char* arg) const {
+  if (n == static_cast<size_t>(extended_size_)) return static_cast<int>(n);
+  if (extended_size_ != size_ && n != static_cast<size_t>(size_))
+    throw_error(ErrorKind::kInvalidArgument, -1, op, ": ", arg, " must have ", size_,
+                " entries (the world size) or ", extended_size_,
+                " (the size extend_group_size_to admitted), got ", n);
+  check_count(n, static_cast<size_t>(size_), op, arg);
+  return size_;
+}
+
+int MooncakeBackend::parts_width(int64_t whole, int64_t part) const {
+  return part > 0 && whole == part * extended_size_ ? static_cast<int>(extended_size_) : size_;
+}
+
 void MooncakeBackend::extend_group_size_to(int64_t size) {
   MC_CHECK_ARG(comm_ != nullptr, "extend_group_size_to: the process group was shut down");
   MC_CHECK_ARG(size >= extended_size_ && size <= comm_->capacity(),

@@ -190,6 +190,14 @@ class MooncakeBackend : public c10d::Backend {
   int num_members_ = 0;
   std::atomic<int64_t> view_version_{0};  // bumped whenever show_view writes the view
   int64_t extended_size_ = 0;
+  // The width of a per-rank list of `n` entries: the world size, or the size
+  // extend_group_size_to admitted (the longer lists also address the ranks
+  // that joined past the world size). Anything else is an invalid argument.
+  int list_width(size_t n, const char* op, const char* arg) const;
+  // The same for a tensor form whose `whole` elements hold one `part` per
+  // rank: the extended size when it fits exactly, else the world size (whose
+  // check then names what is wrong).
+  int parts_width(int64_t whole, int64_t part) const;
   int64_t timeout_ms_;
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Request>> coalesced_;

@@ -15,7 +15,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
   return collective([&] {
     check_count(tensors.size(), 1, "broadcast", "tensors");
     check_tensor(tensors[0], "broadcast", "tensor");
-    check_rank(opts.rootRank, size_, "broadcast", "src");
+    check_rank(opts.rootRank, static_cast<int>(extended_size_), "broadcast", "src");
     at::Tensor t = tensors[0];
     DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
     int root = static_cast<int>(opts.rootRank);
@@ -38,13 +38,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
     check_count(outputs.size(), 1, "all_gather", "output tensor lists");
     at::Tensor in = inputs[0];
     check_tensor(in, "all_gather", "tensor");
-    check_list(outputs[0], size_, in, "all_gather", "tensor_list", "input tensor");
+    const int width = list_width(outputs[0].size(), "all_gather", "tensor_list");
+    check_list(outputs[0], width, in, "all_gather", "tensor_list", "input tensor");
     DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
     std::vector<at::Tensor> outs = outputs[0];
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(
         c10d::OpType::ALLGATHER,
-        [this, in, outs, dt, timeout] {
+        [this, in, outs, dt, timeout, width] {
           at::Tensor src = in.contiguous();
           std::vector<OutBuf> bufs;
           std::vector<void*> ptrs;
@@ -52,7 +53,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
             bufs.emplace_back(o);
             ptrs.push_back(bufs.back().ptr());
           }
-          comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+          comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout, width);
           for (auto& b : bufs) b.commit();
         },
         outs);
@@ -87,7 +88,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
     const c10d::AllgatherOptions& opts) {
   return collective([&] {
     check_count(outputs.size(), inputs.size(), "all_gather_into_tensor", "output tensors");
-    std::vector<std::tuple<at::Tensor, at::Tensor, DType>> items;
+    std::vector<std::tuple<at::Tensor, at::Tensor, DType, int>> items;
     for (size_t i = 0; i < inputs.size(); ++i) {
       check_tensor(inputs[i], "all_gather_into_tensor", "input_tensor");
       check_tensor(outputs[i], "all_gather_into_tensor", "output_tensor");
@@ -95,25 +96,26 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
                    "all_gather_into_tensor: output_tensor dtype ",
                    dtype_str(outputs[i].scalar_type()), " differs from input_tensor dtype ",
                    dtype_str(inputs[i].scalar_type()));
-      MC_CHECK_ARG(outputs[i].numel() == inputs[i].numel() * size_,
+      const int width = parts_width(outputs[i].numel(), inputs[i].numel());
+      MC_CHECK_ARG(outputs[i].numel() == inputs[i].numel() * width,
                    "all_gather_into_tensor: output_tensor must have world_size * input numel = ",
-                   inputs[i].numel() * size_, " elements, got ", outputs[i].numel());
+                   inputs[i].numel() * width, " elements, got ", outputs[i].numel());
       items.emplace_back(
           outputs[i], inputs[i],
-          to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"));
+          to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"), width);
     }
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(
         c10d::OpType::_ALLGATHER_BASE,
         [this, items, timeout] {
-          for (auto& [output, input, dt] : items) {
+          for (auto& [output, input, dt, width] : items) {
             at::Tensor src = input.contiguous();
             OutBuf out(output);
             size_t bytes = src.nbytes();
             std::vector<void*> ptrs;
-            for (int p = 0; p < size_; ++p)
+            for (int p = 0; p < width; ++p)
               ptrs.push_back(static_cast<uint8_t*>(out.ptr()) + p * bytes);
-            comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout);
+            comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout, width);
             out.commit();
           }
         },
@@ -126,14 +128,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
     const c10d::GatherOptions& opts) {
   return collective([&] {
     check_count(inputs.size(), 1, "gather", "input tensors");
-    check_rank(opts.rootRank, size_, "gather", "dst");
+    check_rank(opts.rootRank, static_cast<int>(extended_size_), "gather", "dst");
     at::Tensor in = inputs[0];
     check_tensor(in, "gather", "tensor");
     int root = static_cast<int>(opts.rootRank);
     std::vector<at::Tensor> outs;
+    int width = 0;
     if (rank_ == root) {
       check_count(outputs.size(), 1, "gather", "output tensor lists");
-      check_list(outputs[0], size_, in, "gather", "gather_list", "input tensor");
+      width = list_width(outputs[0].size(), "gather", "gather_list");
+      check_list(outputs[0], width, in, "gather", "gather_list", "input tensor");
       outs = outputs[0];
     } else {
       MC_CHECK_ARG(outputs.empty() || outputs[0].empty(),
@@ -143,7 +147,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(
         c10d::OpType::GATHER,
-        [this, in, outs, dt, root, timeout] {
+        [this, in, outs, dt, root, timeout, width] {
           at::Tensor src = in.contiguous();
           std::vector<OutBuf> bufs;
           std::vector<void*> ptrs;
@@ -151,7 +155,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
             bufs.emplace_back(o);
             ptrs.push_back(bufs.back().ptr());
           }
-          comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout);
+          comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout, width);
           for (auto& b : bufs) b.commit();
         },
         outs);
@@ -163,14 +167,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
     const c10d::ScatterOptions& opts) {
   return collective([&] {
     check_count(outputs.size(), 1, "scatter", "output tensors");
-    check_rank(opts.rootRank, size_, "scatter", "src");
+    check_rank(opts.rootRank, static_cast<int>(extended_size_), "scatter", "src");
     at::Tensor out = outputs[0];
     check_tensor(out, "scatter", "tensor");
     int root = static_cast<int>(opts.rootRank);
     std::vector<at::Tensor> ins;
+    int width = 0;
     if (rank_ == root) {
       check_count(inputs.size(), 1, "scatter", "input tensor lists");
-      check_list(inputs[0], size_, out, "scatter", "scatter_list", "output tensor");
+      width = list_width(inputs[0].size(), "scatter", "scatter_list");
+      check_list(inputs[0], width, out, "scatter", "scatter_list", "output tensor");
       for (auto& i : inputs[0]) ins.push_back(i.contiguous());
     } else {
       MC_CHECK_ARG(inputs.empty() || inputs[0].empty(),
@@ -179,11 +185,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
     DType dt = to_dtype(out.scalar_type(), "scatter", "tensor");
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(c10d::OpType::SCATTER,
-                   [this, out, ins, dt, root, timeout] {
+                   [this, out, ins, dt, root, timeout, width] {
                      OutBuf buf(out);
                      std::vector<const void*> ptrs;
                      for (auto& i : ins) ptrs.push_back(i.data_ptr());
-                     comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout);
+                     comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout, width);
                      buf.commit();
                    },
                    {out});
@@ -198,29 +204,38 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
     check_tensor(output, "all_to_all_single", "output");
     MC_CHECK_ARG(input.scalar_type() == output.scalar_type(),
                  "all_to_all_single: output dtype differs from input dtype");
+    // Given splits may have one entry per rank of the extended group; equal
+    // splits are over as many ranks as the given list has (the world size
+    // when neither is given).
+    const bool in_given = !input_split_sizes.empty();
+    const std::vector<int64_t>& given = in_given ? input_split_sizes : output_split_sizes;
+    const int width = given.empty()
+                          ? size_
+                          : list_width(given.size(), "all_to_all_single",
+                                       in_given ? "input_split_sizes" : "output_split_sizes");
     std::vector<size_t> in_counts =
-        split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");
+        split_counts(input, input_split_sizes, width, "input_split_sizes", "input");
     std::vector<size_t> out_counts =
-        split_counts(output, output_split_sizes, size_, "output_split_sizes", "output");
+        split_counts(output, output_split_sizes, width, "output_split_sizes", "output");
     DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
     int64_t timeout = op_timeout_ms(opts.timeout);
     at::Tensor in = input, out = output;
     return enqueue(c10d::OpType::ALLTOALL_BASE,
-                   [this, in, out, in_counts, out_counts, dt, timeout] {
+                   [this, in, out, in_counts, out_counts, dt, timeout, width] {
                      at::Tensor src = in.contiguous();
                      OutBuf buf(out);
                      const size_t esize = dtype_size(dt);
                      std::vector<const void*> ins;
                      std::vector<void*> outs;
                      size_t a = 0, b = 0;
-                     for (int p = 0; p < size_; ++p) {
+                     for (int p = 0; p < width; ++p) {
                        ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
                        outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
                        a += in_counts[p];
                        b += out_counts[p];
                      }
                      comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(),
-                                       dt, timeout);
+                                       dt, timeout, width);
                      buf.commit();
                    },
                    {output});
@@ -231,8 +246,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
   return collective([&] {
-    check_count(outputs.size(), static_cast<size_t>(size_), "all_to_all", "output_tensor_list");
-    check_count(inputs.size(), static_cast<size_t>(size_), "all_to_all", "input_tensor_list");
+    const int width = list_width(outputs.size(), "all_to_all", "output_tensor_list");
+    check_count(inputs.size(), static_cast<size_t>(width), "all_to_all", "input_tensor_list");
     for (auto& t : inputs) check_tensor(t, "all_to_all", "input_tensor_list");
     for (auto& t : outputs) {
       check_tensor(t, "all_to_all", "output_tensor_list");
@@ -249,12 +264,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(
         c10d::OpType::ALLTOALL,
-        [this, ins, outs, dt, timeout] {
+        [this, ins, outs, dt, timeout, width] {
           std::vector<OutBuf> bufs;
           std::vector<const void*> in_ptrs;
           std::vector<void*> out_ptrs;
           std::vector<size_t> in_counts, out_counts;
-          for (int p = 0; p < size_; ++p) {
+          for (int p = 0; p < width; ++p) {
             bufs.emplace_back(outs[p]);
             in_ptrs.push_back(ins[p].data_ptr());
             in_counts.push_back(elems(ins[p]));
@@ -262,7 +277,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
             out_counts.push_back(elems(outs[p]));
           }
           comm_->all_to_all(in_ptrs.data(), in_counts.data(), out_ptrs.data(), out_counts.data(),
-                            dt, timeout);
+                            dt, timeout, width);
           for (auto& b : bufs) b.commit();
         },
         outputs);

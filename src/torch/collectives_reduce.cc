@@ -56,7 +56,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
   return collective([&] {
     check_count(tensors.size(), 1, "reduce", "tensors");
     check_tensor(tensors[0], "reduce", "tensor");
-    check_rank(opts.rootRank, size_, "reduce", "dst");
+    check_rank(opts.rootRank, static_cast<int>(extended_size_), "reduce", "dst");
     at::Tensor t = tensors[0];
     DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
     RedOp op = to_redop(opts.reduceOp, t, "reduce");
@@ -78,21 +78,22 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
   return collective([&] {
     check_count(outputs.size(), 1, "reduce_scatter", "output tensors");
     check_count(inputs.size(), 1, "reduce_scatter", "input tensor lists");
-    check_count(inputs[0].size(), static_cast<size_t>(size_), "reduce_scatter", "input_list");
+    const int width = list_width(inputs[0].size(), "reduce_scatter", "input_list");
     at::Tensor out = outputs[0];
     check_tensor(out, "reduce_scatter", "output");
     std::vector<at::Tensor> ins;
-    check_list(inputs[0], size_, out, "reduce_scatter", "input_list", "output tensor");
+    check_list(inputs[0], width, out, "reduce_scatter", "input_list", "output tensor");
     for (auto& i : inputs[0]) ins.push_back(i.contiguous());
     DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
     RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(c10d::OpType::REDUCE_SCATTER,
-                   [this, out, ins, dt, op, timeout] {
+                   [this, out, ins, dt, op, timeout, width] {
                      OutBuf buf(out);
                      std::vector<const void*> ptrs;
                      for (auto& i : ins) ptrs.push_back(i.data_ptr());
-                     comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout);
+                     comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout,
+                                           width);
                      buf.commit();
                    },
                    {out});
@@ -110,31 +111,32 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   return collective([&] {
     check_count(outputs.size(), inputs.size(), "reduce_scatter_tensor", "output tensors");
-    std::vector<std::tuple<at::Tensor, at::Tensor, DType, RedOp>> items;
+    std::vector<std::tuple<at::Tensor, at::Tensor, DType, RedOp, int>> items;
     for (size_t i = 0; i < inputs.size(); ++i) {
       check_tensor(inputs[i], "reduce_scatter_tensor", "input");
       check_tensor(outputs[i], "reduce_scatter_tensor", "output");
       MC_CHECK_ARG(outputs[i].scalar_type() == inputs[i].scalar_type(),
                    "reduce_scatter_tensor: output dtype differs from input dtype");
-      MC_CHECK_ARG(inputs[i].numel() == outputs[i].numel() * size_,
+      const int width = parts_width(inputs[i].numel(), outputs[i].numel());
+      MC_CHECK_ARG(inputs[i].numel() == outputs[i].numel() * width,
                    "reduce_scatter_tensor: input must have world_size * output numel = ",
-                   outputs[i].numel() * size_, " elements, got ", inputs[i].numel());
+                   outputs[i].numel() * width, " elements, got ", inputs[i].numel());
       items.emplace_back(outputs[i], inputs[i],
                          to_dtype(inputs[i].scalar_type(), "reduce_scatter_tensor", "input"),
-                         to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"));
+                         to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"), width);
     }
     int64_t timeout = op_timeout_ms(opts.timeout);
     return enqueue(
         c10d::OpType::_REDUCE_SCATTER_BASE,
         [this, items, timeout] {
-          for (auto& [output, input, dt, op] : items) {
+          for (auto& [output, input, dt, op, width] : items) {
             at::Tensor src = input.contiguous();
             OutBuf out(output);
             size_t bytes = out.buf.nbytes();
             std::vector<const void*> ptrs;
-            for (int p = 0; p < size_; ++p)
+            for (int p = 0; p < width; ++p)
               ptrs.push_back(static_cast<const uint8_t*>(src.data_ptr()) + p * bytes);
-            comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout);
+            comm_->reduce_scatter(ptrs.data(), out.ptr(), elems(output), dt, op, timeout, width);
             out.commit();
           }
         },

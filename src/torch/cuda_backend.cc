@@ -864,8 +864,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
   // Inputs differ in size from rank to rank, so whether the op takes the
-  // plane must not depend on sizes: it does whenever the plane serves the group.
-  if (on_plane({input, output}, std::nullopt)) {
+  // plane must not depend on sizes: it does whenever the plane serves the
+  // group, for split lists of the world size (longer ones, which reach ranks
+  // that joined past it, are staged).
+  const auto world = static_cast<size_t>(size_);
+  if (input_split_sizes.size() <= world && output_split_sizes.size() <= world &&
+      on_plane({input, output}, std::nullopt)) {
     return staged("all_to_all_single", Kind::kCollective, [&](Staging& s) {
       std::vector<size_t> in_counts =
           split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");

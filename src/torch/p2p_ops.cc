@@ -19,7 +19,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& te
   return p2p_op(c10d::OpType::SEND, {tensors.empty() ? at::Tensor() : tensors[0]}, [&]() -> Post {
     check_count(tensors.size(), 1, "send", "tensors");
     check_tensor(tensors[0], "send", "tensor");
-    check_rank(dst, size_, "send", "dst");
+    check_rank(dst, static_cast<int>(extended_size_), "send", "dst");
     at::Tensor t = tensors[0].contiguous();
     return [this, t, dst, tag] {
       auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
@@ -34,7 +34,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& te
   return p2p_op(c10d::OpType::RECV, {tensors.empty() ? at::Tensor() : tensors[0]}, [&]() -> Post {
     check_count(tensors.size(), 1, "recv", "tensors");
     check_tensor(tensors[0], "recv", "tensor");
-    check_rank(src, size_, "recv", "src", /*allow_any=*/true);
+    check_rank(src, static_cast<int>(extended_size_), "recv", "src", /*allow_any=*/true);
     at::Tensor user = tensors[0];
     at::Tensor buf = user.is_contiguous() ? user : user.contiguous();
     return [this, user, buf, src, tag] {

@@ -44,9 +44,8 @@ P2P_N = 3000  # int64 elements of a ring message: 24 KiB
 KINDS = ("ar", "ar_big", "ag", "bcast", "a2a", "p2p", "rs", "reduce", "gather", "scatter")
 MASK_KINDS = frozenset({"ar", "ar_big", "ag", "a2a", "rs"})
 ROOTED_KINDS = frozenset({"bcast", "reduce", "gather", "scatter"})
-# Ops whose result does not depend on the world size (the only ones an extension rank,
-# whose rank is >= the world size the others were created with, can take part in).
-WIDTH_FREE_KINDS = ("ar", "ar_big", "reduce_all", "barrier")
+# Every kind, and two that only an elastic battery runs.
+ALL_KINDS = KINDS + ("reduce_all", "barrier")
 
 
 def bits(ranks) -> int:
@@ -133,16 +132,21 @@ class Ops:
     """Runs one op of a kind and returns its :data:`Record` (never raises for op errors).
 
     In a subgroup, ranks (contributions, masks, roots) are group ranks; ``global_ranks``
-    maps them to the global ranks that torch's src/dst arguments take.
+    maps them to the global ranks that torch's src/dst arguments take. ``width``: the
+    per-rank lists' length, when the group was extended past its world size (all_to_all
+    then gives its split sizes: equal splits are over the world size).
     """
 
-    def __init__(self, rank, world_size, active, group=None, global_ranks=None, device="cpu"):
+    def __init__(
+        self, rank, world_size, active, group=None, global_ranks=None, device="cpu", width=None
+    ):
         self.rank = rank
-        self.world = world_size
+        self.world = width or world_size
+        self.splits = [MID] * width if width else None
         self.active = active
         self.group = group
         self.device = torch.device(device)
-        self.g = list(global_ranks) if global_ranks is not None else list(range(world_size))
+        self.g = list(global_ranks) if global_ranks is not None else list(range(self.world))
 
     def run(self, kind: str, i: int, root=None):
         members = members_of(self.active)
@@ -195,7 +199,13 @@ class Ops:
 
     def _a2a(self):
         out = self._full(self.world * MID, -1)
-        dist.all_to_all_single(out, self._full(self.world * MID, 1 << self.rank), group=self.group)
+        dist.all_to_all_single(
+            out,
+            self._full(self.world * MID, 1 << self.rank),
+            output_split_sizes=self.splits,
+            input_split_sizes=self.splits,
+            group=self.group,
+        )
         return _slices_mask(out, MID, "all_to_all_single")
 
     def _rs(self):
@@ -632,7 +642,8 @@ def elastic_rank(rank, world_size, port, plan):
             timeout_s=plan["timeout_s"],
             max_world_size=plan["max_world_size"],
         )
-    ops = Ops(rank, world_size, active)
+    # Extended past the world size: the per-rank lists address every slot up to it.
+    ops = Ops(rank, world_size, active, width=plan.get("extend_to"))
     if not joiner and plan.get("bad_input"):
         out["bad"] = bad_input_checks(rank, ops, plan)
     if plan.get("extend_to"):  # local: a joiner, too, must extend before recover_ranks

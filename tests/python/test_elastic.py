@@ -23,10 +23,10 @@ from ft_parent import (
     wait_key,
 )
 from ft_ranks import (
+    ALL_KINDS,
     KINDS,
     MASK_KINDS,
     SUBGROUPS,
-    WIDTH_FREE_KINDS,
     bits,
     elastic_rank,
     mismatched_capacity_rank,
@@ -145,7 +145,7 @@ def extension():
         3,
         5,
         range(5),
-        WIDTH_FREE_KINDS,
+        ALL_KINDS,
         2,
         bad_input=True,
         extend_to=5,
@@ -228,11 +228,14 @@ def test_recover_dead_rank_with_nobody_waiting_raises(extension):
 @pytest.mark.timeout(300)
 def test_extension_slots_join_and_are_replaced(extension):
     """Ranks 3 and 4 join as extensions of a world-3 group; every process, the joiners
-    included, then gets the world-size-independent collectives (all_reduce small,
-    chunked, MAX; barrier) over all five ranks; a killed extension rank and a killed rank
-    0 are replaced the same way; all agree on every membership change."""
+    included, then gets every collective over all five ranks, the per-rank forms with
+    lists of the extended size (all_gather, all_to_all_single with its split sizes,
+    reduce_scatter, broadcast/reduce/gather/scatter from every root, the extensions
+    included; a p2p ring; all_reduce small, chunked, MAX; barrier); a killed extension
+    rank and a killed rank 0 are replaced the same way; all agree on every membership
+    change."""
     results = extension.get()
-    problems = check_elastic(results, range(5), WIDTH_FREE_KINDS)
+    problems = check_elastic(results, range(5), ALL_KINDS)
     assert not problems, "\n".join(problems[:40])
     assert len(results["2"]["batteries"]) == 3, results["2"]["batteries"]  # 3+4, 4, 0
 

@@ -179,6 +179,89 @@ TEST_P(Join, AJoinerWithAnotherCapacityIsRefusedOnBothSides) {
   });
 }
 
+// Slots 0 and 1 of a group of 2 with room for 4, and slot 3 joined past the
+// world size. Per-rank arrays as wide as the capacity address slot 3 (slot 2,
+// never used, is zero-filled or ignored); arrays of the world size's width
+// fail on every rank, naming the member past them, and the group goes on.
+TEST_P(Join, PerRankArraysReachRanksThatJoinedPastTheWorldSize) {
+  const GroupOptions o = options();
+  run_ranks(3, [&](Rank& r) {
+    mooncake::TransferEngine engine = engine_for(o);
+    const int slot = r.rank < 2 ? r.rank : 3;
+    Communicator comm(engine, r.store, "g/", slot, 2, comm_config(o), 4, r.rank == 2);
+    if (r.rank < 2)
+      admit_when_ready(comm, 3);
+    else
+      comm.join();
+    ASSERT_EQ(member_mask(comm), 0b1011);
+    const std::vector<int> members{0, 1, 3};
+    auto is_member = [&](int p) { return p != 2; };
+
+    // all_gather: outs[p] gets slot p's pair.
+    const int32_t mine[2] = {10 * slot, 10 * slot + 1};
+    std::vector<int32_t> got(8, -1);
+    std::vector<void*> outs;
+    for (int p = 0; p < 4; ++p) outs.push_back(&got[2 * p]);
+    comm.all_gather(mine, 2, DType::kInt32, outs.data(), -1, 4);
+    for (int p = 0; p < 4; ++p) {
+      EXPECT_EQ(got[2 * p], is_member(p) ? 10 * p : 0) << "all_gather from " << p;
+      EXPECT_EQ(got[2 * p + 1], is_member(p) ? 10 * p + 1 : 0) << "all_gather from " << p;
+    }
+
+    // all_to_all: slot s sends 100 * s + p to slot p.
+    std::vector<int32_t> send(4), recv(4, -1);
+    std::vector<const void*> ins;
+    std::vector<void*> outs2;
+    const std::vector<size_t> ones(4, 1);
+    for (int p = 0; p < 4; ++p) {
+      send[p] = 100 * slot + p;
+      ins.push_back(&send[p]);
+      outs2.push_back(&recv[p]);
+    }
+    comm.all_to_all(ins.data(), ones.data(), outs2.data(), ones.data(), DType::kInt32, -1, 4);
+    for (int p = 0; p < 4; ++p)
+      EXPECT_EQ(recv[p], is_member(p) ? 100 * p + slot : 0) << "all_to_all from " << p;
+
+    // reduce_scatter: slot p's shard is the sum over members of 1000 * p + s.
+    std::vector<int32_t> shards(4);
+    std::vector<const void*> shard_ptrs;
+    for (int p = 0; p < 4; ++p) {
+      shards[p] = 1000 * p + slot;
+      shard_ptrs.push_back(&shards[p]);
+    }
+    int32_t reduced = -1;
+    comm.reduce_scatter(shard_ptrs.data(), &reduced, 1, DType::kInt32, RedOp::kSum, -1, 4);
+    EXPECT_EQ(reduced, 3 * 1000 * slot + (0 + 1 + 3));
+
+    // gather to and scatter from slot 3, the joiner (only the root's arrays matter).
+    std::vector<int32_t> gathered(4, -1);
+    std::vector<void*> gather_outs;
+    for (int p = 0; p < 4; ++p) gather_outs.push_back(&gathered[p]);
+    const int32_t one = 7 * slot;
+    comm.gather(&one, 1, DType::kInt32, gather_outs.data(), 3, -1, slot == 3 ? 4 : 0);
+    if (slot == 3)
+      for (int p = 0; p < 4; ++p) EXPECT_EQ(gathered[p], is_member(p) ? 7 * p : 0);
+    std::vector<int32_t> parts{50, 51, 52, 53};
+    std::vector<const void*> part_ptrs;
+    for (auto& v : parts) part_ptrs.push_back(&v);
+    int32_t part = -1;
+    comm.scatter(part_ptrs.data(), &part, 1, DType::kInt32, 3, -1, slot == 3 ? 4 : 0);
+    EXPECT_EQ(part, 50 + slot);
+
+    // The world size's width cannot hold slot 3: every rank fails, naming it.
+    std::vector<int32_t> narrow(4, -1);
+    std::vector<void*> narrow_outs{&narrow[0], &narrow[2]};
+    EXPECT_TRUE(throws_error(
+        ErrorKind::kInvalidArgument,
+        [&] { comm.all_gather(mine, 2, DType::kInt32, narrow_outs.data()); },
+        "rank 3 is a member, but this rank's per-rank tensor lists have only 2 entries"));
+    int32_t sum = slot;
+    comm.all_reduce(&sum, 1, DType::kInt32, RedOp::kSum);
+    EXPECT_EQ(sum, 0 + 1 + 3) << "the group goes on";
+    EXPECT_EQ(comm.view().members(), members);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Join, testing::Values(false, true),
                          [](const testing::TestParamInfo<bool>& info) {
                            return info.param ? "tcp" : "shm";
