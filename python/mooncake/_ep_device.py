@@ -34,7 +34,7 @@ from ._ep_types import DispatchHandle, HandleState, stream_waiter, tensor_key
 
 #: Status codes of ``src/kernels/api.h``.
 _BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT, _NOT_RESIDENT = 1, 2, 3, 4, 5, 6
-MAX_TOPK = pg._ext.EP_MAX_TOPK  # combine rows per token (src/ep/layout.h)
+MAX_TOPK = pg._ext.EP_MAX_TOPK  # index entries per token (src/ep/layout.h)
 _BOTH = pg._ext.EP_PHASE_BOTH  # a launch of both phases
 _ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, present
 

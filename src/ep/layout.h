@@ -79,7 +79,7 @@ struct EpLayout {
   static constexpr size_t kAlign = 128;
   static constexpr size_t kHeaderBytes = sizeof(EpMsgHeader);
   static constexpr int64_t kFp8Block = 128;  // channels per FP8 scale
-  static constexpr int64_t kMaxTopk = 16;    // combine slots per token
+  static constexpr int64_t kMaxTopk = 16;    // top-k columns: index entries per token
   // A combine flag's low word when the expert got none of this rank's rows.
   static constexpr uint32_t kNoRows = 0xffffffffu;
 
