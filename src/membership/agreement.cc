@@ -74,6 +74,9 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
     bool settled = true;  // every member reported or is out
     for (int q : members) {
       if (!reports[q].empty()) continue;
+      // Probed before the store is read: a member that reports and then dies
+      // between the two reads would otherwise count as out, with its report in.
+      const bool alive = q == mine.rank || responsive(q);
       const std::string key = base + "report/" + std::to_string(q);
       if (store.check(key)) {
         reports[q] = store.get(key, 1000);
@@ -92,7 +95,7 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
         }
         continue;
       }
-      if (q != mine.rank && !responsive(q)) continue;
+      if (!alive) continue;
       settled = false;
     }
     if (!decided.empty()) break;

@@ -303,6 +303,43 @@ TEST_P(AgreementDeath, AMemberThatDiesAfterItsReportIsInTheViewAndLeftOutNextRou
   for (size_t i = 0; i < ps.size(); ++i) expect_decided(again[i], after, ps[i].rank);
 }
 
+// The same, with the worst timing for the others: one of them reads the
+// store before the victim's report is in, and asks whether the victim is
+// alive only after the victim has reported and died. Asking first is what
+// keeps the report in the view.
+TEST_P(AgreementDeath, AMemberThatReportsAndDiesBetweenAnothersLooksIsInTheView) {
+  Group g;
+  const View current = starting_view(size());
+  const int v = victim();
+  const std::string key = report_key(current, v);
+  std::atomic<bool> looked{false};
+  std::vector<Participant> ps = plain(all_but(size(), v));
+  ps.front().hook = [&](Call call, const std::string& k, const std::string&) {
+    if (call == Call::kCheck && k == key) looked = true;
+  };
+  ps.front().responsive = [&](int q) {
+    if (q == v) {  // answers once the victim is gone (bounded)
+      const Deadline until = Deadline::after_ms(5000);
+      while (!g.gone(v) && !until.expired())
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return !g.gone(q);
+  };
+  // The victim reports once the other has looked (or after 300 ms, when the
+  // other asks about liveness first), then dies at its next store call.
+  ps.push_back(
+      Participant{.rank = v, .hook = [&](Call call, const std::string&, const std::string&) {
+                    if (call != Call::kSet) throw Died{};
+                    const Deadline until = Deadline::after_ms(300);
+                    while (!looked && !until.expired())
+                      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                  }});
+  const auto outcomes = g.run(current, ps);
+  EXPECT_EQ(outcomes.back().what, Outcome::kDied) << describe(outcomes.back());
+  const View next = next_view(current, current.members());
+  for (size_t i = 0; i + 1 < ps.size(); ++i) expect_decided(outcomes[i], next, ps[i].rank);
+}
+
 TEST_P(AgreementDeath, AProposerThatDiesBeforeItsCompareSetBlocksNoOne) {
   Group g;
   const View current = starting_view(size());
