@@ -95,6 +95,7 @@ demo: build
 
 bench: build
 	$(BUILD)/mooncake_reduce_bench
+	$(BUILD)/mooncake_latency_bench
 	$(PY) bench/bench_pg.py
 	$(PY) bench/bench_recovery.py
 	$(PY) bench/bench_ep.py

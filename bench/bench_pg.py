@@ -406,6 +406,49 @@ def measure_floors(worlds: list[int], quick: bool) -> dict:
     return {"cores": cores, "copy": copy, "handoff": handoff}
 
 
+def bare_core(worlds: list[int], rows: list[dict]) -> list[dict]:
+    """The smallest all_reduce through torch against the bare C++ core's (the
+    mooncake_latency_bench binary, run here for the same worlds when it is built):
+    what torch, Python and the op queue add to a small op."""
+    binary = HERE.parent / "build" / "mooncake_latency_bench"
+    ws = [w for w in worlds if w >= 2]
+    if not binary.exists() or not ws:
+        return []
+    try:
+        out = subprocess.run(
+            [str(binary), *map(str, ws)], capture_output=True, text=True, timeout=600
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        print(f"# bare core: {e}", file=sys.stderr)
+        return []
+    bare = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 2 and cells[0].isdigit():
+            try:
+                bare[int(cells[0])] = float(cells[1])
+            except ValueError:
+                pass  # "failed"
+    found = []
+    for r in rows:
+        torch_us = (r.get("mooncake-cpu") or {}).get("time_us")
+        if r["op"] != "all_reduce" or r["bytes"] != 8 or r["world"] not in bare or not torch_us:
+            continue
+        found.append(
+            {
+                "world": r["world"],
+                "torch_us": torch_us,
+                "bare_us": bare[r["world"]],
+                "ratio": torch_us / bare[r["world"]],
+            }
+        )
+        print(
+            f"# world {r['world']}: 8 B all_reduce through torch {torch_us:.1f} us, bare core "
+            f"{bare[r['world']]:.1f} us ({torch_us / bare[r['world']]:.2f}x)"
+        )
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -472,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
             report.print_world(model, world, ops, backends, by_backend)
 
     results = report.collect(model, by_world, ops)
+    bare = bare_core(worlds, results["rows"])
     targets = report.check_targets(results, backends)
     report.print_overheads(results["overhead"], backends)
     report.print_targets(targets)
@@ -488,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead": results["overhead"],
         "results": results["rows"],
         "targets": targets,
+        "bare_core": bare,
         "errors": errors,
     }
     (out_dir / "pg.json").write_text(json.dumps(document, indent=1))

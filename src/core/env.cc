@@ -29,7 +29,9 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_ASYNC_DELAY_US", "100",
        "An op nobody waits on yet (async_op=True) starts after this many us; a caller that "
        "waits sooner runs it on its own thread, saving two thread hand-offs."},
-      {"MOONCAKE_SPIN_US", "20", "How long a wait spins before it blocks on a futex."},
+      {"MOONCAKE_SPIN_US", "20",
+       "How long a wait spins before it blocks on a futex (unset: 0 while a group runs more "
+       "ranks on this host than CPUs)."},
       {"MOONCAKE_HANG_MS", "2000",
        "A peer whose heartbeat stands still this long (a stopped or hung process) counts as "
        "failed, whatever the op's timeout."},

@@ -1,11 +1,15 @@
 #include "core/wait.h"
 
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <thread>
 
 #include "core/env.h"
 
@@ -38,9 +42,27 @@ void ring(Doorbell* bell) {
             nullptr, 0);
 }
 
+std::atomic<int> ranks_on_host{0};  // the most any group has counted
+
+int usable_cpus() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 int64_t spin_budget_us() {
   static const int64_t us = env_int("MOONCAKE_SPIN_US");
-  return us;
+  // Set explicitly, the variable wins (the registry cannot tell set from default).
+  static const bool given = std::getenv("MOONCAKE_SPIN_US") != nullptr;
+  static const int cpus = usable_cpus();
+  if (given) return us;
+  return ranks_on_host.load(std::memory_order_relaxed) > cpus ? 0 : us;
+}
+
+void note_ranks_on_host(int ranks) {
+  int seen = ranks_on_host.load(std::memory_order_relaxed);
+  while (ranks > seen && !ranks_on_host.compare_exchange_weak(seen, ranks)) {
+  }
 }
 
 bool wait_on(Doorbell* bell, const std::function<bool()>& ready, const Deadline& deadline,

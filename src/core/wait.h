@@ -23,8 +23,13 @@ static_assert(sizeof(Doorbell) == 8);
 // Wakes every waiter of `bell` (process-shared futex).
 void ring(Doorbell* bell);
 
-// Spin budget from MOONCAKE_SPIN_US.
+// Spin budget: MOONCAKE_SPIN_US when it is set; otherwise its default, or 0
+// once note_ranks_on_host() has counted more ranks on this host than CPUs
+// this process may run on (a spinning waiter then takes the CPU that the
+// peer it waits for needs).
 int64_t spin_budget_us();
+// Called by each group with how many of its ranks run on this host.
+void note_ranks_on_host(int ranks);
 
 // Waits until `ready()` is true or `deadline` passes (returns false then).
 // While blocked it wakes at least every `poll_ms` and calls `poll()`, which

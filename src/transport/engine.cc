@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/limits.h"
 #include "core/record.h"
+#include "core/wait.h"
 #include "transport/shm.h"
 
 namespace mooncake {
@@ -113,6 +114,7 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
       capacity_(capacity),
       segment_(segment_bytes),
       links_(static_cast<size_t>(capacity)),
+      on_host_(static_cast<size_t>(capacity), 0),
       pulse_(new Pulse[static_cast<size_t>(capacity)]),
       last_round_us_(now_us()) {
   for (int p = 0; p < capacity; ++p) pulse_[p].changed_us.store(now_us());
@@ -172,6 +174,10 @@ void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   links_[peer] = std::move(link);
   pulse_[peer].last.store(0);
   pulse_[peer].changed_us.store(now_us());
+  // Whatever the transport: waits stop spinning once this host runs more
+  // ranks than CPUs (core/wait.h).
+  on_host_[static_cast<size_t>(peer)] = addr.host_key == local_host_key();
+  note_ranks_on_host(1 + static_cast<int>(std::count(on_host_.begin(), on_host_.end(), 1)));
 }
 
 void Endpoint::disconnect(int peer, bool farewell) {

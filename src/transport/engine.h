@@ -115,6 +115,7 @@ class Endpoint {
   std::unique_ptr<TcpReceiver> receiver_;
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<PeerLink>> links_;
+  std::vector<uint8_t> on_host_;  // per slot: its process runs on this host (for the spin budget)
   struct Pulse {
     std::atomic<uint64_t> last{0};
     std::atomic<int64_t> changed_us{0};

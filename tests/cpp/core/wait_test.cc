@@ -166,3 +166,25 @@ TEST(WaitOn, AnExceptionFromPollEndsTheWait) {
 
 }  // namespace
 }  // namespace mctest
+
+namespace mctest {
+namespace {
+
+// Unless MOONCAKE_SPIN_US is set, waits stop spinning once a group counts
+// more ranks on this host than CPUs, and stay so. In a child, so that the
+// process-wide count starts at zero and nothing else sees it raised.
+TEST(SpinBudget, WaitsDoNotSpinWhileRanksOutnumberTheCpus) {
+  run_ranks(1, [](Rank&) {
+    unsetenv("MOONCAKE_SPIN_US");
+    EXPECT_EQ(mooncake::spin_budget_us(), 20);
+    mooncake::note_ranks_on_host(1);
+    EXPECT_EQ(mooncake::spin_budget_us(), 20);
+    mooncake::note_ranks_on_host(1 << 20);
+    EXPECT_EQ(mooncake::spin_budget_us(), 0);
+    mooncake::note_ranks_on_host(1);  // the most any group counted stays
+    EXPECT_EQ(mooncake::spin_budget_us(), 0);
+  });
+}
+
+}  // namespace
+}  // namespace mctest

@@ -1,0 +1,113 @@
+// Small-op latency of the bare C++ core: no torch, no Python, no op queue.
+// For each world size, that many forked ranks over shared memory run
+// back-to-back all_reduce of 2 floats (8 bytes, bench_pg.py's smallest size);
+// each rank's mean per op, the slowest rank's reported. It is the "bare core"
+// beside which bench_pg.py reads its small ops through torch (it runs this
+// binary when built and prints the ratio).
+//
+//   build/mooncake_latency_bench [world ...]     (default: 2 4 8)
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "collectives/communicator.h"
+#include "core/comm_config.h"
+#include "store/store.h"
+#include "transport/engine.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kWarmup = 200;
+constexpr int kOps = 2000;
+
+// One rank: its mean microseconds per all_reduce, written to `fd`.
+[[noreturn]] void run_rank(const std::string& dir, int rank, int world, int fd) {
+  double mean_us = -1;
+  try {
+    mooncake::FileStore store(dir);
+    mooncake::TransferEngine engine(mooncake::EngineOptions::from_env());
+    mooncake::Communicator comm(engine, store, "latency/", rank, world,
+                                mooncake::CommConfig::from_env(30000));
+    float v[2] = {1, 0};
+    for (int i = 0; i < kWarmup; ++i)
+      comm.all_reduce(v, 2, mooncake::DType::kFloat32, mooncake::RedOp::kSum);
+    comm.barrier();
+    const auto t0 = Clock::now();
+    for (int i = 0; i < kOps; ++i)
+      comm.all_reduce(v, 2, mooncake::DType::kFloat32, mooncake::RedOp::kSum);
+    mean_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / kOps;
+    comm.barrier();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+  }
+  const ssize_t n = write(fd, &mean_us, sizeof(mean_us));
+  _exit(n == sizeof(mean_us) && mean_us >= 0 ? 0 : 1);
+}
+
+// The slowest rank's mean, or a negative value when a rank failed.
+double run_world(int world) {
+  char tmpl[] = "/tmp/mooncake-latency-XXXXXX";
+  const char* dir = mkdtemp(tmpl);
+  if (dir == nullptr) return -1;
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      close(fds[0]);
+      run_rank(dir, r, world, fds[1]);
+    }
+    pids.push_back(pid);
+  }
+  close(fds[1]);
+  double slowest = 0;
+  for (int r = 0; r < world; ++r) {
+    double v = -1;
+    if (read(fds[0], &v, sizeof(v)) != sizeof(v) || v < 0) slowest = -1;
+    if (slowest >= 0) slowest = std::max(slowest, v);
+  }
+  close(fds[0]);
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) slowest = -1;
+  }
+  std::filesystem::remove_all(dir);
+  return slowest;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> worlds;
+  for (int i = 1; i < argc; ++i) worlds.push_back(std::atoi(argv[i]));
+  if (worlds.empty()) worlds = {2, 4, 8};
+  std::printf("# bare core: all_reduce of 8 bytes (float32) over shm, %d ops after %d warm-up\n",
+              kOps, kWarmup);
+  std::printf("| world | us per op (slowest rank's mean) |\n|---:|---:|\n");
+  int failed = 0;
+  for (int w : worlds) {
+    if (w < 1) {
+      std::fprintf(stderr, "world sizes must be >= 1, got %d\n", w);
+      return 2;
+    }
+    const double us = run_world(w);
+    if (us < 0) {
+      std::printf("| %d | failed |\n", w);
+      ++failed;
+    } else {
+      std::printf("| %d | %.1f |\n", w, us);
+    }
+  }
+  return failed ? 1 : 0;
+}
