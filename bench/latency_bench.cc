@@ -7,6 +7,7 @@
 //
 //   build/mooncake_latency_bench [world ...]     (default: 2 4 8)
 #include <sys/wait.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -66,6 +67,14 @@ double run_world(int world) {
     if (pid == 0) {
       close(fds[0]);
       run_rank(dir, r, world, fds[1]);
+    }
+    if (pid < 0) {  // the ranks already started would wait for this one: stop them
+      for (pid_t p : pids) kill(p, SIGKILL);
+      for (pid_t p : pids) waitpid(p, nullptr, 0);
+      close(fds[0]);
+      close(fds[1]);
+      std::filesystem::remove_all(dir);
+      return -1;
     }
     pids.push_back(pid);
   }

@@ -827,7 +827,8 @@ void dispatch_as(const DispatchArgs& a, cudaStream_t stream) {
 }  // namespace
 
 void launch_dispatch(const DispatchArgs& a, CUstream_st* stream) {
-  // The send phase's per-expert sums run on all but the last warp.
+  // A bound from when the last warp ran a scan beside the send phase's per-expert
+  // sums; that scan went with the pulled rows, but lifting the bound wants a GPU run.
   MC_CHECK_ARG(per_block(a.c.layout.shape.num_experts, a.c.num_blocks) <= kThreads - 32,
                "dispatch: ", a.c.layout.shape.num_experts, " experts over ", a.c.num_blocks,
                " blocks: at most ", kThreads - 32, " experts per block");
