@@ -11,7 +11,9 @@ dispatch in FP8 and BF16, combine in BF16. For each case it times:
   into ``get_next_combine_buffer`` before the timed call (the workspace itself:
   token owners read them there, so the call copies nothing first);
 - ``send half`` / ``recv half``: ``return_recv_hook=True``: the dispatch call
-  (its send phase) and the hook (its receive phase), each on its own;
+  (its send phase) and the hook (its receive phase), each on its own; the
+  same for combine, whose receive half starts after a barrier (every
+  process's send half done: it times the sums, with no wait for peers);
 - ``kernel``: the same dispatch or combine captured in a CUDA graph and
   replayed, which leaves out the host side;
 - ``floor``: a device-to-device copy of the bytes the call must move (each
@@ -158,6 +160,24 @@ def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None) -> dic
             send += s
             recv += r
     res["send_half_us"], res["recv_half_us"] = send, recv
+    # The combine's halves: its receive half starts after every process's send half
+    # has finished (a barrier between), so it waits for no peer: the sums alone.
+    send, recv = [], []
+    for it in range(warmup + iters):
+        x, idx, w = nxt()
+        recv_x, _, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
+        y = y_fp8 if fp8 else recv_x
+        hooks.append(None)
+
+        def combine_send(y=y, idx=idx, w=w, h=handle):
+            hooks[-1] = buf.combine(y, idx, w, active, -1, h, return_recv_hook=True)[2]
+
+        s = timed(combine_send, 1, 0, barrier)
+        r = timed(recv_half, 1, 0, barrier)
+        if it >= warmup:
+            send += s
+            recv += r
+    res["combine_send_half_us"], res["combine_recv_half_us"] = send, recv
     res.update(graph_times(buf, T, E, fp8, sets[0], y, active, iters, barrier))
     return res
 
@@ -261,8 +281,8 @@ def table(world: int, rows: list[dict], up: dict) -> str:
     lines = [
         f"world {world}: median µs (T=128, H=7168, top-8)",
         "| E | dispatch | ours | kernel | send half | (kernel) | recv half | upstream | floor "
-        "| combine | ours | zero-copy | kernel | upstream | floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| combine | ours | zero-copy | send half | recv half | kernel | upstream | floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         u = up.get((r["E"], r["fp8"]), {}) if "error" not in up else {}
@@ -276,7 +296,8 @@ def table(world: int, rows: list[dict], up: dict) -> str:
             f"| {fmt(r.get('send_kernel_us'))} "
             f"| {fmt(r['recv_half_us'])} | {fmt(um('dispatch_us'))} "
             f"| {fmt(r.get('dispatch_floor_us'))} | BF16 | {fmt(r['combine_us'])} "
-            f"| {fmt(r.get('combine_zero_copy_us'))} "
+            f"| {fmt(r.get('combine_zero_copy_us'))} | {fmt(r.get('combine_send_half_us'))} "
+            f"| {fmt(r.get('combine_recv_half_us'))} "
             f"| {fmt(r.get('combine_kernel_us'))} | {fmt(um('combine_us'))} "
             f"| {fmt(r.get('combine_floor_us'))} |"
         )

@@ -20,19 +20,23 @@
 //   signals   2E int64, 128-byte aligned: E dispatch counts, one per (local
 //             expert, source rank) ([E/R][R]), each `seq << 32 | count`; and
 //             E combine flags, one per global expert a token may hear back
-//             from, each `seq << 32 | first row` (the first of this rank's
-//             rows among the expert's, or kNoRows). A signal carries its
+//             from, each `seq << 32 | first row` (the row of the expert
+//             owner's rows region where its outputs for this rank start, or
+//             kNoRows). A signal carries its
 //             call's sequence number, so a late write from a dead or masked
 //             peer, or from an earlier call, never reads as this call's;
 //   headers   E*T EpMsgHeaders, [E/R local experts][R sources][T slots]: the
 //             most any call can deliver (every token of every source to
 //             every local expert); a source writes the headers of its rows for
 //             local expert j, in token order, into its own T slots;
-//   rows      E*T rows of `row_bytes`, [E/R local experts][R*T]: the expert
-//             outputs a combine returns, in recv_x's layout (the zero-copy
-//             combine buffer is this region, as a [E/R, R*T, H] tensor). The
-//             token owners read them from here. A path that cannot read its
-//             peers' memory would receive dispatch payloads here;
+//   rows      E*T rows of `row_bytes`: the expert outputs a combine returns,
+//             where the token owners read them. A zero-copy combine finds them
+//             in recv_x's layout, [E/R local experts][R*T] (the zero-copy
+//             combine buffer is this region, as a [E/R, R*T, H] tensor);
+//             otherwise the combine copies them in packed by token owner,
+//             [R sources][E/R * T], so that each owner's rows lie together.
+//             A path that cannot read its peers' memory would receive
+//             dispatch payloads here;
 //   stage     T rows of `row_bytes`: this rank's tokens as the receivers copy
 //             them (quantised to FP8 once, or as they are); a BF16/FP16 call
 //             at world 1 in one launch skips it;
@@ -118,7 +122,7 @@ struct EpLayout {
     const auto index = (local_expert * shape.num_ranks + source) * shape.max_tokens + slot;
     return halves[seq & 1].headers.offset + static_cast<size_t>(index) * kHeaderBytes;
   }
-  // Row `row` of [E/R * R*T] (local expert * R*T + column).
+  // Row `row` of the rows region (E*T rows).
   MC_HD size_t expert_row(uint64_t seq, int64_t row) const {
     return halves[seq & 1].rows.offset + static_cast<size_t>(row) * row_bytes;
   }

@@ -28,9 +28,14 @@
 // cost little at world 1 but doubled the bytes when several ranks share a GPU.
 //
 // Combine, send phase: the block copies the expert outputs of its (local
-// expert, source) pairs from x into this rank's rows region (nothing to copy
-// when x is that region: the zero-copy buffer), then raises one flag per pair
-// at the source, carrying where the pair's rows start. Receive phase: a block
+// expert, source) pairs from x into this rank's rows region, packed by
+// source (nothing to copy when x is that region: the zero-copy buffer), then
+// raises one flag per pair at the source, carrying the row where the pair's
+// rows start. Packed, a token owner's rows at a peer lie together (about T*K/R
+// of them); in recv_x's layout they lie in E/R places R*T rows apart, and
+// with 8 ranks on one GPU reading rows from that many places made the
+// receive phase 5x slower (each place its own pages: address translation).
+// Receive phase: a block
 // takes its tokens a batch at a time; for each selection it waits for the
 // expert's flag, finds the row (that start plus the slot the dispatch
 // recorded in the index region) and sums weight * row in fp32 straight from
@@ -612,8 +617,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
 
 template <typename Elem>
 __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs a) {
-  extern __shared__ int32_t s_dyn[];  // send: per (local expert, source) pair: rows, firsts, start
-  __shared__ int32_t s_row[kItems];   // send: a row to copy
+  extern __shared__ int32_t s_dyn[];  // send: per (local expert, source) pair: rows, firsts, places
+  __shared__ int32_t s_row[kItems];   // send: a row to copy, in x
+  __shared__ int32_t s_dst[kItems];   // and in the rows region
   // receive: per token of a batch, its columns' weights and experts, the
   // columns to sum in order, and how many
   __shared__ float s_weight[kBatch][EpLayout::kMaxTopk];
@@ -641,22 +647,39 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
 
   if (a.c.phases & kSend) {
     // This block serves the pairs p = (local expert, source) = blockIdx.x +
-    // i * G: it copies their rows of x into this rank's rows region (nothing
-    // to copy when x is that region: the zero-copy buffer), then raises one
-    // flag per pair at the source, carrying the pair's first row there.
+    // i * G: it copies their rows of x into this rank's rows region, where
+    // source s's rows of all local experts lie together from row s * E/R * T
+    // on (nothing to copy when x is that region: the zero-copy buffer), then
+    // raises one flag per pair at the source, carrying the pair's first row
+    // in the region.
     const int np = dealt(epr * R);
     int32_t* s_rows = s_dyn;              // [np]: rows to copy
     int32_t* s_first = s_dyn + np;        // [np + 1]
-    int32_t* s_start = s_first + np + 1;  // [np]: the pair's first row
+    int32_t* s_start = s_first + np + 1;  // [np]: the pair's first row in x
+    int32_t* s_place = s_start + np;      // [np]: and in the rows region
     const bool in_place = a.x == own + L.expert_row(seq, 0);
     // In one launch, this rank's own pairs need nothing copied: the receive
     // phase reads their rows in x.
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, s = p % R;
       const bool copy = !in_place && s_live(a.c.active_ranks, s) && !(both && s == a.c.rank);
-      const int64_t range = copy ? a.layout_range[p] : 0;
+      const int64_t whole = a.layout_range[p], range = copy ? whole : 0;
       s_rows[i] = static_cast<int>(range & 0xffffffff);
       s_start[i] = static_cast<int>((p / R) * cols + (range >> 32));
+      if (in_place) s_place[i] = static_cast<int>((p / R) * cols + (whole >> 32));
+    }
+    if (!in_place) {
+      // Packed: the pair's rows follow the source's rows of the local experts
+      // before it (a warp per pair sums their counts).
+      for (int i = warp; i < np; i += kWarps) {
+        const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
+        int before = 0;
+        for (int j = lane; j < le; j += 32)
+          before += static_cast<int>(a.layout_range[static_cast<int64_t>(j) * R + s] & 0xffffffff);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) before += __shfl_xor_sync(0xffffffffu, before, o);
+        if (lane == 0) s_place[i] = static_cast<int>(s * epr * T) + before;
+      }
     }
     __syncthreads();
     if (warp == 0) warp_exclusive_scan(s_rows, s_first, np, lane);
@@ -669,21 +692,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
       for (int q = threadIdx.x; q < n; q += kThreads) {
         const int g = base + q, i = find_segment(s_first, np, g);
         s_row[q] = s_start[i] + (g - s_first[i]);
+        s_dst[q] = s_place[i] + (g - s_first[i]);
       }
       __syncthreads();
       for (int64_t u = warp; u < n * per_row; u += kWarps) {
-        const int64_t row = s_row[u / per_row];
-        copy_chunk<false>(own + L.expert_row(seq, row),
-                          static_cast<const uint8_t*>(a.x) + row * 2 * H, 2 * H, u % per_row, lane);
+        const int q = static_cast<int>(u / per_row);
+        copy_chunk<false>(own + L.expert_row(seq, s_dst[q]),
+                          static_cast<const uint8_t*>(a.x) + static_cast<int64_t>(s_row[q]) * 2 * H,
+                          2 * H, u % per_row, lane);
       }
-      __syncthreads();  // s_row is refilled; the last round: rows before flags
+      __syncthreads();  // s_row and s_dst are refilled; the last round: rows before flags
     }
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
       if (!s_live(a.c.active_ranks, s) || (both && s == a.c.rank)) continue;
       const int64_t range = a.layout_range[p];
       const uint32_t first =
-          (range & 0xffffffff) != 0 ? static_cast<uint32_t>(range >> 32) : EpLayout::kNoRows;
+          (range & 0xffffffff) != 0 ? static_cast<uint32_t>(s_place[i]) : EpLayout::kNoRows;
       st_release_sys(
           reinterpret_cast<uint64_t*>(a.c.peers[s] + L.combine_flag(seq, a.c.rank * epr + le)),
           (seq << 32) | first);
@@ -729,8 +754,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
             const auto ready = [tag](uint64_t x) { return (x >> 32) == tag; };
             if (wait_for(a.c, flag, ready, deadline, d, kRecv, &v)) {
               const uint32_t first = static_cast<uint32_t>(v);
-              used = sent && first != EpLayout::kNoRows && first + slot < cols;
-              src = a.c.peers[d] + L.expert_row(seq, le * cols + first + slot);
+              used = sent && first != EpLayout::kNoRows && first + slot < epr * cols;
+              src = a.c.peers[d] + L.expert_row(seq, first + slot);
             }
           }
         }
@@ -842,7 +867,7 @@ void launch_dispatch(const DispatchArgs& a, CUstream_st* stream) {
 
 void launch_combine(const CombineArgs& a, CUstream_st* stream) {
   const int64_t np = per_block(a.c.layout.shape.num_experts, a.c.num_blocks);  // E/R * R pairs
-  const size_t smem = sizeof(int32_t) * (3 * np + 1);
+  const size_t smem = sizeof(int32_t) * (4 * np + 1);
   if (a.x_dtype == Dtype::kBf16) {
     allow_smem(combine_kernel<__nv_bfloat16>, smem, "combine");
     combine_kernel<__nv_bfloat16><<<a.c.num_blocks, kThreads, smem, stream>>>(a);

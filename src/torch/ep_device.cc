@@ -346,6 +346,10 @@ class EpDevice {
     MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
     k::Common c{};
     c.layout = EpLayout(EpShape{T, H, num_ranks_, E});
+    // Rows are numbered in int32 on the device (a combine flag carries one).
+    MC_CHECK_ARG(E * T < (int64_t{1} << 31), what,
+                 ": num_experts * num_max_dispatch_tokens_per_rank",
+                 " must be below 2^31 on the device path, got ", E * T);
     MC_CHECK_ARG(c.layout.total_bytes <= workspace_.size(), what, ": the call needs ",
                  c.layout.total_bytes, " workspace bytes, the buffer has ", workspace_.size());
     MC_CHECK_ARG(active.is_cuda() && active.scalar_type() == at::kInt &&
