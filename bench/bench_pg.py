@@ -59,6 +59,10 @@ COPY_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 # --- command line ------------------------------------------------------------------
 
 
+# The overhead probe that calls the backend object itself (see run_worker).
+DIRECT_PROBE = "all_reduce_8B_direct"
+
+
 def parse_bytes(text: str) -> int:
     """'8', '4K', '4KiB', '64M', '1G' -> bytes (binary units)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
@@ -263,9 +267,17 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
                 flush=True,
             )
 
-    # Per-op costs with no data: an all_reduce of 0 elements, and a barrier.
-    empty = torch.zeros(0)
-    probes = {"all_reduce_0B": lambda: dist.all_reduce(empty), "barrier": dist.barrier}
+    # Per-op costs with no data: an all_reduce of 0 elements, and a barrier; and
+    # an 8-byte all_reduce straight through the backend object, which leaves out
+    # torch's Python wrapper (dist.all_reduce's checks and dispatch).
+    empty, small = torch.zeros(0), torch.zeros(2)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    opts = dist.AllreduceOptions()
+    probes = {
+        "all_reduce_0B": lambda: dist.all_reduce(empty),
+        "barrier": dist.barrier,
+        DIRECT_PROBE: lambda: backend.allreduce([small], opts).wait(),
+    }
     for name, fn in probes.items():
         means, iters, usage = time_point(fn, 0, cfg)
         record(
@@ -406,10 +418,11 @@ def measure_floors(worlds: list[int], quick: bool) -> dict:
     return {"cores": cores, "copy": copy, "handoff": handoff}
 
 
-def bare_core(worlds: list[int], rows: list[dict]) -> list[dict]:
+def bare_core(worlds: list[int], rows: list[dict], overhead: list[dict]) -> list[dict]:
     """The smallest all_reduce through torch against the bare C++ core's (the
     mooncake_latency_bench binary, run here for the same worlds when it is built):
-    what torch, Python and the op queue add to a small op."""
+    what torch, Python and the op queue add to a small op; and between them the
+    same op through the backend object (no dist.all_reduce wrapper)."""
     binary = HERE.parent / "build" / "mooncake_latency_bench"
     ws = [w for w in worlds if w >= 2]
     if not binary.exists() or not ws:
@@ -434,17 +447,25 @@ def bare_core(worlds: list[int], rows: list[dict]) -> list[dict]:
         torch_us = (r.get("mooncake-cpu") or {}).get("time_us")
         if r["op"] != "all_reduce" or r["bytes"] != 8 or r["world"] not in bare or not torch_us:
             continue
+        direct = [
+            o["time_us"]
+            for o in overhead
+            if (o["probe"], o["backend"], o["world"]) == (DIRECT_PROBE, "mooncake-cpu", r["world"])
+        ]
+        direct_us = direct[0] if direct else None
         found.append(
             {
                 "world": r["world"],
                 "torch_us": torch_us,
+                "backend_object_us": direct_us,
                 "bare_us": bare[r["world"]],
                 "ratio": torch_us / bare[r["world"]],
             }
         )
+        via = f", through the backend object {direct_us:.1f} us" if direct_us else ""
         print(
-            f"# world {r['world']}: 8 B all_reduce through torch {torch_us:.1f} us, bare core "
-            f"{bare[r['world']]:.1f} us ({torch_us / bare[r['world']]:.2f}x)"
+            f"# world {r['world']}: 8 B all_reduce through torch {torch_us:.1f} us{via}, bare "
+            f"core {bare[r['world']]:.1f} us ({torch_us / bare[r['world']]:.2f}x)"
         )
     return found
 
@@ -515,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             report.print_world(model, world, ops, backends, by_backend)
 
     results = report.collect(model, by_world, ops)
-    bare = bare_core(worlds, results["rows"])
+    bare = bare_core(worlds, results["rows"], results["overhead"])
     targets = report.check_targets(results, backends)
     report.print_overheads(results["overhead"], backends)
     report.print_targets(targets)

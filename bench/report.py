@@ -220,8 +220,9 @@ def print_overheads(overhead: list[dict], backends: list[str]) -> None:
     say()
     say("# per-op cost with no data, as time (us, slowest rank) / sleeps per rank / CPU (us, all")
     say("#   ranks); a sleep is a voluntary context switch: a hand-off. World 1: the call alone.")
+    say("#   all_reduce_8B_direct: 8 bytes through the backend object, without dist.all_reduce.")
     say(f"#{'probe':>14} {'backend':>13} " + " ".join(f"{'world ' + str(w):>20}" for w in worlds))
-    for probe in ("all_reduce_0B", "barrier"):
+    for probe in ("all_reduce_0B", "barrier", "all_reduce_8B_direct"):
         for b in backends:
             cells = []
             for w in worlds:

@@ -116,6 +116,35 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
   return request;
 }
 
+std::shared_ptr<Request> OpQueue::run_now(std::function<void()> task) {
+  auto request = std::make_shared<Request>();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) {
+    lock.unlock();
+    request->complete(
+        std::make_exception_ptr(Error(ErrorKind::kPeerFailed, "the process group was shut down")));
+    return request;
+  }
+  tasks_.push_back(Item{std::move(task), request, now_us()});
+  run_inline_locked(lock, request);
+  lock.unlock();
+  request->wait(-1);  // run here, or by a thread that took it first
+  return request;
+}
+
+void OpQueue::run_inline_locked(std::unique_lock<std::mutex>& lock,
+                                const std::shared_ptr<Request>& request) {
+  while (!request->done()) {
+    if (run_head_locked(lock)) continue;
+    if (!running_) return;  // not queued here any more (stop() failed it)
+    // Another thread runs a task: ours (then it finishes it) or one before it
+    // (then ours is next, and this thread runs it).
+    ++inline_waiters_;
+    cv_.wait(lock, [&] { return !running_ || request->done(); });
+    --inline_waiters_;
+  }
+}
+
 bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   if (running_ || tasks_.empty()) return false;
   Item item = std::move(tasks_.front());
@@ -132,7 +161,7 @@ bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   item.request->complete(error);
   lock.lock();
   running_ = false;
-  if (stopping_ || thread_asleep_) cv_.notify_all();
+  if (stopping_ || thread_asleep_ || inline_waiters_ > 0) cv_.notify_all();
   return true;
 }
 
@@ -168,8 +197,7 @@ bool OpQueue::wait(const std::shared_ptr<Request>& request, int64_t timeout_ms) 
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (timeout_ms < 0) {
-      while (!request->done() && run_head_locked(lock)) {
-      }
+      run_inline_locked(lock, request);
     } else {
       auto it = std::find_if(tasks_.begin(), tasks_.end(),
                              [&](const Item& item) { return item.request == request; });

@@ -46,13 +46,19 @@ std::shared_ptr<Request> all_of(const std::vector<std::shared_ptr<Request>>& par
 // leaves a fresh task alone for `start_delay_us`, giving the caller time to
 // come and wait; a task nobody waits for (async_op=True) starts after that.
 // After activity the thread polls for a while instead of sleeping, so
-// submitting needs no wake-up syscall in a busy loop.
+// submitting needs no wake-up syscall in a busy loop. A caller that says it
+// will wait (run_now) leaves the thread out altogether: with eight ranks on
+// two cores, the thread's polls alone were a context switch per op.
 class OpQueue {
  public:
   // start_delay_us < 0: MOONCAKE_ASYNC_DELAY_US.
   explicit OpQueue(int64_t start_delay_us = -1);
   ~OpQueue() { stop(); }
   std::shared_ptr<Request> submit(std::function<void()> task);
+  // Queues `task` and runs it (and the tasks before it) on this thread now,
+  // without waking the queue's thread; returns its finished request. For a
+  // caller that would wait for it at once.
+  std::shared_ptr<Request> run_now(std::function<void()> task);
   // Waits for `request` up to timeout_ms (< 0: for ever); true when done.
   // Waiting for ever, the caller runs queued tasks itself, in order, while no
   // other thread runs one. With a deadline it cannot (a task it ran could
@@ -70,6 +76,9 @@ class OpQueue {
     bool due = false;  // a waiter wants it started now
   };
   void run();
+  // Runs queued tasks on this thread until `request` is done or no longer queued.
+  void run_inline_locked(std::unique_lock<std::mutex>& lock,
+                         const std::shared_ptr<Request>& request);
   // Pops and runs the head task if no one is running one; false otherwise.
   bool run_head_locked(std::unique_lock<std::mutex>& lock);
 
@@ -81,6 +90,7 @@ class OpQueue {
   bool running_ = false;            // a task is being run (by the thread or a waiter)
   std::thread::id running_thread_;  // the thread running it
   bool thread_asleep_ = false;      // the thread waits without a timeout: submit must wake it
+  int inline_waiters_ = 0;          // callers waiting for a running task to finish, to run theirs
   std::thread thread_;
 };
 

@@ -198,9 +198,12 @@ std::shared_ptr<Request> MooncakeBackend::submit(Task task) {
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::enqueue(c10d::OpType type, Task task,
-                                                        std::vector<at::Tensor> outputs) {
+                                                        std::vector<at::Tensor> outputs,
+                                                        bool sync) {
   MC_CHECK_ARG(!shut_down_.load(), getBackendName(), ": the process group was shut down");
-  return wrap(queue_->submit(std::move(task)), type, std::move(outputs), queue_);
+  auto request =
+      sync && !coalescing_ ? queue_->run_now(std::move(task)) : queue_->submit(std::move(task));
+  return wrap(std::move(request), type, std::move(outputs), queue_);
 }
 
 void MooncakeBackend::startCoalescing() {

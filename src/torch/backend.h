@@ -131,8 +131,10 @@ class MooncakeBackend : public c10d::Backend {
   // Queues `task` on the op queue, in order with the collectives.
   std::shared_ptr<Request> submit(Task task);
   // Queues `task` on the collective thread; `outputs` become the Work's result.
+  // `sync`: the caller waits for it at once (async_op=False), so it runs here
+  // and now instead (outside a coalescing block).
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, Task task,
-                                         std::vector<at::Tensor> outputs);
+                                         std::vector<at::Tensor> outputs, bool sync = false);
   int64_t op_timeout_ms(std::chrono::milliseconds op_timeout) const;
   bool shut_down() const { return shut_down_.load(); }
   Communicator& comm() { return *comm_; }

@@ -20,13 +20,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
     DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
     int root = static_cast<int>(opts.rootRank);
     int64_t timeout = op_timeout_ms(opts.timeout);
-    return enqueue(c10d::OpType::BROADCAST,
-                   [this, t, dt, root, timeout] {
-                     OutBuf out(t);
-                     comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
-                     out.commit();
-                   },
-                   {t});
+    return enqueue(
+        c10d::OpType::BROADCAST,
+        [this, t, dt, root, timeout] {
+          OutBuf out(t);
+          comm_->broadcast(out.ptr(), elems(t), dt, root, timeout);
+          out.commit();
+        },
+        {t}, !opts.asyncOp);
   });
 }
 
@@ -56,7 +57,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(
           comm_->all_gather(src.data_ptr(), elems(src), dt, ptrs.data(), timeout, width);
           for (auto& b : bufs) b.commit();
         },
-        outs);
+        outs, !opts.asyncOp);
   });
 }
 
@@ -119,7 +120,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
             out.commit();
           }
         },
-        outputs);
+        outputs, !opts.asyncOp);
   });
 }
 
@@ -158,7 +159,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(
           comm_->gather(src.data_ptr(), elems(src), dt, ptrs.data(), root, timeout, width);
           for (auto& b : bufs) b.commit();
         },
-        outs);
+        outs, !opts.asyncOp);
   });
 }
 
@@ -184,15 +185,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(
     }
     DType dt = to_dtype(out.scalar_type(), "scatter", "tensor");
     int64_t timeout = op_timeout_ms(opts.timeout);
-    return enqueue(c10d::OpType::SCATTER,
-                   [this, out, ins, dt, root, timeout, width] {
-                     OutBuf buf(out);
-                     std::vector<const void*> ptrs;
-                     for (auto& i : ins) ptrs.push_back(i.data_ptr());
-                     comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout, width);
-                     buf.commit();
-                   },
-                   {out});
+    return enqueue(
+        c10d::OpType::SCATTER,
+        [this, out, ins, dt, root, timeout, width] {
+          OutBuf buf(out);
+          std::vector<const void*> ptrs;
+          for (auto& i : ins) ptrs.push_back(i.data_ptr());
+          comm_->scatter(ptrs.data(), buf.ptr(), elems(out), dt, root, timeout, width);
+          buf.commit();
+        },
+        {out}, !opts.asyncOp);
   });
 }
 
@@ -220,25 +222,26 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(
     DType dt = to_dtype(input.scalar_type(), "all_to_all_single", "input");
     int64_t timeout = op_timeout_ms(opts.timeout);
     at::Tensor in = input, out = output;
-    return enqueue(c10d::OpType::ALLTOALL_BASE,
-                   [this, in, out, in_counts, out_counts, dt, timeout, width] {
-                     at::Tensor src = in.contiguous();
-                     OutBuf buf(out);
-                     const size_t esize = dtype_size(dt);
-                     std::vector<const void*> ins;
-                     std::vector<void*> outs;
-                     size_t a = 0, b = 0;
-                     for (int p = 0; p < width; ++p) {
-                       ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
-                       outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
-                       a += in_counts[p];
-                       b += out_counts[p];
-                     }
-                     comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(),
-                                       dt, timeout, width);
-                     buf.commit();
-                   },
-                   {output});
+    return enqueue(
+        c10d::OpType::ALLTOALL_BASE,
+        [this, in, out, in_counts, out_counts, dt, timeout, width] {
+          at::Tensor src = in.contiguous();
+          OutBuf buf(out);
+          const size_t esize = dtype_size(dt);
+          std::vector<const void*> ins;
+          std::vector<void*> outs;
+          size_t a = 0, b = 0;
+          for (int p = 0; p < width; ++p) {
+            ins.push_back(static_cast<const uint8_t*>(src.data_ptr()) + a * esize);
+            outs.push_back(static_cast<uint8_t*>(buf.ptr()) + b * esize);
+            a += in_counts[p];
+            b += out_counts[p];
+          }
+          comm_->all_to_all(ins.data(), in_counts.data(), outs.data(), out_counts.data(), dt,
+                            timeout, width);
+          buf.commit();
+        },
+        {output}, !opts.asyncOp);
   });
 }
 
@@ -280,13 +283,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
                             dt, timeout, width);
           for (auto& b : bufs) b.commit();
         },
-        outputs);
+        outputs, !opts.asyncOp);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {
   int64_t timeout = op_timeout_ms(opts.timeout);
-  return enqueue(c10d::OpType::BARRIER, [this, timeout] { comm_->barrier(timeout); }, {});
+  return enqueue(
+      c10d::OpType::BARRIER, [this, timeout] { comm_->barrier(timeout); }, {}, !opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reject_next(const std::string& reason) {

@@ -18,13 +18,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
     DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
     RedOp op = to_redop(opts.reduceOp, t, "all_reduce");
     int64_t timeout = op_timeout_ms(opts.timeout);
-    return enqueue(c10d::OpType::ALLREDUCE,
-                   [this, t, dt, op, timeout] {
-                     OutBuf out(t);
-                     comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
-                     out.commit();
-                   },
-                   {t});
+    return enqueue(
+        c10d::OpType::ALLREDUCE,
+        [this, t, dt, op, timeout] {
+          OutBuf out(t);
+          comm_->all_reduce(out.ptr(), elems(t), dt, op, timeout);
+          out.commit();
+        },
+        {t}, !opts.asyncOp);
   });
 }
 
@@ -47,7 +48,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
             out.commit();
           }
         },
-        tensors);
+        tensors, !opts.asyncOp);
   });
 }
 
@@ -62,13 +63,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
     RedOp op = to_redop(opts.reduceOp, t, "reduce");
     int root = static_cast<int>(opts.rootRank);
     int64_t timeout = op_timeout_ms(opts.timeout);
-    return enqueue(c10d::OpType::REDUCE,
-                   [this, t, dt, op, root, timeout] {
-                     OutBuf out(t);
-                     comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
-                     if (rank_ == root) out.commit();
-                   },
-                   {t});
+    return enqueue(
+        c10d::OpType::REDUCE,
+        [this, t, dt, op, root, timeout] {
+          OutBuf out(t);
+          comm_->reduce(out.ptr(), elems(t), dt, op, root, timeout);
+          if (rank_ == root) out.commit();
+        },
+        {t}, !opts.asyncOp);
   });
 }
 
@@ -87,16 +89,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(
     DType dt = to_dtype(out.scalar_type(), "reduce_scatter", "output");
     RedOp op = to_redop(opts.reduceOp, out, "reduce_scatter");
     int64_t timeout = op_timeout_ms(opts.timeout);
-    return enqueue(c10d::OpType::REDUCE_SCATTER,
-                   [this, out, ins, dt, op, timeout, width] {
-                     OutBuf buf(out);
-                     std::vector<const void*> ptrs;
-                     for (auto& i : ins) ptrs.push_back(i.data_ptr());
-                     comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout,
-                                           width);
-                     buf.commit();
-                   },
-                   {out});
+    return enqueue(
+        c10d::OpType::REDUCE_SCATTER,
+        [this, out, ins, dt, op, timeout, width] {
+          OutBuf buf(out);
+          std::vector<const void*> ptrs;
+          for (auto& i : ins) ptrs.push_back(i.data_ptr());
+          comm_->reduce_scatter(ptrs.data(), buf.ptr(), elems(out), dt, op, timeout, width);
+          buf.commit();
+        },
+        {out}, !opts.asyncOp);
   });
 }
 
@@ -140,7 +142,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
             out.commit();
           }
         },
-        outputs);
+        outputs, !opts.asyncOp);
   });
 }
 

@@ -312,13 +312,10 @@ class EpDevice {
   at::Tensor combine_buffer(int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t seq,
                             const at::Tensor& like) {
     const char* what = "get_next_combine_buffer";
-    MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
+    const EpLayout l = layout(max_tokens, hidden, num_experts, what);
     dtype_of(like, what);
     MC_CHECK_ARG(hidden % 8 == 0, what, ": hidden must be a multiple of 8, got ", hidden);
     MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
-    const EpLayout l(EpShape{max_tokens, hidden, num_ranks_, num_experts});
-    MC_CHECK_ARG(l.total_bytes <= workspace_.size(), what, ": the call needs ", l.total_bytes,
-                 " workspace bytes, the buffer has ", workspace_.size());
     return at::from_blob(workspace_.data() + l.expert_row(static_cast<uint64_t>(seq), 0),
                          {l.local_experts, num_ranks_ * max_tokens, hidden},
                          at::TensorOptions().dtype(like.scalar_type()).device(at::kCUDA, device_));
@@ -341,17 +338,23 @@ class EpDevice {
   }
 
  private:
-  k::Common common(int64_t T, int64_t H, int64_t E, int64_t seq, const at::Tensor& active,
-                   int64_t timeout_ns, int64_t phases, int64_t num_blocks, const char* what) {
+  // The layout of a call's shape, checked against this workspace.
+  EpLayout layout(int64_t T, int64_t H, int64_t E, const char* what) const {
     MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
-    k::Common c{};
-    c.layout = EpLayout(EpShape{T, H, num_ranks_, E});
+    EpLayout l(EpShape{T, H, num_ranks_, E});
     // Rows are numbered in int32 on the device (a combine flag carries one).
     MC_CHECK_ARG(E * T < (int64_t{1} << 31), what,
                  ": num_experts * num_max_dispatch_tokens_per_rank",
                  " must be below 2^31 on the device path, got ", E * T);
-    MC_CHECK_ARG(c.layout.total_bytes <= workspace_.size(), what, ": the call needs ",
-                 c.layout.total_bytes, " workspace bytes, the buffer has ", workspace_.size());
+    MC_CHECK_ARG(l.total_bytes <= workspace_.size(), what, ": the call needs ", l.total_bytes,
+                 " workspace bytes, the buffer has ", workspace_.size());
+    return l;
+  }
+
+  k::Common common(int64_t T, int64_t H, int64_t E, int64_t seq, const at::Tensor& active,
+                   int64_t timeout_ns, int64_t phases, int64_t num_blocks, const char* what) {
+    k::Common c{};
+    c.layout = layout(T, H, E, what);
     MC_CHECK_ARG(active.is_cuda() && active.scalar_type() == at::kInt &&
                      active.numel() == num_ranks_ && active.is_contiguous(),
                  what, ": active_ranks must be a contiguous CUDA int32 tensor of ", num_ranks_,

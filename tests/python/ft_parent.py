@@ -124,7 +124,14 @@ def launch(world_size, fn, plan, env_vars, conduct=None, timeout_s=120.0) -> Lau
 
 # --- chaos plans -------------------------------------------------------------------------
 
-TIMER_KIND = {"in_small": "ar", "in_big": "ar_big", "in_p2p": "p2p", "in_ag": "ag", "in_a2a": "a2a"}
+TIMER_KIND = {
+    "in_small": "ar",
+    "in_big": "ar_big",
+    "in_p2p": "p2p",
+    "in_ag": "ag",
+    "in_a2a": "a2a",
+    "in_ep": "ep",
+}
 STOPS = ("stop", "stop_between")
 
 

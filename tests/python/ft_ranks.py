@@ -41,11 +41,15 @@ BIG = 1 << 16  # int64 elements of the big all_reduce: 512 KiB, 128 slots of 4 K
 MID = 1536  # int64 elements per rank slice of the other ops: 12 KiB, 3 slots of 4 KiB
 P2P_N = 3000  # int64 elements of a ring message: 24 KiB
 
+EP_TOKENS, EP_HIDDEN = 4, 128  # the EP Buffer op's shape (portable path, CPU)
+
 KINDS = ("ar", "ar_big", "ag", "bcast", "a2a", "p2p", "rs", "reduce", "gather", "scatter")
-MASK_KINDS = frozenset({"ar", "ar_big", "ag", "a2a", "rs"})
+MASK_KINDS = frozenset({"ar", "ar_big", "ag", "a2a", "rs", "ep"})
 ROOTED_KINDS = frozenset({"bcast", "reduce", "gather", "scatter"})
 # Every kind, and two that only an elastic battery runs.
 ALL_KINDS = KINDS + ("reduce_all", "barrier")
+# What the chaos driver runs: every kind and an EP Buffer dispatch + combine.
+CHAOS_KINDS = KINDS + ("ep",)
 
 
 def bits(ranks) -> int:
@@ -147,6 +151,7 @@ class Ops:
         self.group = group
         self.device = torch.device(device)
         self.g = list(global_ranks) if global_ranks is not None else list(range(self.world))
+        self._buffer = None  # the EP Buffer, made by the first "ep" op (collective)
 
     def run(self, kind: str, i: int, root=None):
         members = members_of(self.active)
@@ -214,6 +219,29 @@ class Ops:
             out, self._full(self.world * MID, 1 << self.rank), group=self.group
         )
         return _uniform(out, "reduce_scatter")
+
+    def _ep(self):
+        """An EP Buffer dispatch + combine over the group (the portable path) with
+        identity experts: every token selects one expert on each rank j with weight
+        2**j, so each combined value spells the set of ranks whose experts answered.
+        Dead ranks are left out by the group; their experts then count for nothing."""
+        from mooncake.mooncake_ep_buffer import Buffer
+
+        if self._buffer is None:
+            self._buffer = Buffer(self.group or dist.group.WORLD, 0)
+        R, T = self.world, EP_TOKENS
+        E = 2 * R
+        x = torch.ones(T, EP_HIDDEN, dtype=torch.bfloat16, device=self.device)
+        idx = torch.tensor(
+            [[2 * j + t % 2 for j in range(R)] for t in range(T)], dtype=torch.int64
+        ).to(self.device)
+        w = torch.tensor([[float(1 << j) for j in range(R)]] * T, device=self.device)
+        recv_x, _, handle, _, _ = self._buffer.dispatch(x, idx, None, T, E, -1, use_fp8=False)
+        out, _, _ = self._buffer.combine(recv_x, idx, w, None, -1, handle)
+        got = out.float()
+        if not torch.equal(got, got.round()):
+            raise BadData(f"EP combine: a non-integral sum {got.flatten()[:4].tolist()}")
+        return _uniform(got.to(torch.int64), "EP combine")
 
     def _bcast(self, root):
         t = self._full(MID, (1 << root) if self.rank == root else -1)

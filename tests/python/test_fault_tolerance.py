@@ -34,6 +34,7 @@ from ft_parent import (
     wait_key,
 )
 from ft_ranks import (
+    CHAOS_KINDS,
     bits,
     chaos_rank,
     late_rank,
@@ -136,6 +137,16 @@ def test_kill_during_p2p():
 
 
 @pytest.mark.timeout(200)
+def test_kill_during_ep_dispatch_and_combine():
+    """World 4, every kind of op and an EP Buffer dispatch + combine (portable path):
+    rank 1 dies inside the EP op, then rank 3 at a random time. The survivors' EP
+    results leave out exactly the dead ranks' experts, all survivors alike, as the
+    collectives leave out the dead ranks."""
+    plan = chaos_plan(5, [([1], "in_ep"), ([3], "random")], kinds=CHAOS_KINDS)
+    run_chaos(4, plan, env(CHUNKED))
+
+
+@pytest.mark.timeout(200)
 def test_slow_ranks_are_never_left_out():
     """World 4: rank 1, then rank 0, is stopped for 0.3-0.8 s (a slow rank: under the
     2 s hang limit) inside the ops; nobody is left out and every op covers all four.
@@ -162,10 +173,10 @@ def random_chaos_plan(seed: int, world: int):
             k += 2
         else:
             modes = ["random", "between", "in_small", "in_big", "in_p2p", "in_ag", "in_a2a"]
-            mode = rng.choice(modes)
+            mode = rng.choice([*modes, "in_ep"])
             events.append(([order[k]], mode))
             k += 1
-    return chaos_plan(seed, events)
+    return chaos_plan(seed, events, kinds=CHAOS_KINDS)
 
 
 @pytest.mark.stress

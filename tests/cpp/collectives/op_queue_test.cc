@@ -1,7 +1,8 @@
 // OpQueue: tasks run one at a time in submission order, whether the queue's
 // thread or a waiting caller runs them; a task's outcome completes its own
 // request only; stop fails what is queued and lets the running task finish;
-// waiting is bounded by its timeout; stop may be called from the queue's thread.
+// waiting is bounded by its timeout; stop may be called from the queue's thread;
+// run_now runs a task (and those before it) on the caller's thread at once.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -74,6 +75,57 @@ TEST(OpQueue, ACallerWaitingForEverRunsQueuedTasksOnItsOwnThread) {
   EXPECT_TRUE(q.wait(requests.back(), -1));
   ASSERT_EQ(ran_on.size(), 3u);
   for (auto id : ran_on) EXPECT_EQ(id, std::this_thread::get_id());
+}
+
+TEST(OpQueue, RunNowRunsTheTaskAndTheOnesQueuedBeforeItOnTheCallersThread) {
+  OpQueue q(kNever);  // the queue's thread would never start them
+  std::vector<int> order;
+  std::vector<std::thread::id> ran_on;
+  auto record = [&](int i) {
+    order.push_back(i);
+    ran_on.push_back(std::this_thread::get_id());
+  };
+  auto first = q.submit([&] { record(0); });
+  auto second = q.submit([&] { record(1); });
+  auto now = q.run_now([&] { record(2); });
+  EXPECT_TRUE(now->done()) << "run_now returned before its task finished";
+  EXPECT_TRUE(first->done() && second->done());
+  ASSERT_EQ(order, (std::vector<int>{0, 1, 2}));
+  for (auto id : ran_on) EXPECT_EQ(id, std::this_thread::get_id());
+  auto bad = q.run_now([] { throw mooncake::Error(ErrorKind::kTimeout, "task timed out"); });
+  EXPECT_TRUE(throws_error(ErrorKind::kTimeout, rethrow_error_of(bad)));
+}
+
+TEST(OpQueue, RunNowBehindATaskTheThreadRunsGoesOnAsSoonAsThatTaskEnds) {
+  OpQueue q(kNever);  // the thread runs only what a deadline waiter marks due
+  Gate gate;
+  auto slow = q.submit([&] { gate.pass(); });
+  EXPECT_FALSE(q.wait(slow, 1));  // marks it due: the thread starts it
+  gate.wait_entered();
+  std::atomic<bool> ran{false}, returned{false};
+  std::thread caller([&] {
+    q.run_now([&] { ran = true; });
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  gate.open();
+  // Woken when the running task ended, not left to the start delay.
+  mooncake::Deadline d = mooncake::Deadline::after_ms(3000);
+  while (!returned && !d.expired()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(returned.load()) << "run_now still waiting 3 s after the task before it ended";
+  if (!returned) q.stop("the test gave up");  // releases the caller
+  caller.join();
+  EXPECT_TRUE(ran.load());
+  EXPECT_TRUE(slow->done());
+}
+
+TEST(OpQueue, RunNowAfterStopFails) {
+  OpQueue q(0);
+  q.stop();
+  bool ran = false;
+  EXPECT_TRUE(
+      throws_error(ErrorKind::kPeerFailed, rethrow_error_of(q.run_now([&] { ran = true; }))));
+  EXPECT_FALSE(ran);
 }
 
 TEST(OpQueue, ATaskNobodyWaitsForStartsAfterTheStartDelay) {
