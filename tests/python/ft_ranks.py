@@ -220,6 +220,16 @@ class Ops:
         )
         return _uniform(out, "reduce_scatter")
 
+    def ep_rejoin(self):
+        """Before a battery after a join (collective over the full group): a joiner
+        makes its EP Buffer, meeting the members' ``update_ep_member``."""
+        from mooncake.mooncake_ep_buffer import Buffer
+
+        if self._buffer is None:
+            self._buffer = Buffer(self.group or dist.group.WORLD, 0)
+        else:
+            self._buffer.update_ep_member()
+
     def _ep(self):
         """An EP Buffer dispatch + combine over the group (the portable path) with
         identity experts: every token selects one expert on each rank j with weight
@@ -705,6 +715,8 @@ def elastic_rank(rank, world_size, port, plan):
         mask = rec[3]
         missing = [r for r in full if not mask >> r & 1]
         if not missing and want_battery:
+            if "ep" in plan["battery"]:
+                ops.ep_rejoin()
             out["batteries"].append((it, battery(ops, plan["battery"])))
             want_battery = 0
             store.set(f"full/{rank}/{pid}", "1")
