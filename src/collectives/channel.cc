@@ -96,8 +96,10 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   const size_t ack = layout_.ack_flag(plane_, peer);
   auto has_slot = [&] { return m - flag_count(load_flag(base, ack), gen) < kSlotsPerChannel; };
   while (!has_slot()) {
-    // An alarm (a peer seen gone) ends the wait at once, to look at the peers.
+    // An alarm (a peer seen gone) ends the wait at once, to look at the peers;
+    // one raised before the wait began is looked at first.
     const uint64_t alarms = endpoint_.alarms();
+    check_peer(peer, what);
     bool ok = wait_on(
         ack_bell(), [&] { return has_slot() || endpoint_.alarms() != alarms; }, deadline,
         [&] {
@@ -147,8 +149,10 @@ const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const cha
     return false;
   };
   while (msg == nullptr) {
-    // An alarm (a peer seen gone) ends the wait at once, to look at the peers.
+    // An alarm (a peer seen gone) ends the wait at once, to look at the peers;
+    // one raised before the wait began is looked at first.
     const uint64_t alarms = endpoint_.alarms();
+    if (look()) break;
     bool ok = wait_on(
         bell(), [&] { return (msg = poll(peer)) != nullptr || endpoint_.alarms() != alarms; },
         deadline, look);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <ctime>
 
 #include "core/env.h"
 
@@ -21,8 +22,13 @@ LogLevel log_level() {
 
 void log_line(LogLevel level, const std::string& line) {
   static const char* names[] = {"E", "W", "I", "D"};
-  std::fprintf(stderr, "[mooncake %s pid %d] %s\n", names[static_cast<int>(level)],
-               static_cast<int>(getpid()), line.c_str());
+  // Wall-clock seconds, so that lines of several processes (and a test's own
+  // time.time() stamps) line up.
+  timespec ts{};
+  clock_gettime(CLOCK_REALTIME, &ts);
+  std::fprintf(stderr, "[mooncake %s pid %d %ld.%06ld] %s\n", names[static_cast<int>(level)],
+               static_cast<int>(getpid()), static_cast<long>(ts.tv_sec),
+               static_cast<long>(ts.tv_nsec / 1000), line.c_str());
 }
 
 }  // namespace mooncake

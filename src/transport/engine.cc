@@ -249,9 +249,12 @@ void Endpoint::wake_all() {
 
 void Endpoint::heartbeat_loop() {
   auto* header = reinterpret_cast<SegmentHeader*>(segment_.base());
+  // Peers learn this process died from the word the moment this thread dies.
+  life_.hold(&header->life);
   std::vector<std::shared_ptr<PeerLink>> links;
   std::vector<std::weak_ptr<PeerLink>> seen_dead;  // links already reported gone
   std::vector<pollfd> fds;
+  std::vector<std::atomic<uint32_t>*> lives;  // the watched peers' life words
   int64_t last_round = now_us();
   for (;;) {
     header->heartbeat.fetch_add(1, std::memory_order_relaxed);
@@ -265,6 +268,7 @@ void Endpoint::heartbeat_loop() {
     const bool we_stalled = now - last_round > kStallUs;
     last_round = now;
     fds.assign(1, pollfd{stop_fd_, POLLIN, 0});
+    lives.clear();
     bool newly_dead = false;
     for (size_t p = 0; p < links.size(); ++p) {
       PeerLink* link = links[p].get();
@@ -282,26 +286,36 @@ void Endpoint::heartbeat_loop() {
       if (!link->alive()) {
         seen_dead.push_back(shared);
         newly_dead = true;
-      } else if (link->death_fd() >= 0) {
-        fds.push_back(pollfd{link->death_fd(), POLLIN, 0});
+      } else {
+        if (link->death_fd() >= 0) fds.push_back(pollfd{link->death_fd(), POLLIN, 0});
+        if (auto* word = link->life_word()) lives.push_back(word);
       }
     }
     last_round_us_.store(now, std::memory_order_release);  // after the samples it vouches for
     // Forget links that were dropped, so the list stays small.
     std::erase_if(seen_dead, [](const auto& d) { return d.expired(); });
-    links.clear();
     if (newly_dead) {
       alarms_.fetch_add(1, std::memory_order_acq_rel);
       wake_all();
     }
-    // Sleep until the next round, a peer process's exit, or stop.
-    int ready = ::poll(fds.data(), fds.size(), static_cast<int>(kHeartbeatPeriodMs));
-    if (ready > 0 && (fds[0].revents & POLLIN)) return;
+    // Sleep until the next round, a peer's death, or stop: on the peers' life
+    // words where the kernel can wait on several futexes (their pidfds are
+    // looked at every round), else on the pidfds.
+    // `links` keeps the peers' mappings (and pidfds) open while it sleeps on them.
+    const bool waited = life_wait(lives, &stop_word_, kHeartbeatPeriodMs);
+    const bool stop =
+        waited ? stop_word_.load() != 0
+               : ::poll(fds.data(), fds.size(), static_cast<int>(kHeartbeatPeriodMs)) > 0 &&
+                     (fds[0].revents & POLLIN);
+    links.clear();
+    if (stop) break;
   }
+  life_.release();
 }
 
 Endpoint::~Endpoint() {
   uint64_t one = 1;
+  life_stop(&stop_word_);
   if (::write(stop_fd_, &one, sizeof(one)) < 0) { /* the thread also stops on close */
   }
   if (heartbeat_.joinable()) heartbeat_.join();

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "store/store.h"
+#include "transport/life.h"
 #include "transport/link.h"
 #include "transport/segment.h"
 #include "transport/tcp.h"
@@ -123,7 +124,9 @@ class Endpoint {
   std::unique_ptr<Pulse[]> pulse_;      // per slot, written by the heartbeat thread
   std::atomic<int64_t> last_round_us_;  // when the heartbeat thread last went round
   std::atomic<uint64_t> alarms_{0};
-  int stop_fd_ = -1;  // eventfd: stops the heartbeat thread
+  int stop_fd_ = -1;                    // eventfd: stops the heartbeat thread (while it polls)
+  std::atomic<uint32_t> stop_word_{0};  // and while it waits on life words
+  LifeHold life_;                       // this process's life word, held by the heartbeat thread
   std::thread heartbeat_;
 };
 

@@ -3,6 +3,7 @@
 // which transport serves a peer.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -68,6 +69,8 @@ class PeerLink {
   // A file descriptor that becomes readable when the peer process exits
   // (a pidfd), or -1: the heartbeat thread waits on it to notice at once.
   virtual int death_fd() const { return -1; }
+  // The peer process's life word (transport/life.h), where this link can see it.
+  virtual std::atomic<uint32_t>* life_word() { return nullptr; }
   // Lets the peer know this process runs (called by the heartbeat thread).
   // Transports where the peer reads our segment's counter do nothing.
   virtual void beat() {}

@@ -22,6 +22,9 @@ struct SegmentHeader {
   // Bumped by the owner's heartbeat thread while its process runs: a peer
   // that sees it stand still knows the process is stopped, not just slow.
   std::atomic<uint64_t> heartbeat{0};
+  // Held by the owner's heartbeat thread (transport/life.h): the kernel marks
+  // it the moment that thread dies, before the process's memory is torn down.
+  std::atomic<uint32_t> life{0};
   // Words that peers raise (never lower) to tell this process something while
   // it waits or idles (Endpoint::post_hint). The transport only carries them:
   // the layer above says what each one means.

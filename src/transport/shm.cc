@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/siphash.h"
+#include "transport/life.h"
 #include "transport/secret.h"
 
 namespace mooncake {
@@ -67,6 +68,13 @@ class ShmLink : public PeerLink {
 
   bool alive() override {
     if (dead_) return false;
+    // Held: the process dies only after the kernel has marked the word, so no
+    // syscall is needed to know it lives (waits ask often).
+    if (life_held(life_word()->load(std::memory_order_acquire))) return true;
+    if (life_owner_died(*life_word())) {  // its heartbeat thread died: the process is going
+      dead_ = true;
+      return false;
+    }
     if (pidfd_ >= 0) {
       struct pollfd p = {pidfd_, POLLIN, 0};
       dead_ = ::poll(&p, 1, 0) > 0;  // readable once the process has exited
@@ -77,6 +85,9 @@ class ShmLink : public PeerLink {
   }
 
   int death_fd() const override { return pidfd_; }
+  std::atomic<uint32_t>* life_word() override {
+    return &reinterpret_cast<SegmentHeader*>(mapping_.base())->life;
+  }
   uint64_t heartbeat() override {
     return reinterpret_cast<SegmentHeader*>(mapping_.base())
         ->heartbeat.load(std::memory_order_relaxed);

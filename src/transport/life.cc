@@ -1,0 +1,117 @@
+#include "transport/life.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <ctime>
+
+namespace mooncake {
+
+namespace {
+
+// 0: not tried yet, 1: works, -1: the kernel has no futex_waitv.
+std::atomic<int> waitv_support{0};
+
+void wake_all_waiters(std::atomic<uint32_t>* word, bool shared) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word),
+            FUTEX_WAKE | (shared ? 0 : FUTEX_PRIVATE_FLAG), INT_MAX, nullptr, nullptr, 0);
+}
+
+}  // namespace
+
+bool LifeHold::hold(std::atomic<uint32_t>* word) {
+  if (word_ != nullptr) return true;
+  if (::syscall(SYS_get_robust_list, 0, &previous_, &previous_len_) != 0) previous_ = nullptr;
+  // A list of one: head -> entry -> head; the word lies futex_offset past the entry.
+  entry_.next = &head_.list;
+  head_.list.next = &entry_;
+  head_.futex_offset = reinterpret_cast<char*>(word) - reinterpret_cast<char*>(&entry_);
+  head_.list_op_pending = nullptr;
+  if (::syscall(SYS_set_robust_list, &head_, sizeof(head_)) != 0) return false;
+  const auto tid = static_cast<uint32_t>(::syscall(SYS_gettid)) & FUTEX_TID_MASK;
+  uint32_t v = word->load();
+  // A peer may have armed the word (FUTEX_WAITERS) already: keep its bit.
+  while (!word->compare_exchange_weak(v, tid | (v & FUTEX_WAITERS))) {
+  }
+  word_ = word;
+  return true;
+}
+
+void LifeHold::release() {
+  if (word_ == nullptr) return;
+  // Off the list before the word is cleared and the thread exits: on the list
+  // at the thread's exit, the word would be marked dead.
+  if (previous_ != nullptr) {
+    ::syscall(SYS_set_robust_list, previous_, previous_len_);
+  } else {
+    head_.list.next = &head_.list;
+    ::syscall(SYS_set_robust_list, &head_, sizeof(head_));
+  }
+  word_->store(0);
+  wake_all_waiters(word_, /*shared=*/true);
+  word_ = nullptr;
+}
+
+bool life_owner_died(const std::atomic<uint32_t>& word) {
+  return (word.load(std::memory_order_acquire) & FUTEX_OWNER_DIED) != 0;
+}
+
+bool life_held(uint32_t value) {
+  return (value & FUTEX_OWNER_DIED) == 0 && (value & FUTEX_TID_MASK) != 0;
+}
+
+bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uint32_t>* stop,
+               int64_t timeout_ms) {
+#ifdef __NR_futex_waitv
+  if (waitv_support.load(std::memory_order_relaxed) < 0) return false;
+  std::vector<futex_waitv> w;
+  w.push_back(futex_waitv{stop->load(), reinterpret_cast<uintptr_t>(stop),
+                          FUTEX_32 | FUTEX_PRIVATE_FLAG, 0});
+  if (w[0].val != 0) return true;
+  bool died = false;
+  for (std::atomic<uint32_t>* word : words) {
+    if (w.size() == FUTEX_WAITV_MAX) break;  // the rest: the caller's other ways
+    uint32_t v = word->load();
+    if (v & FUTEX_OWNER_DIED) died = true;
+    if (died || (v & FUTEX_TID_MASK) == 0) continue;  // nobody holds it
+    // Armed, so that the kernel wakes a waiter when the holder dies.
+    if (!(v & FUTEX_WAITERS) && !word->compare_exchange_strong(v, v | FUTEX_WAITERS)) {
+      died = true;  // it just changed: look again at once
+      continue;
+    }
+    w.push_back(futex_waitv{v | FUTEX_WAITERS, reinterpret_cast<uintptr_t>(word), FUTEX_32, 0});
+  }
+  if (!died) {
+    timespec until{};
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    const int64_t ns = until.tv_nsec + (timeout_ms % 1000) * 1000000;
+    until.tv_sec += static_cast<time_t>(timeout_ms / 1000 + ns / 1000000000);
+    until.tv_nsec = static_cast<long>(ns % 1000000000);
+    const long r = ::syscall(__NR_futex_waitv, w.data(), static_cast<unsigned>(w.size()), 0, &until,
+                             CLOCK_MONOTONIC);
+    if (r < 0 && errno == ENOSYS) {
+      waitv_support.store(-1, std::memory_order_relaxed);
+      return false;
+    }
+  }
+  // The kernel wakes one waiter of a dead holder's word: this one wakes the rest.
+  for (std::atomic<uint32_t>* word : words)
+    if (life_owner_died(*word)) wake_all_waiters(word, /*shared=*/true);
+  return true;
+#else
+  (void)words;
+  (void)stop;
+  (void)timeout_ms;
+  return false;
+#endif
+}
+
+void life_stop(std::atomic<uint32_t>* stop) {
+  stop->store(1);
+  wake_all_waiters(stop, /*shared=*/false);
+}
+
+}  // namespace mooncake
