@@ -67,6 +67,13 @@ std::string Channels::peer_problem(int p) const {
   return {};
 }
 
+bool Channels::interrupted(uint64_t alarms) const {
+  // A recovery's announcement rings the bells too: without looking at it here
+  // a wait on a live peer that is busy recovering slept on until its poll.
+  return endpoint_.alarms() != alarms ||
+         (watch_ == Watch::kPeerOrEpoch && agreement_called(endpoint_, epoch_));
+}
+
 void Channels::check_one(int p, const char* what) {
   const std::string problem = peer_problem(p);
   if (!problem.empty()) throw_error(ErrorKind::kPeerFailed, p, what, ": ", problem);
@@ -101,7 +108,7 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
     const uint64_t alarms = endpoint_.alarms();
     check_peer(peer, what);
     bool ok = wait_on(
-        ack_bell(), [&] { return has_slot() || endpoint_.alarms() != alarms; }, deadline,
+        ack_bell(), [&] { return has_slot() || interrupted(alarms); }, deadline,
         [&] {
           check_peer(peer, what);
           return false;
@@ -154,8 +161,8 @@ const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const cha
     const uint64_t alarms = endpoint_.alarms();
     if (look()) break;
     bool ok = wait_on(
-        bell(), [&] { return (msg = poll(peer)) != nullptr || endpoint_.alarms() != alarms; },
-        deadline, look);
+        bell(), [&] { return (msg = poll(peer)) != nullptr || interrupted(alarms); }, deadline,
+        look);
     if (!ok) throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer);
     if (msg == nullptr) look();
   }

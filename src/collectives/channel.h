@@ -103,6 +103,9 @@ class Channels {
     return one_bell_ ? data_bell_index() : kNumPlanes + static_cast<int>(plane_);
   }
   void check_one(int p, const char* what);
+  // Whether a wait that began at `alarms` should stop to look at its peers: a
+  // peer was seen gone, or (kPeerOrEpoch) a recovery of this epoch was called.
+  bool interrupted(uint64_t alarms) const;
   // Applies a pending restart to one direction of the channel to `peer`.
   void sync_send(int peer);
   void sync_recv(int peer);
