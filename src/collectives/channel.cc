@@ -103,8 +103,8 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   const size_t ack = layout_.ack_flag(plane_, peer);
   auto has_slot = [&] { return m - flag_count(load_flag(base, ack), gen) < kSlotsPerChannel; };
   while (!has_slot()) {
-    // An alarm (a peer seen gone) ends the wait at once, to look at the peers;
-    // one raised before the wait began is looked at first.
+    // An alarm (a peer seen gone) ends the wait at once, to look at the peers
+    // (here, before each wait: one may have been raised before it began).
     const uint64_t alarms = endpoint_.alarms();
     check_peer(peer, what);
     bool ok = wait_on(
@@ -116,7 +116,6 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
     if (!ok)
       throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer,
                   " to take a message");
-    if (!has_slot()) check_peer(peer, what);
   }
   const int me = endpoint_.rank();
   const size_t at = layout_.slot(plane_, me, static_cast<int>(m % kSlotsPerChannel), send_region_);
@@ -156,15 +155,14 @@ const MsgHeader* Channels::receive(int peer, const Deadline& deadline, const cha
     return false;
   };
   while (msg == nullptr) {
-    // An alarm (a peer seen gone) ends the wait at once, to look at the peers;
-    // one raised before the wait began is looked at first.
+    // An alarm (a peer seen gone) ends the wait at once, to look at the peers
+    // (here, before each wait: one may have been raised before it began).
     const uint64_t alarms = endpoint_.alarms();
     if (look()) break;
     bool ok = wait_on(
         bell(), [&] { return (msg = poll(peer)) != nullptr || interrupted(alarms); }, deadline,
         look);
     if (!ok) throw_error(ErrorKind::kTimeout, peer, what, ": timed out waiting for rank ", peer);
-    if (msg == nullptr) look();
   }
   return msg;
 }

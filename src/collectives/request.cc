@@ -100,15 +100,21 @@ constexpr int64_t kLingerUs = 20000;  // how long it keeps polling after activit
 OpQueue::OpQueue(int64_t start_delay_us)
     : start_delay_us_(start_delay_us >= 0 ? start_delay_us : env_int("MOONCAKE_ASYNC_DELAY_US")) {}
 
-std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
+std::shared_ptr<Request> OpQueue::push_locked(std::function<void()> task) {
   auto request = std::make_shared<Request>();
-  std::lock_guard<std::mutex> lock(mu_);
   if (stopping_) {
     request->complete(
         std::make_exception_ptr(Error(ErrorKind::kPeerFailed, "the process group was shut down")));
     return request;
   }
   tasks_.push_back(Item{std::move(task), request, now_us()});
+  return request;
+}
+
+std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto request = push_locked(std::move(task));
+  if (stopping_) return request;
   if (!thread_.joinable())
     thread_ = std::thread([this] { run(); });
   else if (thread_asleep_)
@@ -117,15 +123,8 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
 }
 
 std::shared_ptr<Request> OpQueue::run_now(std::function<void()> task) {
-  auto request = std::make_shared<Request>();
   std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_) {
-    lock.unlock();
-    request->complete(
-        std::make_exception_ptr(Error(ErrorKind::kPeerFailed, "the process group was shut down")));
-    return request;
-  }
-  tasks_.push_back(Item{std::move(task), request, now_us()});
+  auto request = push_locked(std::move(task));
   run_inline_locked(lock, request);
   lock.unlock();
   request->wait(-1);  // run here, or by a thread that took it first

@@ -76,6 +76,8 @@ class OpQueue {
     bool due = false;  // a waiter wants it started now
   };
   void run();
+  // Queues `task` and returns its request (already failed when stopping).
+  std::shared_ptr<Request> push_locked(std::function<void()> task);
   // Runs queued tasks on this thread until `request` is done or no longer queued.
   void run_inline_locked(std::unique_lock<std::mutex>& lock,
                          const std::shared_ptr<Request>& request);

@@ -1,6 +1,5 @@
 #include "transport/life.h"
 
-#include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -12,8 +11,8 @@ namespace mooncake {
 
 namespace {
 
-// 0: not tried yet, 1: works, -1: the kernel has no futex_waitv.
-std::atomic<int> waitv_support{0};
+// Set once futex_waitv answered ENOSYS: the kernel has none.
+std::atomic<bool> no_waitv{false};
 
 void wake_all_waiters(std::atomic<uint32_t>* word, bool shared) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word),
@@ -66,7 +65,7 @@ bool life_held(uint32_t value) {
 bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uint32_t>* stop,
                int64_t timeout_ms) {
 #ifdef __NR_futex_waitv
-  if (waitv_support.load(std::memory_order_relaxed) < 0) return false;
+  if (no_waitv.load(std::memory_order_relaxed)) return false;
   std::vector<futex_waitv> w;
   w.push_back(futex_waitv{stop->load(), reinterpret_cast<uintptr_t>(stop),
                           FUTEX_32 | FUTEX_PRIVATE_FLAG, 0});
@@ -93,7 +92,7 @@ bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uin
     const long r = ::syscall(__NR_futex_waitv, w.data(), static_cast<unsigned>(w.size()), 0, &until,
                              CLOCK_MONOTONIC);
     if (r < 0 && errno == ENOSYS) {
-      waitv_support.store(-1, std::memory_order_relaxed);
+      no_waitv.store(true, std::memory_order_relaxed);
       return false;
     }
   }

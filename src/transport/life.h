@@ -12,22 +12,13 @@
 // peers fall back to the pidfd.
 #pragma once
 
+#include <linux/futex.h>
+
 #include <atomic>
 #include <cstdint>
 #include <vector>
 
 namespace mooncake {
-
-// The kernel's robust list ABI (linux/futex.h), spelled out here so that the
-// head lives in the holder's memory with the layout the kernel reads.
-struct RobustEntry {
-  RobustEntry* next;
-};
-struct RobustHead {
-  RobustEntry list;
-  long futex_offset;
-  RobustEntry* list_op_pending;
-};
 
 // Holds a life word on the calling thread, which must live as long as the
 // word is published, and call release() itself before it exits normally (a
@@ -44,8 +35,8 @@ class LifeHold {
 
  private:
   std::atomic<uint32_t>* word_ = nullptr;
-  RobustEntry entry_{};
-  RobustHead head_{};
+  robust_list entry_{};  // the kernel's robust list ABI (linux/futex.h): a list of one
+  robust_list_head head_{};
   void* previous_ = nullptr;  // the C library's head for this thread
   size_t previous_len_ = 0;
 };

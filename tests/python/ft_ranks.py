@@ -235,10 +235,8 @@ class Ops:
         identity experts: every token selects one expert on each rank j with weight
         2**j, so each combined value spells the set of ranks whose experts answered.
         Dead ranks are left out by the group; their experts then count for nothing."""
-        from mooncake.mooncake_ep_buffer import Buffer
-
         if self._buffer is None:
-            self._buffer = Buffer(self.group or dist.group.WORLD, 0)
+            self.ep_rejoin()  # the first call makes the Buffer
         R, T = self.world, EP_TOKENS
         E = 2 * R
         x = torch.ones(T, EP_HIDDEN, dtype=torch.bfloat16, device=self.device)
