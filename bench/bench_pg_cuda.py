@@ -1,7 +1,8 @@
 """The process-group backends on CUDA tensors: ``mooncake`` against gloo and NCCL.
 
 ``mooncake`` runs twice: as it comes (same-host groups take the device plane
-for all_reduce, all_gather_into_tensor and reduce_scatter_tensor) and with
+for all_reduce, all_gather, reduce_scatter and all_to_all, tensor and list
+forms) and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
 
@@ -11,11 +12,15 @@ process hosts the TCPStore, every rank is a spawned process) on the one GPU
 ``iters`` back-to-back synchronous ops and a device synchronize; the time is
 the slowest rank's mean. NCCL runs at world 1 only (it refuses two ranks on
 one GPU). Beside them stands the device-to-device copy rate measured in the
-same run, the floor a copy-bound op is held to.
+same run, the floor a copy-bound op is held to, and the time every rank takes
+to copy its bytes at once (column "floor"): on one GPU shared by every rank,
+an op must at least read each input and write each output once, so "floor /
+mooncake" is the share of that floor-bound rate the op reaches.
 
 Bus bandwidth as nccl-tests defines it: algbw x 2(n-1)/n for all_reduce,
 x (n-1)/n for the others (bytes = the per-rank input of all_reduce and
-all_to_all, the gathered output of all_gather, the input of reduce_scatter).
+all_to_all, the gathered output of all_gather, the input of reduce_scatter;
+the list forms move the same bytes as the tensor forms).
 
     python bench/bench_pg_cuda.py --out-dir /tmp/out     # worlds 1, 2, 4; a few minutes
 """
@@ -29,9 +34,21 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+OPS = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    # the list forms (one tensor per rank), with the same bytes as the tensor forms
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+)
 SIZES = (8, 4 << 10, 1 << 20, 64 << 20)
 BACKENDS = ("mooncake", "staged", "gloo", "nccl")
+#: every rank copying its bytes at once (timed like an op): the floor of an op on
+#: one shared GPU, where each input must be read and each output written once
+FLOOR = "copy"
 #: backend name given to torch, and environment, of each column
 COLUMNS = {
     "mooncake": ("mooncake", {}),
@@ -49,6 +66,9 @@ def make_op(dist, torch, op: str, nbytes: int, world: int):
     n = max(1, nbytes // 4)
     n = (n + world - 1) // world * world
     x = torch.ones(n, device="cuda")
+    if op == FLOOR:
+        y = torch.empty_like(x)
+        return lambda: y.copy_(x)
     if op == "all_reduce":
         return lambda: dist.all_reduce(x)
     if op == "all_gather_into_tensor":
@@ -58,8 +78,16 @@ def make_op(dist, torch, op: str, nbytes: int, world: int):
     if op == "reduce_scatter_tensor":
         out = torch.empty(n // world, device="cuda")
         return lambda: dist.reduce_scatter_tensor(out, x)
-    out = torch.empty(n, device="cuda")
-    return lambda: dist.all_to_all_single(out, x)
+    if op == "all_to_all_single":
+        out = torch.empty(n, device="cuda")
+        return lambda: dist.all_to_all_single(out, x)
+    parts = list(torch.ones(n, device="cuda").chunk(world))
+    outs = [torch.empty(n // world, device="cuda") for _ in range(world)]
+    if op == "all_gather":
+        return lambda: dist.all_gather(outs, parts[0])
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter(outs[0], parts)
+    return lambda: dist.all_to_all(outs, parts)
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -83,8 +111,9 @@ def copy_rate(torch) -> float:
     return 20 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
 
 
-def worker(rank: int, world: int, port: int, backend: str) -> dict | None:
-    """One rank (mooncake.launch runs it): every op and size; rank 0 returns the rows."""
+def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
+    """One rank (mooncake.launch runs it): every op of ``ops`` and size, then the
+    concurrent copy floor; rank 0 returns the rows."""
     import torch
     import torch.distributed as dist
 
@@ -94,7 +123,7 @@ def worker(rank: int, world: int, port: int, backend: str) -> dict | None:
     init_rank(rank, world, port, backend, timeout_s=120)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     rows = []
-    for op in OPS:
+    for op in (*ops, FLOOR):
         for nbytes in SIZES:
             try:
                 fn = make_op(dist, torch, op, nbytes, world)
@@ -125,12 +154,12 @@ def worker(rank: int, world: int, port: int, backend: str) -> dict | None:
     return result
 
 
-def launch(column: str, world: int) -> dict:
+def launch(column: str, world: int, ops) -> dict:
     from mooncake.launch import run_local
 
     backend, env = COLUMNS[column]
     try:
-        return run_local(worker, world, args=(backend,), env=env, timeout_s=600)[0]
+        return run_local(worker, world, args=(backend, ops), env=env, timeout_s=600)[0]
     except RuntimeError as e:
         return {"rows": [], "failed": str(e)[-2000:]}
 
@@ -146,8 +175,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = p.parse_args(argv)
+    ops = tuple(args.ops.split(","))
+    unknown = set(ops) - set(OPS)
+    if unknown:
+        p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
     import torch
 
     if not torch.cuda.is_available():
@@ -161,16 +195,16 @@ def main(argv=None) -> int:
             if backend == "nccl" and world > 1:
                 continue  # NCCL refuses two ranks on one GPU
             t0 = time.monotonic()
-            results[f"{backend}/w{world}"] = launch(backend, world)
+            results[f"{backend}/w{world}"] = launch(backend, world, ops)
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
     (outdir / "pg_cuda.json").write_text(json.dumps(results, indent=1))
     lines = [
         "| op | bytes | world | mooncake µs | staged µs | gloo µs | nccl µs | mooncake / gloo "
-        "| mooncake busbw / copy rate |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| mooncake busbw / copy rate | floor µs | floor / mooncake |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for world in [int(w) for w in args.worlds.split(",")]:
-        for op in OPS:
+        for op in ops:
             for nbytes in SIZES:
 
                 def get(backend, op=op, nbytes=nbytes, world=world):
@@ -180,6 +214,7 @@ def main(argv=None) -> int:
                     return None
 
                 m, st, g, n = get("mooncake"), get("staged"), get("gloo"), get("nccl")
+                floor = get("mooncake", op=FLOOR)
                 rate = results.get(f"mooncake/w{world}", {}).get("copy_rate")
                 bus = (
                     f"{nbytes / (m * 1e-6) * bus_factor(op, world) / rate:.1%}"
@@ -188,8 +223,11 @@ def main(argv=None) -> int:
                 )
                 cells = [f"{v:.1f}" if v else "-" for v in (m, st, g, n)]
                 ratio = f"{m / g:.2f}" if m and g else "-"
+                of_floor = f"{floor / m:.1%}" if m and floor else "-"
+                floor_cell = f"{floor:.1f}" if floor else "-"
                 lines.append(
-                    f"| {op} | {fmt_bytes(nbytes)} | {world} | {' | '.join(cells)} | {ratio} | {bus} |"
+                    f"| {op} | {fmt_bytes(nbytes)} | {world} | {' | '.join(cells)} | {ratio} | {bus} "
+                    f"| {floor_cell} | {of_floor} |"
                 )
     rate = next((r.get("copy_rate") for r in results.values() if r.get("copy_rate")), None)
     if rate:

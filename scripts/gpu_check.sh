@@ -18,6 +18,8 @@
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS).
 # PYTEST_PATHS: what the Python step runs (default tests/python); PYTEST_ARGS: more.
+# BENCH_PG_CUDA_ARGS / BENCH_PG_CUDA_MPS_ARGS: arguments of bench_pg_cuda.py without and
+# with MPS (default: every world, backend and op; under MPS worlds 2 and 4).
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
 # bench_elastic.py (default: none, the full run, about a minute).
 set -uo pipefail
@@ -131,7 +133,7 @@ if wants pgcuda; then
   timeout 400 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_ARGS:-} --out-dir "$OUT/bench" 2>&1 \
     | tee "$OUT/bench_pg_cuda.log" | tail -60 || status=1
   start_mps
-  timeout 300 "$PY" bench/bench_pg_cuda.py --worlds 2,4 --backends mooncake,staged,gloo \
+  timeout 300 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_MPS_ARGS:---worlds 2,4 --backends mooncake,staged,gloo} \
     --out-dir "$OUT/bench/mps" 2>&1 | tee "$OUT/bench_pg_cuda_mps.log" | tail -40 || status=1
   stop_mps
 fi

@@ -485,7 +485,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::staged(const char* op, Kind 
 
 // --- the device plane ---------------------------------------------------------------
 
-bool MooncakeCudaBackend::on_plane(std::initializer_list<at::Tensor> tensors,
+bool MooncakeCudaBackend::on_plane(const std::vector<at::Tensor>& tensors,
                                    std::optional<size_t> bytes) {
   if (!plane_ || size_ > kernels::kMaxReduceSources) return false;
   if (bytes && (*bytes > plane_->capacity() || *bytes < plane_min_bytes_)) return false;
@@ -503,8 +503,19 @@ bool MooncakeCudaBackend::on_plane(std::initializer_list<at::Tensor> tensors,
   return plane_->same_host(timeout_ms());
 }
 
-at::Tensor MooncakeCudaBackend::segment_as(const at::Tensor& like) {
-  return at::from_blob(plane_->mine(comm().view()), like.sizes(),
+bool MooncakeCudaBackend::on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list,
+                                        bool same_numel, std::optional<size_t> bytes) {
+  if (list.size() != static_cast<size_t>(size_) || !one.defined()) return false;
+  std::vector<at::Tensor> all{one};
+  for (const at::Tensor& t : list) {
+    if (!t.defined() || (same_numel && t.numel() != one.numel())) return false;
+    all.push_back(t);
+  }
+  return on_plane(all, bytes);
+}
+
+at::Tensor MooncakeCudaBackend::segment_as(const at::Tensor& like, size_t offset) {
+  return at::from_blob(plane_->mine(comm().view()) + offset, like.sizes(),
                        at::TensorOptions().dtype(like.scalar_type()).device(like.device()));
 }
 
@@ -555,25 +566,54 @@ void check_width(const std::vector<int>& members, int size, const char* op) {
                  ") and has no slice in the per-rank tensors");
 }
 
+// all_gather's reads: member i's segment into dst[members[i]]; zeros for the
+// ranks outside the view.
+void gather_segments(const std::vector<int>& members, const std::vector<const uint8_t*>& segments,
+                     const std::vector<uint8_t*>& dst, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  std::vector<bool> filled(dst.size(), false);
+  for (size_t i = 0; i < members.size(); ++i) {
+    filled[static_cast<size_t>(members[i])] = true;
+    cuda_check(cudaMemcpyAsync(dst[static_cast<size_t>(members[i])], segments[i], bytes,
+                               cudaMemcpyDeviceToDevice, stream),
+               "all_gather copy");
+  }
+  for (size_t p = 0; p < dst.size(); ++p)
+    if (!filled[p]) cuda_check(cudaMemsetAsync(dst[p], 0, bytes, stream), "all_gather zero fill");
+}
+
+std::vector<uint8_t*> data_ptrs(const std::vector<at::Tensor>& ts) {
+  std::vector<uint8_t*> out;
+  out.reserve(ts.size());
+  for (const at::Tensor& t : ts) out.push_back(static_cast<uint8_t*>(t.data_ptr()));
+  return out;
+}
+
 }  // namespace
 
-void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Tensor& out,
+void MooncakeCudaBackend::plane_all_to_all(const std::vector<at::Tensor>& inputs,
+                                           const std::vector<at::Tensor>& outputs,
                                            const std::vector<size_t>& in_counts,
                                            const std::vector<size_t>& out_counts, DType dtype,
                                            int64_t timeout_ms) {
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
   c10::cuda::CUDAStreamGuard stream_guard(*stream_);
-  const at::Tensor in = input.contiguous();
+  std::vector<at::Tensor> ins;  // kept until the op is done
+  for (const at::Tensor& t : inputs) ins.push_back(t.contiguous());
   const size_t esize = dtype_size(dtype);
-  std::vector<size_t> in_at(static_cast<size_t>(size_)), out_at(static_cast<size_t>(size_));
-  for (int p = 1; p < size_; ++p) {
-    in_at[p] = in_at[p - 1] + in_counts[p - 1] * esize;
-    out_at[p] = out_at[p - 1] + out_counts[p - 1] * esize;
+  // src[p] / dst[p]: what this rank sends to / receives from rank p.
+  std::vector<const uint8_t*> src(static_cast<size_t>(size_));
+  std::vector<uint8_t*> dst = data_ptrs(outputs);
+  for (size_t p = 0; p < ins.size(); ++p) src[p] = static_cast<const uint8_t*>(ins[p].data_ptr());
+  if (ins.size() == 1) {  // all_to_all_single: slices of one tensor each
+    dst.resize(static_cast<size_t>(size_));
+    for (size_t p = 1; p < static_cast<size_t>(size_); ++p) {
+      src[p] = src[p - 1] + in_counts[p - 1] * esize;
+      dst[p] = dst[p - 1] + out_counts[p - 1] * esize;
+    }
   }
   // Region p of a rank's segment holds what it sends rank p, one piece per round.
   const size_t region = plane_->capacity() / static_cast<size_t>(size_) / 256 * 256;
-  const auto* src = static_cast<const uint8_t*>(in.data_ptr());
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
   uint8_t* mine = plane_->mine(comm().view());
   auto piece = [&](size_t bytes, size_t k) { return piece_bytes(bytes, region, k); };
   auto copy = [&](void* to, const void* from, size_t len, const char* what) {
@@ -596,7 +636,7 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
         auto stage = [&](size_t k) {
           for (int p : members)
             if (p != rank_)
-              copy(mine + p * region, src + in_at[p] + k * region, piece(send[p], k),
+              copy(mine + p * region, src[p] + k * region, piece(send[p], k),
                    "all_to_all_single staging");
           wait_stream();
         };
@@ -606,13 +646,12 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
         const uint64_t rounds = sync.sized(send, recv, my_rounds);
         // After that round every member has published its segment (see plane_run).
         auto segments = plane_->segments(members, comm().view(), timeout_ms);
-        copy(dst + out_at[rank_], src + in_at[rank_], in_counts[rank_] * esize,
-             "all_to_all_single own slice");
+        copy(dst[rank_], src[rank_], in_counts[rank_] * esize, "all_to_all_single own slice");
         std::vector<bool> member(static_cast<size_t>(size_), false);
         for (int p : members) member[p] = true;
         for (int p = 0; p < size_; ++p)  // ranks outside the view: zeros
           if (!member[p] && out_counts[p] != 0)
-            cuda_check(cudaMemsetAsync(dst + out_at[p], 0, out_counts[p] * esize, *stream_),
+            cuda_check(cudaMemsetAsync(dst[p], 0, out_counts[p] * esize, *stream_),
                        "all_to_all_single zero fill");
         for (uint64_t k = 0; k < rounds; ++k) {
           if (k > 0) {
@@ -622,7 +661,7 @@ void MooncakeCudaBackend::plane_all_to_all(const at::Tensor& input, const at::Te
           }
           for (size_t i = 0; i < members.size(); ++i)
             if (members[i] != rank_)
-              copy(dst + out_at[members[i]] + k * region, segments[i] + rank_ * region,
+              copy(dst[members[i]] + k * region, segments[i] + rank_ * region,
                    piece(recv[members[i]], k), "all_to_all_single copy");
           wait_stream();
         }
@@ -712,6 +751,26 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (inputs.size() == 1 && outputs.size() == 1 &&
+      on_plane_list(inputs[0], outputs[0], true, inputs[0].nbytes())) {
+    return staged("all_gather", Kind::kCollective, [&](Staging& s) {
+      at::Tensor in = inputs[0];
+      const DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      s.keep(in);
+      std::vector<at::Tensor> outs;
+      for (const at::Tensor& t : outputs[0]) outs.push_back(s.device_out(t));
+      return s.run_device(c10d::OpType::ALLGATHER, flat(outputs), [this, in, outs, dt, timeout] {
+        plane_run(
+            OpType::kAllGather, dt, RedOp::kSum, -1, elems(in), timeout,
+            [&] { segment_as(in).copy_(in); },
+            [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segments) {
+              check_width(members, size_, "all_gather");
+              gather_segments(members, segments, data_ptrs(outs), in.nbytes(), *stream_);
+            });
+      });
+    });
+  }
   return staged("all_gather", Kind::kCollective, [&](Staging& s) {
     auto ins = s.in(inputs, "tensor");
     auto outs = s.out(outputs, "tensor_list");
@@ -738,18 +797,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
             [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segments) {
               check_width(members, size_, "all_gather_into_tensor");
               auto* base = static_cast<uint8_t*>(out.data_ptr());
-              std::vector<bool> filled(static_cast<size_t>(size_), false);
-              for (size_t i = 0; i < members.size(); ++i) {
-                filled[static_cast<size_t>(members[i])] = true;
-                if (bytes != 0)
-                  cuda_check(cudaMemcpyAsync(base + members[i] * bytes, segments[i], bytes,
-                                             cudaMemcpyDeviceToDevice, *stream_),
-                             "all_gather copy");
-              }
-              for (int p = 0; p < size_; ++p)  // ranks outside the view: zeros
-                if (!filled[static_cast<size_t>(p)] && bytes != 0)
-                  cuda_check(cudaMemsetAsync(base + p * bytes, 0, bytes, *stream_),
-                             "all_gather zero fill");
+              std::vector<uint8_t*> dst;
+              for (int p = 0; p < size_; ++p) dst.push_back(base + p * bytes);
+              gather_segments(members, segments, dst, bytes, *stream_);
             });
       });
     });
@@ -809,6 +859,33 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (inputs.size() == 1 && outputs.size() == 1 &&
+      on_plane_list(outputs[0], inputs[0], true, outputs[0].nbytes() * inputs[0].size())) {
+    return staged("reduce_scatter", Kind::kCollective, [&](Staging& s) {
+      std::vector<at::Tensor> ins = inputs[0];
+      at::Tensor user_out = outputs[0];
+      const DType dt = to_dtype(user_out.scalar_type(), "reduce_scatter", "output");
+      const RedOp op = to_redop(opts.reduceOp, user_out, "reduce_scatter");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      for (const at::Tensor& t : ins) s.keep(t);
+      at::Tensor out = s.device_out(user_out);
+      return s.run_device(
+          c10d::OpType::REDUCE_SCATTER, {user_out}, [this, ins, out, dt, op, timeout] {
+            const size_t bytes = out.nbytes();
+            plane_run(
+                OpType::kReduceScatter, dt, op, -1, elems(out), timeout,
+                [&] {  // one slice per rank, as reduce_scatter_tensor's input holds them
+                  for (size_t p = 0; p < ins.size(); ++p)
+                    segment_as(ins[p], p * bytes).copy_(ins[p]);
+                },
+                [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segments) {
+                  check_width(members, size_, "reduce_scatter");
+                  reduce_segments(segments, static_cast<size_t>(rank_) * bytes, out.data_ptr(),
+                                  elems(out), dt, op, *stream_);
+                });
+          });
+    });
+  }
   return staged("reduce_scatter", Kind::kCollective, [&](Staging& s) {
     auto ins = s.in(inputs, "input_list");
     auto outs = s.out(outputs, "output");
@@ -885,7 +962,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
       at::Tensor out = s.device_out(output);
       return s.run_device(c10d::OpType::ALLTOALL_BASE, {output},
                           [this, in, out, in_counts, out_counts, dt, timeout] {
-                            plane_all_to_all(in, out, in_counts, out_counts, dt, timeout);
+                            plane_all_to_all({in}, {out}, in_counts, out_counts, dt, timeout);
                           });
     });
   }
@@ -901,6 +978,28 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllToAllOptions& opts) {
+  // As all_to_all_single: sizes differ between ranks, so any size takes the plane.
+  if (!inputs.empty() && outputs.size() == inputs.size() &&
+      on_plane_list(inputs[0], inputs, false, std::nullopt) &&
+      on_plane_list(inputs[0], outputs, false, std::nullopt)) {
+    return staged("all_to_all", Kind::kCollective, [&](Staging& s) {
+      std::vector<size_t> in_counts, out_counts;
+      for (const at::Tensor& t : inputs) in_counts.push_back(elems(t));
+      for (const at::Tensor& t : outputs) out_counts.push_back(elems(t));
+      MC_CHECK_ARG(in_counts[rank_] == out_counts[rank_], "all_to_all: rank ", rank_,
+                   " sends itself ", in_counts[rank_], " elements but expects ", out_counts[rank_],
+                   " from itself");
+      const DType dt = to_dtype(inputs[0].scalar_type(), "all_to_all", "input_tensor_list");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      for (const at::Tensor& t : inputs) s.keep(t);
+      std::vector<at::Tensor> ins = inputs, outs;
+      for (const at::Tensor& t : outputs) outs.push_back(s.device_out(t));
+      return s.run_device(c10d::OpType::ALLTOALL, outputs,
+                          [this, ins, outs, in_counts, out_counts, dt, timeout] {
+                            plane_all_to_all(ins, outs, in_counts, out_counts, dt, timeout);
+                          });
+    });
+  }
   return staged("all_to_all", Kind::kCollective, [&](Staging& s) {
     auto ins = s.in(inputs, "input_tensor_list");
     auto outs = s.out(outputs, "output_tensor_list");

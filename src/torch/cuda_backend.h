@@ -15,11 +15,14 @@
 // the host before it is posted (the caller waits for that copy).
 //
 // This is the portable device path (it also serves peers on other hosts).
-// When every rank runs on this host, all_reduce, broadcast,
-// all_gather_into_tensor and reduce_scatter_tensor whose input is between
+// When every rank runs on this host, all_reduce, broadcast, all_gather and
+// reduce_scatter (tensor and list forms) whose segment bytes are between
 // MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES, and every
-// all_to_all_single, take the device plane instead (cuda_plane.h): GPU to GPU
-// through mapped segments, with the same failure handling.
+// all_to_all_single and all_to_all, take the device plane instead
+// (cuda_plane.h): GPU to GPU through mapped segments, with the same failure
+// handling. List forms take it with one tensor per rank of the world (longer
+// lists reach ranks that joined past it and are staged), so every rank of
+// such an op must pass lists of the same length.
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
@@ -118,7 +121,11 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // what every rank of the op shares (the group, the dtype, the size), so
   // that all of them take the same path.
   // `bytes` nullopt: an op whose inputs differ in size between ranks (any fits).
-  bool on_plane(std::initializer_list<at::Tensor> tensors, std::optional<size_t> bytes);
+  bool on_plane(const std::vector<at::Tensor>& tensors, std::optional<size_t> bytes);
+  // The same for a list form: `list` holds one tensor per rank of the world,
+  // each with as many elements as `one` when `same_numel`.
+  bool on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list, bool same_numel,
+                     std::optional<size_t> bytes);
   // On the op thread: `copy_in` queues this rank's input into its segment;
   // once it is there, `move(members, segments)` queues the op's reads of the
   // members' segments, among the members, until it succeeds (re-runs after
@@ -129,14 +136,17 @@ class MooncakeCudaBackend final : public MooncakeBackend {
       const std::function<void(const std::vector<int>&, const std::vector<const uint8_t*>&)>& move);
   // On the op thread: waits until the staging stream has run what is queued.
   void wait_stream();
-  // all_to_all_single on the device plane (every rank's input staged in
-  // regions of its segment, one per destination, in as many rounds as the
-  // largest edge needs).
-  void plane_all_to_all(const at::Tensor& input, const at::Tensor& out,
+  // all_to_all_single and all_to_all on the device plane (every rank's input
+  // staged in regions of its segment, one per destination, in as many rounds
+  // as the largest edge needs). `inputs` and `outputs` hold one tensor each
+  // (slices at the counts' offsets) or one per rank of the world.
+  void plane_all_to_all(const std::vector<at::Tensor>& inputs,
+                        const std::vector<at::Tensor>& outputs,
                         const std::vector<size_t>& in_counts, const std::vector<size_t>& out_counts,
                         DType dtype, int64_t timeout_ms);
-  // This rank's segment seen as a contiguous tensor shaped like `like`.
-  at::Tensor segment_as(const at::Tensor& like);
+  // This rank's segment from `offset` bytes on, seen as a contiguous tensor
+  // shaped like `like`.
+  at::Tensor segment_as(const at::Tensor& like, size_t offset = 0);
 
   int device_ = -1;  // -1: this process sees no GPU (CPU tensors only)
   std::optional<c10::cuda::CUDAStream> stream_;
