@@ -253,19 +253,41 @@ class LocalGroup:
             RuntimeError: a process raised (its traceback is included), exited
                 without a result, or the wait took longer than ``timeout_s``.
         """
-        deadline = time.monotonic() + timeout_s
         waiting = set(self._procs) - self._killed
-        while waiting - set(self._results) - set(self._errors):
+        self._collect(waiting, timeout_s)
+        if self._errors:
+            raise RuntimeError(
+                "LocalGroup: " + "\n".join(f"process {k}:\n{v}" for k, v in self._errors.items())
+            )
+        return {k: v for k, v in self._results.items() if k in waiting}
+
+    def result(self, key: str, timeout_s: float = 120.0) -> Any:
+        """Waits for one process to finish (the others run on); returns its result.
+
+        Raises:
+            RuntimeError: it raised, exited without a result, or took longer than
+                ``timeout_s``.
+        """
+        self._collect({key}, timeout_s)
+        if key in self._errors:
+            raise RuntimeError(f"LocalGroup: process {key}:\n{self._errors[key]}")
+        return self._results[key]
+
+    def _collect(self, keys: set[str], timeout_s: float) -> None:
+        """Takes results off the queue (any process's) until each of ``keys`` has a
+        result or an error; a process that exits without one gets an error."""
+        deadline = time.monotonic() + timeout_s
+        while keys - set(self._results) - set(self._errors):
             left = deadline - time.monotonic()
             if left <= 0:
-                late = sorted(waiting - set(self._results) - set(self._errors))
+                late = sorted(keys - set(self._results) - set(self._errors))
                 raise RuntimeError(f"LocalGroup: processes {late} did not finish in {timeout_s} s")
             try:
                 key, ok, value = self._queue.get(timeout=min(left, 0.5))
             except queue_mod.Empty:
                 dead = [
                     k
-                    for k in waiting
+                    for k in keys
                     if self._procs[k].exitcode not in (None,)
                     and k not in self._results
                     and k not in self._errors
@@ -281,11 +303,6 @@ class LocalGroup:
                             )
                 continue
             self._keep(key, ok, value)
-        if self._errors:
-            raise RuntimeError(
-                "LocalGroup: " + "\n".join(f"process {k}:\n{v}" for k, v in self._errors.items())
-            )
-        return {k: v for k, v in self._results.items() if k in waiting}
 
     def _keep(self, key: str, ok: bool, value) -> None:
         if ok:

@@ -457,12 +457,25 @@ def conduct_steps(steps):
     * ``("doomed", rank, plan)``: starts a joiner that kills itself, waits until it is gone;
     * ``("wait_full",)``: the latest process of every rank finished a battery together;
     * ``("sleep", seconds)``; ``("kill", rank)``: kill -9 of the latest process;
+    * ``("sigstop", rank)``: SIGSTOP to the latest process, which then counts as gone;
+      ``("wait_dropped", rank)``: the survivor saw it leave (``dropped/<rank>`` went up
+      since the SIGSTOP); ``("sigcont", rank)``: resumes it and waits until it has ended
+      (it must learn it was left out and return; its key goes to ``extra["resumed"]``);
+    * ``("slow", rank, seconds)``: the latest process stopped for ``seconds``, then resumed;
     * ``("wait_probed", rank)``; ``("stop",)``.
+
+    Kills, stops and slows are noted in ``extra["faults"]`` as ``(time.time(), what,
+    rank)`` just before the signal.
     """
 
     def conduct(group: LocalGroup, extra):
         latest = {r: str(r) for r in range(group.world_size)}
-        extra["started"] = []
+        stopped: dict[int, tuple[str, int]] = {}  # rank: (key, dropped/<rank> at the stop)
+        extra["started"], extra["faults"], extra["resumed"] = [], [], []
+
+        def dropped(rank: int) -> int:
+            return group.store.add(f"dropped/{rank}", 0)
+
         for step in steps:
             op = step[0]
             if op == "wait_looping":
@@ -482,8 +495,33 @@ def conduct_steps(steps):
             elif op == "sleep":
                 time.sleep(step[1])
             elif op == "kill":
-                group.kill(latest[step[1]])
-                latest.pop(step[1])
+                extra["faults"].append((time.time(), "kill", step[1]))
+                group.kill(latest.pop(step[1]))
+            elif op == "sigstop":
+                rank = step[1]
+                stopped[rank] = (latest.pop(rank), dropped(rank))
+                extra["faults"].append((time.time(), "stop", rank))
+                group.kill(stopped[rank][0], signal.SIGSTOP)
+            elif op == "wait_dropped":
+                rank = step[1]
+                deadline = time.monotonic() + 60
+                while dropped(rank) <= stopped[rank][1]:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"rank {rank} stopped, still in the group after 60 s")
+                    time.sleep(0.01)
+            elif op == "sigcont":
+                key = stopped.pop(step[1])[0]
+                group.kill(key, signal.SIGCONT)
+                group.result(key, 60)  # taken off the queue, or its exit could wait on it
+                if group.wait_all([key], 30):
+                    raise AssertionError(f"process {key}, resumed, returned but did not exit")
+                extra["resumed"].append(key)
+            elif op == "slow":
+                rank, seconds = step[1], step[2]
+                extra["faults"].append((time.time(), "slow", rank))
+                group.kill(latest[rank], signal.SIGSTOP)
+                time.sleep(seconds)
+                group.kill(latest[rank], signal.SIGCONT)
             elif op == "wait_probed":
                 wait_key(group, f"probed/{step[1]}", 120, extra)
             elif op == "stop":
@@ -557,6 +595,47 @@ def check_elastic(results: dict[str, Any], full, battery_kinds, tolerated=()) ->
         if len({repr(v) for v in outcomes.values()}) > 1:
             problems.append(f"iteration {it}: processes disagree on recover_ranks: {outcomes}")
     return problems
+
+
+def check_churn(results: dict[str, Any], extra, full, survivor) -> tuple[list[str], dict]:
+    """Checks a churn launch's membership changes against its faults (``extra["faults"]``,
+    see :func:`conduct_steps`), as ``survivor`` saw them; returns the problems and the
+    resume times: seconds from each kill or stop to the end of the survivor's first op
+    without that rank, by kind.
+
+    * a slowed rank (stopped for less than the hang limit) is never left out: nothing
+      changes between its stop and the next fault;
+    * after a kill or a stop of rank ``v`` the first change leaves out exactly ``v``, and
+      every later mask until the next fault is either that or the full group (a joiner
+      that dies while joining leaves again), ending with the full group;
+    * a stopped process, resumed, ends with the "left out" error.
+    """
+    problems: list[str] = []
+    full_mask = bits(full)
+    changes = results.get(str(survivor), {}).get("changes", [])
+    faults = extra["faults"]
+    resume: dict[str, list[float]] = {"kill": [], "stop": []}
+    for k, (t, what, v) in enumerate(faults):
+        end = faults[k + 1][0] if k + 1 < len(faults) else float("inf")
+        window = [(tc, m) for tc, m in changes if t <= tc < end]
+        seen = [ranks_of(m) for _, m in window]
+        if what == "slow":
+            if window:
+                problems.append(f"fault {k}: rank {v} only slowed, but the group became {seen}")
+            continue
+        want = full_mask & ~(1 << v)
+        if not window or window[0][1] != want:
+            problems.append(f"fault {k}: {what} of rank {v}: the group became {seen}")
+            continue
+        if any(m not in (want, full_mask) for _, m in window) or window[-1][1] != full_mask:
+            problems.append(f"fault {k}: {what} of rank {v}: then {seen}")
+        resume[what].append(window[0][0] - t)
+    for key in extra["resumed"]:
+        log = results.get(key, {}).get("log", [])
+        last = log[-1][1] if log else None
+        if last is None or last[1] != "err" or "left out" not in last[4]:
+            problems.append(f"process {key}, stopped and resumed: its last op was {last}")
+    return problems, resume
 
 
 def resource_growth(samples, ref_index, fd_slack=0, thread_slack=0, rss_slack_kib=24 * 1024):

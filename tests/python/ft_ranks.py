@@ -44,12 +44,15 @@ P2P_N = 3000  # int64 elements of a ring message: 24 KiB
 EP_TOKENS, EP_HIDDEN = 4, 128  # the EP Buffer op's shape (portable path, CPU)
 
 KINDS = ("ar", "ar_big", "ag", "bcast", "a2a", "p2p", "rs", "reduce", "gather", "scatter")
-MASK_KINDS = frozenset({"ar", "ar_big", "ag", "a2a", "rs", "ep"})
+MASK_KINDS = frozenset({"ar", "ar_big", "ag", "a2a", "rs", "ep", "eep"})
 ROOTED_KINDS = frozenset({"bcast", "reduce", "gather", "scatter"})
 # Every kind, and two that only an elastic battery runs.
 ALL_KINDS = KINDS + ("reduce_all", "barrier")
 # What the chaos driver runs: every kind and an EP Buffer dispatch + combine.
 CHAOS_KINDS = KINDS + ("ep",)
+#: The elastic batteries add the elastic EP buffer (connected anew after every join).
+ELASTIC_KINDS = CHAOS_KINDS + ("eep",)
+EEP_TIMEOUT_MS = 10_000  # the elastic buffer's per-phase wait budget
 
 
 def bits(ranks) -> int:
@@ -152,6 +155,7 @@ class Ops:
         self.device = torch.device(device)
         self.g = list(global_ranks) if global_ranks is not None else list(range(self.world))
         self._buffer = None  # the EP Buffer, made by the first "ep" op (collective)
+        self._elastic = None  # the elastic EP buffer, made by eep_rejoin
 
     def run(self, kind: str, i: int, root=None):
         members = members_of(self.active)
@@ -231,12 +235,52 @@ class Ops:
             self._buffer.update_ep_member()
 
     def _ep(self):
-        """An EP Buffer dispatch + combine over the group (the portable path) with
-        identity experts: every token selects one expert on each rank j with weight
-        2**j, so each combined value spells the set of ranks whose experts answered.
-        Dead ranks are left out by the group; their experts then count for nothing."""
+        """An EP Buffer dispatch + combine over the group (the portable path), see
+        :meth:`_identity_round`. Dead ranks are left out by the group; their experts
+        then count for nothing."""
         if self._buffer is None:
             self.ep_rejoin()  # the first call makes the Buffer
+        return self._identity_round(self._buffer, -1, "EP combine")
+
+    def eep_rejoin(self, store, replaced=()):
+        """Before a battery after a join: the elastic EP buffer (a slot per rank, the
+        world as its capacity) takes in the processes that joined. A process without
+        one makes it and connects every other slot; the others release the slots in
+        ``replaced`` (their old processes are gone) and connect the new ones. Both
+        sides then publish (each waits, bounded, for the other's side)."""
+        from mooncake.mooncake_ep_buffer import Buffer
+
+        others = [r for r in range(self.world) if r != self.rank]
+        if self._elastic is None:
+            buf = Buffer.create_elastic(
+                self.rank,
+                store,
+                timeout_ms=EEP_TIMEOUT_MS,
+                metadata_timeout_ms=60_000,
+                store_prefix="eep/",
+            )
+            hint = Buffer.get_ep_buffer_size_hint(EP_TOKENS, EP_HIDDEN, self.world, 2 * self.world)
+            buf.update_memory_buffers(
+                num_ranks=self.world, num_experts_per_rank=2, num_rdma_bytes=hint
+            )
+            self._elastic, fresh = buf, others
+        else:
+            fresh = [r for r in replaced if r != self.rank]
+            if fresh:
+                self._elastic.disconnect_ranks(fresh)
+        if fresh:
+            self._elastic.connect_ranks(fresh, activate=False)
+            for r in fresh:
+                self._elastic.update_mask_buffer(r, mask=False)
+
+    def _eep(self):
+        """A dispatch + combine over the elastic EP buffer (see :meth:`eep_rejoin`)."""
+        return self._identity_round(self._elastic, -1, "elastic EP combine")  # timeout_ms
+
+    def _identity_round(self, buf, timeout_us, what):
+        """A dispatch + combine with identity experts: every token selects one expert on
+        each rank j with weight 2**j, so each combined value spells the set of ranks
+        whose experts answered."""
         R, T = self.world, EP_TOKENS
         E = 2 * R
         x = torch.ones(T, EP_HIDDEN, dtype=torch.bfloat16, device=self.device)
@@ -244,12 +288,12 @@ class Ops:
             [[2 * j + t % 2 for j in range(R)] for t in range(T)], dtype=torch.int64
         ).to(self.device)
         w = torch.tensor([[float(1 << j) for j in range(R)]] * T, device=self.device)
-        recv_x, _, handle, _, _ = self._buffer.dispatch(x, idx, None, T, E, -1, use_fp8=False)
-        out, _, _ = self._buffer.combine(recv_x, idx, w, None, -1, handle)
+        recv_x, _, handle, _, _ = buf.dispatch(x, idx, None, T, E, timeout_us, use_fp8=False)
+        out, _, _ = buf.combine(recv_x, idx, w, None, timeout_us, handle)
         got = out.float()
         if not torch.equal(got, got.round()):
-            raise BadData(f"EP combine: a non-integral sum {got.flatten()[:4].tolist()}")
-        return _uniform(got.to(torch.int64), "EP combine")
+            raise BadData(f"{what}: a non-integral sum {got.flatten()[:4].tolist()}")
+        return _uniform(got.to(torch.int64), what)
 
     def _bcast(self, root):
         t = self._full(MID, (1 << root) if self.rank == root else -1)
@@ -628,7 +672,9 @@ def elastic_rank(rank, world_size, port, plan):
     ranks and admit those that wait. For a rank of ``plan["probe_ranks"]``, the first time
     it goes missing after being a member, the members first call ``recover_ranks`` on it while nobody waits to
     replace it, record what happens, and ``plan["survivor"]`` sets ``probed/<rank>``.
-    ``plan["survivor"]`` also samples its fds, threads and RSS after every battery. The
+    ``plan["survivor"]`` also samples its fds, threads and RSS after every battery, notes
+    every change of the small all_reduce's mask with its time (``changes``) and counts,
+    per rank, how often it saw it leave (store key ``dropped/<rank>``). The
     store key ``stop`` ends the loop.
 
     A joiner with ``plan["doom"]`` dies on purpose: ``before_init``, ``waiting`` (after
@@ -639,7 +685,15 @@ def elastic_rank(rank, world_size, port, plan):
     joiner = plan["role"] == "joiner"
     W = dist.group.WORLD
     pid = os.getpid()
-    out = {"log": [], "batteries": [], "recover": [], "probes": [], "samples": [], "bad": []}
+    out = {
+        "log": [],
+        "batteries": [],
+        "recover": [],
+        "probes": [],
+        "samples": [],
+        "bad": [],
+        "changes": [],
+    }
     if joiner:
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -690,6 +744,8 @@ def elastic_rank(rank, world_size, port, plan):
     want_battery = 0 if joiner else 1
     it, prev_mask = 0, 0
     probed = [0] * len(probe_ranks)
+    replaced: set[int] = set()  # ranks admitted since the last battery
+    seen = None  # the survivor's last mask
     while True:
         ctrl = torch.tensor(
             [int(store.check(["stop"])), want_battery, it, prev_mask, *probed], dtype=torch.int64
@@ -711,10 +767,21 @@ def elastic_rank(rank, world_size, port, plan):
                 break
             continue
         mask = rec[3]
+        if rank == plan.get("survivor") and mask != seen:
+            # When each change of membership reached this rank, and, per rank, how often
+            # it was seen leaving (the parent waits on that).
+            out["changes"].append((time.time(), mask))
+            for r in full:
+                if seen is not None and seen >> r & 1 and not mask >> r & 1:
+                    store.add(f"dropped/{r}", 1)
+            seen = mask
         missing = [r for r in full if not mask >> r & 1]
         if not missing and want_battery:
             if "ep" in plan["battery"]:
                 ops.ep_rejoin()
+            if "eep" in plan["battery"]:
+                ops.eep_rejoin(store, sorted(replaced))
+                replaced.clear()
             out["batteries"].append((it, battery(ops, plan["battery"])))
             want_battery = 0
             store.set(f"full/{rank}/{pid}", "1")
@@ -740,6 +807,7 @@ def elastic_rank(rank, world_size, port, plan):
                 out["recover"].append((it, admit, outcome))
                 if outcome[0] == "ok":
                     want_battery = 1
+                    replaced.update(admit)
         prev_mask = mask
         time.sleep(plan["idle_s"])
     out["active"] = active.tolist()

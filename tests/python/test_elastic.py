@@ -9,11 +9,13 @@ must cover exactly the full group (rank ``r`` contributes ``1 << r``, see ft_ran
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
 from ft_parent import (
+    check_churn,
     check_elastic,
     conduct_steps,
     env,
@@ -25,6 +27,7 @@ from ft_parent import (
 from ft_ranks import (
     ALL_KINDS,
     CHAOS_KINDS,
+    ELASTIC_KINDS,
     KINDS,
     MASK_KINDS,
     SUBGROUPS,
@@ -131,6 +134,86 @@ def test_twenty_cycles_stress():
     samples = results["3"]["samples"]
     problems += resource_growth(samples, 3)
     assert not problems, "\n".join(problems[:40]) + f"\nsamples {samples}"
+
+
+# --- churn: random kills, stops and slow ranks, replacements -------------------------------
+
+CHURN_MODES = ("kill", "kill", "stop", "slow")
+
+
+def churn_steps(seed, world, cycles, survivor, joiner, modes=None):
+    """Per cycle, once the group is full, a random rank (rank 0 included, never
+    ``survivor``) at a random moment: killed (kill -9), stopped past the hang limit and
+    resumed once the group went on (it must learn it was left out), or slowed (stopped
+    0.3-0.8 s, under the 2 s hang limit: nobody may leave). A killed or stopped rank is
+    replaced; one time in five a first replacement dies while joining. ``modes``: the
+    cycles' modes (default: random)."""
+    rng = random.Random(seed)
+    steps = [("wait_full", 180)]
+    for c in range(cycles):
+        v = rng.choice([r for r in range(world) if r != survivor])
+        mode = modes[c] if modes else rng.choice(CHURN_MODES)
+        steps.append(("sleep", rng.uniform(0, 0.3)))
+        if mode == "slow":
+            steps += [("slow", v, rng.uniform(0.3, 0.8)), ("sleep", 0.3)]
+            continue
+        if mode == "kill":
+            steps.append(("kill", v))
+        else:
+            steps += [("sigstop", v), ("wait_dropped", v), ("sigcont", v)]
+        if rng.random() < 0.2:
+            doom = DOOMS[rng.randrange(len(DOOMS))]
+            steps.append(("doomed", v, dict(joiner, doom=doom, doom_delay_s=rng.uniform(0, 0.03))))
+        steps += [("start", v, joiner), ("wait_full", 180)]
+    return steps + [("stop",)]
+
+
+def run_churn(seed, world, cycles, modes=None, timeout_s=600):
+    """A churn launch at ``world``, checked: every battery (every kind of collective, p2p,
+    the EP Buffer and the elastic EP buffer) after every join covers the full group, the
+    processes agree on every change, the changes match the faults. Returns the resume
+    times (see :func:`ft_parent.check_churn`)."""
+    survivor = world - 1
+    member, joiner = _plans(world, world, range(world), ELASTIC_KINDS, survivor)
+    steps = churn_steps(seed, world, cycles, survivor, joiner, modes)
+    out = launch(world, elastic_rank, member, env(), conduct_steps(steps), timeout_s=timeout_s)
+    results = out.get()
+    problems = check_elastic(results, range(world), ELASTIC_KINDS, tolerated=out.extra["resumed"])
+    more, resume = check_churn(results, out.extra, range(world), survivor)
+    samples = results[str(survivor)]["samples"]
+    if len(samples) > 3:
+        problems += resource_growth(samples, 2)
+    faults = [(what, v) for _, what, v in out.extra["faults"]]
+    assert not problems + more, f"seed {seed}, faults {faults}\n" + "\n".join(
+        (problems + more)[:40]
+    )
+    return resume
+
+
+@pytest.mark.timeout(300)
+def test_churn_stop_slow_kill_with_replacements():
+    """World 4: a rank stopped past the hang limit (the group goes on without it; resumed,
+    it learns it was left out) and replaced, a rank slowed under the hang limit (nobody
+    leaves), a rank killed and replaced; every battery after a join covers all four,
+    the elastic EP buffer taking each replacement into its old slot."""
+    resume = run_churn(5, 4, 3, modes=("stop", "slow", "kill"))
+    assert len(resume["kill"]) == 1 and len(resume["stop"]) == 1, resume
+
+
+@pytest.mark.stress
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("world", [3, 4, 8])
+def test_churn_random_stress(world):
+    """``MOONCAKE_CHURN_CYCLES`` (default 12) random cycles; prints the resume times."""
+    cycles = int(os.environ.get("MOONCAKE_CHURN_CYCLES", "12"))
+    resume = run_churn(9000 + world, world, cycles, timeout_s=3000)
+    for what, times in resume.items():
+        if times:
+            times = sorted(times)
+            print(
+                f"world {world}: {what} -> survivors' next op over {len(times)}: median "
+                f"{times[len(times) // 2] * 1e3:.1f} ms, max {times[-1] * 1e3:.1f} ms"
+            )
 
 
 # --- extension slots, replacing an extension, misuse --------------------------------------

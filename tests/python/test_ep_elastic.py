@@ -240,12 +240,12 @@ def test_fault_processes_end_cleanly(fault):
     assert not troubles, report(troubles, fault)
 
 
-def churn(seed: int, count: int) -> list[dict]:
+def churn(seed: int, count: int, world: int = 4) -> list[dict]:
     """``count`` kill cycles: random victims (slot 0 too), modes, moments."""
     rng = random.Random(seed)
     return [
         {
-            "victim": rng.randrange(4),
+            "victim": rng.randrange(world),
             "mode": rng.choice(["between", "mid"]),
             "arm": rng.randint(0, 3),
             "delay": round(rng.uniform(0.0, 0.4), 3),
@@ -256,21 +256,24 @@ def churn(seed: int, count: int) -> list[dict]:
 
 @pytest.mark.stress
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [3, 4, 8])
 @pytest.mark.parametrize(
     "seed", range(100, 100 + int(os.environ.get("MOONCAKE_EP_ELASTIC_SEEDS", "3")))
 )
-def test_kill_and_replace_loops_stress(seed):
-    """Plan 5 again and again: eight kill cycles with random victims (slot 0 included),
-    between or in the middle of rounds, each replaced by a new process; every round of
-    every process is checked, every kill is seen within timeout_ms."""
-    cycles = churn(seed, int(os.environ.get("MOONCAKE_EP_ELASTIC_CYCLES", "8")))
-    params = dict(FAULT, cycles=cycles, sparse=False, rounds=4, seed=seed)
-    tl = Timeline("fault", params, range(4), timeout_s=800).run()
-    problems = tl.problems(["full"], slots=range(4), rounds=4)
+def test_kill_and_replace_loops_stress(seed, world):
+    """Plan 5 again and again at 3, 4 and 8 slots: eight kill cycles with random victims
+    (slot 0 included), between or in the middle of rounds, each replaced by a new
+    process; every round of every process is checked, every kill is seen within
+    timeout_ms."""
+    cycles = churn(seed, int(os.environ.get("MOONCAKE_EP_ELASTIC_CYCLES", "8")), world)
+    params = dict(FAULT, world=world, cycles=cycles, sparse=False, rounds=4, seed=seed)
+    slots = range(world)
+    tl = Timeline("fault", params, slots, timeout_s=800).run()
+    problems = tl.problems(["full"], slots=slots, rounds=4)
     for c, cy in enumerate(cycles):
-        survivors = [s for s in range(4) if s != cy["victim"]]
+        survivors = [s for s in slots if s != cy["victim"]]
         problems += tl.problems([f"kill{c}"], slots=survivors, rounds=4)
-        problems += tl.problems([f"rejoin{c}"], slots=range(4), rounds=4)
+        problems += tl.problems([f"rejoin{c}"], slots=slots, rounds=4)
         detected = tl.checks(f"kill{c}", "detected")
         if sorted(detected) != survivors:
             problems.append(f"cycle {c}: detected by {sorted(detected)}")

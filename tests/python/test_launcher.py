@@ -91,3 +91,33 @@ def test_hanging_rank_is_killed_at_the_deadline():
     passed, why = result.verdict("never_run")
     assert not passed and "did not run" in why, why
     assert not result.verdict("<teardown>")[0]
+
+
+def _sleep_then_return(rank, world_size, port, seconds):
+    time.sleep(seconds)
+    return rank * 10
+
+
+def _raise(rank, world_size, port):
+    raise ValueError(f"deliberate on rank {rank}")
+
+
+def test_local_group_result_waits_for_one_process():
+    """``LocalGroup.result(key)`` returns one process's result while the others run on;
+    ``results()`` then has every one; a process that raised is reported with its
+    traceback, and a wait past its bound says which process is late."""
+    import pytest
+
+    from mooncake.launch import LocalGroup
+
+    with LocalGroup(2) as group:
+        group.start(_sleep_then_return, ranks=[0], args=(0.0,))
+        group.start(_sleep_then_return, ranks=[1], args=(8.0,))
+        assert group.result("0", timeout_s=60) == 0
+        assert not group.exited("1")
+        with pytest.raises(RuntimeError, match=r"\['1'\] did not finish"):
+            group.result("1", timeout_s=0.2)
+        assert group.results(timeout_s=60) == {"0": 0, "1": 10}
+        (key,) = group.start(_raise, ranks=[0])
+        with pytest.raises(RuntimeError, match="deliberate on rank 0"):
+            group.result(key, timeout_s=60)
