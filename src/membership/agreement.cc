@@ -57,19 +57,55 @@ Decision Decision::decode(const std::string& text, const std::string& where) {
   return d;
 }
 
+namespace {
+
+// Up to this many members, every member gathers the reports (the first to see
+// them all proposes). Past it, that would cost the store members² calls per
+// round (about 2.5 million at 1024 ranks: tens of seconds on one TCPStore
+// server), so only the lowest member a rank takes for responsive gathers at
+// once, and the others only look for the decision and count the reports.
+// Once every member they take for responsive has reported (the gatherer
+// could decide), the next in line starts gathering kTakeoverMs later, the
+// one after it 2 * kTakeoverMs later, and so on: a gatherer that stalls
+// delays the round by that much.
+constexpr size_t kEveryoneGathers = 64;
+constexpr int64_t kTakeoverMs = 10;
+
+}  // namespace
+
 Decision agree_on_view(Store& store, const std::string& prefix, const View& current,
                        const Report& mine, const Probe& responsive, const Deadline& deadline) {
   const std::string base = prefix + "epoch/" + std::to_string(current.epoch) + "/";
   const std::string decision_key = base + "decision";
-  store.set(base + "report/" + std::to_string(mine.rank), mine.encode());
   const std::vector<int> members = current.members();
+  const bool in_line = members.size() > kEveryoneGathers;
+  // Counted before it is posted: a count ahead of the reports only starts
+  // the takeover clocks early, while one behind them would stop them.
+  if (in_line) store.add(base + "reported", 1);
+  store.set(base + "report/" + std::to_string(mine.rank), mine.encode());
   std::vector<std::string> reports(static_cast<size_t>(current.capacity()));
+  int64_t settled_us = -1;  // when this rank saw every responsive member's report counted
   int64_t sleep_us = 500;
   std::string decided;
   for (;;) {
     if (store.check(decision_key)) {
       decided = store.get(decision_key, 1000);
       break;
+    }
+    if (in_line && !deadline.expired()) {
+      int64_t ahead = 0, responsive_members = 0;  // as far as this rank can tell
+      for (int q : members) {
+        const bool live = q == mine.rank || responsive(q);
+        responsive_members += live;
+        if (q < mine.rank && live) ++ahead;
+      }
+      if (ahead > 0 && settled_us < 0 && store.add(base + "reported", 0) >= responsive_members)
+        settled_us = now_us();
+      if (ahead > 0 && (settled_us < 0 || (now_us() - settled_us) / 1000 < ahead * kTakeoverMs)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+        sleep_us = std::min<int64_t>(sleep_us * 2, 5000);
+        continue;
+      }
     }
     bool settled = true;  // every member reported or is out
     for (int q : members) {

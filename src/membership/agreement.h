@@ -10,6 +10,12 @@
 // when the deadline passes are left out. (Silence is judged by the transport's
 // heartbeats: see Endpoint::silent_ms.)
 //
+// In views of more than 64 members not everyone reads every report (that is
+// members² store calls a round): the lowest responsive member gathers, the
+// next ones in line take over one after another if it stalls, and the rest
+// wait for the decision (agreement.cc says how; tests/cpp/membership/
+// agreement_scale_test.cc runs 1024 ranks).
+//
 // A record that cannot be read (a bug, or a store written by something else)
 // is a kInternal error naming its key for everyone who reads it, unless a
 // decision exists by then: that decision stands, and everyone adopts it.
