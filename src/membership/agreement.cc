@@ -63,13 +63,17 @@ namespace {
 // them all proposes). Past it, that would cost the store members² calls per
 // round (about 2.5 million at 1024 ranks: tens of seconds on one TCPStore
 // server), so only the lowest member a rank takes for responsive gathers at
-// once, and the others only look for the decision and count the reports.
+// once, and the others wait for the decision (in the store, woken when it
+// lands) and count the reports.
 // Once every member they take for responsive has reported (the gatherer
 // could decide), the next in line starts gathering kTakeoverMs later, the
-// one after it 2 * kTakeoverMs later, and so on: a gatherer that stalls
-// delays the round by that much.
+// one after it 2 * kTakeoverMs later, the next 4 * kTakeoverMs later, and
+// so on: a gatherer that stalls delays the round by kTakeoverMs, and a slow
+// round (a loaded host) adds gatherers one doubling at a time, not one per
+// kTakeoverMs.
 constexpr size_t kEveryoneGathers = 64;
 constexpr int64_t kTakeoverMs = 10;
+constexpr int64_t kWaitMs = 20;  // a waiting rank looks again at who is in line this often
 
 }  // namespace
 
@@ -101,9 +105,21 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
       }
       if (ahead > 0 && settled_us < 0 && store.add(base + "reported", 0) >= responsive_members)
         settled_us = now_us();
-      if (ahead > 0 && (settled_us < 0 || (now_us() - settled_us) / 1000 < ahead * kTakeoverMs)) {
-        std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-        sleep_us = std::min<int64_t>(sleep_us * 2, 5000);
+      const int64_t my_turn_ms =
+          ahead == 0 ? 0 : kTakeoverMs << std::min<int64_t>(ahead - 1, 40);  // after settling
+      const int64_t wait_ms =
+          ahead == 0       ? 0
+          : settled_us < 0 ? kWaitMs
+                           : std::min(kWaitMs, settled_us / 1000 + my_turn_ms - now_us() / 1000);
+      if (wait_ms > 0) {
+        // Not in line yet: wait for the decision where the store can wake us
+        // (a TCPStore holds the wait server-side), not by polling it.
+        try {
+          decided = store.get(decision_key, wait_ms);
+          break;
+        } catch (const Error& e) {
+          if (e.kind() != ErrorKind::kTimeout) throw;
+        }
         continue;
       }
     }
