@@ -63,8 +63,8 @@ namespace {
 // them all proposes). Past it, that would cost the store members² calls per
 // round (about 2.5 million at 1024 ranks: tens of seconds on one TCPStore
 // server), so only the lowest member a rank takes for responsive gathers at
-// once, and the others wait for the decision (in the store, woken when it
-// lands) and count the reports.
+// once, and the others look for the decision (up to every kWaitMs) and
+// count the reports.
 // Once every member they take for responsive has reported (the gatherer
 // could decide), the next in line starts gathering kTakeoverMs later, the
 // one after it 2 * kTakeoverMs later, the next 4 * kTakeoverMs later, and
@@ -73,7 +73,7 @@ namespace {
 // kTakeoverMs.
 constexpr size_t kEveryoneGathers = 64;
 constexpr int64_t kTakeoverMs = 10;
-constexpr int64_t kWaitMs = 20;  // a waiting rank looks again at who is in line this often
+constexpr int64_t kWaitMs = 20;  // the longest a rank not in line sleeps between looks
 
 }  // namespace
 
@@ -90,6 +90,7 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
   std::vector<std::string> reports(static_cast<size_t>(current.capacity()));
   int64_t settled_us = -1;  // when this rank saw every responsive member's report counted
   int64_t sleep_us = 500;
+  int64_t poll_ms = 1;  // a rank not in line to gather: how long it sleeps between looks
   std::string decided;
   for (;;) {
     if (store.check(decision_key)) {
@@ -112,14 +113,11 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
           : settled_us < 0 ? kWaitMs
                            : std::min(kWaitMs, settled_us / 1000 + my_turn_ms - now_us() / 1000);
       if (wait_ms > 0) {
-        // Not in line yet: wait for the decision where the store can wake us
-        // (a TCPStore holds the wait server-side), not by polling it.
-        try {
-          decided = store.get(decision_key, wait_ms);
-          break;
-        } catch (const Error& e) {
-          if (e.kind() != ErrorKind::kTimeout) throw;
-        }
+        // Not in line yet: look for the decision now and then, up to every
+        // kWaitMs (each look is a store call; a TCPStore wait that times out
+        // would cost as much, and torch logs each such timeout).
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::min(wait_ms, poll_ms)));
+        poll_ms = std::min(poll_ms * 2, kWaitMs);
         continue;
       }
     }
