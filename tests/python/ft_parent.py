@@ -638,9 +638,15 @@ def check_churn(results: dict[str, Any], extra, full, survivor) -> tuple[list[st
     return problems, resume
 
 
-def resource_growth(samples, ref_index, fd_slack=0, thread_slack=0, rss_slack_kib=24 * 1024):
-    """Compares the last sample with ``samples[ref_index]``; returns the problems."""
-    ref, end = samples[ref_index], samples[-1]
+def resource_growth(
+    samples, ref_index, fd_slack=0, thread_slack=0, rss_slack_kib=24 * 1024, settle=1
+):
+    """Compares the last sample with ``samples[ref_index]``; returns the problems. With
+    ``settle`` > 1, each measure's least over the last ``settle`` samples stands for the
+    last: something that comes and goes (a connection being replaced as a sample is
+    taken) is no growth; something that stays shows in all of them."""
+    ref = samples[ref_index]
+    end = {k: min(s[k] for s in samples[-settle:]) for k in samples[-1]}
     problems = []
     if end["fds"] > ref["fds"] + fd_slack:
         problems.append(f"fds grew from {ref['fds']} to {end['fds']}")
