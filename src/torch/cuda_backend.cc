@@ -504,11 +504,11 @@ bool MooncakeCudaBackend::on_plane(const std::vector<at::Tensor>& tensors,
 }
 
 bool MooncakeCudaBackend::on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list,
-                                        bool same_numel, std::optional<size_t> bytes) {
+                                        std::optional<size_t> bytes) {
   if (list.size() != static_cast<size_t>(size_) || !one.defined()) return false;
   std::vector<at::Tensor> all{one};
   for (const at::Tensor& t : list) {
-    if (!t.defined() || (same_numel && t.numel() != one.numel())) return false;
+    if (!t.defined() || t.numel() != one.numel()) return false;
     all.push_back(t);
   }
   return on_plane(all, bytes);
@@ -752,7 +752,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   if (inputs.size() == 1 && outputs.size() == 1 &&
-      on_plane_list(inputs[0], outputs[0], true, inputs[0].nbytes())) {
+      on_plane_list(inputs[0], outputs[0], inputs[0].nbytes())) {
     return staged("all_gather", Kind::kCollective, [&](Staging& s) {
       at::Tensor in = inputs[0];
       const DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
@@ -860,7 +860,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   if (inputs.size() == 1 && outputs.size() == 1 &&
-      on_plane_list(outputs[0], inputs[0], true, outputs[0].nbytes() * inputs[0].size())) {
+      on_plane_list(outputs[0], inputs[0], outputs[0].nbytes() * inputs[0].size())) {
     return staged("reduce_scatter", Kind::kCollective, [&](Staging& s) {
       std::vector<at::Tensor> ins = inputs[0];
       at::Tensor user_out = outputs[0];
@@ -979,9 +979,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Ten
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllToAllOptions& opts) {
   // As all_to_all_single: sizes differ between ranks, so any size takes the plane.
-  if (!inputs.empty() && outputs.size() == inputs.size() &&
-      on_plane_list(inputs[0], inputs, false, std::nullopt) &&
-      on_plane_list(inputs[0], outputs, false, std::nullopt)) {
+  std::vector<at::Tensor> all = inputs;
+  all.insert(all.end(), outputs.begin(), outputs.end());
+  if (inputs.size() == static_cast<size_t>(size_) && outputs.size() == inputs.size() &&
+      on_plane(all, std::nullopt)) {
     return staged("all_to_all", Kind::kCollective, [&](Staging& s) {
       std::vector<size_t> in_counts, out_counts;
       for (const at::Tensor& t : inputs) in_counts.push_back(elems(t));

@@ -123,8 +123,8 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // `bytes` nullopt: an op whose inputs differ in size between ranks (any fits).
   bool on_plane(const std::vector<at::Tensor>& tensors, std::optional<size_t> bytes);
   // The same for a list form: `list` holds one tensor per rank of the world,
-  // each with as many elements as `one` when `same_numel`.
-  bool on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list, bool same_numel,
+  // each with as many elements as `one`.
+  bool on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list,
                      std::optional<size_t> bytes);
   // On the op thread: `copy_in` queues this rank's input into its segment;
   // once it is there, `move(members, segments)` queues the op's reads of the
