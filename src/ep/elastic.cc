@@ -45,6 +45,11 @@ void ElasticConfig::validate() const {
   MC_CHECK_ARG(metadata_timeout_ms > 0, "create_elastic: metadata_timeout_ms must be > 0, got ",
                metadata_timeout_ms);
   MC_CHECK_ARG(chunk_bytes % 64 == 0, "chunk_bytes must be a multiple of 64, got ", chunk_bytes);
+  MC_CHECK_ARG(device_meta.size() <= kMaxDeviceMeta && device_meta != "-" &&
+                   std::none_of(device_meta.begin(), device_meta.end(),
+                                [](char c) { return c <= ' ' || c > '~'; }),
+               "update_memory_buffers: the device metadata must be at most ", kMaxDeviceMeta,
+               " printable bytes without spaces, not \"-\"");
 }
 
 ElasticPeers::ElasticPeers(const TransferEngine& engine, Store& store, ElasticConfig config)
@@ -64,7 +69,8 @@ ElasticPeers::ElasticPeers(const TransferEngine& engine, Store& store, ElasticCo
                                          /*one_bell=*/true);
   const std::string inc = std::to_string(incarnation_);
   store_.set(key("meta", config_.rank) + "/" + inc,
-             str(config_.capacity, " ", config_.local_experts));
+             str(config_.capacity, " ", config_.local_experts, " ",
+                 config_.device_meta.empty() ? std::string("-") : config_.device_meta));
   store_.set(key("cur", config_.rank), inc);
 }
 
@@ -80,7 +86,7 @@ std::string ElasticPeers::link_key(int from, int to) const {
   return config_.prefix + "link/" + std::to_string(from) + "/" + std::to_string(to);
 }
 
-uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
+uint32_t ElasticPeers::attach(int peer, const Deadline& deadline, std::string* device_meta) {
   // The process named by cur/<peer>, once it is alive: right after a death
   // the key still names the dead process until its replacement publishes.
   uint32_t inc = 0;
@@ -95,6 +101,8 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline) {
     RecordReader meta(store_.get(meta_key, 1000), "buffer metadata under '" + meta_key + "'");
     const int capacity = meta.number<int>("num_ranks", 1, kMaxCapacity);
     const int local_experts = meta.number<int>("num_experts_per_rank", 1);
+    *device_meta = meta.word("device metadata", ElasticConfig::kMaxDeviceMeta);
+    if (*device_meta == "-") device_meta->clear();
     meta.end();
     MC_CHECK_ARG(capacity == config_.capacity && local_experts == config_.local_experts,
                  "connect_ranks: rank ", peer, "'s buffer has num_ranks=", capacity,
@@ -136,7 +144,7 @@ void ElasticPeers::check_slots(const std::vector<int>& peers, const char* what) 
   }
 }
 
-void ElasticPeers::connect(const std::vector<int>& peers, bool activate) {
+void ElasticPeers::connect(const std::vector<int>& peers, bool activate, uint64_t calls) {
   std::lock_guard<std::mutex> admin(admin_mu_);
   check_slots(peers, "connect_ranks");
   for (int p : peers)
@@ -145,8 +153,9 @@ void ElasticPeers::connect(const std::vector<int>& peers, bool activate) {
                  "; call disconnect_ranks first to replace it");
   const Deadline deadline = metadata_deadline();
   std::vector<uint32_t> incs;
+  std::vector<std::string> metas(peers.size());
   try {
-    for (int p : peers) incs.push_back(attach(p, deadline));
+    for (size_t i = 0; i < peers.size(); ++i) incs.push_back(attach(peers[i], deadline, &metas[i]));
   } catch (...) {
     for (size_t i = 0; i < peers.size(); ++i) endpoint_->disconnect(peers[i]);
     throw;
@@ -160,12 +169,92 @@ void ElasticPeers::connect(const std::vector<int>& peers, bool activate) {
     peer.inc = incs[i];
     peer.send_gen = gen;
     peer.recv_gen = 0;
+    peer.device_meta = std::move(metas[i]);
     slots_.connect(p, false);
     MC_LOG(kInfo, "ep rank ", config_.rank, ": connected rank ", p, " (incarnation ", incs[i],
            ") over ", endpoint_->transport_of(p));
   }
   if (activate)
-    for (int p : peers) set_masked_locked(p, false);
+    for (int p : peers) set_masked_locked(p, false, calls);
+}
+
+void ElasticPeers::publish_calls(int peer, uint64_t calls) {
+  const Peer& p = peers_[static_cast<size_t>(peer)];
+  store_.set(config_.prefix + "calls/" + std::to_string(config_.rank) + "/" + std::to_string(peer),
+             str(incarnation_, " ", p.inc, " ", p.send_gen, " ", calls));
+}
+
+uint64_t ElasticPeers::await_call_count(int64_t timeout_ms) {
+  // Which peers to wait for, and on which connection, taken under the lock;
+  // the store waits happen without it (a connect may be waiting meanwhile).
+  struct Told {
+    int slot;
+    uint32_t inc;
+    uint64_t gen;
+  };
+  std::vector<Told> wanted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int q = 0; q < config_.capacity; ++q) {
+      Peer& p = peers_[static_cast<size_t>(q)];
+      if (p.count_pending && slots_.active(q)) wanted.push_back({q, p.inc, p.recv_gen});
+      p.count_pending = false;
+    }
+  }
+  const Deadline deadline = timeout_ms < 0 ? metadata_deadline() : Deadline::after_ms(timeout_ms);
+  uint64_t highest = 0;
+  for (const Told& t : wanted) {
+    const std::string k =
+        config_.prefix + "calls/" + std::to_string(t.slot) + "/" + std::to_string(config_.rank);
+    poll_store(deadline, [&] {
+      if (!store_.check(k)) return false;
+      RecordReader in(store_.get(k, 1000), "call count under '" + k + "'");
+      const uint32_t from = in.number<uint32_t>("from_incarnation");
+      const uint32_t to = in.number<uint32_t>("to_incarnation");
+      const uint64_t gen = in.number<uint64_t>("generation");
+      const uint64_t calls = in.number<uint64_t>("calls");
+      in.end();
+      // Told on this connection (or this restart of it), not an earlier one.
+      if (from != t.inc || to != incarnation_ || gen != t.gen) return false;
+      highest = std::max(highest, calls);
+      return true;
+    });
+  }
+  return highest;
+}
+
+bool ElasticPeers::count_pending() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::any_of(peers_.begin(), peers_.end(), [](const Peer& p) { return p.count_pending; });
+}
+
+void ElasticPeers::set_device_meta(const std::string& meta) {
+  std::lock_guard<std::mutex> admin(admin_mu_);
+  for (int p = 0; p < config_.capacity; ++p)
+    MC_CHECK_ARG(p == config_.rank || slots_.state(p) == SlotState::kDisconnected,
+                 "update_memory_buffers: num_rdma_bytes cannot change while rank ", p,
+                 " is connected (it mapped this buffer's device workspace); disconnect every "
+                 "peer first, or make a new Buffer");
+  ElasticConfig c = config_;
+  c.device_meta = meta;
+  c.validate();
+  config_.device_meta = meta;
+  store_.set(key("meta", config_.rank) + "/" + std::to_string(incarnation_),
+             str(config_.capacity, " ", config_.local_experts, " ", meta.empty() ? "-" : meta));
+}
+
+std::string ElasticPeers::device_meta(int peer) const {
+  check_slot(peer, "device_meta");
+  std::lock_guard<std::mutex> lock(mu_);
+  return slots_.state(peer) == SlotState::kDisconnected
+             ? std::string()
+             : peers_[static_cast<size_t>(peer)].device_meta;
+}
+
+void ElasticPeers::note_masked(int peer, const std::string& why) {
+  check_slot(peer, "note_masked");
+  std::lock_guard<std::mutex> lock(mu_);
+  mark_failed(peer, why);
 }
 
 uint64_t ElasticPeers::publish_send_gen(int peer, uint32_t peer_inc) {
@@ -200,12 +289,12 @@ uint64_t ElasticPeers::await_peer_gen(int peer, const Deadline& deadline) {
   return gen;
 }
 
-void ElasticPeers::set_masked(int peer, bool masked) {
+void ElasticPeers::set_masked(int peer, bool masked, uint64_t calls) {
   std::lock_guard<std::mutex> admin(admin_mu_);
-  set_masked_locked(peer, masked);
+  set_masked_locked(peer, masked, calls);
 }
 
-void ElasticPeers::set_masked_locked(int peer, bool masked) {
+void ElasticPeers::set_masked_locked(int peer, bool masked, uint64_t calls) {
   check_slot(peer, "update_mask_buffer");
   MC_CHECK_ARG(slots_.state(peer) != SlotState::kDisconnected, "update_mask_buffer: rank ", peer,
                " is not connected; call connect_ranks first");
@@ -222,12 +311,14 @@ void ElasticPeers::set_masked_locked(int peer, bool masked) {
   // mu_, so exchanges among the others go on meanwhile.
   bool restart = p.recv_gen == 0 || p.masked_since;
   if (restart && p.recv_gen != 0) p.send_gen = publish_send_gen(peer, p.inc);
+  publish_calls(peer, calls);  // with the generation this side sends with from now on
   const uint64_t gen = restart ? await_peer_gen(peer, metadata_deadline()) : p.recv_gen;
   std::lock_guard<std::mutex> lock(mu_);
   if (restart) {
     p.recv_gen = p.last_gen = gen;
     p.calls = 0;
     p.masked_since = false;
+    p.count_pending = true;
     channels_->restart(peer, p.send_gen, p.recv_gen, p.inc);
   }
   slots_.set_masked(peer, false);

@@ -11,11 +11,16 @@
 // Store keys (under `prefix`):
 //   inc/<slot>              counter: the incarnation of each process that holds the slot
 //   cur/<slot>              "<inc>": the process holding the slot now
-//   meta/<slot>/<inc>       "<capacity> <local experts>": checked at connect
+//   meta/<slot>/<inc>       "<capacity> <local experts> <device meta>": checked at
+//                           connect; the device meta ("-": none) is what a device
+//                           path needs to map the process's workspace
 //   addr/<slot>/<inc>       the Endpoint's address (transport/engine.h)
 //   link/<from>/<to>        "<from inc> <to inc> <gen>": the channel generation `from`
 //                           sends with on its latest connection to `to`
 //   gens                    counter: channel generations, unique in the store
+//   calls/<from>/<to>       "<from inc> <to inc> <gen> <calls>": the caller's call
+//                           count when `from` last published `to`, with the
+//                           generation it sends with since (see await_call_count)
 //
 // Connecting is one-sided and never waits for the peer to connect back: it
 // maps the peer's segment (waiting for its address up to the metadata
@@ -67,6 +72,10 @@ struct ElasticConfig {
   size_t chunk_bytes = 0;                // 0: MOONCAKE_CHUNK_BYTES
   int64_t hang_ms = -1;  // silence that fails a peer; 0: never; < 0: MOONCAKE_HANG_MS
   std::string prefix = "mooncake-ep/";  // store key namespace
+  // Published with the metadata for peers' device paths (an opaque word: no
+  // whitespace, at most kMaxDeviceMeta bytes); empty: none.
+  std::string device_meta;
+  static constexpr size_t kMaxDeviceMeta = 1024;
 
   // Throws an invalid-argument Error naming the field that breaks its rule.
   void validate() const;
@@ -87,10 +96,32 @@ class ElasticPeers {
   // fails (bad argument, refused, timed out), no slot changes. While the
   // process the store names for a slot is gone, waits for its replacement.
   // activate=false stages it (masked); activate=true publishes it at once.
-  void connect(const std::vector<int>& peers, bool activate);
-  // masked=false publishes a staged peer (see the header comment); masked=true
-  // masks an active one. Idempotent.
-  void set_masked(int peer, bool masked);
+  // `calls`: the caller's call count, published with each peer it publishes.
+  void connect(const std::vector<int>& peers, bool activate, uint64_t calls = 0);
+  // masked=false publishes a staged peer (see the header comment) and tells it
+  // `calls`; masked=true masks an active one. Idempotent.
+  void set_masked(int peer, bool masked, uint64_t calls = 0);
+  // A device path tags its signals with the caller's call count, which peers
+  // must share. Peers that ran calls without each other (one masked, or a
+  // new process) count differently: when a peer is (re)published, both sides
+  // tell their count, and before its next call each side moves up to the
+  // highest (every process that takes part in a call counts it). Returns the
+  // highest count told by the peers published since the last call, waiting
+  // up to timeout_ms (< 0: the metadata timeout) for each one's; a peer that
+  // has not told by then (it has not published this process) is left out;
+  // 0 when none has.
+  uint64_t await_call_count(int64_t timeout_ms);
+  // Whether a peer was published since the last await_call_count.
+  bool count_pending() const;
+  // Replaces this process's device meta in the store (a reallocated device
+  // workspace). Only while no peer is connected: connected peers mapped the
+  // old one.
+  void set_device_meta(const std::string& meta);
+  // The device meta of a connected peer's process ("" when it has none).
+  std::string device_meta(int peer) const;
+  // A device path found the peer silent past a deadline and masked it there:
+  // it is masked here too (publishing it again restarts the connection).
+  void note_masked(int peer, const std::string& why);
   // Releases the connections (staged or active).
   void disconnect(const std::vector<int>& peers);
 
@@ -123,25 +154,28 @@ class ElasticPeers {
 
  private:
   struct Peer {
-    uint32_t inc = 0;           // the process connected to (valid while connected)
-    uint64_t send_gen = 0;      // ours on this connection, chosen at connect
-    uint64_t recv_gen = 0;      // the peer's on this connection (0: not yet published)
-    uint64_t last_gen = 0;      // the newest peer generation taken from process `inc`
-    uint64_t calls = 0;         // exchanges with it since the channel restarted
-    bool masked_since = false;  // masked since the channel restarted: publishing restarts it
+    uint32_t inc = 0;            // the process connected to (valid while connected)
+    uint64_t send_gen = 0;       // ours on this connection, chosen at connect
+    uint64_t recv_gen = 0;       // the peer's on this connection (0: not yet published)
+    uint64_t last_gen = 0;       // the newest peer generation taken from process `inc`
+    uint64_t calls = 0;          // exchanges with it since the channel restarted
+    bool masked_since = false;   // masked since the channel restarted: publishing restarts it
+    std::string device_meta;     // of process `inc`
+    bool count_pending = false;  // published since the last await_call_count
   };
   std::string key(const std::string& what, int slot) const;
   std::string link_key(int from, int to) const;
   // Connects to the live process that holds `peer` and returns its
   // incarnation: waits for a replacement while the one the store names is
   // gone; checks that its capacity and local experts match ours.
-  uint32_t attach(int peer, const Deadline& deadline);
+  uint32_t attach(int peer, const Deadline& deadline, std::string* device_meta);
+  void publish_calls(int peer, uint64_t calls);
   // Draws a fresh generation for our messages to `peer` and publishes it.
   uint64_t publish_send_gen(int peer, uint32_t peer_inc);
   // Waits for the peer's generation of this connection (admin_mu_ held).
   uint64_t await_peer_gen(int peer, const Deadline& deadline);
-  void mark_failed(int peer, const std::string& why);  // mu_ held
-  void set_masked_locked(int peer, bool masked);       // admin_mu_ held
+  void mark_failed(int peer, const std::string& why);             // mu_ held
+  void set_masked_locked(int peer, bool masked, uint64_t calls);  // admin_mu_ held
   void check_slot(int peer, const char* what) const;
   // Every slot in range, not this rank's, and listed once.
   void check_slots(const std::vector<int>& peers, const char* what) const;

@@ -52,7 +52,7 @@ void register_ep_elastic(py::module_& m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store,
                        const std::shared_ptr<TransferEngine>& engine, int rank, int capacity,
                        int local_experts, int64_t timeout_ms, int64_t metadata_timeout_ms,
-                       const std::string& prefix) {
+                       const std::string& prefix, const std::string& device_meta) {
              MC_CHECK_ARG(engine != nullptr, "ElasticPeers: engine is None");
              ElasticConfig c;
              c.rank = rank;
@@ -61,6 +61,7 @@ void register_ep_elastic(py::module_& m) {
              c.timeout_ms = timeout_ms;
              c.metadata_timeout_ms = metadata_timeout_ms;
              c.prefix = prefix;
+             c.device_meta = device_meta;
              auto h = std::make_unique<ElasticHandle>();
              h->store = std::make_unique<C10dStore>(store);
              h->peers = std::make_unique<ElasticPeers>(*engine, *h->store, c);
@@ -68,17 +69,40 @@ void register_ep_elastic(py::module_& m) {
            }),
            py::arg("store"), py::arg("engine"), py::arg("rank"), py::arg("capacity"),
            py::arg("local_experts"), py::arg("timeout_ms"), py::arg("metadata_timeout_ms"),
-           py::arg("prefix"), py::call_guard<py::gil_scoped_release>())
+           py::arg("prefix"), py::arg("device_meta") = "", py::call_guard<py::gil_scoped_release>())
       .def(
           "connect",
-          [](ElasticHandle& h, const std::vector<int>& peers, bool activate) {
-            h.peers->connect(peers, activate);
+          [](ElasticHandle& h, const std::vector<int>& peers, bool activate, uint64_t calls) {
+            h.peers->connect(peers, activate, calls);
           },
-          py::arg("peers"), py::arg("activate"), py::call_guard<py::gil_scoped_release>())
+          py::arg("peers"), py::arg("activate"), py::arg("calls") = 0,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "set_masked",
-          [](ElasticHandle& h, int peer, bool masked) { h.peers->set_masked(peer, masked); },
-          py::arg("peer"), py::arg("masked"), py::call_guard<py::gil_scoped_release>())
+          [](ElasticHandle& h, int peer, bool masked, uint64_t calls) {
+            h.peers->set_masked(peer, masked, calls);
+          },
+          py::arg("peer"), py::arg("masked"), py::arg("calls") = 0,
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "await_call_count",
+          [](ElasticHandle& h, int64_t timeout_ms) {
+            return h.peers->await_call_count(timeout_ms);
+          },
+          py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_device_meta",
+          [](ElasticHandle& h, const std::string& meta) { h.peers->set_device_meta(meta); },
+          py::arg("meta"), py::call_guard<py::gil_scoped_release>())
+      .def("count_pending", [](const ElasticHandle& h) { return h.peers->count_pending(); })
+      .def("device_meta",
+           [](const ElasticHandle& h, int peer) { return h.peers->device_meta(peer); })
+      .def(
+          "note_masked",
+          [](ElasticHandle& h, int peer, const std::string& why) {
+            h.peers->note_masked(peer, why);
+          },
+          py::arg("peer"), py::arg("why"))
       .def(
           "disconnect",
           [](ElasticHandle& h, const std::vector<int>& peers) { h.peers->disconnect(peers); },

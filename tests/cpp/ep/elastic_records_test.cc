@@ -72,8 +72,8 @@ TEST_P(ElasticRecords, AMalformedRecordFailsTheCallThatReadsItAndChangesNothing)
       ASSERT_EQ(good_cur, "0");
       for (const char* bad : {"", "x", "-1", "+0", " 0", "0x0", "4294967296"}) refused(cur, bad);
       r.store.set(cur, good_cur);
-      for (const char* bad :
-           {"", "2", "2 2 2", "0 2", "2 0", "x 2", "2 -1", "1048577 2", "2  2", "2 2\n\n"})
+      for (const char* bad : {"", "2", "2 2", "0 2 -", "2 0 -", "x 2 -", "2 -1 -", "1048577 2 -",
+                              "2  2 -", "2 2 - x", "2 2 -\n\n"})
         refused(meta, bad);
       r.store.set(meta, good_meta);
       peers->connect({1}, false);

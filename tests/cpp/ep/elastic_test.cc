@@ -189,6 +189,9 @@ TEST(ElasticConfig, ValidateNamesTheBrokenField) {
   EXPECT_TRUE(bad([](ElasticConfig& c) { c.timeout_ms = 0; }, "timeout_ms must be > 0 or -1"));
   EXPECT_TRUE(bad([](ElasticConfig& c) { c.metadata_timeout_ms = 0; }, "metadata_timeout_ms"));
   EXPECT_TRUE(bad([](ElasticConfig& c) { c.chunk_bytes = 100; }, "multiple of 64, got 100"));
+  EXPECT_TRUE(bad([](ElasticConfig& c) { c.device_meta = "a b"; }, "device metadata"));
+  EXPECT_TRUE(bad([](ElasticConfig& c) { c.device_meta = "-"; }, "device metadata"));
+  EXPECT_TRUE(bad([](ElasticConfig& c) { c.device_meta.assign(1025, 'x'); }, "device metadata"));
   EXPECT_NO_THROW(config(3, 4).validate());
   // A buffer with a bad config leaves nothing in the store.
   TempDir dir;
@@ -513,6 +516,57 @@ TEST_P(ElasticPeersTest, PublishingAfterAMaskRestartsTheChannel) {
         << (peers->events().empty() ? "no event" : peers->events().back());
     EXPECT_TRUE(arrived(x, other, r.rank, 3)) << "rank " << r.rank << " took stale data";
     EXPECT_EQ(peers->events().size(), events_before);
+  });
+}
+
+// What a device path needs from the peers: each connected process's device
+// metadata, and the call counts peers tell each other when they publish one
+// another. Slots 0 and 1 have called 7 times when slot 2's process joins;
+// slot 3 is published by slot 2 but never publishes it back, and is left out
+// of the count after the wait.
+TEST_P(ElasticPeersTest, DeviceMetaAndCallCountsReachThePeers) {
+  const bool tcp = this->tcp();
+  run_ranks(4, [&](Rank& r) {
+    ElasticConfig c = config(r.rank, 4);
+    if (r.rank < 2) c.device_meta = "dev" + std::to_string(r.rank);
+    auto peers = make_peers(r, tcp, c);
+    if (r.rank < 2) {
+      const int other = 1 - r.rank;
+      peers->connect({other}, /*activate=*/true, /*calls=*/0);
+      EXPECT_EQ(peers->device_meta(other), "dev" + std::to_string(other));
+      EXPECT_TRUE(peers->count_pending());
+      EXPECT_EQ(peers->await_call_count(3000), 0u);
+      EXPECT_FALSE(peers->count_pending());
+      store_barrier(r.store, "pair", r.rank, 2);
+      peers->connect({2}, /*activate=*/false);
+      EXPECT_EQ(peers->device_meta(2), "");
+      peers->set_masked(2, false, /*calls=*/7);
+      EXPECT_EQ(peers->await_call_count(3000), 0u) << "slot 2 is new: it told 0";
+      EXPECT_EQ(peers->barrier(5000), only(4, {0, 1, 2}));
+    } else if (r.rank == 2) {
+      peers->connect({0, 1, 3}, /*activate=*/false);
+      EXPECT_FALSE(peers->count_pending()) << "staged peers tell nothing";
+      for (int q : {0, 1}) peers->set_masked(q, false, 0);
+      EXPECT_EQ(peers->device_meta(0), "dev0");
+      EXPECT_EQ(peers->device_meta(1), "dev1");
+      const int64_t start = mooncake::now_us();
+      EXPECT_EQ(peers->await_call_count(3000), 7u);
+      EXPECT_LT((mooncake::now_us() - start) / 1000, 3000) << "slots 0 and 1 told their count";
+      EXPECT_EQ(peers->barrier(5000), only(4, {0, 1, 2}));
+      peers->set_masked(3, false);  // slot 3 never publishes this process: no count from it
+      const int64_t before = mooncake::now_us();
+      EXPECT_EQ(peers->await_call_count(300), 0u) << "slot 3 left out after the wait";
+      EXPECT_GE((mooncake::now_us() - before) / 1000, 250);
+      EXPECT_FALSE(peers->count_pending());
+      peers->note_masked(3, "test: silent on the device");
+      EXPECT_EQ(peers->slots().state(3), SlotState::kStaged);
+      ASSERT_EQ(peers->events().size(), 1u);
+      EXPECT_EQ(peers->events()[0], "test: silent on the device");
+      store_barrier(r.store, "slot 2 done", 0, 2);
+    } else {
+      peers->connect({2}, /*activate=*/false);  // publishes the link key, not a count
+      store_barrier(r.store, "slot 2 done", 1, 2);
+    }
   });
 }
 
