@@ -22,6 +22,10 @@ dispatch in FP8 and BF16, combine in BF16. For each case it times:
 - ``portable``: the portable path on the same GPU tensors, where the build can
   run it (it needs a ``mooncake`` CUDA backend; skipped otherwise).
 
+``--elastic CAP`` runs the same calls on an elastic buffer (``Buffer.create_elastic``)
+of CAP slots, the processes in slots 0 .. W-1, its workspace sized for the capacity:
+what the slot masks and the larger layout cost against a process group's buffer.
+
 With ``--worlds 2,4`` it also runs 2 and 4 processes sharing the GPU (each
 call after a barrier; the slowest rank's median is reported; ``kernel`` there
 is the dispatch graph alone). Run those
@@ -90,10 +94,11 @@ def payload_bytes(H: int, fp8: bool) -> int:
     return H + 4 * (H // 128) if fp8 else 2 * H
 
 
-def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None) -> dict:
+def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None, elastic=False) -> dict:
     sets = make_inputs(T, H, E, K, 4, seed=1234 + rank)
-    # A mask tensor, as engines pass one (and as the upstream benchmark does).
-    active = torch.ones(buf.num_ranks, dtype=torch.int32, device="cuda")
+    # A mask tensor, as engines pass one (and as the upstream benchmark does); an
+    # elastic buffer's calls use its own slot mask (already on the device).
+    active = None if elastic else torch.ones(buf.num_ranks, dtype=torch.int32, device="cuda")
     i = [0]
 
     def nxt():
@@ -233,18 +238,43 @@ def member(rank: int, world: int, port: int, cfg: dict) -> list[dict]:
     init_rank(rank, world, port)
     group = dist.group.WORLD
     T, H, K = cfg["T"], cfg["H"], cfg["K"]
-    hint = max(Buffer.get_ep_buffer_size_hint(T, H, world, E) for E in cfg["experts"])
-    buf = Buffer(group, hint, device="cuda")
+    cap = cfg.get("elastic", 0)
+    if cap:
+        buf = elastic_buffer(rank, world, cap, T, H, cfg["experts"][0])
+    else:
+        hint = max(Buffer.get_ep_buffer_size_hint(T, H, world, E) for E in cfg["experts"])
+        buf = Buffer(group, hint, device="cuda")
     barrier = (lambda: dist.barrier(group)) if world > 1 else None
     rows = []
-    for E in cfg["experts"]:
+    for E in cfg["experts"][:1] if cap else cfg["experts"]:
         for fp8 in cfg["fp8"]:
-            r = measure_case(buf, T, H, E, K, fp8, cfg["iters"], cfg["warmup"], rank, barrier)
+            r = measure_case(
+                buf, T, H, E, K, fp8, cfg["iters"], cfg["warmup"], rank, barrier, bool(cap)
+            )
             moved = T * K * payload_bytes(H, fp8)
             r["dispatch_floor_us"] = floor_us(moved, cfg["iters"], barrier)
             r["combine_floor_us"] = floor_us(T * K * 2 * H, cfg["iters"], barrier)
             rows.append(r)
     return rows
+
+
+def elastic_buffer(rank: int, world: int, capacity: int, T: int, H: int, E: int):
+    """An elastic buffer for slot ``rank`` of ``capacity``, its workspace sized for the
+    capacity, connected to the other ``world - 1`` processes (slots 0 .. world-1)
+    through the process group's store; its calls cover ``world`` slots."""
+    import torch.distributed as dist
+
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    epr = E // world
+    store = dist.distributed_c10d._get_default_store()
+    buf = Buffer.create_elastic(rank, store, timeout_ms=60000, store_prefix="bench-elastic/")
+    hint = Buffer.get_ep_buffer_size_hint(T, H, capacity, epr * capacity)
+    buf.update_memory_buffers(num_ranks=capacity, num_experts_per_rank=epr, num_rdma_bytes=hint)
+    peers = [r for r in range(world) if r != rank]
+    if peers:
+        buf.connect_ranks(peers, activate=True)
+    return buf
 
 
 def summarize(rows_by_rank: list[list[dict]]) -> list[dict]:
@@ -318,6 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="30 timed calls, 5 warm-up")
     p.add_argument("--upstream", default=None, help="bench_ep_upstream.py's JSON")
+    p.add_argument(
+        "--elastic",
+        type=int,
+        default=0,
+        help="CAP: an elastic buffer of CAP slots (Buffer.create_elastic) instead of a "
+        "process group's, its calls covering the processes' slots; the first of --experts",
+    )
     p.add_argument("--out-dir", default=str(HERE / "results"))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -333,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "fp8": [bool(int(f)) for f in a.fp8.split(",")],
         "iters": 30 if a.quick else a.iters,
         "warmup": 5 if a.quick else a.warmup,
+        "elastic": a.elastic,
     }
     up = upstream_rows(a.upstream)
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "worlds": {}}
@@ -340,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         rows = summarize(run_local(member, world, args=(cfg,), timeout_s=560))
         results["worlds"][world] = rows
-        print(table(world, rows, up if world == 1 else {}))
+        if a.elastic:
+            print(f"elastic buffer, capacity {a.elastic}, {world} slots active:")
+        print(table(world, rows, up if world == 1 and not a.elastic else {}))
         for r in rows:
             print(
                 f"  E={r['E']} {'FP8' if r['fp8'] else 'BF16'}: host time in dispatch "
@@ -349,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(world {world}: {time.monotonic() - t0:.0f} s)\n")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ep_device.json").write_text(json.dumps(results, indent=1))
+    results["elastic_capacity"] = a.elastic
+    name = f"ep_device_elastic{a.elastic}.json" if a.elastic else "ep_device.json"
+    (out / name).write_text(json.dumps(results, indent=1))
     return 0
 
 

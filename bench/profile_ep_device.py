@@ -103,7 +103,20 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         def ext_dispatch(outputs=None, fp8=fp8, seq=seq):
             seq[0] += 1
             return dev.ext.dispatch(
-                x, idx, active, None, outputs, T, E, seq[0], 10**9, fp8, 3, dev.num_blocks
+                x,
+                idx,
+                active,
+                None,
+                None,
+                outputs,
+                T,
+                E,
+                world,
+                seq[0],
+                10**9,
+                fp8,
+                3,
+                dev.num_blocks,
             )
 
         outs = ext_dispatch()
@@ -124,7 +137,20 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         )
         host[f"{tag} ext.dispatch, send phase, outputs given"] = host_us(
             lambda outs=outs, fp8=fp8: dev.ext.dispatch(
-                x, idx, active, None, outs, T, E, buf._seq + 1, 10**9, fp8, 1, dev.num_blocks
+                x,
+                idx,
+                active,
+                None,
+                None,
+                outs,
+                T,
+                E,
+                world,
+                buf._seq + 1,
+                10**9,
+                fp8,
+                1,
+                dev.num_blocks,
             )
         )
         res[f"{tag} dispatch back-to-back us"] = back_to_back_us(

@@ -59,7 +59,12 @@ def rank_main(slot: int, port: int, device: str, role: str) -> None:
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     buf = Buffer.create_elastic(slot, store, timeout_ms=5000, metadata_timeout_ms=60000)
-    buf.update_memory_buffers(num_ranks=CAPACITY, num_experts_per_rank=EPR)
+    # With CUDA tensors, a workspace makes the calls run the device path's kernels over
+    # the peers' mapped workspaces (without one they are staged through host memory).
+    hint = Buffer.get_ep_buffer_size_hint(T, H, CAPACITY, EPR * CAPACITY)
+    buf.update_memory_buffers(
+        num_ranks=CAPACITY, num_experts_per_rank=EPR, num_rdma_bytes=hint if device == "cuda" else 0
+    )
 
     def join(peers):
         buf.connect_ranks(peers)  # staged
@@ -83,7 +88,7 @@ def rank_main(slot: int, port: int, device: str, role: str) -> None:
         sync(store, "grown", 4)
         for step in range(2, 4):
             active, err = run_round(buf, step, device)
-        say(f"4 ranks: active {active}, max relative error {err:.1e}")
+        say(f"4 ranks: active {active}, max relative error {err:.1e} ({buf.path} path)")
         sync(store, "kill", 4)
         if slot == 3:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -105,7 +110,7 @@ def rank_main(slot: int, port: int, device: str, role: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cpu", help="cpu or cuda (staged through host memory)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the device path's kernels)")
     args = p.parse_args()
     import torch.distributed as dist
 

@@ -3,8 +3,9 @@
 # (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
 # and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
-# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench pgcuda epdev epprof
-# epbench"; the build always runs, incrementally), so a run can be split over device calls.
+# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench pgcuda epdev epelastic
+# epprof epbench"; the build always runs, incrementally), so a run can be split over device
+# calls.
 #   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
 #            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS), then
@@ -12,6 +13,10 @@
 #   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
 #            the GPU, under MPS when it starts), then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
+#   epelastic: the elastic EP buffer on the device path: tests/python/test_ep_elastic_device.py
+#            (growth and the connection contract under MPS, kills and replacements without
+#            it; 1-4 processes on the GPU), then bench_ep_device.py at 2 processes with a process group's
+#            buffer and with an elastic one of capacity 8;
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
@@ -30,7 +35,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench pgcuda epdev epprof epbench} "
+STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench pgcuda epdev epelastic epprof epbench} "
 step() { echo "== $1"; }
 # sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
 # log in $OUT/LOG_STEM_TOOL.log; any error fails the run.
@@ -146,6 +151,29 @@ if wants epdev; then
   stop_mps
   step "EP device path: compute-sanitizer"
   sanitize tests/python/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS:-memcheck racecheck}
+fi
+
+if wants epelastic; then
+  step "elastic EP buffer, device path: tests (growth and contract under MPS, kills without)"
+  # Under MPS a process killed while its kernel runs makes the server report a fatal
+  # error to every client on the GPU (MPS shares fatal errors among a GPU's clients):
+  # the kill test runs without it (docs/failures.md).
+  start_mps
+  timeout 900 "$PY" -m pytest tests/python/test_ep_elastic_device.py -k "not kills" -q \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_ep_elastic_device.log" | tail -8 \
+    || status=1
+  stop_mps
+  timeout 400 "$PY" -m pytest tests/python/test_ep_elastic_device.py -k kills -q \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_ep_elastic_device.log" | tail -8 \
+    || status=1
+  start_mps
+  step "elastic EP buffer, device path: against a process group's buffer (2 processes, MPS)"
+  mkdir -p "$OUT/bench"
+  for cap in 0 8; do
+    timeout 300 "$PY" bench/bench_ep_device.py --worlds 2 --experts 256 --quick --elastic $cap \
+      --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_elastic.log" | tail -8 || status=1
+  done
+  stop_mps
 fi
 
 if wants epprof; then

@@ -65,78 +65,82 @@ def _boot_id() -> bytes:
         return b""
 
 
-class DevicePath:
-    """One Buffer's device workspace and its peers' mappings.
+def encode_row(handle: bytes, bus_id: str) -> bytes:
+    """What peers need to map a workspace: its handle, this host's boot id (mapping
+    works on one host only), the GPU's bus id, and a presence byte."""
+    row = bytearray(_ROW_BYTES)
+    boot, bus = _boot_id(), bus_id.encode()[:16]
+    row[0:64] = handle
+    row[64 : 64 + len(boot)] = boot
+    row[104 : 104 + len(bus)] = bus
+    row[124] = 1  # present
+    return bytes(row)
 
-    Collective: every rank of the group constructs it at the same time (and
-    calls :meth:`connect` together after membership changes).
+
+def decode_row(row: bytes) -> tuple[bool, bytes, bytes, bytes]:
+    """``(present, handle, boot id, bus id)`` of a row from :func:`encode_row` (an empty
+    or short row: absent)."""
+    if len(row) != _ROW_BYTES or row[124] != 1:
+        return False, b"", b"", b""
+    return True, row[0:64], row[64:104].rstrip(b"\0"), row[104:120].rstrip(b"\0")
+
+
+def same_host(boot: bytes) -> bool:
+    """Whether a peer whose boot id is ``boot`` runs on this host (so it can be mapped)."""
+    mine = _boot_id()
+    return bool(mine) and boot == mine
+
+
+class DevicePath:
+    """One Buffer's device workspace, its peers' mappings and its launches.
+
+    Its members (``_ep_group.GroupMembers`` or ``_ep_elastic.Slots``) decide who is
+    mapped and when: a group maps every member at once (:meth:`GroupMembers.connect_device`),
+    an elastic buffer one slot at a time as it connects them. They also give each call
+    its masks and take the ranks the kernels masked (``device_masks``,
+    ``device_masked``).
     """
 
-    def __init__(self, group, num_bytes: int, device: torch.device, rank: int, num_ranks: int):
-        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+    def __init__(self, members, num_bytes: int, device: torch.device):
+        self.members, self.rank = members, members.rank
         self.device = device
         self.ext = pg._ext.EpDevice(num_bytes, device.index)
-        self.reachable: list[bool] = [False] * num_ranks
+        self.reachable: list[bool] = []
         self.num_blocks = 1
         self._comm: torch.cuda.Stream | None = None  # async_finish's stream
         self._cap_ns = _env_int("MOONCAKE_EP_WAIT_CAP_MS") * 1_000_000  # timeout_us == -1
-        self.usable = False
+        self.usable = False  # whether every member that takes part is mapped
         self._forced_off = forced_off()
-        self._backend = pg._backend_of(group)
-        self._mask_version = -1  # the group's view_version that _mask_dev shows
-        self._mask_dev = torch.zeros(0, dtype=torch.int32)
-        self._mask_events: list[str] = []
         self._checked_dispatch: tuple | None = None  # the last call shapes that passed
         self._checked_combine: tuple | None = None
         self._combine_views: dict[tuple, torch.Tensor] = {}  # combine_buffer's, per half and shape
-        self.connect()
 
-    def connect(self) -> None:
-        """Exchanges workspace handles through the group and maps every same-host peer."""
-        mine = bytearray(_ROW_BYTES)
-        handle = self.ext.handle()
-        boot, bus = _boot_id(), self.ext.bus_id.encode()[:16]
-        mine[0:64] = handle
-        mine[64 : 64 + len(boot)] = boot
-        mine[104 : 104 + len(bus)] = bus
-        mine[124] = 1  # present
-        row = torch.frombuffer(mine, dtype=torch.uint8).clone()
-        rows = torch.zeros(self.num_ranks * _ROW_BYTES, dtype=torch.uint8)
-        pg._backend_of(self.group)._allgather_base(rows, row).wait()
-        rows = rows.reshape(self.num_ranks, _ROW_BYTES)
-        handles, present, sharing = [], [], 0
-        for r in range(self.num_ranks):
-            theirs = bytes(rows[r].tolist())
-            present.append(theirs[124] == 1)
-            same_host = bool(boot) and theirs[124] == 1 and theirs[64:104].rstrip(b"\0") == boot
-            handles.append(theirs[0:64] if same_host and r != self.rank else b"")
-            if same_host and theirs[104:120].rstrip(b"\0") == bus:
-                sharing += 1
-        self.reachable = self.ext.connect(handles, self.rank)
-        # A member that dies later stays mapped (its memory outlives it): the kernels
-        # mask it. So whether every member is mapped is settled here, once.
-        self.usable = all(m for m, p in zip(self.reachable, present, strict=True) if p)
-        # Every block of a launch must be resident at once (blocks wait for each
-        # other's stores), and ranks sharing this GPU run their kernels side by side.
-        self.num_blocks = max(1, self.ext.sm_count // max(1, sharing))
+    def row(self) -> bytes:
+        """This workspace's row for the peers (:func:`encode_row`)."""
+        return encode_row(self.ext.handle(), self.ext.bus_id)
 
-    def poll_events(self) -> list[str]:
-        """Mask events the kernels reported since the last poll (an error report is
-        kept for :meth:`raise_reported`)."""
-        code, d0, _, _ = self.ext.status(clear=False)
-        if code != _SILENT:
-            return []
-        self.ext.status(clear=True)
-        return [_silent(d0)]
+    def share_gpu(self, processes: int) -> None:
+        """Every block of a launch must be resident at once (blocks wait for each
+        other's stores), and ``processes`` processes on this GPU (this one included) run
+        their kernels side by side: each takes its share of the SMs."""
+        self.num_blocks = max(1, self.ext.sm_count // max(1, processes))
 
-    def raise_reported(self, what: str) -> list[str]:
-        """Raises what an earlier kernel on this rank reported; returns mask events
-        (peers masked for silence), which are not errors."""
+    def poll(self) -> None:
+        """Hands the ranks kernels masked for silence to the members and clears that
+        report (an error report is kept for :meth:`raise_reported`). Reads host-mapped
+        words: no wait for the device, so a kernel still running may mask more later."""
+        for r in self.ext.take_silent():
+            self.members.device_masked(r, _silent(r))
+        if self.ext.status_code() == _SILENT:
+            self.ext.status(clear=True)
+
+    def raise_reported(self, what: str) -> None:
+        """As :meth:`poll`, then raises what an earlier kernel on this rank reported."""
+        for r in self.ext.take_silent():
+            self.members.device_masked(r, _silent(r))
         code, d0, d1, _ = self.ext.status(clear=True)
-        if code == 0:
-            return []
-        if code == _SILENT:
-            return [_silent(d0)]
+        if code in (0, _SILENT):
+            return
         if code == _BAD_EXPERT:
             raise ValueError(
                 f"{what}: an earlier dispatch on this rank had topk_idx holding expert {d0} "
@@ -178,22 +182,6 @@ class DevicePath:
             and not self._forced_off
         )
 
-    def mask_events(self) -> list[str]:
-        self._mask_events += self.poll_events()
-        return list(self._mask_events)
-
-    def _mask(self, buf, active_ranks, num_ranks: int, device) -> torch.Tensor:
-        """The kernels' mask: ``active_ranks``, or the group's view kept on the device
-        (copied again only when the view changes: reading it costs several torch ops,
-        more than the launch)."""
-        if active_ranks is not None:
-            return active_ranks
-        version = self._backend.view_version()
-        if version != self._mask_version or self._mask_dev.numel() != num_ranks:
-            now = buf._members.present(num_ranks).to(torch.int32)
-            self._mask_version, self._mask_dev = version, now.to(device)
-        return self._mask_dev
-
     @staticmethod
     def _call_error(x, topk_idx) -> str | None:
         if x.dtype not in (torch.bfloat16, torch.float16):
@@ -212,12 +200,16 @@ class DevicePath:
     ):
         """``buf.dispatch`` on this path (``buf``: the Buffer, for its members, workspace
         size and call numbers)."""
-        R = self.num_ranks
+        if self.ext.status_code():  # first: it may mask slots, which R depends on
+            self.raise_reported("dispatch")
+        members = self.members
+        R = members.call_ranks(E)
         # The checks need no tensor values, so a call shaped like the last good one
         # passes them too: skip them (they cost more than the launch).
         key = (
             x.shape, x.dtype, x.device, topk_idx.shape, topk_idx.dtype, topk_idx.device, T, E,
-            timeout_us, use_fp8, async_finish, hook, tensor_key(active_ranks), tensor_key(stats),
+            R, timeout_us, use_fp8, async_finish, hook, tensor_key(active_ranks),
+            tensor_key(stats),
         )  # fmt: skip
         if key != self._checked_dispatch:
             error = _checks.dispatch_error(
@@ -228,13 +220,14 @@ class DevicePath:
             if error:
                 raise ValueError(f"dispatch: {error}")
             self._checked_dispatch = key
-        if self.ext.status_code():
-            self._mask_events += self.raise_reported("dispatch")
+        if members.count_pending:  # an elastic buffer published peers: join their count
+            buf._seq = max(buf._seq, members.told_count(timeout_us))
         seq = buf._seq + 1
-        mask = self._mask(buf, active_ranks, R, x.device)
+        active, slots = members.device_masks(active_ranks, R, x.device)
         recv_x, recv_count, src_info, layout_range, event, recv_hook = self.dispatch(
-            x, topk_idx, mask, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
-        )
+            x, topk_idx, active, slots, T, E, R, seq, timeout_us, use_fp8, async_finish, hook,
+            stats,
+        )  # fmt: skip
         buf._seq, buf.path = seq, "device"
         dtype = torch.bfloat16 if use_fp8 else x.dtype
         state = HandleState(buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, event)
@@ -279,20 +272,22 @@ class DevicePath:
                 if error:
                     raise ValueError(f"combine: {error}")
         if self.ext.status_code():
-            self._mask_events += self.raise_reported("combine")
+            self.raise_reported("combine")
         if state.event is not None:  # the dispatch ran on the communication stream
             torch.cuda.current_stream(x.device).wait_event(state.event)
         R = handle.layout_range.shape[1]
-        mask = self._mask(buf, active_ranks, R, x.device)
+        active, slots = self.members.device_masks(active_ranks, R, x.device)
         result, event, recv_hook = self.combine(
             x,
             handle.layout_range,
             topk_idx,
             topk_weights,
-            mask,
+            active,
+            slots,
             out,
             handle.num_max_dispatch_tokens_per_rank,
             handle.num_experts,
+            R,
             state.seq,
             timeout_us,
             af,
@@ -306,12 +301,13 @@ class DevicePath:
         """The zero-copy combine buffer of ``handle``'s half: the workspace's rows
         region, where the token owners read the expert outputs."""
         state = handle.state
+        R = handle.layout_range.shape[1]
         key = (state.seq % 2, handle.num_max_dispatch_tokens_per_rank, handle.hidden,
-               handle.num_experts, state.dtype)  # fmt: skip
+               handle.num_experts, R, state.dtype)  # fmt: skip
         view = self._combine_views.get(key)
         if view is None:
             like = torch.empty(0, dtype=state.dtype)
-            view = self.ext.combine_buffer(key[1], key[2], key[3], state.seq, like)
+            view = self.ext.combine_buffer(key[1], key[2], key[3], R, state.seq, like)
             self._combine_views[key] = view
         return view
 
@@ -321,8 +317,9 @@ class DevicePath:
         return self._cap_ns if timeout_us == -1 else min(timeout_us * 1000, 2**62)
 
     def dispatch(
-        self, x, topk_idx, active, T, E, seq, timeout_us, use_fp8, async_finish, hook, stats
-    ):
+        self, x, topk_idx, active, slots, T, E, R, seq, timeout_us, use_fp8, async_finish, hook,
+        stats,
+    ):  # fmt: skip
         """Launches a dispatch; returns ``(recv_x, recv_count, src_info, layout_range,
         event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
         None and ``recv_hook`` the receive half's launcher (hook) or None."""
@@ -330,46 +327,49 @@ class DevicePath:
         event = recv_hook = None
         if not (hook or async_finish):  # the usual call: no closures (host time is latency)
             outputs = launch(
-                x, topk_idx, active, stats, None, T, E, seq, timeout_ns, use_fp8, _BOTH, blocks
-            )
+                x, topk_idx, active, slots, stats, None, T, E, R, seq, timeout_ns, use_fp8,
+                _BOTH, blocks,
+            )  # fmt: skip
         else:
             outputs = None
 
             def run(phases: int) -> None:
                 nonlocal outputs
                 outputs = launch(
-                    x, topk_idx, active, stats, outputs, T, E, seq, timeout_ns, use_fp8, phases,
-                    blocks,
+                    x, topk_idx, active, slots, stats, outputs, T, E, R, seq, timeout_ns,
+                    use_fp8, phases, blocks,
                 )  # fmt: skip
 
             event, recv_hook = self._run(run, async_finish, hook)
             if event is not None:
-                for t in (x, topk_idx, active, *outputs, *(() if stats is None else (stats,))):
+                extra = tuple(t for t in (slots, stats) if t is not None)
+                for t in (x, topk_idx, active, *outputs, *extra):
                     t.record_stream(self._comm)  # made on the caller's stream, used on ours
         data, scales, recv_count, src_info, layout_range = outputs
         recv_x = (data, scales) if use_fp8 else data
         return recv_x, recv_count, src_info, layout_range, event, recv_hook
 
     def combine(
-        self, x, layout_range, topk_idx, weights, active, out, T, E, seq, timeout_us,
+        self, x, layout_range, topk_idx, weights, active, slots, out, T, E, R, seq, timeout_us,
         async_finish, hook,
     ):  # fmt: skip
         """Launches a combine; returns ``(out, event, recv_hook)`` as dispatch."""
         launch, blocks, timeout_ns = self.ext.combine, self.num_blocks, self.timeout_ns(timeout_us)
-        args = (x, layout_range, topk_idx, weights, active)
+        args = (x, layout_range, topk_idx, weights, active, slots)
         if not (hook or async_finish):
-            result = launch(*args, out, T, E, seq, timeout_ns, _BOTH, blocks)
+            result = launch(*args, out, T, E, R, seq, timeout_ns, _BOTH, blocks)
             return result, None, None
         result = out
 
         def run(phases: int) -> None:
             nonlocal result
-            result = launch(*args, result, T, E, seq, timeout_ns, phases, blocks)
+            result = launch(*args, result, T, E, R, seq, timeout_ns, phases, blocks)
 
         event, recv_hook = self._run(run, async_finish, hook)
         if event is not None:
             for t in (*args, result):
-                t.record_stream(self._comm)
+                if t is not None:
+                    t.record_stream(self._comm)
         return result, event, recv_hook
 
     def _run(self, run, async_finish: bool, hook: bool):

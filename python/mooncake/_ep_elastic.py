@@ -16,19 +16,34 @@ range that are not active send and receive nothing, as ranks marked 0 do in
 ``active_ranks``. ``recv_x`` is ``[E/R, R*T, H]`` with columns per source slot,
 so a sparse set such as {0, 3} keeps its global-rank layout.
 
-CUDA tensors are staged through host memory; the exchange itself is the
-core's (shm on one host, tcp across hosts).
+With a device workspace (``num_rdma_bytes > 0`` on a machine with CUDA and a
+CUDA build), CUDA tensors run the device path's kernels (``_ep_device``): each
+slot's workspace is mapped when it connects (``cuda_ipc``; its handle travels
+with the slot's metadata in the store), enters the kernels' peer table when it
+is published, after this device's earlier work, and leaves it when it is
+disconnected, after that work too. The mask the kernels read lives in device
+memory (1 = active), so masking needs no host round trip and a kernel that
+times out on a slot masks it there; the slot table learns of it the next time
+the host looks. Kernels tag their signals with the call count, which peers
+must share; processes that ran calls without each other (a new one, or one
+masked for a while) count differently, so when two publish each other they
+tell their counts, and before the next call each moves up to the highest it
+was told (``ElasticPeers::await_call_count``). When an active
+slot is not mapped (another host) or the tensors are on the CPU, calls run the
+portable path: the core's exchange (shm on one host, tcp across hosts), CUDA
+tensors staged through host memory.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
+from . import _ep_device, pg
 from . import _ep_fallback as fb
-from . import pg
 from ._checks import (
     MAX_INT,
     MAX_TIMEOUT_MS,
@@ -47,6 +62,16 @@ class _Done:
 
     def wait(self) -> None:
         return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return pid > 0
 
 
 def _sync_device() -> None:
@@ -94,12 +119,19 @@ class Slots:
         self.store_prefix = store_prefix
         self.num_ranks = 0  # the capacity, once allocated
         self.num_experts_per_rank = 0
+        self.num_rdma_bytes = 0
         self._peers = None  # the core's ElasticPeers, once allocated
+        self.device: _ep_device.DevicePath | None = None  # the device path, with a workspace
+        self._dev_mask: torch.Tensor | None = None  # device int32 [capacity], 1 = active
+        self._dev_views: dict[int, torch.Tensor] = {}  # _dev_mask[:R], per R
+        self._mapped: dict[int, bytes] = {}  # mapped slot -> its GPU's bus id
+        self.count_pending = False  # peers published since the last device call told counts
 
     # --- allocation --------------------------------------------------------------------
 
     def allocate(self, num_ranks: int, num_experts_per_rank: int, num_rdma_bytes: int) -> None:
-        """``Buffer.update_memory_buffers``: fixes the capacity on the first call."""
+        """``Buffer.update_memory_buffers``: fixes the capacity on the first call; with
+        ``num_rdma_bytes > 0`` and CUDA, allocates the device workspace."""
         what = "update_memory_buffers"
         int_arg(what, "num_ranks", num_ranks, 1)
         int_arg(what, "num_experts_per_rank", num_experts_per_rank, 1)
@@ -119,7 +151,10 @@ class Slots:
                     f"{what}: num_experts_per_rank={num_experts_per_rank} differs from the "
                     f"allocated {self.num_experts_per_rank}; that needs a new Buffer"
                 )
+            if num_rdma_bytes != self.num_rdma_bytes:
+                self._reallocate(num_rdma_bytes)
             return
+        path = self._new_device(num_rdma_bytes)
         self._peers = pg._ext.ElasticPeers(
             self.store,
             pg._default_engine(),
@@ -129,9 +164,115 @@ class Slots:
             self.timeout_ms,
             self.metadata_timeout_ms,
             self.store_prefix,
+            "" if path is None else path.row().hex(),
         )
         self.num_ranks = num_ranks
         self.num_experts_per_rank = num_experts_per_rank
+        self.num_rdma_bytes = num_rdma_bytes
+        self._attach_device(path)
+
+    def _new_device(self, num_bytes: int) -> _ep_device.DevicePath | None:
+        """A device workspace of ``num_bytes`` on the current CUDA device, when there is
+        one (and this build has the device path)."""
+        if num_bytes == 0 or not _ep_device.available() or not torch.cuda.is_available():
+            return None
+        return _ep_device.DevicePath(
+            self, num_bytes, torch.device("cuda", torch.cuda.current_device())
+        )
+
+    def _attach_device(self, path: _ep_device.DevicePath | None) -> None:
+        self.device = path
+        self._dev_views = {}
+        self._mapped = {}
+        if path is None:
+            self._dev_mask = None
+            return
+        path.ext.reserve(self.num_ranks, self.rank)
+        boot = _ep_device.decode_row(path.row())[2].decode() or "-"
+        self.store.set(self._gpu_key(self.rank), f"{boot} {path.ext.bus_id} {os.getpid()}")
+        self._dev_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=path.device)
+        self._dev_mask[self.rank] = 1
+        self._refresh_device(recount=True)
+
+    def _reallocate(self, num_bytes: int) -> None:
+        """Another workspace size: possible while no peer has mapped this one."""
+        _sync_device()
+        path = self._new_device(num_bytes)
+        if path is not None or self.device is not None:
+            self._peers.set_device_meta("" if path is None else path.row().hex())
+        self.num_rdma_bytes = num_bytes
+        self._attach_device(path)
+
+    def _refresh_device(self, recount: bool = False) -> None:
+        """Whether the device path can run (every active slot mapped); with
+        ``recount``, how many processes share this GPU (store reads: done when slots
+        connect or disconnect, not per publish)."""
+        path = self.device
+        if path is None:
+            return
+        active = self._peers.active_slots
+        path.usable = all(s == self.rank or s in self._mapped for s in active)
+        if recount:
+            path.share_gpu(self._gpu_sharers())
+
+    def _gpu_key(self, slot: int) -> str:
+        return f"{self.store_prefix}gpu/{slot}"
+
+    def _gpu_sharers(self) -> int:
+        """The live processes of these slots on this GPU, this one included. Each
+        process's kernels need all their blocks resident at once, so processes on one
+        GPU split its SMs; a process that is not connected here (it disconnected
+        everyone, or is still staging) still runs kernels, so its peers count it
+        through the store, not through their mappings. A process counted after it died
+        (a zombie not yet reaped) only costs blocks."""
+        mine = self._gpu_key(self.rank)
+        me = self.store.get(mine).decode().split()
+        n = 0
+        for s in range(self.num_ranks):
+            key = self._gpu_key(s)
+            if s != self.rank and not self.store.check([key]):
+                continue
+            boot, bus, pid = (self.store.get(key).decode().split() + ["", "", "0"])[:3]
+            if s == self.rank or ([boot, bus] == me[:2] and _pid_alive(int(pid))):
+                n += 1
+        return n
+
+    def _map(self, slot: int) -> None:
+        """Maps a connected slot's workspace (staged: the kernels do not see it yet)."""
+        if self.device is None or slot in self._mapped:
+            return
+        meta = self._peers.device_meta(slot)
+        try:
+            row = bytes.fromhex(meta)
+        except ValueError:
+            return  # not a device row: reached through the portable path only
+        here, handle, boot, bus = _ep_device.decode_row(row)
+        if here and _ep_device.same_host(boot) and self.device.ext.map_peer(slot, handle):
+            self._mapped[slot] = bus
+
+    def _publish(self, slot: int) -> None:
+        """Puts a published slot into the kernels' table (after this device's earlier
+        work) and its mask entry to 1."""
+        if self.device is None:
+            return
+        self.count_pending = True
+        if slot in self._mapped:
+            self.device.ext.publish_peer(slot)
+        self._dev_mask[slot] = 1
+        self._refresh_device()
+
+    def _unmap(self, slot: int) -> None:
+        if self.device is None:
+            return
+        self._dev_mask[slot] = 0
+        if self._mapped.pop(slot, None) is not None:
+            self.device.ext.unmap_peer(slot)  # after the mask write and earlier kernels
+
+    def look(self) -> None:
+        """Takes in the slots the kernels masked since the last look (host-mapped words:
+        no wait for the device)."""
+        if self.device is not None:
+            self.device.poll()
 
     def need_peers(self, what: str):
         if self._peers is None:
@@ -160,14 +301,23 @@ class Slots:
             )
         return slot
 
-    def connect(self, peers, activate) -> None:
+    def connect(self, peers, activate, calls: int = 0) -> None:
         slots = self._slot_list("connect_ranks", peers)
         error = flags_error(activate=activate)
         if error:
             raise ValueError(f"connect_ranks: {error}")
-        self._peers.connect(slots, activate)
+        if activate:
+            self.look()
+            _sync_device()
+        self._peers.connect(slots, activate, calls)
+        for p in slots:
+            self._map(p)
+        if activate:
+            for p in slots:
+                self._publish(p)
+        self._refresh_device(recount=True)
 
-    def set_masked(self, peer, mask) -> None:
+    def set_masked(self, peer, mask, calls: int = 0) -> None:
         self.need_peers("update_mask_buffer")
         if not is_int(peer):
             raise ValueError(f"update_mask_buffer: peer must be an int, got {peer!r}")
@@ -175,14 +325,24 @@ class Slots:
         error = flags_error(mask=mask)
         if error:
             raise ValueError(f"update_mask_buffer: {error}")
+        self.look()  # a slot a kernel masked is published again as the core restarts it
         if not mask:
             _sync_device()
-        self._peers.set_masked(peer, mask)
+        self._peers.set_masked(peer, mask, calls)
+        if mask:
+            if self.device is not None:
+                self._dev_mask[peer] = 0
+                self._refresh_device()
+        else:
+            self._publish(peer)
 
     def disconnect(self, peers) -> None:
         slots = self._slot_list("disconnect_ranks", peers)
         _sync_device()
         self._peers.disconnect(slots)
+        for p in slots:
+            self._unmap(p)
+        self._refresh_device(recount=True)
 
     def query_mask(self, out) -> None:
         peers = self.need_peers("query_mask_buffer")
@@ -193,6 +353,13 @@ class Slots:
             err = f"out must be a CPU or CUDA tensor, got one on {out.device}"
         if err:
             raise ValueError(f"query_mask_buffer: {err}")
+        if out.is_cuda and self._dev_mask is not None:
+            # The kernels' own mask, on the device: no host round trip.
+            out.copy_(self._dev_mask).neg_().add_(1)
+            return
+        if self.device is not None:
+            _sync_device()  # the kernels' masks so far
+            self.look()
         out.copy_(torch.tensor(peers.mask(), dtype=torch.int32))
 
     def barrier(self, timeout_ms) -> list[int]:
@@ -208,14 +375,19 @@ class Slots:
 
     @property
     def rank_bound(self) -> int:
-        return self.need_peers("rank_bound").rank_bound
+        peers = self.need_peers("rank_bound")
+        self.look()
+        return peers.rank_bound
 
     @property
     def active_slots(self) -> list[int]:
-        return self.need_peers("active_slots").active_slots
+        peers = self.need_peers("active_slots")
+        self.look()
+        return peers.active_slots
 
     def slot_state(self, slot) -> str:
         slot = self._slot_arg("slot_state", "slot", slot)
+        self.look()
         return self._peers.state(slot)
 
     def transport_of(self, peer) -> str:
@@ -223,7 +395,7 @@ class Slots:
         return self._peers.transport_of(peer)
 
     def mask_events(self) -> list[str]:
-        """Why exchanges masked peers so far, oldest first."""
+        """Why exchanges (or the device path's kernels) masked peers so far, oldest first."""
         return self.need_peers("mask_events").events()
 
     def refresh(self, num_bytes: int, seq: int) -> int:
@@ -272,6 +444,35 @@ class Slots:
         rejecting it, so that every active slot's exchange fails naming this one."""
         self._peers.reject(reason, -1)
         return True
+
+    # --- the device path (mooncake/_ep_device.py) ---------------------------------------
+
+    def device_masks(
+        self, active_ranks, R: int, device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The kernels' masks for a call over ``R`` slots: the slot mask (device, 1 =
+        active) alone, or ``active_ranks`` with it beside."""
+        view = self._dev_views.get(R)
+        if view is None:
+            view = self._dev_views[R] = self._dev_mask[:R]
+        return (view, None) if active_ranks is None else (active_ranks, view)
+
+    def device_masked(self, slot: int, why: str) -> None:
+        """A kernel masked ``slot`` for silence: the slot table masks it too."""
+        if slot != self.rank:  # (never its own: it is not waited for across processes)
+            self._peers.note_masked(slot, why)
+
+    def told_count(self, timeout_us: int) -> int:
+        """The highest call count the peers published since the last call told this
+        process, waiting up to the call's budget for each (-1: the buffer's
+        timeout_ms; none: metadata_timeout_ms); 0 when none has. The device path moves
+        its count up to it (``ElasticPeers::await_call_count``)."""
+        self.count_pending = False
+        if timeout_us == -1:
+            timeout_ms = self.timeout_ms
+        else:
+            timeout_ms = max(1, math.ceil(timeout_us / 1000))
+        return self._peers.await_call_count(timeout_ms)
 
     def all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
         """As ``GroupMembers.all_to_all``, among the active slots; runs at once."""

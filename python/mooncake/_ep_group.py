@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _ep_device, pg
 from . import _ep_fallback as fb
-from . import pg
 from ._checks import MAX_INT, is_int
 
 
@@ -24,6 +24,9 @@ class GroupMembers:
         self.group = group
         self.rank = group.rank()
         self.num_ranks = group.size()
+        self._events: list[str] = []  # ranks the device path's kernels masked
+        self._mask_version = -1  # the group's view_version that _mask_dev shows
+        self._mask_dev = torch.zeros(0, dtype=torch.int32)
 
     # --- the shape of a call ----------------------------------------------------------
 
@@ -123,6 +126,50 @@ class GroupMembers:
         return self.agree("update_ep_member", num_bytes, seq)
 
     def mask_events(self) -> list[str]:
-        """Peers masked by the members' own exchanges: none here (the process group
-        leaves failed ranks out, and ``pg.get_active_ranks`` shows it)."""
-        return []
+        """Ranks the device path's kernels masked (a rank silent past a deadline). The
+        process group's own exchanges leave failed ranks out instead, and
+        ``pg.get_active_ranks`` shows it."""
+        return list(self._events)
+
+    # --- the device path (mooncake/_ep_device.py) ---------------------------------------
+
+    def connect_device(self, path) -> None:
+        """Maps every same-host member's workspace into ``path`` (collective: every
+        member calls it, at construction and after membership changes). A member that
+        dies later stays mapped (its memory outlives it): the kernels mask it. So
+        whether every member is mapped is settled here, once."""
+        R = self.num_ranks
+        row = torch.frombuffer(bytearray(path.row()), dtype=torch.uint8).clone()
+        rows = torch.zeros(R * row.numel(), dtype=torch.uint8)
+        pg._backend_of(self.group)._allgather_base(rows, row).wait()
+        rows = rows.reshape(R, row.numel())
+        mine = _ep_device.decode_row(path.row())
+        handles, present, sharing = [], [], 0
+        for r in range(R):
+            here, handle, boot, bus = _ep_device.decode_row(bytes(rows[r].tolist()))
+            present.append(here)
+            near = here and _ep_device.same_host(boot)
+            handles.append(handle if near and r != self.rank else b"")
+            sharing += near and bus == mine[3]
+        path.reachable = path.ext.connect(handles, self.rank)
+        path.usable = all(m for m, p in zip(path.reachable, present, strict=True) if p)
+        path.share_gpu(sharing)
+
+    def device_masks(self, active_ranks, R: int, device) -> tuple[torch.Tensor, None]:
+        """The kernels' masks for a call: ``active_ranks``, or the group's view kept on
+        the device (copied again only when the view changes: reading it costs several
+        torch ops, more than the launch); no slot mask."""
+        if active_ranks is not None:
+            return active_ranks, None
+        version = pg._backend_of(self.group).view_version()
+        if version != self._mask_version or self._mask_dev.device != device:
+            now = self.present(R).to(torch.int32)
+            self._mask_version, self._mask_dev = version, now.to(device)
+        return self._mask_dev, None
+
+    def device_masked(self, rank: int, why: str) -> None:
+        """A kernel masked ``rank`` for silence."""
+        self._events.append(why)
+
+    #: Never: the members agree on the call count when the Buffer is made (:meth:`agree`).
+    count_pending = False

@@ -134,8 +134,9 @@ class Buffer:
         self._seq = self._members.agree("Buffer", num_ep_buffer_bytes, self._seq)
         if workspace_device is not None and num_ep_buffer_bytes > 0:
             self._device = _ep_device.DevicePath(
-                group, num_ep_buffer_bytes, workspace_device, self.rank, self.num_ranks
+                self._members, num_ep_buffer_bytes, workspace_device
             )
+            self._members.connect_device(self._device)
 
     def _compose(self, members: GroupMembers | Slots, num_ep_buffer_bytes: int) -> None:
         """Puts the Buffer together: ``members`` and the portable path over them (the
@@ -247,7 +248,7 @@ class Buffer:
         """
         self._seq = self._members.refresh(self.num_ep_buffer_bytes, self._seq)
         if self._device is not None:
-            self._device.connect()
+            self._members.connect_device(self._device)
 
     def mask_events(self) -> list[str]:
         """Why peers were masked so far, oldest first: by the device path's kernels (a
@@ -257,8 +258,9 @@ class Buffer:
         Raises:
             RuntimeError: an elastic Buffer before :meth:`update_memory_buffers`.
         """
-        events = self._members.mask_events()
-        return events if self._device is None else events + self._device.mask_events()
+        if self._device is not None:
+            self._device.poll()
+        return self._members.mask_events()
 
     # --- elastic slots (Buffer.create_elastic) -------------------------------------------
 
@@ -281,21 +283,29 @@ class Buffer:
             num_experts_per_rank: experts on each slot (``E/R``); every peer
                 must use the same; below ``2**31``.
             num_rdma_bytes: workspace to reserve, as ``num_ep_buffer_bytes`` of
-                :class:`Buffer` (see :meth:`Buffer.get_ep_buffer_size_hint`);
-                0 reserves none.
+                :class:`Buffer` (see :meth:`Buffer.get_ep_buffer_size_hint`, with
+                ``num_ranks`` the capacity); 0 reserves none. On a machine with CUDA
+                it is device memory on the current device, which same-host peers
+                map when they connect: dispatches of CUDA tensors then run the
+                device path's kernels (``Buffer.path == "device"``) whenever every
+                active slot is mapped.
 
-        A later call may change ``num_rdma_bytes`` and may ask for the same or a
-        smaller capacity (the allocation stays); a larger one needs a new Buffer.
+        A later call with the same sizes changes nothing; it may ask for a smaller
+        capacity (the allocation stays); a larger one needs a new Buffer. Another
+        ``num_rdma_bytes`` reallocates the workspace, which only works while no peer
+        is connected (peers map it).
 
         Raises:
             ValueError: an argument breaks its rule; a larger capacity or other
-                ``num_experts_per_rank`` than the first call's.
+                ``num_experts_per_rank`` than the first call's; another
+                ``num_rdma_bytes`` while a peer is connected.
             RuntimeError: not an elastic Buffer.
         """
         slots = self._slots("update_memory_buffers")
         slots.allocate(num_ranks, num_experts_per_rank, num_rdma_bytes)
         self.num_ranks, self.num_experts_per_rank = slots.num_ranks, slots.num_experts_per_rank
         self.num_ep_buffer_bytes = num_rdma_bytes
+        self._device = slots.device
 
     def connect_ranks(self, peers: list[int], activate: bool = False) -> None:
         """Connects the processes holding ``peers``' slots (elastic Buffer).
@@ -316,7 +326,7 @@ class Buffer:
             RuntimeError: before :meth:`update_memory_buffers`, or not an
                 elastic Buffer.
         """
-        self._slots("connect_ranks").connect(peers, activate)
+        self._slots("connect_ranks").connect(peers, activate, self._seq)
 
     def update_mask_buffer(self, peer: int, mask: bool = False) -> None:
         """Masks (``mask=True``) or publishes (``mask=False``) a connected peer.
@@ -336,7 +346,7 @@ class Buffer:
             RuntimeError: before :meth:`update_memory_buffers`, or not an
                 elastic Buffer.
         """
-        self._slots("update_mask_buffer").set_masked(peer, mask)
+        self._slots("update_mask_buffer").set_masked(peer, mask, self._seq)
 
     def disconnect_ranks(self, peers: list[int]) -> None:
         """Releases the connections of ``peers`` (staged or active) after this

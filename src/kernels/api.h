@@ -10,9 +10,9 @@
 // them. Both phases in one launch is the usual call; split, the send half
 // returns at once and the receive half runs later (return_recv_hook).
 //
-// Health: a source whose active_ranks entry is 0 when a wait starts is
-// skipped at once; one that stays silent past the phase's deadline is set to
-// 0 there (atomically) and counts as having sent nothing. Each phase has its
+// Health: a source whose active_ranks entry (or slot_mask entry) is 0 when a
+// wait starts is skipped at once; one that stays silent past the phase's
+// deadline is set to 0 there (atomically) and counts as having sent nothing. Each phase has its
 // own budget, so a slow first phase never starves the second. Bad values
 // (expert ids out of range, more than T rows for one expert) are dropped and
 // reported in `status`, which the host reads without a sync.
@@ -47,11 +47,18 @@ struct Common {
   int32_t rank;
   uint64_t seq;
   int32_t* active_ranks;  // device int32 [R], 1 = healthy
-  int64_t timeout_ns;     // per wait phase
-  int32_t* status;        // kStatusWords ints, host-mapped
-  uint32_t* grid_sync;    // device, 2 words, zeroed once: the grid barrier's count and generation
-  int32_t phases;         // Phase bits
-  int32_t num_blocks;     // grid size; every block must be resident at once
+  // Optional (null: none) device int32 [R], 1 = active: an elastic buffer's
+  // slot mask, in force beside active_ranks (a rank takes part when both say
+  // so; a silent one is set to 0 in both).
+  int32_t* slot_mask;
+  // Optional host-mapped int32 [R]: set to 1 for every rank a wait masked
+  // (the status words keep only the first report).
+  int32_t* silent;
+  int64_t timeout_ns;   // per wait phase
+  int32_t* status;      // kStatusWords ints, host-mapped
+  uint32_t* grid_sync;  // device, 2 words, zeroed once: the grid barrier's count and generation
+  int32_t phases;       // Phase bits
+  int32_t num_blocks;   // grid size; every block must be resident at once
 };
 
 struct DispatchArgs {

@@ -117,6 +117,7 @@ template <typename Ready>
 __device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, uint64_t deadline,
                          int source, int phase, uint64_t* value) {
   int32_t* active = c.active_ranks;
+  int32_t* slots = c.slot_mask;
   int32_t* status = c.status;
   while (true) {
     const uint64_t v = ld_acquire_sys(signal);
@@ -125,11 +126,18 @@ __device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, u
       return true;
     }
     if (ld_volatile(active + source) == 0) return false;
+    if (slots != nullptr && ld_volatile(slots + source) == 0) return false;
     if (now_ns() > deadline) {
-      if (atomicExch(active + source, 0) != 0) {
+      const bool first = atomicExch(active + source, 0) != 0;
+      if (slots != nullptr) atomicExch(slots + source, 0);
+      if (first) {
         report(status, kStatusSilentPeer, source, phase);
         volatile int32_t* timeouts = status + 3;
         *timeouts = *timeouts + 1;
+        if (c.silent != nullptr) {
+          *reinterpret_cast<volatile int32_t*>(c.silent + source) = 1;
+          __threadfence_system();
+        }
       }
       return false;
     }
@@ -362,12 +370,17 @@ struct MaskSnapshot {
   uint8_t live[kSnapRanks];
 
   // Every thread calls it; a __syncthreads must follow before the first use.
-  __device__ void load(const int32_t* active, int R) {
-    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads)
-      live[r] = ld_volatile(active + r) != 0;
+  __device__ void load(const Common& c, int R) {
+    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads) live[r] = live_now(c, r);
   }
-  __device__ bool operator()(const int32_t* active, int r) const {
-    return r < kSnapRanks ? live[r] != 0 : ld_volatile(active + r) != 0;
+  __device__ bool operator()(const Common& c, int r) const {
+    return r < kSnapRanks ? live[r] != 0 : live_now(c, r);
+  }
+  // A rank with no mapping (an elastic buffer's slot not published) is never
+  // live, whatever the masks say: nothing may be stored through its entry.
+  static __device__ bool live_now(const Common& c, int r) {
+    return ld_volatile(c.active_ranks + r) != 0 &&
+           (c.slot_mask == nullptr || ld_volatile(c.slot_mask + r) != 0) && c.peers[r] != nullptr;
   }
 };
 
@@ -413,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
   int64_t next_id = (a.c.phases & kSend) && threadIdx.x < entries
                         ? load_idx(a.topk_idx, threadIdx.x, a.topk_int64)
                         : -1;
-  s_live.load(a.c.active_ranks, R);
+  s_live.load(a.c, R);
   __syncthreads();
 
   if (a.c.phases & kSend) {
@@ -456,8 +469,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
         if (j + kThreads < entries) next_id = load_idx(a.topk_idx, j + kThreads, a.topk_int64);
         if (blockIdx.x == 0 && (id < -1 || id >= E))
           report(a.c.status, kStatusBadExpert, static_cast<int>(id), static_cast<int>(j / K));
-        if (id >= 0 && id < E && id % G == blockIdx.x &&
-            s_live(a.c.active_ranks, static_cast<int>(id / epr)))
+        if (id >= 0 && id < E && id % G == blockIdx.x && s_live(a.c, static_cast<int>(id / epr)))
           mine = static_cast<int>(id / G);
       }
       const unsigned same = __match_any_sync(0xffffffffu, mine);
@@ -503,9 +515,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       // This rank's flag for e in this half is next raised by e's owner in the
       // combine of this call, which follows the count below: clear it now.
       *reinterpret_cast<uint64_t*>(own + L.combine_flag(seq, e)) = 0;
+      // Every mapped owner gets its count, masked or not (a masked one gets 0
+      // rows and, if it still counts this rank in, goes on without waiting); an
+      // elastic buffer's unmapped slots have no entry.
+      uint8_t* owner = a.c.peers[e / epr];
+      if (owner == nullptr) continue;
       const uint64_t count = static_cast<uint64_t>(s_rows[i] < T ? s_rows[i] : T);
-      st_release_sys(reinterpret_cast<uint64_t*>(a.c.peers[e / epr] +
-                                                 L.dispatch_count(seq, e % epr, a.c.rank)),
+      st_release_sys(reinterpret_cast<uint64_t*>(owner + L.dispatch_count(seq, e % epr, a.c.rank)),
                      (seq << 32) | count);
     }
     __syncthreads();  // s_dyn is the receive phase's next
@@ -528,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       int count = 0;
       const auto* sig = reinterpret_cast<const uint64_t*>(own + L.dispatch_count(seq, le, s));
       const auto ready = [seq](uint64_t x) { return (x >> 32) == (seq & 0xffffffffu); };
-      if (s_live(a.c.active_ranks, s) && wait_for(a.c, sig, ready, deadline, s, kRecv, &v)) {
+      if (s_live(a.c, s) && wait_for(a.c, sig, ready, deadline, s, kRecv, &v)) {
         // Consumed: cleared, so a replay of a captured graph (the same
         // sequence number again) waits for the new count.
         *const_cast<uint64_t*>(sig) = 0;
@@ -643,7 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const bool both = a.c.phases == kBoth;  // split: own rows go through the rows region too
   uint8_t* own = a.c.peers[a.c.rank];
   __shared__ MaskSnapshot s_live;
-  s_live.load(a.c.active_ranks, R);
+  s_live.load(a.c, R);
   __syncthreads();
 
   if (a.c.phases & kSend) {
@@ -663,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     // phase reads their rows in x.
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, s = p % R;
-      const bool copy = !in_place && s_live(a.c.active_ranks, s) && !(both && s == a.c.rank);
+      const bool copy = !in_place && s_live(a.c, s) && !(both && s == a.c.rank);
       const int64_t whole = a.layout_range[p], range = copy ? whole : 0;
       s_rows[i] = static_cast<int>(range & 0xffffffff);
       s_start[i] = static_cast<int>((p / R) * cols + (range >> 32));
@@ -706,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
     }
     for (int i = threadIdx.x; i < np; i += kThreads) {
       const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
-      if (!s_live(a.c.active_ranks, s) || (both && s == a.c.rank)) continue;
+      if (!s_live(a.c, s) || (both && s == a.c.rank)) continue;
       const int64_t range = a.layout_range[p];
       const uint32_t first =
           (range & 0xffffffff) != 0 ? static_cast<uint32_t>(s_place[i]) : EpLayout::kNoRows;
@@ -743,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
           const uint64_t at = *reinterpret_cast<const uint64_t*>(own + L.combine_index(seq, t, k));
           const bool sent = (at >> 32) == tag;
           const int64_t slot = static_cast<int64_t>(at & 0xffffffffu);
-          if (!s_live(a.c.active_ranks, d)) {
+          if (!s_live(a.c, d)) {
           } else if (both && d == a.c.rank) {
             // This rank's own expert: its output is in x, where the dispatch put the row.
             const int64_t range = a.layout_range[static_cast<int64_t>(le) * R + a.c.rank];

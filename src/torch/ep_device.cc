@@ -181,6 +181,7 @@ class EpDevice {
     pool_.clear();
     maps_.clear();
     if (peers_ != nullptr) cudaFree(peers_);
+    if (silent_ != nullptr) cudaFreeHost(silent_);
     cudaFree(grid_sync_);
     cudaFreeHost(status_host_);
   }
@@ -190,42 +191,101 @@ class EpDevice {
   int sm_count() const { return sm_count_; }
   std::string bus_id() const { return device_bus_id(device_); }
 
-  // Maps rank r's workspace from handles[r] ("" for a rank not to map: one on
-  // another host, or absent); `rank` is this process's. Returns, per rank,
-  // whether it is reachable. Waits for this device's work first, so no
-  // kernel sees the table change under it.
-  std::vector<bool> connect(const std::vector<std::string>& handles, int64_t rank) {
-    const auto R = static_cast<int64_t>(handles.size());
-    MC_CHECK_ARG(rank >= 0 && rank < R, "connect: rank ", rank, " is outside [0, ", R, ")");
+  // Sizes the peer table (a group's ranks, or an elastic buffer's capacity)
+  // with this process at `rank` and no peer mapped. Waits for this device's
+  // work first, so no kernel sees the table change under it.
+  void reserve(int64_t capacity, int64_t rank) {
+    MC_CHECK_ARG(capacity >= 1 && rank >= 0 && rank < capacity, "reserve: rank ", rank,
+                 " is outside [0, ", capacity, ")");
     c10::cuda::CUDAGuard guard(device_);
     cuda_check(cudaDeviceSynchronize(), "waiting for the device before remapping");
     maps_.clear();
-    maps_.resize(static_cast<size_t>(R));
-    std::vector<uint8_t*> table(static_cast<size_t>(R), nullptr);
-    std::vector<bool> reachable(static_cast<size_t>(R), false);
-    for (int64_t r = 0; r < R; ++r) {
-      if (r == rank) {
-        table[r] = workspace_.data();
-        reachable[r] = true;
-        continue;
-      }
-      if (handles[r].empty()) continue;
-      try {
-        maps_[r] = std::make_unique<PeerMapping>(handles[r], device_);
-        table[r] = maps_[r]->data();
-        reachable[r] = true;
-      } catch (const Error& e) {
-        if (e.kind() != ErrorKind::kPeerFailed) throw;
-      }
-    }
+    maps_.resize(static_cast<size_t>(capacity));
+    table_.assign(static_cast<size_t>(capacity), nullptr);
+    table_[static_cast<size_t>(rank)] = workspace_.data();
     if (peers_ != nullptr) cudaFree(peers_);
     peers_ = nullptr;
-    cuda_check(cudaMalloc(&peers_, R * sizeof(uint8_t*)), "cudaMalloc of the peer table");
-    cuda_check(cudaMemcpy(peers_, table.data(), R * sizeof(uint8_t*), cudaMemcpyHostToDevice),
-               "copying the peer table");
-    num_ranks_ = R;
+    cuda_check(cudaMalloc(&peers_, capacity * sizeof(uint8_t*)), "cudaMalloc of the peer table");
+    if (silent_ != nullptr) cudaFreeHost(silent_);
+    silent_ = nullptr;
+    void* host = nullptr;
+    cuda_check(cudaHostAlloc(&host, capacity * sizeof(int32_t), cudaHostAllocMapped),
+               "cudaHostAlloc of the silent-rank words");
+    silent_ = static_cast<int32_t*>(host);
+    for (int64_t r = 0; r < capacity; ++r) silent_[r] = 0;
+    void* dev = nullptr;
+    cuda_check(cudaHostGetDevicePointer(&dev, host, 0), "cudaHostGetDevicePointer");
+    silent_dev_ = static_cast<int32_t*>(dev);
+    num_ranks_ = capacity;
     rank_ = rank;
+    write_table(0, capacity);
+  }
+
+  // Maps `slot`'s workspace from its exported handle, staged: kernels do not
+  // see it before publish_peer. False when it cannot be mapped (its process
+  // is gone, or on another host).
+  bool map_peer(int64_t slot, const std::string& handle) {
+    check_peer_slot(slot, "map_peer");
+    MC_CHECK_ARG(maps_[slot] == nullptr, "map_peer: slot ", slot, " is mapped already");
+    c10::cuda::CUDAGuard guard(device_);
+    try {
+      maps_[slot] = std::make_unique<PeerMapping>(handle, device_);
+      return true;
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kPeerFailed) throw;
+      return false;
+    }
+  }
+
+  // Puts a mapped slot into the kernels' table, after this device's earlier
+  // work (no kernel sees a half-connected slot).
+  void publish_peer(int64_t slot) {
+    check_peer_slot(slot, "publish_peer");
+    MC_CHECK_ARG(maps_[slot] != nullptr, "publish_peer: slot ", slot, " is not mapped");
+    c10::cuda::CUDAGuard guard(device_);
+    cuda_check(cudaDeviceSynchronize(), "waiting for the device before publishing a peer");
+    table_[slot] = maps_[slot]->data();
+    write_table(slot, 1);
+  }
+
+  // Takes a slot out of the table and releases its mapping, after this
+  // device's earlier work.
+  void unmap_peer(int64_t slot) {
+    check_peer_slot(slot, "unmap_peer");
+    c10::cuda::CUDAGuard guard(device_);
+    cuda_check(cudaDeviceSynchronize(), "waiting for the device before unmapping a peer");
+    table_[slot] = nullptr;
+    write_table(slot, 1);
+    maps_[slot].reset();
+  }
+
+  // Maps rank r's workspace from handles[r] ("" for a rank not to map: one on
+  // another host, or absent); `rank` is this process's. Returns, per rank,
+  // whether it is reachable.
+  std::vector<bool> connect(const std::vector<std::string>& handles, int64_t rank) {
+    const auto R = static_cast<int64_t>(handles.size());
+    MC_CHECK_ARG(rank >= 0 && rank < R, "connect: rank ", rank, " is outside [0, ", R, ")");
+    reserve(R, rank);
+    std::vector<bool> reachable(static_cast<size_t>(R), false);
+    reachable[rank] = true;
+    for (int64_t r = 0; r < R; ++r) {
+      if (r == rank || handles[r].empty() || !map_peer(r, handles[r])) continue;
+      table_[r] = maps_[r]->data();
+      reachable[r] = true;
+    }
+    write_table(0, R);
     return reachable;
+  }
+
+  // The ranks kernels masked for silence since the last call (and forgets them).
+  std::vector<int64_t> take_silent() {
+    std::vector<int64_t> out;
+    for (int64_t r = 0; r < num_ranks_; ++r)
+      if (reinterpret_cast<volatile int32_t*>(silent_)[r] != 0) {
+        silent_[r] = 0;
+        out.push_back(r);
+      }
+    return out;
   }
 
   // Launches `phases` of a dispatch. Its outputs are [recv_x, recv_scales
@@ -234,15 +294,16 @@ class EpDevice {
   // of a call), else those of the call's first launch.
   std::vector<at::Tensor> dispatch(const at::Tensor& x_arg, const at::Tensor& topk_arg,
                                    const at::Tensor& active_ranks,
+                                   const std::optional<at::Tensor>& slot_mask,
                                    const std::optional<at::Tensor>& stats,
                                    const std::optional<std::vector<at::Tensor>>& outputs,
-                                   int64_t max_tokens, int64_t num_experts, int64_t seq,
-                                   int64_t timeout_ns, bool use_fp8, int64_t phases,
+                                   int64_t max_tokens, int64_t num_experts, int64_t ranks,
+                                   int64_t seq, int64_t timeout_ns, bool use_fp8, int64_t phases,
                                    int64_t num_blocks) {
     const at::Tensor x = x_arg.contiguous(), topk_idx = topk_arg.contiguous();
     k::DispatchArgs a{};
-    a.c = common(max_tokens, x.size(1), num_experts, seq, active_ranks, timeout_ns, phases,
-                 num_blocks, "dispatch");
+    a.c = common(max_tokens, x.size(1), num_experts, ranks, seq, active_ranks, slot_mask,
+                 timeout_ns, phases, num_blocks, "dispatch");
     c10::cuda::CUDAGuard guard(device_);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_).stream();
     OutputPool::Taken taken =
@@ -270,8 +331,9 @@ class EpDevice {
   // here when None) and returns it.
   at::Tensor combine(const at::Tensor& x_arg, const at::Tensor& layout_range,
                      const at::Tensor& topk_arg, const at::Tensor& weights_arg,
-                     const at::Tensor& active_ranks, const std::optional<at::Tensor>& out_arg,
-                     int64_t max_tokens, int64_t num_experts, int64_t seq, int64_t timeout_ns,
+                     const at::Tensor& active_ranks, const std::optional<at::Tensor>& slot_mask,
+                     const std::optional<at::Tensor>& out_arg, int64_t max_tokens,
+                     int64_t num_experts, int64_t ranks, int64_t seq, int64_t timeout_ns,
                      int64_t phases, int64_t num_blocks) {
     const at::Tensor x = x_arg.contiguous(), topk_idx = topk_arg.contiguous();
     // (.to() goes through the dispatcher even when it has nothing to do.)
@@ -279,8 +341,8 @@ class EpDevice {
         (weights_arg.scalar_type() == at::kFloat ? weights_arg : weights_arg.to(at::kFloat))
             .contiguous();
     k::CombineArgs a{};
-    a.c = common(max_tokens, x.size(2), num_experts, seq, active_ranks, timeout_ns, phases,
-                 num_blocks, "combine");
+    a.c = common(max_tokens, x.size(2), num_experts, ranks, seq, active_ranks, slot_mask,
+                 timeout_ns, phases, num_blocks, "combine");
     a.x = x.data_ptr();
     a.x_dtype = dtype_of(x, "combine");
     a.layout_range = layout_range.data_ptr<int64_t>();
@@ -309,15 +371,15 @@ class EpDevice {
   // `dtype` (bfloat16 or float16): the zero-copy combine buffer, whose rows the
   // token owners read in place. It does not own the memory: it is valid while
   // this workspace lives.
-  at::Tensor combine_buffer(int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t seq,
-                            const at::Tensor& like) {
+  at::Tensor combine_buffer(int64_t max_tokens, int64_t hidden, int64_t num_experts, int64_t ranks,
+                            int64_t seq, const at::Tensor& like) {
     const char* what = "get_next_combine_buffer";
-    const EpLayout l = layout(max_tokens, hidden, num_experts, what);
+    const EpLayout l = layout(max_tokens, hidden, num_experts, ranks, what);
     dtype_of(like, what);
     MC_CHECK_ARG(hidden % 8 == 0, what, ": hidden must be a multiple of 8, got ", hidden);
     MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
     return at::from_blob(workspace_.data() + l.expert_row(static_cast<uint64_t>(seq), 0),
-                         {l.local_experts, num_ranks_ * max_tokens, hidden},
+                         {l.local_experts, ranks * max_tokens, hidden},
                          at::TensorOptions().dtype(like.scalar_type()).device(at::kCUDA, device_));
   }
 
@@ -339,9 +401,12 @@ class EpDevice {
 
  private:
   // The layout of a call's shape, checked against this workspace.
-  EpLayout layout(int64_t T, int64_t H, int64_t E, const char* what) const {
+  EpLayout layout(int64_t T, int64_t H, int64_t E, int64_t R, const char* what) const {
     MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
-    EpLayout l(EpShape{T, H, num_ranks_, E});
+    MC_CHECK_ARG(R > rank_ && R <= num_ranks_, what, ": a call covers ", R,
+                 " ranks; it must cover this one (", rank_, ") and at most the table's ",
+                 num_ranks_);
+    EpLayout l(EpShape{T, H, R, E});
     // Rows are numbered in int32 on the device (a combine flag carries one).
     MC_CHECK_ARG(E * T < (int64_t{1} << 31), what,
                  ": num_experts * num_max_dispatch_tokens_per_rank",
@@ -351,14 +416,18 @@ class EpDevice {
     return l;
   }
 
-  k::Common common(int64_t T, int64_t H, int64_t E, int64_t seq, const at::Tensor& active,
+  k::Common common(int64_t T, int64_t H, int64_t E, int64_t R, int64_t seq,
+                   const at::Tensor& active, const std::optional<at::Tensor>& slot_mask,
                    int64_t timeout_ns, int64_t phases, int64_t num_blocks, const char* what) {
     k::Common c{};
-    c.layout = layout(T, H, E, what);
-    MC_CHECK_ARG(active.is_cuda() && active.scalar_type() == at::kInt &&
-                     active.numel() == num_ranks_ && active.is_contiguous(),
-                 what, ": active_ranks must be a contiguous CUDA int32 tensor of ", num_ranks_,
-                 " ranks");
+    c.layout = layout(T, H, E, R, what);
+    MC_CHECK_ARG(active.is_cuda() && active.scalar_type() == at::kInt && active.numel() == R &&
+                     active.is_contiguous(),
+                 what, ": active_ranks must be a contiguous CUDA int32 tensor of ", R, " ranks");
+    MC_CHECK_ARG(!slot_mask || (slot_mask->is_cuda() && slot_mask->scalar_type() == at::kInt &&
+                                slot_mask->numel() >= R && slot_mask->is_contiguous()),
+                 what, ": slot_mask must be a contiguous CUDA int32 tensor of at least ", R,
+                 " slots");
     MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
     MC_CHECK_ARG(timeout_ns > 0, what, ": timeout_ns must be > 0");
     MC_CHECK_ARG(phases >= k::kSend && phases <= k::kBoth, what, ": phases must be 1, 2 or 3");
@@ -368,6 +437,8 @@ class EpDevice {
     c.rank = static_cast<int32_t>(rank_);
     c.seq = static_cast<uint64_t>(seq);
     c.active_ranks = active.data_ptr<int32_t>();
+    c.slot_mask = slot_mask ? slot_mask->data_ptr<int32_t>() : nullptr;
+    c.silent = silent_dev_;
     c.timeout_ns = timeout_ns;
     c.status = status_dev_;
     c.grid_sync = grid_sync_;
@@ -405,10 +476,25 @@ class EpDevice {
     return k::Dtype::kFp16;
   }
 
+  void check_peer_slot(int64_t slot, const char* what) const {
+    MC_CHECK_ARG(slot >= 0 && slot < num_ranks_ && slot != rank_, what, ": slot ", slot,
+                 " must be in [0, ", num_ranks_, ") and not this process's (", rank_, ")");
+  }
+
+  // Copies table_[first, first + n) to the device's peer table.
+  void write_table(int64_t first, int64_t n) {
+    cuda_check(cudaMemcpy(peers_ + first, table_.data() + first, n * sizeof(uint8_t*),
+                          cudaMemcpyHostToDevice),
+               "copying the peer table");
+  }
+
   int device_;
   DeviceSegment workspace_;
-  std::vector<std::unique_ptr<PeerMapping>> maps_;
+  std::vector<std::unique_ptr<PeerMapping>> maps_;  // per slot; null: not mapped
+  std::vector<uint8_t*> table_;                     // what the device's table holds
   uint8_t** peers_ = nullptr;
+  int32_t* silent_ = nullptr;  // host-mapped [num_ranks_]
+  int32_t* silent_dev_ = nullptr;
   int64_t num_ranks_ = 0;
   int64_t rank_ = 0;
   int32_t* status_host_ = nullptr;
@@ -431,16 +517,26 @@ void register_ep_device(py::module_& m) {
       .def_property_readonly("bus_id", &EpDevice::bus_id)
       .def("connect", &EpDevice::connect, py::arg("handles"), py::arg("rank"),
            py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &EpDevice::reserve, py::arg("capacity"), py::arg("rank"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("map_peer", &EpDevice::map_peer, py::arg("slot"), py::arg("handle"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("publish_peer", &EpDevice::publish_peer, py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("unmap_peer", &EpDevice::unmap_peer, py::arg("slot"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("take_silent", &EpDevice::take_silent)
       .def("dispatch", &EpDevice::dispatch, py::arg("x"), py::arg("topk_idx"),
-           py::arg("active_ranks"), py::arg("stats"), py::arg("outputs"), py::arg("max_tokens"),
-           py::arg("num_experts"), py::arg("seq"), py::arg("timeout_ns"), py::arg("use_fp8"),
-           py::arg("phases"), py::arg("num_blocks"))
+           py::arg("active_ranks"), py::arg("slot_mask"), py::arg("stats"), py::arg("outputs"),
+           py::arg("max_tokens"), py::arg("num_experts"), py::arg("ranks"), py::arg("seq"),
+           py::arg("timeout_ns"), py::arg("use_fp8"), py::arg("phases"), py::arg("num_blocks"))
       .def("combine", &EpDevice::combine, py::arg("x"), py::arg("layout_range"),
-           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("active_ranks"), py::arg("out"),
-           py::arg("max_tokens"), py::arg("num_experts"), py::arg("seq"), py::arg("timeout_ns"),
-           py::arg("phases"), py::arg("num_blocks"))
+           py::arg("topk_idx"), py::arg("topk_weights"), py::arg("active_ranks"),
+           py::arg("slot_mask"), py::arg("out"), py::arg("max_tokens"), py::arg("num_experts"),
+           py::arg("ranks"), py::arg("seq"), py::arg("timeout_ns"), py::arg("phases"),
+           py::arg("num_blocks"))
       .def("combine_buffer", &EpDevice::combine_buffer, py::arg("max_tokens"), py::arg("hidden"),
-           py::arg("num_experts"), py::arg("seq"), py::arg("like"))
+           py::arg("num_experts"), py::arg("ranks"), py::arg("seq"), py::arg("like"))
       .def("status", &EpDevice::status, py::arg("clear") = false)
       .def("status_code", &EpDevice::status_code)
       .def("pool_stats", &EpDevice::pool_stats);

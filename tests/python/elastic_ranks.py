@@ -78,6 +78,10 @@ class ElasticRound(Round):
     (the buffer's own mask, read back through ``query_mask_buffer`` for the checks).
     """
 
+    #: Where this process's tensors live ("cpu", or "cuda": the device path when the
+    #: buffer has a device workspace); the checks read CPU copies either way.
+    device = "cpu"
+
     def __init__(self, chk, buf, spec, tag, seed, R, views, act):
         self.ctx, self.buf, self.spec = chk, buf, spec
         self.R, self.me, self.E = R, chk.rank, spec.epr * R
@@ -85,6 +89,54 @@ class ElasticRound(Round):
         self.ins = [make_inputs(seed, s, spec, R) for s in range(R)]
         self.masks = views
         self.act = act
+
+    def _on_device(self, call):
+        """Runs ``call`` (the base class's dispatch or combine) with this process's
+        inputs, its ``active_ranks`` and every tensor the call makes on the device, then
+        puts CPU copies where the checks read them."""
+        dev = torch.device(self.device)
+        mine, act = self.ins[self.me], self.act
+        self.ins[self.me] = replace(mine, x=mine.x.to(dev), idx=mine.idx.to(dev), w=mine.w.to(dev))
+        if act is not None:
+            self.act = act.to(dev)
+        try:
+            with dev:
+                out = call()
+        finally:
+            self.ins[self.me] = mine
+            if act is not None:
+                act.copy_(self.act.cpu())
+                self.act = act
+        return out
+
+    def dispatch(self, mode="sync", stats=None):
+        if self.device == "cpu":
+            return super().dispatch(mode, stats)
+        dstats = None if stats is None else stats.to(self.device)
+        out = self._on_device(lambda: super(ElasticRound, self).dispatch(mode, stats=dstats))
+        if stats is not None:
+            stats.copy_(dstats.cpu())
+        self.ran_on = self.buf.path
+        self.recv_x = (
+            tuple(t.cpu() for t in self.recv_x)
+            if isinstance(self.recv_x, tuple)
+            else self.recv_x.cpu()
+        )
+        self.count = self.count.cpu()
+        return out
+
+    def combine(self, mode="sync", zero_copy=False, use_out=False, cmask=None, y=None):
+        if self.device == "cpu":
+            return super().combine(mode, zero_copy, use_out, cmask, y)
+        y = self.expert_outputs() if y is None else y
+        y = y if zero_copy else y.to(self.device)
+        out = self._on_device(
+            lambda: super(ElasticRound, self).combine(mode, zero_copy, use_out, cmask, y)
+        )
+        if self.cact is not None:
+            self.cact = self.cact.cpu()
+        self.combined = self.combined.cpu()
+        return out
 
     def buffer_view(self) -> list[int]:
         """1 = active, per slot below R, from query_mask_buffer (1 = masked)."""
@@ -180,6 +232,7 @@ def play_round(
     rec = dict(
         phase=phase,
         tag=tag,
+        path=getattr(r, "ran_on", "portable"),
         R=R,
         plan=plan,
         view=view,
@@ -798,6 +851,7 @@ def process_main(slot: int, capacity: int, port: int, cfg_path: str, gen: int, r
     with open(cfg_path) as f:
         cfg = json.load(f)
     rk = Rank(cfg, slot, gen, json.loads(role))
+    ElasticRound.device = cfg["params"].get("device", "cpu")
     try:
         SCENARIOS[cfg["scenario"]](rk)
         rk.emit("done")

@@ -23,6 +23,15 @@ from dataclasses import dataclass
 import torch
 
 
+def has_device_path() -> bool:
+    """Whether this machine has a CUDA GPU and this build the EP device path."""
+    if not torch.cuda.is_available():
+        return False
+    from mooncake import _ep_device
+
+    return _ep_device.available()
+
+
 @dataclass(frozen=True)
 class Case:
     name: str

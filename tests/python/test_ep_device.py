@@ -23,21 +23,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 import ep_device_ranks as edr
 
-
-def _has_device_path() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    from mooncake import _ep_device
-
-    return _ep_device.available()
-
-
 pytestmark = pytest.mark.skipif(
-    not _has_device_path(), reason="needs a CUDA GPU and a CUDA build of mooncake"
+    not edr.has_device_path(), reason="needs a CUDA GPU and a CUDA build of mooncake"
 )
 
 ENV = {"MOONCAKE_EP_WAIT_CAP_MS": "60000"}
