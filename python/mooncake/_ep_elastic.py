@@ -268,9 +268,13 @@ class Slots:
         if self._mapped.pop(slot, None) is not None:
             self.device.ext.unmap_peer(slot)  # after the mask write and earlier kernels
 
-    def look(self) -> None:
-        """Takes in the slots the kernels masked since the last look (host-mapped words:
-        no wait for the device)."""
+    def look(self, wait: bool = True) -> None:
+        """Waits for this process's GPU work (``wait``), then takes in the slots its
+        kernels masked (host-mapped words): the view after the calls made so far. A
+        call returns before its kernels end, and a kernel that waits out a silent slot
+        masks it at its deadline."""
+        if wait:
+            _sync_device()
         if self.device is not None:
             self.device.poll()
 
@@ -308,7 +312,6 @@ class Slots:
             raise ValueError(f"connect_ranks: {error}")
         if activate:
             self.look()
-            _sync_device()
         self._peers.connect(slots, activate, calls)
         for p in slots:
             self._map(p)
@@ -325,9 +328,9 @@ class Slots:
         error = flags_error(mask=mask)
         if error:
             raise ValueError(f"update_mask_buffer: {error}")
-        self.look()  # a slot a kernel masked is published again as the core restarts it
-        if not mask:
-            _sync_device()
+        # A slot a kernel masked is published again as the core restarts it. Masking
+        # is a device operation: no wait for the GPU.
+        self.look(wait=not mask)
         self._peers.set_masked(peer, mask, calls)
         if mask:
             if self.device is not None:
@@ -338,7 +341,7 @@ class Slots:
 
     def disconnect(self, peers) -> None:
         slots = self._slot_list("disconnect_ranks", peers)
-        _sync_device()
+        self.look()
         self._peers.disconnect(slots)
         for p in slots:
             self._unmap(p)
@@ -357,9 +360,7 @@ class Slots:
             # The kernels' own mask, on the device: no host round trip.
             out.copy_(self._dev_mask).neg_().add_(1)
             return
-        if self.device is not None:
-            _sync_device()  # the kernels' masks so far
-            self.look()
+        self.look()
         out.copy_(torch.tensor(peers.mask(), dtype=torch.int32))
 
     def barrier(self, timeout_ms) -> list[int]:
