@@ -31,6 +31,31 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
+#: Where the ranks of this process's launch reach its store (set in each rank by
+#: :class:`LocalGroup`: a rank placed in another network namespace reaches it over
+#: the namespaces' bridge).
+_store_host = "127.0.0.1"
+
+
+def store_host() -> str:
+    """The address of the launch's store, as this rank reaches it."""
+    return _store_host
+
+
+def enter_netns(path: str) -> None:
+    """Moves this process (its calling thread, and every thread it starts after) into
+    the network namespace at ``path`` (``/proc/<pid>/ns/net``)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
 
 def init_rank(
     rank: int,
@@ -54,7 +79,7 @@ def init_rank(
     import torch.distributed as dist
 
     store = dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=60)
+        store_host(), port, world_size, is_master=False, timeout=timedelta(seconds=60)
     )
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
@@ -75,7 +100,12 @@ def init_rank(
     return active
 
 
-def _entry(fn, key, rank, world_size, port, args, env, log_dir, queue):
+def _entry(fn, key, rank, world_size, port, args, env, log_dir, queue, place):
+    global _store_host
+    if place is not None:  # another "host": its own network namespace
+        netns, host_ip, _store_host = place
+        enter_netns(netns)
+        env = {**env, "MOONCAKE_HOST_IP": host_ip}
     for name, value in env.items():
         if value is None:
             os.environ.pop(name, None)
@@ -126,6 +156,13 @@ class LocalGroup:
             (a ``None`` value removes the variable).
         log_dir: when given, each process's stdout and stderr go to
             ``<log_dir>/<key>.log``.
+        placement: per rank, ``(netns path, host address)`` to run it in another
+            network namespace as another host (its tcp transport binds that
+            address, and it reaches the store at ``store_host``), or None for
+            this one. Every process of the rank, replacements included, goes
+            there.
+        store_host: the address to host the store on (and ranks placed elsewhere
+            reach it at); ``"127.0.0.1"`` by default.
     """
 
     def __init__(
@@ -133,14 +170,18 @@ class LocalGroup:
         world_size: int,
         env: dict[str, str | None] | None = None,
         log_dir: str | None = None,
+        placement: list[tuple[str, str] | None] | None = None,
+        store_host: str = "127.0.0.1",
     ):
         import torch.distributed as dist
 
         self.world_size = world_size
         self.env = dict(env or {})
         self.log_dir = log_dir
+        self.placement = list(placement or [])
+        self.store_host = store_host
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False
+            store_host, 0, world_size, is_master=True, wait_for_workers=False
         )
         self.port = self.store.port
         self._ctx = mp.get_context("spawn")
@@ -176,12 +217,17 @@ class LocalGroup:
                     self.env,
                     self.log_dir,
                     self._queue,
+                    self._place(rank),
                 ),
             )
             p.start()
             self._procs[key] = p
             keys.append(key)
         return keys
+
+    def _place(self, rank: int) -> tuple[str, str, str] | None:
+        where = self.placement[rank] if rank < len(self.placement) else None
+        return None if where is None else (where[0], where[1], self.store_host)
 
     def pid(self, key: str) -> int:
         return self._procs[key].pid

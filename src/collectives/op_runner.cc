@@ -227,7 +227,20 @@ bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Er
   // calls the op is left out about one timeout after the op began, not two.
   const Deadline until =
       meta.deadline.latest(Deadline::after_ms(std::min(meta.timeout_ms, kReportGraceMs)));
-  Decision d = agree_on_view(store_, prefix_, view_, mine, responsive, until);
+  Decision d;
+  try {
+    d = agree_on_view(store_, prefix_, view_, mine, responsive, until);
+  } catch (const Error& e) {
+    // The ranks that reach the store agree without this one: it is out (and
+    // retrying would only spin until the store answers again).
+    if (!store_unreachable(e)) throw;
+    throw_error(ErrorKind::kLeftOut, rank_, "rank ", rank_,
+                " lost the store during a recovery, so it cannot take part in the agreement; "
+                "the ranks that reach the store go on without it (",
+                e.what(),
+                "); once the store is reachable it can rejoin as a new process with "
+                "is_extension=True");
+  }
   apply(d.view);
   // The op to settle is the earliest pending one; a member ahead of it has
   // completed it (ops complete in order and need every member).

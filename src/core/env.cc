@@ -35,6 +35,10 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_HANG_MS", "2000",
        "A peer whose heartbeat stands still this long (a stopped or hung process) counts as "
        "failed, whatever the op's timeout."},
+      {"MOONCAKE_STORE_TIMEOUT_MS", "10000",
+       "Bound on one store request beyond what it waits for (a torch store behind a cut "
+       "link never answers): past it the store counts as out of reach for this rank, which "
+       "then cannot take part in agreements; the ranks that reach it go on without it."},
       {"MOONCAKE_RECOVER", "1",
        "1: when a rank fails, the survivors agree on the new group and re-run the op; 0: the "
        "op fails with an error instead."},

@@ -4,10 +4,22 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
+#include <string_view>
 
 namespace mooncake {
+
+// Requests of an implementation that can lose its store (one over the
+// network) are bounded in time; one that gets no answer throws a kTimeout
+// Error whose message starts with this, so that callers can tell a store out
+// of reach from a key that did not appear.
+inline constexpr std::string_view kStoreUnreachable = "store: out of reach";
+
+inline bool store_unreachable(const std::exception& e) {
+  return std::string_view(e.what()).starts_with(kStoreUnreachable);
+}
 
 class Store {
  public:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mooncake import PeerFailedError, pg
-from mooncake.launch import init_rank, process_resources
+from mooncake.launch import init_rank, process_resources, store_host
 
 BIG = 1 << 16  # int64 elements of the big all_reduce: 512 KiB, 128 slots of 4 KiB
 MID = 1536  # int64 elements per rank slice of the other ops: 12 KiB, 3 slots of 4 KiB
@@ -73,7 +73,7 @@ def describe(e: BaseException) -> str:
 
 def client_store(port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(
-        "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=120)
+        store_host(), port, world_size, is_master=False, timeout=timedelta(seconds=120)
     )
 
 

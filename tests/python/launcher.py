@@ -110,6 +110,9 @@ class Launch:
     #: How long the other ranks may run on after one rank died.
     grace_s: float = 20.0
     stress: bool = False
+    #: Per rank, the host it runs on (``hosts.Fabric``: its own network namespace); empty:
+    #: all on this one. Only inside ``hosts.run_inside``.
+    hosts: tuple[int, ...] = ()
 
     def cases(self) -> list[Case]:
         return self.builder(self.world_size, **dict(self.params))
@@ -297,7 +300,13 @@ def run(launch: Launch, selected: list[str] | None = None) -> LaunchResult:
         (tmp / "config.pkl").write_bytes(pickle.dumps(config))
         runs = [RankRun(rank) for rank in range(n)]
         start = time.monotonic()
-        with LocalGroup(n, env=_child_env(launch), log_dir=str(tmp)) as group:
+        where = {}
+        if launch.hosts:
+            from hosts import fabric
+
+            f = fabric()
+            where = {"placement": f.placement(launch.hosts), "store_host": f.gateway}
+        with LocalGroup(n, env=_child_env(launch), log_dir=str(tmp), **where) as group:
             try:
                 group.start(rank_main, args=(str(tmp / "config.pkl"),))
                 why = group.wait_all(

@@ -412,15 +412,19 @@ def latency(ctx, iters: int = 200, bound_ms: float = 20.0):
     ctx.expect(mean_ms < bound_ms, f"small all_reduce takes {mean_ms:.2f} ms on average")
 
 
-def transport(ctx, expected):
-    """Which transport the backend chose for every peer."""
+def transport(ctx, expected, hosts=()):
+    """Which transport the backend chose for every peer (with ``hosts``, the host of each
+    rank: shm on the same one, tcp to the others)."""
     from mooncake import pg
 
     backend = pg._backend_of(dist.group.WORLD)
     for peer in range(ctx.world_size):
         if peer != ctx.rank:
+            want = expected
+            if hosts:
+                want = "shm" if hosts[peer] == hosts[ctx.rank] else "tcp"
             got = backend.transport_of(peer)
-            ctx.expect(got == expected, f"peer {peer} uses {got!r}, expected {expected!r}")
+            ctx.expect(got == want, f"peer {peer} uses {got!r}, expected {want!r}")
 
 
 # --- case lists (built identically in the parent and in every rank) ------------------
@@ -441,6 +445,7 @@ def matrix(
     layouts: bool = True,
     extras: bool = True,
     transport_name: str = "shm",
+    hosts: tuple[int, ...] = (),
 ) -> list[Case]:
     """The op × dtype × reduce-op × size matrix at one world size."""
     cases: list[Case] = []
@@ -593,11 +598,13 @@ def matrix(
     add("objects", objects)
     add("latency/all_reduce_x200", latency)
     if world > 1:
-        add(f"transport/{transport_name}", transport, expected=transport_name)
+        add(f"transport/{transport_name}", transport, expected=transport_name, hosts=hosts)
     return cases
 
 
-def big(world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES, transport_name="shm") -> list[Case]:
+def big(
+    world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES, transport_name="shm", hosts=()
+) -> list[Case]:
     """Tensors beyond the default 64 KiB threshold and the default 256 KiB slot."""
     cases: list[Case] = []
     add = functools.partial(_case, cases)
@@ -651,7 +658,7 @@ def big(world: int, sizes=BIG_SIZES, dtypes=BIG_DTYPES, transport_name="shm") ->
         layout="transposed",
     )
     if world > 1:
-        add(f"transport/{transport_name}", transport, expected=transport_name)
+        add(f"transport/{transport_name}", transport, expected=transport_name, hosts=hosts)
     return cases
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mooncake.launch import store_host
 from reference import make_tensor, mismatch, seed_of  # this folder is on sys.path
 
 
@@ -182,7 +183,9 @@ def rank_main(rank: int, world: int, port: int, config_path: str) -> None:
 
     op_timeout_s = launch.op_timeout_s
     sync_timeout_s = op_timeout_s * 2 + 60
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    store = dist.TCPStore(
+        store_host(), port, world, is_master=False, timeout=timedelta(seconds=120)
+    )
     harness = dist.PrefixStore("harness", store)
     ctx = RankContext(rank, world, store, op_timeout_s, launch.backend)
     if launch.init_pg:

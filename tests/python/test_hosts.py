@@ -1,0 +1,210 @@
+"""Ranks on several hosts: network namespaces on this machine (``hosts.py``).
+
+``test_across_hosts`` (the only test that runs in a plain session) starts this module
+again inside a user and network namespace of its own (``hosts.run_inside``) and passes
+when everything there passes; skipped where namespaces cannot be made, with the reason.
+Inside, ``hosts.Fabric`` makes the hosts, and the launcher places each rank on one, so
+ranks on one host talk through shared memory and ranks on different hosts only over tcp
+through the bridge, as on a cluster:
+
+* ``test_on_hosts``: the whole collective matrix (every op, dtype, reduction, size and
+  layout of test_collectives.py), its big tensors and the p2p cases, at world 4 on two
+  hosts of two ranks; each rank checks that it reaches its host's peer over shm and
+  the other host's over tcp.
+* ``test_partition``: world 4 on three hosts (ranks 0 and 1, rank 2, rank 3); rank 3's
+  link is taken down in the middle of all_reduce rounds (a partition, not a crash:
+  its process lives on and loses the store too). The others go on among themselves
+  within the hang limit, with rank 3 out of their active set and every result over
+  {0, 1, 2}. Rank 3 cannot reach the store either, so it cannot agree with anyone: its
+  op raises ``LeftOutError`` (it lost the store) within the hang limit plus
+  ``MOONCAKE_STORE_TIMEOUT_MS``, instead of waiting for TCP to give up; once its link is
+  back, its next op says the others left it out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hosts
+from launcher import SMALL_CHUNKS, Launch, check, parametrize
+from test_collectives import big, matrix
+from test_p2p import p2p_cases
+
+INSIDE = hosts.inside()
+inner = pytest.mark.skipif(
+    not INSIDE, reason="runs inside the hosts' namespace (test_across_hosts starts it)"
+)
+
+TWO_BY_TWO = (0, 0, 1, 1)
+ON_HOSTS = (("transport_name", "hosts"), ("hosts", TWO_BY_TWO))
+LAUNCHES = [
+    Launch(matrix, 4, "hosts-2x2-chunk4k", env=SMALL_CHUNKS, params=ON_HOSTS, hosts=TWO_BY_TWO),
+    Launch(big, 4, "hosts-2x2-default", params=ON_HOSTS, hosts=TWO_BY_TWO),
+    Launch(p2p_cases, 4, "hosts-2x2-p2p-chunk4k", env=SMALL_CHUNKS, hosts=TWO_BY_TWO),
+]
+
+
+# Collected inside only (outside, thousands of skipped items would say nothing).
+if INSIDE:
+
+    @pytest.mark.parametrize(("launch", "case"), parametrize(LAUNCHES))
+    def test_on_hosts(launch, case):
+        """The case's result equals the local reference bit for bit on every rank."""
+        check(launch, case)
+
+
+# --- a partition ---------------------------------------------------------------------------
+
+PARTITION_HOSTS = (0, 0, 1, 2)
+CUT_RANK = 3  # alone on host 2
+HANG_MS = 1000
+STORE_TIMEOUT_MS = 3000  # a store request with no answer in this long: the store is out of reach
+
+
+def partition_rank(rank: int, world: int, port: int, marker: str) -> dict:
+    """All_reduce rounds across the cut of rank 3's host (see ``test_partition``)."""
+    from mooncake import LeftOutError
+    from mooncake.launch import init_rank, store_host
+
+    active = init_rank(rank, world, port, timeout_s=20)
+    store = dist.TCPStore(store_host(), port, world, is_master=False, timeout=timedelta(seconds=5))
+    out: dict = {"rank": rank, "rounds": 0}
+
+    def round_(i: int) -> list[int]:
+        t = torch.full((256,), float(rank + 1))
+        dist.all_reduce(t)
+        members = [r for r in range(world) if int(active[r])]
+        want = float(sum(r + 1 for r in members))
+        if not bool((t == want).all()):
+            raise AssertionError(f"round {i}: {t[0].item()} over {members}, want {want}")
+        return members
+
+    for i in range(3):
+        round_(i)
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(world)], timedelta(seconds=30))
+    if rank != CUT_RANK:
+        store.wait(["cut"], timedelta(seconds=30))
+        cut_at = float(store.get("cut").decode())
+        i = 3
+        while True:
+            members = round_(i)
+            i += 1
+            if CUT_RANK not in members:
+                out["detect_s"] = time.time() - cut_at
+                break
+            if time.time() - cut_at > 30:
+                raise AssertionError(f"rank {CUT_RANK} still counted 30 s after the cut")
+        for _ in range(5):
+            members = round_(i)
+            i += 1
+        out["members"] = members
+        out["rounds"] = i
+        store.set(f"done/{rank}", "1")
+        return out
+    # The rank that is cut off: rounds until one fails (its process lives on, and
+    # reaches neither its peers nor the store).
+    start = time.time()
+    out["error"] = ""
+    try:
+        for i in range(3, 100000):
+            round_(i)
+            if time.time() - start > 60:
+                break
+    except Exception as e:  # noqa: BLE001 - what it gets is the result
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    out["error_after_s"] = time.time() - start
+    out["rounds"] = i
+    with open(marker, "w") as f:  # the parent heals the link now (the store is out of reach)
+        f.write(out["error"])
+    # Once the link is back, the next op says it was left out.
+    deadline = time.time() + 120
+    while True:
+        try:
+            store.get("healed")
+            break
+        except Exception:  # noqa: BLE001 - the store is out of reach until the heal
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+    try:
+        round_(-1)
+        out["after_heal"] = "ran"
+    except LeftOutError as e:
+        out["after_heal"] = f"LeftOutError: {str(e).splitlines()[0][:200]}"
+    except Exception as e:  # noqa: BLE001
+        out["after_heal"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return out
+
+
+@inner
+@pytest.mark.timeout(240)
+def test_partition():
+    from mooncake.launch import LocalGroup
+
+    f = hosts.fabric()
+    tmp = tempfile.mkdtemp(prefix="mooncake-partition-")
+    env = {
+        "MOONCAKE_HANG_MS": str(HANG_MS),
+        "MOONCAKE_STORE_TIMEOUT_MS": str(STORE_TIMEOUT_MS),
+        "MOONCAKE_TRANSPORT": "auto",
+        "OMP_NUM_THREADS": "1",
+    }
+    with LocalGroup(
+        4, env=env, placement=f.placement(PARTITION_HOSTS), store_host=f.gateway
+    ) as group:
+        marker = os.path.join(tmp, "cut-off-rank-failed")
+        group.start(partition_rank, args=(marker,))
+        group.store.wait([f"ready/{r}" for r in range(4)], timedelta(seconds=120))
+        f.cut(PARTITION_HOSTS[CUT_RANK])
+        group.store.set("cut", repr(time.time()))
+        try:
+            survivors = [group.result(str(r), timeout_s=120) for r in range(3)]
+            # Rank 3 stays cut off until its op has failed by itself.
+            while not group.store.check(["healed"]):
+                if group.exited(str(CUT_RANK)) or time.time() - float(group.store.get("cut")) > 90:
+                    break
+                if os.path.exists(marker):
+                    break
+                time.sleep(0.1)
+        finally:
+            f.heal(PARTITION_HOSTS[CUT_RANK])
+            group.store.set("healed", "1")
+        cut_off = group.result(str(CUT_RANK), timeout_s=180)
+    print(f"partition: survivors {survivors}; cut-off rank {cut_off}", file=sys.stderr)
+    for s in survivors:
+        assert s["members"] == [0, 1, 2], s
+        assert s["detect_s"] < HANG_MS / 1000 + 3.0, s
+    # Out of reach of its peers (the hang limit) and then of the store (its bound).
+    assert cut_off["error"].startswith("LeftOutError"), cut_off
+    assert "lost the store" in cut_off["error"], cut_off
+    assert cut_off["error_after_s"] < (HANG_MS + STORE_TIMEOUT_MS) / 1000 + 5, cut_off
+    assert cut_off["after_heal"].startswith("LeftOutError"), cut_off
+
+
+# --- the outer test ------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(INSIDE, reason="the outer test: it starts this module inside")
+@pytest.mark.timeout(900)
+def test_across_hosts():
+    """Everything above, inside a user and network namespace of its own."""
+    why = hosts.reason()
+    if why:
+        pytest.skip(why)
+    r = hosts.run_inside(
+        ["-m", "pytest", os.path.abspath(__file__), "-q", "-p", "no:cacheprovider", "-rs",
+         "-k", "not test_across_hosts"],
+        timeout_s=850,
+    )  # fmt: skip
+    tail = (r.stdout + r.stderr)[-6000:]
+    assert r.returncode == 0, tail
+    assert " passed" in r.stdout and " failed" not in r.stdout, tail
