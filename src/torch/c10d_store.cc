@@ -24,12 +24,20 @@ struct C10dStore::Worker {
   bool stop = false;
   std::string stuck;  // the request that did not return in time ("" while none)
   int64_t stuck_since_us = 0;
+  bool running = false;  // whether a thread serves the queue
 
+  // Serves the queue; ends after kIdle without a request (store requests come
+  // in bursts: a group's setup, an agreement), so that a store nobody uses, or
+  // one whose owner is gone, holds no thread.
   void loop() {
+    static constexpr auto kIdle = std::chrono::milliseconds(200);
     std::unique_lock<std::mutex> lock(mu);
     while (true) {
-      cv.wait(lock, [&] { return stop || !jobs.empty(); });
-      if (jobs.empty()) return;  // stopping, nothing left
+      cv.wait_for(lock, kIdle, [&] { return stop || !jobs.empty(); });
+      if (jobs.empty()) {
+        running = false;
+        return;
+      }
       std::shared_ptr<Job> job = jobs.front();
       jobs.pop_front();
       lock.unlock();
@@ -51,9 +59,6 @@ C10dStore::C10dStore(c10::intrusive_ptr<c10d::Store> store, int64_t request_ms)
       request_ms_(request_ms < 0 ? env_int("MOONCAKE_STORE_TIMEOUT_MS") : request_ms),
       worker_(std::make_shared<Worker>()) {
   MC_CHECK_ARG(request_ms_ > 0, "MOONCAKE_STORE_TIMEOUT_MS must be > 0, got ", request_ms_);
-  // The thread holds the worker (and the store, through the jobs) while a
-  // request runs, so a stuck one may outlive this object.
-  std::thread([w = worker_] { w->loop(); }).detach();
 }
 
 C10dStore::~C10dStore() {
@@ -72,6 +77,12 @@ void C10dStore::run(const char* what, const std::string& key, int64_t wait_ms,
     throw_error(ErrorKind::kTimeout, -1, kStoreUnreachable, ": ", w.stuck, " has not returned for ",
                 (now_us() - w.stuck_since_us) / 1000, " ms (", what, " '", key, "' not sent)");
   w.jobs.push_back(job);
+  if (!w.running) {
+    // The thread holds the worker (and the store, through the jobs) while a
+    // request runs, so a stuck one may outlive this object.
+    w.running = true;
+    std::thread([worker = worker_] { worker->loop(); }).detach();
+  }
   w.cv.notify_all();
   const int64_t limit_ms =
       std::min<int64_t>(request_ms_ + std::max<int64_t>(wait_ms, 0), int64_t{1} << 40);

@@ -19,6 +19,9 @@ through the bridge, as on a cluster:
   op raises ``LeftOutError`` (it lost the store) within the hang limit plus
   ``MOONCAKE_STORE_TIMEOUT_MS``, instead of waiting for TCP to give up; once its link is
   back, its next op says the others left it out.
+* ``test_kill_across_hosts``: the same layout, rank 3 killed (SIGKILL) instead: its
+  peers on the other hosts see its connections close and go on at once, well within
+  the hang limit.
 """
 
 from __future__ import annotations
@@ -69,8 +72,9 @@ HANG_MS = 1000
 STORE_TIMEOUT_MS = 3000  # a store request with no answer in this long: the store is out of reach
 
 
-def partition_rank(rank: int, world: int, port: int, marker: str) -> dict:
-    """All_reduce rounds across the cut of rank 3's host (see ``test_partition``)."""
+def partition_rank(rank: int, world: int, port: int, marker: str, fault: str = "cut") -> dict:
+    """All_reduce rounds across the cut of rank 3's host, or its kill (``fault``: "cut" or
+    "kill"; see ``test_partition`` and ``test_kill_across_hosts``)."""
     from mooncake import LeftOutError
     from mooncake.launch import init_rank, store_host
 
@@ -110,6 +114,9 @@ def partition_rank(rank: int, world: int, port: int, marker: str) -> dict:
         out["rounds"] = i
         store.set(f"done/{rank}", "1")
         return out
+    if fault == "kill":  # rounds until the parent kills this process
+        while True:
+            round_(-1)
     # The rank that is cut off: rounds until one fails (its process lives on, and
     # reaches neither its peers nor the store).
     start = time.time()
@@ -188,6 +195,31 @@ def test_partition():
     assert "lost the store" in cut_off["error"], cut_off
     assert cut_off["error_after_s"] < (HANG_MS + STORE_TIMEOUT_MS) / 1000 + 5, cut_off
     assert cut_off["after_heal"].startswith("LeftOutError"), cut_off
+
+
+@inner
+@pytest.mark.timeout(120)
+def test_kill_across_hosts():
+    """Rank 3, alone on its host, is killed (SIGKILL) in the middle of all_reduce rounds:
+    its peers on the other hosts see its tcp connections close and go on among {0, 1, 2}
+    well within the hang limit."""
+    from mooncake.launch import LocalGroup
+
+    f = hosts.fabric()
+    env = {"MOONCAKE_HANG_MS": "10000", "MOONCAKE_TRANSPORT": "auto", "OMP_NUM_THREADS": "1"}
+    with LocalGroup(
+        4, env=env, placement=f.placement(PARTITION_HOSTS), store_host=f.gateway
+    ) as group:
+        group.start(partition_rank, args=("", "kill"))
+        group.store.wait([f"ready/{r}" for r in range(4)], timedelta(seconds=120))
+        group.expect_exit(CUT_RANK)
+        group.kill(CUT_RANK)
+        group.store.set("cut", repr(time.time()))
+        survivors = [group.result(str(r), timeout_s=60) for r in range(3)]
+    print(f"kill across hosts: {survivors}", file=sys.stderr)
+    for s in survivors:
+        assert s["members"] == [0, 1, 2], s
+        assert s["detect_s"] < 2.0, s  # the hang limit is 10 s: a closed connection, not silence
 
 
 # --- the outer test ------------------------------------------------------------------------
