@@ -104,14 +104,15 @@ class Launch:
         return self.results
 
 
-def launch(world_size, fn, plan, env_vars, conduct=None, timeout_s=120.0) -> Launch:
+def launch(world_size, fn, plan, env_vars, conduct=None, timeout_s=120.0, **where) -> Launch:
     """Starts ``fn(rank, world_size, port, plan)`` on every rank, runs ``conduct(group,
-    extra)`` in the parent (kills, stops, replacements), and collects the results."""
+    extra)`` in the parent (kills, stops, replacements), and collects the results.
+    ``where``: ``LocalGroup``'s ``placement`` and ``store_host`` (ranks on other hosts)."""
     out = Launch()
     t0 = time.monotonic()
     out.extra["deadline"] = t0 + timeout_s
     try:
-        with LocalGroup(world_size, env=env_vars) as group:
+        with LocalGroup(world_size, env=env_vars, **where) as group:
             group.start(fn, args=(plan,))
             if conduct is not None:
                 conduct(group, out.extra)

@@ -22,6 +22,8 @@ through the bridge, as on a cluster:
 * ``test_kill_across_hosts``: the same layout, rank 3 killed (SIGKILL) instead: its
   peers on the other hosts see its connections close and go on at once, well within
   the hang limit.
+* ``test_chaos_across_hosts``: the chaos driver of test_fault_tolerance.py on two hosts:
+  ranks killed inside ops until one rank is left on each host.
 """
 
 from __future__ import annotations
@@ -220,6 +222,25 @@ def test_kill_across_hosts():
     for s in survivors:
         assert s["members"] == [0, 1, 2], s
         assert s["detect_s"] < 2.0, s  # the hang limit is 10 s: a closed connection, not silence
+
+
+@inner
+@pytest.mark.timeout(200)
+def test_chaos_across_hosts():
+    """The fault-tolerance chaos driver (test_fault_tolerance.py) at world 4 on two hosts
+    of two ranks: rank 3 killed inside a chunked all_reduce, then rank 0 inside an
+    all_to_all, so that one rank goes on on each host (1 and 2, over tcp); every
+    survivor's every op (every collective, p2p rings, EP rounds) must cover the same
+    ranks, never a dead one."""
+    from ft_parent import CHUNKED, chaos_plan, check_chaos, conduct_chaos, env, launch
+    from ft_ranks import chaos_rank
+
+    f = hosts.fabric()
+    plan = chaos_plan(11, [([3], "in_big"), ([0], "in_a2a")])
+    where = {"placement": f.placement(TWO_BY_TWO), "store_host": f.gateway}
+    out = launch(4, chaos_rank, plan, env(CHUNKED), conduct_chaos(plan), timeout_s=150, **where)
+    problems = check_chaos(out.get(), 4, plan)
+    assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
 
 
 # --- the outer test ------------------------------------------------------------------------
