@@ -351,9 +351,45 @@ def kill_problems(plan, results) -> tuple[list[str], list[str]]:
                 f"process {key}: ended with active_ranks {res['active']}, pg {res['pg']}, "
                 f"want {after}"
             )
-    if len({repr(v) for v in seq_masks.values()}) > 1:
-        problems.append(f"survivors disagree round by round on the mask: {seq_masks}")
+    disagreement = _mask_disagreement(seq_masks)
+    if disagreement:
+        problems.append(
+            f"survivors disagree round by round on the mask ({disagreement}): {seq_masks}"
+        )
     return problems, slow
+
+
+def _mask_disagreement(seq_masks: dict) -> str:
+    """Why the survivors' per-round masks disagree ("" when they agree).
+
+    One disagreement is allowed, and only this one: where a rank died, one survivor may
+    count it out one round before another. When the death lands on the last exchange of a
+    round, a survivor whose exchange completed reads the group's view before the
+    agreement, and one that got through the same exchange by recovery reads it after (each
+    round's result is still checked against that survivor's own view). Known gap: the
+    process group does not report which set of ranks an exchange covered, so the portable
+    path reads the view after the exchange; see docs/failures.md."""
+    seqs = list(seq_masks.values())
+    if not seqs or len({len(m) for m in seqs}) > 1:
+        return "different numbers of rounds"
+    width = len(seqs[0][0]) if seqs[0] else 0
+    for rank in range(width):
+        drops = set()
+        for m in seqs:
+            flags = [row[rank] for row in m]
+            drops.add(flags.index(0) if 0 in flags else len(flags))
+        if max(drops) - min(drops) > 1:
+            return f"rank {rank} counted out {sorted(drops)} rounds in"
+    for i in range(len(seqs[0])):
+        rows = [m[i] for m in seqs]
+        for rank in range(width):
+            if len({row[rank] for row in rows}) > 1:
+                # Only at a drop that differs by one round.
+                before = [m[i - 1][rank] if i else 1 for m in seqs]
+                after = [m[i + 1][rank] if i + 1 < len(m) else 0 for m in seqs]
+                if not (all(before) and not any(after)):
+                    return f"round {i}, rank {rank}"
+    return ""
 
 
 @pytest.fixture(scope="module")
