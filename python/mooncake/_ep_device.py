@@ -125,19 +125,21 @@ class DevicePath:
         their kernels side by side: each takes its share of the SMs."""
         self.num_blocks = max(1, self.ext.sm_count // max(1, processes))
 
+    def _hand_over_silent(self) -> None:
+        for r in self.ext.take_silent():
+            self.members.device_masked(r, _silent(r))
+
     def poll(self) -> None:
         """Hands the ranks kernels masked for silence to the members and clears that
         report (an error report is kept for :meth:`raise_reported`). Reads host-mapped
         words: no wait for the device, so a kernel still running may mask more later."""
-        for r in self.ext.take_silent():
-            self.members.device_masked(r, _silent(r))
+        self._hand_over_silent()
         if self.ext.status_code() == _SILENT:
             self.ext.status(clear=True)
 
     def raise_reported(self, what: str) -> None:
         """As :meth:`poll`, then raises what an earlier kernel on this rank reported."""
-        for r in self.ext.take_silent():
-            self.members.device_masked(r, _silent(r))
+        self._hand_over_silent()
         code, d0, d1, _ = self.ext.status(clear=True)
         if code in (0, _SILENT):
             return

@@ -64,6 +64,12 @@ class _Done:
         return None
 
 
+def _budget_ms(timeout_us: int) -> int:
+    """An exchange's own budget, as the portable path rounds it: whole ms from now
+    (-1 stays -1: the buffer's timeout_ms)."""
+    return math.ceil(fb.timeout_of(timeout_us).total_seconds() * 1000)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -124,8 +130,9 @@ class Slots:
         self.device: _ep_device.DevicePath | None = None  # the device path, with a workspace
         self._dev_mask: torch.Tensor | None = None  # device int32 [capacity], 1 = active
         self._dev_views: dict[int, torch.Tensor] = {}  # _dev_mask[:R], per R
-        self._mapped: dict[int, bytes] = {}  # mapped slot -> its GPU's bus id
+        self._mapped: set[int] = set()  # slots whose workspace is mapped
         self.count_pending = False  # peers published since the last device call told counts
+        self._gpu = ""  # "<boot id> <bus id>" of this process's GPU, with a device path
 
     # --- allocation --------------------------------------------------------------------
 
@@ -183,13 +190,14 @@ class Slots:
     def _attach_device(self, path: _ep_device.DevicePath | None) -> None:
         self.device = path
         self._dev_views = {}
-        self._mapped = {}
+        self._mapped = set()
         if path is None:
             self._dev_mask = None
             return
         path.ext.reserve(self.num_ranks, self.rank)
         boot = _ep_device.decode_row(path.row())[2].decode() or "-"
-        self.store.set(self._gpu_key(self.rank), f"{boot} {path.ext.bus_id} {os.getpid()}")
+        self._gpu = f"{boot} {path.ext.bus_id}"  # this process's GPU, as the store records it
+        self.store.set(self._gpu_key(self.rank), f"{self._gpu} {os.getpid()}")
         self._dev_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=path.device)
         self._dev_mask[self.rank] = 1
         self._refresh_device(recount=True)
@@ -225,15 +233,13 @@ class Slots:
         everyone, or is still staging) still runs kernels, so its peers count it
         through the store, not through their mappings. A process counted after it died
         (a zombie not yet reaped) only costs blocks."""
-        mine = self._gpu_key(self.rank)
-        me = self.store.get(mine).decode().split()
-        n = 0
+        n = 1
         for s in range(self.num_ranks):
             key = self._gpu_key(s)
-            if s != self.rank and not self.store.check([key]):
+            if s == self.rank or not self.store.check([key]):
                 continue
-            boot, bus, pid = (self.store.get(key).decode().split() + ["", "", "0"])[:3]
-            if s == self.rank or ([boot, bus] == me[:2] and _pid_alive(int(pid))):
+            gpu, _, pid = self.store.get(key).decode().rpartition(" ")
+            if gpu == self._gpu and _pid_alive(int(pid or 0)):
                 n += 1
         return n
 
@@ -246,9 +252,9 @@ class Slots:
             row = bytes.fromhex(meta)
         except ValueError:
             return  # not a device row: reached through the portable path only
-        here, handle, boot, bus = _ep_device.decode_row(row)
+        here, handle, boot, _ = _ep_device.decode_row(row)
         if here and _ep_device.same_host(boot) and self.device.ext.map_peer(slot, handle):
-            self._mapped[slot] = bus
+            self._mapped.add(slot)
 
     def _publish(self, slot: int) -> None:
         """Puts a published slot into the kernels' table (after this device's earlier
@@ -265,7 +271,8 @@ class Slots:
         if self.device is None:
             return
         self._dev_mask[slot] = 0
-        if self._mapped.pop(slot, None) is not None:
+        if slot in self._mapped:
+            self._mapped.discard(slot)
             self.device.ext.unmap_peer(slot)  # after the mask write and earlier kernels
 
     def look(self, wait: bool = True) -> None:
@@ -469,10 +476,7 @@ class Slots:
         timeout_ms; none: metadata_timeout_ms); 0 when none has. The device path moves
         its count up to it (``ElasticPeers::await_call_count``)."""
         self.count_pending = False
-        if timeout_us == -1:
-            timeout_ms = self.timeout_ms
-        else:
-            timeout_ms = max(1, math.ceil(timeout_us / 1000))
+        timeout_ms = self.timeout_ms if timeout_us == -1 else max(1, _budget_ms(timeout_us))
         return self._peers.await_call_count(timeout_ms)
 
     def all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
@@ -482,9 +486,7 @@ class Slots:
             return t.element_size() * (t[0].numel() if t.dim() > 1 else 1)
 
         rb = row_bytes(out if out.numel() else inp) if (out.numel() or inp.numel()) else 0
-        # This exchange's own budget, as the portable path rounds it: whole ms from now
-        # (-1: the buffer's timeout_ms).
-        timeout_ms = math.ceil(fb.timeout_of(timeout_us).total_seconds() * 1000)
+        timeout_ms = _budget_ms(timeout_us)
         host_out = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
         host_in = inp.contiguous() if inp.device.type == "cpu" else inp.cpu()
         self._peers.exchange(

@@ -139,11 +139,12 @@ class GroupMembers:
         dies later stays mapped (its memory outlives it): the kernels mask it. So
         whether every member is mapped is settled here, once."""
         R = self.num_ranks
-        row = torch.frombuffer(bytearray(path.row()), dtype=torch.uint8).clone()
+        own = path.row()
+        row = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
         rows = torch.zeros(R * row.numel(), dtype=torch.uint8)
         pg._backend_of(self.group)._allgather_base(rows, row).wait()
         rows = rows.reshape(R, row.numel())
-        mine = _ep_device.decode_row(path.row())
+        mine = _ep_device.decode_row(own)
         handles, present, sharing = [], [], 0
         for r in range(R):
             here, handle, boot, bus = _ep_device.decode_row(bytes(rows[r].tolist()))

@@ -67,11 +67,8 @@ ElasticPeers::ElasticPeers(const TransferEngine& engine, Store& store, ElasticCo
   channels_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective,
                                          Channels::Watch::kPeer, config_.hang_ms,
                                          /*one_bell=*/true);
-  const std::string inc = std::to_string(incarnation_);
-  store_.set(key("meta", config_.rank) + "/" + inc,
-             str(config_.capacity, " ", config_.local_experts, " ",
-                 config_.device_meta.empty() ? std::string("-") : config_.device_meta));
-  store_.set(key("cur", config_.rank), inc);
+  publish_meta();
+  store_.set(key("cur", config_.rank), std::to_string(incarnation_));
 }
 
 ElasticPeers::~ElasticPeers() {
@@ -84,6 +81,16 @@ std::string ElasticPeers::key(const std::string& what, int slot) const {
 
 std::string ElasticPeers::link_key(int from, int to) const {
   return config_.prefix + "link/" + std::to_string(from) + "/" + std::to_string(to);
+}
+
+std::string ElasticPeers::calls_key(int from, int to) const {
+  return config_.prefix + "calls/" + std::to_string(from) + "/" + std::to_string(to);
+}
+
+void ElasticPeers::publish_meta() {
+  store_.set(key("meta", config_.rank) + "/" + std::to_string(incarnation_),
+             str(config_.capacity, " ", config_.local_experts, " ",
+                 config_.device_meta.empty() ? std::string("-") : config_.device_meta));
 }
 
 uint32_t ElasticPeers::attach(int peer, const Deadline& deadline, std::string* device_meta) {
@@ -180,7 +187,7 @@ void ElasticPeers::connect(const std::vector<int>& peers, bool activate, uint64_
 
 void ElasticPeers::publish_calls(int peer, uint64_t calls) {
   const Peer& p = peers_[static_cast<size_t>(peer)];
-  store_.set(config_.prefix + "calls/" + std::to_string(config_.rank) + "/" + std::to_string(peer),
+  store_.set(calls_key(config_.rank, peer),
              str(incarnation_, " ", p.inc, " ", p.send_gen, " ", calls));
 }
 
@@ -204,8 +211,7 @@ uint64_t ElasticPeers::await_call_count(int64_t timeout_ms) {
   const Deadline deadline = timeout_ms < 0 ? metadata_deadline() : Deadline::after_ms(timeout_ms);
   uint64_t highest = 0;
   for (const Told& t : wanted) {
-    const std::string k =
-        config_.prefix + "calls/" + std::to_string(t.slot) + "/" + std::to_string(config_.rank);
+    const std::string k = calls_key(t.slot, config_.rank);
     poll_store(deadline, [&] {
       if (!store_.check(k)) return false;
       RecordReader in(store_.get(k, 1000), "call count under '" + k + "'");
@@ -239,8 +245,7 @@ void ElasticPeers::set_device_meta(const std::string& meta) {
   c.device_meta = meta;
   c.validate();
   config_.device_meta = meta;
-  store_.set(key("meta", config_.rank) + "/" + std::to_string(incarnation_),
-             str(config_.capacity, " ", config_.local_experts, " ", meta.empty() ? "-" : meta));
+  publish_meta();
 }
 
 std::string ElasticPeers::device_meta(int peer) const {

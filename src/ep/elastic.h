@@ -165,6 +165,9 @@ class ElasticPeers {
   };
   std::string key(const std::string& what, int slot) const;
   std::string link_key(int from, int to) const;
+  std::string calls_key(int from, int to) const;
+  // Writes meta/<slot>/<inc> from the config.
+  void publish_meta();
   // Connects to the live process that holds `peer` and returns its
   // incarnation: waits for a replacement while the one the store names is
   // gone; checks that its capacity and local experts match ours.
