@@ -36,14 +36,18 @@ def env(*parts: dict[str, str], **extra: str) -> dict[str, str]:
     return out
 
 
-def wait_key(group: LocalGroup, key: str, timeout_s: float = 120.0, extra=None) -> None:
+def wait_key(group: LocalGroup, key: str, timeout_s: float = 120.0, extra=None, setters=()) -> bool:
     """Waits until a rank sets ``key`` in the launch's store; on timeout, raises with what
     the ranks reported (a rank that failed early shows its traceback). With ``extra`` (a
-    launch's), never waits past the launch's deadline."""
+    launch's), never waits past the launch's deadline. ``setters``: the ranks that would
+    set it; once all of them have ended without setting it, returns False at once (their
+    records tell why) instead of waiting out the launch."""
     deadline = time.monotonic() + timeout_s
     if extra is not None:
         deadline = min(deadline, extra["deadline"])
     while not group.store.check([key]):
+        if setters and all(group.exited(str(r)) for r in setters):
+            return group.store.check([key])
         if time.monotonic() > deadline:
             try:
                 group.results(timeout_s=3)
@@ -51,6 +55,7 @@ def wait_key(group: LocalGroup, key: str, timeout_s: float = 120.0, extra=None) 
                 raise TimeoutError(f"store key {key!r} not set within {timeout_s} s; {e}") from e
             raise TimeoutError(f"store key {key!r} not set within {timeout_s} s")
         time.sleep(0.005)
+    return True
 
 
 def wait_keys(group: LocalGroup, keys, timeout_s: float = 120.0, extra=None) -> None:
@@ -215,7 +220,10 @@ def conduct_chaos(plan):
         extra["kills"] = []
         for e, ev in enumerate(plan["events"], start=1):
             survivors = members - set(ev["victims"])
-            wait_key(group, f"arm/{e}", 180, extra)
+            setters = ev["victims"] or ev.get("slowed", [])
+            if not wait_key(group, f"arm/{e}", 180, extra, setters=setters):
+                extra["unarmed"] = e  # check_chaos reports what the victims did instead
+                return
             if ev["mode"] == "slow":
                 time.sleep(ev["delay_s"])
                 for v in ev["slowed"]:
@@ -300,6 +308,9 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
     expected_keys = sorted(set(survivors) | stopped)
     if got != expected_keys:
         problems.append(f"results from ranks {got}, expected {expected_keys}")
+        for r in sorted(set(got) - set(expected_keys)):
+            tail = results[str(r)]["log"][-3:]
+            problems.append(f"rank {r}, a victim, returned; its last records: {tail}")
     logs = {r: results[str(r)]["log"] for r in survivors if str(r) in results}
     if not logs:
         return problems + ["no survivor returned"]
