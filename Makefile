@@ -20,12 +20,19 @@ $(VENV)/.ready: requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-# GoogleTest for the C++ tests (Debian package; needs root, as CI has).
+# GoogleTest for the C++ tests, and UCX for the ucx transport (Debian
+# packages; needs root, as CI has). Without UCX the build leaves that
+# transport out, and `python -m mooncake doctor` says so.
 deps:
 	@if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then \
 	  echo "installing libgtest-dev"; \
 	  (apt-get update -qq && apt-get install -y -qq libgtest-dev) >/dev/null || \
 	  echo "warning: could not install libgtest-dev; C++ tests will be skipped"; \
+	fi
+	@if ! pkg-config --exists ucx 2>/dev/null; then \
+	  echo "installing libucx-dev"; \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends libucx-dev pkgconf) \
+	    >/dev/null || echo "warning: could not install libucx-dev; the ucx transport is left out"; \
 	fi
 
 $(BUILD)/build.ninja: CMakeLists.txt $(VENV)/.ready | deps

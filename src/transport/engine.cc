@@ -16,6 +16,7 @@
 #include "core/record.h"
 #include "core/wait.h"
 #include "transport/shm.h"
+#include "transport/ucx.h"
 
 namespace mooncake {
 
@@ -64,6 +65,7 @@ std::string PeerAddress::encode() const {
      << segment_fd << '\n'
      << segment_bytes << '\n'
      << tcp_host << '\n'
+     << ucx_address << '\n'
      << tcp_port << '\n';
   return os.str();
 }
@@ -78,6 +80,7 @@ PeerAddress PeerAddress::decode(const std::string& text, const std::string& wher
   a.segment_fd = in.number<int>("segment_fd", -1);
   a.segment_bytes = in.number<uint64_t>("segment_bytes", kSegmentHeaderBytes);
   a.tcp_host = in.word("tcp_host", 255);
+  a.ucx_address = in.word("ucx_address", kMaxUcxAddressHex);
   a.tcp_port = in.number<int>("tcp_port", 1, 65535);
   in.end();
   return a;
@@ -86,15 +89,28 @@ PeerAddress PeerAddress::decode(const std::string& text, const std::string& wher
 EngineOptions EngineOptions::from_env() {
   EngineOptions o;
   std::string t = env_string("MOONCAKE_TRANSPORT");
-  MC_CHECK_ARG(t == "auto" || t == "tcp" || t == "shm",
-               "MOONCAKE_TRANSPORT must be auto, shm or tcp, got '", t, "'");
+  MC_CHECK_ARG(t == "auto" || t == "tcp" || t == "shm" || t == "ucx",
+               "MOONCAKE_TRANSPORT must be auto, shm, tcp or ucx, got '", t, "'");
   o.force_tcp = t == "tcp";
+  o.force_ucx = t == "ucx";
   o.host_ip = env_string("MOONCAKE_HOST_IP");
   return o;
 }
 
 std::vector<std::string> TransferEngine::available_transports() {
+  if (ucx_built()) return {"shm", "tcp", "ucx"};
   return {"shm", "tcp"};
+}
+
+bool EngineOptions::wants_ucx() const {
+  if (force_tcp) return false;
+  if (force_ucx) {
+    MC_CHECK_ARG(ucx_built(),
+                 "MOONCAKE_TRANSPORT=ucx: the ucx transport is not in this build (libucx-dev was "
+                 "missing when it was built)");
+    return true;
+  }
+  return ucx_built() && !rdma_devices().empty();
 }
 
 namespace {
@@ -124,6 +140,9 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   check_secret(secret_, "the store holds a malformed group secret under '" + prefix_ + "secret'");
   receiver_ =
       std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, secret_, &alarms_);
+  if (options_.wants_ucx())
+    ucx_ =
+        std::make_unique<UcxWorker>(segment_, capacity, secret_, options_.device_filter, &alarms_);
   stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   links_[rank] = self_link(segment_);
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
@@ -136,6 +155,7 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   me.segment_bytes = segment_bytes;
   me.tcp_host = options_.host_ip.empty() ? default_host() : options_.host_ip;
   me.tcp_port = receiver_->port();
+  if (ucx_) me.ucx_address = ucx_->address();
   shm_seal(segment_, me, secret_);
   store_.set(address_key(prefix_, rank, incarnation), me.encode());
 }
@@ -165,9 +185,13 @@ void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
                "-byte segment but rank ", rank_, " uses ", segment_.size(),
                ": the group's capacity (max_world_size) or MOONCAKE_CHUNK_BYTES differs between "
                "ranks");
+  // shm on this host unless a network transport is forced; then ucx where
+  // both ends run a worker; else tcp.
   std::shared_ptr<PeerLink> link;
-  if (!options_.force_tcp && shm_can_reach(addr))
+  if (!options_.force_tcp && !options_.force_ucx && shm_can_reach(addr))
     link = shm_connect(addr, secret_);
+  else if (ucx_ && addr.ucx_address != "-")
+    link = ucx_->connect(addr, rank_, incarnation_);
   else
     link = tcp_connect(addr, rank_, incarnation_, secret_, *receiver_, deadline);
   std::lock_guard<std::mutex> lock(mu_);
@@ -324,6 +348,7 @@ Endpoint::~Endpoint() {
     std::lock_guard<std::mutex> lock(mu_);
     links_.clear();
   }
+  ucx_.reset();
   receiver_.reset();
 }
 

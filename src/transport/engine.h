@@ -1,7 +1,8 @@
 // The transfer engine. `TransferEngine` holds the transport policy (forced
 // tcp, host ip, device filter) and can be shared by several process groups;
 // each group owns an `Endpoint`: its local segment and one PeerLink per peer,
-// chosen per peer (shm when the peer is on this host, tcp otherwise).
+// chosen per peer (shm when the peer is on this host; otherwise ucx where
+// both ends run a UCX worker, else tcp).
 // Peers find each other through the Store.
 #pragma once
 
@@ -16,15 +17,21 @@
 #include "transport/link.h"
 #include "transport/segment.h"
 #include "transport/tcp.h"
+#include "transport/ucx.h"
 
 namespace mooncake {
 
 struct EngineOptions {
   bool force_tcp = false;                  // MOONCAKE_TRANSPORT=tcp
+  bool force_ucx = false;                  // MOONCAKE_TRANSPORT=ucx
   std::string host_ip;                     // MOONCAKE_HOST_IP or pg.set_host_ip
-  std::vector<std::string> device_filter;  // RDMA devices to use (none exist yet)
+  std::vector<std::string> device_filter;  // devices the ucx transport may use (UCX names)
 
   static EngineOptions from_env();
+  // Whether a group runs a UCX worker: when forced, or in auto mode where
+  // this build has ucx and the machine has an RDMA device. Throws
+  // kInvalidArgument when forced in a build without ucx.
+  bool wants_ucx() const;
 };
 
 class TransferEngine {
@@ -84,10 +91,13 @@ class Endpoint {
   // by the heartbeat thread; 0 when not connected, when the heartbeat moved
   // since the last sample, or while this process's own heartbeat thread lags).
   int64_t silent_ms(int peer) const;
-  // "shm", "tcp", "self", or "none" when not connected.
+  // "shm", "tcp", "ucx", "self", or "none" when not connected.
   const char* transport_of(int peer) const;
-  // Connections the tcp receiver dropped for breaking the protocol.
-  uint64_t rejected_connections() const { return receiver_->rejected(); }
+  // Connections the tcp receiver dropped, and messages the ucx worker
+  // dropped, for breaking the protocol.
+  uint64_t rejected_connections() const {
+    return receiver_->rejected() + (ucx_ ? ucx_->rejected() : 0);
+  }
   int tcp_port() const { return receiver_->port(); }
   // Hint word `slot` (in [0, kNumHints)) of the local segment header (see
   // SegmentHeader::hints; the layer above names the slots).
@@ -114,6 +124,7 @@ class Endpoint {
   Segment segment_;
   std::string secret_;  // the group's, from the store: proves tcp connections
   std::unique_ptr<TcpReceiver> receiver_;
+  std::unique_ptr<UcxWorker> ucx_;  // when the group uses the ucx transport
   mutable std::mutex mu_;
   std::vector<std::shared_ptr<PeerLink>> links_;
   std::vector<uint8_t> on_host_;  // per slot: its process runs on this host (for the spin budget)

@@ -21,6 +21,7 @@ struct PeerAddress {
   int segment_fd = -1;
   uint64_t segment_bytes = 0;
   std::string tcp_host;
+  std::string ucx_address = "-";  // the UCX worker's address in hex, "-" without one
   int tcp_port = 0;
 
   friend bool operator==(const PeerAddress&, const PeerAddress&) = default;

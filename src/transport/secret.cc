@@ -35,6 +35,13 @@ void check_secret(std::string_view secret, std::string_view what) {
                secret.size(), " bytes");
 }
 
+bool secret_matches(const char* got, std::string_view secret) {
+  if (secret.size() != kSecretBytes) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < kSecretBytes; ++i) diff |= static_cast<unsigned char>(got[i] ^ secret[i]);
+  return diff == 0;
+}
+
 std::array<uint8_t, kSecretBytes / 2> secret_key(std::string_view secret) {
   check_secret(secret, "secret_key");
   auto nibble = [](char c) { return static_cast<uint8_t>(c <= '9' ? c - '0' : c - 'a' + 10); };

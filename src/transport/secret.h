@@ -20,6 +20,10 @@ std::string random_secret();
 // kSecretBytes lowercase hex digits.
 void check_secret(std::string_view secret, std::string_view what);
 
+// Whether the kSecretBytes bytes at `got` are `secret` (constant time: how
+// much of a guess was right does not show in how long the answer takes).
+bool secret_matches(const char* got, std::string_view secret);
+
 // The 16 bytes a checked secret's hex digits stand for (a hash key).
 std::array<uint8_t, kSecretBytes / 2> secret_key(std::string_view secret);
 

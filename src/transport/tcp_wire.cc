@@ -7,14 +7,6 @@
 
 namespace mooncake {
 
-namespace {
-bool same_secret(const char* a, std::string_view b) {  // constant time
-  unsigned char diff = 0;
-  for (size_t i = 0; i < kSecretBytes; ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-}  // namespace
-
 FrameDecoder::FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret)
     : base_(base), size_(size), capacity_(capacity), secret_(secret) {
   check_secret(secret, "tcp");
@@ -44,7 +36,7 @@ FrameDecoder::Step FrameDecoder::advance(size_t n) {
       if (got_ < kSecretBytes) return Step::kMore;
       got_ = 0;
       part_ = Part::kHeader;
-      if (!same_secret(secret_got_, secret_))
+      if (!secret_matches(secret_got_, secret_))
         return broken("its hello carries the wrong secret (another group, or not a peer)");
       return Step::kHello;
     case Part::kPayload:

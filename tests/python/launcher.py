@@ -253,6 +253,13 @@ def _cuda_reason() -> str:
 needs_cuda = pytest.mark.skipif(bool(_cuda_reason()), reason=_cuda_reason() or "-")
 
 
+def ucx_built() -> bool:
+    """Whether this build has the ucx transport (``make`` installs libucx-dev for it)."""
+    from mooncake._loader import load_extension
+
+    return "ucx" in load_extension().TransferEngine.available_transports()
+
+
 def check(launch: Launch, case: str) -> None:
     """Fails the calling test unless ``case`` passed on every rank of ``launch``."""
     if launch not in _results:

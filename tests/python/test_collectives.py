@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from launcher import SMALL_CHUNKS, Case, Launch, check, needs_cuda, parametrize
+from launcher import SMALL_CHUNKS, Case, Launch, check, needs_cuda, parametrize, ucx_built
 from reference import (
     COMPLEX_DTYPES,
     DTYPES,
@@ -694,6 +694,7 @@ def on_device(world: int, of: str = "matrix", **params) -> list[Case]:
 # --- launches -----------------------------------------------------------------------------
 
 TCP = (("MOONCAKE_TRANSPORT", "tcp"), *SMALL_CHUNKS)
+UCX = (("MOONCAKE_TRANSPORT", "ucx"), *SMALL_CHUNKS)
 SAMPLE = (("sizes", (0, 7, 5000)),)
 SAMPLE_DTYPES = (torch.bool, torch.int8, torch.int64, torch.bfloat16, torch.float32)
 
@@ -720,6 +721,27 @@ LAUNCHES = [
         "w3-tcp-sample",
         env=TCP,
         params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "tcp")),
+    ),
+    # The ucx transport (UCX over tcp and shared memory here), where the build has it.
+    *(
+        [
+            Launch(
+                big,
+                3,
+                "w3-ucx-default",
+                env=(("MOONCAKE_TRANSPORT", "ucx"),),
+                params=(("transport_name", "ucx"),),
+            ),
+            Launch(
+                matrix,
+                3,
+                "w3-ucx-sample",
+                env=UCX,
+                params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "ucx")),
+            ),
+        ]
+        if ucx_built()
+        else []
     ),
     # make stress: the full matrix at 8 ranks, and the big tensors at 4 and 8.
     Launch(matrix, 8, "w8-chunk4k", env=SMALL_CHUNKS, timeout_s=590, stress=True),

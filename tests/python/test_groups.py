@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize
+from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize, ucx_built
 from reference import reduce_ref
 
 
@@ -330,6 +330,19 @@ TCP = (("MOONCAKE_TRANSPORT", "tcp"), *SMALL_CHUNKS)
 LAUNCHES = [
     Launch(group_cases, 4, "w4-chunk4k", env=SMALL_CHUNKS, init_pg=False),
     Launch(group_cases, 3, "w3-tcp", env=TCP, init_pg=False),
+    *(
+        [
+            Launch(
+                group_cases,
+                3,
+                "w3-ucx",
+                env=(("MOONCAKE_TRANSPORT", "ucx"), *SMALL_CHUNKS),
+                init_pg=False,
+            )
+        ]
+        if ucx_built()
+        else []
+    ),
     Launch(group_cases, 8, "w8-chunk4k", env=SMALL_CHUNKS, init_pg=False, stress=True),
 ]
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import hosts
-from launcher import SMALL_CHUNKS, Launch, check, parametrize
+from launcher import SMALL_CHUNKS, Launch, check, parametrize, ucx_built
 from test_collectives import big, matrix
 from test_p2p import p2p_cases
 
@@ -55,6 +55,38 @@ LAUNCHES = [
     Launch(big, 4, "hosts-2x2-default", params=ON_HOSTS, hosts=TWO_BY_TWO),
     Launch(p2p_cases, 4, "hosts-2x2-p2p-chunk4k", env=SMALL_CHUNKS, hosts=TWO_BY_TWO),
 ]
+#: The ucx transport for every peer, UCX itself kept to tcp: only the network, as between
+#: hosts without RDMA.
+UCX_ENV = (("MOONCAKE_TRANSPORT", "ucx"), ("UCX_TLS", "tcp"))
+TRANSPORTS = ["auto", *(["ucx"] if ucx_built() else [])]
+if ucx_built():
+    LAUNCHES += [
+        Launch(
+            matrix,
+            4,
+            "hosts-2x2-ucx-sample",
+            env=(*UCX_ENV, *SMALL_CHUNKS),
+            params=(
+                ("sizes", (0, 7, 5000)),
+                ("dtypes", (torch.int8, torch.int64, torch.bfloat16, torch.float32)),
+                ("transport_name", "ucx"),
+            ),
+            hosts=TWO_BY_TWO,
+        ),
+        Launch(
+            big,
+            4,
+            "hosts-2x2-ucx-default",
+            env=UCX_ENV,
+            params=(("transport_name", "ucx"),),
+            hosts=TWO_BY_TWO,
+        ),
+        Launch(p2p_cases, 4, "hosts-2x2-ucx-p2p", env=(*UCX_ENV, *SMALL_CHUNKS), hosts=TWO_BY_TWO),
+    ]
+
+
+def transport_env(transport: str) -> dict[str, str]:
+    return dict(UCX_ENV) if transport == "ucx" else {"MOONCAKE_TRANSPORT": transport}
 
 
 # Collected inside only (outside, thousands of skipped items would say nothing).
@@ -201,14 +233,15 @@ def test_partition():
 
 @inner
 @pytest.mark.timeout(120)
-def test_kill_across_hosts():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_kill_across_hosts(transport):
     """Rank 3, alone on its host, is killed (SIGKILL) in the middle of all_reduce rounds:
-    its peers on the other hosts see its tcp connections close and go on among {0, 1, 2}
-    well within the hang limit."""
+    its peers on the other hosts see its connections close (tcp, or UCX's endpoint
+    error) and go on among {0, 1, 2} well within the hang limit."""
     from mooncake.launch import LocalGroup
 
     f = hosts.fabric()
-    env = {"MOONCAKE_HANG_MS": "10000", "MOONCAKE_TRANSPORT": "auto", "OMP_NUM_THREADS": "1"}
+    env = {"MOONCAKE_HANG_MS": "10000", "OMP_NUM_THREADS": "1", **transport_env(transport)}
     with LocalGroup(
         4, env=env, placement=f.placement(PARTITION_HOSTS), store_host=f.gateway
     ) as group:
@@ -218,7 +251,7 @@ def test_kill_across_hosts():
         group.kill(CUT_RANK)
         group.store.set("cut", repr(time.time()))
         survivors = [group.result(str(r), timeout_s=60) for r in range(3)]
-    print(f"kill across hosts: {survivors}", file=sys.stderr)
+    print(f"kill across hosts ({transport}): {survivors}", file=sys.stderr)
     for s in survivors:
         assert s["members"] == [0, 1, 2], s
         assert s["detect_s"] < 2.0, s  # the hang limit is 10 s: a closed connection, not silence
@@ -226,7 +259,8 @@ def test_kill_across_hosts():
 
 @inner
 @pytest.mark.timeout(200)
-def test_chaos_across_hosts():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_chaos_across_hosts(transport):
     """The fault-tolerance chaos driver (test_fault_tolerance.py) at world 4 on two hosts
     of two ranks: rank 3 killed inside a chunked all_reduce, then rank 0 inside an
     all_to_all, so that one rank goes on on each host (1 and 2, over tcp); every
@@ -238,7 +272,8 @@ def test_chaos_across_hosts():
     f = hosts.fabric()
     plan = chaos_plan(11, [([3], "in_big"), ([0], "in_a2a")])
     where = {"placement": f.placement(TWO_BY_TWO), "store_host": f.gateway}
-    out = launch(4, chaos_rank, plan, env(CHUNKED), conduct_chaos(plan), timeout_s=150, **where)
+    env_vars = env(CHUNKED, **transport_env(transport))
+    out = launch(4, chaos_rank, plan, env_vars, conduct_chaos(plan), timeout_s=150, **where)
     problems = check_chaos(out.get(), 4, plan)
     assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
 

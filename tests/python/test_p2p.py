@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize
+from launcher import SMALL_CHUNKS, Case, Launch, check, parametrize, ucx_built
 from reference import COMPLEX_DTYPES, DTYPES, dtype_name, make_tensor, seed_of
 
 SIZES = (0, 1, 7, 1001, 5000)
@@ -368,6 +368,19 @@ LAUNCHES = [
         "w3-tcp-sample",
         env=TCP,
         params=(("sizes", (0, 7, 5000)), ("dtypes", (torch.float32, torch.int8))),
+    ),
+    *(
+        [
+            Launch(
+                p2p_cases,
+                3,
+                "w3-ucx-sample",
+                env=(("MOONCAKE_TRANSPORT", "ucx"), *SMALL_CHUNKS),
+                params=(("sizes", (0, 7, 5000)), ("dtypes", (torch.float32, torch.int8))),
+            )
+        ]
+        if ucx_built()
+        else []
     ),
     Launch(timeout_cases, 2, "w2-timeout", op_timeout_s=1.5),
     Launch(p2p_cases, 8, "w8-chunk4k", env=SMALL_CHUNKS, stress=True, timeout_s=590),

@@ -368,12 +368,13 @@ PeerAddress sample_address() {
   a.segment_fd = 17;
   a.segment_bytes = uint64_t{1} << 30;
   a.tcp_host = "10.0.0.7";
+  a.ucx_address = "0a1b2c";
   a.tcp_port = 65000;
   return a;
 }
 
 // The address's text with line `i` (0-based: rank, incarnation, host_key,
-// pid, segment_fd, segment_bytes, tcp_host, tcp_port) replaced.
+// pid, segment_fd, segment_bytes, tcp_host, ucx_address, tcp_port) replaced.
 std::string with_line(const PeerAddress& a, size_t i, const std::string& value) {
   std::vector<std::string> lines;
   std::istringstream in(a.encode());
@@ -395,6 +396,7 @@ TEST(PeerAddressRecord, RoundTrips) {
   tcp_only.tcp_port = 1;
   tcp_only.host_key = std::string(512, 'h');
   tcp_only.tcp_host = std::string(255, 't');
+  tcp_only.ucx_address = "-";
   expect_same(PeerAddress::decode(tcp_only.encode()), tcp_only);
   // Fields may be separated by spaces too, and the final newline is optional.
   std::string spaced = a.encode();
@@ -452,10 +454,11 @@ TEST(PeerAddressRecord, FieldsOutsideTheirRangeAreErrors) {
       {5, "-128", "segment_bytes is not a non-negative integer"},
       {6, std::string(256, 't'), "tcp_host is longer than 255 bytes"},
       {6, "", "tcp_host is missing"},
-      {7, "0", "tcp_port is 0, outside [1, 65535]"},
-      {7, "65536", "tcp_port is 65536, outside [1, 65535]"},
-      {7, "-1", "tcp_port is not a non-negative integer"},
-      {7, "80x", "tcp_port is not a"},
+      {7, std::string(65537, 'a'), "ucx_address is longer than 65536 bytes"},
+      {8, "0", "tcp_port is 0, outside [1, 65535]"},
+      {8, "65536", "tcp_port is 65536, outside [1, 65535]"},
+      {8, "-1", "tcp_port is not a non-negative integer"},
+      {8, "80x", "tcp_port is not a"},
   };
   for (const Case& c : cases)
     EXPECT_TRUE(throws_error(
@@ -470,8 +473,8 @@ TEST(PeerAddressRecord, TheLimitsOfEachRangeAreAccepted) {
   EXPECT_EQ(PeerAddress::decode(with_line(a, 3, "1")).pid, 1);
   EXPECT_EQ(PeerAddress::decode(with_line(a, 4, "-1")).segment_fd, -1);
   EXPECT_EQ(PeerAddress::decode(with_line(a, 5, "128")).segment_bytes, 128u);
-  EXPECT_EQ(PeerAddress::decode(with_line(a, 7, "65535")).tcp_port, 65535);
-  EXPECT_EQ(PeerAddress::decode(with_line(a, 7, "1")).tcp_port, 1);
+  EXPECT_EQ(PeerAddress::decode(with_line(a, 8, "65535")).tcp_port, 65535);
+  EXPECT_EQ(PeerAddress::decode(with_line(a, 8, "1")).tcp_port, 1);
   EXPECT_EQ(PeerAddress::decode(with_line(a, 0, "1048575")).rank, kMaxCapacity - 1);
 }
 

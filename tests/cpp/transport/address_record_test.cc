@@ -32,8 +32,7 @@ constexpr size_t kData = kFlag + 64;
 class AddressRecord : public TransportTest {
  protected:
   mooncake::EngineOptions options() const {
-    mooncake::EngineOptions o;
-    o.force_tcp = tcp();
+    mooncake::EngineOptions o = options_for(transport());
     o.host_ip = "127.0.0.1";
     return o;
   }
@@ -94,7 +93,7 @@ TEST_P(AddressRecord, AMalformedRecordIsAnErrorNamingTheKeyAndACorrectOneConnect
 
   store_.set(key, good);
   a.connect(1, 0, Deadline::after_ms(5000));
-  EXPECT_STREQ(a.transport_of(1), tcp() ? "tcp" : "shm");
+  EXPECT_EQ(a.transport_of(1), transport());
   b.connect(0, 0, Deadline::after_ms(5000));
   expect_write_lands(a, b, 1);
   expect_write_lands(b, a, 2);
@@ -128,8 +127,10 @@ TEST_P(ShmAddressRecord, ARecordPointingAtAnotherMembersSegmentIsRefused) {
   expect_write_lands(a, b, 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, AddressRecord, testing::Bool(), transport_name);
-INSTANTIATE_TEST_SUITE_P(Transports, ShmAddressRecord, testing::Values(false), transport_name);
+INSTANTIATE_TEST_SUITE_P(Transports, AddressRecord, testing::ValuesIn(every_transport()),
+                         transport_name);
+INSTANTIATE_TEST_SUITE_P(Transports, ShmAddressRecord, testing::Values(std::string("shm")),
+                         transport_name);
 
 }  // namespace
 }  // namespace mctest

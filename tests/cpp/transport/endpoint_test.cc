@@ -24,14 +24,11 @@ class EndpointTransport : public TransportTest {};
 
 TEST_P(EndpointTransport, PeersUseTheChosenTransportAndARankReachesItselfDirectly) {
   run_ranks(3, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), 4096);
+    auto ep = connect_endpoint(r, transport(), 4096);
     EXPECT_EQ(ep->rank(), r.rank);
     EXPECT_EQ(ep->capacity(), r.size);
     for (int peer = 0; peer < r.size; ++peer)
-      EXPECT_STREQ(ep->transport_of(peer), peer == r.rank ? "self"
-                                           : tcp()        ? "tcp"
-                                                          : "shm")
-          << "peer " << peer;
+      EXPECT_EQ(ep->transport_of(peer), peer == r.rank ? "self" : transport()) << "peer " << peer;
     store_barrier(r.store, "checked", r.rank, r.size);
   });
 }
@@ -42,12 +39,12 @@ TEST_P(EndpointTransport, PeersUseTheChosenTransportAndARankReachesItselfDirectl
 TEST_P(EndpointTransport, MappingLinksHandOverThePeersSegment) {
   constexpr size_t kBytes = 8192, kFlag = mooncake::kSegmentHeaderBytes, kData = kFlag + 64;
   run_ranks(2, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), kBytes);
+    auto ep = connect_endpoint(r, transport(), kBytes);
     const mooncake::PeerSpan self = ep->link(r.rank)->mapping();
     EXPECT_EQ(self.data, ep->base());
     EXPECT_EQ(self.bytes, ep->segment_bytes());
     const mooncake::PeerSpan peer = ep->link(1 - r.rank)->mapping();
-    if (tcp()) {
+    if (network()) {
       EXPECT_EQ(peer.data, nullptr);
       EXPECT_EQ(peer.bytes, 0u);
     } else {
@@ -71,7 +68,7 @@ TEST_P(EndpointTransport, MappingLinksHandOverThePeersSegment) {
 TEST_P(EndpointTransport, HintWordsOnlyGrowEachOnItsOwn) {
   static_assert(mooncake::kNumHints >= 2);
   run_ranks(2, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), 4096);
+    auto ep = connect_endpoint(r, transport(), 4096);
     if (r.rank == 0) {
       ep->post_hint(1, 0, 5);
       ep->post_hint(1, 0, 3);  // lower: ignored
@@ -91,12 +88,13 @@ TEST_P(EndpointTransport, HintWordsOnlyGrowEachOnItsOwn) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, EndpointTransport, testing::Bool(), transport_name);
+INSTANTIATE_TEST_SUITE_P(Transports, EndpointTransport, testing::ValuesIn(every_transport()),
+                         transport_name);
 
 TEST(Endpoint, RanksThatDisagreeOnTheSegmentSizeCannotConnect) {
   run_ranks(2, [](Rank& r) {
     EXPECT_TRUE(throws_error(ErrorKind::kInvalidArgument,
-                             [&] { connect_endpoint(r, false, r.rank == 0 ? 4096 : 8192); }));
+                             [&] { connect_endpoint(r, "shm", r.rank == 0 ? 4096 : 8192); }));
   });
 }
 
@@ -137,8 +135,37 @@ TEST(EngineOptions, TransportComesFromTheEnvironment) {
     ScopedEnv t("MOONCAKE_TRANSPORT", v);
     EXPECT_FALSE(EngineOptions::from_env().force_tcp) << v;
   }
+  {
+    ScopedEnv t("MOONCAKE_TRANSPORT", "ucx");
+    EXPECT_TRUE(EngineOptions::from_env().force_ucx);
+    EXPECT_FALSE(EngineOptions::from_env().force_tcp);
+  }
+  {
+    ScopedEnv t("MOONCAKE_TRANSPORT", "verbs");
+    EXPECT_TRUE(throws_error(
+        ErrorKind::kInvalidArgument, [] { EngineOptions::from_env(); },
+        "MOONCAKE_TRANSPORT must be auto, shm, tcp or ucx, got 'verbs'"));
+  }
   ScopedEnv unset("MOONCAKE_TRANSPORT", std::nullopt);
   EXPECT_FALSE(EngineOptions::from_env().force_tcp);
+  EXPECT_FALSE(EngineOptions::from_env().force_ucx);
+}
+
+// Without an RDMA device, auto mode keeps to shm and tcp; forcing ucx works
+// where the build has it and is a clear error where it does not.
+TEST(EngineOptions, UcxIsUsedWhenForcedOrWithAnRdmaDevice) {
+  EngineOptions o;
+  EXPECT_EQ(o.wants_ucx(), mooncake::ucx_built() && !mooncake::rdma_devices().empty());
+  o.force_ucx = true;
+  if (mooncake::ucx_built()) {
+    EXPECT_TRUE(o.wants_ucx());
+    o.force_tcp = true;
+    EXPECT_FALSE(o.wants_ucx());
+  } else {
+    EXPECT_TRUE(throws_error(
+        ErrorKind::kInvalidArgument, [&] { (void)o.wants_ucx(); },
+        "MOONCAKE_TRANSPORT=ucx: the ucx transport is not in this build"));
+  }
 }
 
 TEST(EngineOptions, AnUnknownTransportIsAnInvalidArgument) {

@@ -19,7 +19,7 @@ class Liveness : public TransportTest {};
 
 TEST_P(Liveness, APeerIsAliveWhileItsProcessRuns) {
   run_ranks(3, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), 4096);
+    auto ep = connect_endpoint(r, transport(), 4096);
     for (int peer = 0; peer < r.size; ++peer) EXPECT_TRUE(ep->alive(peer)) << "peer " << peer;
     store_barrier(r.store, "checked", r.rank, r.size);
   });
@@ -27,7 +27,7 @@ TEST_P(Liveness, APeerIsAliveWhileItsProcessRuns) {
 
 TEST_P(Liveness, APeerIsSeenDeadSoonAfterItsProcessExits) {
   run_ranks(2, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), 4096);
+    auto ep = connect_endpoint(r, transport(), 4096);
     EXPECT_TRUE(ep->alive(1 - r.rank));
     store_barrier(r.store, "seen alive", r.rank, r.size);
     if (r.rank == 1) exit_rank_abruptly();  // no destructors: as after a crash
@@ -46,7 +46,7 @@ TEST_P(Liveness, APeerIsSeenDeadSoonAfterItsProcessExits) {
 // (it was beating all the time; rank 0 is the one that stood still).
 TEST_P(Liveness, AResumedProcessDoesNotTakeItsLivePeersForSilent) {
   run_ranks(2, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), 4096);
+    auto ep = connect_endpoint(r, transport(), 4096);
     if (r.rank == 1) {
       const pid_t pid = static_cast<pid_t>(std::stol(r.store.get("pid 0", 10000)));
       r.store.get("sampling", 10000);
@@ -67,7 +67,8 @@ TEST_P(Liveness, AResumedProcessDoesNotTakeItsLivePeersForSilent) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Liveness, testing::Bool(), transport_name);
+INSTANTIATE_TEST_SUITE_P(Transports, Liveness, testing::ValuesIn(every_transport()),
+                         transport_name);
 
 }  // namespace
 }  // namespace mctest

@@ -46,7 +46,7 @@ class WriteSignal : public TransportTest {};
 TEST_P(WriteSignal, APeerThatSeesTheFlagSeesEveryEarlierWrite) {
   run_ranks(2, [this](Rank& r) {
     constexpr size_t kBytes = 64 << 10, kPieces = 4;
-    auto ep = connect_endpoint(r, tcp(), kData + kBytes);
+    auto ep = connect_endpoint(r, transport(), kData + kBytes);
     for (uint64_t round = 1; round <= 200; ++round) {
       if (r.rank == 0) {
         const auto p = pattern(round, kBytes);
@@ -68,7 +68,7 @@ TEST_P(WriteSignal, APeerThatSeesTheFlagSeesEveryEarlierWrite) {
 TEST_P(WriteSignal, AnEmptyWriteChangesNothing) {
   run_ranks(2, [this](Rank& r) {
     constexpr size_t kBytes = 4096;
-    auto ep = connect_endpoint(r, tcp(), kBytes);
+    auto ep = connect_endpoint(r, transport(), kBytes);
     if (r.rank == 1) {
       std::memset(ep->base() + kData, 0x5A, kBytes - kData);
       store_barrier(r.store, "filled", r.rank, r.size);
@@ -91,7 +91,7 @@ TEST_P(WriteSignal, AnEmptyWriteChangesNothing) {
 TEST_P(WriteSignal, WritesOfSeveralMiBArriveWholeInBothDirectionsAtOnce) {
   run_ranks(2, [this](Rank& r) {
     constexpr size_t kBytes = 6 << 20;
-    auto ep = connect_endpoint(r, tcp(), kData + kBytes);
+    auto ep = connect_endpoint(r, transport(), kData + kBytes);
     store_barrier(r.store, "connected", r.rank, r.size);
     const int peer = 1 - r.rank;
     const auto mine = pattern(10 + r.rank, kBytes);
@@ -105,7 +105,7 @@ TEST_P(WriteSignal, WritesOfSeveralMiBArriveWholeInBothDirectionsAtOnce) {
 
 TEST_P(WriteSignal, TheSignalRingsTheBellItNames) {
   run_ranks(2, [this](Rank& r) {
-    auto ep = connect_endpoint(r, tcp(), 4096);
+    auto ep = connect_endpoint(r, transport(), 4096);
     if (r.rank == 1) {
       store_barrier(r.store, "waiting", r.rank, r.size);
       // No polling: only a ring of bell 2 wakes this wait before its deadline.
@@ -124,7 +124,7 @@ TEST_P(WriteSignal, TheSignalRingsTheBellItNames) {
 TEST_P(WriteSignal, AWritePastThePeersSegmentIsRefusedAtTheSenderAndTheLinkStillWorks) {
   run_ranks(2, [this](Rank& r) {
     constexpr size_t kBytes = 4096;
-    auto ep = connect_endpoint(r, tcp(), kBytes);
+    auto ep = connect_endpoint(r, transport(), kBytes);
     if (r.rank == 0) {
       const char junk[16] = {};
       EXPECT_TRUE(throws_error(
@@ -145,7 +145,8 @@ TEST_P(WriteSignal, AWritePastThePeersSegmentIsRefusedAtTheSenderAndTheLinkStill
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, WriteSignal, testing::Bool(), transport_name);
+INSTANTIATE_TEST_SUITE_P(Transports, WriteSignal, testing::ValuesIn(every_transport()),
+                         transport_name);
 
 }  // namespace
 }  // namespace mctest
