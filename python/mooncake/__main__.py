@@ -68,7 +68,14 @@ def doctor() -> int:
         if os.path.isdir("/sys/class/infiniband")
         else []
     )
-    print(f"  RDMA devices: {rdma or 'none'} (this build has no RDMA transport)")
+    has_ucx = "ucx" in ext.TransferEngine.available_transports()
+    if not has_ucx:
+        print("  [--]   ucx transport: not in this build (install libucx-dev and rebuild)")
+    if rdma:
+        use = "ucx uses them for other hosts" if has_ucx else "unused without the ucx transport"
+        print(f"  RDMA devices: {rdma} ({use})")
+    else:
+        print("  RDMA devices: none (other hosts go over tcp; MOONCAKE_TRANSPORT=ucx for UCX)")
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
         names = [torch.cuda.get_device_name(i) for i in range(n)]

@@ -77,6 +77,11 @@ def _rdma_devices() -> list[str]:
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
+def _is_netdev(name: str) -> bool:
+    """Whether ``name`` is a network interface here (UCX takes those too, e.g. for tcp)."""
+    return os.path.isdir(os.path.join("/sys/class/net", name))
+
+
 def set_host_ip(host_ip: str) -> None:
     """Sets the address the tcp transport publishes for this process.
 
@@ -92,11 +97,12 @@ def set_host_ip(host_ip: str) -> None:
 
 
 def set_device_filter(filters: list[str]) -> None:
-    """Restricts which RDMA devices (HCAs) the backend may use.
+    """Restricts which devices the ucx transport may use: HCAs (``"mlx5_0"``: each of its
+    ports) or UCX device names (``"mlx5_0:1"``, ``"eth0"``).
 
-    Call before ``init_process_group``. This build has no RDMA transport yet:
-    the filter is recorded, and a warning says plainly that it has no effect
-    (and which of the named devices do not exist on this host).
+    Call before ``init_process_group``. A warning says which of the named HCAs do not
+    exist on this host, and that the filter has no effect when this build has no ucx
+    transport (groups then move data with shared memory and tcp).
 
     Raises:
         ValueError: ``filters`` is not a list of strings.
@@ -108,13 +114,17 @@ def set_device_filter(filters: list[str]) -> None:
         raise ValueError(f"set_device_filter: filters must be a list of strings, got {filters!r}")
     _default_engine().device_filter = filters
     present = _rdma_devices()
-    missing = [f for f in filters if f not in present]
-    warnings.warn(
-        "mooncake: set_device_filter has no effect: this build moves data with shared memory "
-        "and tcp, not RDMA" + (f"; devices not present on this host: {missing}" if missing else ""),
-        RuntimeWarning,
-        stacklevel=2,
-    )
+    missing = [f for f in filters if ":" not in f and f not in present and not _is_netdev(f)]
+    problems = []
+    if "ucx" not in TransferEngine.available_transports():
+        problems.append(
+            "it has no effect: this build has no ucx transport and moves data with shared "
+            "memory and tcp"
+        )
+    if missing:
+        problems.append(f"devices not present on this host: {missing}")
+    if problems:
+        warnings.warn("mooncake: set_device_filter: " + "; ".join(problems), RuntimeWarning, 2)
 
 
 def set_transfer_engine(engine: TransferEngine) -> None:

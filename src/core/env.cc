@@ -11,8 +11,9 @@ const std::vector<EnvVar>& env_registry() {
   static const std::vector<EnvVar> vars = {
       {"MOONCAKE_LOG_LEVEL", "warn", "Log level: error, warn, info, debug."},
       {"MOONCAKE_TRANSPORT", "auto",
-       "auto: shared memory for peers on this host, tcp otherwise; tcp: force tcp for every "
-       "peer (tests the cross-host path on one machine)."},
+       "auto: shared memory for peers on this host; for other hosts ucx where the build has it "
+       "and the machine has an RDMA device, else tcp. tcp / ucx: that transport for every peer "
+       "(tests the cross-host path on one machine); shm: as auto."},
       {"MOONCAKE_PG_TIMEOUT_MS", "0",
        "Default op timeout in ms when > 0; otherwise the timeout given to "
        "init_process_group (torch's default is 30 minutes)."},

@@ -384,8 +384,20 @@ UcxWorker::UcxWorker(Segment& segment, int capacity, std::string secret,
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) ucx_fail("reading the configuration", st);
   if (!devices.empty()) {
+    // An HCA named without a port ("mlx5_0", as set_device_filter takes it)
+    // stands for each of its ports; other names go to UCX as they are.
+    const std::vector<std::string> ports = rdma_devices();
     std::string list;
-    for (const auto& d : devices) list += (list.empty() ? "" : ",") + d;
+    for (const auto& d : devices) {
+      bool expanded = false;
+      if (d.find(':') == std::string::npos)
+        for (const auto& p : ports)
+          if (p.starts_with(d + ":")) {
+            list += (list.empty() ? "" : ",") + p;
+            expanded = true;
+          }
+      if (!expanded) list += (list.empty() ? "" : ",") + d;
+    }
     st = ucp_config_modify(config, "NET_DEVICES", list.c_str());
     if (st != UCS_OK) {
       ucp_config_release(config);

@@ -731,6 +731,7 @@ LAUNCHES = [
                 "w3-ucx-default",
                 env=(("MOONCAKE_TRANSPORT", "ucx"),),
                 params=(("transport_name", "ucx"),),
+                stress=True,  # the big tensors over ucx run across hosts by default
             ),
             Launch(
                 matrix,

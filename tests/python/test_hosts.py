@@ -72,6 +72,7 @@ if ucx_built():
                 ("transport_name", "ucx"),
             ),
             hosts=TWO_BY_TWO,
+            stress=True,  # a minute here; the big tensors and p2p below run by default
         ),
         Launch(
             big,
