@@ -72,9 +72,35 @@ def _default_engine() -> TransferEngine:
     return _engine
 
 
+#: Where the kernel lists RDMA devices and PCI functions (a test points these elsewhere).
+_SYSFS_IB = "/sys/class/infiniband"
+_SYSFS_PCI = "/sys/bus/pci/devices"
+
+
 def _rdma_devices() -> list[str]:
-    path = "/sys/class/infiniband"
-    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return sorted(os.listdir(_SYSFS_IB)) if os.path.isdir(_SYSFS_IB) else []
+
+
+def _pci_path(link: str) -> list[str]:
+    """The chain of PCI functions from the root complex down to the device ``link``
+    (a sysfs link) points at, e.g. ``["pci0000:00", "0000:00:01.0", "0000:01:00.0"]``."""
+    parts = os.path.realpath(link).split(os.sep)
+    return [p for p in parts if p.startswith("pci") or p.count(":") == 2]
+
+
+def nearest_hca(gpu_path: list[str], hcas: dict[str, list[str]]) -> str:
+    """The HCA whose PCI path shares the longest prefix with ``gpu_path`` (the same switch
+    beats the same root complex, which beats another socket); ties go to the first name."""
+
+    def shared(path: list[str]) -> int:
+        n = 0
+        for a, b in zip(gpu_path, path, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    return min(sorted(hcas), key=lambda name: -shared(hcas[name]))
 
 
 def _is_netdev(name: str) -> bool:
@@ -164,18 +190,47 @@ def _backend_of(backend) -> MooncakeBackend:
 
 
 def get_preferred_hca(backend, location: str) -> str:
-    """The RDMA device nearest to ``location`` (a device string such as ``"cuda:0"``).
+    """The RDMA device (HCA) nearest to ``location``: for ``"cuda:N"`` the one closest to
+    that GPU on the PCI tree (sysfs), for ``"cpu"`` the first. Only devices the device
+    filter allows (``set_device_filter``) are considered.
 
     Raises:
-        RuntimeError: always in this build, which has no RDMA transport; the
-            message lists the RDMA devices found on this host, if any.
+        ValueError: ``location`` is not ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` of a visible
+            GPU.
+        RuntimeError: this host has no RDMA device (other hosts are then reached over
+            tcp), or the device filter leaves none.
     """
     _backend_of(backend)
+    if not isinstance(location, str):
+        raise ValueError(f"get_preferred_hca: location must be a device string, got {location!r}")
+    try:
+        device = torch.device(location)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"get_preferred_hca: location must be 'cpu', 'cuda' or 'cuda:N', got {location!r}"
+        )
     devices = _rdma_devices()
-    raise RuntimeError(
-        f"get_preferred_hca({location!r}): mooncake has no RDMA transport in this build; it moves "
-        f"data with shared memory and tcp (RDMA devices on this host: {devices or 'none'})"
-    )
+    allowed = [f.split(":")[0] for f in _default_engine().device_filter]
+    if allowed:
+        devices = [d for d in devices if d in allowed]
+    if not devices:
+        raise RuntimeError(
+            f"get_preferred_hca({location!r}): no RDMA device on this host"
+            + (f" among the device filter {allowed}" if allowed else f" ({_SYSFS_IB} is empty)")
+            + "; other hosts are reached over tcp"
+        )
+    if device.type == "cpu":
+        return devices[0]
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise ValueError(f"get_preferred_hca: location {location!r} names no visible GPU")
+    props = torch.cuda.get_device_properties(index)
+    bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    gpu = _pci_path(os.path.join(_SYSFS_PCI, bus))
+    hcas = {d: _pci_path(os.path.join(_SYSFS_IB, d, "device")) for d in devices}
+    return nearest_hca(gpu, hcas)
 
 
 def get_active_ranks(backend=None) -> torch.Tensor:
