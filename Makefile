@@ -105,6 +105,7 @@ bench: build
 	$(BUILD)/mooncake_latency_bench
 	$(PY) bench/bench_pg.py
 	$(PY) bench/bench_recovery.py
+	$(PY) bench/bench_hosts.py
 	$(PY) bench/bench_ep.py
 	$(PY) bench/bench_elastic.py
 	$(PY) bench/bench_ep_device.py

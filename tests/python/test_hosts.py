@@ -8,9 +8,10 @@ ranks on one host talk through shared memory and ranks on different hosts only o
 through the bridge, as on a cluster:
 
 * ``test_on_hosts``: the whole collective matrix (every op, dtype, reduction, size and
-  layout of test_collectives.py), its big tensors and the p2p cases, at world 4 on two
-  hosts of two ranks; each rank checks that it reaches its host's peer over shm and
-  the other host's over tcp.
+  layout of test_collectives.py), its big tensors, the p2p cases and the EP buffer's
+  cases, at world 4 on two hosts of two ranks; each rank checks that it reaches its
+  host's peer over shm and the other host's over tcp. Where the build has ucx, the big
+  tensors, p2p and EP again with the ucx transport for every peer (UCX kept to tcp).
 * ``test_partition``: world 4 on three hosts (ranks 0 and 1, rank 2, rank 3); rank 3's
   link is taken down in the middle of all_reduce rounds (a partition, not a crash:
   its process lives on and loses the store too). The others go on among themselves
@@ -21,9 +22,12 @@ through the bridge, as on a cluster:
   back, its next op says the others left it out.
 * ``test_kill_across_hosts``: the same layout, rank 3 killed (SIGKILL) instead: its
   peers on the other hosts see its connections close and go on at once, well within
-  the hang limit.
+  the hang limit (over tcp, and over ucx).
+* ``test_stops_and_slow_ranks_across_hosts``: a slow rank (kept) and two stopped ranks
+  (left out, told so when they resume) on two hosts.
 * ``test_chaos_across_hosts``: the chaos driver of test_fault_tolerance.py on two hosts:
-  ranks killed inside ops until one rank is left on each host.
+  ranks killed inside ops (EP rounds among them) until one rank is left on each host
+  (over tcp, and over ucx).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import hosts
+from ep_cases import ep_cases
 from launcher import SMALL_CHUNKS, Launch, check, parametrize, ucx_built
 from test_collectives import big, matrix
 from test_p2p import p2p_cases
@@ -49,11 +54,16 @@ inner = pytest.mark.skipif(
 )
 
 TWO_BY_TWO = (0, 0, 1, 1)
+#: Gloo (the EP cases' side group) picks its interface from the host name, which names
+#: no interface of a host here: give it the host's link.
+GLOO = (("GLOO_SOCKET_IFNAME", "eth0"),)
 ON_HOSTS = (("transport_name", "hosts"), ("hosts", TWO_BY_TWO))
 LAUNCHES = [
     Launch(matrix, 4, "hosts-2x2-chunk4k", env=SMALL_CHUNKS, params=ON_HOSTS, hosts=TWO_BY_TWO),
     Launch(big, 4, "hosts-2x2-default", params=ON_HOSTS, hosts=TWO_BY_TWO),
     Launch(p2p_cases, 4, "hosts-2x2-p2p-chunk4k", env=SMALL_CHUNKS, hosts=TWO_BY_TWO),
+    # The EP buffer's portable path, every case checked against the model.
+    Launch(ep_cases, 4, "hosts-2x2-ep", env=GLOO, op_timeout_s=30.0, hosts=TWO_BY_TWO),
 ]
 #: The ucx transport for every peer, UCX itself kept to tcp: only the network, as between
 #: hosts without RDMA.
@@ -83,6 +93,14 @@ if ucx_built():
             hosts=TWO_BY_TWO,
         ),
         Launch(p2p_cases, 4, "hosts-2x2-ucx-p2p", env=(*UCX_ENV, *SMALL_CHUNKS), hosts=TWO_BY_TWO),
+        Launch(
+            ep_cases,
+            4,
+            "hosts-2x2-ucx-ep",
+            env=(*UCX_ENV, *GLOO),
+            op_timeout_s=30.0,
+            hosts=TWO_BY_TWO,
+        ),
     ]
 
 
@@ -275,6 +293,24 @@ def test_chaos_across_hosts(transport):
     where = {"placement": f.placement(TWO_BY_TWO), "store_host": f.gateway}
     env_vars = env(CHUNKED, **transport_env(transport))
     out = launch(4, chaos_rank, plan, env_vars, conduct_chaos(plan), timeout_s=150, **where)
+    problems = check_chaos(out.get(), 4, plan)
+    assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
+
+
+@inner
+@pytest.mark.timeout(200)
+def test_stops_and_slow_ranks_across_hosts():
+    """The chaos driver's stops on two hosts, over tcp: rank 2 slowed (stopped for less
+    than the hang limit: nobody is left out), rank 1 stopped between two of its ops and
+    rank 3 at a random moment, each seen by its silent heartbeat across the wire; once
+    the others went on, the stopped rank resumes and learns it was left out."""
+    from ft_parent import CHUNKED, chaos_plan, check_chaos, conduct_chaos, env, launch
+    from ft_ranks import chaos_rank
+
+    f = hosts.fabric()
+    plan = chaos_plan(3, [([2], "slow"), ([1], "stop_between"), ([3], "stop")])
+    where = {"placement": f.placement(TWO_BY_TWO), "store_host": f.gateway}
+    out = launch(4, chaos_rank, plan, env(CHUNKED), conduct_chaos(plan), timeout_s=150, **where)
     problems = check_chaos(out.get(), 4, plan)
     assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
 
