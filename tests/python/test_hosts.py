@@ -19,7 +19,7 @@ through the bridge, as on a cluster:
   {0, 1, 2}. Rank 3 cannot reach the store either, so it cannot agree with anyone: its
   op raises ``LeftOutError`` (it lost the store) within the hang limit plus
   ``MOONCAKE_STORE_TIMEOUT_MS``, instead of waiting for TCP to give up; once its link is
-  back, its next op says the others left it out.
+  back, its next op says the others left it out. Over tcp, and over ucx.
 * ``test_kill_across_hosts``: the same layout, rank 3 killed (SIGKILL) instead: its
   peers on the other hosts see its connections close and go on at once, well within
   the hang limit (over tcp, and over ucx).
@@ -207,7 +207,8 @@ def partition_rank(rank: int, world: int, port: int, marker: str, fault: str = "
 
 @inner
 @pytest.mark.timeout(240)
-def test_partition():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_partition(transport):
     from mooncake.launch import LocalGroup
 
     f = hosts.fabric()
@@ -215,8 +216,8 @@ def test_partition():
     env = {
         "MOONCAKE_HANG_MS": str(HANG_MS),
         "MOONCAKE_STORE_TIMEOUT_MS": str(STORE_TIMEOUT_MS),
-        "MOONCAKE_TRANSPORT": "auto",
         "OMP_NUM_THREADS": "1",
+        **transport_env(transport),
     }
     with LocalGroup(
         4, env=env, placement=f.placement(PARTITION_HOSTS), store_host=f.gateway
@@ -239,7 +240,7 @@ def test_partition():
             f.heal(PARTITION_HOSTS[CUT_RANK])
             group.store.set("healed", "1")
         cut_off = group.result(str(CUT_RANK), timeout_s=180)
-    print(f"partition: survivors {survivors}; cut-off rank {cut_off}", file=sys.stderr)
+    print(f"partition ({transport}): survivors {survivors}; cut-off {cut_off}", file=sys.stderr)
     for s in survivors:
         assert s["members"] == [0, 1, 2], s
         assert s["detect_s"] < HANG_MS / 1000 + 3.0, s
