@@ -459,8 +459,7 @@ uint64_t UcxWorker::rejected() const {
 
 namespace {
 
-// What the endpoint's error callback reaches: it lives until the endpoint is
-// closed.
+// What an endpoint's error callback reaches: it lives as long as the link.
 struct EpState {
   std::shared_ptr<UcxWorker::Core> core;
   std::atomic<bool> failed{false};
@@ -475,34 +474,24 @@ void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
   }
 }
 
+// Until a first message has gone through, an endpoint error is taken for a
+// connection that is not up yet (the peer's listener busy or slow under
+// load: "connection refused"), and the link opens a new endpoint, for up to
+// this long; after that, an error means the peer is gone.
+constexpr int64_t kConnectRetryMs = 10000;
+
 class UcxLink : public PeerLink {
  public:
   UcxLink(std::shared_ptr<UcxWorker::Core> core, const PeerAddress& addr, int my_rank,
           uint32_t my_inc)
       : core_(std::move(core)),
-        state_(new EpState{core_, {}}),
+        remote_(from_hex(addr.ucx_address, addr.rank)),
         peer_(addr.rank),
         peer_inc_(addr.incarnation),
         peer_bytes_(addr.segment_bytes),
-        link_(core_->next_link.fetch_add(1)) {
-    const std::vector<uint8_t> remote = from_hex(addr.ucx_address, peer_);
-    ucp_ep_params_t p{};
-    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.address = reinterpret_cast<const ucp_address_t*>(remote.data());
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    p.err_handler.cb = &on_ep_error;
-    p.err_handler.arg = state_;
-    ucs_status_t st;
-    {
-      std::lock_guard<std::mutex> lock(core_->ucx_mu);
-      st = ucp_ep_create(core_->worker, &p, &ep_);
-    }
-    if (st != UCS_OK) {
-      delete state_;
-      throw_error(ErrorKind::kPeerFailed, peer_, "ucx: cannot reach rank ", peer_, ": ",
-                  ucs_status_string(st));
-    }
+        link_(core_->next_link.fetch_add(1)),
+        retry_until_us_(now_us() + kConnectRetryMs * 1000) {
+    open();
     std::memset(&hdr_, 0, sizeof(hdr_));
     hdr_.link = link_;
     hdr_.rank = my_rank;
@@ -512,8 +501,8 @@ class UcxLink : public PeerLink {
 
   ~UcxLink() override {
     close();
-    if (closing_ != nullptr) finish(closing_, Deadline::after_ms(1000), "closing");
-    delete state_;
+    const std::vector<void*> closing = closing_;
+    for (void* c : closing) finish(c, Deadline::after_ms(1000), "closing");
   }
 
   const char* transport() const override { return "ucx"; }
@@ -544,25 +533,45 @@ class UcxLink : public PeerLink {
   void signal_max(size_t offset, uint64_t value, int bell, const Deadline& deadline) override {
     send_signal(kSignalMax, offset, value, bell, deadline);
   }
-  bool alive() override { return !state_->failed.load(std::memory_order_acquire); }
+  bool alive() override {
+    if (!failed()) return true;
+    if (!retryable()) return false;
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return true;  // a sender holds the link, and retries itself
+    return reopen();
+  }
   uint64_t heartbeat() override {
     const auto& f = core_->from[peer_];
     std::lock_guard<std::mutex> lock(core_->mu);
     return f.inc_plus1 == peer_inc_ + 1 ? f.frames.load(std::memory_order_relaxed) : 0;
   }
+  // A heartbeat never waits and never breaks the link: while the last one is
+  // still on its way (the connection being set up, or a peer that is stopped
+  // and not reading), no new one is sent. Skipped while an op sends on the
+  // link: its messages show this process runs.
   void beat() override {
-    // Skipped while an op sends on the link: its messages show this process runs.
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
-    if (!lock.owns_lock() || !alive()) return;
-    try {
-      send(kHeartbeat, 0, 0, 0, 0, writes_, nullptr, 0, Deadline::after_ms(100));
-    } catch (const Error&) {
-      // A peer that cannot take a heartbeat is found out by the ops.
+    if (!lock.owns_lock() || (failed() && !(retryable() && reopen()))) return;
+    std::lock_guard<std::mutex> ucx(core_->ucx_mu);
+    if (beating_ != nullptr) {
+      const ucs_status_t st = ucp_request_check_status(beating_);
+      if (st == UCS_INPROGRESS) return;
+      ucp_request_free(beating_);
+      beating_ = nullptr;
+      if (st == UCS_OK) established_.store(true, std::memory_order_release);
     }
+    beat_hdr_ = hdr_;
+    beat_hdr_.type = kHeartbeat;
+    ucp_request_param_t p{};
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep_, kAmId, &beat_hdr_, sizeof(beat_hdr_), nullptr, 0, &p);
+    if (r == nullptr)
+      established_.store(true, std::memory_order_release);
+    else if (!UCS_PTR_IS_ERR(r))
+      beating_ = r;
   }
   void farewell() override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!alive()) return;
+    if (failed()) return;
     try {
       send(kBye, 0, 0, 0, 0, writes_, nullptr, 0, Deadline::after_ms(100));
     } catch (const Error&) {
@@ -592,7 +601,6 @@ class UcxLink : public PeerLink {
   void send(uint32_t type, uint32_t bell, uint64_t offset, uint64_t flag, uint64_t value,
             uint64_t seq, const void* src, size_t count, const Deadline& deadline,
             ucp_datatype_t dt = ucp_dt_make_contig(1), uint32_t flags = 0) {
-    if (!alive()) throw_error(ErrorKind::kPeerFailed, peer_, "ucx link to rank ", peer_, " failed");
     hdr_.type = type;
     hdr_.bell = bell;
     hdr_.offset = offset;
@@ -603,20 +611,74 @@ class UcxLink : public PeerLink {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_FLAGS;
     p.datatype = dt;
     p.flags = flags;
-    // The header lives in hdr_ until the send is done (this waits for it).
-    ucs_status_ptr_t r;
+    for (;;) {
+      if (failed() && !(retryable() && reopen()))
+        throw_error(ErrorKind::kPeerFailed, peer_, "ucx link to rank ", peer_, " failed");
+      // The header lives in hdr_ until the send is done (this waits for it).
+      ucs_status_ptr_t r;
+      {
+        std::lock_guard<std::mutex> lock(core_->ucx_mu);
+        r = ucp_am_send_nbx(ep_, kAmId, &hdr_, sizeof(hdr_), src, count, &p);
+      }
+      const ucs_status_t st = finish(r, deadline, "sending");
+      if (st == UCS_OK) {
+        established_.store(true, std::memory_order_release);
+        return;
+      }
+      if (st == UCS_ERR_TIMED_OUT)
+        throw_error(ErrorKind::kTimeout, peer_, "ucx send to rank ", peer_, " timed out");
+      current_.load()->failed.store(true, std::memory_order_release);
+      if (!retryable())
+        throw_error(ErrorKind::kPeerFailed, peer_, "ucx send to rank ", peer_,
+                    " failed: ", ucs_status_string(st));
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));  // then a new endpoint
+    }
+  }
+
+  bool failed() const {
+    return current_.load(std::memory_order_acquire)->failed.load(std::memory_order_acquire);
+  }
+  // Whether a failed endpoint may be replaced: nothing went through yet, the
+  // link was not closed on purpose, and the connect window is open.
+  bool retryable() const {
+    return !established_.load(std::memory_order_acquire) && !broken_ && now_us() < retry_until_us_;
+  }
+
+  // Creates the endpoint (with a fresh error state).
+  void open() {
+    states_.push_back(std::make_unique<EpState>());
+    states_.back()->core = core_;
+    current_.store(states_.back().get(), std::memory_order_release);
+    ucp_ep_params_t p{};
+    p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.address = reinterpret_cast<const ucp_address_t*>(remote_.data());
+    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = &on_ep_error;
+    p.err_handler.arg = current_.load();
+    ucs_status_t st;
     {
       std::lock_guard<std::mutex> lock(core_->ucx_mu);
-      r = ucp_am_send_nbx(ep_, kAmId, &hdr_, sizeof(hdr_), src, count, &p);
+      st = ucp_ep_create(core_->worker, &p, &ep_);
     }
-    const ucs_status_t st = finish(r, deadline, "sending");
-    if (st == UCS_ERR_TIMED_OUT)
-      throw_error(ErrorKind::kTimeout, peer_, "ucx send to rank ", peer_, " timed out");
     if (st != UCS_OK) {
-      state_->failed.store(true, std::memory_order_release);
-      throw_error(ErrorKind::kPeerFailed, peer_, "ucx send to rank ", peer_,
-                  " failed: ", ucs_status_string(st));
+      ep_ = nullptr;
+      current_.load()->failed.store(true);
+      throw_error(ErrorKind::kPeerFailed, peer_, "ucx: cannot reach rank ", peer_, ": ",
+                  ucs_status_string(st));
     }
+  }
+
+  // Under mu_: replaces a failed endpoint that never carried a message.
+  bool reopen() {
+    MC_LOG(kDebug, "ucx: the endpoint to rank ", peer_, " failed before it was up; a new one");
+    drop_endpoint();
+    try {
+      open();
+    } catch (const Error&) {
+      return false;
+    }
+    return true;
   }
 
   // Waits for request `r` to complete: progresses the worker, spinning
@@ -658,10 +720,22 @@ class UcxLink : public PeerLink {
   }
 
   // Closes the endpoint at once (its requests end with an error) and breaks
-  // the link; the close completes in the background (closing_).
+  // the link for good.
   void close() {
-    state_->failed.store(true, std::memory_order_release);
+    broken_ = true;
+    drop_endpoint();
+  }
+
+  // Force-closes the endpoint; the close completes in the background
+  // (closing_, finished by the destructor).
+  void drop_endpoint() {
+    current_.load()->failed.store(true, std::memory_order_release);
     if (ep_ == nullptr) return;
+    if (beating_ != nullptr) {  // the close ends it; nobody looks at it again
+      std::lock_guard<std::mutex> lock(core_->ucx_mu);
+      ucp_request_free(beating_);
+      beating_ = nullptr;
+    }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -671,19 +745,28 @@ class UcxLink : public PeerLink {
       c = ucp_ep_close_nbx(ep_, &p);
     }
     ep_ = nullptr;
-    if (c != nullptr && !UCS_PTR_IS_ERR(c)) closing_ = c;
+    if (c != nullptr && !UCS_PTR_IS_ERR(c)) closing_.push_back(c);
   }
 
   std::shared_ptr<UcxWorker::Core> core_;
-  EpState* state_;
+  const std::vector<uint8_t> remote_;  // the peer worker's address
+  // One per endpoint this link opened (the last is current): a closed
+  // endpoint's callback may still name its state.
+  std::vector<std::unique_ptr<EpState> > states_;  // under mu_ (or construction)
+  std::atomic<EpState*> current_{nullptr};
   ucp_ep_h ep_ = nullptr;
-  void* closing_ = nullptr;
+  std::vector<void*> closing_;
+  std::atomic<bool> established_{false};  // a message went through
+  bool broken_ = false;                   // closed on purpose (a send past its deadline)
   int peer_;
   uint32_t peer_inc_;
   uint64_t peer_bytes_;
   uint64_t link_;
+  const int64_t retry_until_us_;
   std::mutex mu_;
   UcxHeader hdr_;
+  UcxHeader beat_hdr_;       // the heartbeat's own: it may still be on its way
+  void* beating_ = nullptr;  // that heartbeat's request
   uint64_t writes_ = 0;
   // Writes not sent yet (contiguous, from held_at_ in the peer's segment): the
   // next signal takes them along.

@@ -57,6 +57,12 @@ TEST_P(Liveness, AResumedProcessDoesNotTakeItsLivePeersForSilent) {
       r.store.get("done", 20000);
       return;
     }
+    // Rank 1's heartbeats reach this rank before the stop (ucx sets a
+    // connection up on its first message, not at connect).
+    const int64_t until = mooncake::now_us() + 10'000'000;
+    while (ep->heartbeat(1) == 0 && mooncake::now_us() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_GT(ep->heartbeat(1), 0u) << "no heartbeat from rank 1 within 10 s";
     r.store.set("pid 0", std::to_string(::getpid()));
     r.store.set("sampling", "1");
     int64_t worst = 0;
