@@ -154,7 +154,13 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
       attempt();
       if (finish == Finish::kCommit && members_.size() > 1)
         header_round_(meta);  // the commit round
-      check_not_left_behind();
+      // A recovery called meanwhile does not undo a completed attempt: where
+      // the op did not complete, it can (kCommit) or gets this rank's result
+      // (kForward), and this rank reports at its next op, as one that
+      // completed a moment earlier does. Reporting now could deadlock: a
+      // member that completed this op may wait on this rank outside any op
+      // (a p2p receive), unable to report, and be left out.
+      if (told_left_out(endpoint_, view_.epoch)) check_not_left_behind();
     } catch (const Error& e) {
       // Stale messages from an abandoned attempt can look like a mismatch to
       // a rank that was left out: it learns so first. A peer failure, not

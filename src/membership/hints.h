@@ -21,9 +21,14 @@ inline constexpr int kRecoveryHint = 0;
 inline constexpr int kLeftOutHint = 1;
 static_assert(kRecoveryHint != kLeftOutHint && kLeftOutHint < kNumHints);
 
+// Whether the group has moved on from `epoch` without this rank.
+inline bool told_left_out(const Endpoint& endpoint, uint64_t epoch) {
+  return endpoint.hint(kLeftOutHint) > epoch;
+}
+
 // Whether a rank at `epoch` must stop and join (or learn the outcome of) an agreement.
 inline bool agreement_called(const Endpoint& endpoint, uint64_t epoch) {
-  return endpoint.hint(kRecoveryHint) == epoch + 1 || endpoint.hint(kLeftOutHint) > epoch;
+  return endpoint.hint(kRecoveryHint) == epoch + 1 || told_left_out(endpoint, epoch);
 }
 
 inline void announce_recovery(Endpoint& endpoint, int peer, uint64_t epoch) {
