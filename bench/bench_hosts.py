@@ -72,6 +72,8 @@ def rank_fn(rank, world, port, sizes):
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX)
                 best = min(best, mine.item())
             out[f"{op}/{n}"] = best
+            if rank == 0:
+                print(f"    {op} {n} B: {best * 1e6:.0f} us", file=sys.stderr, flush=True)
     dist.destroy_process_group()
     return out
 

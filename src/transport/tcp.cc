@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "core/clock.h"
 #include "core/error.h"
@@ -317,29 +318,34 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline) {
   check_secret(secret, "tcp");
-  std::string host = addr.host_key == local_host_key() ? "127.0.0.1" : addr.tcp_host;
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), std::to_string(addr.tcp_port).c_str(), &hints, &res);
-  if (rc != 0)
-    throw_error(ErrorKind::kSystem, addr.rank, "cannot resolve ", host, " for rank ", addr.rank,
-                ": ", gai_strerror(rc));
+  // The published address first: a receiver bound to MOONCAKE_HOST_IP listens
+  // there only. A peer on this host is also tried on the loopback, for hosts
+  // whose name resolves to an address they cannot reach themselves.
+  std::vector<std::string> hosts = {addr.tcp_host};
+  if (addr.host_key == local_host_key() && addr.tcp_host != "127.0.0.1")
+    hosts.push_back("127.0.0.1");
   int fd = -1;
-  for (;;) {
+  for (size_t attempt = 0;; ++attempt) {
+    const std::string& host = hosts[attempt % hosts.size()];
+    addrinfo hints{};
+    hints.ai_family = AF_INET;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    int rc = ::getaddrinfo(host.c_str(), std::to_string(addr.tcp_port).c_str(), &hints, &res);
+    if (rc != 0)
+      throw_error(ErrorKind::kSystem, addr.rank, "cannot resolve ", host, " for rank ", addr.rank,
+                  ": ", gai_strerror(rc));
     fd = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) break;
-    int e = errno;
+    const bool connected = ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+    const int e = errno;
+    ::freeaddrinfo(res);
+    if (connected) break;
     ::close(fd);
-    if (deadline.expired()) {
-      ::freeaddrinfo(res);
+    if (deadline.expired())
       throw_error(ErrorKind::kTimeout, addr.rank, "cannot connect to rank ", addr.rank, " at ",
                   host, ":", addr.tcp_port, ": ", std::strerror(e));
-    }
-    ::usleep(10000);
+    if (attempt % hosts.size() == hosts.size() - 1) ::usleep(10000);
   }
-  ::freeaddrinfo(res);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   set_nonblocking(fd);

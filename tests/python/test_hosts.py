@@ -253,7 +253,7 @@ def test_partition(transport):
 
 @inner
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", [*TRANSPORTS, "tcp"])
 def test_kill_across_hosts(transport):
     """Rank 3, alone on its host, is killed (SIGKILL) in the middle of all_reduce rounds:
     its peers on the other hosts see its connections close (tcp, or UCX's endpoint
