@@ -90,7 +90,7 @@ fuzz: fuzz-build
 	bash scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 fuzz-ci: fuzz-build
-	bash scripts/fuzz.sh $(FUZZ_BUILD) 60
+	bash scripts/fuzz.sh $(FUZZ_BUILD) 30
 
 test-py: build
 	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)

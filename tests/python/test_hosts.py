@@ -19,7 +19,7 @@ through the bridge, as on a cluster:
   {0, 1, 2}. Rank 3 cannot reach the store either, so it cannot agree with anyone: its
   op raises ``LeftOutError`` (it lost the store) within the hang limit plus
   ``MOONCAKE_STORE_TIMEOUT_MS``, instead of waiting for TCP to give up; once its link is
-  back, its next op says the others left it out. Over tcp, and over ucx.
+  back, its next op says the others left it out. Over tcp, and over ucx (make stress).
 * ``test_kill_across_hosts``: the same layout, rank 3 killed (SIGKILL) instead: its
   peers on the other hosts see its connections close and go on at once, well within
   the hang limit (over tcp, and over ucx).
@@ -69,6 +69,11 @@ LAUNCHES = [
 #: hosts without RDMA.
 UCX_ENV = (("MOONCAKE_TRANSPORT", "ucx"), ("UCX_TLS", "tcp"))
 TRANSPORTS = ["auto", *(["ucx"] if ucx_built() else [])]
+#: The same, with ucx only in make stress (for the slower tests; CI's time is bounded).
+TRANSPORTS_UCX_STRESS = [
+    "auto",
+    *([pytest.param("ucx", marks=pytest.mark.stress)] if ucx_built() else []),
+]
 if ucx_built():
     LAUNCHES += [
         Launch(
@@ -91,6 +96,7 @@ if ucx_built():
             env=UCX_ENV,
             params=(("transport_name", "ucx"),),
             hosts=TWO_BY_TWO,
+            stress=True,  # CI time: p2p and EP over ucx run by default
         ),
         Launch(p2p_cases, 4, "hosts-2x2-ucx-p2p", env=(*UCX_ENV, *SMALL_CHUNKS), hosts=TWO_BY_TWO),
         Launch(
@@ -207,7 +213,7 @@ def partition_rank(rank: int, world: int, port: int, marker: str, fault: str = "
 
 @inner
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_UCX_STRESS)
 def test_partition(transport):
     from mooncake.launch import LocalGroup
 
@@ -253,7 +259,7 @@ def test_partition(transport):
 
 @inner
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", [*TRANSPORTS, "tcp"])
+@pytest.mark.parametrize("transport", [*TRANSPORTS, pytest.param("tcp", marks=pytest.mark.stress)])
 def test_kill_across_hosts(transport):
     """Rank 3, alone on its host, is killed (SIGKILL) in the middle of all_reduce rounds:
     its peers on the other hosts see its connections close (tcp, or UCX's endpoint
