@@ -63,11 +63,9 @@ def doctor() -> int:
         return f"loopback works; publishes {host}"
 
     _check("tcp transport", tcp_ok)
-    rdma = (
-        sorted(os.listdir("/sys/class/infiniband"))
-        if os.path.isdir("/sys/class/infiniband")
-        else []
-    )
+    from mooncake.pg import _rdma_devices
+
+    rdma = _rdma_devices()
     has_ucx = "ucx" in ext.TransferEngine.available_transports()
     if not has_ucx:
         print("  [--]   ucx transport: not in this build (install libucx-dev and rebuild)")

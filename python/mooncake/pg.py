@@ -223,8 +223,11 @@ def get_preferred_hca(backend, location: str) -> str:
         )
     if device.type == "cpu":
         return devices[0]
+    # is_available() first: current_device() on a host without a GPU raises torch's error.
+    if not torch.cuda.is_available():
+        raise ValueError(f"get_preferred_hca: location {location!r} names no visible GPU")
     index = torch.cuda.current_device() if device.index is None else device.index
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+    if index >= torch.cuda.device_count():
         raise ValueError(f"get_preferred_hca: location {location!r} names no visible GPU")
     props = torch.cuda.get_device_properties(index)
     bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"

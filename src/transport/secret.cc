@@ -2,15 +2,13 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "core/error.h"
+#include "core/hex.h"
 
 namespace mooncake {
-
-namespace {
-constexpr char kHex[] = "0123456789abcdef";
-}  // namespace
 
 std::string random_secret() {
   uint8_t raw[kSecretBytes / 2];
@@ -21,16 +19,11 @@ std::string random_secret() {
     MC_SYSCHECK(n);
     got += static_cast<size_t>(n);
   }
-  std::string out;
-  for (uint8_t b : raw) {
-    out += kHex[b >> 4];
-    out += kHex[b & 15];
-  }
-  return out;
+  return to_hex(raw, sizeof(raw));
 }
 
 void check_secret(std::string_view secret, std::string_view what) {
-  MC_CHECK_ARG(secret.size() == kSecretBytes && secret.find_first_not_of(kHex) == secret.npos, what,
+  MC_CHECK_ARG(secret.size() == kSecretBytes && from_hex(secret), what,
                ": the group secret must be ", kSecretBytes, " lowercase hex digits, got ",
                secret.size(), " bytes");
 }
@@ -44,10 +37,9 @@ bool secret_matches(const char* got, std::string_view secret) {
 
 std::array<uint8_t, kSecretBytes / 2> secret_key(std::string_view secret) {
   check_secret(secret, "secret_key");
-  auto nibble = [](char c) { return static_cast<uint8_t>(c <= '9' ? c - '0' : c - 'a' + 10); };
+  const std::vector<uint8_t> bytes = *from_hex(secret);
   std::array<uint8_t, kSecretBytes / 2> key{};
-  for (size_t i = 0; i < key.size(); ++i)
-    key[i] = static_cast<uint8_t>(nibble(secret[2 * i]) << 4 | nibble(secret[2 * i + 1]));
+  std::copy(bytes.begin(), bytes.end(), key.begin());
   return key;
 }
 

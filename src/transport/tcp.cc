@@ -115,22 +115,10 @@ bool TcpReceiver::drain(Conn& c) {
 void TcpReceiver::drop(Conn& c) {
   if (!c.why.empty()) {
     rejected_.fetch_add(1, std::memory_order_relaxed);
-    // At most kWarningsPerSecond lines a second; the rest are counted and
-    // summed up in the next second's first line.
-    const int64_t now = now_us();
-    if (now - log_window_us_ >= 1000000) {
-      if (suppressed_ > 0)
-        MC_LOG(kWarn, "tcp: ", suppressed_, " more connections dropped in the last second");
-      log_window_us_ = now;
-      logged_ = 0;
-      suppressed_ = 0;
-    }
-    if (logged_++ < kWarningsPerSecond)
+    if (log_limit_.allow("tcp connections dropped"))
       MC_LOG(kWarn, "tcp: dropped the connection from ", c.from,
              c.decoder.authenticated() ? str(" (rank ", c.decoder.rank(), ")") : std::string(),
              ": ", c.why);
-    else
-      ++suppressed_;
   } else {
     MC_LOG(kDebug, "tcp: connection from rank ", c.decoder.rank(), " closed");
   }

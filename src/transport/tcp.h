@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/log.h"
 #include "transport/link.h"
 #include "transport/segment.h"
 #include "transport/tcp_wire.h"
@@ -31,7 +32,6 @@ namespace mooncake {
 
 constexpr int kMaxUnauthenticated = 64;
 constexpr int64_t kHelloTimeoutMs = 2000;
-constexpr int kWarningsPerSecond = 10;
 
 class TcpReceiver {
  public:
@@ -72,9 +72,7 @@ class TcpReceiver {
   int capacity_;
   const std::string secret_;
   std::atomic<uint64_t> rejected_{0};
-  int64_t log_window_us_ = 0;  // rate limit of the warnings (receiver thread only)
-  int logged_ = 0;
-  uint64_t suppressed_ = 0;
+  LogLimiter log_limit_{kWarningsPerSecond};  // receiver thread only
   std::atomic<uint64_t>* alarm_;
   std::thread thread_;
 };

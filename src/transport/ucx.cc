@@ -76,6 +76,7 @@ std::unique_ptr<PeerLink> UcxWorker::connect(const PeerAddress&, int, uint32_t) 
 #include <thread>
 
 #include "core/clock.h"
+#include "core/hex.h"
 #include "core/log.h"
 #include "core/wait.h"
 #include "transport/tcp_wire.h"
@@ -89,7 +90,6 @@ bool ucx_built() {
 namespace {
 
 constexpr unsigned kAmId = 0x6d63;  // "mc"
-constexpr int kWarningsPerSecond = 10;
 
 [[noreturn]] void ucx_fail(const char* what, ucs_status_t st) {
   throw_error(ErrorKind::kSystem, -1, "ucx: ", what, " failed: ", ucs_status_string(st));
@@ -106,30 +106,13 @@ bool rdma_allowed(const char* tls) {
   return false;
 }
 
-std::string to_hex(const void* data, size_t n) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(2 * n);
-  for (size_t i = 0; i < n; ++i) {
-    const auto b = static_cast<const uint8_t*>(data)[i];
-    out += kHex[b >> 4];
-    out += kHex[b & 15];
-  }
-  return out;
-}
-
-std::vector<uint8_t> from_hex(const std::string& hex, int peer) {
-  auto nibble = [&](char c) -> uint8_t {
-    if (c >= '0' && c <= '9') return static_cast<uint8_t>(c - '0');
-    if (c >= 'a' && c <= 'f') return static_cast<uint8_t>(c - 'a' + 10);
-    throw_error(ErrorKind::kInternal, peer, "rank ", peer, " published a malformed ucx address");
-  };
-  if (hex.size() % 2 != 0)
-    throw_error(ErrorKind::kInternal, peer, "rank ", peer, " published a malformed ucx address");
-  std::vector<uint8_t> out(hex.size() / 2);
-  for (size_t i = 0; i < out.size(); ++i)
-    out[i] = static_cast<uint8_t>(nibble(hex[2 * i]) << 4 | nibble(hex[2 * i + 1]));
-  return out;
+// The worker address `addr` publishes, decoded.
+std::vector<uint8_t> worker_address(const PeerAddress& addr) {
+  auto bytes = from_hex(addr.ucx_address);
+  if (!bytes)
+    throw_error(ErrorKind::kInternal, addr.rank, "rank ", addr.rank,
+                " published a malformed ucx address");
+  return std::move(*bytes);
 }
 
 }  // namespace
@@ -190,8 +173,7 @@ struct UcxWorker::Core {
   std::atomic<bool> stop{false};
   bool closed = false;  // under mu: the segment is gone; nothing lands any more
   std::thread progress;
-  int64_t log_window_us = 0;  // rate limit of the warnings (under mu)
-  int logged = 0;
+  LogLimiter log_limit{kWarningsPerSecond};  // under mu
 
   Core(uint8_t* b, size_t n, int cap, std::string s, std::atomic<uint64_t>* a)
       : base(b), size(n), capacity(cap), secret(std::move(s)), alarm(a), from(new From[cap]) {}
@@ -210,12 +192,7 @@ struct UcxWorker::Core {
 
   void reject(const std::string& why) {
     rejected.fetch_add(1, std::memory_order_relaxed);
-    const int64_t now = now_us();
-    if (now - log_window_us >= 1000000) {
-      log_window_us = now;
-      logged = 0;
-    }
-    if (logged++ < kWarningsPerSecond) MC_LOG(kWarn, "ucx: dropped a message: ", why);
+    if (log_limit.allow("ucx messages dropped")) MC_LOG(kWarn, "ucx: dropped a message: ", why);
   }
 
   // Under mu: the state of `h`'s sender, or null when `h` is stale.
@@ -485,7 +462,7 @@ class UcxLink : public PeerLink {
   UcxLink(std::shared_ptr<UcxWorker::Core> core, const PeerAddress& addr, int my_rank,
           uint32_t my_inc)
       : core_(std::move(core)),
-        remote_(from_hex(addr.ucx_address, addr.rank)),
+        remote_(worker_address(addr)),
         peer_(addr.rank),
         peer_inc_(addr.incarnation),
         peer_bytes_(addr.segment_bytes),

@@ -53,10 +53,15 @@ def test_cpu_takes_the_first_allowed_device(fake_sysfs, monkeypatch):
         pg.get_preferred_hca(None, "cpu")
 
 
-def test_bad_locations_are_value_errors(fake_sysfs):
+def test_bad_locations_are_value_errors(fake_sysfs, monkeypatch):
     for bad in ("tpu:0", "cuda:x", 3):
         with pytest.raises(ValueError, match="get_preferred_hca"):
             pg.get_preferred_hca(None, bad)
+    # A host with RDMA devices and no GPU: "cuda" names none, ours to say, not torch's.
+    monkeypatch.setattr(pg.torch.cuda, "is_available", lambda: False)
+    for gpu in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="names no visible GPU"):
+            pg.get_preferred_hca(None, gpu)
 
 
 def test_without_rdma_devices_the_error_says_so(monkeypatch, tmp_path):
