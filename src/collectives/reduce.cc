@@ -92,28 +92,74 @@ __attribute__((always_inline)) inline void reduce_loop(void* out_v, const void* 
                                                        int nsrc, size_t count, int avg_divisor) {
   using A = typename Acc<T>::type;
   T* out = static_cast<T*>(out_v);
-  A acc[kBlock], next[kBlock];
-  for (size_t base = 0; base < count; base += kBlock) {
-    const size_t n = count - base < kBlock ? count - base : kBlock;
-    Conv::load(static_cast<const T*>(srcs_v[0]) + base, acc, n);
-    for (int s = 1; s < nsrc; ++s) {
-      Conv::load(static_cast<const T*>(srcs_v[s]) + base, next, n);
-      for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(acc[i], next[i]);
+  constexpr bool kDivide = std::is_floating_point_v<A> && Op == RedOp::kAvg;
+  if constexpr (std::is_same_v<A, T>) {
+    // No conversion: each pass reads its source straight from memory, and the
+    // last one writes the output, so every byte goes through DRAM once (an
+    // accumulator block stays in L1 between the passes).
+    const T* const* srcs = reinterpret_cast<const T* const*>(srcs_v);
+    if (nsrc == 1 && !kDivide) {
+      if (out != srcs[0]) std::memmove(out, srcs[0], count * sizeof(T));
+      return;
     }
-    if constexpr (std::is_floating_point_v<A> && Op == RedOp::kAvg)
-      for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / static_cast<A>(avg_divisor);
-    Conv::store(acc, out + base, n);
+    A acc[kBlock];
+    for (size_t base = 0; base < count; base += kBlock) {
+      const size_t n = count - base < kBlock ? count - base : kBlock;
+      const T* a = srcs[0] + base;
+      if (nsrc == 1) {
+        for (size_t i = 0; i < n; ++i) acc[i] = a[i];
+      } else {
+        // acc = s0 op s1 op ... op s(n-2), in rank order; the last source is
+        // combined on the way out.
+        const T* b = srcs[1] + base;
+        if (nsrc == 2 && !kDivide) {
+          for (size_t i = 0; i < n; ++i) out[base + i] = combine<Op, A>(a[i], b[i]);
+          continue;
+        }
+        for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(a[i], b[i]);
+        for (int s = 2; s + 1 < nsrc; ++s) {
+          const T* c = srcs[s] + base;
+          for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(acc[i], c[i]);
+        }
+        if (nsrc > 2) {
+          const T* last = srcs[nsrc - 1] + base;
+          if constexpr (kDivide) {
+            for (size_t i = 0; i < n; ++i)
+              out[base + i] = combine<Op, A>(acc[i], last[i]) / static_cast<A>(avg_divisor);
+          } else {
+            for (size_t i = 0; i < n; ++i) out[base + i] = combine<Op, A>(acc[i], last[i]);
+          }
+          continue;
+        }
+      }
+      if constexpr (kDivide)  // nsrc <= 2, the sum in acc
+        for (size_t i = 0; i < n; ++i) out[base + i] = acc[i] / static_cast<A>(avg_divisor);
+    }
+  } else {
+    A acc[kBlock], next[kBlock];
+    for (size_t base = 0; base < count; base += kBlock) {
+      const size_t n = count - base < kBlock ? count - base : kBlock;
+      Conv::load(static_cast<const T*>(srcs_v[0]) + base, acc, n);
+      for (int s = 1; s < nsrc; ++s) {
+        Conv::load(static_cast<const T*>(srcs_v[s]) + base, next, n);
+        for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(acc[i], next[i]);
+      }
+      if constexpr (kDivide)
+        for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / static_cast<A>(avg_divisor);
+      Conv::store(acc, out + base, n);
+    }
   }
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define MC_F16C_PATH 1
-// float16 and bfloat16 on x86 with F16C and AVX2: 8 conversions per
-// instruction (round to nearest even, NaN kept a NaN with its payload: what
-// the scalar conversions do, bit for bit), and the rest of the loop in AVX2. bfloat16's
-// conversions are shifts, which the compiler vectorizes here. Everything in
-// this region is compiled for those instructions and only runs where the CPU
-// has them (cpu_has_f16c).
+#define MC_AVX2_PATH 1
+// On x86 with AVX2 and F16C, every dtype's loop is compiled for AVX2, and
+// float16 and bfloat16 convert 8 elements per instruction (round to nearest
+// even, NaN kept a NaN with its payload: what the scalar conversions do, bit
+// for bit; bfloat16's conversions are shifts, which the compiler vectorizes
+// here). No FMA: a sum stays a sum, bit-equal to the SSE2 path and the CUDA
+// kernel. Everything in this region only runs where the CPU has those
+// instructions (cpu_has_avx2).
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,f16c"))), apply_to = function)
 #else
@@ -160,9 +206,10 @@ struct F16cConv {
   }
 };
 
-// reduce_loop, instantiated in this region so that it is compiled for AVX2.
+// reduce_loop, instantiated in this region so that it is compiled for AVX2
+// (every dtype: 8 floats or 32 bytes per instruction instead of SSE2's 4 / 16).
 template <typename T, RedOp Op>
-void reduce_typed_op_f16c(void* out, const void* const* srcs, int nsrc, size_t count,
+void reduce_typed_op_avx2(void* out, const void* const* srcs, int nsrc, size_t count,
                           int avg_divisor) {
   reduce_loop<T, Op, F16cConv>(out, srcs, nsrc, count, avg_divisor);
 }
@@ -172,7 +219,7 @@ void reduce_typed_op_f16c(void* out, const void* const* srcs, int nsrc, size_t c
 #pragma GCC pop_options
 #endif
 
-bool cpu_has_f16c() {
+bool cpu_has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   return yes;
 }
@@ -180,9 +227,8 @@ bool cpu_has_f16c() {
 
 template <typename T, RedOp Op>
 void reduce_typed_op(void* out, const void* const* srcs, int nsrc, size_t count, int avg_divisor) {
-#ifdef MC_F16C_PATH
-  if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat>)
-    if (cpu_has_f16c()) return reduce_typed_op_f16c<T, Op>(out, srcs, nsrc, count, avg_divisor);
+#ifdef MC_AVX2_PATH
+  if (cpu_has_avx2()) return reduce_typed_op_avx2<T, Op>(out, srcs, nsrc, count, avg_divisor);
 #endif
   reduce_loop<T, Op, ScalarConv>(out, srcs, nsrc, count, avg_divisor);
 }

@@ -47,7 +47,7 @@ T first(const std::vector<uint8_t>& b) {
 TEST(ReduceArrays, EveryDtypeAndOpMatchesTheReference) {
   uint64_t seed = 0;
   for (const DtypeOp& p : supported_pairs()) {
-    for (int nsrc : {1, 2, 3, 7}) {
+    for (int nsrc : {1, 2, 3, 4, 7}) {  // each pass of the loop: first, middle, last
       for (size_t count : {size_t{1}, size_t{2047}, size_t{2049}, size_t{5000}}) {
         ++seed;
         std::vector<std::vector<uint8_t>> srcs;
@@ -65,13 +65,16 @@ TEST(ReduceArrays, EveryDtypeAndOpMatchesTheReference) {
 
 TEST(ReduceArrays, TheOutputMayBeTheFirstSource) {
   for (const DtypeOp& p : supported_pairs()) {
-    std::vector<std::vector<uint8_t>> srcs;
-    for (int s = 0; s < 3; ++s) srcs.push_back(sample_input(p.dtype, 3000, s, 9));
-    const auto want = reference_reduce(p.dtype, p.op, const_pointers(srcs), 3000, 3);
-    auto ptrs = const_pointers(srcs);
-    reduce_arrays(p.dtype, p.op, srcs[0].data(), ptrs.data(), 3, 3000, 3);
-    EXPECT_TRUE(same_elements(p.dtype, srcs[0], want))
-        << mooncake::dtype_name(p.dtype) << " " << mooncake::redop_name(p.op);
+    for (int nsrc : {1, 2, 3, 4}) {
+      std::vector<std::vector<uint8_t>> srcs;
+      for (int s = 0; s < nsrc; ++s) srcs.push_back(sample_input(p.dtype, 3000, s, 9));
+      const auto want = reference_reduce(p.dtype, p.op, const_pointers(srcs), 3000, nsrc);
+      auto ptrs = const_pointers(srcs);
+      reduce_arrays(p.dtype, p.op, srcs[0].data(), ptrs.data(), nsrc, 3000, nsrc);
+      EXPECT_TRUE(same_elements(p.dtype, srcs[0], want))
+          << mooncake::dtype_name(p.dtype) << " " << mooncake::redop_name(p.op) << ", " << nsrc
+          << " sources";
+    }
   }
 }
 
