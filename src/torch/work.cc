@@ -9,17 +9,22 @@ MooncakeWork::MooncakeWork(int rank, c10d::OpType type, std::shared_ptr<Request>
     : Work(rank, type),
       request_(std::move(request)),
       outputs_(std::move(outputs)),
-      queue_(std::move(queue)) {
-  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                     std::vector<c10::Device>{});
-  auto future = future_;
-  auto outputs_copy = outputs_;
-  request_->on_complete([future, outputs_copy](std::exception_ptr error) {
-    if (error)
-      future->setError(error);
-    else
-      future->markCompleted(c10::IValue(outputs_copy));
-  });
+      queue_(std::move(queue)) {}
+
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFuture() {
+  std::lock_guard<std::mutex> lock(future_mu_);
+  if (!future_) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{});
+    // Runs at once when the request is already done.
+    request_->on_complete([future = future_, outputs = outputs_](std::exception_ptr error) {
+      if (error)
+        future->setError(error);
+      else
+        future->markCompleted(c10::IValue(outputs));
+    });
+  }
+  return future_;
 }
 
 bool MooncakeWork::wait(std::chrono::milliseconds timeout) {

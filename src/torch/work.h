@@ -1,8 +1,11 @@
 // The c10d::Work that MooncakeBackend hands back for each op: a view of the
-// core's Request, with torch's future completed when the request is.
+// core's Request, with torch's future completed when the request is. The
+// future is made on the first getFuture(): most callers only wait, and making
+// it for every op cost a tenth of a small op's time.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <vector>
 
@@ -21,7 +24,7 @@ class MooncakeWork : public c10d::Work {
   std::exception_ptr exception() const override { return request_->error(); }
   int sourceRank() const override { return request_->source_rank(); }
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override {}
@@ -30,7 +33,8 @@ class MooncakeWork : public c10d::Work {
  private:
   std::shared_ptr<Request> request_;
   std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::mutex future_mu_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // under future_mu_
   std::weak_ptr<OpQueue> queue_;
 };
 

@@ -161,6 +161,18 @@ def futures(ctx):
     fut = dist.barrier(async_op=True).get_future()
     fut.wait()
     ctx.expect(fut.done(), "barrier future not done after wait()")
+    # The future of a work that is already done (it is made on first asking), twice.
+    y = ctx.input((5,), torch.float32, tag="late")
+    work = dist.all_reduce(y, async_op=True)
+    work.wait()
+    late = work.get_future()
+    ctx.expect(late.done(), "the future of a finished work is not done")
+    ctx.expect(work.get_future() is late or work.get_future().done(), "a second future differs")
+    ctx.expect_equal(
+        late.value()[0],
+        reduce_ref(ctx.inputs((5,), torch.float32, tag="late"), "SUM"),
+        "late future value",
+    )
 
 
 def every_op_async(ctx):
