@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = report.collect(model, by_world, ops)
     bare = bare_core(worlds, results["rows"], results["overhead"])
-    targets = report.check_targets(results, backends)
+    targets = report.check_targets(results, backends, bare)
     report.print_overheads(results["overhead"], backends)
     report.print_targets(targets)
     document = {
