@@ -160,7 +160,7 @@ class LocalGroup:
             network namespace as another host (its tcp transport binds that
             address, and it reaches the store at ``store_host``), or None for
             this one. Every process of the rank, replacements included, goes
-            there.
+            there, unless :meth:`start` places it elsewhere.
         store_host: the address to host the store on (and ranks placed elsewhere
             reach it at); ``"127.0.0.1"`` by default.
     """
@@ -198,10 +198,24 @@ class LocalGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def start(self, fn: Callable[..., Any], ranks: Iterable[int] | None = None, args: tuple = ()):
-        """Starts one process per rank (all ranks by default); returns their keys."""
+    def start(
+        self,
+        fn: Callable[..., Any],
+        ranks: Iterable[int] | None = None,
+        args: tuple = (),
+        placement: list[tuple[str, str] | None] | None = None,
+    ):
+        """Starts one process per rank (all ranks by default); returns their keys.
+
+        ``placement``: per started rank, where this process runs instead of the
+        rank's own placement (as the constructor's; None: this host), such as a
+        replacement on another host than the process it replaces.
+        """
         keys = []
-        for rank in range(self.world_size) if ranks is None else ranks:
+        ranks = list(range(self.world_size) if ranks is None else ranks)
+        if placement is not None and len(placement) != len(ranks):
+            raise ValueError(f"start: {len(placement)} placements for {len(ranks)} ranks")
+        for i, rank in enumerate(ranks):
             n = self._started.get(rank, 0)
             self._started[rank] = n + 1
             key = str(rank) if n == 0 else f"{rank}.{n}"
@@ -217,7 +231,7 @@ class LocalGroup:
                     self.env,
                     self.log_dir,
                     self._queue,
-                    self._place(rank),
+                    self._place(rank) if placement is None else self._where(placement[i]),
                 ),
             )
             p.start()
@@ -226,7 +240,9 @@ class LocalGroup:
         return keys
 
     def _place(self, rank: int) -> tuple[str, str, str] | None:
-        where = self.placement[rank] if rank < len(self.placement) else None
+        return self._where(self.placement[rank] if rank < len(self.placement) else None)
+
+    def _where(self, where: tuple[str, str] | None) -> tuple[str, str, str] | None:
         return None if where is None else (where[0], where[1], self.store_host)
 
     def pid(self, key: str) -> int:

@@ -27,6 +27,26 @@ void set_nonblocking(int fd) {
   MC_SYSCHECK(::fcntl(fd, F_SETFL, flags | O_NONBLOCK));
 }
 
+// connect(2) on a non-blocking `fd`, waiting no longer than `deadline`;
+// returns 0 or the errno. A blocking connect to a host that is gone (its SYN
+// dropped, not refused) would wait out the kernel's retries, minutes.
+int connect_by(int fd, const sockaddr* to, socklen_t len, const Deadline& deadline) {
+  if (::connect(fd, to, len) == 0) return 0;
+  if (errno != EINPROGRESS) return errno;
+  for (;;) {
+    pollfd p{fd, POLLOUT, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(deadline.remaining_ms(1000)));
+    if (ready < 0 && errno != EINTR) return errno;
+    if (ready > 0) {
+      int err = 0;
+      socklen_t n = sizeof(err);
+      if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &n) != 0) return errno;
+      return err;
+    }
+    if (deadline.expired()) return ETIMEDOUT;
+  }
+}
+
 }  // namespace
 
 struct TcpReceiver::Conn {
@@ -323,11 +343,10 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
     if (rc != 0)
       throw_error(ErrorKind::kSystem, addr.rank, "cannot resolve ", host, " for rank ", addr.rank,
                   ": ", gai_strerror(rc));
-    fd = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    const bool connected = ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
-    const int e = errno;
+    fd = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    const int e = connect_by(fd, res->ai_addr, res->ai_addrlen, deadline);
     ::freeaddrinfo(res);
-    if (connected) break;
+    if (e == 0) break;
     ::close(fd);
     if (deadline.expired())
       throw_error(ErrorKind::kTimeout, addr.rank, "cannot connect to rank ", addr.rank, " at ",
@@ -336,7 +355,6 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
   }
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  set_nonblocking(fd);
   auto link =
       std::make_unique<TcpLink>(fd, addr.rank, addr.incarnation, addr.segment_bytes, receiver);
   Frame hello{kHello, static_cast<uint32_t>(kSecretBytes), my_inc, static_cast<uint64_t>(my_rank)};

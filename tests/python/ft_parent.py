@@ -461,11 +461,28 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
 # --- elastic launches ------------------------------------------------------------------------
 
 
+def elastic_plans(world, max_world, full, battery, survivor, **extra):
+    """The member plan and the joiner plan of an elastic launch (see ft_ranks.elastic_rank);
+    ``bad_input`` applies to the members only."""
+    base = {
+        "timeout_s": 10.0,
+        "max_world_size": max_world,
+        "full": list(full),
+        "battery": tuple(battery),
+        "survivor": survivor,
+        "idle_s": 0.01,
+        **extra,
+    }
+    return dict(base, role="member"), dict(base, role="joiner", bad_input=False)
+
+
 def conduct_steps(steps):
     """The parent's part of an elastic launch: a list of steps, run in order.
 
     * ``("wait_looping", rank)``: the first process of ``rank`` entered its loop;
     * ``("start", rank, plan)``: starts a joiner for ``rank`` (it becomes the latest);
+      ``("start", rank, plan, where)``: on another host than the rank's (``where``: an
+      entry of ``LocalGroup``'s ``placement``);
     * ``("doomed", rank, plan)``: starts a joiner that kills itself, waits until it is gone;
     * ``("wait_full",)``: the latest process of every rank finished a battery together;
     * ``("sleep", seconds)``; ``("kill", rank)``: kill -9 of the latest process;
@@ -474,7 +491,8 @@ def conduct_steps(steps):
       since the SIGSTOP); ``("sigcont", rank)``: resumes it and waits until it has ended
       (it must learn it was left out and return; its key goes to ``extra["resumed"]``);
     * ``("slow", rank, seconds)``: the latest process stopped for ``seconds``, then resumed;
-    * ``("wait_probed", rank)``; ``("stop",)``.
+    * ``("wait_probed", rank)``; ``("stop",)``;
+    * ``("call", fn)``: ``fn()`` here (such as cutting a host's link, see hosts.py).
 
     Kills, stops and slows are noted in ``extra["faults"]`` as ``(time.time(), what,
     rank)`` just before the signal.
@@ -494,7 +512,8 @@ def conduct_steps(steps):
                 wait_key(group, f"looping/{step[1]}/{group.pid(latest[step[1]])}", 180, extra)
             elif op in ("start", "doomed"):
                 rank, plan = step[1], step[2]
-                (key,) = group.start(elastic_rank, ranks=[rank], args=(plan,))
+                place = {"placement": [step[3]]} if len(step) > 3 else {}
+                (key,) = group.start(elastic_rank, ranks=[rank], args=(plan,), **place)
                 extra["started"].append((key, op, plan.get("doom")))
                 if op == "start":
                     latest[rank] = key
@@ -538,6 +557,8 @@ def conduct_steps(steps):
                 wait_key(group, f"probed/{step[1]}", 120, extra)
             elif op == "stop":
                 group.store.set("stop", "1")
+            elif op == "call":
+                step[1]()
             else:
                 raise ValueError(step)
 

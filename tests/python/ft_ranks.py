@@ -675,7 +675,8 @@ def elastic_rank(rank, world_size, port, plan):
     ``plan["survivor"]`` also samples its fds, threads and RSS after every battery, notes
     every change of the small all_reduce's mask with its time (``changes``) and counts,
     per rank, how often it saw it leave (store key ``dropped/<rank>``). The
-    store key ``stop`` ends the loop.
+    store key ``stop`` ends the loop. With ``plan["transports"]``, each process records
+    at the end which transport reaches each other member (``transports``).
 
     A joiner with ``plan["doom"]`` dies on purpose: ``before_init``, ``waiting`` (after
     init, before join_group), ``in_join`` (a timer inside join_group; at the latest when it
@@ -812,6 +813,9 @@ def elastic_rank(rank, world_size, port, plan):
         time.sleep(plan["idle_s"])
     out["active"] = active.tolist()
     out["synced"] = pg.get_num_synced_ranks()
+    if plan.get("transports"):  # a replacement on another host changes them
+        backend = pg._backend_of(W)
+        out["transports"] = {r: backend.transport_of(r) for r in members_of(active) if r != rank}
     return out
 
 

@@ -18,6 +18,7 @@ from ft_parent import (
     check_churn,
     check_elastic,
     conduct_steps,
+    elastic_plans,
     env,
     launch,
     mark_dead,
@@ -41,21 +42,6 @@ from ft_ranks import (
 )
 
 DOOMS = ("before_init", "waiting", "in_join", "after_join")
-
-
-def _plans(world, max_world, full, battery, survivor, **extra):
-    """The member plan and the joiner plan of an elastic launch (see ft_ranks.elastic_rank);
-    ``bad_input`` applies to the members only."""
-    base = {
-        "timeout_s": 10.0,
-        "max_world_size": max_world,
-        "full": list(full),
-        "battery": tuple(battery),
-        "survivor": survivor,
-        "idle_s": 0.01,
-        **extra,
-    }
-    return dict(base, role="member"), dict(base, role="joiner", bad_input=False)
 
 
 # --- kill-and-replace cycles -----------------------------------------------------------------
@@ -82,7 +68,7 @@ def cycle_steps(seed, world, cycles, survivor, joiner, doomed_cycles):
 
 def run_cycles(seed, cycles, doomed_cycles, timeout_s):
     world, survivor = 4, 3
-    member, joiner = _plans(world, world, range(world), CHAOS_KINDS, survivor)
+    member, joiner = elastic_plans(world, world, range(world), CHAOS_KINDS, survivor)
     steps = cycle_steps(seed, world, cycles, survivor, joiner, doomed_cycles)
     out = launch(world, elastic_rank, member, env(), conduct_steps(steps), timeout_s=timeout_s)
     out.extra["cycles"] = cycles
@@ -174,7 +160,7 @@ def run_churn(seed, world, cycles, modes=None, timeout_s=600):
     processes agree on every change, the changes match the faults. Returns the resume
     times (see :func:`ft_parent.check_churn`) and the survivor's resource samples."""
     survivor = world - 1
-    member, joiner = _plans(world, world, range(world), ELASTIC_KINDS, survivor)
+    member, joiner = elastic_plans(world, world, range(world), ELASTIC_KINDS, survivor)
     steps = churn_steps(seed, world, cycles, survivor, joiner, modes)
     out = launch(world, elastic_rank, member, env(), conduct_steps(steps), timeout_s=timeout_s)
     results = out.get()
@@ -231,7 +217,7 @@ def extension():
     extend, too: extend_group_size_to is local). Rank 4 (an extension) is killed and
     replaced; then rank 0. Before each replacement starts, the members try recover_ranks
     on the dead rank (nobody waits)."""
-    member, joiner = _plans(
+    member, joiner = elastic_plans(
         3,
         5,
         range(5),

@@ -28,6 +28,12 @@ through the bridge, as on a cluster:
 * ``test_chaos_across_hosts``: the chaos driver of test_fault_tolerance.py on two hosts:
   ranks killed inside ops (EP rounds among them) until one rank is left on each host
   (over tcp, and over ucx).
+* ``test_replacements_across_hosts``: the elastic loop of test_elastic.py on two hosts:
+  killed ranks replaced by new processes that join the running group, first on the
+  victim's own host, then, once a whole host went down (its link cut, its processes
+  killed), on the other hosts; after every join every op covers exactly the four ranks,
+  and each process reaches its peers over the transport their new places call for (over
+  tcp, and over ucx without the cut).
 """
 
 from __future__ import annotations
@@ -319,6 +325,69 @@ def test_stops_and_slow_ranks_across_hosts():
     where = {"placement": f.placement(TWO_BY_TWO), "store_host": f.gateway}
     out = launch(4, chaos_rank, plan, env(CHUNKED), conduct_chaos(plan), timeout_s=150, **where)
     problems = check_chaos(out.get(), 4, plan)
+    assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
+
+
+# --- replacements ---------------------------------------------------------------------------
+
+
+@inner
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_replacements_across_hosts(transport):
+    """The elastic loop of test_elastic.py at world 4 on two hosts of two ranks. Ranks 2
+    (host 1) and 0 (host 0) are killed together and each replaced on its own host; then
+    host 0 goes down (its link cut, then both its processes killed: its peers see only
+    silence) and its ranks are replaced elsewhere, rank 0 on host 1 and rank 1 on a
+    third host. The survivors admit each replacement (``get_peer_state``,
+    ``recover_ranks``; it joins with ``join_group``); after every join all processes,
+    replacements included, run every collective, a p2p ring, an EP Buffer round and an
+    elastic EP buffer round, each covering exactly all four ranks; at the end each
+    process reaches its host's peers over shm and the others over tcp (or every peer
+    over ucx). Over ucx host 0 dies without the cut: UCX's tcp transport connects in
+    blocking mode, so the elastic buffer's probe of an address that no longer answers
+    stalls the process's UCX calls until the kernel gives up (a known limitation)."""
+    from ft_parent import check_elastic, conduct_steps, elastic_plans, env, launch
+    from ft_ranks import ELASTIC_KINDS, elastic_rank
+
+    f = hosts.fabric()
+    member, joiner = elastic_plans(4, 4, range(4), ELASTIC_KINDS, 3, transports=True)
+    steps = [
+        ("wait_full", 120),
+        ("kill", 2),
+        ("kill", 0),
+        ("start", 2, joiner),
+        ("start", 0, joiner),
+        ("wait_full", 60),
+        *([] if transport == "ucx" else [("call", lambda: f.cut(0))]),
+        ("kill", 0),
+        ("kill", 1),
+        ("start", 0, joiner, f.placement([1])[0]),
+        ("start", 1, joiner, f.placement([2])[0]),
+        ("wait_full", 60),
+        ("stop",),
+    ]
+    where = {"placement": f.placement(TWO_BY_TWO), "store_host": f.gateway}
+    env_vars = env(**transport_env(transport))
+    try:
+        out = launch(4, elastic_rank, member, env_vars, conduct_steps(steps), 150, **where)
+    finally:
+        f.heal(0)
+    results = out.get()
+    problems = check_elastic(results, range(4), ELASTIC_KINDS)
+    assert sorted(results) == ["0.2", "1.1", "2.1", "3"], sorted(results)
+    assert len(results["3"]["batteries"]) == 3, results["3"]["batteries"]  # before, 2 joins
+    host = {0: 1, 1: 2, 2: 1, 3: 1}  # where each rank's latest process runs
+    for key, res in results.items():
+        me = int(key.split(".")[0])
+        want = {
+            r: "ucx" if transport == "ucx" else "shm" if host[r] == host[me] else "tcp"
+            for r in range(4)
+            if r != me
+        }
+        if res.get("transports") != want:
+            problems.append(f"process {key}: transports {res.get('transports')}, want {want}")
+    print(f"replacements across hosts ({transport}): {out.seconds:.1f} s", file=sys.stderr)
     assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
 
 
