@@ -190,10 +190,16 @@ void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   std::shared_ptr<PeerLink> link;
   if (!options_.force_tcp && !options_.force_ucx && shm_can_reach(addr))
     link = shm_connect(addr, secret_);
-  else if (ucx_ && addr.ucx_address != "-")
+  else if (ucx_ && addr.ucx_address != "-") {
+    // Reach the peer's host first, within the deadline: UCX 1.13's tcp
+    // transport connects in blocking mode inside ucp_ep_create, so a peer
+    // whose host is gone would hold this thread (and a lock UCX's own threads
+    // need) for the kernel's retries, minutes.
+    tcp_probe(addr, deadline);
     link = ucx_->connect(addr, rank_, incarnation_);
-  else
+  } else {
     link = tcp_connect(addr, rank_, incarnation_, secret_, *receiver_, deadline);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   links_[peer] = std::move(link);
   pulse_[peer].last.store(0);

@@ -322,17 +322,17 @@ class TcpLink : public PeerLink {
 
 }  // namespace
 
-std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
-                                      const std::string& secret, TcpReceiver& receiver,
-                                      const Deadline& deadline) {
-  check_secret(secret, "tcp");
-  // The published address first: a receiver bound to MOONCAKE_HOST_IP listens
-  // there only. A peer on this host is also tried on the loopback, for hosts
-  // whose name resolves to an address they cannot reach themselves.
+namespace {
+
+// A connected socket to the receiver of the peer at `addr`, tried until
+// `deadline`. The published address first: a receiver bound to
+// MOONCAKE_HOST_IP listens there only. A peer on this host is also tried on
+// the loopback, for hosts whose name resolves to an address they cannot
+// reach themselves.
+int tcp_dial(const PeerAddress& addr, const Deadline& deadline) {
   std::vector<std::string> hosts = {addr.tcp_host};
   if (addr.host_key == local_host_key() && addr.tcp_host != "127.0.0.1")
     hosts.push_back("127.0.0.1");
-  int fd = -1;
   for (size_t attempt = 0;; ++attempt) {
     const std::string& host = hosts[attempt % hosts.size()];
     addrinfo hints{};
@@ -343,16 +343,25 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
     if (rc != 0)
       throw_error(ErrorKind::kSystem, addr.rank, "cannot resolve ", host, " for rank ", addr.rank,
                   ": ", gai_strerror(rc));
-    fd = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    const int fd = MC_SYSCHECK(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     const int e = connect_by(fd, res->ai_addr, res->ai_addrlen, deadline);
     ::freeaddrinfo(res);
-    if (e == 0) break;
+    if (e == 0) return fd;
     ::close(fd);
     if (deadline.expired())
       throw_error(ErrorKind::kTimeout, addr.rank, "cannot connect to rank ", addr.rank, " at ",
                   host, ":", addr.tcp_port, ": ", std::strerror(e));
     if (attempt % hosts.size() == hosts.size() - 1) ::usleep(10000);
   }
+}
+
+}  // namespace
+
+std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
+                                      const std::string& secret, TcpReceiver& receiver,
+                                      const Deadline& deadline) {
+  check_secret(secret, "tcp");
+  const int fd = tcp_dial(addr, deadline);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   auto link =
@@ -361,6 +370,10 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
   link->send_all(&hello, sizeof(hello), deadline);
   link->send_all(secret.data(), secret.size(), deadline);
   return link;
+}
+
+void tcp_probe(const PeerAddress& addr, const Deadline& deadline) {
+  ::close(tcp_dial(addr, deadline));
 }
 
 }  // namespace mooncake

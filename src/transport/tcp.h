@@ -83,4 +83,9 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline);
 
+// Whether the receiver of the peer at `addr` accepts a connection within
+// `deadline` (closed again at once, before any hello: the receiver drops it
+// quietly). Throws kTimeout, as tcp_connect does, when it does not.
+void tcp_probe(const PeerAddress& addr, const Deadline& deadline);
+
 }  // namespace mooncake

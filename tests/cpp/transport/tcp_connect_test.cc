@@ -5,7 +5,9 @@
 // dead process (200 ms) and the admission of a newcomer (1 s) count on it.
 //
 // A listener whose accept queue is full stands for that host: the kernel drops
-// every further SYN to it.
+// every further SYN to it. tcp_probe (what the ucx transport dials before
+// UCX's blocking connect) keeps to its deadline alike, and passes for a live
+// receiver without a word to it.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -50,30 +52,35 @@ sockaddr_in loopback(int port) {
   return sa;
 }
 
-TEST(TcpConnect, ANeverAnsweredConnectEndsAtTheDeadline) {
-  Fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  ASSERT_GE(listener.get(), 0);
-  sockaddr_in sa = loopback(0);
-  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-  ASSERT_EQ(::listen(listener.get(), 0), 0);  // room for one connection, never accepted
-  socklen_t len = sizeof(sa);
-  ASSERT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&sa), &len), 0);
-  const int port = ntohs(sa.sin_port);
-  Fd filler(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  ASSERT_EQ(::connect(filler.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
-
-  mooncake::Segment segment(8192);
-  mooncake::TcpReceiver receiver(segment, 2, "127.0.0.1", mooncake::random_secret());
+// A listener that takes nobody in, and the address of a peer behind it.
+class Unanswered {
+ public:
+  Unanswered() {
+    sockaddr_in sa = loopback(0);
+    EXPECT_EQ(::bind(listener_.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    EXPECT_EQ(::listen(listener_.get(), 0), 0);  // room for one connection, never accepted
+    socklen_t len = sizeof(sa);
+    EXPECT_EQ(::getsockname(listener_.get(), reinterpret_cast<sockaddr*>(&sa), &len), 0);
+    EXPECT_EQ(::connect(filler_.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    addr.rank = 1;
+    addr.host_key = "another host";
+    addr.segment_bytes = 8192;
+    addr.tcp_host = "127.0.0.1";
+    addr.tcp_port = ntohs(sa.sin_port);
+  }
   mooncake::PeerAddress addr;
-  addr.rank = 1;
-  addr.host_key = "another host";
-  addr.segment_bytes = segment.size();
-  addr.tcp_host = "127.0.0.1";
-  addr.tcp_port = port;
 
+ private:
+  Fd listener_{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  Fd filler_{::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+};
+
+// Runs `dial`, which must throw kTimeout naming rank 1 after about 300 ms.
+template <typename F>
+void expect_timeout_at_deadline(F&& dial) {
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    mooncake::tcp_connect(addr, 0, 0, mooncake::random_secret(), receiver, Deadline::after_ms(300));
+    dial(Deadline::after_ms(300));
     FAIL() << "connected to a listener that takes nobody in";
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kTimeout) << e.what();
@@ -82,6 +89,26 @@ TEST(TcpConnect, ANeverAnsweredConnectEndsAtTheDeadline) {
   const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GE(took, 0.25);
   EXPECT_LT(took, 2.0);  // a blocking connect would wait about two minutes
+}
+
+TEST(TcpConnect, AProbeEndsAtTheDeadlineAndPassesForALiveReceiver) {
+  Unanswered gone;
+  expect_timeout_at_deadline([&](const Deadline& d) { mooncake::tcp_probe(gone.addr, d); });
+  mooncake::Segment segment(8192);
+  mooncake::TcpReceiver receiver(segment, 2, "127.0.0.1", mooncake::random_secret());
+  mooncake::PeerAddress live = gone.addr;
+  live.tcp_port = receiver.port();
+  mooncake::tcp_probe(live, Deadline::after_ms(2000));
+  EXPECT_EQ(receiver.rejected(), 0u);  // a close before any hello is no offence
+}
+
+TEST(TcpConnect, ANeverAnsweredConnectEndsAtTheDeadline) {
+  Unanswered gone;
+  mooncake::Segment segment(8192);
+  mooncake::TcpReceiver receiver(segment, 2, "127.0.0.1", mooncake::random_secret());
+  expect_timeout_at_deadline([&](const Deadline& d) {
+    mooncake::tcp_connect(gone.addr, 0, 0, mooncake::random_secret(), receiver, d);
+  });
 }
 
 }  // namespace
