@@ -49,7 +49,11 @@ test-cpp: build
 	else echo "C++ tests not built (GoogleTest missing)"; exit 1; fi
 
 # The C++ tests (core only, no torch) built with AddressSanitizer and
-# UndefinedBehaviorSanitizer: any report fails the run.
+# UndefinedBehaviorSanitizer: any report fails the run. The ucx variants of
+# the transport tests are left out here: under ASan's timing, Debian's UCX
+# 1.13 has aborted on assertions inside its own wireup (ucp_request.c:684 in
+# ucp_worker_destroy; wireup_ep pending_count), not in our code. They run in
+# the release build (make test-cpp), and hostile_ucx_test runs here.
 ASAN_BUILD := build-asan
 SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 test-asan: | deps
@@ -58,7 +62,7 @@ test-asan: | deps
 	  -DCMAKE_CXX_FLAGS="$(SANITIZE)" -DCMAKE_EXE_LINKER_FLAGS="$(SANITIZE)" >/dev/null
 	cmake --build $(ASAN_BUILD)
 	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1 \
-	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j2 $(ASAN_CTEST_ARGS)
+	  UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure -j2 -E '/ucx$$' $(ASAN_CTEST_ARGS)
 
 # The CUDA half compiled with nvcc (no GPU needed), as CI does; the GPU machine
 # builds and runs it for real (make gpu-check).

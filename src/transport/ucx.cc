@@ -179,7 +179,21 @@ struct UcxWorker::Core {
       : base(b), size(n), capacity(cap), secret(std::move(s)), alarm(a), from(new From[cap]) {}
 
   ~Core() {
-    if (worker) ucp_worker_destroy(worker);
+    if (worker) {
+      // Let wireup messages that UCX queued for its own endpoints (peers that
+      // connected here) go out first: UCX 1.13 asserts when
+      // ucp_worker_destroy purges a queued wireup reply. Bounded: 20 ms
+      // without progress, 200 ms in all (a peer that is gone never takes it).
+      const int64_t start = now_us();
+      int64_t last = start;
+      for (int64_t now = start; now - last < 20000 && now - start < 200000; now = now_us()) {
+        if (ucp_worker_progress(worker) != 0)
+          last = now;
+        else
+          ::usleep(1000);
+      }
+      ucp_worker_destroy(worker);
+    }
     if (context) ucp_cleanup(context);
     if (wake_fd >= 0) ::close(wake_fd);
   }
