@@ -73,21 +73,9 @@ struct Acc<BFloat> {
   static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
 };
 
-// Blocks of elements to accumulators and back.
-struct ScalarConv {
-  template <typename T, typename A>
-  static void load(const T* src, A* acc, size_t n) {
-    for (size_t i = 0; i < n; ++i) acc[i] = Acc<T>::load(src[i]);
-  }
-  template <typename T, typename A>
-  static void store(const A* acc, T* out, size_t n) {
-    for (size_t i = 0; i < n; ++i) out[i] = Acc<T>::store(acc[i]);
-  }
-};
-
 // The reduction in blocks: inlined into each variant below, so that it is
 // compiled for that variant's instruction set.
-template <typename T, RedOp Op, typename Conv>
+template <typename T, RedOp Op>
 __attribute__((always_inline)) inline void reduce_loop(void* out_v, const void* const* srcs_v,
                                                        int nsrc, size_t count, int avg_divisor) {
   using A = typename Acc<T>::type;
@@ -105,48 +93,38 @@ __attribute__((always_inline)) inline void reduce_loop(void* out_v, const void* 
     A acc[kBlock];
     for (size_t base = 0; base < count; base += kBlock) {
       const size_t n = count - base < kBlock ? count - base : kBlock;
-      const T* a = srcs[0] + base;
-      if (nsrc == 1) {
-        for (size_t i = 0; i < n; ++i) acc[i] = a[i];
-      } else {
-        // acc = s0 op s1 op ... op s(n-2), in rank order; the last source is
-        // combined on the way out.
-        const T* b = srcs[1] + base;
-        if (nsrc == 2 && !kDivide) {
-          for (size_t i = 0; i < n; ++i) out[base + i] = combine<Op, A>(a[i], b[i]);
-          continue;
-        }
-        for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(a[i], b[i]);
-        for (int s = 2; s + 1 < nsrc; ++s) {
-          const T* c = srcs[s] + base;
-          for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(acc[i], c[i]);
-        }
-        if (nsrc > 2) {
-          const T* last = srcs[nsrc - 1] + base;
-          if constexpr (kDivide) {
-            for (size_t i = 0; i < n; ++i)
-              out[base + i] = combine<Op, A>(acc[i], last[i]) / static_cast<A>(avg_divisor);
-          } else {
-            for (size_t i = 0; i < n; ++i) out[base + i] = combine<Op, A>(acc[i], last[i]);
-          }
-          continue;
-        }
+      // s0 op s1 op ... in rank order: s0 itself, then acc; the last source
+      // is combined on the way out.
+      const T* prev = srcs[0] + base;
+      for (int s = 1; s + 1 < nsrc; ++s, prev = acc) {
+        const T* c = srcs[s] + base;
+        for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(prev[i], c[i]);
       }
-      if constexpr (kDivide)  // nsrc <= 2, the sum in acc
-        for (size_t i = 0; i < n; ++i) out[base + i] = acc[i] / static_cast<A>(avg_divisor);
+      T* o = out + base;
+      if (nsrc == 1) {
+        if constexpr (kDivide)  // AVG over one source
+          for (size_t i = 0; i < n; ++i) o[i] = prev[i] / static_cast<A>(avg_divisor);
+      } else if (const T* last = srcs[nsrc - 1] + base; kDivide) {
+        for (size_t i = 0; i < n; ++i)
+          o[i] = combine<Op, A>(prev[i], last[i]) / static_cast<A>(avg_divisor);
+      } else {
+        for (size_t i = 0; i < n; ++i) o[i] = combine<Op, A>(prev[i], last[i]);
+      }
     }
   } else {
     A acc[kBlock], next[kBlock];
     for (size_t base = 0; base < count; base += kBlock) {
       const size_t n = count - base < kBlock ? count - base : kBlock;
-      Conv::load(static_cast<const T*>(srcs_v[0]) + base, acc, n);
+      const T* first = static_cast<const T*>(srcs_v[0]) + base;
+      for (size_t i = 0; i < n; ++i) acc[i] = Acc<T>::load(first[i]);
       for (int s = 1; s < nsrc; ++s) {
-        Conv::load(static_cast<const T*>(srcs_v[s]) + base, next, n);
+        const T* c = static_cast<const T*>(srcs_v[s]) + base;
+        for (size_t i = 0; i < n; ++i) next[i] = Acc<T>::load(c[i]);
         for (size_t i = 0; i < n; ++i) acc[i] = combine<Op, A>(acc[i], next[i]);
       }
       if constexpr (kDivide)
         for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / static_cast<A>(avg_divisor);
-      Conv::store(acc, out + base, n);
+      for (size_t i = 0; i < n; ++i) out[base + i] = Acc<T>::store(acc[i]);
     }
   }
 }
@@ -248,7 +226,7 @@ void reduce_typed_op_avx2(void* out, const void* const* srcs, int nsrc, size_t c
   if constexpr (std::is_same_v<T, Half> || std::is_same_v<T, BFloat>)
     reduce_half_avx2<T, Op>(out, srcs, nsrc, count, avg_divisor);
   else
-    reduce_loop<T, Op, ScalarConv>(out, srcs, nsrc, count, avg_divisor);
+    reduce_loop<T, Op>(out, srcs, nsrc, count, avg_divisor);
 }
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -267,7 +245,7 @@ void reduce_typed_op(void* out, const void* const* srcs, int nsrc, size_t count,
 #ifdef MC_AVX2_PATH
   if (cpu_has_avx2()) return reduce_typed_op_avx2<T, Op>(out, srcs, nsrc, count, avg_divisor);
 #endif
-  reduce_loop<T, Op, ScalarConv>(out, srcs, nsrc, count, avg_divisor);
+  reduce_loop<T, Op>(out, srcs, nsrc, count, avg_divisor);
 }
 
 template <typename T>
