@@ -24,7 +24,10 @@
 //             owner's rows region where its outputs for this rank start, or
 //             kNoRows). A signal carries its
 //             call's sequence number, so a late write from a dead or masked
-//             peer, or from an earlier call, never reads as this call's;
+//             peer, or from an earlier call, never reads as this call's. A
+//             count's place depends on R, which an elastic buffer's calls
+//             choose, so ranks store only into the workspaces of ranks they
+//             count in: a peer's call of another R reads its places elsewhere;
 //   headers   E*T EpMsgHeaders, [E/R local experts][R sources][T slots]: the
 //             most any call can deliver (every token of every source to
 //             every local expert); a source writes the headers of its rows for

@@ -515,11 +515,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
       // This rank's flag for e in this half is next raised by e's owner in the
       // combine of this call, which follows the count below: clear it now.
       *reinterpret_cast<uint64_t*>(own + L.combine_flag(seq, e)) = 0;
-      // Every mapped owner gets its count, masked or not (a masked one gets 0
-      // rows and, if it still counts this rank in, goes on without waiting); an
-      // elastic buffer's unmapped slots have no entry.
+      // Only live owners get a count. A masked one may run calls of another
+      // R (an elastic buffer's slot alone, or of a different rank bound),
+      // whose signals lie elsewhere: a count stored by this call's layout
+      // landed on another (expert, source) of its own with a matching tag.
+      // An owner that still counts this rank in waits out its deadline, as
+      // on the portable path.
+      if (!s_live(a.c, e / epr)) continue;
       uint8_t* owner = a.c.peers[e / epr];
-      if (owner == nullptr) continue;
       const uint64_t count = static_cast<uint64_t>(s_rows[i] < T ? s_rows[i] : T);
       st_release_sys(reinterpret_cast<uint64_t*>(owner + L.dispatch_count(seq, e % epr, a.c.rank)),
                      (seq << 32) | count);

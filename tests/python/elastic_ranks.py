@@ -666,18 +666,23 @@ def contract(rk: Rank) -> None:
 
     rk.phase = "toggle"
     rk.sync(rk.phase, trio)
+    # Slot 2 runs its rounds first, with R = 4 where the pair's first has R = 2: a
+    # masked peer that still stored signals into mapped workspaces by its own
+    # layout would spoil the pair's first round every time, not by chance.
     if me in pair:
         buf.update_mask_buffer(2, mask=True)
         buf.update_mask_buffer(2, mask=True)  # idempotent
         rk.expect_slots(buf, pair, "2 masked", staged=[2])
         rk.check("masked")
+        rk.sync("toggle-solo", trio)
         rk.rounds(buf, n, pair)
     else:
         for q in pair:
             buf.update_mask_buffer(q, mask=True)
         rk.expect_slots(buf, [me], "0 and 1 masked", staged=pair)
         rk.check("masked")
-        rk.rounds(buf, 2, [me], start=100)
+        rk.rounds(buf, 2, [me], start=100)  # checked on the host: its kernels are done
+        rk.sync("toggle-solo", trio)
     rk.sync("toggle-back", trio)
     rk.publish(buf, others(trio, me))
     rk.publish(buf, others(trio, me))  # idempotent
