@@ -480,6 +480,8 @@ std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const s
     } catch (const Error& e) {
       if (!e.peer_or_timeout()) throw;
       fail(s, e.what());
+      moved = true;  // a stream that ended: not a reason to wait (over tcp, a closed link
+                     // throws here, and the wait below would sleep to the deadline)
     }
     return moved;
   };

@@ -344,6 +344,9 @@ void Endpoint::heartbeat_loop() {
 }
 
 Endpoint::~Endpoint() {
+  // Before the heartbeat thread lets go of the life word: peers that see the
+  // word let go find the segment closed, and take this endpoint for gone.
+  reinterpret_cast<SegmentHeader*>(segment_.base())->closed.store(1, std::memory_order_release);
   uint64_t one = 1;
   life_stop(&stop_word_);
   if (::write(stop_fd_, &one, sizeof(one)) < 0) { /* the thread also stops on close */

@@ -25,6 +25,10 @@ struct SegmentHeader {
   // Held by the owner's heartbeat thread (transport/life.h): the kernel marks
   // it the moment that thread dies, before the process's memory is torn down.
   std::atomic<uint32_t> life{0};
+  // Set by the owner as it closes the segment (its Endpoint is destroyed)
+  // while its process may live on: a peer then takes it for gone at once, as
+  // a tcp peer's close without a farewell, instead of at the hang limit.
+  std::atomic<uint32_t> closed{0};
   // Words that peers raise (never lower) to tell this process something while
   // it waits or idles (Endpoint::post_hint). The transport only carries them:
   // the layer above says what each one means.

@@ -71,7 +71,8 @@ class ShmLink : public PeerLink {
     // Held: the process dies only after the kernel has marked the word, so no
     // syscall is needed to know it lives (waits ask often).
     if (life_held(life_word()->load(std::memory_order_acquire))) return true;
-    if (life_owner_died(*life_word())) {  // its heartbeat thread died: the process is going
+    if (life_owner_died(*life_word()) ||  // its heartbeat thread died: the process is going
+        header()->closed.load(std::memory_order_acquire) != 0) {  // or its endpoint is gone
       dead_ = true;
       return false;
     }
@@ -85,15 +86,15 @@ class ShmLink : public PeerLink {
   }
 
   int death_fd() const override { return pidfd_; }
-  std::atomic<uint32_t>* life_word() override {
-    return &reinterpret_cast<SegmentHeader*>(mapping_.base())->life;
-  }
+  std::atomic<uint32_t>* life_word() override { return &header()->life; }
   uint64_t heartbeat() override {
     return reinterpret_cast<SegmentHeader*>(mapping_.base())
         ->heartbeat.load(std::memory_order_relaxed);
   }
 
  private:
+  SegmentHeader* header() { return reinterpret_cast<SegmentHeader*>(mapping_.base()); }
+
   int pid_;
   int pidfd_ = -1;
   bool dead_ = false;

@@ -383,6 +383,30 @@ TEST_P(ElasticPeersTest, ADeadPeerIsMaskedAtOnceNotAtTheTimeout) {
   });
 }
 
+// Rank 2 destroys its buffer and lives on; the survivors call their next
+// exchange after their links to it have had time to break (over tcp, the
+// heartbeat's write fails first, and then the exchange's own send fails).
+TEST_P(ElasticPeersTest, APeerThatClosedItsBufferIsMaskedAtOnce) {
+  const bool tcp = this->tcp();
+  run_ranks(3, [&](Rank& r) {
+    auto peers = make_peers(r, tcp, config(r.rank, 4));
+    connect_all(*peers, 3, tcp);
+    EXPECT_EQ(exchange_round(*peers, 1, 4, 5000).got, only(4, {0, 1, 2}));
+    store_barrier(r.store, "round 1", r.rank, 3);
+    if (r.rank == 2) {
+      peers.reset();
+      store_barrier(r.store, "survivors done", r.rank, 3);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    Received x = exchange_round(*peers, 2, 4, 10000);
+    EXPECT_EQ(x.got, only(4, {0, 1}));
+    EXPECT_TRUE(arrived(x, 1 - r.rank, r.rank, 2));
+    EXPECT_LT(x.ms, 3000) << "the closed link is seen, not waited out (10 s)";
+    store_barrier(r.store, "survivors done", r.rank, 3);
+  });
+}
+
 // Ranks 0 and 1 exchange (messages of `sizes`) while rank 2, alive, calls no
 // exchange: both mask rank 2 at the deadline, and only rank 2.
 void run_with_a_silent_peer(bool tcp, const Sizes& sizes) {
