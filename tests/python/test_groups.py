@@ -100,7 +100,11 @@ def no_leaks(ctx, cycles: int = 2):
         # With a CUDA torch, init_process_group brings up the CUDA driver (its
         # device fds, pipes and thread live for the process): torch's, not ours.
         torch.cuda.init()
+    # /dev/shm is the host's, not this process's: every rank takes its snapshots while
+    # no rank holds a group (UCX's shared memory, for one, is named per context).
+    ctx.store_barrier("baseline")
     before = snapshot()
+    ctx.store_barrier("baselined")
     for cycle in range(cycles):
         ctx.init_pg(store_prefix="lifecycle")
         exercise(ctx)
@@ -115,7 +119,9 @@ def no_leaks(ctx, cycles: int = 2):
         )
         dist.destroy_process_group()
         ctx.expect(not dist.is_initialized(), "still initialized after destroy_process_group")
+        ctx.store_barrier(f"destroyed/{cycle}")
         expect_no_leaks(ctx, before, f"after destroy #{cycle + 1}")
+        ctx.store_barrier(f"checked/{cycle}")
 
 
 def destroy_in_flight(ctx):

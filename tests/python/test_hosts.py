@@ -7,11 +7,12 @@ Inside, ``hosts.Fabric`` makes the hosts, and the launcher places each rank on o
 ranks on one host talk through shared memory and ranks on different hosts only over tcp
 through the bridge, as on a cluster:
 
-* ``test_on_hosts``: the whole collective matrix (every op, dtype, reduction, size and
-  layout of test_collectives.py), its big tensors, the p2p cases and the EP buffer's
-  cases, at world 4 on two hosts of two ranks; each rank checks that it reaches its
-  host's peer over shm and the other host's over tcp. Where the build has ucx, the big
-  tensors, p2p and EP again with the ucx transport for every peer (UCX kept to tcp).
+* ``test_on_hosts``: the collective matrix of test_collectives.py (a sample of its sizes
+  and dtypes; all of it in make stress), its big tensors, the p2p cases and the EP
+  buffer's cases, at world 4 on two hosts of two ranks; each rank checks that it reaches
+  its host's peer over shm and the other host's over tcp. Where the build has ucx, EP
+  again with the ucx transport for every peer (UCX kept to tcp), and in make stress the
+  matrix sample, big tensors and p2p too.
 * ``test_partition``: world 4 on three hosts (ranks 0 and 1, rank 2, rank 3); rank 3's
   link is taken down in the middle of all_reduce rounds (a partition, not a crash:
   its process lives on and loses the store too). The others go on among themselves
@@ -27,13 +28,13 @@ through the bridge, as on a cluster:
   (left out, told so when they resume) on two hosts.
 * ``test_chaos_across_hosts``: the chaos driver of test_fault_tolerance.py on two hosts:
   ranks killed inside ops (EP rounds among them) until one rank is left on each host
-  (over tcp, and over ucx).
+  (over tcp, and over ucx in make stress).
 * ``test_replacements_across_hosts``: the elastic loop of test_elastic.py on two hosts:
   killed ranks replaced by new processes that join the running group, first on the
   victim's own host, then, once a whole host went down (its link cut, its processes
   killed), on the other hosts; after every join every op covers exactly the four ranks,
   and each process reaches its peers over the transport their new places call for (over
-  tcp, and over ucx).
+  tcp, and over ucx in make stress).
 """
 
 from __future__ import annotations
@@ -64,8 +65,31 @@ TWO_BY_TWO = (0, 0, 1, 1)
 #: no interface of a host here: give it the host's link.
 GLOO = (("GLOO_SOCKET_IFNAME", "eth0"),)
 ON_HOSTS = (("transport_name", "hosts"), ("hosts", TWO_BY_TWO))
+#: A sample of the matrix (the whole of it runs at world 4 on one host in
+#: test_collectives.py, and here in make stress): empty, odd and chunked sizes, one
+#: dtype of each width and kind.
+SAMPLE = (
+    ("sizes", (0, 7, 5000)),
+    ("dtypes", (torch.int8, torch.int64, torch.bfloat16, torch.float32)),
+)
 LAUNCHES = [
-    Launch(matrix, 4, "hosts-2x2-chunk4k", env=SMALL_CHUNKS, params=ON_HOSTS, hosts=TWO_BY_TWO),
+    Launch(
+        matrix,
+        4,
+        "hosts-2x2-chunk4k-sample",
+        env=SMALL_CHUNKS,
+        params=(*ON_HOSTS, *SAMPLE),
+        hosts=TWO_BY_TWO,
+    ),
+    Launch(
+        matrix,
+        4,
+        "hosts-2x2-chunk4k",
+        env=SMALL_CHUNKS,
+        params=ON_HOSTS,
+        hosts=TWO_BY_TWO,
+        stress=True,  # CI's time: the sample above runs by default
+    ),
     Launch(big, 4, "hosts-2x2-default", params=ON_HOSTS, hosts=TWO_BY_TWO),
     Launch(p2p_cases, 4, "hosts-2x2-p2p-chunk4k", env=SMALL_CHUNKS, hosts=TWO_BY_TWO),
     # The EP buffer's portable path, every case checked against the model.
@@ -87,11 +111,7 @@ if ucx_built():
             4,
             "hosts-2x2-ucx-sample",
             env=(*UCX_ENV, *SMALL_CHUNKS),
-            params=(
-                ("sizes", (0, 7, 5000)),
-                ("dtypes", (torch.int8, torch.int64, torch.bfloat16, torch.float32)),
-                ("transport_name", "ucx"),
-            ),
+            params=(*SAMPLE, ("transport_name", "ucx")),
             hosts=TWO_BY_TWO,
             stress=True,  # a minute here; the big tensors and p2p below run by default
         ),
@@ -104,7 +124,14 @@ if ucx_built():
             hosts=TWO_BY_TWO,
             stress=True,  # CI time: p2p and EP over ucx run by default
         ),
-        Launch(p2p_cases, 4, "hosts-2x2-ucx-p2p", env=(*UCX_ENV, *SMALL_CHUNKS), hosts=TWO_BY_TWO),
+        Launch(
+            p2p_cases,
+            4,
+            "hosts-2x2-ucx-p2p",
+            env=(*UCX_ENV, *SMALL_CHUNKS),
+            hosts=TWO_BY_TWO,
+            stress=True,  # CI's time: EP over ucx runs by default
+        ),
         Launch(
             ep_cases,
             4,
@@ -291,7 +318,7 @@ def test_kill_across_hosts(transport):
 
 @inner
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_UCX_STRESS)
 def test_chaos_across_hosts(transport):
     """The fault-tolerance chaos driver (test_fault_tolerance.py) at world 4 on two hosts
     of two ranks: rank 3 killed inside a chunked all_reduce, then rank 0 inside an
@@ -333,7 +360,7 @@ def test_stops_and_slow_ranks_across_hosts():
 
 @inner
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_UCX_STRESS)
 def test_replacements_across_hosts(transport):
     """The elastic loop of test_elastic.py at world 4 on two hosts of two ranks. Ranks 2
     (host 1) and 0 (host 0) are killed together and each replaced on its own host; then
