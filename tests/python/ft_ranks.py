@@ -516,6 +516,26 @@ def stopped_peer_recv_rank(rank, world_size, port, plan):
     return out
 
 
+def destroyed_peer_rank(rank, world_size, port, plan):
+    """World 3: rank 2 destroys its process group and lives on; ranks 0 and 1 then run an
+    all_reduce. Ranks 0 and 1 return ``(record, seconds)`` of that op."""
+    active, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"])
+    Ops(rank, world_size, active).run("ar", 0)
+    store.set(f"round1/{rank}", "1")
+    store.wait([f"round1/{r}" for r in range(world_size)])
+    if rank == 2:
+        dist.destroy_process_group()
+        store.set("destroyed", "1")
+        store.wait(["finished/0", "finished/1"])
+        return None
+    store.wait(["destroyed"])
+    t0 = time.monotonic()
+    rec = Ops(rank, world_size, active).run("ar", 1)
+    out = (rec, time.monotonic() - t0)
+    store.set(f"finished/{rank}", "1")
+    return out
+
+
 # --- p2p with a dead peer ------------------------------------------------------------------
 
 

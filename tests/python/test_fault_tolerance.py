@@ -37,13 +37,14 @@ from ft_ranks import (
     CHAOS_KINDS,
     bits,
     chaos_rank,
+    destroyed_peer_rank,
     late_rank,
     no_recover_rank,
     p2p_dead_peer_rank,
     ranks_of,
     stopped_peer_recv_rank,
 )
-from launcher import needs_cuda
+from launcher import needs_cuda, ucx_built
 
 STRESS_ROUNDS = int(os.environ.get("MOONCAKE_STRESS_ROUNDS", "12"))
 
@@ -342,6 +343,28 @@ def test_p2p_recv_from_stopped_peer_fails_within_hang_ms():
     recv, (rec, _) = out.get()["0"]
     assert rec[1] == "ok" and rec[3] == bits([0]), rec
     _expect_fails_naming(recv, 1, 3.0, "recv from the stopped rank 1")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["auto", "tcp", *(["ucx"] if ucx_built() else [])])
+def test_a_rank_that_destroyed_its_group_is_left_out_at_once(transport):
+    """World 3, MOONCAKE_HANG_MS=5000, op timeout 15 s: rank 2 destroys its process group
+    and lives on. The next all_reduce of ranks 0 and 1 covers just them within 1.5 s: the
+    closed segment (shm) or the connection closed without a farewell (tcp, ucx) says rank 2 is
+    gone, so neither the hang limit nor the op timeout is waited out (over shm it took
+    the hang limit before the segment said so)."""
+    out = launch(
+        3,
+        destroyed_peer_rank,
+        {"timeout_s": 15.0},
+        env(MOONCAKE_HANG_MS="5000", MOONCAKE_TRANSPORT=transport),
+        timeout_s=90,
+    )
+    res = out.get()
+    for r in ("0", "1"):
+        rec, seconds = res[r]
+        assert rec[1] == "ok" and rec[3] == bits([0, 1]), (r, rec)
+        assert seconds < 1.5, f"rank {r}: the op took {seconds:.2f} s"
 
 
 @pytest.fixture(scope="module")
