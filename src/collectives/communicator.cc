@@ -241,7 +241,7 @@ void Communicator::agree(const OpMeta& meta, const MsgHeader& h, std::string& er
 }
 
 void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_src,
-                                   const size_t* shard_counts, void* out) {
+                                   const size_t* shard_counts, void* out, HostOpData* keep) {
   const size_t esize = dtype_size(meta.dtype);
   const size_t chunk = coll_->layout().chunk_bytes;
   const std::vector<int>& m = runner_->members();
@@ -268,8 +268,9 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
       if (k != 0 && len == 0) continue;
       h.edge_bytes = bytes;
       h.edge_expect = my_bytes;
-      coll_->send(p, h, static_cast<const uint8_t*>(shard_src[p]) + k * chunk, len, meta.deadline,
-                  meta.name);
+      const uint8_t* piece = static_cast<const uint8_t*>(shard_src[p]) + k * chunk;
+      coll_->send(p, h, piece, len, meta.deadline, meta.name);
+      if (keep) keep->keep(piece, len);  // still in cache from the send
     }
     size_t len = piece_bytes(my_bytes, chunk, k);
     if (k != 0 && len == 0) continue;
@@ -284,9 +285,14 @@ void Communicator::reduce_exchange(const OpMeta& meta, const void* const* shard_
         error = validate(meta, *msg, p, my_bytes, shard_counts[p] * esize);
       srcs[j] = msg + 1;
     }
-    if (error.empty())
-      reduce_arrays(meta.dtype, meta.redop, static_cast<uint8_t*>(out) + k * chunk, srcs.data(), n,
-                    len / esize, n);
+    if (error.empty()) {
+      uint8_t* into = static_cast<uint8_t*>(out) + k * chunk;
+      if (keep) {  // this rank's own piece, which the reduction reads and overwrites
+        keep->keep(into, len);
+        keep->overwrite(into, len);
+      }
+      reduce_arrays(meta.dtype, meta.redop, into, srcs.data(), n, len / esize, n);
+    }
     for (int p : m)
       if (p != rank_) coll_->release(p, meta.deadline);
     if (!error.empty()) throw_error(ErrorKind::kInvalidArgument, -1, error);
@@ -366,9 +372,13 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, i
   const bool one_step = direct(count, dtype) && bytes <= config_.chunk_bytes;
   const Finish finish = one_step ? Finish::kForward : Finish::kCommit;
   HostOpData op_data({{data, bytes}}, Region{data, bytes});
+  // The two-step path keeps its input as it goes (HostOpData::keep_as_it_goes).
+  if (bytes > config_.small_bytes) op_data.keep_as_it_goes();
   runner_->run(meta, finish, op_data, [&] {
     const int cap = capacity_;
     if (!meta.local_error.empty() || direct(count, dtype)) {
+      op_data.keep(data, bytes);  // all of it at once, if it keeps as it goes
+      op_data.overwrite(data, bytes);
       std::vector<const void*> src(static_cast<size_t>(cap), data);
       std::vector<size_t> counts(static_cast<size_t>(cap), count);
       reduce_exchange(meta, src.data(), counts.data(), data);
@@ -379,7 +389,10 @@ void Communicator::all_reduce(void* data, size_t count, DType dtype, RedOp op, i
     std::vector<const void*> src(static_cast<size_t>(cap));
     for (int p : runner_->members()) src[p] = base + offsets[p] * esize;
     uint8_t* mine = base + offsets[rank_] * esize;
-    reduce_exchange(meta, src.data(), counts.data(), mine);
+    reduce_exchange(meta, src.data(), counts.data(), mine, &op_data);
+    // Every piece was kept on its way out (the peers' shards) or before it was
+    // reduced into (this rank's): the all-gather may overwrite any of it.
+    op_data.overwrite(data, bytes);
     // All-gather the reduced shards in place.
     Plan plan(cap);
     for (int p : runner_->members()) {

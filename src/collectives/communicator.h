@@ -186,8 +186,11 @@ class Communicator {
   void exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes,
                 bool headers_only = false, uint64_t* value = nullptr);
   void agree(const OpMeta& meta, const MsgHeader& h, std::string& error, uint64_t* value);
+  // With `keep`, the input's pieces are kept as they are sent, and `out`'s
+  // before they are overwritten (HostOpData::keep): `out` and every source
+  // then lie in keep's in-place input.
   void reduce_exchange(const OpMeta& meta, const void* const* shard_src, const size_t* shard_counts,
-                       void* out);
+                       void* out, HostOpData* keep = nullptr);
   std::string root_error(int root, const char* what) const;
   // A member beyond the per-rank arrays of `width` entries (after an extension
   // past them).

@@ -2,7 +2,12 @@
 // "Failures" in communicator.h; the agreement is membership/agreement.h).
 #include "collectives/op_runner.h"
 
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 
@@ -30,7 +35,64 @@ void HostOpData::save_input(uint8_t* to) const {
 }
 
 void HostOpData::restore_input(const uint8_t* from) {
-  if (inplace_.bytes != 0) std::memcpy(inplace_.ptr, from, inplace_.bytes);
+  if (!as_it_goes_) {
+    if (inplace_.bytes != 0) std::memcpy(inplace_.ptr, from, inplace_.bytes);
+    return;
+  }
+  for (const auto& [begin, end] : overwritten_)
+    std::memcpy(static_cast<uint8_t*>(inplace_.ptr) + begin, from + begin, end - begin);
+  overwritten_.clear();
+}
+
+size_t HostOpData::offset_of(const void* p, size_t len) const {
+  const auto at = static_cast<size_t>(static_cast<const uint8_t*>(p) -
+                                      static_cast<const uint8_t*>(inplace_.ptr));
+  MC_ASSERT(p >= inplace_.ptr && at + len <= inplace_.bytes, "kept bytes outside the input");
+  return at;
+}
+
+namespace {
+
+// memcpy with stores that bypass the cache (x86-64: SSE2 is always there):
+// the kept copy is read only after a failure, so its lines need not be read
+// for ownership or take the place of the op's own.
+void copy_past_cache(uint8_t* to, const uint8_t* from, size_t len) {
+#if defined(__x86_64__)
+  const size_t head = std::min(len, (16 - reinterpret_cast<uintptr_t>(to) % 16) % 16);
+  std::memcpy(to, from, head);
+  to += head;
+  from += head;
+  len -= head;
+  for (; len >= 64; len -= 64, to += 64, from += 64) {
+    const __m128i* s = reinterpret_cast<const __m128i*>(from);
+    __m128i* d = reinterpret_cast<__m128i*>(to);
+    const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
+    const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
+    _mm_stream_si128(d, a);
+    _mm_stream_si128(d + 1, b);
+    _mm_stream_si128(d + 2, c);
+    _mm_stream_si128(d + 3, e);
+  }
+  _mm_sfence();  // before a restore reads them, or the buffer is reused
+#endif
+  std::memcpy(to, from, len);
+}
+
+}  // namespace
+
+void HostOpData::keep(const void* p, size_t len) {
+  if (keep_ == nullptr || len == 0) return;
+  copy_past_cache(keep_ + offset_of(p, len), static_cast<const uint8_t*>(p), len);
+}
+
+void HostOpData::overwrite(const void* p, size_t len) {
+  if (keep_ == nullptr || len == 0) return;
+  const size_t at = offset_of(p, len);
+  // Pieces come in order: extend the last range where they touch it.
+  if (!overwritten_.empty() && overwritten_.back().second == at)
+    overwritten_.back().second = at + len;
+  else
+    overwritten_.emplace_back(at, at + len);
 }
 
 size_t HostOpData::result_bytes() const {
@@ -127,7 +189,10 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
   const bool keep_input = recover_on && data.input_bytes() != 0;
   if (keep_input) {
     if (saved_input_.size() < data.input_bytes()) saved_input_.resize(data.input_bytes());
-    data.save_input(saved_input_.data());
+    if (data.keeps_as_it_goes())
+      data.keep_into(saved_input_.data());
+    else
+      data.save_input(saved_input_.data());
   }
   // Errors that end the op: bad arguments, a dead root, this rank left out
   // (kLeftOut, from the agreement: never peer_or_timeout), shutting down.

@@ -231,6 +231,49 @@ INSTANTIATE_TEST_SUITE_P(Worlds, Recovery,
                                          GroupParam{3, true}),
                          group_param_name);
 
+// A large all_reduce (reduce-scatter + all-gather, many chunks) whose rank 2
+// exits at a fraction of the op's time: the survivors re-run it from their
+// inputs, which the first attempt partly overwrote (its own shard in the
+// reduce-scatter, everything in the all-gather) and must have kept first.
+class KilledInALargeAllReduce : public testing::TestWithParam<int> {};
+
+TEST_P(KilledInALargeAllReduce, TheReRunStartsFromTheInputs) {
+  const int percent = GetParam();
+  GroupOptions o;
+  o.op_timeout_ms = 20000;
+  run_group(3, o, [&](Communicator& comm, Rank& r) {
+    const size_t count = 60000;  // 480 KB of int64 in 256-byte pieces
+    const int64_t mine = int64_t{1} << r.rank;
+    std::vector<int64_t> v(count, mine);
+    const int64_t t0 = mooncake::now_us();
+    comm.all_reduce(v.data(), count, DType::kInt64, RedOp::kSum);
+    const int64_t took_us = mooncake::now_us() - t0;
+    for (int64_t x : v) ASSERT_EQ(x, 7);
+    // Every rank arms at the same point: the victim's timer, the others' op.
+    store_barrier(r.store, "armed", r.rank, 3);
+    if (r.rank == 2) {
+      const int64_t delay_us = took_us * percent / 100;
+      std::thread([delay_us] {
+        std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+        ::_exit(0);
+      }).detach();
+    }
+    std::fill(v.begin(), v.end(), mine);
+    comm.all_reduce(v.data(), count, DType::kInt64, RedOp::kSum);
+    ASSERT_NE(r.rank, 2) << "the victim outlived the op";
+    // Over all three (it completed before the exit) or over the survivors
+    // (re-run): every element alike, never a mix.
+    ASSERT_TRUE(v[0] == 7 || v[0] == 3) << v[0];
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(v[i], v[0]) << "element " << i;
+    store_barrier(r.store, "survivors done", r.rank, 2);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Fractions, KilledInALargeAllReduce, testing::Values(20, 50, 80),
+                         [](const testing::TestParamInfo<int>& info) {
+                           return "at" + std::to_string(info.param) + "percent";
+                         });
+
 // kill -9 (an abrupt _exit from another thread) at a random moment while every
 // rank runs a stream of ops: no survivor hangs, and all survivors agree on the
 // set each op covered, op by op.
