@@ -4,11 +4,18 @@
 #include <cstring>
 
 #include "collectives/reduce.h"
+#include "core/copy.h"
 #include "core/error.h"
 #include "core/limits.h"
 #include "core/log.h"
 
 namespace mooncake {
+
+namespace {
+// An exchange that receives at least this much in all writes it past the
+// cache. About what a core's share of a last-level cache holds.
+constexpr size_t kPastCacheBytes = size_t{4} << 20;
+}  // namespace
 
 const char* op_name(OpType t) {
   switch (t) {
@@ -169,12 +176,16 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
   if (!rejected && !headers_only && plan.send_bytes[rank_] != 0 &&
       plan.send[rank_] != plan.recv[rank_])
     std::memmove(plan.recv[rank_], plan.send[rank_], plan.send_bytes[rank_]);
-  size_t steps = 1;
+  size_t steps = 1, recv_total = 0;
   for (int p : m) {
     if (p == rank_ || rejected || headers_only) continue;
     steps = std::max(
         {steps, num_pieces(plan.send_bytes[p], chunk), num_pieces(plan.recv_bytes[p], chunk)});
+    recv_total += plan.recv_bytes[p];
   }
+  // What a large op receives goes past the cache: it would not stay there
+  // anyway, and a plain store first reads each line it writes.
+  const bool past_cache = recv_total >= kPastCacheBytes;
   MsgHeader h = header(meta);
   std::string error = meta.local_error;
   bool peer_rejected = false;
@@ -205,7 +216,11 @@ void Communicator::exchange(const OpMeta& meta, const Plan& plan, bool agree_on_
       if (error.empty()) {
         MC_ASSERT(msg->len == len, meta.name, " message from rank ", p, " has ", msg->len,
                   " bytes, expected ", len);
-        if (len != 0) std::memcpy(static_cast<uint8_t*>(plan.recv[p]) + k * chunk, msg + 1, len);
+        uint8_t* into = static_cast<uint8_t*>(plan.recv[p]) + k * chunk;
+        if (len != 0 && past_cache)
+          copy_past_cache(into, msg + 1, len);
+        else if (len != 0)
+          std::memcpy(into, msg + 1, len);
       }
       coll_->release(p, meta.deadline);
     }

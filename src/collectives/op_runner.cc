@@ -2,15 +2,12 @@
 // "Failures" in communicator.h; the agreement is membership/agreement.h).
 #include "collectives/op_runner.h"
 
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 
+#include "core/copy.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "membership/agreement.h"
@@ -51,36 +48,8 @@ size_t HostOpData::offset_of(const void* p, size_t len) const {
   return at;
 }
 
-namespace {
-
-// memcpy with stores that bypass the cache (x86-64: SSE2 is always there):
-// the kept copy is read only after a failure, so its lines need not be read
-// for ownership or take the place of the op's own.
-void copy_past_cache(uint8_t* to, const uint8_t* from, size_t len) {
-#if defined(__x86_64__)
-  const size_t head = std::min(len, (16 - reinterpret_cast<uintptr_t>(to) % 16) % 16);
-  std::memcpy(to, from, head);
-  to += head;
-  from += head;
-  len -= head;
-  for (; len >= 64; len -= 64, to += 64, from += 64) {
-    const __m128i* s = reinterpret_cast<const __m128i*>(from);
-    __m128i* d = reinterpret_cast<__m128i*>(to);
-    const __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1);
-    const __m128i c = _mm_loadu_si128(s + 2), e = _mm_loadu_si128(s + 3);
-    _mm_stream_si128(d, a);
-    _mm_stream_si128(d + 1, b);
-    _mm_stream_si128(d + 2, c);
-    _mm_stream_si128(d + 3, e);
-  }
-  _mm_sfence();  // before a restore reads them, or the buffer is reused
-#endif
-  std::memcpy(to, from, len);
-}
-
-}  // namespace
-
 void HostOpData::keep(const void* p, size_t len) {
+  // Past the cache: the kept bytes are read only after a failure.
   if (keep_ == nullptr || len == 0) return;
   copy_past_cache(keep_ + offset_of(p, len), static_cast<const uint8_t*>(p), len);
 }
