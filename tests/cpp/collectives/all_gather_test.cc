@@ -53,7 +53,8 @@ TEST_P(AllGather, ExchangesPastFourMiBArriveWhole) {
   o.chunk_bytes = 64 << 10;
   run(o, [](Communicator& comm, Rank& r) {
     const DType t = DType::kInt32;
-    const size_t count = (size_t{4} << 20) / 4 / static_cast<size_t>(std::max(1, r.size - 1)) + 4099;
+    const size_t count =
+        (size_t{4} << 20) / 4 / static_cast<size_t>(std::max(1, r.size - 1)) + 4099;
     const std::vector<uint8_t> in = sample_input(t, count, r.rank, 41);
     {  // all_gather
       std::vector<std::vector<uint8_t>> outs(r.size, garbage(t, count));

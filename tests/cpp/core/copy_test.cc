@@ -21,8 +21,8 @@ TEST(CopyPastCache, CopiesExactlyTheBytesAtEveryLengthAndAlignment) {
         for (size_t i = 0; i < dst.size(); ++i) {
           const bool inside = i >= to && i < to + len;
           const uint8_t want = inside ? src[from + i - to] : uint8_t{0xA5};
-          ASSERT_EQ(dst[i], want) << "len " << len << " to +" << to << " from +" << from
-                                  << " byte " << i;
+          ASSERT_EQ(dst[i], want) << "len " << len << " to +" << to << " from +" << from << " byte "
+                                  << i;
         }
       }
     }
