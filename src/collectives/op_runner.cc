@@ -143,6 +143,7 @@ View OpRunner::view_copy() const {
 
 void OpRunner::set_view_listener(std::function<void(const View&)> listener) {
   on_view_ = std::move(listener);
+  shown_epoch_ = view_.epoch;  // the caller shows the current view itself
 }
 
 void OpRunner::joined(const View& view) {
@@ -175,6 +176,7 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
       meta.deadline = Deadline::after_ms(meta.timeout_ms);
     }
     std::optional<Error> failure;
+    attempt_epoch_ = view_.epoch;
     try {
       check_not_left_behind();  // a recovery started while this rank was away
       if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root)) {
@@ -203,6 +205,7 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
         failure = Error(ErrorKind::kPeerFailed, "the group has moved on without this rank");
       } else if (final_error(e)) {
         finished(meta.seq, nullptr, true);
+        show(view_);
         throw;
       } else {
         failure = e;
@@ -218,6 +221,7 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
       } catch (const Error& e) {
         if (final_error(e)) {
           finished(meta.seq, nullptr, true);
+          show(view_);
           throw;
         }
         failure = e;
@@ -225,6 +229,7 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
     }
     if (!completed) continue;
     finished(meta.seq, finish == Finish::kForward ? &data : nullptr, false);
+    show(view_.epoch == attempt_epoch_ ? view_ : attempt_view_);
     return;
   }
 }
@@ -281,7 +286,8 @@ bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Er
                 "); once the store is reachable it can rejoin as a new process with "
                 "is_extension=True");
   }
-  apply(d.view);
+  if (view_.epoch == attempt_epoch_) attempt_view_ = view_;
+  apply(d.view, /*show=*/false);
   // The op to settle is the earliest pending one; a member ahead of it has
   // completed it (ops complete in order and need every member).
   uint64_t c = meta.seq;
@@ -362,7 +368,13 @@ void OpRunner::receive_result(const OpMeta& meta, int from, OpData& data) {
   } while (at < total);
 }
 
-void OpRunner::apply(const View& view) {
+void OpRunner::show(const View& view) {
+  if (!on_view_ || view.epoch == shown_epoch_) return;
+  shown_epoch_ = view.epoch;
+  on_view_(view);
+}
+
+void OpRunner::apply(const View& view, bool show_it) {
   const std::vector<int> before = members_;
   {
     std::lock_guard<std::mutex> lock(view_mu_);
@@ -376,7 +388,7 @@ void OpRunner::apply(const View& view) {
   }
   for (int p : members_) coll_.restart(p, view.collective_gen(rank_, p), view.incarnation[p]);
   coll_.set_watched(members_, view.epoch);
-  if (on_view_) on_view_(view);
+  if (show_it) show(view);
 }
 
 void OpRunner::connect_new(const View& view, const std::vector<int>& slots,

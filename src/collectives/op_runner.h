@@ -147,11 +147,16 @@ class OpRunner {
   const std::vector<int>& members() const { return members_; }
   View view_copy() const;
   // Makes `view` current: drops links to ranks it leaves out, restarts the
-  // channels to its members, tells the listener.
-  void apply(const View& view);
+  // channels to its members, shows it to the listener (`show`; a recovery
+  // inside an op leaves that to the op's end, see shown()).
+  void apply(const View& view, bool show_it = true);
   // Connects to the processes of `slots` that `view` names (errors are left
   // for the ops to find, so every member applies the same view).
   void connect_new(const View& view, const std::vector<int>& slots, const Deadline& deadline);
+  // The listener sees the view that the op which just ended covered: after a
+  // blocking op, the active mask is the set its result is over, even where a
+  // recovery during the op moved the group on (the next op shows that). The
+  // caller shows the current view itself when it sets the listener.
   void set_view_listener(std::function<void(const View&)> listener);
   bool joining() const { return joining_; }
   // After admission: a member from op `seq` on.
@@ -169,6 +174,8 @@ class OpRunner {
   // Records op `seq` as done: with its result kept (kForward), or failed.
   void finished(uint64_t seq, const OpData* result, bool failed);
   void send_result(uint64_t seq, int to, const Deadline& deadline);
+  // Tells the listener about `view` unless it was the last one shown.
+  void show(const View& view);
   void receive_result(const OpMeta& meta, int from, OpData& data);
 
   Store& store_;
@@ -188,6 +195,11 @@ class OpRunner {
   View view_;
   std::vector<int> members_;  // view_.members()
   std::function<void(const View&)> on_view_;
+  uint64_t shown_epoch_ = UINT64_MAX;  // epochs name views: one per agreement
+  // The view the current attempt began in, once a recovery has moved view_ on
+  // (a result completed elsewhere, or handed on, covers that one).
+  uint64_t attempt_epoch_ = 0;
+  View attempt_view_;
   std::atomic<bool> stopping_{false};
   // The last completed op, and its result when it finished kForward.
   uint64_t done_seq_ = 0;

@@ -360,35 +360,16 @@ def kill_problems(plan, results) -> tuple[list[str], list[str]]:
 
 
 def _mask_disagreement(seq_masks: dict) -> str:
-    """Why the survivors' per-round masks disagree ("" when they agree).
-
-    One disagreement is allowed, and only this one: where a rank died, one survivor may
-    count it out one round before another. When the death lands on the last exchange of a
-    round, a survivor whose exchange completed reads the group's view before the
-    agreement, and one that got through the same exchange by recovery reads it after (each
-    round's result is still checked against that survivor's own view). Known gap: the
-    process group does not report which set of ranks an exchange covered, so the portable
-    path reads the view after the exchange; see docs/failures.md."""
+    """Why the survivors' per-round masks disagree ("" when they agree). Every survivor
+    reads the mask after each exchange, and the mask is then the set that exchange
+    covered, the same on every survivor even when a rank died during it."""
     seqs = list(seq_masks.values())
     if not seqs or len({len(m) for m in seqs}) > 1:
         return "different numbers of rounds"
-    width = len(seqs[0][0]) if seqs[0] else 0
-    for rank in range(width):
-        drops = set()
-        for m in seqs:
-            flags = [row[rank] for row in m]
-            drops.add(flags.index(0) if 0 in flags else len(flags))
-        if max(drops) - min(drops) > 1:
-            return f"rank {rank} counted out {sorted(drops)} rounds in"
     for i in range(len(seqs[0])):
-        rows = [m[i] for m in seqs]
-        for rank in range(width):
-            if len({row[rank] for row in rows}) > 1:
-                # Only at a drop that differs by one round.
-                before = [m[i - 1][rank] if i else 1 for m in seqs]
-                after = [m[i + 1][rank] if i + 1 < len(m) else 0 for m in seqs]
-                if not (all(before) and not any(after)):
-                    return f"round {i}, rank {rank}"
+        rows = {tuple(m[i]) for m in seqs}
+        if len(rows) > 1:
+            return f"round {i}: {sorted(rows)}"
     return ""
 
 

@@ -35,10 +35,36 @@ std::vector<int> all_but(int size, const std::vector<int>& gone) {
   return out;
 }
 
+int64_t mask_of(const mooncake::View& view) {
+  int64_t m = 0;
+  for (int p = 0; p < view.capacity(); ++p)
+    if (view.is_member(p)) m |= int64_t{1} << p;
+  return m;
+}
+
+// The set the communicator last showed its view listener (what the torch
+// backend copies into active_ranks), watched from the first call on.
+int64_t shown_mask(Communicator& comm) {
+  static bool watching = false;  // per process: each rank is one
+  static int64_t shown = 0;
+  if (!watching) {
+    watching = true;
+    shown = mask_of(comm.view());
+    comm.set_view_listener([](const mooncake::View& view) { shown = mask_of(view); });
+  }
+  return shown;
+}
+
 // Runs one op of each shape and returns the set (mask) each was computed
-// over; every element of an op's result must spell the same set.
+// over; every element of an op's result must spell the same set, and the
+// view shown after the op must be that set.
 std::vector<int64_t> run_every_shape(Communicator& comm, int size, size_t count) {
   std::vector<int64_t> masks;
+  shown_mask(comm);
+  auto check_shown = [&] {
+    EXPECT_EQ(shown_mask(comm), masks.back())
+        << "op " << masks.size() - 1 << " covered another set than the view shown after it";
+  };
   const int64_t mine = int64_t{1} << comm.rank();
   auto uniform = [&](const std::vector<int64_t>& v) {
     for (int64_t x : v) EXPECT_EQ(x, v.empty() ? 0 : v[0]);
@@ -48,6 +74,7 @@ std::vector<int64_t> run_every_shape(Communicator& comm, int size, size_t count)
     std::vector<int64_t> v(count, mine);
     comm.all_reduce(v.data(), count, DType::kInt64, RedOp::kSum);
     masks.push_back(uniform(v));
+    check_shown();
   }
   {  // all_gather: slices of ranks outside the group are zero-filled
     std::vector<std::vector<int64_t>> outs(size, std::vector<int64_t>(count, -1));
@@ -58,6 +85,7 @@ std::vector<int64_t> run_every_shape(Communicator& comm, int size, size_t count)
     int64_t m = 0;
     for (int p = 0; p < size; ++p) m |= uniform(outs[p]);
     masks.push_back(m);
+    check_shown();
   }
   {  // reduce_scatter
     std::vector<std::vector<int64_t>> ins(size, std::vector<int64_t>(count, mine));
@@ -66,6 +94,7 @@ std::vector<int64_t> run_every_shape(Communicator& comm, int size, size_t count)
     std::vector<int64_t> out(count, -1);
     comm.reduce_scatter(ptrs.data(), out.data(), count, DType::kInt64, RedOp::kSum);
     masks.push_back(uniform(out));
+    check_shown();
   }
   {  // all_to_all
     std::vector<std::vector<int64_t>> ins(size, std::vector<int64_t>(count, mine));
@@ -81,6 +110,7 @@ std::vector<int64_t> run_every_shape(Communicator& comm, int size, size_t count)
     int64_t m = 0;
     for (int p = 0; p < size; ++p) m |= uniform(outs[p]);
     masks.push_back(m);
+    check_shown();
   }
   comm.barrier();
   return masks;
