@@ -33,11 +33,16 @@ inline void cpu_relax() {
 #endif
 }
 
+constexpr uint32_t kSleeping = 1u << 31;  // Doorbell::seq's waiter bit
+
 }  // namespace
 
 void ring(Doorbell* bell) {
-  bell->seq.fetch_add(1, std::memory_order_seq_cst);
-  if (bell->sleepers.load(std::memory_order_seq_cst) != 0)
+  uint32_t v = bell->seq.load(std::memory_order_relaxed);
+  while (!bell->seq.compare_exchange_weak(v, (v + 1) & ~kSleeping, std::memory_order_seq_cst,
+                                          std::memory_order_relaxed)) {
+  }
+  if (v & kSleeping)
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell->seq), FUTEX_WAKE, INT_MAX, nullptr,
             nullptr, 0);
 }
@@ -78,9 +83,13 @@ bool wait_on(Doorbell* bell, const std::function<bool()>& ready, const Deadline&
     uint32_t seen = bell->seq.load(std::memory_order_seq_cst);
     if (ready()) return true;
     if (deadline.expired()) return false;
-    bell->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    // Say so before sleeping; a ring in between changes the word, and the
+    // wait then returns at once (or the set fails: look again).
+    if (!(seen & kSleeping) &&
+        !bell->seq.compare_exchange_strong(seen, seen | kSleeping, std::memory_order_seq_cst))
+      continue;
+    seen |= kSleeping;
     if (!ready()) futex_wait(&bell->seq, seen, deadline.remaining_ms(poll_ms) + 1);
-    bell->sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (ready()) return true;
     if (poll && now_us() >= next_poll) {
       next_poll = now_us() + poll_ms * 1000;

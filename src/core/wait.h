@@ -1,6 +1,7 @@
 // Bounded waiting: spin briefly, then block on a futex "doorbell" that lives in
 // (possibly shared) memory. Signallers bump the doorbell and wake sleepers only
-// when there are any, so a busy receiver costs the sender no syscall.
+// when there are any, so a busy receiver costs the sender no syscall; of many
+// signallers of one sleeper, only the first pays for the wake-up.
 //
 // Eight ranks share two cores in our tests: a waiter that spins for long
 // starves the peer it waits for, so the spin is tens of microseconds.
@@ -14,9 +15,14 @@
 
 namespace mooncake {
 
+// `seq` counts rings in its low 31 bits; the top bit says a waiter sleeps (or
+// is about to). A ring bumps the count and clears the bit in one step, and
+// only the ring that cleared it makes the wake-up call: with eight ranks on
+// two cores a sleeper is often woken but not yet running when its other
+// peers ring, and a wake-up per ring cost most ranks a syscall per message.
 struct Doorbell {
   std::atomic<uint32_t> seq{0};
-  std::atomic<uint32_t> sleepers{0};
+  uint32_t unused = 0;  // keeps the segment header's layout
 };
 static_assert(sizeof(Doorbell) == 8);
 

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
+#include <vector>
 
 #include "core/clock.h"
 #include "harness.h"
@@ -126,6 +127,49 @@ TEST(WaitOn, PingPongAcrossProcessesLosesNoWakeUps) {
     }
   });
   EXPECT_LT(now_us() - start, 4'000'000) << "a round stalled: a wake-up was lost";
+}
+
+TEST(WaitOn, ManyRingersOfSeveralSleepersLoseNoWakeUps) {
+  // The first ring after a waiter sleeps makes the only wake-up call; rings
+  // racing with waiters going to sleep (and each other) must not lose one.
+  // Each round, every ringer sets its flag and rings one bell that several
+  // waiters sleep on; each waiter acks once it has seen every flag.
+  constexpr int kRingers = 4, kWaiters = 3;
+  constexpr uint64_t kRounds = 1500;
+  Doorbell bell, ack_bell;
+  std::atomic<uint64_t> flags[kRingers] = {};
+  std::atomic<uint64_t> acks{0};
+  std::atomic<bool> stalled{false};
+  ScopedEnv no_spin("MOONCAKE_SPIN_US", "0");  // block at once (unless already read here)
+  const int64_t start = now_us();
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kWaiters; ++w)
+    threads.emplace_back([&] {
+      for (uint64_t i = 1; i <= kRounds && !stalled; ++i) {
+        auto all_set = [&] {
+          for (auto& f : flags)
+            if (f.load() < i) return false;
+          return true;
+        };
+        if (!wait_on(&bell, all_set, Deadline::after_ms(5000), nullptr, kNoPoll)) stalled = true;
+        acks.fetch_add(1);
+        ring(&ack_bell);
+      }
+    });
+  for (int r = 0; r < kRingers; ++r)
+    threads.emplace_back([&, r] {
+      for (uint64_t i = 1; i <= kRounds && !stalled; ++i) {
+        flags[r] = i;
+        ring(&bell);
+        if (!wait_on(
+                &ack_bell, [&] { return acks.load() >= i * kWaiters; }, Deadline::after_ms(5000),
+                nullptr, kNoPoll))
+          stalled = true;
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_FALSE(stalled.load()) << "a wait ran to its 5 s deadline: a wake-up was lost";
+  EXPECT_LT(now_us() - start, 8'000'000);
 }
 
 TEST(WaitOn, AFlagSetWithoutARingIsSeenAtTheNextPoll) {
