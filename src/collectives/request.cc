@@ -160,7 +160,9 @@ bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   item.request->complete(error);
   lock.lock();
   running_ = false;
-  if (stopping_ || thread_asleep_ || inline_waiters_ > 0) cv_.notify_all();
+  // Only when someone has a use for it: after every synchronous op, a wake-up
+  // of an idle queue thread that finds nothing to do costs a context switch.
+  if (stopping_ || inline_waiters_ > 0 || !tasks_.empty()) cv_.notify_all();
   return true;
 }
 
@@ -180,8 +182,9 @@ void OpQueue::run() {
       }
       continue;
     }
-    if (running_ || now - last_activity < kLingerUs) {
-      if (running_) last_activity = now;
+    // Lingers after its own tasks only: ops a caller runs inline (synchronous
+    // ones) do not keep it polling.
+    if (now - last_activity < kLingerUs) {
       cv_.wait_for(lock, std::chrono::microseconds(kPollUs));
       continue;
     }

@@ -4,9 +4,13 @@
 // waiting is bounded by its timeout; stop may be called from the queue's thread;
 // run_now runs a task (and those before it) on the caller's thread at once.
 #include <gtest/gtest.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
+#include <string>
 #include <thread>
 
 #include "collectives/request.h"
@@ -94,6 +98,45 @@ TEST(OpQueue, RunNowRunsTheTaskAndTheOnesQueuedBeforeItOnTheCallersThread) {
   for (auto id : ran_on) EXPECT_EQ(id, std::this_thread::get_id());
   auto bad = q.run_now([] { throw mooncake::Error(ErrorKind::kTimeout, "task timed out"); });
   EXPECT_TRUE(throws_error(ErrorKind::kTimeout, rethrow_error_of(bad)));
+}
+
+// Times thread `tid` of this process has blocked (voluntary context switches).
+int64_t sleeps_of(long tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/status");
+  std::string key;
+  while (in >> key)
+    if (key == "voluntary_ctxt_switches:") {
+      int64_t n = -1;
+      in >> n;
+      return n;
+    }
+  return -1;
+}
+
+TEST(OpQueue, SynchronousOpsDoNotWakeTheQueuesIdleThread) {
+  // Once an async op has started the thread, every later op a caller runs
+  // inline must leave it asleep: with eight ranks on two cores each needless
+  // wake-up is a context switch per op.
+  OpQueue q(0);
+  std::atomic<long> tid{-1};
+  ASSERT_TRUE(q.wait(q.submit([&] { tid = ::syscall(SYS_gettid); }), 5000));
+  ASSERT_GT(tid.load(), 0) << "the queue's thread did not run the submitted task";
+  auto run_for = [&](int64_t ms) {
+    const mooncake::Deadline d = mooncake::Deadline::after_ms(ms);
+    int n = 0;
+    while (!d.expired()) {
+      q.run_now([] {});
+      ++n;
+    }
+    return n;
+  };
+  run_for(60);  // the thread lingers 20 ms after its own task, then sleeps
+  const int64_t before = sleeps_of(tid);
+  ASSERT_GE(before, 0);
+  const int ops = run_for(100);
+  const int64_t woken = sleeps_of(tid) - before;
+  EXPECT_LE(woken, 5) << "the idle queue thread was woken " << woken << " times by " << ops
+                      << " synchronous ops";
 }
 
 TEST(OpQueue, RunNowBehindATaskTheThreadRunsGoesOnAsSoonAsThatTaskEnds) {
