@@ -273,6 +273,7 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
     empty, small = torch.zeros(0), torch.zeros(2)
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     opts = dist.AllreduceOptions()
+    opts.asyncOp = False  # as dist.all_reduce(async_op=False) asks: run on the caller's thread
     probes = {
         "all_reduce_0B": lambda: dist.all_reduce(empty),
         "barrier": dist.barrier,
@@ -411,18 +412,26 @@ def measure_floors(worlds: list[int], quick: bool) -> dict:
     print(f"# measuring floors on {cores} cores ...", file=sys.stderr, flush=True)
     copy = floors.measure_copy(COPY_SIZES, trials=3 if quick else 5)
     loop_us = floors.loop_overhead_us()
+    rings = sorted({w for w in worlds if w >= 2})
     handoff = {
-        n: floors.measure_handoff(n, trials=5 if quick else 15, loop_us=loop_us)
-        for n in sorted({w for w in worlds if w >= 2})
+        n: floors.measure_handoff(n, trials=5 if quick else 15, loop_us=loop_us) for n in rings
     }
-    return {"cores": cores, "copy": copy, "handoff": handoff}
+    torch_call = {}
+    for n in rings:
+        t = floors.measure_torch_call(n, trials=3 if quick else 9)
+        if t is not None:
+            torch_call[n] = t
+    return {"cores": cores, "copy": copy, "handoff": handoff, "torch_call": torch_call}
 
 
-def bare_core(worlds: list[int], rows: list[dict], overhead: list[dict]) -> list[dict]:
+def bare_core(
+    worlds: list[int], rows: list[dict], overhead: list[dict], model: floors.FloorModel
+) -> list[dict]:
     """The smallest all_reduce through torch against the bare C++ core's (the
     mooncake_latency_bench binary, run here for the same worlds when it is built):
-    what torch, Python and the op queue add to a small op; and between them the
-    same op through the backend object (no dist.all_reduce wrapper)."""
+    what torch, Python and the backend add to a small op; between them the same op
+    through the backend object (no dist.all_reduce wrapper, no dispatcher); and
+    beside them torch's own calls (floors.TorchCall), which no backend saves."""
     binary = HERE.parent / "build" / "mooncake_latency_bench"
     ws = [w for w in worlds if w >= 2]
     if not binary.exists() or not ws:
@@ -453,20 +462,35 @@ def bare_core(worlds: list[int], rows: list[dict], overhead: list[dict]) -> list
             if (o["probe"], o["backend"], o["world"]) == (DIRECT_PROBE, "mooncake-cpu", r["world"])
         ]
         direct_us = direct[0] if direct else None
+        w, core = r["world"], bare[r["world"]]
+        calls = model.torch_calls_us(w)
         found.append(
             {
-                "world": r["world"],
+                "world": w,
                 "torch_us": torch_us,
                 "backend_object_us": direct_us,
-                "bare_us": bare[r["world"]],
-                "ratio": torch_us / bare[r["world"]],
+                "bare_us": core,
+                "ratio": torch_us / core,
+                "torch_calls_us": calls,
+                "bare_plus_torch_us": None if calls is None else core + calls,
+                "ratio_to_bare_plus_torch": None if calls is None else torch_us / (core + calls),
+                "do_nothing_ratio": None
+                if calls is None
+                else (r["floor"]["floor_us"] + calls) / core,
             }
         )
         via = f", through the backend object {direct_us:.1f} us" if direct_us else ""
         print(
-            f"# world {r['world']}: 8 B all_reduce through torch {torch_us:.1f} us{via}, bare "
-            f"core {bare[r['world']]:.1f} us ({torch_us / bare[r['world']]:.2f}x)"
+            f"# world {w}: 8 B all_reduce through torch {torch_us:.1f} us{via}, bare "
+            f"core {core:.1f} us ({torch_us / core:.2f}x)"
         )
+        if calls is not None:
+            print(
+                f"#   torch's own calls {calls:.1f} us (a do-nothing backend: "
+                f"{r['floor']['floor_us'] + calls:.1f} us with the hand-off, "
+                f"{(r['floor']['floor_us'] + calls) / core:.2f}x the bare core); through torch / "
+                f"(bare core + torch's calls) = {torch_us / (core + calls):.2f}x"
+            )
     return found
 
 
@@ -505,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         copy=measured["copy"],
         handoff=measured["handoff"],
         small_bytes=int(mooncake_env["MOONCAKE_SMALL_MSG_BYTES"]),
+        torch_call=measured["torch_call"],
     )
     report.print_floors(model, load_start)
 
@@ -536,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             report.print_world(model, world, ops, backends, by_backend)
 
     results = report.collect(model, by_world, ops)
-    bare = bare_core(worlds, results["rows"], results["overhead"])
+    bare = bare_core(worlds, results["rows"], results["overhead"], model)
     targets = report.check_targets(results, backends, bare)
     report.print_overheads(results["overhead"], backends)
     report.print_targets(targets)
