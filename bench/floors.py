@@ -104,13 +104,31 @@ def _join(pids: list[int]) -> None:
             raise RuntimeError(f"floor micro-benchmark worker {pid} failed ({status})")
 
 
-def _ring_member(words: _SharedWords, i: int, n: int, rounds: int) -> None:
+def _ring_member(words: _SharedWords, i: int, n: int, rounds: int, call=None) -> None:
     # Word i holds the last round in which member i received the token; word n + i
-    # says member i is ready.
+    # says member i is ready. ``call``: made by the holder before it passes the token.
     words.post(n + i, 1)
     for r in range(1, rounds + 1):
         words.wait_at_least(i, r)
+        if call:
+            call()
         words.post((i + 1) % n, r)
+
+
+def _drive_ring(words: _SharedWords, n: int, rounds: int, warm: int, call=None) -> float:
+    """Member 0 of a ring: once the others are ready, sends the token round ``rounds``
+    times; returns the seconds of the last ``rounds - warm``."""
+    for i in range(1, n):
+        words.wait_at_least(n + i, 1)
+    t0 = 0.0
+    for r in range(1, rounds + 1):
+        if r == warm + 1:
+            t0 = time.perf_counter()
+        if call:
+            call()
+        words.post(1, r)
+        words.wait_at_least(0, r)
+    return time.perf_counter() - t0
 
 
 def _ring_seconds(n: int, rounds: int, warm: int) -> float:
@@ -118,15 +136,7 @@ def _ring_seconds(n: int, rounds: int, warm: int) -> float:
     words = _SharedWords(2 * n)
     pids = [_fork(_ring_member, words, i, n, rounds) for i in range(1, n)]
     try:
-        for i in range(1, n):
-            words.wait_at_least(n + i, 1)
-        t0 = 0.0
-        for r in range(1, rounds + 1):
-            if r == warm + 1:
-                t0 = time.perf_counter()
-            words.post(1, r)
-            words.wait_at_least(0, r)
-        return time.perf_counter() - t0
+        return _drive_ring(words, n, rounds, warm)
     finally:
         _join(pids)
 
@@ -208,24 +218,12 @@ def _fake_all_reduce(rank: int, n: int):
 def _call_ring_member(
     words: _SharedWords, out: mmap.mmap, i: int, n: int, rounds: int, warm: int, call: bool
 ) -> None:
-    f = _fake_all_reduce(i, n) if call else (lambda: None)
-    words.post(n + i, 1)
+    f = _fake_all_reduce(i, n) if call else None
     if i != 0:
-        for r in range(1, rounds + 1):
-            words.wait_at_least(i, r)
-            f()
-            words.post((i + 1) % n, r)
+        _ring_member(words, i, n, rounds, f)
         return
-    for j in range(1, n):
-        words.wait_at_least(n + j, 1)
-    t0 = 0.0
-    for r in range(1, rounds + 1):
-        if r == warm + 1:
-            t0 = time.perf_counter()
-        f()
-        words.post(1, r)
-        words.wait_at_least(0, r)
-    struct.pack_into("d", out, 0, (time.perf_counter() - t0) / ((rounds - warm) * n) * 1e6)
+    seconds = _drive_ring(words, n, rounds, warm, f)
+    struct.pack_into("d", out, 0, seconds / ((rounds - warm) * n) * 1e6)
 
 
 def _call_ring_hop_us(n: int, rounds: int, call: bool) -> float:
