@@ -464,32 +464,29 @@ def bare_core(
         direct_us = direct[0] if direct else None
         w, core = r["world"], bare[r["world"]]
         calls = model.torch_calls_us(w)
-        found.append(
-            {
-                "world": w,
-                "torch_us": torch_us,
-                "backend_object_us": direct_us,
-                "bare_us": core,
-                "ratio": torch_us / core,
-                "torch_calls_us": calls,
-                "bare_plus_torch_us": None if calls is None else core + calls,
-                "ratio_to_bare_plus_torch": None if calls is None else torch_us / (core + calls),
-                "do_nothing_ratio": None
-                if calls is None
-                else (r["floor"]["floor_us"] + calls) / core,
-            }
-        )
+        nothing = r["floor"]["torch_floor_us"]  # a do-nothing backend through torch
+        point = {
+            "world": w,
+            "torch_us": torch_us,
+            "backend_object_us": direct_us,
+            "bare_us": core,
+            "ratio": torch_us / core,
+            "torch_calls_us": calls,
+            "bare_plus_torch_us": None if calls is None else core + calls,
+            "ratio_to_bare_plus_torch": None if calls is None else torch_us / (core + calls),
+            "do_nothing_ratio": None if nothing is None else nothing / core,
+        }
+        found.append(point)
         via = f", through the backend object {direct_us:.1f} us" if direct_us else ""
         print(
             f"# world {w}: 8 B all_reduce through torch {torch_us:.1f} us{via}, bare "
-            f"core {core:.1f} us ({torch_us / core:.2f}x)"
+            f"core {core:.1f} us ({point['ratio']:.2f}x)"
         )
         if calls is not None:
             print(
-                f"#   torch's own calls {calls:.1f} us (a do-nothing backend: "
-                f"{r['floor']['floor_us'] + calls:.1f} us with the hand-off, "
-                f"{(r['floor']['floor_us'] + calls) / core:.2f}x the bare core); through torch / "
-                f"(bare core + torch's calls) = {torch_us / (core + calls):.2f}x"
+                f"#   torch's own calls {calls:.1f} us (a do-nothing backend: {nothing:.1f} us "
+                f"with the hand-off, {point['do_nothing_ratio']:.2f}x the bare core); through "
+                f"torch / (bare core + torch's calls) = {point['ratio_to_bare_plus_torch']:.2f}x"
             )
     return found
 

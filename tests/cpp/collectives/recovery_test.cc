@@ -37,13 +37,6 @@ std::vector<int> all_but(int size, const std::vector<int>& gone) {
   return out;
 }
 
-int64_t mask_of(const mooncake::View& view) {
-  int64_t m = 0;
-  for (int p = 0; p < view.capacity(); ++p)
-    if (view.is_member(p)) m |= int64_t{1} << p;
-  return m;
-}
-
 // The set the communicator last showed its view listener (what the torch
 // backend copies into active_ranks), watched from the first call on.
 int64_t shown_mask(Communicator& comm) {
@@ -51,8 +44,8 @@ int64_t shown_mask(Communicator& comm) {
   static int64_t shown = 0;
   if (!watching) {
     watching = true;
-    shown = mask_of(comm.view());
-    comm.set_view_listener([](const mooncake::View& view) { shown = mask_of(view); });
+    shown = mask_of(comm.view().members());
+    comm.set_view_listener([](const mooncake::View& view) { shown = mask_of(view.members()); });
   }
   return shown;
 }
