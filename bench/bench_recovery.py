@@ -352,7 +352,8 @@ def run_scenario(scenario: str, world: int, reps: int, args) -> dict:
     }
     incarnation = dict.fromkeys(range(world), 0)
     live = {r: rank_key(r, 0) for r in range(world)}
-    group = LocalGroup(world, env)
+    # A replacement in a deployment is a fresh interpreter: measure that, not a fork.
+    group = LocalGroup(world, env, start_method="spawn")
     store = group.store
     try:
         store.set("ctl", "busy")

@@ -112,7 +112,7 @@ def test_local_group_result_waits_for_one_process():
 
     with LocalGroup(2) as group:
         group.start(_sleep_then_return, ranks=[0], args=(0.0,))
-        group.start(_sleep_then_return, ranks=[1], args=(8.0,))
+        group.start(_sleep_then_return, ranks=[1], args=(3.0,))
         assert group.result("0", timeout_s=60) == 0
         assert not group.exited("1")
         with pytest.raises(RuntimeError, match=r"\['1'\] did not finish"):
@@ -121,3 +121,33 @@ def test_local_group_result_waits_for_one_process():
         (key,) = group.start(_raise, ranks=[0])
         with pytest.raises(RuntimeError, match="deliberate on rank 0"):
             group.result(key, timeout_s=60)
+
+
+def _environment(rank, world_size, port):
+    return (
+        os.environ.get("MC_LAUNCH_PROBE"),
+        "MC_LAUNCH_GONE" in os.environ,
+        torch.get_num_threads(),
+    )
+
+
+def test_ranks_get_the_environment_as_it_is_when_they_start(monkeypatch):
+    """A rank forked from the fork server (which imported torch before this test set
+    anything) sees the launcher's environment as it is at ``start``, with the group's
+    changes, and takes ``OMP_NUM_THREADS`` as torch's thread count; so does a spawned one."""
+    import pytest
+
+    from mooncake.launch import LocalGroup
+
+    env = {"OMP_NUM_THREADS": "1", "MC_LAUNCH_GONE": None}
+    for method in ("forkserver", "spawn"):
+        with LocalGroup(1, env=env, start_method=method) as group:
+            monkeypatch.setenv("MC_LAUNCH_PROBE", "first")
+            monkeypatch.setenv("MC_LAUNCH_GONE", "1")
+            group.start(_environment)
+            assert group.result("0", timeout_s=60) == ("first", False, 1), method
+            monkeypatch.setenv("MC_LAUNCH_PROBE", "second")
+            (key,) = group.start(_environment, ranks=[0])
+            assert group.result(key, timeout_s=60) == ("second", False, 1), method
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn'"):
+        LocalGroup(1, start_method="fork")
