@@ -42,7 +42,8 @@ OPS = (
     "broadcast",
 )
 ALIASES = {"all_gather": OPS[1], "reduce_scatter": OPS[2], "all_to_all": OPS[3]}
-BACKENDS = ("mooncake-cpu", "gloo")
+MOONCAKE_CPU = "mooncake-cpu"
+BACKENDS = (MOONCAKE_CPU, "gloo")
 # Knobs of the library the floor models depend on (defaults as in src/core/env.cc).
 MOONCAKE_ENV_DEFAULTS = {
     "MOONCAKE_SMALL_MSG_BYTES": "65536",
@@ -119,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--launch-timeout", type=float, default=900, help="seconds before a launch is killed"
     )
     p.add_argument("--op-timeout", type=float, default=120, help="backend op timeout, seconds")
+    p.add_argument(
+        "--start-method",
+        default="forkserver",
+        choices=("forkserver", "spawn"),
+        help="how ranks start (LocalGroup's start_method); spawn: fresh interpreters, as torchrun's",
+    )
+    p.add_argument(
+        "--no-fresh",
+        action="store_true",
+        help="skip the small all_reduce with fresh interpreters beside forked ranks",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -312,13 +324,14 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
 # --- the launcher ---------------------------------------------------------------------
 
 
-def launch(backend: str, world: int, cfg: dict, timeout: float) -> dict:
+def launch(backend: str, world: int, cfg: dict, timeout: float, start_method: str) -> dict:
     """Runs one group of ``world`` ranks; returns each rank's points and any error."""
     from mooncake.launch import LocalGroup
 
     started, load = time.monotonic(), os.getloadavg()[0]
     error = None
-    with LocalGroup(world, env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}) as group:
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with LocalGroup(world, env=env, start_method=start_method) as group:
         keys = group.start(run_worker, args=(dict(cfg, backend=backend),))
         # A rank that dies should make the others fail fast: they get a grace period.
         if group.wait_all(keys, timeout, FAILURE_GRACE_S) == "deadline":
@@ -416,22 +429,63 @@ def measure_floors(worlds: list[int], quick: bool) -> dict:
     handoff = {
         n: floors.measure_handoff(n, trials=5 if quick else 15, loop_us=loop_us) for n in rings
     }
-    torch_call = {}
-    for n in rings:
-        t = floors.measure_torch_call(n, trials=3 if quick else 9)
-        if t is not None:
-            torch_call[n] = t
-    return {"cores": cores, "copy": copy, "handoff": handoff, "torch_call": torch_call}
+    return {"cores": cores, "copy": copy, "handoff": handoff}
+
+
+def torch_layer(points: dict) -> float | None:
+    """torch's own part of an op through ``dist`` (its Python wrapper and dispatcher)
+    as it runs in these ranks: the 8-byte all_reduce through ``dist.all_reduce``
+    minus the same op through the backend object; None unless both were run."""
+    through, direct = points.get(("all_reduce", 8)), points.get((DIRECT_PROBE, 0))
+    if not through or not direct:
+        return None
+    return max(0.0, through["time_us"] - direct["time_us"])
+
+
+def fresh_interpreters(
+    worlds: list[int], sizes: list[int], cfg: dict, timeout: float
+) -> dict[int, dict]:
+    """The small all_reduce through torch once more, with every rank a fresh
+    interpreter (as torchrun starts them) rather than forked from one process:
+    world -> {"all_reduce_us": {bytes: us}, "backend_object_us": us}.
+
+    Forked ranks share one address layout, and on a core that several ranks
+    share, what the core learned about one rank's code (most likely its branch
+    predictors, which are keyed by virtual address) still fits the next one
+    after a switch; with ASLR each fresh interpreter has its own layout. World
+    8 on 2 cores: about twice the CPU per op through torch (bench/README)."""
+    fresh = {}
+    for world in [w for w in worlds if w >= 2]:
+        print(f"# launching mooncake-cpu, world {world}, fresh interpreters ...", file=sys.stderr)
+        one = dict(cfg, ops=["all_reduce"], sizes=sizes)
+        result = launch(MOONCAKE_CPU, world, one, timeout, "spawn")
+        if result["error"]:
+            print(f"# fresh interpreters, world {world}: {result['error']}", file=sys.stderr)
+        merged = merge(result)
+        direct = merged.get((DIRECT_PROBE, 0))
+        fresh[world] = {
+            "all_reduce_us": {
+                nbytes: p["time_us"] for (op, nbytes), p in merged.items() if op == "all_reduce"
+            },
+            "backend_object_us": direct["time_us"] if direct else None,
+        }
+    return fresh
 
 
 def bare_core(
-    worlds: list[int], rows: list[dict], overhead: list[dict], model: floors.FloorModel
+    worlds: list[int],
+    rows: list[dict],
+    overhead: list[dict],
+    model: floors.FloorModel,
+    fresh: dict[int, dict],
 ) -> list[dict]:
     """The smallest all_reduce through torch against the bare C++ core's (the
     mooncake_latency_bench binary, run here for the same worlds when it is built):
     what torch, Python and the backend add to a small op; between them the same op
     through the backend object (no dist.all_reduce wrapper, no dispatcher); and
-    beside them torch's own calls (floors.TorchCall), which no backend saves."""
+    beside them torch's layer (torch_layer), which no backend saves.
+    The bare core forks its ranks, as LocalGroup does; ``fresh`` (world -> the
+    same op with fresh interpreters) is shown beside it."""
     binary = HERE.parent / "build" / "mooncake_latency_bench"
     ws = [w for w in worlds if w >= 2]
     if not binary.exists() or not ws:
@@ -463,7 +517,7 @@ def bare_core(
         ]
         direct_us = direct[0] if direct else None
         w, core = r["world"], bare[r["world"]]
-        calls = model.torch_calls_us(w)
+        layer = model.torch_layer_us(w)
         nothing = r["floor"]["torch_floor_us"]  # a do-nothing backend through torch
         point = {
             "world": w,
@@ -471,22 +525,39 @@ def bare_core(
             "backend_object_us": direct_us,
             "bare_us": core,
             "ratio": torch_us / core,
-            "torch_calls_us": calls,
-            "bare_plus_torch_us": None if calls is None else core + calls,
-            "ratio_to_bare_plus_torch": None if calls is None else torch_us / (core + calls),
+            "backend_object_ratio": None if direct_us is None else direct_us / core,
+            "torch_layer_us": layer,
             "do_nothing_ratio": None if nothing is None else nothing / core,
+            "fresh_torch_us": None,
+            "fresh_backend_object_us": None,
+            "fresh_ratio": None,
         }
+        fresh_us = fresh.get(w, {}).get("all_reduce_us", {}).get(8)
+        if fresh_us:
+            point["fresh_torch_us"] = fresh_us
+            point["fresh_backend_object_us"] = fresh[w]["backend_object_us"]
+            point["fresh_ratio"] = fresh_us / core
         found.append(point)
         via = f", through the backend object {direct_us:.1f} us" if direct_us else ""
         print(
             f"# world {w}: 8 B all_reduce through torch {torch_us:.1f} us{via}, bare "
-            f"core {core:.1f} us ({point['ratio']:.2f}x)"
+            f"core {core:.1f} us ({point['ratio']:.2f}x"
+            + (f"; {point['backend_object_ratio']:.2f}x" if direct_us else "")
+            + ")"
         )
-        if calls is not None:
+        if fresh_us:
+            obj = fresh[w]["backend_object_us"]
             print(
-                f"#   torch's own calls {calls:.1f} us (a do-nothing backend: {nothing:.1f} us "
-                f"with the hand-off, {point['do_nothing_ratio']:.2f}x the bare core); through "
-                f"torch / (bare core + torch's calls) = {point['ratio_to_bare_plus_torch']:.2f}x"
+                f"#   fresh interpreters (as torchrun starts ranks): through torch "
+                f"{fresh_us:.1f} us"
+                + (f", through the backend object {obj:.1f} us" if obj else "")
+                + f" ({point['fresh_ratio']:.2f}x the bare core)"
+            )
+        if layer is not None:
+            print(
+                f"#   torch's layer {layer:.1f} us (through torch - through the backend "
+                f"object); a do-nothing backend: {nothing:.1f} us with the hand-off floor, "
+                f"{point['do_nothing_ratio']:.2f}x the bare core"
             )
     return found
 
@@ -526,7 +597,6 @@ def main(argv: list[str] | None = None) -> int:
         copy=measured["copy"],
         handoff=measured["handoff"],
         small_bytes=int(mooncake_env["MOONCAKE_SMALL_MSG_BYTES"]),
-        torch_call=measured["torch_call"],
     )
     report.print_floors(model, load_start)
 
@@ -548,18 +618,26 @@ def main(argv: list[str] | None = None) -> int:
         by_backend = by_world.setdefault(world, {})
         for backend in backends:
             print(f"# launching {backend}, world {world} ...", file=sys.stderr, flush=True)
-            result = launch(backend, world, world_cfg, args.launch_timeout)
+            result = launch(backend, world, world_cfg, args.launch_timeout, args.start_method)
             launches.append({k: v for k, v in result.items() if k != "per_rank"})
             if result["error"]:
                 print(f"# {backend} world {world}: {result['error']}", file=sys.stderr)
                 errors.append({"backend": backend, "world": world, "error": result["error"]})
             by_backend[backend] = merge(result)
+        layer = torch_layer(by_backend.get(MOONCAKE_CPU, {}))
+        if layer is not None:
+            model.torch_layer[world] = layer
         if world in worlds and world >= 2:
             report.print_world(model, world, ops, backends, by_backend)
 
     results = report.collect(model, by_world, ops)
-    bare = bare_core(worlds, results["rows"], results["overhead"], model)
-    targets = report.check_targets(results, backends, bare)
+    fresh = {}
+    small = [s for s in sizes if s <= report.TARGETS["small_max_bytes"]]
+    forked = args.start_method == "forkserver"
+    if forked and MOONCAKE_CPU in backends and "all_reduce" in ops and small and not args.no_fresh:
+        fresh = fresh_interpreters(worlds, small, cfg, args.launch_timeout)
+    bare = bare_core(worlds, results["rows"], results["overhead"], model, fresh)
+    targets = report.check_targets(results, backends, bare, fresh)
     report.print_overheads(results["overhead"], backends)
     report.print_targets(targets)
     document = {
@@ -576,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results["rows"],
         "targets": targets,
         "bare_core": bare,
+        "fresh_interpreters": {str(w): v for w, v in fresh.items()},
         "errors": errors,
     }
     (out_dir / "pg.json").write_text(json.dumps(document, indent=1))

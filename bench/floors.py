@@ -12,10 +12,10 @@ Two micro-benchmarks, in Python with ctypes and numpy only (no compiled helper):
 * copy bandwidth: ``numpy.copyto`` of a float32 array, in one process and in
   ``cores`` processes at once (the aggregate of the whole host), at sizes from
   cache-sized to DRAM-sized.
-* torch's own call: the same ring, each holder making one ``dist.all_reduce``
-  on torch's "fake" backend (which moves nothing) before it passes the token
-  on; the extra time per hop is what torch and Python cost a rank that was
-  just woken, whatever the backend. The only measurement here that uses torch.
+
+torch's own layer (``dist.all_reduce``'s Python wrapper and dispatcher) is not
+measured here: bench_pg.py takes it from the ranks themselves (see
+``FloorModel.torch_layer``).
 
 Both fork plain worker processes (``os.fork``): call them before the caller
 starts threads (a torch ``TCPStore`` server, for one).
@@ -104,18 +104,16 @@ def _join(pids: list[int]) -> None:
             raise RuntimeError(f"floor micro-benchmark worker {pid} failed ({status})")
 
 
-def _ring_member(words: _SharedWords, i: int, n: int, rounds: int, call=None) -> None:
+def _ring_member(words: _SharedWords, i: int, n: int, rounds: int) -> None:
     # Word i holds the last round in which member i received the token; word n + i
-    # says member i is ready. ``call``: made by the holder before it passes the token.
+    # says member i is ready.
     words.post(n + i, 1)
     for r in range(1, rounds + 1):
         words.wait_at_least(i, r)
-        if call:
-            call()
         words.post((i + 1) % n, r)
 
 
-def _drive_ring(words: _SharedWords, n: int, rounds: int, warm: int, call=None) -> float:
+def _drive_ring(words: _SharedWords, n: int, rounds: int, warm: int) -> float:
     """Member 0 of a ring: once the others are ready, sends the token round ``rounds``
     times; returns the seconds of the last ``rounds - warm``."""
     for i in range(1, n):
@@ -124,8 +122,6 @@ def _drive_ring(words: _SharedWords, n: int, rounds: int, warm: int, call=None) 
     for r in range(1, rounds + 1):
         if r == warm + 1:
             t0 = time.perf_counter()
-        if call:
-            call()
         words.post(1, r)
         words.wait_at_least(0, r)
     return time.perf_counter() - t0
@@ -190,71 +186,6 @@ def measure_handoff(
         raw.append(_ring_seconds(ranks, rounds + warm, warm) / (rounds * ranks) * 1e6)
     best = min(raw)
     return HandOff(ranks, max(best - loop_us, 0.0), best, loop_us, raw)
-
-
-@dataclass
-class TorchCall:
-    """torch's own cost of one ``dist.all_reduce`` in a rank that was just woken."""
-
-    ranks: int
-    call_us: float  # per hop, with the call minus without (fastest trials)
-    hop_us: float  # raw per hop without the call
-    hop_call_us: float  # raw per hop with it
-
-
-def _fake_all_reduce(rank: int, n: int):
-    """A callable making one 8-byte ``dist.all_reduce`` on torch's do-nothing backend."""
-    import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=n)
-    t = torch.zeros(2)
-    for _ in range(100):  # warm
-        dist.all_reduce(t)
-    return lambda: dist.all_reduce(t)
-
-
-def _call_ring_member(
-    words: _SharedWords, out: mmap.mmap, i: int, n: int, rounds: int, warm: int, call: bool
-) -> None:
-    f = _fake_all_reduce(i, n) if call else None
-    if i != 0:
-        _ring_member(words, i, n, rounds, f)
-        return
-    seconds = _drive_ring(words, n, rounds, warm, f)
-    struct.pack_into("d", out, 0, seconds / ((rounds - warm) * n) * 1e6)
-
-
-def _call_ring_hop_us(n: int, rounds: int, call: bool) -> float:
-    """Microseconds per hop of a ring of ``n`` forked processes (the caller only waits)."""
-    words = _SharedWords(2 * n)
-    out = mmap.mmap(-1, 8, flags=mmap.MAP_SHARED)
-    warm = max(5, rounds // 10)
-    pids = [_fork(_call_ring_member, words, out, i, n, rounds + warm, warm, call) for i in range(n)]
-    _join(pids)
-    return struct.unpack_from("d", out, 0)[0]
-
-
-def measure_torch_call(
-    ranks: int, trial_seconds: float = 0.02, trials: int = 9
-) -> TorchCall | None:
-    """torch's own cost per ``dist.all_reduce`` in a ring of ``ranks`` processes, each
-    call made just after a wake-up (as in a real op, the caches are cold then).
-    Trials with and without the call alternate; the fastest of each is kept. None
-    where torch's fake backend is missing."""
-    if ranks < 2:
-        raise ValueError(f"a ring needs at least 2 processes, got {ranks}")
-    try:
-        from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
-    except ImportError:
-        return None
-    rounds = max(50, int(trial_seconds / (ranks * 30e-6)))
-    plain, called = [], []
-    for _ in range(trials):
-        plain.append(_call_ring_hop_us(ranks, rounds, False))
-        called.append(_call_ring_hop_us(ranks, rounds, True))
-    return TorchCall(ranks, max(min(called) - min(plain), 0.0), min(plain), min(called))
 
 
 def _copy_worker(flags: _SharedWords, out: mmap.mmap, index: int, nbytes: int, reps: int) -> None:
@@ -336,9 +267,13 @@ class FloorModel:
       that crosses ranks is copied once (the reader copies straight from the
       writer's memory), and a reduction reads each of its inputs once.
     * floor = max(hand-off floor, copy floor).
-    * torch floor = floor + max(1, N / cores) x torch's own call (TorchCall):
-      through ``dist``, every rank also pays torch's and Python's part of the
-      call, which no backend can save.
+    * torch floor = floor + torch's layer(N): through ``dist``, every op also
+      pays torch's Python wrapper and dispatcher, which no backend can save.
+      ``torch_layer`` is measured in the benchmark's own ranks: an 8-byte
+      ``dist.all_reduce`` minus the same op through the backend object. (A ring
+      of ranks each calling torch's do-nothing "fake" backend after a wake-up,
+      used until 2026-12-04, read 2-4x more than that difference: a ring has
+      one runnable process at a time, and its members moved between cores.)
 
     ``staged_copy_us`` is the same copy floor for the traffic mooncake's data
     path makes as built: the sender copies into a slot in the receiver's
@@ -349,7 +284,7 @@ class FloorModel:
     copy: list[CopyBandwidth]  # ascending sizes
     handoff: dict[int, HandOff]
     small_bytes: int  # mooncake's MOONCAKE_SMALL_MSG_BYTES: direct all_reduce/broadcast up to it
-    torch_call: dict[int, TorchCall] = field(default_factory=dict)
+    torch_layer: dict[int, float] = field(default_factory=dict)  # world -> us per op
 
     def direct(self, op: str, nbytes: int, n: int) -> bool:
         """Whether mooncake runs an all_reduce or broadcast of this size in one round."""
@@ -412,10 +347,9 @@ class FloorModel:
         hop = self.handoff[n].hop_us
         return self.rounds(op, nbytes, n) * max(1.0, n / self.cores) * hop
 
-    def torch_calls_us(self, n: int) -> float | None:
-        """torch's own calls of one op through ``dist``: one per rank, ``cores`` at a time."""
-        t = self.torch_call.get(n)
-        return None if t is None else max(1.0, n / self.cores) * t.call_us
+    def torch_layer_us(self, n: int) -> float | None:
+        """torch's own part of one op through ``dist`` at world ``n``, where measured."""
+        return self.torch_layer.get(n)
 
     def copy_us(self, op: str, nbytes: int, n: int, staged: bool = False) -> float:
         per_rank = self.traffic(op, nbytes, n, staged)
@@ -427,9 +361,9 @@ class FloorModel:
 
     def floor(self, op: str, nbytes: int, n: int) -> dict:
         hand, copy = self.handoff_us(op, nbytes, n), self.copy_us(op, nbytes, n)
-        calls = self.torch_calls_us(n)
+        calls = self.torch_layer_us(n)
         return {
-            # What a backend that moved nothing would take through dist (see TorchCall).
+            # What a backend that moved nothing would take through dist (see torch_layer).
             "torch_floor_us": None if calls is None else max(hand, copy) + calls,
             "handoff_us": hand,
             "copy_us": copy,
