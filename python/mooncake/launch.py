@@ -174,6 +174,15 @@ def process_resources() -> dict[str, int]:
     }
 
 
+def _pidfd(pid: int) -> int | None:
+    """A file descriptor that names process ``pid`` for signals (None where the
+    kernel has no pidfd_open, or the process is gone already)."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 class LocalGroup:
     """Processes on this host that form one group, with the store hosted here.
 
@@ -222,6 +231,7 @@ class LocalGroup:
         self.port = self.store.port
         self._queue = self._ctx.Queue()
         self._procs: dict[str, Any] = {}
+        self._pidfds: dict[str, int | None] = {}
         self._started: dict[int, int] = {}
         self._killed: set[str] = set()
         self._results: dict[str, Any] = {}
@@ -272,6 +282,7 @@ class LocalGroup:
             )
             p.start()
             self._procs[key] = p
+            self._pidfds[key] = _pidfd(p.pid)
             keys.append(key)
         return keys
 
@@ -331,13 +342,23 @@ class LocalGroup:
         return self._procs[key].exitcode
 
     def kill(self, key: str | int, sig: int = signal.SIGKILL) -> None:
-        """Sends ``sig`` (kill -9 by default) to a process (a rank: its latest process)."""
+        """Sends ``sig`` (kill -9 by default) to a process (a rank: its latest process);
+        one that has exited already is left as it is."""
         if isinstance(key, int):
             n = self._started[key] - 1
             key = str(key) if n == 0 else f"{key}.{n}"
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self._killed.add(key)
-        os.kill(self._procs[key].pid, sig)
+        # The fork server reaps its children at once, so an exited process's pid is
+        # free for reuse: signal through a pidfd, which names this process only.
+        fd = self._pidfds.get(key)
+        try:
+            if fd is not None:
+                signal.pidfd_send_signal(fd, sig)
+            else:
+                os.kill(self._procs[key].pid, sig)
+        except ProcessLookupError:
+            pass  # it has exited
 
     def expect_exit(self, key: str | int) -> None:
         """Marks a process that will end by itself without a result (it plays a rank
@@ -413,8 +434,15 @@ class LocalGroup:
         for p in self._procs.values():
             p.join(timeout=0 if p.exitcode is not None else 5)
             if p.is_alive():
-                p.kill()
+                try:
+                    p.kill()
+                except ProcessLookupError:
+                    pass  # it exited meanwhile
                 p.join()
+        for fd in self._pidfds.values():
+            if fd is not None:
+                os.close(fd)
+        self._pidfds.clear()
 
 
 def run_local(

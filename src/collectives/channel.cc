@@ -125,6 +125,7 @@ void Channels::send(int peer, const MsgHeader& header, const void* payload, size
   link->write(at + sizeof(MsgHeader), payload, len, deadline);
   link->signal(layout_.ready_flag(plane_, me), flag_value(gen, m + 1), data_bell_index(), deadline);
   sent_[peer] = m + 1;
+  messages_sent_.fetch_add(1, std::memory_order_relaxed);
 }
 
 bool Channels::can_send(int peer) {

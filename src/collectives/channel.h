@@ -68,6 +68,8 @@ class Channels {
   // Sends one message (len <= chunk_bytes) to `peer`. `what` names the op for errors.
   void send(int peer, const MsgHeader& header, const void* payload, size_t len,
             const Deadline& deadline, const char* what);
+  // Messages sent so far on this plane, to every peer (tests count rounds).
+  uint64_t messages_sent() const { return messages_sent_.load(std::memory_order_relaxed); }
   // True when a send to `peer` would not wait for a free slot.
   bool can_send(int peer);
   // Waits for the next message from `peer` and returns it in place. The
@@ -127,6 +129,7 @@ class Channels {
   std::vector<uint64_t> sent_;                 // messages sent to each peer in send_gen_
   std::vector<uint64_t> received_;             // messages consumed from each peer in recv_gen_
   std::atomic<bool> stopping_{false};
+  std::atomic<uint64_t> messages_sent_{0};
 };
 
 }  // namespace mooncake

@@ -26,11 +26,14 @@
 // kept inputs. So that every survivor returns a result over the same set of
 // ranks, an op completes in one of two ways:
 //  * kForward (small all_reduce, broadcast, all_gather, barrier: every rank
-//    ends with the same result): the result is kept after the op; if a rank
-//    completed it and another did not, the one that did hands its result on.
+//    ends with the same result; and a small reduce_scatter, run as an
+//    all_reduce of its whole input): the result is kept after the op; if a
+//    rank completed it and another did not, the one that did hands its
+//    result on.
 //  * kCommit (everything else): after the data, a round of empty messages;
 //    a rank completes only when every member has all of its data, so if one
-//    completed, every survivor can.
+//    completed, every survivor can. (An all_to_all of one step already ends
+//    with such a round, its verdicts on the split sizes: that one serves.)
 // An op that cannot complete raises: kPeerFailed naming the root of a rooted
 // op whose root failed, or the failed peer when recovery is off; kLeftOut on
 // a rank that the others left out (the agreement's decision); kTimeout when
@@ -73,6 +76,7 @@ class Communicator {
   const char* transport_of(int peer) const { return endpoint_->transport_of(peer); }
   Endpoint& endpoint() { return *endpoint_; }
   Channels& p2p_channels() { return *p2p_; }
+  Channels& collective_channels() { return *coll_; }
   // The current view (a copy: it changes on the op thread).
   View view() const { return runner_->view_copy(); }
   // Called on the op thread after every membership change.
@@ -182,10 +186,15 @@ class Communicator {
   void send_rejection(const OpMeta& meta, const MsgHeader& h, int peer);
   // `headers_only`: the plan's sizes travel in the headers (and are checked)
   // but no bytes move. `value`: with agree_on_sizes, becomes the largest any
-  // member passed.
-  void exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes,
+  // member passed. Returns whether its last round, the verdicts on the sizes,
+  // came after every member had all of its data (every member took one
+  // step): a commit round.
+  bool exchange(const OpMeta& meta, const Plan& plan, bool agree_on_sizes,
                 bool headers_only = false, uint64_t* value = nullptr);
-  void agree(const OpMeta& meta, const MsgHeader& h, std::string& error, uint64_t* value);
+  // The round of verdicts: each member's error flag, `value` and `steps`
+  // (its step count) go to all; both become the largest any member passed.
+  void agree(const OpMeta& meta, const MsgHeader& h, std::string& error, uint64_t* value,
+             size_t& steps);
   // With `keep`, the input's pieces are kept as they are sent, and `out`'s
   // before they are overwritten (HostOpData::keep): `out` and every source
   // then lie in keep's in-place input.

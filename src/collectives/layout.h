@@ -51,6 +51,7 @@ struct MsgHeader {
   uint64_t numel;        // collective: size the op was called with; p2p: total message bytes
   uint64_t edge_bytes;   // collective: bytes the sender sends us in this op
   uint64_t edge_expect;  // collective: bytes the sender expects from us in this op
+                         // (in a round of verdicts: the sender's step count)
   uint64_t reserved1[2];
 };
 static_assert(sizeof(MsgHeader) == 64);

@@ -187,8 +187,9 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
         throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
                     " has failed; the active ranks are ", view_.describe(), " (no data to return)");
       }
+      meta.committed = false;
       attempt();
-      if (finish == Finish::kCommit && members_.size() > 1)
+      if (finish == Finish::kCommit && members_.size() > 1 && !meta.committed)
         header_round_(meta);  // the commit round
       // A recovery called meanwhile does not undo a completed attempt: where
       // the op did not complete, it can (kCommit) or gets this rank's result

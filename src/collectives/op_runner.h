@@ -53,6 +53,9 @@ struct OpMeta {
   Deadline deadline;  // of the current attempt
   const char* name;
   std::string local_error;  // this rank rejected its own arguments
+  // Set by an attempt whose last round already told every member that every
+  // member has all of its data: the kCommit round would repeat it.
+  bool committed = false;
 };
 
 // How an op completes (see "Failures" in communicator.h).

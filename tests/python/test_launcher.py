@@ -151,3 +151,22 @@ def test_ranks_get_the_environment_as_it_is_when_they_start(monkeypatch):
             assert group.result(key, timeout_s=60) == ("second", False, 1), method
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn'"):
         LocalGroup(1, start_method="fork")
+
+
+def test_kill_leaves_an_exited_process_alone():
+    """The fork server reaps a rank as soon as it exits, so its pid is gone (and may be
+    reused): ``kill`` of an exited process does nothing and raises nothing, whatever
+    the signal, and a live one still dies."""
+    import signal
+
+    from mooncake.launch import LocalGroup
+
+    with LocalGroup(2) as group:
+        group.start(_sleep_then_return, ranks=[0], args=(0.0,))
+        group.start(_sleep_then_return, ranks=[1], args=(60.0,))
+        assert group.result("0", timeout_s=60) == 0
+        group.wait("0")
+        for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT):
+            group.kill("0", sig)
+        group.kill(1)
+        assert group.wait("1") == -signal.SIGKILL

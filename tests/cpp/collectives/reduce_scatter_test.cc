@@ -2,6 +2,8 @@
 // reduction of every rank's contribution to shard p.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "collectives/group.h"
 #include "collectives/reference.h"
 #include "collectives/samples.h"
@@ -40,6 +42,33 @@ TEST_P(ReduceScatter, EveryShardIsTheReferenceReductionOfItsContributions) {
             << mooncake::dtype_name(pair.dtype) << " " << mooncake::redop_name(pair.op) << " count "
             << count;
       }
+    }
+  });
+}
+
+// A small whole input (at most small_bytes / N, and one message) is
+// all-reduced in one round (one message to each peer); a larger one
+// reduce-scatters and then commits.
+TEST_P(ReduceScatter, SmallWholeInputTakesOneRound) {
+  run([](Communicator& comm, Rank& r) {
+    const size_t n = static_cast<size_t>(r.size);
+    const size_t limit =
+        std::min(comm.config().small_bytes / n, comm.collective_channels().layout().chunk_bytes);
+    const uint64_t peers = static_cast<uint64_t>(r.size - 1);
+    const size_t largest = limit / sizeof(float) / n;  // floats per shard
+    ASSERT_GE(largest, 1u);
+    for (size_t count : {size_t{1}, largest, largest + 1}) {
+      std::vector<std::vector<float>> ins(r.size, std::vector<float>(count, 1.0f));
+      std::vector<float> out(count, -1.0f);
+      const uint64_t before = comm.collective_channels().messages_sent();
+      comm.reduce_scatter(const_pointers(ins).data(), out.data(), count, DType::kFloat32,
+                          RedOp::kSum);
+      const uint64_t sent = comm.collective_channels().messages_sent() - before;
+      if (count <= largest)
+        EXPECT_EQ(sent, peers) << count << " floats";
+      else  // the data, then the commit round
+        EXPECT_GE(sent, 2 * peers) << count << " floats";
+      EXPECT_EQ(out, std::vector<float>(count, static_cast<float>(r.size)));
     }
   });
 }
