@@ -543,12 +543,13 @@ void Communicator::all_gather(const void* in, size_t count, DType dtype, void* c
 
 void Communicator::reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype,
                                   RedOp op, int64_t timeout_ms, int width) {
+  const int w = width_of(width);
   std::string error = redop_error(op, dtype, "reduce_scatter");
-  if (error.empty()) error = width_error("reduce_scatter", width_of(width));
+  if (error.empty()) error = width_error("reduce_scatter", w);
   OpMeta meta = runner_->begin(OpType::kReduceScatter, dtype, op, -1, count, timeout_ms, error);
   const size_t shard = count * dtype_size(dtype);
-  const size_t whole = shard * static_cast<size_t>(width_of(width));
-  if (whole != 0 && whole * static_cast<size_t>(width_of(width)) <= config_.small_bytes &&
+  const size_t whole = shard * static_cast<size_t>(w);
+  if (whole != 0 && whole * static_cast<size_t>(w) <= config_.small_bytes &&
       whole <= coll_->layout().chunk_bytes) {
     // Small enough to all-reduce whole in one message: one round, whose result
     // every rank keeps (kForward), instead of the data and commit rounds; each
@@ -562,7 +563,7 @@ void Communicator::reduce_scatter(const void* const* ins, void* out, size_t coun
       if (meta.local_error.empty())
         for (int p : runner_->members()) std::memcpy(in.data() + p * shard, ins[p], shard);
       std::vector<const void*> src(static_cast<size_t>(capacity_), in.data());
-      std::vector<size_t> counts(static_cast<size_t>(capacity_), whole / dtype_size(dtype));
+      std::vector<size_t> counts(static_cast<size_t>(capacity_), count * static_cast<size_t>(w));
       reduce_exchange(meta, src.data(), counts.data(), sum.data());
     });
     std::memcpy(out, sum.data() + static_cast<size_t>(rank_) * shard, shard);
