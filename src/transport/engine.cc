@@ -138,8 +138,8 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   // The group's secret: the first member's token wins; every member reads it.
   secret_ = store_.compare_set(prefix_ + "secret", random_secret());
   check_secret(secret_, "the store holds a malformed group secret under '" + prefix_ + "secret'");
-  receiver_ =
-      std::make_unique<TcpReceiver>(segment_, capacity, options_.host_ip, secret_, &alarms_);
+  receiver_ = std::make_unique<TcpReceiver>(segment_, capacity, rank, incarnation, options_.host_ip,
+                                            secret_, &alarms_);
   if (options_.wants_ucx())
     ucx_ =
         std::make_unique<UcxWorker>(segment_, capacity, secret_, options_.device_filter, &alarms_);
@@ -191,11 +191,11 @@ void Endpoint::connect(int peer, uint32_t inc, const Deadline& deadline) {
   if (!options_.force_tcp && !options_.force_ucx && shm_can_reach(addr))
     link = shm_connect(addr, secret_);
   else if (ucx_ && addr.ucx_address != "-") {
-    // Reach the peer's host first, within the deadline: UCX 1.13's tcp
-    // transport connects in blocking mode inside ucp_ep_create, so a peer
-    // whose host is gone would hold this thread (and a lock UCX's own threads
-    // need) for the kernel's retries, minutes.
-    tcp_probe(addr, deadline);
+    // Reach the peer first (its tcp receiver answers as that process), within
+    // the deadline: UCX 1.13's tcp transport connects in blocking mode inside
+    // ucp_ep_create, so a peer whose host is gone would hold this thread (and
+    // a lock UCX's own threads need) for the kernel's retries, minutes.
+    tcp_probe(addr, rank_, incarnation_, secret_, deadline);
     link = ucx_->connect(addr, rank_, incarnation_);
   } else {
     link = tcp_connect(addr, rank_, incarnation_, secret_, *receiver_, deadline);

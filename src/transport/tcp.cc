@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "core/clock.h"
@@ -57,11 +58,14 @@ struct TcpReceiver::Conn {
   std::string why;   // set when the connection broke the protocol
 };
 
-TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
-                         std::string secret, std::atomic<uint64_t>* alarm)
+TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, int rank, uint32_t incarnation,
+                         const std::string& bind_host, std::string secret,
+                         std::atomic<uint64_t>* alarm)
     : segment_(segment),
       peers_(new PeerState[static_cast<size_t>(world_capacity)]),
       capacity_(world_capacity),
+      rank_(rank),
+      incarnation_(incarnation),
       secret_(std::move(secret)),
       alarm_(alarm) {
   check_secret(secret_, "tcp");
@@ -122,6 +126,11 @@ bool TcpReceiver::drain(Conn& c) {
       case FrameDecoder::Step::kHello: {
         PeerState& p = peers_[c.decoder.rank()];
         if (p.hello_inc.load() > c.decoder.incarnation() + 1) return false;  // a stale incarnation
+        // The welcome: 24 bytes into a new connection's empty send buffer.
+        const Frame welcome{kWelcome, 0, incarnation_, static_cast<uint64_t>(rank_)};
+        if (::send(c.fd, &welcome, sizeof(welcome), MSG_NOSIGNAL | MSG_DONTWAIT) !=
+            static_cast<ssize_t>(sizeof(welcome)))
+          return false;  // the sender has gone already
         c.decoder.accept();
         p.frames.store(0);
         p.hello_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
@@ -200,11 +209,12 @@ void TcpReceiver::run() {
         }
         int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        conns.push_back(Conn{fd,
-                             FrameDecoder(segment_.base(), segment_.size(), capacity_, secret_),
-                             now_us(),
-                             from,
-                             {}});
+        conns.push_back(Conn{
+            fd,
+            FrameDecoder(segment_.base(), segment_.size(), capacity_, secret_, rank_, incarnation_),
+            now_us(),
+            from,
+            {}});
         if (++accepted == kMaxUnauthenticated) break;  // serve the others too
       }
     }
@@ -355,25 +365,116 @@ int tcp_dial(const PeerAddress& addr, const Deadline& deadline) {
   }
 }
 
+// Sends `len` bytes on the non-blocking socket `fd` by `deadline`.
+void send_by(int fd, const void* data, size_t len, const Deadline& deadline, int peer) {
+  const char* p = static_cast<const char*>(data);
+  while (len > 0) {
+    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      throw_error(ErrorKind::kPeerFailed, peer, "rank ", peer,
+                  " closed the connection before answering its hello: ", std::strerror(errno));
+    if (deadline.expired())
+      throw_error(ErrorKind::kTimeout, peer, "tcp: rank ", peer,
+                  " takes no hello (send timed out)");
+    pollfd pfd{fd, POLLOUT, 0};
+    ::poll(&pfd, 1, static_cast<int>(deadline.remaining_ms(50)));
+  }
+}
+
+// Reads `len` bytes from the non-blocking socket `fd` by `deadline`.
+void recv_by(int fd, void* data, size_t len, const Deadline& deadline, int peer) {
+  char* p = static_cast<char*>(data);
+  while (len > 0) {
+    const ssize_t n = ::recv(fd, p, len, 0);
+    if (n > 0) {
+      p += n;
+      len -= static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+      throw_error(ErrorKind::kPeerFailed, peer, "rank ", peer,
+                  " closed the connection before answering its hello: ",
+                  n == 0 ? "it is exiting, or its port now belongs to another process"
+                         : std::strerror(errno));
+    if (deadline.expired())
+      throw_error(ErrorKind::kTimeout, peer, "tcp: rank ", peer,
+                  " did not answer its hello in time (its receiver is stopped or starved)");
+    pollfd pfd{fd, POLLIN, 0};
+    ::poll(&pfd, 1, static_cast<int>(deadline.remaining_ms(50)));
+  }
+}
+
+// Says hello on the new connection `fd` to the receiver at `addr` and waits
+// for its welcome. On failure a bye goes out before the caller closes `fd`: a
+// receiver that is only slow then takes the close for no death of this process.
+void introduce(int fd, const PeerAddress& addr, int my_rank, uint32_t my_inc,
+               const std::string& secret, const Deadline& deadline) {
+  const Frame hello{kHello, static_cast<uint32_t>(kSecretBytes),
+                    hello_word(my_inc, addr.incarnation),
+                    hello_word(static_cast<uint32_t>(my_rank), static_cast<uint32_t>(addr.rank))};
+  Frame welcome{};
+  try {
+    send_by(fd, &hello, sizeof(hello), deadline, addr.rank);
+    send_by(fd, secret.data(), secret.size(), deadline, addr.rank);
+    recv_by(fd, &welcome, sizeof(welcome), deadline, addr.rank);
+    // Only the receiver this hello addressed welcomes it; anything else (a
+    // connection to itself reads its own hello back) is not the peer.
+    if (welcome.type != kWelcome || welcome.arg != static_cast<uint64_t>(addr.rank) ||
+        welcome.offset != addr.incarnation)
+      throw_error(ErrorKind::kPeerFailed, addr.rank, "tcp: the process at ", addr.tcp_host, ":",
+                  addr.tcp_port, " is not rank ", addr.rank, " incarnation ", addr.incarnation,
+                  " (it answered with a frame of type ", welcome.type, ")");
+  } catch (const Error&) {
+    const Frame bye{kBye, 0, 0, 0};
+    if (::send(fd, &bye, sizeof(bye), MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+      // The connection is gone: nothing to tell.
+    }
+    throw;
+  }
+}
+
+// Closes a socket unless released.
+class FdGuard {
+ public:
+  explicit FdGuard(int fd) : fd_(fd) {}
+  ~FdGuard() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FdGuard(const FdGuard&) = delete;
+  FdGuard& operator=(const FdGuard&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
 }  // namespace
 
 std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline) {
   check_secret(secret, "tcp");
-  const int fd = tcp_dial(addr, deadline);
+  FdGuard fd(tcp_dial(addr, deadline));
   int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  auto link =
-      std::make_unique<TcpLink>(fd, addr.rank, addr.incarnation, addr.segment_bytes, receiver);
-  Frame hello{kHello, static_cast<uint32_t>(kSecretBytes), my_inc, static_cast<uint64_t>(my_rank)};
-  link->send_all(&hello, sizeof(hello), deadline);
-  link->send_all(secret.data(), secret.size(), deadline);
-  return link;
+  ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  introduce(fd.get(), addr, my_rank, my_inc, secret, deadline);
+  return std::make_unique<TcpLink>(fd.release(), addr.rank, addr.incarnation, addr.segment_bytes,
+                                   receiver);
 }
 
-void tcp_probe(const PeerAddress& addr, const Deadline& deadline) {
-  ::close(tcp_dial(addr, deadline));
+void tcp_probe(const PeerAddress& addr, int my_rank, uint32_t my_inc, const std::string& secret,
+               const Deadline& deadline) {
+  check_secret(secret, "tcp");
+  FdGuard fd(tcp_dial(addr, deadline));
+  introduce(fd.get(), addr, my_rank, my_inc, secret, deadline);
+  const Frame bye{kBye, 0, 0, 0};
+  send_by(fd.get(), &bye, sizeof(bye), deadline, addr.rank);
 }
 
 }  // namespace mooncake

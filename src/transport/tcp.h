@@ -6,7 +6,8 @@
 //
 // A connection's first frame is a hello followed by the group's secret (a
 // random token every member reads from the store, see Endpoint); nothing
-// else is accepted before it. A connection that sends anything else first, a
+// else is accepted before it. The hello names the process it is for, and the
+// receiver answers it with a welcome (tcp_wire.h). A connection that sends anything else first, a
 // wrong secret, a frame of unknown type, or a write or signal outside the
 // segment is dropped and logged (at most kWarningsPerSecond lines a second);
 // the group goes on. At most kMaxUnauthenticated connections may wait for
@@ -36,10 +37,12 @@ constexpr int64_t kHelloTimeoutMs = 2000;
 class TcpReceiver {
  public:
   // Listens on `bind_host` (empty: all interfaces), an ephemeral port, for
-  // peers that know `secret` (kSecretBytes bytes).
+  // peers that know `secret` (kSecretBytes bytes) and address this process,
+  // incarnation `incarnation` of slot `rank`.
   // `alarm` is bumped whenever a peer's connection closes.
-  TcpReceiver(Segment& segment, int world_capacity, const std::string& bind_host,
-              std::string secret, std::atomic<uint64_t>* alarm = nullptr);
+  TcpReceiver(Segment& segment, int world_capacity, int rank, uint32_t incarnation,
+              const std::string& bind_host, std::string secret,
+              std::atomic<uint64_t>* alarm = nullptr);
   ~TcpReceiver();
   TcpReceiver(const TcpReceiver&) = delete;
   TcpReceiver& operator=(const TcpReceiver&) = delete;
@@ -70,6 +73,8 @@ class TcpReceiver {
   };
   std::unique_ptr<PeerState[]> peers_;
   int capacity_;
+  int rank_;
+  uint32_t incarnation_;
   const std::string secret_;
   std::atomic<uint64_t> rejected_{0};
   LogLimiter log_limit_{kWarningsPerSecond};  // receiver thread only
@@ -77,15 +82,20 @@ class TcpReceiver {
   std::thread thread_;
 };
 
-// Connects to the receiver of the peer at `addr` and introduces this rank
-// (slot `my_rank`, incarnation `my_inc`) with the group's `secret`.
+// Connects to the receiver of the peer at `addr`, introduces this rank (slot
+// `my_rank`, incarnation `my_inc`) with the group's `secret`, and waits for
+// the peer's welcome. Throws kTimeout when no connection is made or no
+// welcome comes by `deadline`, kPeerFailed when the connection closes before
+// the welcome (the process that published `addr` is gone or going, or its
+// port now belongs to another process).
 std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline);
 
-// Whether the receiver of the peer at `addr` accepts a connection within
-// `deadline` (closed again at once, before any hello: the receiver drops it
-// quietly). Throws kTimeout, as tcp_connect does, when it does not.
-void tcp_probe(const PeerAddress& addr, const Deadline& deadline);
+// Whether the process at `addr` answers a connection as tcp_connect's does
+// (throws as it does when not); the connection is closed again with a bye, so
+// the peer does not take the close for this process's death.
+void tcp_probe(const PeerAddress& addr, int my_rank, uint32_t my_inc, const std::string& secret,
+               const Deadline& deadline);
 
 }  // namespace mooncake

@@ -7,8 +7,14 @@
 
 namespace mooncake {
 
-FrameDecoder::FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret)
-    : base_(base), size_(size), capacity_(capacity), secret_(secret) {
+FrameDecoder::FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret,
+                           int rank, uint32_t incarnation)
+    : base_(base),
+      size_(size),
+      capacity_(capacity),
+      secret_(secret),
+      rank_(rank),
+      incarnation_(incarnation) {
   check_secret(secret, "tcp");
   MC_ASSERT(size >= kSegmentHeaderBytes && capacity >= 1);
 }
@@ -65,12 +71,17 @@ FrameDecoder::Step FrameDecoder::on_frame() {
   const Frame& f = frame_;
   if (f.type == kHello) {
     if (hello_rank_ >= 0) return broken("it sent a second hello");
-    if (f.arg >= static_cast<uint64_t>(capacity_) || f.offset > UINT32_MAX - 1 ||
-        f.bell != kSecretBytes)
-      return broken(str("its hello is malformed (rank ", f.arg, " of ", capacity_, ", incarnation ",
-                        f.offset, ", secret of ", f.bell, " bytes)"));
-    hello_rank_ = static_cast<int>(f.arg);
-    hello_inc_ = static_cast<uint32_t>(f.offset);
+    const uint64_t rank = f.arg & UINT32_MAX, inc = f.offset & UINT32_MAX;
+    const uint64_t to_rank = f.arg >> 32, to_inc = f.offset >> 32;
+    if (rank >= static_cast<uint64_t>(capacity_) || inc == UINT32_MAX || f.bell != kSecretBytes)
+      return broken(str("its hello is malformed (rank ", rank, " of ", capacity_, ", incarnation ",
+                        inc, ", secret of ", f.bell, " bytes)"));
+    if (to_rank != static_cast<uint64_t>(rank_) || to_inc != incarnation_)
+      return broken(str("its hello is for rank ", to_rank, " incarnation ", to_inc, ", not rank ",
+                        rank_, " incarnation ", incarnation_,
+                        " (the address it dialled is out of date)"));
+    hello_rank_ = static_cast<int>(rank);
+    hello_inc_ = static_cast<uint32_t>(inc);
     part_ = Part::kSecret;
     return Step::kMore;
   }

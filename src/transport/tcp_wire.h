@@ -1,6 +1,10 @@
 // The tcp transport's wire format, and the checks on everything that arrives.
 // A connection carries 24-byte frames; a write frame is followed by its
-// payload, a hello by the group's secret. FrameDecoder is the receiving side
+// payload, a hello by the group's secret. The receiver answers a hello it
+// accepts with a welcome naming itself, the only frame that flows back: a
+// connect returns only once the process it addressed has answered (a port
+// that a dying process still holds, or that another process has taken since,
+// is not mistaken for a live peer). FrameDecoder is the receiving side
 // of one connection apart from its socket, so that it can be tested and
 // fuzzed on plain bytes (tests/fuzz/frame_fuzz.cc).
 #pragma once
@@ -16,13 +20,20 @@
 namespace mooncake {
 
 enum FrameType : uint32_t {
-  kHello = 1,      // offset: the sender's incarnation, arg: its slot, bell: kSecretBytes
+  kHello = 1,      // offset: incarnations, arg: slots (hello_word), bell: kSecretBytes
   kWrite = 2,      // arg bytes of payload follow, for the segment at offset
   kSignal = 3,     // store arg into the 8-byte flag at offset, then ring bell
   kHeartbeat = 4,  // the sender runs
   kSignalMax = 5,  // like kSignal, but the flag only grows
   kBye = 6,        // the sender closes this connection on purpose: not a death
+  kWelcome = 7,    // receiver to sender, once: offset: its incarnation, arg: its slot
 };
+
+// A hello's offset and arg: the sender's value in the low half, the value it
+// expects of the receiver (its incarnation, its slot) in the high half.
+constexpr uint64_t hello_word(uint32_t sender, uint32_t receiver) {
+  return uint64_t{sender} | uint64_t{receiver} << 32;
+}
 
 struct Frame {
   uint32_t type;
@@ -35,8 +46,10 @@ static_assert(sizeof(Frame) == 24);
 class FrameDecoder {
  public:
   // `base`/`size`: the local segment (whose header holds the doorbells that
-  // signals ring); `capacity`: the group's slots; `secret`: kSecretBytes.
-  FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret);
+  // signals ring); `capacity`: the group's slots; `secret`: kSecretBytes;
+  // `rank`/`incarnation`: the local process, whom a hello must address.
+  FrameDecoder(uint8_t* base, size_t size, int capacity, std::string_view secret, int rank,
+               uint32_t incarnation);
 
   enum class Step {
     kMore,    // nothing completed
@@ -68,6 +81,8 @@ class FrameDecoder {
   size_t size_;
   int capacity_;
   std::string_view secret_;
+  int rank_;
+  uint32_t incarnation_;
   Part part_ = Part::kHeader;
   Frame frame_{};
   size_t got_ = 0;  // bytes of the current part so far

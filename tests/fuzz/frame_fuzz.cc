@@ -51,7 +51,8 @@ template <typename Piece>
 Outcome feed(const uint8_t* data, size_t size, bool accept, Piece piece) {
   Outcome out;
   out.segment = initial();
-  FrameDecoder decoder(out.segment.data(), kBytes, kCapacity, {kSecret, sizeof(kSecret) - 1});
+  // The receiver is rank 0, incarnation 0: whom the corpus's hellos address.
+  FrameDecoder decoder(out.segment.data(), kBytes, kCapacity, {kSecret, sizeof(kSecret) - 1}, 0, 0);
   size_t at = 0;
   for (int i = 0; at < size && !out.broken; ++i) {
     const std::span<uint8_t> into = decoder.next();

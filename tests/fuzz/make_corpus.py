@@ -24,8 +24,12 @@ def frame(kind: int, bell: int, offset: int, arg: int) -> bytes:
     return struct.pack("<IIQQ", kind, bell, offset, arg)
 
 
-def hello(rank: int = 1, inc: int = 0, secret: bytes = SECRET) -> bytes:
-    return frame(HELLO, 32, inc, rank) + secret
+def hello(
+    rank: int = 1, inc: int = 0, secret: bytes = SECRET, to: tuple[int, int] = (0, 0)
+) -> bytes:
+    """A hello from slot `rank`, incarnation `inc`, for the receiver `to`
+    (slot, incarnation; frame_fuzz.cc's receiver is (0, 0))."""
+    return frame(HELLO, 32, inc | to[1] << 32, rank | to[0] << 32) + secret
 
 
 def write(offset: int, payload: bytes) -> bytes:
@@ -51,6 +55,8 @@ def frame_seeds() -> dict[str, bytes]:
         "wrong_secret": b"\x01" + hello(secret=b"f" * 32) + write(HEADER, b"z" * 8),
         "before_hello": b"\x01" + write(HEADER, b"q" * 8) + member,
         "second_hello": b"\x01" + member + hello(2),
+        "for_another": b"\x01" + hello(to=(1, 0)) + write(HEADER, b"a" * 8),
+        "for_a_restart": b"\x01" + hello(to=(0, 1)) + write(HEADER, b"r" * 8),
         "outside": b"\x01" + member + frame(WRITE, 0, 4090, 16) + b"o" * 16,
         "split_payload": b"\x05" + member + write(HEADER, bytes(range(256)) * 4),
     }

@@ -6,8 +6,12 @@
 //
 // A listener whose accept queue is full stands for that host: the kernel drops
 // every further SYN to it. tcp_probe (what the ucx transport dials before
-// UCX's blocking connect) keeps to its deadline alike, and passes for a live
-// receiver without a word to it.
+// UCX's blocking connect) keeps to its deadline alike.
+//
+// A connection the kernel completes proves nothing: a dying process's
+// listener still completes handshakes while its threads are gone, and a dead
+// process's port may belong to another process since. Both calls return only
+// once the receiver they address has welcomed their hello.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -16,6 +20,8 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
+#include <utility>
 
 #include "core/clock.h"
 #include "core/error.h"
@@ -91,24 +97,83 @@ void expect_timeout_at_deadline(F&& dial) {
   EXPECT_LT(took, 2.0);  // a blocking connect would wait about two minutes
 }
 
+// Rank 1's receiver (incarnation 0) in this process, and its address.
+struct LiveReceiver {
+  std::string secret = mooncake::random_secret();
+  mooncake::Segment segment{8192};
+  mooncake::TcpReceiver receiver{segment, 2, 1, 0, "127.0.0.1", secret};
+  mooncake::PeerAddress addr = [this] {
+    mooncake::PeerAddress a = Unanswered().addr;
+    a.tcp_port = receiver.port();
+    return a;
+  }();
+};
+
 TEST(TcpConnect, AProbeEndsAtTheDeadlineAndPassesForALiveReceiver) {
   Unanswered gone;
-  expect_timeout_at_deadline([&](const Deadline& d) { mooncake::tcp_probe(gone.addr, d); });
-  mooncake::Segment segment(8192);
-  mooncake::TcpReceiver receiver(segment, 2, "127.0.0.1", mooncake::random_secret());
-  mooncake::PeerAddress live = gone.addr;
-  live.tcp_port = receiver.port();
-  mooncake::tcp_probe(live, Deadline::after_ms(2000));
-  EXPECT_EQ(receiver.rejected(), 0u);  // a close before any hello is no offence
+  const std::string secret = mooncake::random_secret();
+  expect_timeout_at_deadline(
+      [&](const Deadline& d) { mooncake::tcp_probe(gone.addr, 0, 0, secret, d); });
+  LiveReceiver live;
+  mooncake::tcp_probe(live.addr, 0, 0, live.secret, Deadline::after_ms(2000));
+  EXPECT_EQ(live.receiver.rejected(), 0u);
+  // The probe said bye: its close is not rank 0's death.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(live.receiver.peer_closed(0, 0));
 }
 
 TEST(TcpConnect, ANeverAnsweredConnectEndsAtTheDeadline) {
   Unanswered gone;
-  mooncake::Segment segment(8192);
-  mooncake::TcpReceiver receiver(segment, 2, "127.0.0.1", mooncake::random_secret());
+  LiveReceiver mine;
   expect_timeout_at_deadline([&](const Deadline& d) {
-    mooncake::tcp_connect(gone.addr, 0, 0, mooncake::random_secret(), receiver, d);
+    mooncake::tcp_connect(gone.addr, 0, 0, mine.secret, mine.receiver, d);
   });
+}
+
+// A listener that completes handshakes and never reads: a process whose
+// threads are gone while its sockets still stand.
+TEST(TcpConnect, AConnectionNobodyWelcomesEndsAtTheDeadline) {
+  Fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in sa = loopback(0);
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  ASSERT_EQ(::listen(listener.get(), 8), 0);
+  socklen_t len = sizeof(sa);
+  ASSERT_EQ(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&sa), &len), 0);
+  LiveReceiver mine;
+  mooncake::PeerAddress dying = mine.addr;
+  dying.tcp_port = ntohs(sa.sin_port);
+  expect_timeout_at_deadline([&](const Deadline& d) {
+    mooncake::tcp_connect(dying, 0, 0, mine.secret, mine.receiver, d);
+  });
+  expect_timeout_at_deadline(
+      [&](const Deadline& d) { mooncake::tcp_probe(dying, 0, 0, mine.secret, d); });
+}
+
+// Rank 1's receiver is incarnation 0: a connect for its incarnation 1 (whose
+// address named this port) or for rank 0 is refused at once, and neither
+// side takes anyone for alive or dead; a connect for it is welcomed.
+TEST(TcpConnect, OnlyTheAddressedProcessWelcomesAConnect) {
+  LiveReceiver live;
+  for (auto [rank, inc] : {std::pair{1, 1u}, std::pair{0, 0u}}) {
+    mooncake::PeerAddress other = live.addr;
+    other.rank = rank;
+    other.incarnation = inc;
+    try {
+      mooncake::tcp_connect(other, 0, 0, live.secret, live.receiver, Deadline::after_ms(2000));
+      ADD_FAILURE() << "rank 1 incarnation 0 welcomed a connect for rank " << rank
+                    << " incarnation " << inc;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kPeerFailed) << e.what();
+      EXPECT_NE(std::string(e.what()).find("closed the connection before answering its hello"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(live.receiver.rejected(), 2u);
+  EXPECT_FALSE(live.receiver.peer_closed(0, 0));
+  auto link =
+      mooncake::tcp_connect(live.addr, 0, 0, live.secret, live.receiver, Deadline::after_ms(2000));
+  EXPECT_TRUE(link->alive());
 }
 
 }  // namespace
