@@ -529,7 +529,12 @@ class UcxLink : public PeerLink {
     if (!retryable()) return false;
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
     if (!lock.owns_lock()) return true;  // a sender holds the link, and retries itself
-    return reopen();
+    if (reopen()) return true;
+    // Said once, final: a new endpoint to a dead peer can still be created
+    // now and then (its connect in flight when the call returns), and a peer
+    // seen dead must not come back.
+    given_up_.store(true, std::memory_order_release);
+    return false;
   }
   uint64_t heartbeat() override {
     const auto& f = core_->from[peer_];
@@ -630,9 +635,11 @@ class UcxLink : public PeerLink {
     return current_.load(std::memory_order_acquire)->failed.load(std::memory_order_acquire);
   }
   // Whether a failed endpoint may be replaced: nothing went through yet, the
-  // link was not closed on purpose, and the connect window is open.
+  // link was not closed on purpose nor reported dead, and the connect window
+  // is open.
   bool retryable() const {
-    return !established_.load(std::memory_order_acquire) && !broken_ && now_us() < retry_until_us_;
+    return !established_.load(std::memory_order_acquire) && !broken_ &&
+           !given_up_.load(std::memory_order_acquire) && now_us() < retry_until_us_;
   }
 
   // Creates the endpoint (with a fresh error state).
@@ -749,6 +756,7 @@ class UcxLink : public PeerLink {
   std::vector<void*> closing_;
   std::atomic<bool> established_{false};  // a message went through
   bool broken_ = false;                   // closed on purpose (a send past its deadline)
+  std::atomic<bool> given_up_{false};     // alive() said the peer is gone
   int peer_;
   uint32_t peer_inc_;
   uint64_t peer_bytes_;
