@@ -179,8 +179,9 @@ def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
 
     Every rank makes the same calls: the loop length comes from the slowest
     rank's warm-up, agreed through an all_reduce(MAX). The budget of
-    ``point_seconds`` is split into up to ``repeats`` loops, each between
-    barriers, so that one disturbed loop on a shared host can be told apart.
+    ``point_seconds`` (at least ``min_iters`` calls) is split into ``repeats`` loops,
+    each between barriers, so that one disturbed loop on a shared host can be told
+    apart.
     """
     import torch
     import torch.distributed as dist
@@ -195,8 +196,10 @@ def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
     total = int(cfg["point_seconds"] / max(estimate.item(), 1e-7))
     total = max(cfg["min_iters"], min(cfg["max_iters"], total))
-    repeats = max(1, min(cfg["repeats"], total // cfg["min_iters"]))
-    iters = max(cfg["min_iters"], total // repeats)
+    # As many loops as asked whenever that many calls fit, one call each at the least:
+    # a point of a few large calls is not decided by one disturbed loop.
+    repeats = max(1, min(cfg["repeats"], total))
+    iters = max(1, total // repeats)
     means, usage = [], [0.0, 0.0, 0.0]
     for _ in range(repeats):
         dist.barrier()
