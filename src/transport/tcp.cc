@@ -12,12 +12,12 @@
 
 #include <cstring>
 #include <mutex>
-#include <utility>
 #include <vector>
 
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/unique_fd.h"
 
 namespace mooncake {
 
@@ -438,29 +438,13 @@ void introduce(int fd, const PeerAddress& addr, int my_rank, uint32_t my_inc,
   }
 }
 
-// Closes a socket unless released.
-class FdGuard {
- public:
-  explicit FdGuard(int fd) : fd_(fd) {}
-  ~FdGuard() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-  int get() const { return fd_; }
-  int release() { return std::exchange(fd_, -1); }
-
- private:
-  int fd_;
-};
-
 }  // namespace
 
 std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint32_t my_inc,
                                       const std::string& secret, TcpReceiver& receiver,
                                       const Deadline& deadline) {
   check_secret(secret, "tcp");
-  FdGuard fd(tcp_dial(addr, deadline));
+  UniqueFd fd(tcp_dial(addr, deadline));
   int one = 1;
   ::setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   introduce(fd.get(), addr, my_rank, my_inc, secret, deadline);
@@ -471,7 +455,7 @@ std::unique_ptr<PeerLink> tcp_connect(const PeerAddress& addr, int my_rank, uint
 void tcp_probe(const PeerAddress& addr, int my_rank, uint32_t my_inc, const std::string& secret,
                const Deadline& deadline) {
   check_secret(secret, "tcp");
-  FdGuard fd(tcp_dial(addr, deadline));
+  UniqueFd fd(tcp_dial(addr, deadline));
   introduce(fd.get(), addr, my_rank, my_inc, secret, deadline);
   const Frame bye{kBye, 0, 0, 0};
   send_by(fd.get(), &bye, sizeof(bye), deadline, addr.rank);

@@ -7,12 +7,13 @@
 // A connection's first frame is a hello followed by the group's secret (a
 // random token every member reads from the store, see Endpoint); nothing
 // else is accepted before it. The hello names the process it is for, and the
-// receiver answers it with a welcome (tcp_wire.h). A connection that sends anything else first, a
-// wrong secret, a frame of unknown type, or a write or signal outside the
-// segment is dropped and logged (at most kWarningsPerSecond lines a second);
-// the group goes on. At most kMaxUnauthenticated connections may wait for
-// their hello, each for at most kHelloTimeoutMs; when a new one arrives and
-// the table is full, the one that has waited longest is dropped.
+// receiver answers it with a welcome (tcp_wire.h). A connection that sends
+// anything else first, a wrong secret, a frame of unknown type, or a write or
+// signal outside the segment is dropped and logged (at most
+// kWarningsPerSecond lines a second); the group goes on. At most
+// kMaxUnauthenticated connections may wait for their hello, each for at most
+// kHelloTimeoutMs; when a new one arrives and the table is full, the one that
+// has waited longest is dropped.
 //
 // The store is the trust boundary: whoever can read it knows the secret and
 // is a member (it could, for example, claim a member's slot).

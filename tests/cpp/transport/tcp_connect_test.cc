@@ -25,6 +25,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/unique_fd.h"
 #include "transport/secret.h"
 #include "transport/segment.h"
 #include "transport/tcp.h"
@@ -35,20 +36,7 @@ namespace {
 using mooncake::Deadline;
 using mooncake::Error;
 using mooncake::ErrorKind;
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
+using Fd = mooncake::UniqueFd;
 
 sockaddr_in loopback(int port) {
   sockaddr_in sa{};
