@@ -624,10 +624,22 @@ def no_recover_rank(rank, world_size, port, plan):
     for i, kind in enumerate(("ar", "ar_big", "ag", "ar")):
         t0 = time.monotonic()
         timed.append((ops.run(kind, i), time.monotonic() - t0))
+    # A survivor that left early would be a second failure the other survivor could meet
+    # first (and name) in its own ops.
+    stay_until_done(store, rank, (0, 2))
     return {"log": log, "timed": timed, "active": active.tolist()}
 
 
 # --- elastic: replacements, extensions, joiners that die ------------------------------------
+
+
+def stay_until_done(store, rank, ranks, timeout_s=60.0) -> None:
+    """Marks this rank done and waits (bounded) until ``ranks`` all are: a rank that
+    leaves looks like a failure to those still running ops."""
+    store.set(f"done/{rank}", "1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check([f"done/{r}" for r in ranks]) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def battery(ops: Ops, kinds) -> list:
@@ -959,9 +971,7 @@ def uneven_extension_rank(rank, world_size, port, plan):
         time.sleep(0.01)
     out = [_attempt(lambda: pg.recover_ranks(W, [3]))]
     out += [ops.run("ar", 0) for _ in range(3)]
-    store.set(f"done/{rank}", "1")
-    while not store.check([f"done/{r}" for r in range(world_size)]):
-        time.sleep(0.005)  # nobody leaves before the others are done
+    stay_until_done(store, rank, range(world_size))
     return out
 
 
@@ -990,8 +1000,5 @@ def wrong_capacity_join_rank(rank, world_size, port, plan):
         first = _attempt(lambda: pg.recover_ranks(W, [2]))
     ops = Ops(rank, world_size, active)
     recs = [ops.run("ar", 0) for _ in range(3)] if first[0] == "ok" else []
-    store.set(f"done/{rank}", "1")
-    deadline = time.monotonic() + 60
-    while not all(store.check([f"done/{r}"]) for r in range(3)) and time.monotonic() < deadline:
-        time.sleep(0.005)  # nobody leaves (which would look like a failure) before the rest
+    stay_until_done(store, rank, range(3))
     return [first, recs]
