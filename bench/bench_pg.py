@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -62,6 +63,10 @@ COPY_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 # The overhead probe that calls the backend object itself (see run_worker).
 DIRECT_PROBE = "all_reduce_8B_direct"
+BARE_BINARY = HERE.parent / "build" / "mooncake_latency_bench"
+# Paired rounds of the 8-byte all_reduce against the bare core (paired_rounds).
+PAIR_ROUNDS = 5
+PAIR_POINT_SECONDS = 0.1
 
 
 def parse_bytes(text: str) -> int:
@@ -132,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the small all_reduce with fresh interpreters beside forked ranks",
     )
     p.add_argument(
+        "--no-pairs",
+        action="store_true",
+        help="judge the targets on floors measured apart from the ops: the bare core once "
+        "after the sweep (not in rounds beside the 8-byte all_reduce inside each launch), "
+        "the copy floor at the start (not each rank's copy after each loop of a large op)",
+    )
+    p.add_argument(
         "--quick",
         action="store_true",
         help="world 4, sizes 8 B/4K/64K/1M/16M, short loops: a smoke run of about a minute",
@@ -173,9 +185,11 @@ def make_op(name: str, nbytes: int, world: int):
     raise ValueError(f"unknown op {name}")
 
 
-def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
+def time_point(fn, nbytes: int, cfg: dict, beside=None) -> tuple[list[float], int, dict]:
     """Mean seconds per call of ``fn`` in each timed loop, the calls per loop, and this
     rank's sleeps, preemptions and CPU time per call (see :func:`usage_now`).
+    ``beside``: run as many times right after each loop, between barriers; its mean
+    seconds per call per loop go into the usage dict as ``beside``.
 
     Every rank makes the same calls: the loop length comes from the slowest
     rank's warm-up, agreed through an all_reduce(MAX). The budget of
@@ -200,7 +214,9 @@ def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
     # a point of a few large calls is not decided by one disturbed loop.
     repeats = max(1, min(cfg["repeats"], total))
     iters = max(1, total // repeats)
-    means, usage = [], [0.0, 0.0, 0.0]
+    means, beside_means, usage = [], [], [0.0, 0.0, 0.0]
+    if beside is not None:
+        beside()  # first touch
     for _ in range(repeats):
         dist.barrier()
         before = usage_now()
@@ -210,6 +226,12 @@ def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
         means.append((time.perf_counter() - t0) / iters)
         after = usage_now()
         usage = [u + a - b for u, a, b in zip(usage, after, before, strict=True)]
+        if beside is not None:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                beside()
+            beside_means.append((time.perf_counter() - t0) / iters)
     dist.barrier()
     calls = repeats * iters
     return (
@@ -219,8 +241,19 @@ def time_point(fn, nbytes: int, cfg: dict) -> tuple[list[float], int, dict]:
             "sleeps": round(usage[0] / calls, 2),
             "preempted": round(usage[1] / calls, 2),
             "cpu_us": round(usage[2] / calls * 1e6, 2),
+            **({"beside_us": us(beside_means)} if beside is not None else {}),
         },
     )
+
+
+def copy_beside(copy_bytes: int):
+    """One rank's share of the copy floor, done for real: ``copy_bytes`` copied by
+    ``numpy.copyto``, as the floor's bandwidth is measured (see floors.py)."""
+    import numpy as np
+
+    src = np.ones(max(1, copy_bytes // 4), dtype=np.float32)
+    dst = np.zeros_like(src)
+    return lambda: np.copyto(dst, src)
 
 
 def usage_now() -> tuple[int, int, float]:
@@ -309,7 +342,10 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
     for op in cfg["ops"]:
         for size in cfg["sizes"]:
             fn, nbytes, count = make_op(op, size, world)
-            means, iters, usage = time_point(fn, nbytes, cfg)
+            copy_bytes = cfg.get("copy_beside", {}).get(f"{op}/{nbytes}")
+            beside = copy_beside(int(copy_bytes[rank])) if copy_bytes else None
+            means, iters, usage = time_point(fn, nbytes, cfg, beside)
+            del beside
             record(
                 {
                     "op": op,
@@ -321,7 +357,36 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
                 }
             )
             del fn
+    if cfg.get("pair_rounds") and world >= 2:
+        pairs = paired_rounds(rank, world, store, cfg, probes[DIRECT_PROBE])
+        store.set(f"pairs/{rank}", json.dumps(pairs))
     dist.destroy_process_group()
+
+
+def paired_rounds(rank: int, world: int, store, cfg: dict, direct) -> list[dict]:
+    """The 8-byte all_reduce through torch and through the backend object, each
+    round followed by the bare core in the same world (rank 0 runs the binary while
+    the other ranks sleep in the store): ``[{"torch": loops, "direct": loops,
+    "bare": us}]``, this rank's loop means. On this shared VM the machine's speed
+    drifts over seconds, so a ratio of numbers taken minutes apart was decided by
+    the drift; a round's three are taken within about a second."""
+    import torch
+    import torch.distributed as dist
+
+    eight = torch.zeros(2)
+    short = dict(cfg, point_seconds=PAIR_POINT_SECONDS)
+    rounds = []
+    for i in range(cfg["pair_rounds"]):
+        through, _, _ = time_point(lambda: dist.all_reduce(eight), 8, short)
+        obj, _, _ = time_point(direct, 0, short)
+        key = f"pair_bare/{i}"
+        if rank == 0:
+            bare = run_bare_core(Path(cfg["bare_binary"]), [world]).get(world)
+            store.set(key, json.dumps(bare))
+        else:
+            store.wait([key])
+        rounds.append({"torch": us(through), "direct": us(obj), "bare": json.loads(store.get(key))})
+    return rounds
 
 
 # --- the launcher ---------------------------------------------------------------------
@@ -342,17 +407,35 @@ def launch(backend: str, world: int, cfg: dict, timeout: float, start_method: st
         codes = group.reap(keys)
         if error is None and any(codes):
             error = f"ranks exited with codes {codes}"
-        per_rank = []
+        per_rank, pairs = [], []
         for rank in range(world):
-            key = f"result/{rank}"
+            key, pair_key = f"result/{rank}", f"pairs/{rank}"
             per_rank.append(json.loads(group.store.get(key)) if group.store.check([key]) else [])
+            if group.store.check([pair_key]):
+                pairs.append(json.loads(group.store.get(pair_key)))
     return {
         "backend": backend,
         "world": world,
         "error": error,
         "per_rank": per_rank,
+        "pairs": merge_pairs(pairs) if len(pairs) == world else [],
         "wall_s": round(time.monotonic() - started, 1),
         "loadavg": [load, os.getloadavg()[0]],
+    }
+
+
+def copy_shares(
+    model: floors.FloorModel, world: int, ops: list[str], sizes: list[int]
+) -> dict[str, list[float]]:
+    """ "op/bytes" -> each rank's bytes to copy beside the op (its traffic / 2), for the
+    points whose targets are against the copy floor."""
+    t = report.TARGETS
+    return {
+        f"{op}/{nbytes}": [b / 2 for b in model.traffic(op, nbytes, world)]
+        for op in ops
+        if op in t["large_ops"]
+        for nbytes in sizes
+        if nbytes >= t["large_min_bytes"]
     }
 
 
@@ -379,7 +462,31 @@ def merge(launch_result: dict) -> dict[tuple[str, int], dict]:
             "preempted_per_op": round(sum(r["usage"]["preempted"] for r in rows) / len(rows), 2),
             "cpu_us_per_op": round(sum(r["usage"]["cpu_us"] for r in rows), 1),
         }
+        if all("beside_us" in r["usage"] for r in rows):
+            beside = [max(r["usage"]["beside_us"][k] for r in rows) for k in range(len(loops))]
+            merged[(first["op"], first["bytes"])]["copy_beside_us"] = beside
     return merged
+
+
+def merge_pairs(per_rank: list[list[dict]]) -> list[dict]:
+    """Each paired round as one point: per loop the slowest rank, then the fastest loop,
+    as merge() does; rounds where the bare core failed are left out."""
+
+    def slowest_then_fastest(name: str, i: int) -> float:
+        loops = zip(*(rounds[i][name] for rounds in per_rank), strict=True)
+        return min(max(loop) for loop in loops)
+
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        if first["bare"]:
+            out.append(
+                {
+                    "torch_us": slowest_then_fastest("torch", i),
+                    "backend_object_us": slowest_then_fastest("direct", i),
+                    "bare_us": first["bare"],
+                }
+            )
+    return out
 
 
 def library_version() -> dict:
@@ -475,31 +582,15 @@ def fresh_interpreters(
     return fresh
 
 
-def bare_core(
-    worlds: list[int],
-    rows: list[dict],
-    overhead: list[dict],
-    model: floors.FloorModel,
-    fresh: dict[int, dict],
-) -> list[dict]:
-    """The smallest all_reduce through torch against the bare C++ core's (the
-    mooncake_latency_bench binary, run here for the same worlds when it is built):
-    what torch, Python and the backend add to a small op; between them the same op
-    through the backend object (no dist.all_reduce wrapper, no dispatcher); and
-    beside them torch's layer (torch_layer), which no backend saves.
-    The bare core forks its ranks, as LocalGroup does; ``fresh`` (world -> the
-    same op with fresh interpreters) is shown beside it."""
-    binary = HERE.parent / "build" / "mooncake_latency_bench"
-    ws = [w for w in worlds if w >= 2]
-    if not binary.exists() or not ws:
-        return []
+def run_bare_core(binary: Path, worlds: list[int]) -> dict[int, float]:
+    """world -> the bare core's µs per 8-byte all_reduce (worlds where it failed left out)."""
     try:
         out = subprocess.run(
-            [str(binary), *map(str, ws)], capture_output=True, text=True, timeout=600
+            [str(binary), *map(str, worlds)], capture_output=True, text=True, timeout=600
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         print(f"# bare core: {e}", file=sys.stderr)
-        return []
+        return {}
     bare = {}
     for line in out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
@@ -508,38 +599,100 @@ def bare_core(
                 bare[int(cells[0])] = float(cells[1])
             except ValueError:
                 pass  # "failed"
+    return bare
+
+
+def paired_point(
+    world: int, rounds: list[dict], sweep_layer: float | None, torch_floor: float | None
+) -> dict:
+    """One world's row of bare_core from its rounds: medians of the figures and of
+    the per-round ratios. torch's layer is each round's through torch - through the
+    backend object (the sweep's when a round lacks the backend object). A do-nothing
+    backend through torch: its hand-offs plus torch's layer; the bare core does
+    those hand-offs for real, and at 4 ranks per core in less than the Python ring's
+    floor (which leaves a core idle): the lower of the two counts."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    layers, nothing, nothing_ratios = [], [], []
+    for p in rounds:
+        direct = p["backend_object_us"]
+        layer = sweep_layer if direct is None else max(0.0, p["torch_us"] - direct)
+        layers.append(layer)
+        if torch_floor is not None and layer is not None:
+            nothing.append(min(torch_floor, p["bare_us"] + layer))
+            nothing_ratios.append(nothing[-1] / p["bare_us"])
+    has_direct = all(p["backend_object_us"] is not None for p in rounds)
+    return {
+        "world": world,
+        "torch_us": median([p["torch_us"] for p in rounds]),
+        "backend_object_us": median([p["backend_object_us"] for p in rounds]),
+        "bare_us": median([p["bare_us"] for p in rounds]),
+        "ratio": median([p["torch_us"] / p["bare_us"] for p in rounds]),
+        "backend_object_ratio": median([p["backend_object_us"] / p["bare_us"] for p in rounds])
+        if has_direct
+        else None,
+        "torch_layer_us": median(layers),
+        "do_nothing_us": median(nothing),
+        "do_nothing_ratio": median(nothing_ratios),
+        "rounds": rounds,
+        "fresh_torch_us": None,
+        "fresh_backend_object_us": None,
+        "fresh_ratio": None,
+    }
+
+
+def bare_core(
+    worlds: list[int],
+    rows: list[dict],
+    overhead: list[dict],
+    model: floors.FloorModel,
+    fresh: dict[int, dict],
+    paired: dict[int, list[dict]],
+) -> list[dict]:
+    """The smallest all_reduce through torch against the bare C++ core's (the
+    mooncake_latency_bench binary, run here for the same worlds when it is built):
+    what torch, Python and the backend add to a small op; between them the same op
+    through the backend object (no dist.all_reduce wrapper, no dispatcher); and
+    beside them torch's layer (torch_layer), which no backend saves.
+    ``paired`` (world -> merge_pairs' rounds): where present, each figure and ratio
+    is the median over rounds, every ratio taken within its round; elsewhere the
+    bare core runs once now, beside the sweep's points.
+    The bare core forks its ranks, as LocalGroup does; ``fresh`` (world -> the
+    same op with fresh interpreters) is shown beside it."""
+    ws = [w for w in worlds if w >= 2]
+    if not BARE_BINARY.exists() or not ws:
+        return []
+    unpaired = [w for w in ws if not paired.get(w)]
+    bare = run_bare_core(BARE_BINARY, unpaired) if unpaired else {}
     found = []
     for r in rows:
         torch_us = (r.get("mooncake-cpu") or {}).get("time_us")
-        if r["op"] != "all_reduce" or r["bytes"] != 8 or r["world"] not in bare or not torch_us:
+        w = r["world"]
+        if r["op"] != "all_reduce" or r["bytes"] != 8 or not torch_us:
             continue
-        direct = [
-            o["time_us"]
-            for o in overhead
-            if (o["probe"], o["backend"], o["world"]) == (DIRECT_PROBE, "mooncake-cpu", r["world"])
-        ]
-        direct_us = direct[0] if direct else None
-        w, core = r["world"], bare[r["world"]]
-        layer = model.torch_layer_us(w)
-        # A do-nothing backend through torch: its hand-offs plus torch's layer. The
-        # bare core does those hand-offs for real, and at 4 ranks per core in less
-        # than the Python ring's floor (which leaves a core idle): the lower counts.
-        nothing = r["floor"]["torch_floor_us"]
-        if nothing is not None and layer is not None:
-            nothing = min(nothing, core + layer)
-        point = {
-            "world": w,
-            "torch_us": torch_us,
-            "backend_object_us": direct_us,
-            "bare_us": core,
-            "ratio": torch_us / core,
-            "backend_object_ratio": None if direct_us is None else direct_us / core,
-            "torch_layer_us": layer,
-            "do_nothing_ratio": None if nothing is None else nothing / core,
-            "fresh_torch_us": None,
-            "fresh_backend_object_us": None,
-            "fresh_ratio": None,
-        }
+        if paired.get(w):
+            rounds = paired[w]
+        elif w in bare:
+            direct = [
+                o["time_us"]
+                for o in overhead
+                if (o["probe"], o["backend"], o["world"]) == (DIRECT_PROBE, MOONCAKE_CPU, w)
+            ]
+            rounds = [
+                {
+                    "torch_us": torch_us,
+                    "backend_object_us": direct[0] if direct else None,
+                    "bare_us": bare[w],
+                }
+            ]
+        else:
+            continue
+        point = paired_point(w, rounds, model.torch_layer_us(w), r["floor"]["torch_floor_us"])
+        torch_us, direct_us, core = point["torch_us"], point["backend_object_us"], point["bare_us"]
+        layer, nothing = point["torch_layer_us"], point["do_nothing_us"]
         fresh_us = fresh.get(w, {}).get("all_reduce_us", {}).get(8)
         if fresh_us:
             point["fresh_torch_us"] = fresh_us
@@ -561,7 +714,16 @@ def bare_core(
                 + (f", through the backend object {obj:.1f} us" if obj else "")
                 + f" ({point['fresh_ratio']:.2f}x the bare core)"
             )
-        if layer is not None:
+        if len(point["rounds"]) > 1:
+            print(
+                f"#   medians of {len(point['rounds'])} rounds, each through torch / through the "
+                "backend object / bare core (us): "
+                + ", ".join(
+                    f"{p['torch_us']:.1f}/{p['backend_object_us']:.1f}/{p['bare_us']:.1f}"
+                    for p in point["rounds"]
+                )
+            )
+        if layer is not None and nothing is not None:
             print(
                 f"#   torch's layer {layer:.1f} us (through torch - through the backend "
                 f"object); a do-nothing backend: {nothing:.1f} us with the hand-offs (the "
@@ -622,17 +784,27 @@ def main(argv: list[str] | None = None) -> int:
     errors, launches = [], []
     by_world: dict[int, dict[str, dict]] = {}
     probe_worlds = ([] if args.no_overhead or 1 in worlds else [1]) + worlds
+    # The 8-byte all_reduce against the bare core, in rounds inside each world's launch.
+    pair = BARE_BINARY.exists() and "all_reduce" in ops and 8 in sizes and not args.no_pairs
+    paired: dict[int, list[dict]] = {}
     for world in probe_worlds:
         world_cfg = dict(cfg, ops=ops if world in worlds else [])
         by_backend = by_world.setdefault(world, {})
         for backend in backends:
             print(f"# launching {backend}, world {world} ...", file=sys.stderr, flush=True)
-            result = launch(backend, world, world_cfg, args.launch_timeout, args.start_method)
-            launches.append({k: v for k, v in result.items() if k != "per_rank"})
+            run_cfg = world_cfg
+            if pair and backend == MOONCAKE_CPU and world in worlds and world >= 2:
+                run_cfg = dict(run_cfg, pair_rounds=PAIR_ROUNDS, bare_binary=str(BARE_BINARY))
+            if not args.no_pairs and backend == MOONCAKE_CPU and world == report.KEY_WORLD:
+                run_cfg = dict(run_cfg, copy_beside=copy_shares(model, world, ops, sizes))
+            result = launch(backend, world, run_cfg, args.launch_timeout, args.start_method)
+            launches.append({k: v for k, v in result.items() if k not in ("per_rank", "pairs")})
             if result["error"]:
                 print(f"# {backend} world {world}: {result['error']}", file=sys.stderr)
                 errors.append({"backend": backend, "world": world, "error": result["error"]})
             by_backend[backend] = merge(result)
+            if result["pairs"]:
+                paired[world] = result["pairs"]
         layer = torch_layer(by_backend.get(MOONCAKE_CPU, {}))
         if layer is not None:
             model.torch_layer[world] = layer
@@ -645,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     forked = args.start_method == "forkserver"
     if forked and MOONCAKE_CPU in backends and "all_reduce" in ops and small and not args.no_fresh:
         fresh = fresh_interpreters(worlds, small, cfg, args.launch_timeout)
-    bare = bare_core(worlds, results["rows"], results["overhead"], model, fresh)
+    bare = bare_core(worlds, results["rows"], results["overhead"], model, fresh, paired)
     targets = report.check_targets(results, backends, bare, fresh)
     report.print_overheads(results["overhead"], backends)
     report.print_targets(targets)
