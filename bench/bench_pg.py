@@ -364,29 +364,45 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
 
 
 def paired_rounds(rank: int, world: int, store, cfg: dict, direct) -> list[dict]:
-    """The 8-byte all_reduce through torch and through the backend object, each
-    round followed by the bare core in the same world (rank 0 runs the binary while
-    the other ranks sleep in the store): ``[{"torch": loops, "direct": loops,
-    "bare": us}]``, this rank's loop means. On this shared VM the machine's speed
-    drifts over seconds, so a ratio of numbers taken minutes apart was decided by
-    the drift; a round's three are taken within about a second."""
-    import torch
-    import torch.distributed as dist
-
-    eight = torch.zeros(2)
+    """Rounds of the small all_reduce (every size in ``cfg["pair_sizes"]``, 8 bytes
+    among them) through torch and the 8-byte one through the backend object, each
+    round followed by its floors in the same world: the bare core and the hand-off
+    ring (rank 0 runs both while the other ranks sleep in the store). Returns
+    ``[{"small": {bytes: loops}, "direct": loops, "bare": us, "hop_us": us}]``, this
+    rank's loop means. On this shared VM the machine's speed drifts over seconds,
+    so a ratio of numbers taken minutes apart was decided by the drift; a round's
+    are taken within a few seconds."""
     short = dict(cfg, point_seconds=PAIR_POINT_SECONDS)
+    small = [make_op("all_reduce", n, world) for n in cfg["pair_sizes"]]
     rounds = []
     for i in range(cfg["pair_rounds"]):
-        through, _, _ = time_point(lambda: dist.all_reduce(eight), 8, short)
+        loops = {str(nbytes): us(time_point(fn, nbytes, short)[0]) for fn, nbytes, _ in small}
         obj, _, _ = time_point(direct, 0, short)
-        key = f"pair_bare/{i}"
+        key = f"pair_floors/{i}"
         if rank == 0:
-            bare = run_bare_core(Path(cfg["bare_binary"]), [world]).get(world)
-            store.set(key, json.dumps(bare))
+            floors_now = {
+                "bare": run_bare_core(Path(cfg["bare_binary"]), [world]).get(world),
+                "hop_us": run_ring(world),
+            }
+            store.set(key, json.dumps(floors_now))
         else:
             store.wait([key])
-        rounds.append({"torch": us(through), "direct": us(obj), "bare": json.loads(store.get(key))})
+        rounds.append({"small": loops, "direct": us(obj), **json.loads(store.get(key))})
     return rounds
+
+
+def run_ring(world: int) -> float | None:
+    """The hand-off floor's hop at ``world`` (µs), measured now in a fresh interpreter
+    (floors.py forks its ring, which a rank with threads should not)."""
+    code = f"import floors; print(floors.measure_handoff({world}, trials=5).hop_us)"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=120
+        )
+        return float(out.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        print(f"# hand-off ring, world {world}: {e}", file=sys.stderr)
+        return None
 
 
 # --- the launcher ---------------------------------------------------------------------
@@ -472,20 +488,26 @@ def merge_pairs(per_rank: list[list[dict]]) -> list[dict]:
     """Each paired round as one point: per loop the slowest rank, then the fastest loop,
     as merge() does; rounds where the bare core failed are left out."""
 
-    def slowest_then_fastest(name: str, i: int) -> float:
-        loops = zip(*(rounds[i][name] for rounds in per_rank), strict=True)
-        return min(max(loop) for loop in loops)
+    def slowest_then_fastest(loops_per_rank: list[list[float]]) -> float:
+        return min(max(loop) for loop in zip(*loops_per_rank, strict=True))
 
     out = []
     for i, first in enumerate(per_rank[0]):
-        if first["bare"]:
-            out.append(
-                {
-                    "torch_us": slowest_then_fastest("torch", i),
-                    "backend_object_us": slowest_then_fastest("direct", i),
-                    "bare_us": first["bare"],
-                }
-            )
+        if not first["bare"]:
+            continue
+        mine = [rounds[i] for rounds in per_rank]
+        small = {
+            int(n): slowest_then_fastest([r["small"][n] for r in mine]) for n in first["small"]
+        }
+        out.append(
+            {
+                "torch_us": small[8],
+                "backend_object_us": slowest_then_fastest([r["direct"] for r in mine]),
+                "bare_us": first["bare"],
+                "hop_us": first["hop_us"],
+                "small_us": small,
+            }
+        )
     return out
 
 
@@ -602,46 +624,69 @@ def run_bare_core(binary: Path, worlds: list[int]) -> dict[int, float]:
     return bare
 
 
-def paired_point(
-    world: int, rounds: list[dict], sweep_layer: float | None, torch_floor: float | None
-) -> dict:
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def paired_point(world: int, rounds: list[dict], sweep_layer: float | None) -> dict:
     """One world's row of bare_core from its rounds: medians of the figures and of
     the per-round ratios. torch's layer is each round's through torch - through the
     backend object (the sweep's when a round lacks the backend object). A do-nothing
     backend through torch: its hand-offs plus torch's layer; the bare core does
     those hand-offs for real, and at 4 ranks per core in less than the Python ring's
-    floor (which leaves a core idle): the lower of the two counts."""
-
-    def median(values: list[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return statistics.median(known) if known else None
-
+    floor (which leaves a core idle): the lower of the two counts. A round's
+    ``floor_us`` is the 8-byte op's floor (hand-off or copy) beside it, if known."""
     layers, nothing, nothing_ratios = [], [], []
     for p in rounds:
         direct = p["backend_object_us"]
         layer = sweep_layer if direct is None else max(0.0, p["torch_us"] - direct)
         layers.append(layer)
-        if torch_floor is not None and layer is not None:
-            nothing.append(min(torch_floor, p["bare_us"] + layer))
+        if p.get("floor_us") is not None and layer is not None:
+            nothing.append(min(p["floor_us"], p["bare_us"]) + layer)
             nothing_ratios.append(nothing[-1] / p["bare_us"])
     has_direct = all(p["backend_object_us"] is not None for p in rounds)
     return {
         "world": world,
-        "torch_us": median([p["torch_us"] for p in rounds]),
-        "backend_object_us": median([p["backend_object_us"] for p in rounds]),
-        "bare_us": median([p["bare_us"] for p in rounds]),
-        "ratio": median([p["torch_us"] / p["bare_us"] for p in rounds]),
-        "backend_object_ratio": median([p["backend_object_us"] / p["bare_us"] for p in rounds])
+        "torch_us": _median([p["torch_us"] for p in rounds]),
+        "backend_object_us": _median([p["backend_object_us"] for p in rounds]),
+        "bare_us": _median([p["bare_us"] for p in rounds]),
+        "ratio": _median([p["torch_us"] / p["bare_us"] for p in rounds]),
+        "backend_object_ratio": _median([p["backend_object_us"] / p["bare_us"] for p in rounds])
         if has_direct
         else None,
-        "torch_layer_us": median(layers),
-        "do_nothing_us": median(nothing),
-        "do_nothing_ratio": median(nothing_ratios),
+        "torch_layer_us": _median(layers),
+        "do_nothing_us": _median(nothing),
+        "do_nothing_ratio": _median(nothing_ratios),
         "rounds": rounds,
         "fresh_torch_us": None,
         "fresh_backend_object_us": None,
         "fresh_ratio": None,
     }
+
+
+def small_against_floors(model: floors.FloorModel, world: int, rounds: list[dict]) -> dict:
+    """bytes -> the small all_reduce against its hand-off floor and its torch floor
+    (floor + torch's layer), each the median over rounds of the ratio within a round
+    (the ring's hop and torch's layer measured in that round); {} without rounds
+    that measured the ring."""
+    usable = [p for p in rounds if p.get("hop_us") and p.get("small_us")]
+    out = {}
+    for nbytes in usable[0]["small_us"] if usable else ():
+        vs_hand, vs_torch, nothing = [], [], []
+        for p in usable:
+            hand = model.handoff_us("all_reduce", nbytes, world, hop=p["hop_us"])
+            floor = max(hand, model.copy_us("all_reduce", nbytes, world))
+            layer = max(0.0, p["torch_us"] - p["backend_object_us"])
+            vs_hand.append(p["small_us"][nbytes] / hand if hand > 0 else None)
+            vs_torch.append(p["small_us"][nbytes] / (floor + layer) if floor + layer > 0 else None)
+            nothing.append((floor + layer) / hand if hand > 0 else None)
+        out[nbytes] = {
+            "vs_handoff": _median(vs_hand),
+            "vs_torch_floor": _median(vs_torch),
+            "do_nothing_vs_handoff": _median(nothing),  # a backend that moved nothing
+        }
+    return out
 
 
 def bare_core(
@@ -674,7 +719,16 @@ def bare_core(
         if r["op"] != "all_reduce" or r["bytes"] != 8 or not torch_us:
             continue
         if paired.get(w):
-            rounds = paired[w]
+            copy = model.copy_us("all_reduce", 8, w)
+            rounds = [
+                dict(
+                    p,
+                    floor_us=max(model.handoff_us("all_reduce", 8, w, hop=p["hop_us"]), copy)
+                    if p["hop_us"]
+                    else r["floor"]["floor_us"],
+                )
+                for p in paired[w]
+            ]
         elif w in bare:
             direct = [
                 o["time_us"]
@@ -686,11 +740,13 @@ def bare_core(
                     "torch_us": torch_us,
                     "backend_object_us": direct[0] if direct else None,
                     "bare_us": bare[w],
+                    "floor_us": r["floor"]["floor_us"],
                 }
             ]
         else:
             continue
-        point = paired_point(w, rounds, model.torch_layer_us(w), r["floor"]["torch_floor_us"])
+        point = paired_point(w, rounds, model.torch_layer_us(w))
+        point["small"] = small_against_floors(model, w, rounds)
         torch_us, direct_us, core = point["torch_us"], point["backend_object_us"], point["bare_us"]
         layer, nothing = point["torch_layer_us"], point["do_nothing_us"]
         fresh_us = fresh.get(w, {}).get("all_reduce_us", {}).get(8)
@@ -717,9 +773,10 @@ def bare_core(
         if len(point["rounds"]) > 1:
             print(
                 f"#   medians of {len(point['rounds'])} rounds, each through torch / through the "
-                "backend object / bare core (us): "
+                "backend object / bare core / the ring's hop (us): "
                 + ", ".join(
-                    f"{p['torch_us']:.1f}/{p['backend_object_us']:.1f}/{p['bare_us']:.1f}"
+                    f"{p['torch_us']:.1f}/{p['backend_object_us']:.1f}/{p['bare_us']:.1f}/"
+                    + (f"{p['hop_us']:.1f}" if p.get("hop_us") else "-")
                     for p in point["rounds"]
                 )
             )
@@ -794,7 +851,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# launching {backend}, world {world} ...", file=sys.stderr, flush=True)
             run_cfg = world_cfg
             if pair and backend == MOONCAKE_CPU and world in worlds and world >= 2:
-                run_cfg = dict(run_cfg, pair_rounds=PAIR_ROUNDS, bare_binary=str(BARE_BINARY))
+                run_cfg = dict(
+                    run_cfg,
+                    pair_rounds=PAIR_ROUNDS,
+                    bare_binary=str(BARE_BINARY),
+                    pair_sizes=[n for n in sizes if n <= report.TARGETS["small_max_bytes"]],
+                )
             if not args.no_pairs and backend == MOONCAKE_CPU and world == report.KEY_WORLD:
                 run_cfg = dict(run_cfg, copy_beside=copy_shares(model, world, ops, sizes))
             result = launch(backend, world, run_cfg, args.launch_timeout, args.start_method)

@@ -343,8 +343,9 @@ class FloorModel:
             return entry.single_gbps
         return min(processes * entry.single_gbps, entry.aggregate_gbps)
 
-    def handoff_us(self, op: str, nbytes: int, n: int) -> float:
-        hop = self.handoff[n].hop_us
+    def handoff_us(self, op: str, nbytes: int, n: int, hop: float | None = None) -> float:
+        """``hop``: a hop measured elsewhere (bench_pg's paired rounds), else the run's."""
+        hop = self.handoff[n].hop_us if hop is None else hop
         return self.rounds(op, nbytes, n) * max(1.0, n / self.cores) * hop
 
     def torch_layer_us(self, n: int) -> float | None:

@@ -321,15 +321,21 @@ def check_targets(
         met = worst >= limit if better == "high" else worst <= limit
         return {"target": name, "met": met, "worst": worst, "at_bytes": at, "limit": limit}
 
-    def through_torch(r: dict) -> float | None:
-        torch_floor = r["floor"]["torch_floor_us"]
-        return None if torch_floor is None else r[MOONCAKE]["time_us"] / torch_floor
+    # Paired rounds (bench_pg.small_against_floors), where the run took them: each size
+    # against the ring and torch's layer measured beside it.
+    paired = next((b.get("small") for b in bare if b["world"] == KEY_WORLD), None) or {}
+    in_rounds = " (in rounds with the ring)" if paired else ""
+
+    def vs_handoff(r: dict) -> float:
+        if r["bytes"] in paired:
+            return paired[r["bytes"]]["vs_handoff"]
+        return r[MOONCAKE]["time_us"] / r["floor"]["handoff_us"]
 
     plain = verdict(
         f"all_reduce <= {fmt_bytes(t['small_max_bytes'])}: mooncake <= "
-        f"{t['small_floor_ratio']:g}x hand-off floor",
+        f"{t['small_floor_ratio']:g}x hand-off floor{in_rounds}",
         small,
-        lambda r: r[MOONCAKE]["time_us"] / r["floor"]["handoff_us"],
+        vs_handoff,
         t["small_floor_ratio"],
         "low",
     )
@@ -337,10 +343,13 @@ def check_targets(
     # The do-nothing figure is a model (hand-off floor + torch's layer); where mooncake
     # beats it, it bounds nothing and goes unsaid.
     nothing = [
-        r["floor"]["torch_floor_us"] / r["floor"]["handoff_us"]
+        paired[r["bytes"]]["do_nothing_vs_handoff"]
+        if r["bytes"] in paired
+        else r["floor"]["torch_floor_us"] / r["floor"]["handoff_us"]
         for r in small
-        if r["floor"]["torch_floor_us"] is not None
+        if r["bytes"] in paired or r["floor"]["torch_floor_us"] is not None
     ]
+    nothing = [v for v in nothing if v is not None]
     if nothing and max(nothing) > t["small_floor_ratio"] and plain["worst"] >= max(nothing):
         plain["note"] = f"out of reach through torch: a do-nothing backend is at {max(nothing):.2f}"
     fresh_us = ((fresh or {}).get(KEY_WORLD) or {}).get("all_reduce_us", {})
@@ -350,11 +359,18 @@ def check_targets(
     if fresh_ratios:
         said = f"{plain['note']}; " if plain.get("note") else ""
         plain["note"] = f"{said}fresh interpreters: {max(fresh_ratios):.2f}"
+
+    def through_torch(r: dict) -> float | None:
+        if r["bytes"] in paired:
+            return paired[r["bytes"]]["vs_torch_floor"]
+        torch_floor = r["floor"]["torch_floor_us"]
+        return None if torch_floor is None else r[MOONCAKE]["time_us"] / torch_floor
+
     out = [
         plain,
         verdict(
             f"all_reduce <= {fmt_bytes(t['small_max_bytes'])}: mooncake <= "
-            f"{t['small_floor_ratio']:g}x torch floor (hand-off + torch's layer)",
+            f"{t['small_floor_ratio']:g}x torch floor (hand-off + torch's layer){in_rounds}",
             small,
             through_torch,
             t["small_floor_ratio"],

@@ -13,15 +13,27 @@ import floors  # noqa: E402
 import report  # noqa: E402
 
 
-def _round(torch_loops, direct_loops, bare):
-    return {"torch": torch_loops, "direct": direct_loops, "bare": bare}
+def _round(small_loops, direct_loops, bare, hop=3.0):
+    return {"small": small_loops, "direct": direct_loops, "bare": bare, "hop_us": hop}
 
 
 def test_merge_pairs_takes_the_slowest_rank_then_the_fastest_loop_and_drops_failed_rounds():
-    rank0 = [_round([10, 20], [5, 9], 4.0), _round([1, 1], [1, 1], None)]
-    rank1 = [_round([12, 11], [6, 3], 4.0), _round([1, 1], [1, 1], None)]
+    rank0 = [
+        _round({"8": [10, 20], "4096": [30, 31]}, [5, 9], 4.0),
+        _round({"8": [1, 1], "4096": [1, 1]}, [1, 1], None),
+    ]
+    rank1 = [
+        _round({"8": [12, 11], "4096": [29, 40]}, [6, 3], 4.0),
+        _round({"8": [1, 1], "4096": [1, 1]}, [1, 1], None),
+    ]
     assert bench_pg.merge_pairs([rank0, rank1]) == [
-        {"torch_us": 12, "backend_object_us": 6, "bare_us": 4.0}
+        {
+            "torch_us": 12,
+            "backend_object_us": 6,
+            "bare_us": 4.0,
+            "hop_us": 3.0,
+            "small_us": {8: 12, 4096: 30},
+        }
     ]
 
 
@@ -40,7 +52,7 @@ def test_paired_point_is_the_median_of_the_ratios_within_rounds():
         {"torch_us": 30.0, "backend_object_us": 30.0, "bare_us": 5.0},
         {"torch_us": 50.0, "backend_object_us": 30.0, "bare_us": 8.0},
     ]
-    p = bench_pg.paired_point(8, rounds, sweep_layer=None, torch_floor=None)
+    p = bench_pg.paired_point(8, rounds, sweep_layer=None)
     assert p["ratio"] == pytest.approx(2.0)
     assert p["backend_object_ratio"] == pytest.approx(1.2)
     assert p["torch_us"] == 30.0 and p["bare_us"] == 10.0
@@ -49,16 +61,33 @@ def test_paired_point_is_the_median_of_the_ratios_within_rounds():
 
 
 def test_paired_point_do_nothing_backend_is_the_lower_of_the_floor_and_the_bare_core_plus_layer():
-    rounds = [{"torch_us": 100.0, "backend_object_us": 60.0, "bare_us": 50.0}]
-    # torch's layer 40: bare + layer = 90, above a torch floor of 70
-    p = bench_pg.paired_point(8, rounds, sweep_layer=None, torch_floor=70.0)
+    # torch's layer 40; the round's floor (30) is under the bare core (50)
+    rounds = [{"torch_us": 100.0, "backend_object_us": 60.0, "bare_us": 50.0, "floor_us": 30.0}]
+    p = bench_pg.paired_point(8, rounds, sweep_layer=None)
     assert p["do_nothing_us"] == pytest.approx(70.0)
     assert p["do_nothing_ratio"] == pytest.approx(1.4)
-    # without the backend object, the sweep's layer stands in
-    alone = [{"torch_us": 100.0, "backend_object_us": None, "bare_us": 50.0}]
-    q = bench_pg.paired_point(8, alone, sweep_layer=10.0, torch_floor=70.0)
+    # without the backend object, the sweep's layer stands in; the bare core is lower
+    alone = [{"torch_us": 100.0, "backend_object_us": None, "bare_us": 50.0, "floor_us": 80.0}]
+    q = bench_pg.paired_point(8, alone, sweep_layer=10.0)
     assert q["do_nothing_us"] == pytest.approx(60.0)
     assert q["backend_object_ratio"] is None
+
+
+def test_small_sizes_are_judged_against_the_ring_and_torch_layer_of_their_round():
+    model = _model()
+    model.handoff[4] = floors.HandOff(4, 10.0, 11.0, 1.0, [11.0])
+    # world 4 on 2 cores: one round of messages, 2 ranks per core: hand-off = 2 x hop
+    rounds = [
+        {"torch_us": 40.0, "backend_object_us": 30.0, "hop_us": 10.0, "small_us": {8: 40.0}},
+        {"torch_us": 90.0, "backend_object_us": 50.0, "hop_us": 30.0, "small_us": {8: 90.0}},
+        {"torch_us": 60.0, "backend_object_us": 40.0, "hop_us": 15.0, "small_us": {8: 60.0}},
+        {"torch_us": 1.0, "backend_object_us": 1.0, "hop_us": None, "small_us": {8: 1.0}},
+    ]
+    out = bench_pg.small_against_floors(model, 4, rounds)
+    assert out[8]["vs_handoff"] == pytest.approx(2.0)  # 40/20, 90/60, 60/30
+    assert out[8]["vs_torch_floor"] == pytest.approx(1.2)  # 40/30, 90/100, 60/50
+    assert out[8]["do_nothing_vs_handoff"] == pytest.approx(5 / 3)  # 30/20, 100/60, 50/30
+    assert bench_pg.small_against_floors(model, 4, rounds[3:]) == {}
 
 
 def test_copy_beside_ratio_pairs_each_loop_with_the_copy_after_it():
