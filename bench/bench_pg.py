@@ -12,7 +12,7 @@ and ``bench/README.md``): the wake-up hand-offs the algorithm needs, and the
 bytes it must copy at this host's memcpy bandwidth. Results go to
 ``<out-dir>/pg.json``, ``pg.png`` and ``pg_table.md``.
 
-    .venv/bin/python bench/bench_pg.py            # the full run, about 10 minutes
+    .venv/bin/python bench/bench_pg.py            # the full run, about 2 minutes on 2 cores
     .venv/bin/python bench/bench_pg.py --quick    # world 4, five sizes, about a minute
 """
 
