@@ -64,7 +64,7 @@ COPY_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 # The overhead probe that calls the backend object itself (see run_worker).
 DIRECT_PROBE = "all_reduce_8B_direct"
 BARE_BINARY = HERE.parent / "build" / "mooncake_latency_bench"
-# Paired rounds of the 8-byte all_reduce against the bare core (paired_rounds).
+# Rounds of the small all_reduce beside the bare core and the hand-off ring (paired_rounds).
 PAIR_ROUNDS = 5
 PAIR_POINT_SECONDS = 0.1
 
@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-pairs",
         action="store_true",
         help="judge the targets on floors measured apart from the ops: the bare core once "
-        "after the sweep (not in rounds beside the 8-byte all_reduce inside each launch), "
-        "the copy floor at the start (not each rank's copy after each loop of a large op)",
+        "after the sweep and the hand-off ring at the start (not in rounds beside the small "
+        "all_reduce inside each launch), the copy floor at the start (not each rank's copy "
+        "after each loop of a large op)",
     )
     p.add_argument(
         "--quick",
@@ -189,7 +190,7 @@ def time_point(fn, nbytes: int, cfg: dict, beside=None) -> tuple[list[float], in
     """Mean seconds per call of ``fn`` in each timed loop, the calls per loop, and this
     rank's sleeps, preemptions and CPU time per call (see :func:`usage_now`).
     ``beside``: run as many times right after each loop, between barriers; its mean
-    seconds per call per loop go into the usage dict as ``beside``.
+    microseconds per call per loop go into the usage dict as ``beside_us``.
 
     Every rank makes the same calls: the loop length comes from the slowest
     rank's warm-up, agreed through an all_reduce(MAX). The budget of
@@ -479,8 +480,10 @@ def merge(launch_result: dict) -> dict[tuple[str, int], dict]:
             "cpu_us_per_op": round(sum(r["usage"]["cpu_us"] for r in rows), 1),
         }
         if all("beside_us" in r["usage"] for r in rows):
-            beside = [max(r["usage"]["beside_us"][k] for r in rows) for k in range(len(loops))]
-            merged[(first["op"], first["bytes"])]["copy_beside_us"] = beside
+            point = merged[(first["op"], first["bytes"])]
+            point["copy_beside_us"] = [
+                max(r["usage"]["beside_us"][k] for r in rows) for k in range(len(loops))
+            ]
     return merged
 
 
@@ -665,6 +668,12 @@ def paired_point(world: int, rounds: list[dict], sweep_layer: float | None) -> d
     }
 
 
+def round_floor_us(model: floors.FloorModel, nbytes: int, world: int, hop: float) -> float:
+    """An all_reduce's floor (hand-off or copy) with the ring's hop of one round."""
+    hand = model.handoff_us("all_reduce", nbytes, world, hop=hop)
+    return max(hand, model.copy_us("all_reduce", nbytes, world))
+
+
 def small_against_floors(model: floors.FloorModel, world: int, rounds: list[dict]) -> dict:
     """bytes -> the small all_reduce against its hand-off floor and its torch floor
     (floor + torch's layer), each the median over rounds of the ratio within a round
@@ -676,7 +685,7 @@ def small_against_floors(model: floors.FloorModel, world: int, rounds: list[dict
         vs_hand, vs_torch, nothing = [], [], []
         for p in usable:
             hand = model.handoff_us("all_reduce", nbytes, world, hop=p["hop_us"])
-            floor = max(hand, model.copy_us("all_reduce", nbytes, world))
+            floor = round_floor_us(model, nbytes, world, p["hop_us"])
             layer = max(0.0, p["torch_us"] - p["backend_object_us"])
             vs_hand.append(p["small_us"][nbytes] / hand if hand > 0 else None)
             vs_torch.append(p["small_us"][nbytes] / (floor + layer) if floor + layer > 0 else None)
@@ -719,11 +728,10 @@ def bare_core(
         if r["op"] != "all_reduce" or r["bytes"] != 8 or not torch_us:
             continue
         if paired.get(w):
-            copy = model.copy_us("all_reduce", 8, w)
             rounds = [
                 dict(
                     p,
-                    floor_us=max(model.handoff_us("all_reduce", 8, w, hop=p["hop_us"]), copy)
+                    floor_us=round_floor_us(model, 8, w, p["hop_us"])
                     if p["hop_us"]
                     else r["floor"]["floor_us"],
                 )
@@ -841,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     errors, launches = [], []
     by_world: dict[int, dict[str, dict]] = {}
     probe_worlds = ([] if args.no_overhead or 1 in worlds else [1]) + worlds
-    # The 8-byte all_reduce against the bare core, in rounds inside each world's launch.
+    # The small all_reduce beside the bare core and the ring, in rounds inside each launch.
     pair = BARE_BINARY.exists() and "all_reduce" in ops and 8 in sizes and not args.no_pairs
     paired: dict[int, list[dict]] = {}
     for world in probe_worlds:

@@ -607,6 +607,15 @@ def p2p_dead_peer_rank(rank, world_size, port, plan):
     return out
 
 
+def stay_until_done(store, rank, ranks, timeout_s=60.0) -> None:
+    """Marks this rank done and waits (bounded) until ``ranks`` all are: a rank that
+    leaves looks like a failure to those still running ops."""
+    store.set(f"done/{rank}", "1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check([f"done/{r}" for r in ranks]) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 # --- MOONCAKE_RECOVER=0 --------------------------------------------------------------------
 
 
@@ -631,15 +640,6 @@ def no_recover_rank(rank, world_size, port, plan):
 
 
 # --- elastic: replacements, extensions, joiners that die ------------------------------------
-
-
-def stay_until_done(store, rank, ranks, timeout_s=60.0) -> None:
-    """Marks this rank done and waits (bounded) until ``ranks`` all are: a rank that
-    leaves looks like a failure to those still running ops."""
-    store.set(f"done/{rank}", "1")
-    deadline = time.monotonic() + timeout_s
-    while not store.check([f"done/{r}" for r in ranks]) and time.monotonic() < deadline:
-        time.sleep(0.005)
 
 
 def battery(ops: Ops, kinds) -> list:
