@@ -44,9 +44,13 @@ build: $(BUILD)/build.ninja
 
 test: build test-cpp test-py
 
+# The device library's tests (build/mooncake_device_tests, where the CUDA
+# toolkit is found) run here too: those that need a GPU skip without one
+# (make gpu-check runs them on one, and fails on any skip).
 test-cpp: build
 	@if [ -x $(BUILD)/mooncake_tests ]; then cd $(BUILD) && ctest --output-on-failure -j2; \
 	else echo "C++ tests not built (GoogleTest missing)"; exit 1; fi
+	@if [ -x $(BUILD)/mooncake_device_tests ]; then $(BUILD)/mooncake_device_tests --gtest_brief=1; fi
 
 # The C++ tests (core only, no torch) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer: any report fails the run. The ucx variants of

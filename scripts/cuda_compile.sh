@@ -1,22 +1,15 @@
 #!/usr/bin/env bash
-# Compiles the CUDA half with nvcc, no GPU needed, so that a broken kernel
-# never lands: every .cu under src/ (sm_90 machine code and PTX) and the CUDA
-# runtime's host code (transport/cuda_ipc.cc). The GPU machine builds and runs
-# them for real (scripts/gpu_check.sh). Objects go to build-nvcc/.
+# Builds the device library (mooncake_cuda: src/device and src/kernels, sm_90
+# machine code and PTX), its tests and the C++ example with nvcc, warnings as
+# errors, no GPU and no torch needed, so that a broken kernel or a device
+# library that needs torch never lands. The GPU machine builds and runs them
+# for real (scripts/gpu_check.sh). Build tree: build-nvcc/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-NVCC=${NVCC:-nvcc}
-command -v "$NVCC" >/dev/null || { echo "error: $NVCC not found (CUDA toolkit needed)"; exit 1; }
-out=build-nvcc
-mkdir -p "$out"
-flags=(-std=c++20 -O3 -Isrc -Xcompiler -Wall -Werror all-warnings
-       -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90)
-n=0
-while IFS= read -r f; do
-  "$NVCC" "${flags[@]}" -c "$f" -o "$out/$(basename "$f").o"
-  n=$((n + 1))
-done < <(find src -name '*.cu' | sort)
-# Host code through nvcc too: it knows where the toolkit's headers are.
-"$NVCC" -std=c++20 -O2 -Isrc -Xcompiler -Wall,-Wextra,-Werror -x cu \
-  -c src/transport/cuda_ipc.cc -o "$out/cuda_ipc.o"
-echo "nvcc: compiled $n CUDA files and the cuda_ipc transport ($("$NVCC" --version | tail -1))"
+command -v "${NVCC:-nvcc}" >/dev/null || { echo "error: ${NVCC:-nvcc} not found (CUDA toolkit needed)"; exit 1; }
+cmake -S . -B build-nvcc -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DMOONCAKE_CUDA=ON \
+  -DMOONCAKE_CUDA_WERROR=ON ${NVCC:+-DCMAKE_CUDA_COMPILER=$NVCC} >/dev/null
+targets=(mooncake_cuda mooncake_device_example)
+grep -q "^mooncake_device_tests:\|build mooncake_device_tests:" build-nvcc/build.ninja && targets+=(mooncake_device_tests)
+cmake --build build-nvcc --target "${targets[@]}"
+echo "nvcc: built ${targets[*]} without torch ($(nvcc --version | tail -1))"

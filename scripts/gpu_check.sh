@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The whole GPU-machine run (device tool): build against that machine's torch
-# (CUDA), then doctor, the C++ tests when GoogleTest is there, the Python tests
-# and a quick benchmark. Writes logs to $OUT (default /tmp/mooncake-gpu-out).
+# (CUDA), then doctor, the C++ tests, the Python tests and a quick benchmark.
+# Writes logs to $OUT (default /tmp/mooncake-gpu-out).
 #   device run: bash scripts/gpu_check.sh
-# GPU_STEPS picks steps (default all: "doctor cpp py elastic bench pgcuda epdev epelastic
-# epprof epbench"; the build always runs, incrementally), so a run can be split over device
-# calls.
+# That machine has no GoogleTest and no package registry: carry its sources
+# (`cp -r /usr/src/googletest/googletest .gtest` here, after `make deps`; the
+# device call names .gtest in carry), and the C++ tests are built from them.
+# GPU_STEPS picks steps (default all: "doctor cpp device py elastic bench pgcuda epdev
+# epelastic epprof epbench"; the build always runs, incrementally), so a run can be split
+# over device calls.
+#   device:  the device library without torch (build-gpu-core: no torch on its include
+#            path): tests/cpp/device (1-3 processes on the GPU, under MPS) and the C++
+#            example (3 processes, a rank killed); a test that skips fails the step.
 #   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
 #            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS), then
@@ -35,7 +41,9 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp py elastic bench pgcuda epdev epelastic epprof epbench} "
+STEPS=" ${GPU_STEPS:-doctor cpp device py elastic bench pgcuda epdev epelastic epprof epbench} "
+GTEST_ARGS=()
+[ -f .gtest/CMakeLists.txt ] && GTEST_ARGS=(-DMOONCAKE_GTEST_SOURCE="$PWD/.gtest")
 step() { echo "== $1"; }
 # sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
 # log in $OUT/LOG_STEM_TOOL.log; any error fails the run.
@@ -53,6 +61,19 @@ sanitize() {
 }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
 
+# Several processes on one GPU run their kernels side by side only under MPS
+# (without it they time-slice: correct, milliseconds per round trip).
+MPS_ON=0
+start_mps() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mooncake-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mooncake-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if nvidia-cuda-mps-control -d 2>&1; then MPS_ON=1; echo "MPS started"; else echo "MPS did not start: running without it"; fi
+}
+stop_mps() {
+  if [ "$MPS_ON" = 1 ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=0; sleep 1; echo "MPS stopped"; fi
+}
+trap stop_mps EXIT
+
 step "machine"
 { nvidia-smi || true; nproc; "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'; } 2>&1 | tee "$OUT/machine.txt"
 
@@ -69,8 +90,8 @@ if [ -f build-gpu/CMakeCache.txt ] && ! grep -q "CMAKE_CUDA_HOST_COMPILER:.*=$CX
   rm -rf build-gpu  # configured with another host compiler (cached; cannot change in place)
 fi
 cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
-  -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" \
-  -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" 2>&1 | tee "$OUT/build.log" >/dev/null
+  -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" "${GTEST_ARGS[@]}" \
+  -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" 2>&1 | tee "$OUT/build.log" >/dev/null || status=1
 cmake --build build-gpu -j"$(nproc)" 2>&1 | tee -a "$OUT/build.log" | tail -3 || status=1
 # A second C++ runtime inside the module crashes in iostreams: say so plainly.
 so=$(ls python/mooncake/_pg_torch*.so 2>/dev/null | head -1)
@@ -87,6 +108,22 @@ elif [ -x build-gpu/mooncake_tests ]; then
   (cd build-gpu && ctest --output-on-failure -j8) 2>&1 | tee "$OUT/ctest.log" | tail -5 || status=1
 else
   echo "GoogleTest not available here: C++ tests skipped" | tee "$OUT/ctest.log"
+fi
+
+# The device library as a C++ user builds it: no torch anywhere on the include path.
+if wants device; then
+  step "device library without torch"
+  cmake -S . -B build-gpu-core -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DMOONCAKE_CUDA=ON \
+    -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" "${GTEST_ARGS[@]}" \
+    >"$OUT/build_core.log" 2>&1 || status=1
+  cmake --build build-gpu-core -j"$(nproc)" --target mooncake_device_example mooncake_device_tests \
+    >>"$OUT/build_core.log" 2>&1 || { status=1; tail -20 "$OUT/build_core.log"; }
+  start_mps
+  timeout 400 build-gpu-core/mooncake_device_tests 2>&1 | tee "$OUT/device_tests.log" | tail -6 || status=1
+  grep -q "^\[  PASSED  \]" "$OUT/device_tests.log" || status=1
+  if grep -q "^\[  SKIPPED \]" "$OUT/device_tests.log"; then echo "error: device tests skipped"; status=1; fi
+  timeout 120 build-gpu-core/mooncake_device_example 3 2>&1 | tee "$OUT/device_example.log" | tail -4 || status=1
+  stop_mps
 fi
 
 wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
@@ -119,18 +156,6 @@ if wants pgcuda; then
   sanitize tests/python/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS:-memcheck racecheck}
 fi
 
-# Several processes on one GPU run their kernels side by side only under MPS
-# (without it they time-slice: correct, milliseconds per round trip).
-MPS_ON=0
-start_mps() {
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mooncake-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mooncake-mps/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d 2>&1; then MPS_ON=1; echo "MPS started"; else echo "MPS did not start: running without it"; fi
-}
-stop_mps() {
-  if [ "$MPS_ON" = 1 ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=0; sleep 1; echo "MPS stopped"; fi
-}
-trap stop_mps EXIT
 
 if wants pgcuda; then
   step "CUDA backend: benchmark (no MPS, then MPS at 2 and 4 processes)"

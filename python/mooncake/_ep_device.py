@@ -2,7 +2,8 @@
 
 Every rank of the group allocates its workspace (``get_ep_buffer_size_hint``
 bytes) in device memory and exports it; same-host peers map each other's
-through CUDA IPC (``src/transport/cuda_ipc.h``). A dispatch stages each token
+through CUDA IPC (the device library's EP buffer, ``src/device/ep.h``, which
+this module drives through the extension's ``EpDevice``). A dispatch stages each token
 once, sends headers to the ranks holding its experts and publishes
 per-(expert, source) counts; those ranks copy the rows from its stage. A
 combine puts the expert outputs in the workspace (the zero-copy buffer is
@@ -32,11 +33,9 @@ import torch
 from . import _checks, pg
 from ._ep_types import DispatchHandle, HandleState, stream_waiter, tensor_key
 
-#: Status codes of ``src/kernels/api.h``.
-_BAD_EXPERT, _OVERFLOW, _BAD_HEADER, _BAD_COUNT, _SILENT, _NOT_RESIDENT = 1, 2, 3, 4, 5, 6
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # index entries per token (src/ep/layout.h)
 _BOTH = pg._ext.EP_PHASE_BOTH  # a launch of both phases
-_ROW_BYTES = 128  # one exchanged row: the IPC handle, the boot id, the bus id, present
+_SILENT = pg._ext.EP_STATUS_SILENT_PEER  # the status report of a peer masked for silence
 
 
 def _env_int(name: str) -> int:
@@ -57,40 +56,6 @@ def _silent(rank: int) -> str:
     return f"rank {rank} masked: silent past the deadline of a receive phase"
 
 
-def _boot_id() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return f.read().strip()[:40]
-    except OSError:
-        return b""
-
-
-def encode_row(handle: bytes, bus_id: str) -> bytes:
-    """What peers need to map a workspace: its handle, this host's boot id (mapping
-    works on one host only), the GPU's bus id, and a presence byte."""
-    row = bytearray(_ROW_BYTES)
-    boot, bus = _boot_id(), bus_id.encode()[:16]
-    row[0:64] = handle
-    row[64 : 64 + len(boot)] = boot
-    row[104 : 104 + len(bus)] = bus
-    row[124] = 1  # present
-    return bytes(row)
-
-
-def decode_row(row: bytes) -> tuple[bool, bytes, bytes, bytes]:
-    """``(present, handle, boot id, bus id)`` of a row from :func:`encode_row` (an empty
-    or short row: absent)."""
-    if len(row) != _ROW_BYTES or row[124] != 1:
-        return False, b"", b"", b""
-    return True, row[0:64], row[64:104].rstrip(b"\0"), row[104:120].rstrip(b"\0")
-
-
-def same_host(boot: bytes) -> bool:
-    """Whether a peer whose boot id is ``boot`` runs on this host (so it can be mapped)."""
-    mine = _boot_id()
-    return bool(mine) and boot == mine
-
-
 class DevicePath:
     """One Buffer's device workspace, its peers' mappings and its launches.
 
@@ -106,7 +71,6 @@ class DevicePath:
         self.device = device
         self.ext = pg._ext.EpDevice(num_bytes, device.index)
         self.reachable: list[bool] = []
-        self.num_blocks = 1
         self._comm: torch.cuda.Stream | None = None  # async_finish's stream
         self._cap_ns = _env_int("MOONCAKE_EP_WAIT_CAP_MS") * 1_000_000  # timeout_us == -1
         self.usable = False  # whether every member that takes part is mapped
@@ -115,15 +79,21 @@ class DevicePath:
         self._checked_combine: tuple | None = None
         self._combine_views: dict[tuple, torch.Tensor] = {}  # combine_buffer's, per half and shape
 
-    def row(self) -> bytes:
-        """This workspace's row for the peers (:func:`encode_row`)."""
-        return encode_row(self.ext.handle(), self.ext.bus_id)
+    def card(self) -> bytes:
+        """This workspace's card for the peers: its IPC handle, host and GPU
+        (``src/device/peers.h``; peers map it where they run on the same host)."""
+        return self.ext.card()
+
+    @property
+    def num_blocks(self) -> int:
+        """The grid of each launch: this GPU's SMs split among the processes on it."""
+        return self.ext.num_blocks
 
     def share_gpu(self, processes: int) -> None:
         """Every block of a launch must be resident at once (blocks wait for each
         other's stores), and ``processes`` processes on this GPU (this one included) run
         their kernels side by side: each takes its share of the SMs."""
-        self.num_blocks = max(1, self.ext.sm_count // max(1, processes))
+        self.ext.share_gpu(processes)
 
     def _hand_over_silent(self) -> None:
         for r in self.ext.take_silent():
@@ -138,39 +108,11 @@ class DevicePath:
             self.ext.status(clear=True)
 
     def raise_reported(self, what: str) -> None:
-        """As :meth:`poll`, then raises what an earlier kernel on this rank reported."""
+        """As :meth:`poll`, then raises what an earlier kernel on this rank reported
+        (ValueError for bad ``topk_idx`` values, RuntimeError for corrupt data or a
+        grid that was not resident)."""
         self._hand_over_silent()
-        code, d0, d1, _ = self.ext.status(clear=True)
-        if code in (0, _SILENT):
-            return
-        if code == _BAD_EXPERT:
-            raise ValueError(
-                f"{what}: an earlier dispatch on this rank had topk_idx holding expert {d0} "
-                f"(token {d1}); ids must be in [0, num_experts) or -1; that selection was "
-                f"dropped"
-            )
-        if code == _OVERFLOW:
-            raise ValueError(
-                f"{what}: an earlier dispatch on this rank had topk_idx sending {d1} tokens to "
-                f"expert {d0}, more than num_max_dispatch_tokens_per_rank: a token selects it "
-                f"twice; the rows past it were dropped"
-            )
-        if code == _BAD_HEADER:
-            raise RuntimeError(
-                f"{what}: an earlier dispatch received a message from rank {d0} for local "
-                f"expert {d1} whose header disagrees with its place: the data is corrupt"
-            )
-        if code == _NOT_RESIDENT:
-            raise RuntimeError(
-                f"{what}: in an earlier FP8 dispatch on this rank only {d0} of its {d1} blocks "
-                f"ran at once (the GPU is shared with other work), so some tokens may have "
-                f"been sent before they were quantised; set MOONCAKE_EP_FORCE_FALLBACK=1 on "
-                f"such a GPU"
-            )
-        raise RuntimeError(
-            f"{what}: an earlier dispatch received a count of {d1} from rank {d0}, more than "
-            f"num_max_dispatch_tokens_per_rank: its data is corrupt"
-        )
+        self.ext.raise_reported(what)
 
     # --- the Buffer's calls on this path ----------------------------------------------
 

@@ -132,7 +132,6 @@ class Slots:
         self._dev_views: dict[int, torch.Tensor] = {}  # _dev_mask[:R], per R
         self._mapped: set[int] = set()  # slots whose workspace is mapped
         self.count_pending = False  # peers published since the last device call told counts
-        self._gpu = ""  # "<boot id> <bus id>" of this process's GPU, with a device path
 
     # --- allocation --------------------------------------------------------------------
 
@@ -171,7 +170,7 @@ class Slots:
             self.timeout_ms,
             self.metadata_timeout_ms,
             self.store_prefix,
-            "" if path is None else path.row().hex(),
+            "" if path is None else path.card().hex(),
         )
         self.num_ranks = num_ranks
         self.num_experts_per_rank = num_experts_per_rank
@@ -195,9 +194,8 @@ class Slots:
             self._dev_mask = None
             return
         path.ext.reserve(self.num_ranks, self.rank)
-        boot = _ep_device.decode_row(path.row())[2].decode() or "-"
-        self._gpu = f"{boot} {path.ext.bus_id}"  # this process's GPU, as the store records it
-        self.store.set(self._gpu_key(self.rank), f"{self._gpu} {os.getpid()}")
+        # This process's GPU, as the store records it: its card, which says the host and GPU.
+        self.store.set(self._gpu_key(self.rank), f"{path.card().hex()} {os.getpid()}")
         self._dev_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=path.device)
         self._dev_mask[self.rank] = 1
         self._refresh_device(recount=True)
@@ -207,7 +205,7 @@ class Slots:
         _sync_device()
         path = self._new_device(num_bytes)
         if path is not None or self.device is not None:
-            self._peers.set_device_meta("" if path is None else path.row().hex())
+            self._peers.set_device_meta("" if path is None else path.card().hex())
         self.num_rdma_bytes = num_bytes
         self._attach_device(path)
 
@@ -238,8 +236,8 @@ class Slots:
             key = self._gpu_key(s)
             if s == self.rank or not self.store.check([key]):
                 continue
-            gpu, _, pid = self.store.get(key).decode().rpartition(" ")
-            if gpu == self._gpu and _pid_alive(int(pid or 0)):
+            card, _, pid = self.store.get(key).decode().rpartition(" ")
+            if self.device.ext.shares_gpu(bytes.fromhex(card)) and _pid_alive(int(pid or 0)):
                 n += 1
         return n
 
@@ -252,8 +250,7 @@ class Slots:
             row = bytes.fromhex(meta)
         except ValueError:
             return  # not a device row: reached through the portable path only
-        here, handle, boot, _ = _ep_device.decode_row(row)
-        if here and _ep_device.same_host(boot) and self.device.ext.map_peer(slot, handle):
+        if self.device.ext.map_peer(slot, row):
             self._mapped.add(slot)
 
     def _publish(self, slot: int) -> None:

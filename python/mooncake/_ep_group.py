@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _ep_device, pg
 from . import _ep_fallback as fb
+from . import pg
 from ._checks import MAX_INT, is_int
 
 
@@ -139,22 +139,14 @@ class GroupMembers:
         dies later stays mapped (its memory outlives it): the kernels mask it. So
         whether every member is mapped is settled here, once."""
         R = self.num_ranks
-        own = path.row()
-        row = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
-        rows = torch.zeros(R * row.numel(), dtype=torch.uint8)
-        pg._backend_of(self.group)._allgather_base(rows, row).wait()
-        rows = rows.reshape(R, row.numel())
-        mine = _ep_device.decode_row(own)
-        handles, present, sharing = [], [], 0
-        for r in range(R):
-            here, handle, boot, bus = _ep_device.decode_row(bytes(rows[r].tolist()))
-            present.append(here)
-            near = here and _ep_device.same_host(boot)
-            handles.append(handle if near and r != self.rank else b"")
-            sharing += near and bus == mine[3]
-        path.reachable = path.ext.connect(handles, self.rank)
+        own = path.card()
+        card = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
+        cards = torch.zeros(R * card.numel(), dtype=torch.uint8)
+        pg._backend_of(self.group)._allgather_base(cards, card).wait()
+        cards = cards.reshape(R, card.numel())
+        # A rank outside the group's view sends zeros: absent, not unreachable.
+        path.reachable, present = path.ext.connect([bytes(c.tolist()) for c in cards], self.rank)
         path.usable = all(m for m, p in zip(path.reachable, present, strict=True) if p)
-        path.share_gpu(sharing)
 
     def device_masks(self, active_ranks, R: int, device) -> tuple[torch.Tensor, None]:
         """The kernels' masks for a call: ``active_ranks``, or the group's view kept on

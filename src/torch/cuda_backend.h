@@ -2,27 +2,29 @@
 // handling and membership for CUDA tensors (and, unchanged, for CPU tensors,
 // so one group serves both).
 //
-// Data path: each op's device tensors are staged through pinned host memory
-// on a stream of the backend's own, around the host op:
+// Data path: when every rank runs on this host, all_reduce, broadcast,
+// all_gather and reduce_scatter (tensor and list forms) whose bytes the
+// device collectives serve (device/collectives.h: between
+// MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES), and every
+// all_to_all_single and all_to_all, run there: GPU to GPU through mapped
+// segments, with the same failure handling. List forms take it with one
+// tensor per rank of the world (longer lists reach ranks that joined past
+// it and are staged), so every rank of such an op must pass lists of the
+// same length.
+//
+// Every other op is staged through pinned host memory on a stream of the
+// backend's own, around the host op (cuda_staging.h):
 //   caller's stream ──event──> staging stream: device → host copies
 //   op thread: waits for those copies, runs mooncake-cpu's op on the host
 //              copies (agreement, re-runs and hand-on as on the CPU)
 //   staging stream: host → device copies of the results, then a done event.
-// The caller's thread only queues work: an op returns at once, and
-// Work.wait() makes the caller's current stream wait for the done event
+// This path also serves peers on other hosts.
+//
+// Either way the caller's thread only queues work: an op returns at once,
+// and Work.wait() makes the caller's current stream wait for the done event
 // (blocking the host only until the host op has finished, never on the
 // GPU). The future carries the device's events. A send copies its tensor to
 // the host before it is posted (the caller waits for that copy).
-//
-// This is the portable device path (it also serves peers on other hosts).
-// When every rank runs on this host, all_reduce, broadcast, all_gather and
-// reduce_scatter (tensor and list forms) whose segment bytes are between
-// MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES, and every
-// all_to_all_single and all_to_all, take the device plane instead
-// (cuda_plane.h): GPU to GPU through mapped segments, with the same failure
-// handling. List forms take it with one tensor per rank of the world (longer
-// lists reach ranks that joined past it and are staged), so every rank of
-// such an op must pass lists of the same length.
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
@@ -32,12 +34,11 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "device/collectives.h"
 #include "torch/backend.h"
-#include "torch/cuda_plane.h"
 
 namespace mooncake {
 
-class Event;
 class Staging;
 struct StagedOp;
 
@@ -116,44 +117,47 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   template <typename Build>
   c10::intrusive_ptr<c10d::Work> staged(const char* op, Kind kind, Build&& build);
 
-  // Device plane (cuda_plane.h). Whether an op whose tensors are `tensors`
-  // and whose input is `bytes` long runs on it: the decision depends only on
-  // what every rank of the op shares (the group, the dtype, the size), so
-  // that all of them take the same path.
+  // The staged form of an op whose inputs `in` are copied to the host and
+  // whose outputs `out` back: `call(host_out, host_in)` runs mooncake-cpu's op.
+  template <typename In, typename Out, typename HostOp>
+  c10::intrusive_ptr<c10d::Work> host_op(const char* op, c10d::OpType type,
+                                         std::vector<at::Tensor> results, const In& in,
+                                         const char* in_arg, const Out& out, const char* out_arg,
+                                         HostOp&& call);
+  // The same for an op whose `tensors` are both input and output.
+  template <typename HostOp>
+  c10::intrusive_ptr<c10d::Work> host_inout(const char* op, c10d::OpType type,
+                                            std::vector<at::Tensor>& tensors, const char* arg,
+                                            HostOp&& call);
+
+  // Whether an op whose tensors are `tensors` and whose input is `bytes`
+  // long runs on the device collectives: the decision depends only on what
+  // every rank of the op shares (the group, the dtype, the size), so that all
+  // of them take the same path.
   // `bytes` nullopt: an op whose inputs differ in size between ranks (any fits).
   bool on_plane(const std::vector<at::Tensor>& tensors, std::optional<size_t> bytes);
   // The same for a list form: `list` holds one tensor per rank of the world,
   // each with as many elements as `one`.
   bool on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list,
                      std::optional<size_t> bytes);
-  // On the op thread: `copy_in` queues this rank's input into its segment;
-  // once it is there, `move(members, segments)` queues the op's reads of the
-  // members' segments, among the members, until it succeeds (re-runs after
-  // failures read the same segments); returns once the device has run it.
-  void plane_run(
-      OpType type, DType dtype, RedOp op, int root, uint64_t numel, int64_t timeout_ms,
-      const std::function<void()>& copy_in,
-      const std::function<void(const std::vector<int>&, const std::vector<const uint8_t*>&)>& move);
-  // On the op thread: waits until the staging stream has run what is queued.
-  void wait_stream();
-  // all_to_all_single and all_to_all on the device plane (every rank's input
-  // staged in regions of its segment, one per destination, in as many rounds
-  // as the largest edge needs). `inputs` and `outputs` hold one tensor each
-  // (slices at the counts' offsets) or one per rank of the world.
-  void plane_all_to_all(const std::vector<at::Tensor>& inputs,
-                        const std::vector<at::Tensor>& outputs,
-                        const std::vector<size_t>& in_counts, const std::vector<size_t>& out_counts,
-                        DType dtype, int64_t timeout_ms);
-  // This rank's segment from `offset` bytes on, seen as a contiguous tensor
-  // shaped like `like`.
-  at::Tensor segment_as(const at::Tensor& like, size_t offset = 0);
+  // Runs `move(collectives, stream)` on the op thread, on the staging stream
+  // (after the caller's stream has reached the op), and returns its Work.
+  template <typename Move>
+  c10::intrusive_ptr<c10d::Work> on_device(Staging& s, c10d::OpType type,
+                                           std::vector<at::Tensor> results, Move move);
+  // all_to_all_single (one tensor each, sliced by the counts) and all_to_all
+  // (one tensor per rank) on the device collectives.
+  c10::intrusive_ptr<c10d::Work> all_to_all_on_device(Staging& s, const char* op, c10d::OpType type,
+                                                      const std::vector<at::Tensor>& inputs,
+                                                      const std::vector<at::Tensor>& outputs,
+                                                      std::vector<size_t> in_counts,
+                                                      std::vector<size_t> out_counts,
+                                                      int64_t timeout);
 
   int device_ = -1;  // -1: this process sees no GPU (CPU tensors only)
   std::optional<c10::cuda::CUDAStream> stream_;
-  at::Tensor user_active_;              // what active_ranks() returns
-  std::unique_ptr<CudaPlane> plane_;    // null: every op is staged through the host
-  size_t plane_min_bytes_ = 0;          // smaller inputs are staged
-  std::shared_ptr<Event> stream_done_;  // wait_stream's event (made on its first call)
+  at::Tensor user_active_;                   // what active_ranks() returns
+  std::unique_ptr<DeviceCollectives> coll_;  // null: every op is staged through the host
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;

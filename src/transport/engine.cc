@@ -12,6 +12,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "core/host.h"
 #include "core/limits.h"
 #include "core/record.h"
 #include "core/wait.h"
@@ -21,19 +22,6 @@
 namespace mooncake {
 
 namespace {
-
-std::string read_first_line(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-std::string ns_id(const char* path) {
-  char buf[128];
-  ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("?");
-}
 
 std::string default_host() {
   char name[256] = {0};
@@ -51,8 +39,7 @@ std::string default_host() {
 }  // namespace
 
 const std::string& local_host_key() {
-  static const std::string key = read_first_line("/proc/sys/kernel/random/boot_id") + "|" +
-                                 ns_id("/proc/self/ns/net") + "|" + ns_id("/proc/self/ns/pid");
+  static const std::string key = boot_id() + "|" + net_namespace() + "|" + pid_namespace();
   return key;
 }
 

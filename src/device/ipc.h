@@ -1,9 +1,9 @@
-// Same-host GPU transport: a rank's device workspace is exported as a CUDA
-// IPC handle, and every same-host peer maps it; the kernels then store into
-// peers' memory directly (over NVLink between GPUs, or within one GPU when
-// several processes share it) and publish with system-scope releases. This
-// file only hands the mappings over; the copies belong to the data plane
-// (src/kernels).
+// Device memory shared between processes of one host: a rank's segment is
+// exported as a CUDA IPC handle, and every same-host peer maps it; kernels
+// then store into peers' memory directly (over NVLink between GPUs, or within
+// one GPU when several processes share it) and publish with system-scope
+// releases. This file only hands the mappings over (peers.h decides who maps
+// whom); the copies belong to the kernels (src/kernels).
 //
 // Legacy cudaIpc* handles are used: on the GPU machine they work between
 // processes on one GPU and between GPUs of a host, and a mapping stays valid
@@ -13,7 +13,7 @@
 //
 // Who may open a handle: any process of the host that learns its 64 bytes.
 // The handles travel through the group's own exchange (the store is the trust
-// boundary, as for the other transports).
+// boundary, as for the host transports).
 #pragma once
 
 #include <cstddef>
@@ -61,12 +61,5 @@ class PeerMapping {
   uint8_t* data_ = nullptr;
   int device_ = 0;
 };
-
-// The PCI bus id of `device` ("0000:1b:00.0"): peers with the same one share
-// a GPU (and so its multiprocessors).
-std::string device_bus_id(int device);
-
-// The number of multiprocessors of `device`.
-int device_sm_count(int device);
 
 }  // namespace mooncake

@@ -1,0 +1,262 @@
+#include "device/collectives.h"
+
+#include <algorithm>
+
+#include "collectives/layout.h"
+#include "core/env.h"
+#include "core/error.h"
+#include "kernels/reduce.h"
+
+namespace mooncake {
+
+namespace {
+
+// all_to_all gives each peer a region of at least this many bytes of a segment.
+constexpr size_t kMinRegion = 256;
+
+void copy(void* to, const void* from, size_t bytes, cudaStream_t stream, const char* what) {
+  if (bytes != 0)
+    cuda_check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream), what);
+}
+
+void zero(void* to, size_t bytes, cudaStream_t stream, const char* what) {
+  if (bytes != 0) cuda_check(cudaMemsetAsync(to, 0, bytes, stream), what);
+}
+
+// out = the segments' elements from `offset` on, reduced in member order.
+void reduce_segments(const std::vector<const uint8_t*>& segments, size_t offset, void* out,
+                     size_t count, DType dtype, RedOp op, cudaStream_t stream) {
+  kernels::ReduceArgs a;
+  a.nsrc = static_cast<int>(segments.size());
+  for (int i = 0; i < a.nsrc; ++i) a.srcs[i] = segments[static_cast<size_t>(i)] + offset;
+  a.out = out;
+  a.count = count;
+  a.dtype = dtype;
+  a.op = op;
+  a.avg_divisor = a.nsrc;
+  cuda_check(static_cast<cudaError_t>(kernels::launch_reduce(a, stream)), "reduce kernel");
+}
+
+}  // namespace
+
+std::optional<DeviceCollectives::Options> DeviceCollectives::Options::from_env() {
+  const int64_t bytes = env_int("MOONCAKE_CUDA_SEGMENT_BYTES");
+  if (bytes <= 0 || env_string("MOONCAKE_TRANSPORT") == "tcp") return std::nullopt;
+  Options o;
+  o.segment_bytes = static_cast<size_t>(bytes);
+  o.min_bytes = static_cast<size_t>(std::max<int64_t>(0, env_int("MOONCAKE_CUDA_PLANE_MIN_BYTES")));
+  return o;
+}
+
+DeviceCollectives::DeviceCollectives(Communicator& comm, Store& store, std::string prefix,
+                                     int device, Options options)
+    : comm_(comm),
+      directory_(store, std::move(prefix), device),
+      device_(device),
+      options_(options) {
+  directory_.publish_host(comm_.rank());
+}
+
+bool DeviceCollectives::serves(std::optional<size_t> bytes, int64_t timeout_ms) {
+  if (comm_.size() > kernels::kMaxReduceSources) return false;
+  if (bytes && (*bytes > options_.segment_bytes || *bytes < options_.min_bytes)) return false;
+  if (!bytes && options_.segment_bytes < static_cast<size_t>(comm_.size()) * kMinRegion)
+    return false;
+  if (same_host_ < 0) same_host_ = directory_.all_on_this_host(comm_.size(), timeout_ms) ? 1 : 0;
+  return same_host_ == 1;
+}
+
+uint8_t* DeviceCollectives::mine() {
+  if (!segment_) {
+    segment_ = std::make_unique<DeviceSegment>(options_.segment_bytes, device_);
+    const View view = comm_.view();
+    directory_.publish(comm_.rank(), view.incarnation[static_cast<size_t>(comm_.rank())],
+                       PeerCard::of(*segment_));
+  }
+  return segment_->data();
+}
+
+std::vector<const uint8_t*> DeviceCollectives::segments(const std::vector<int>& members,
+                                                        int64_t timeout_ms) {
+  const View view = comm_.view();
+  std::vector<const uint8_t*> out;
+  out.reserve(members.size());
+  for (int p : members)
+    out.push_back(p == comm_.rank()
+                      ? mine()
+                      : directory_.map(p, view.incarnation[static_cast<size_t>(p)], timeout_ms));
+  return out;
+}
+
+void DeviceCollectives::finish(cudaStream_t stream) {
+  if (!done_) done_ = std::make_unique<CudaEvent>(true);
+  done_->record(stream);
+  done_->wait();
+}
+
+void DeviceCollectives::check_width(const std::vector<int>& members, const char* op) const {
+  for (int p : members)
+    MC_CHECK_ARG(p < comm_.size(), op, ": rank ", p, " joined beyond the world size (",
+                 comm_.size(), ") and has no slice in the per-rank tensors");
+}
+
+void DeviceCollectives::run(OpType type, DType dtype, RedOp op, int root, uint64_t numel,
+                            cudaStream_t stream, int64_t timeout_ms,
+                            const std::function<void(uint8_t*)>& copy_in, const Move& move) {
+  OnDevice on(device_);
+  // The segment is free: the last op's commit round said every member had read it.
+  copy_in(mine());
+  finish(stream);
+  comm_.run_external(type, dtype, op, root, numel, timeout_ms,
+                     [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
+                       // Every member's input is in its segment, published: a member that
+                       // died before is found here, not by a wait for its segment.
+                       sync.barrier();
+                       move(members, segments(members, timeout_ms));
+                       finish(stream);  // before the commit round lets peers reuse theirs
+                     });
+}
+
+void DeviceCollectives::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
+                                   cudaStream_t stream, int64_t timeout_ms) {
+  MC_CHECK_ARG(redop_supported(op, dtype), "all_reduce: ", redop_name(op), " is not defined on ",
+               dtype_name(dtype));
+  const size_t bytes = count * dtype_size(dtype);
+  run(
+      OpType::kAllReduce, dtype, op, -1, count, stream, timeout_ms,
+      [&](uint8_t* seg) { copy(seg, in, bytes, stream, "all_reduce input"); },
+      [&](const std::vector<int>&, const std::vector<const uint8_t*>& segs) {
+        reduce_segments(segs, 0, out, count, dtype, op, stream);
+      });
+}
+
+void DeviceCollectives::broadcast(const void* in, void* out, size_t count, DType dtype, int root,
+                                  cudaStream_t stream, int64_t timeout_ms) {
+  const size_t bytes = count * dtype_size(dtype);
+  const bool am_root = comm_.rank() == root;
+  run(
+      OpType::kBroadcast, dtype, RedOp::kSum, root, count, stream, timeout_ms,
+      [&](uint8_t* seg) {
+        if (am_root) copy(seg, in, bytes, stream, "broadcast input");
+      },
+      [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segs) {
+        if (am_root) return;
+        const size_t at = std::find(members.begin(), members.end(), root) - members.begin();
+        copy(out, segs[at], bytes, stream, "broadcast copy");
+      });
+}
+
+void DeviceCollectives::all_gather(const void* in, size_t count, DType dtype, void* const* outs,
+                                   cudaStream_t stream, int64_t timeout_ms) {
+  const size_t bytes = count * dtype_size(dtype);
+  run(
+      OpType::kAllGather, dtype, RedOp::kSum, -1, count, stream, timeout_ms,
+      [&](uint8_t* seg) { copy(seg, in, bytes, stream, "all_gather input"); },
+      [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segs) {
+        check_width(members, "all_gather");
+        // Member i's segment into outs[members[i]]; zeros for the ranks outside the view.
+        std::vector<bool> filled(static_cast<size_t>(comm_.size()), false);
+        for (size_t i = 0; i < members.size(); ++i) {
+          filled[static_cast<size_t>(members[i])] = true;
+          copy(outs[members[i]], segs[i], bytes, stream, "all_gather copy");
+        }
+        for (size_t p = 0; p < filled.size(); ++p)
+          if (!filled[p]) zero(outs[p], bytes, stream, "all_gather zero fill");
+      });
+}
+
+void DeviceCollectives::reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype,
+                                       RedOp op, cudaStream_t stream, int64_t timeout_ms) {
+  MC_CHECK_ARG(redop_supported(op, dtype), "reduce_scatter: ", redop_name(op),
+               " is not defined on ", dtype_name(dtype));
+  const size_t bytes = count * dtype_size(dtype);
+  const auto world = static_cast<size_t>(comm_.size());
+  run(
+      OpType::kReduceScatter, dtype, op, -1, count, stream, timeout_ms,
+      [&](uint8_t* seg) {
+        // One slice per rank, as reduce_scatter_tensor's input holds them: one
+        // copy when the caller's slices already lie that way.
+        bool packed = true;
+        for (size_t p = 1; p < world && packed; ++p)
+          packed = ins[p] == static_cast<const uint8_t*>(ins[0]) + p * bytes;
+        if (packed) {
+          copy(seg, ins[0], world * bytes, stream, "reduce_scatter input");
+          return;
+        }
+        for (size_t p = 0; p < world; ++p)
+          copy(seg + p * bytes, ins[p], bytes, stream, "reduce_scatter input");
+      },
+      [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segs) {
+        check_width(members, "reduce_scatter");
+        reduce_segments(segs, static_cast<size_t>(comm_.rank()) * bytes, out, count, dtype, op,
+                        stream);
+      });
+}
+
+void DeviceCollectives::check_own_counts(int rank, const size_t* in_counts,
+                                         const size_t* out_counts, const char* what) {
+  MC_CHECK_ARG(in_counts[rank] == out_counts[rank], what, ": rank ", rank, " sends itself ",
+               in_counts[rank], " elements but expects ", out_counts[rank], " from itself");
+}
+
+void DeviceCollectives::all_to_all(const void* const* ins, const size_t* in_counts,
+                                   void* const* outs, const size_t* out_counts, DType dtype,
+                                   cudaStream_t stream, int64_t timeout_ms) {
+  OnDevice on(device_);
+  const int rank = comm_.rank(), world = comm_.size();
+  check_own_counts(rank, in_counts, out_counts, "all_to_all");
+  const size_t esize = dtype_size(dtype);
+  // Region p of a rank's segment holds what it sends rank p, one piece per round.
+  const size_t region =
+      options_.segment_bytes / static_cast<size_t>(world) / kMinRegion * kMinRegion;
+  uint8_t* own = mine();
+  const auto* const* src = reinterpret_cast<const uint8_t* const*>(ins);
+  auto* const* dst = reinterpret_cast<uint8_t* const*>(outs);
+  auto piece = [&](size_t bytes, size_t k) { return piece_bytes(bytes, region, k); };
+  comm_.run_external(
+      OpType::kAllToAll, dtype, RedOp::kSum, -1, 0, timeout_ms,
+      [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
+        check_width(members, "all_to_all");
+        std::vector<size_t> send(static_cast<size_t>(comm_.capacity()), 0), recv = send;
+        uint64_t my_rounds = 0;
+        for (int p : members) {
+          if (p == rank) continue;
+          send[p] = in_counts[p] * esize;
+          recv[p] = out_counts[p] * esize;
+          my_rounds = std::max(
+              {my_rounds, (send[p] + region - 1) / region, (recv[p] + region - 1) / region});
+        }
+        auto stage = [&](size_t k) {
+          for (int p : members)
+            if (p != rank)
+              copy(own + p * region, src[p] + k * region, piece(send[p], k), stream,
+                   "all_to_all staging");
+          finish(stream);
+        };
+        // Round 0 is staged before the round of headers that checks the
+        // sizes, which so also says every member's pieces are in place.
+        stage(0);
+        const uint64_t rounds = sync.sized(send, recv, my_rounds);
+        // After that round every member has published its segment (see run).
+        auto segs = segments(members, timeout_ms);
+        copy(dst[rank], src[rank], in_counts[rank] * esize, stream, "all_to_all own slice");
+        std::vector<bool> member(static_cast<size_t>(world), false);
+        for (int p : members) member[p] = true;
+        for (int p = 0; p < world; ++p)  // ranks outside the view: zeros
+          if (!member[p]) zero(dst[p], out_counts[p] * esize, stream, "all_to_all zero fill");
+        for (uint64_t k = 0; k < rounds; ++k) {
+          if (k > 0) {
+            sync.barrier();  // every member has read round k - 1
+            stage(k);
+            sync.barrier();  // every member's round k is in place
+          }
+          for (size_t i = 0; i < members.size(); ++i)
+            if (members[i] != rank)
+              copy(dst[members[i]] + k * region, segs[i] + rank * region,
+                   piece(recv[members[i]], k), stream, "all_to_all copy");
+          finish(stream);
+        }
+      });
+}
+
+}  // namespace mooncake

@@ -1,0 +1,75 @@
+#include "device/cuda.h"
+
+#include <thread>
+
+#include "core/clock.h"
+
+namespace mooncake {
+
+void cuda_check(cudaError_t err, const char* what, ErrorKind kind) {
+  if (err != cudaSuccess) throw_error(kind, -1, "CUDA: ", what, ": ", cudaGetErrorString(err));
+}
+
+OnDevice::OnDevice(int device) {
+  cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+}
+
+OnDevice::~OnDevice() {
+  cudaSetDevice(previous_);
+}
+
+CudaEvent::CudaEvent(bool blocking) {
+  cuda_check(cudaEventCreateWithFlags(
+                 &event_, cudaEventDisableTiming | (blocking ? cudaEventBlockingSync : 0)),
+             "cudaEventCreate");
+}
+
+CudaEvent::~CudaEvent() {
+  cudaEventDestroy(event_);
+}
+
+void CudaEvent::record(cudaStream_t stream) {
+  cuda_check(cudaEventRecord(event_, stream), "cudaEventRecord");
+}
+
+void CudaEvent::block(cudaStream_t stream) {
+  cuda_check(cudaStreamWaitEvent(stream, event_, 0), "cudaStreamWaitEvent");
+}
+
+bool CudaEvent::query() {
+  const cudaError_t err = cudaEventQuery(event_);
+  if (err == cudaErrorNotReady) return false;
+  cuda_check(err, "cudaEventQuery");
+  return true;
+}
+
+void CudaEvent::synchronize() {
+  cuda_check(cudaEventSynchronize(event_), "cudaEventSynchronize");
+}
+
+void CudaEvent::wait() {
+  const int64_t poll_until = now_us() + 50;
+  while (!query()) {
+    if (now_us() > poll_until) {
+      synchronize();
+      return;
+    }
+    std::this_thread::yield();
+  }
+}
+
+std::string device_bus_id(int device) {
+  char id[32] = {};
+  cuda_check(cudaDeviceGetPCIBusId(id, sizeof(id), device), "cudaDeviceGetPCIBusId");
+  return id;
+}
+
+int device_sm_count(int device) {
+  int n = 0;
+  cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  return n;
+}
+
+}  // namespace mooncake

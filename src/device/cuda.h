@@ -1,0 +1,102 @@
+// The CUDA runtime as the device library uses it: one error helper for every
+// CUDA call (here and in the torch adapter), the current device set for a
+// scope, events, and the device queries the launches size themselves by.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+
+namespace mooncake {
+
+// Throws an Error of `kind` naming `what` and the CUDA error unless `err` is cudaSuccess.
+void cuda_check(cudaError_t err, const char* what, ErrorKind kind = ErrorKind::kSystem);
+
+// Makes `device` current for the scope and puts the caller's back afterwards.
+class OnDevice {
+ public:
+  explicit OnDevice(int device);
+  ~OnDevice();
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// A CUDA event of the device current when it is made (no timing: ordering
+// does not need it).
+class CudaEvent {
+ public:
+  // `blocking`: a host wait for it sleeps instead of spinning.
+  explicit CudaEvent(bool blocking);
+  ~CudaEvent();
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  void record(cudaStream_t stream);
+  // Work queued on `stream` from now on waits for the event.
+  void block(cudaStream_t stream);
+  bool query();
+  void synchronize();
+  // Waits on the host: polls for a while first (the work waited for is
+  // usually a short copy), then blocks (sleeping, for a blocking event).
+  void wait();
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// `n` T's of device memory on the current device, zeroed, with host copies in
+// and out (blocking): the buffers a C++ caller hands the collectives and the
+// EP buffer.
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t n) : n_(n) {
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
+    p_ = static_cast<T*>(p);
+    const cudaError_t err = cudaMemset(p_, 0, std::max<size_t>(n, 1) * sizeof(T));
+    if (err != cudaSuccess) {
+      cudaFree(p_);
+      cuda_check(err, "cudaMemset");
+    }
+  }
+  explicit DeviceArray(const std::vector<T>& v) : DeviceArray(v.size()) { put(v); }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+
+  T* get() const { return p_; }
+  size_t size() const { return n_; }
+  void put(const std::vector<T>& v) {
+    MC_CHECK_ARG(v.size() <= n_, "DeviceArray::put: ", v.size(), " values into ", n_);
+    cuda_check(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice),
+               "copy to the device");
+  }
+  std::vector<T> take() const {
+    std::vector<T> v(n_);
+    cuda_check(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost),
+               "copy from the device");
+    return v;
+  }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+// The PCI bus id of `device` ("0000:1b:00.0"): processes with the same one
+// share a GPU (and so its multiprocessors).
+std::string device_bus_id(int device);
+
+// The number of multiprocessors of `device`.
+int device_sm_count(int device);
+
+}  // namespace mooncake

@@ -1,0 +1,257 @@
+#include "device/ep.h"
+
+#include <algorithm>
+#include <optional>
+
+#include "core/error.h"
+#include "device/cuda.h"
+
+namespace mooncake {
+
+namespace k = kernels;
+
+namespace {
+
+// A host-mapped array of `n` zeroed int32 words: the host's pointer, and the device's in `dev`.
+int32_t* host_words(int64_t n, int32_t** dev, const char* what) {
+  void* host = nullptr;
+  cuda_check(cudaHostAlloc(&host, n * sizeof(int32_t), cudaHostAllocMapped), what);
+  auto* words = static_cast<int32_t*>(host);
+  for (int64_t i = 0; i < n; ++i) words[i] = 0;
+  void* d = nullptr;
+  cuda_check(cudaHostGetDevicePointer(&d, host, 0), "cudaHostGetDevicePointer");
+  *dev = static_cast<int32_t*>(d);
+  return words;
+}
+
+}  // namespace
+
+EpBuffer::EpBuffer(size_t bytes, int device) : device_(device), workspace_(bytes, device) {
+  OnDevice on(device_);
+  mine_ = PeerCard::of(workspace_);
+  card_ = mine_.encode();
+  status_host_ = host_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
+  cuda_check(cudaMalloc(&grid_sync_, 2 * sizeof(uint32_t)), "cudaMalloc of the grid barrier");
+  cuda_check(cudaMemset(grid_sync_, 0, 2 * sizeof(uint32_t)), "clearing the grid barrier");
+  sm_count_ = device_sm_count(device_);
+  num_blocks_ = sm_count_;
+}
+
+EpBuffer::~EpBuffer() {
+  OnDevice on(device_);
+  cudaDeviceSynchronize();  // no kernel may still use the peers' mappings
+  maps_.clear();
+  if (peers_ != nullptr) cudaFree(peers_);
+  if (silent_ != nullptr) cudaFreeHost(silent_);
+  cudaFree(grid_sync_);
+  cudaFreeHost(status_host_);
+}
+
+bool EpBuffer::shares_gpu(const std::string& encoded) const {
+  const auto card = PeerCard::decode(encoded);
+  return card && mine_.same_gpu(*card);
+}
+
+void EpBuffer::share_gpu(int processes) {
+  num_blocks_ = std::max(1, sm_count_ / std::max(1, processes));
+}
+
+void EpBuffer::reserve(int64_t capacity, int64_t rank) {
+  MC_CHECK_ARG(capacity >= 1 && rank >= 0 && rank < capacity, "reserve: rank ", rank,
+               " is outside [0, ", capacity, ")");
+  OnDevice on(device_);
+  cuda_check(cudaDeviceSynchronize(), "waiting for the device before remapping");
+  maps_.clear();
+  maps_.resize(static_cast<size_t>(capacity));
+  table_.assign(static_cast<size_t>(capacity), nullptr);
+  table_[static_cast<size_t>(rank)] = workspace_.data();
+  if (peers_ != nullptr) cudaFree(peers_);
+  peers_ = nullptr;
+  cuda_check(cudaMalloc(&peers_, capacity * sizeof(uint8_t*)), "cudaMalloc of the peer table");
+  if (silent_ != nullptr) cudaFreeHost(silent_);
+  silent_ = nullptr;
+  silent_ = host_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
+  num_ranks_ = capacity;
+  rank_ = rank;
+  write_table(0, capacity);
+}
+
+EpBuffer::Connection EpBuffer::connect(const std::vector<std::string>& cards, int64_t rank) {
+  const auto R = static_cast<int64_t>(cards.size());
+  MC_CHECK_ARG(rank >= 0 && rank < R, "connect: rank ", rank, " is outside [0, ", R, ")");
+  reserve(R, rank);
+  std::vector<std::optional<PeerCard>> decoded;
+  decoded.reserve(cards.size());
+  for (const std::string& c : cards) decoded.push_back(PeerCard::decode(c));
+  Connection out{std::vector<bool>(static_cast<size_t>(R), false),
+                 std::vector<bool>(static_cast<size_t>(R), false)};
+  out.reachable[rank] = out.present[rank] = true;
+  for (int64_t r = 0; r < R; ++r) {
+    if (r == rank || !decoded[r]) continue;
+    out.present[r] = true;
+    if (!map_peer(r, cards[r])) continue;
+    table_[r] = maps_[r]->data();
+    out.reachable[r] = true;
+  }
+  write_table(0, R);
+  share_gpu(gpu_sharers(mine_, decoded));
+  return out;
+}
+
+bool EpBuffer::map_peer(int64_t slot, const std::string& encoded) {
+  check_peer_slot(slot, "map_peer");
+  MC_CHECK_ARG(maps_[slot] == nullptr, "map_peer: slot ", slot, " is mapped already");
+  const auto card = PeerCard::decode(encoded);
+  if (!card || !card->on_this_host()) return false;
+  OnDevice on(device_);
+  try {
+    maps_[slot] = std::make_unique<PeerMapping>(card->handle, device_);
+    return true;
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kPeerFailed) throw;
+    return false;
+  }
+}
+
+void EpBuffer::publish_peer(int64_t slot) {
+  check_peer_slot(slot, "publish_peer");
+  MC_CHECK_ARG(maps_[slot] != nullptr, "publish_peer: slot ", slot, " is not mapped");
+  OnDevice on(device_);
+  cuda_check(cudaDeviceSynchronize(), "waiting for the device before publishing a peer");
+  table_[slot] = maps_[slot]->data();
+  write_table(slot, 1);
+}
+
+void EpBuffer::unmap_peer(int64_t slot) {
+  check_peer_slot(slot, "unmap_peer");
+  OnDevice on(device_);
+  cuda_check(cudaDeviceSynchronize(), "waiting for the device before unmapping a peer");
+  table_[slot] = nullptr;
+  write_table(slot, 1);
+  maps_[slot].reset();
+}
+
+std::vector<int64_t> EpBuffer::take_silent() {
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < num_ranks_; ++r)
+    if (reinterpret_cast<volatile int32_t*>(silent_)[r] != 0) {
+      silent_[r] = 0;
+      out.push_back(r);
+    }
+  return out;
+}
+
+int32_t EpBuffer::status_code() const {
+  return *static_cast<volatile int32_t*>(status_host_);
+}
+
+std::vector<int32_t> EpBuffer::status(bool clear) {
+  std::vector<int32_t> out(status_host_, status_host_ + k::kStatusWords);
+  if (clear)
+    for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
+  return out;
+}
+
+void EpBuffer::raise_reported(const char* what) {
+  const std::vector<int32_t> s = status(true);
+  const int32_t d0 = s[1], d1 = s[2];
+  switch (s[0]) {
+    case k::kStatusOk:
+    case k::kStatusSilentPeer: return;
+    case k::kStatusBadExpert:
+      throw_error(ErrorKind::kInvalidArgument, -1, what,
+                  ": an earlier dispatch on this rank had topk_idx holding expert ", d0, " (token ",
+                  d1, "); ids must be in [0, num_experts) or -1; that selection was dropped");
+    case k::kStatusOverflow:
+      throw_error(ErrorKind::kInvalidArgument, -1, what,
+                  ": an earlier dispatch on this rank had topk_idx sending ", d1,
+                  " tokens to expert ", d0,
+                  ", more than num_max_dispatch_tokens_per_rank: a token selects it twice; the "
+                  "rows past it were dropped");
+    case k::kStatusBadHeader:
+      throw_error(ErrorKind::kSystem, -1, what,
+                  ": an earlier dispatch received a message from rank ", d0, " for local expert ",
+                  d1, " whose header disagrees with its place: the data is corrupt");
+    case k::kStatusNotResident:
+      throw_error(ErrorKind::kSystem, -1, what, ": in an earlier FP8 dispatch on this rank only ",
+                  d0, " of its ", d1,
+                  " blocks ran at once (the GPU is shared with other work), so some tokens may "
+                  "have been sent before they were quantised; set MOONCAKE_EP_FORCE_FALLBACK=1 "
+                  "on such a GPU");
+    default:
+      throw_error(ErrorKind::kSystem, -1, what, ": an earlier dispatch received a count of ", d1,
+                  " from rank ", d0,
+                  ", more than num_max_dispatch_tokens_per_rank: its data is corrupt");
+  }
+}
+
+EpLayout EpBuffer::layout(int64_t T, int64_t H, int64_t E, int64_t R, const char* what) const {
+  MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
+  MC_CHECK_ARG(R > rank_ && R <= num_ranks_, what, ": a call covers ", R,
+               " ranks; it must cover this one (", rank_, ") and at most the table's ", num_ranks_);
+  EpLayout l(EpShape{T, H, R, E});
+  // Rows are numbered in int32 on the device (a combine flag carries one).
+  MC_CHECK_ARG(E * T < (int64_t{1} << 31), what, ": num_experts * num_max_dispatch_tokens_per_rank",
+               " must be below 2^31 on the device path, got ", E * T);
+  MC_CHECK_ARG(l.total_bytes <= workspace_.size(), what, ": the call needs ", l.total_bytes,
+               " workspace bytes, the buffer has ", workspace_.size());
+  return l;
+}
+
+k::Common EpBuffer::common(const EpCall& call, const char* what) const {
+  k::Common c{};
+  c.layout = layout(call.max_tokens, call.hidden, call.num_experts, call.ranks, what);
+  const int32_t blocks = call.num_blocks > 0 ? call.num_blocks : num_blocks_;
+  MC_CHECK_ARG(call.active_ranks != nullptr, what, ": active_ranks is required");
+  MC_CHECK_ARG(call.seq >= 1, what, ": seq must be >= 1");
+  MC_CHECK_ARG(call.timeout_ns > 0, what, ": timeout_ns must be > 0");
+  MC_CHECK_ARG(call.phases >= k::kSend && call.phases <= k::kBoth, what,
+               ": phases must be 1, 2 or 3");
+  MC_CHECK_ARG(blocks >= 1 && blocks <= sm_count_, what, ": num_blocks must be in [1, ", sm_count_,
+               "]");
+  c.peers = peers_;
+  c.rank = static_cast<int32_t>(rank_);
+  c.seq = call.seq;
+  c.active_ranks = call.active_ranks;
+  c.slot_mask = call.slot_mask;
+  c.silent = silent_dev_;
+  c.timeout_ns = call.timeout_ns;
+  c.status = status_dev_;
+  c.grid_sync = grid_sync_;
+  c.phases = call.phases;
+  c.num_blocks = blocks;
+  return c;
+}
+
+void EpBuffer::dispatch(const EpCall& call, k::DispatchArgs args, cudaStream_t stream) {
+  args.c = common(call, "dispatch");
+  OnDevice on(device_);
+  k::launch_dispatch(args, stream);
+}
+
+void EpBuffer::combine(const EpCall& call, k::CombineArgs args, cudaStream_t stream) {
+  args.c = common(call, "combine");
+  OnDevice on(device_);
+  k::launch_combine(args, stream);
+}
+
+uint8_t* EpBuffer::combine_rows(int64_t T, int64_t H, int64_t E, int64_t R, uint64_t seq,
+                                const char* what) const {
+  const EpLayout l = layout(T, H, E, R, what);
+  MC_CHECK_ARG(H % 8 == 0, what, ": hidden must be a multiple of 8, got ", H);
+  MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
+  return workspace_.data() + l.expert_row(seq, 0);
+}
+
+void EpBuffer::check_peer_slot(int64_t slot, const char* what) const {
+  MC_CHECK_ARG(slot >= 0 && slot < num_ranks_ && slot != rank_, what, ": slot ", slot,
+               " must be in [0, ", num_ranks_, ") and not this process's (", rank_, ")");
+}
+
+void EpBuffer::write_table(int64_t first, int64_t n) {
+  cuda_check(cudaMemcpy(peers_ + first, table_.data() + first, n * sizeof(uint8_t*),
+                        cudaMemcpyHostToDevice),
+             "copying the peer table");
+}
+
+}  // namespace mooncake

@@ -1,0 +1,140 @@
+// The low-latency EP device buffer: a workspace in device memory (laid out by
+// ep/layout.h) that same-host peers map, the table of peers' workspaces the
+// kernels store through, the host-mapped words the kernels report into, and
+// the launches of dispatch and combine (src/kernels/ep_ll) on a caller's
+// stream. Nothing here waits for the device during a call, so calls can be
+// captured in a CUDA graph.
+//
+// Who is mapped is the caller's choice: a process group maps every member at
+// once (connect), an elastic buffer one slot at a time (map_peer, then
+// publish_peer when the slot connects; unmap_peer when it leaves), exchanging
+// the cards of peers.h through its own members.
+//
+// Health: the kernels mask a peer that stays silent past a call's deadline
+// (in the call's active_ranks, and slot_mask when given) and record it in
+// host-mapped words, which take_silent() hands over; bad values (expert ids
+// out of range, more rows for an expert than a call allows, corrupt counts or
+// headers) are reported in the status words, which raise_reported() turns
+// into typed errors on the next call.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "device/ipc.h"
+#include "device/peers.h"
+#include "ep/layout.h"
+#include "kernels/api.h"
+
+namespace mooncake {
+
+// What every launch of one call shares.
+struct EpCall {
+  int64_t max_tokens = 0;   // T
+  int64_t hidden = 0;       // H
+  int64_t num_experts = 0;  // E
+  int64_t ranks = 0;        // R: the ranks (or elastic slots) the call covers
+  uint64_t seq = 0;         // >= 1, the same on every rank for the same call
+  int64_t timeout_ns = 0;   // per wait phase
+  int32_t phases = kernels::kBoth;
+  int32_t num_blocks = 0;           // 0: the buffer's (num_blocks())
+  int32_t* active_ranks = nullptr;  // device int32 [R], 1 = healthy
+  int32_t* slot_mask = nullptr;     // optional device int32 [>= R]
+};
+
+class EpBuffer {
+ public:
+  // A workspace of `bytes` on `device`, with no peer table yet.
+  EpBuffer(size_t bytes, int device);
+  ~EpBuffer();
+  EpBuffer(const EpBuffer&) = delete;
+  EpBuffer& operator=(const EpBuffer&) = delete;
+
+  int device() const { return device_; }
+  size_t bytes() const { return workspace_.size(); }
+  int sm_count() const { return sm_count_; }
+  // This workspace's card (peers.h), encoded, for the peers to map it.
+  const std::string& card() const { return card_; }
+  // Whether the process of `encoded` runs on this process's GPU.
+  bool shares_gpu(const std::string& encoded) const;
+
+  // Sizes the peer table (a group's ranks, or an elastic buffer's capacity)
+  // with this process at `rank` and no peer mapped. Waits for this device's
+  // work first, so no kernel sees the table change under it.
+  void reserve(int64_t capacity, int64_t rank);
+  // A group's table at once: maps rank r from cards[r] where it is on this
+  // host (anything but a card, e.g. zeros: absent), and sizes launches by the
+  // processes on this GPU among the cards.
+  struct Connection {
+    std::vector<bool> reachable;  // per rank: mapped (this one included)
+    std::vector<bool> present;    // per rank: a card was given
+  };
+  Connection connect(const std::vector<std::string>& cards, int64_t rank);
+  // Maps `slot`'s workspace from its card, staged: kernels do not see it
+  // before publish_peer. False when it cannot be mapped (absent, another
+  // host, or its process is gone).
+  bool map_peer(int64_t slot, const std::string& card);
+  // Puts a mapped slot into the kernels' table, after this device's earlier work.
+  void publish_peer(int64_t slot);
+  // Takes a slot out of the table and releases its mapping, after this
+  // device's earlier work.
+  void unmap_peer(int64_t slot);
+
+  // Launch sizes: every block of a launch must be resident at once (blocks
+  // wait for each other's stores), and `processes` processes on this GPU
+  // (this one included) run their kernels side by side: each takes its share.
+  void share_gpu(int processes);
+  int num_blocks() const { return num_blocks_; }
+
+  // Launch a call's `phases` on `stream`: the EpCall fills the kernels' Common
+  // part (checked against this workspace); the caller the rest.
+  void dispatch(const EpCall& call, kernels::DispatchArgs args, cudaStream_t stream);
+  void combine(const EpCall& call, kernels::CombineArgs args, cudaStream_t stream);
+  // The rows region of call `seq`'s half for a shape: the zero-copy combine
+  // buffer, [E/R, R*T, H] rows of 2H bytes. Valid while this buffer lives.
+  uint8_t* combine_rows(int64_t T, int64_t H, int64_t E, int64_t R, uint64_t seq,
+                        const char* what) const;
+
+  // The ranks kernels masked for silence since the last call (and forgets them).
+  std::vector<int64_t> take_silent();
+  // The first status word (0 while no kernel has reported anything).
+  int32_t status_code() const;
+  // The status words as the device last wrote them (no sync); `clear`
+  // resets them for the next report.
+  std::vector<int32_t> status(bool clear);
+  // Turns a report of an earlier kernel into its error (and clears it):
+  // kInvalidArgument for bad values the caller passed, kSystem for corrupt
+  // data; a silent peer's report is cleared without an error (the mask says it).
+  void raise_reported(const char* what);
+
+ private:
+  // The layout of a call's shape, checked against this workspace.
+  EpLayout layout(int64_t T, int64_t H, int64_t E, int64_t R, const char* what) const;
+  kernels::Common common(const EpCall& call, const char* what) const;
+  void check_peer_slot(int64_t slot, const char* what) const;
+  // Copies table_[first, first + n) to the device's peer table.
+  void write_table(int64_t first, int64_t n);
+
+  const int device_;
+  DeviceSegment workspace_;
+  std::string card_;
+  PeerCard mine_;
+  std::vector<std::unique_ptr<PeerMapping>> maps_;  // per slot; null: not mapped
+  std::vector<uint8_t*> table_;                     // what the device's table holds
+  uint8_t** peers_ = nullptr;
+  int32_t* silent_ = nullptr;  // host-mapped [num_ranks_]
+  int32_t* silent_dev_ = nullptr;
+  int64_t num_ranks_ = 0;
+  int64_t rank_ = 0;
+  int32_t* status_host_ = nullptr;
+  int32_t* status_dev_ = nullptr;
+  uint32_t* grid_sync_ = nullptr;
+  int sm_count_ = 0;
+  int num_blocks_ = 1;
+};
+
+}  // namespace mooncake

@@ -1,0 +1,344 @@
+// The staging of the "mooncake" backend's device tensors (cuda_backend.h):
+// host copies of an op's tensors around mooncake-cpu's op, the Work that
+// hands the results back on the device, and the same Work for ops that run
+// on the device collectives (device/collectives.h) instead. Included by
+// cuda_backend.cc only: Staging is the backend's friend.
+#pragma once
+
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "device/cuda.h"
+#include "torch/cuda_backend.h"
+#include "torch/work.h"
+
+namespace mooncake {
+
+inline std::shared_ptr<CudaEvent> make_event(bool blocking) {
+  return std::make_shared<CudaEvent>(blocking);
+}
+
+// One op's results on their way back to the device: copied once the host op
+// completes (on the thread that completes it), then `done` is recorded.
+struct StagedOp {
+  StagedOp(int device, c10::cuda::CUDAStream stream) : device(device), stream(stream) {}
+
+  void copy_back(std::exception_ptr error) noexcept {
+    try {
+      c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+      c10::cuda::CUDAStreamGuard stream_guard(stream);
+      if (!error)
+        for (auto& [dev, host] : results) dev.copy_(host, /*non_blocking=*/true);
+      done->record(stream);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
+    // The pinned host copies go back to torch's pool, which reuses them only
+    // after the copies recorded on the stream have run.
+    results.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      finished = true;
+      failure = error;
+    }
+    cv.notify_all();
+  }
+
+  // Waits up to timeout_ms (< 0: for ever) for copy_back; true when it ran.
+  bool wait(int64_t timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (timeout_ms < 0) {
+      cv.wait(lock, [&] { return finished; });
+      return true;
+    }
+    return cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return finished; });
+  }
+  bool is_finished() {
+    std::lock_guard<std::mutex> lock(mu);
+    return finished;
+  }
+  std::exception_ptr error() {
+    std::lock_guard<std::mutex> lock(mu);
+    return failure;
+  }
+
+  const int device;
+  const c10::cuda::CUDAStream stream;
+  std::vector<std::pair<at::Tensor, at::Tensor>> results;  // (device tensor, host copy)
+  std::shared_ptr<CudaEvent> done = make_event(false);
+
+ private:
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  std::exception_ptr failure;
+};
+
+// The Work of a staged op (or of a coalesced block of them): done when the
+// host op is and its results have been queued back to the device.
+class MooncakeCudaWork final : public c10d::Work {
+ public:
+  MooncakeCudaWork(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> host,
+                   std::vector<std::shared_ptr<StagedOp>> stages, int device,
+                   c10::cuda::CUDAStream stream, std::vector<at::Tensor> outputs)
+      : Work(rank, type),
+        host_(std::move(host)),
+        stages_(std::move(stages)),
+        device_(device),
+        outputs_(std::move(outputs)) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(
+        c10::ListType::create(c10::TensorType::get()),
+        std::vector<c10::Device>{c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device))});
+    // Registered after the stages' copy_back, so it runs after them: the
+    // future's events are recorded behind the copies.
+    auto future = future_;
+    auto outputs_copy = outputs_;
+    auto stages_copy = stages_;
+    static_cast<MooncakeWork*>(host_.get())
+        ->request()
+        ->on_complete([future, outputs_copy, stages_copy, device, stream](std::exception_ptr e) {
+          for (auto& s : stages_copy)
+            if (!e) e = s->error();
+          try {
+            c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+            c10::cuda::CUDAStreamGuard stream_guard(stream);
+            if (e)
+              future->setError(e);
+            else
+              future->markCompleted(c10::IValue(outputs_copy));
+          } catch (...) {
+          }
+        });
+  }
+
+  bool isCompleted() override {
+    if (!host_->isCompleted()) return false;
+    for (auto& s : stages_)
+      if (!s->is_finished() || !s->done->query()) return false;
+    return true;
+  }
+  bool isSuccess() const override { return host_->isSuccess() && !stage_error(); }
+  std::exception_ptr exception() const override {
+    auto e = host_->exception();
+    return e ? e : stage_error();
+  }
+  int sourceRank() const override { return host_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  // Waits for the host op (bounded by `timeout`), then makes the caller's
+  // current stream wait for the results' copies; the host never waits for the GPU.
+  bool wait(std::chrono::milliseconds timeout) override {
+    const Deadline deadline = Deadline::after_ms(timeout == kNoTimeout ? -1 : timeout.count());
+    host_->wait(timeout);
+    for (auto& s : stages_) {
+      if (!s->wait(deadline.infinite() ? -1 : deadline.remaining_ms(INT64_MAX)))
+        throw_error(ErrorKind::kTimeout, -1, "Work.wait: the operation did not finish within ",
+                    timeout.count(), " ms");
+      if (auto e = s->error()) std::rethrow_exception(e);
+    }
+    synchronize();
+    return true;
+  }
+
+  void synchronize() override {
+    auto current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+    for (auto& s : stages_)
+      if (s->is_finished()) s->done->block(current);
+  }
+
+ private:
+  std::exception_ptr stage_error() const {
+    for (auto& s : stages_)
+      if (auto e = s->error()) return e;
+    return nullptr;
+  }
+
+  c10::intrusive_ptr<c10d::Work> host_;
+  std::vector<std::shared_ptr<StagedOp>> stages_;
+  const int device_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// One op's host copies of its device tensors. CPU tensors pass through
+// untouched; an op whose tensors are all on the CPU runs as mooncake-cpu's.
+class Staging {
+ public:
+  Staging(MooncakeCudaBackend& backend, const char* op, MooncakeCudaBackend::Kind kind)
+      : b_(backend), op_(op), kind_(kind) {}
+
+  at::Tensor in(const at::Tensor& t, const char* arg) { return mirror(t, arg, true, false); }
+  at::Tensor out(const at::Tensor& t, const char* arg) { return mirror(t, arg, false, true); }
+  at::Tensor inout(const at::Tensor& t, const char* arg) { return mirror(t, arg, true, true); }
+  std::vector<at::Tensor> in(const std::vector<at::Tensor>& ts, const char* arg) {
+    return mirrors(ts, arg, true, false);
+  }
+  std::vector<at::Tensor> out(const std::vector<at::Tensor>& ts, const char* arg) {
+    return mirrors(ts, arg, false, true);
+  }
+  std::vector<at::Tensor> inout(const std::vector<at::Tensor>& ts, const char* arg) {
+    return mirrors(ts, arg, true, true);
+  }
+  std::vector<std::vector<at::Tensor>> in(const std::vector<std::vector<at::Tensor>>& lists,
+                                          const char* arg) {
+    std::vector<std::vector<at::Tensor>> hosts;
+    for (auto& l : lists) hosts.push_back(mirrors(l, arg, true, false));
+    return hosts;
+  }
+  std::vector<std::vector<at::Tensor>> out(const std::vector<std::vector<at::Tensor>>& lists,
+                                           const char* arg) {
+    std::vector<std::vector<at::Tensor>> hosts;
+    for (auto& l : lists) hosts.push_back(mirrors(l, arg, false, true));
+    return hosts;
+  }
+  // An op without tensors (barrier) still runs after the caller's stream has
+  // reached it, as NCCL's does.
+  void order_after_stream() {
+    if (b_.device_ >= 0) start();
+  }
+
+  // --- ops on the device plane: no host copies ---
+  // `t` itself when contiguous, else a contiguous tensor whose contents are
+  // copied into `t` after the op.
+  at::Tensor device_out(const at::Tensor& t) {
+    start();
+    keep(t);
+    if (t.is_contiguous()) return t;
+    at::Tensor tmp = at::empty(t.sizes(), t.options());
+    stage_->results.emplace_back(t, tmp);
+    return tmp;
+  }
+  // Tensors the staging stream reads.
+  void keep(const at::Tensor& t) {
+    start();
+    if (t.storage().data_ptr().get())
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *b_.stream_);
+  }
+  template <typename Task>
+  c10::intrusive_ptr<c10d::Work> run_device(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                            Task&& task) {
+    start();
+    handed_over_ = true;
+    stream_guard_.reset();
+    device_guard_.reset();
+    return finish(b_.enqueue(type, std::forward<Task>(task), outputs), type, outputs);
+  }
+
+  // After the host copies are made: the op's tensors must all be on the
+  // device or all on the CPU; the host op may start once its inputs are on
+  // the host (a send is posted at once, so the caller waits for them).
+  void ready() {
+    MC_CHECK_ARG(!(stage_ && cpu_arg_), op_, ": tensors must all be on cuda:", b_.device_,
+                 " or all on the CPU, but ", cpu_arg_, " is on the CPU");
+    if (!stage_) return;
+    auto staged = make_event(true);
+    staged->record(*b_.stream_);
+    if (kind_ == MooncakeCudaBackend::Kind::kSend) {
+      staged->wait();
+    } else if (kind_ == MooncakeCudaBackend::Kind::kCollective) {
+      b_.submit([staged] { staged->wait(); });
+    }
+    stream_guard_.reset();
+    device_guard_.reset();
+  }
+
+  // Runs `host_op` (mooncake-cpu's op on the host copies) once they are
+  // ready; returns the Work for the caller, whose results are `outputs`.
+  template <typename HostOp>
+  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                     HostOp&& host_op) {
+    ready();
+    handed_over_ = true;
+    return finish(host_op(), type, std::move(outputs));
+  }
+  // Whether mooncake-cpu's op was called (its errors are its own).
+  bool handed_over() const { return handed_over_; }
+
+ private:
+  // The Work to return for mooncake-cpu's `work` on the host copies.
+  c10::intrusive_ptr<c10d::Work> finish(c10::intrusive_ptr<c10d::Work> work, c10d::OpType type,
+                                        std::vector<at::Tensor> outputs) {
+    if (!stage_) return work;
+    auto stage = stage_;
+    static_cast<MooncakeWork*>(work.get())->request()->on_complete([stage](std::exception_ptr e) {
+      stage->copy_back(e);
+    });
+    if (b_.staging_coalesced_) b_.coalesced_.push_back(stage);
+    return c10::make_intrusive<MooncakeCudaWork>(b_.rank_, type, std::move(work),
+                                                 std::vector<std::shared_ptr<StagedOp>>{stage},
+                                                 b_.device_, *b_.stream_, std::move(outputs));
+  }
+
+  // On the first device tensor: the staging stream waits for the caller's.
+  void start() {
+    if (stage_) return;
+    const auto device = static_cast<c10::DeviceIndex>(b_.device_);
+    device_guard_.emplace(device);
+    const auto caller = c10::cuda::getCurrentCUDAStream(device);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
+    MC_CHECK_ARG(capture == cudaStreamCaptureStatusNone, op_,
+                 ": cannot run under CUDA graph capture (backend mooncake stages device "
+                 "tensors through host memory); call it outside the captured region");
+    auto ready = make_event(false);
+    ready->record(caller);
+    ready->block(*b_.stream_);
+    stream_guard_.emplace(*b_.stream_);
+    stage_ = std::make_shared<StagedOp>(b_.device_, *b_.stream_);
+  }
+
+  at::Tensor mirror(const at::Tensor& t, const char* arg, bool copy_in, bool copy_out) {
+    // Undefined and sparse tensors go on to mooncake-cpu's checks, which name them.
+    if (!t.defined() || t.layout() != at::kStrided) return t;
+    if (t.device().is_cpu()) {
+      if (!cpu_arg_) cpu_arg_ = arg;
+      return t;
+    }
+    MC_CHECK_ARG(t.is_cuda(), op_, ": ", arg, " must be a CUDA (or CPU) tensor, got ",
+                 t.device().str());
+    MC_CHECK_ARG(b_.device_ >= 0 && t.device().index() == b_.device_, op_, ": ", arg,
+                 " must be on cuda:", b_.device_,
+                 " (the device that was current when the group was created), got ",
+                 t.device().str());
+    start();
+    at::Tensor host =
+        at::empty(t.sizes(), at::TensorOptions().dtype(t.scalar_type()).pinned_memory(true));
+    // The staging stream reads or writes `t` after the caller may have let it go.
+    if (t.storage().data_ptr().get())
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *b_.stream_);
+    if (copy_in) host.copy_(t, /*non_blocking=*/true);
+    if (copy_out) stage_->results.emplace_back(t, host);
+    return host;
+  }
+
+  std::vector<at::Tensor> mirrors(const std::vector<at::Tensor>& ts, const char* arg, bool copy_in,
+                                  bool copy_out) {
+    std::vector<at::Tensor> hosts;
+    hosts.reserve(ts.size());
+    for (auto& t : ts) hosts.push_back(mirror(t, arg, copy_in, copy_out));
+    return hosts;
+  }
+
+  MooncakeCudaBackend& b_;
+  const char* op_;
+  const MooncakeCudaBackend::Kind kind_;
+  bool handed_over_ = false;
+  const char* cpu_arg_ = nullptr;  // the first CPU tensor's argument
+  std::optional<c10::cuda::CUDAGuard> device_guard_;
+  std::optional<c10::cuda::CUDAStreamGuard> stream_guard_;
+  std::shared_ptr<StagedOp> stage_;
+};
+
+}  // namespace mooncake

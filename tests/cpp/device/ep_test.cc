@@ -1,0 +1,200 @@
+// The low-latency EP buffer (device/ep.h) among processes on the GPU: what a
+// dispatch delivers (counts, rows in source-rank then token order, their
+// bytes) and what a combine sums, against a host model of the routing; then
+// a rank that dies before a call, masked by the survivors at their deadline.
+// Each test needs a GPU (gpu.h).
+#include "device/ep.h"
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "collectives/reduce.h"
+#include "device/cuda.h"
+#include "gpu.h"
+
+namespace mctest {
+namespace {
+
+using mooncake::DeviceArray;
+using mooncake::EpBuffer;
+using mooncake::EpCall;
+namespace k = mooncake::kernels;
+
+constexpr int64_t kT = 24, kH = 128, kK = 3, kEpr = 3;  // experts per rank
+
+// Token t of rank r selects experts (t * 5 + r + 7k) mod E, distinct for k < 3
+// while E > 14, and -1 for every fourth token's last column; each channel of
+// the token holds a small integer (exact in bf16 after the weights).
+int64_t expert(int r, int64_t t, int k, int64_t E) {
+  if (k == kK - 1 && t % 4 == 3) return -1;
+  return (t * 5 + r + 7 * k) % E;
+}
+float token(int r, int64_t t) {
+  return static_cast<float>((r * 7 + t) % 32 + 1);
+}
+constexpr float kWeight[kK] = {0.5f, 0.25f, 0.125f};
+
+struct Step {
+  std::vector<int32_t> recv_count, src_info;
+  std::vector<int64_t> layout_range;
+  std::vector<uint16_t> recv_x, out;
+};
+
+// One dispatch and combine of `seq` with identity experts, everyone live
+// unless `live` says otherwise.
+Step step(EpBuffer& ep, int rank, int R, uint64_t seq, std::vector<int32_t>& live,
+          int64_t timeout_ns, cudaStream_t stream) {
+  const int64_t E = kEpr * R, cols = R * kT;
+  std::vector<uint16_t> x(kT * kH);
+  std::vector<int64_t> topk(kT * kK);
+  std::vector<float> w(kT * kK);
+  for (int64_t t = 0; t < kT; ++t) {
+    for (int64_t h = 0; h < kH; ++h) x[t * kH + h] = mooncake::float_to_bf16(token(rank, t));
+    for (int j = 0; j < kK; ++j) {
+      topk[t * kK + j] = expert(rank, t, j, E);
+      w[t * kK + j] = kWeight[j];
+    }
+  }
+  DeviceArray<uint16_t> dx(x), recv_x(kEpr * cols * kH), out(kT * kH);
+  DeviceArray<int64_t> dtopk(topk), layout_range(kEpr * R);
+  DeviceArray<float> dw(w);
+  DeviceArray<int32_t> active(live), recv_count(kEpr), src_info(kEpr * cols);
+  EpCall call;
+  call.max_tokens = kT;
+  call.hidden = kH;
+  call.num_experts = E;
+  call.ranks = R;
+  call.seq = seq;
+  call.timeout_ns = timeout_ns;
+  call.active_ranks = active.get();
+  k::DispatchArgs d{};
+  d.x = dx.get();
+  d.x_dtype = k::Dtype::kBf16;
+  d.num_tokens = kT;
+  d.topk_idx = dtopk.get();
+  d.topk_int64 = true;
+  d.topk = kK;
+  d.recv_x = recv_x.get();
+  d.recv_count = recv_count.get();
+  d.src_info = src_info.get();
+  d.layout_range = layout_range.get();
+  ep.dispatch(call, d, stream);
+  k::CombineArgs c{};
+  c.x = recv_x.get();
+  c.x_dtype = k::Dtype::kBf16;
+  c.layout_range = layout_range.get();
+  c.num_tokens = kT;
+  c.topk_idx = dtopk.get();
+  c.topk_int64 = true;
+  c.topk = kK;
+  c.topk_weights = dw.get();
+  c.out = out.get();
+  ep.combine(call, c, stream);
+  mooncake::cuda_check(cudaStreamSynchronize(stream), "EP step");
+  ep.raise_reported("EP step");
+  live = active.take();
+  return Step{recv_count.take(), src_info.take(), layout_range.take(), recv_x.take(), out.take()};
+}
+
+// Checks `s` on `rank` against the model, with the ranks `live` says took part.
+void check(const Step& s, int rank, int R, const std::vector<int32_t>& live) {
+  const int64_t E = kEpr * R, cols = R * kT;
+  for (int64_t le = 0; le < kEpr; ++le) {
+    const int64_t e = rank * kEpr + le;
+    int64_t row = 0;
+    for (int src = 0; src < R; ++src) {
+      // This expert's rows from src: src's tokens that select it, in token order.
+      std::vector<int64_t> tokens;
+      for (int64_t t = 0; live[src] && t < kT; ++t)
+        for (int j = 0; j < kK; ++j)
+          if (expert(src, t, j, E) == e) tokens.push_back(t);
+      const int64_t range = s.layout_range[le * R + src];
+      ASSERT_EQ(range >> 32, row) << "expert " << e << " from " << src;
+      ASSERT_EQ(range & 0xffffffff, static_cast<int64_t>(tokens.size()));
+      for (int64_t t : tokens) {
+        ASSERT_EQ(s.src_info[le * cols + row], t);
+        ASSERT_EQ(mooncake::bf16_to_float(s.recv_x[(le * cols + row) * kH + kH - 1]),
+                  token(src, t));
+        ++row;
+      }
+    }
+    ASSERT_EQ(s.recv_count[le], row);
+  }
+  for (int64_t t = 0; t < kT; ++t) {
+    float want = 0;
+    for (int j = 0; j < kK; ++j) {
+      const int64_t e = expert(rank, t, j, E);
+      if (e >= 0 && live[e / kEpr]) want += kWeight[j] * token(rank, t);
+    }
+    ASSERT_EQ(mooncake::bf16_to_float(s.out[t * kH]), want) << "token " << t;
+  }
+}
+
+// The ranks' buffers, connected through the store.
+EpBuffer& connected(Rank& r, GpuRank& g, std::unique_ptr<EpBuffer>& ep) {
+  const mooncake::EpShape shape{kT, kH, r.size, kEpr * r.size};
+  ep = std::make_unique<EpBuffer>(mooncake::EpLayout(shape).total_bytes, g.device);
+  r.store.set("card/" + std::to_string(r.rank), ep->card());
+  std::vector<std::string> cards;
+  for (int p = 0; p < r.size; ++p) cards.push_back(r.store.get("card/" + std::to_string(p), 10000));
+  const EpBuffer::Connection c = ep->connect(cards, r.rank);
+  for (int p = 0; p < r.size; ++p) {
+    EXPECT_TRUE(c.present[p]);
+    EXPECT_TRUE(c.reachable[p]) << "rank " << p << " is on this host";
+  }
+  return *ep;
+}
+
+class EpBufferTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(EpBufferTest, DispatchAndCombineMatchTheModel) {
+  MC_REQUIRE_GPU();
+  run_ranks(GetParam(),
+            [](Rank& r) {
+              GpuRank g(r);
+              std::unique_ptr<EpBuffer> owner;
+              EpBuffer& ep = connected(r, g, owner);
+              cudaStream_t stream;
+              mooncake::cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+              for (uint64_t seq = 1; seq <= 3; ++seq) {  // both halves, then the first again
+                std::vector<int32_t> live(static_cast<size_t>(r.size), 1);
+                const Step s = step(ep, r.rank, r.size, seq, live, 5'000'000'000, stream);
+                check(s, r.rank, r.size, live);
+                EXPECT_TRUE(ep.take_silent().empty());
+              }
+              cudaStreamDestroy(stream);
+            },
+            {60000});
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, EpBufferTest, ::testing::Values(1, 2, 3));
+
+TEST(EpBuffer, SurvivorsMaskARankThatDiedAtTheirDeadline) {
+  MC_REQUIRE_GPU();
+  run_ranks(3,
+            [](Rank& r) {
+              GpuRank g(r);
+              std::unique_ptr<EpBuffer> owner;
+              EpBuffer& ep = connected(r, g, owner);
+              cudaStream_t stream;
+              mooncake::cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+              std::vector<int32_t> live(3, 1);
+              check(step(ep, r.rank, 3, 1, live, 5'000'000'000, stream), r.rank, 3, live);
+              g.comm.barrier();
+              if (r.rank == 2) exit_rank_abruptly();
+              // Nobody told the kernels: they wait out the 200 ms deadline, then mask it.
+              live.assign(3, 1);
+              const Step s = step(ep, r.rank, 3, 2, live, 200'000'000, stream);
+              EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+              check(s, r.rank, 3, live);
+              EXPECT_EQ(ep.take_silent(), std::vector<int64_t>{2});
+              cudaStreamDestroy(stream);
+            },
+            {60000});
+}
+
+}  // namespace
+}  // namespace mctest
