@@ -18,7 +18,7 @@ so a sparse set such as {0, 3} keeps its global-rank layout.
 
 With a device workspace (``num_rdma_bytes > 0`` on a machine with CUDA and a
 CUDA build), CUDA tensors run the device path's kernels (``_ep_device``): each
-slot's workspace is mapped when it connects (``cuda_ipc``; its handle travels
+slot's workspace is mapped when it connects (CUDA IPC; its card travels
 with the slot's metadata in the store), enters the kernels' peer table when it
 is published, after this device's earlier work, and leaves it when it is
 disconnected, after that work too. The mask the kernels read lives in device

@@ -49,7 +49,7 @@
 //             first row for this rank, from the flag, plus the slot). Only
 //             this rank writes or reads it.
 //
-// Ranks read each other's mapped workspaces (cuda_ipc), so no send region is
+// Ranks read each other's mapped workspaces (CUDA IPC), so no send region is
 // reserved; a transport that must stage would add one.
 //
 // Rows: 2H bytes of BF16/FP16, or with FP8 H bytes of e4m3 plus ceil(H/128)

@@ -42,8 +42,8 @@ struct PeerSpan {
 
 // Two shapes of transport sit behind a link. One moves bytes (tcp): the
 // data plane hands it what to write, and write() and signal() do the work.
-// The other maps the peer's memory here (shm, and for device memory
-// cuda_ipc.h): mapping() hands the data plane the peer's segment, so that it
+// The other maps the peer's memory here (shm; device memory is mapped by
+// the device library, device/ipc.h): mapping() hands the data plane the peer's segment, so that it
 // can copy into it the way its memory wants (memcpy, or a kernel or a copy
 // on a stream for device memory) without going through write(); signal()
 // still publishes, as its ordering rules are the transport's.
