@@ -1,5 +1,5 @@
 """Across hosts: all_reduce and all_to_all_single at world 4 on two hosts of two ranks
-(network namespaces on this machine, see tests/python/hosts.py), over our tcp transport
+(network namespaces on this machine, see tools/hosts.py), over our tcp transport
 and over ucx (UCX kept to tcp: the same wire), beside the same world on one host
 (shared memory). Each point: warm-up, then timed loops of back-to-back ops between
 barriers; a loop's time is the slowest rank's mean, a point's its fastest loop's.
@@ -22,7 +22,7 @@ from pathlib import Path
 import harness
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "python"))  # hosts.py: the namespaces
+sys.path.insert(0, str(HERE.parent / "tools"))  # hosts.py: the namespaces, shared with the tests
 
 import hosts  # noqa: E402
 
