@@ -102,7 +102,7 @@ fuzz-ci: fuzz-build
 	bash scripts/fuzz.sh $(FUZZ_BUILD) 30
 
 test-py: build
-	$(PY) -m pytest tests/python -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests/python bench/tests -q $(PYTEST_ARGS)
 
 demo: build
 	$(PY) -m mooncake demo
@@ -133,12 +133,12 @@ gpu-check:
 CXX_SOURCES = $(shell find src tests/cpp tests/fuzz -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
 lint: $(VENV)/.ready
-	$(VENV)/bin/ruff check python tests bench examples
-	$(VENV)/bin/ruff format --check python tests bench examples
+	$(VENV)/bin/ruff check python tests bench examples tools
+	$(VENV)/bin/ruff format --check python tests bench examples tools
 	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
 
 format: $(VENV)/.ready
-	$(VENV)/bin/ruff format python tests bench examples
+	$(VENV)/bin/ruff format python tests bench examples tools
 	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 clean:

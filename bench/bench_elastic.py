@@ -28,17 +28,14 @@ replace runs ``--replacements`` times. Results: ``<out-dir>/elastic.json`` and
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import statistics
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+import harness
+
 VICTIM = 1
 MEASURES = {
     "stage": "connect_ranks([new peer], activate=False), existing rank",
@@ -56,11 +53,8 @@ MEASURES = {
 # --- the processes --------------------------------------------------------------------
 
 
-def sync(store, name: str, n: int, timeout_s: float = 120) -> None:
-    """Store barrier of ``n`` processes."""
-    if store.add(f"sync/{name}", 1) == n:
-        store.set(f"sync/{name}/done", "1")
-    store.wait([f"sync/{name}/done"], timedelta(seconds=timeout_s))
+def sync(store, name: str, n: int) -> None:
+    harness.store_barrier(store, name, n, timeout_s=120)
 
 
 def one_round(buf, cfg: dict, world: int, step: int) -> float:
@@ -113,7 +107,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
         buf.connect_ranks(others)
         publish(buf, others)
         out["ready"].append(time.perf_counter() - t0)
-        store.set(f"result/standby{slot}", json.dumps(out))
+        harness.publish(store, f"result/standby{slot}", out)
         sync(store, f"replaced{slot}", world)
         one_round(buf, cfg, world, 10_000 + slot)
         if slot + 1 < cfg["replacements"]:  # the next replacement takes over from this one
@@ -174,7 +168,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
         sync(store, f"replaced{k}", world)
         one_round(buf, cfg, world, 10_000 + k)
         out["kill_to_full"].append(time.time() - killed)
-    store.set(f"result/{slot}", json.dumps(out))
+    harness.publish(store, f"result/{slot}", out)
     sync(store, "end", world)
 
 
@@ -186,56 +180,52 @@ def _role(slot: int, world: int, port: int, role: str, cfg: dict) -> None:
 
 
 def run_world(world: int, cfg: dict, timeout_s: float) -> dict:
-    from mooncake.launch import LocalGroup
-
-    started = time.time()
-    with LocalGroup(world, env={"OMP_NUM_THREADS": "1"}) as group:
-        store = group.store
-        keys = group.start(_role, args=("member", cfg))
-        keys += group.start(_role, ranks=range(cfg["replacements"]), args=("standby", cfg))
-        if group.wait_all(keys, timeout_s):
-            print(f"# world {world}: timed out after {timeout_s} s", file=sys.stderr)
-        codes = group.reap(keys)
-        samples: dict[str, list[float]] = {m: [] for m in MEASURES}
-        keys = [f"result/{s}" for s in range(world)]
-        keys += [f"result/standby{k}" for k in range(cfg["replacements"])]
-        for key in keys:
-            if store.check([key]):
-                for m, v in json.loads(store.get(key)).items():
-                    samples[m] += v
-        rows = []
-        for m, v in samples.items():
-            if v:
-                v = sorted(v)
-                rows.append(
-                    {
-                        "measure": m,
-                        "what": MEASURES[m],
-                        "n": len(v),
-                        "median_ms": statistics.median(v) * 1e3,
-                        "p90_ms": v[min(len(v) - 1, int(0.9 * len(v)))] * 1e3,
-                        "max_ms": v[-1] * 1e3,
-                    }
-                )
-    return {"world": world, "wall_s": round(time.time() - started, 1), "rows": rows, "exit": codes}
+    # The victims kill themselves: no grace, and their exit codes are read below.
+    run = harness.launch(
+        world,
+        _role,
+        ("member", cfg),
+        env={"OMP_NUM_THREADS": "1"},
+        timeout_s=timeout_s,
+        grace_s=None,
+        more=[(range(cfg["replacements"]), ("standby", cfg))],
+    )
+    if run.timed_out:
+        print(f"# world {world}: {run.error}", file=sys.stderr)
+    samples: dict[str, list[float]] = {m: [] for m in MEASURES}
+    keys = [f"result/{s}" for s in range(world)]
+    keys += [f"result/standby{k}" for k in range(cfg["replacements"])]
+    for key in keys:
+        for m, v in harness.store_json(run.store, key, {}).items():
+            samples[m] += v
+    # p90: the smallest sample with more than 90% at or below it, as the tables always had
+    stats = {"n": "n", "median_ms": "median", "p90_ms": "p90", "max_ms": "max"}
+    rows = [
+        {
+            "measure": m,
+            "what": MEASURES[m],
+            **harness.summarize(v, stats, method="above", scale=1e3),
+        }
+        for m, v in samples.items()
+        if v
+    ]
+    return {"world": world, "wall_s": run.wall_s, "rows": rows, "exit": run.codes}
 
 
 def markdown_table(results: list[dict]) -> str:
-    worlds = [r["world"] for r in results]
-    head = "| measure | " + " | ".join(f"W={w} median (p90), ms" for w in worlds) + " |"
-    lines = [head, "|---|" + "---|" * len(worlds)]
+    header = ["measure"] + [f"W={r['world']} median (p90), ms" for r in results]
+    table = []
     for m, what in MEASURES.items():
-        cells = []
+        cells = [what]
         for r in results:
             row = next((x for x in r["rows"] if x["measure"] == m), None)
             cells.append(f"{row['median_ms']:.2f} ({row['p90_ms']:.2f})" if row else "-")
-        lines.append(f"| {what} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        table.append(cells)
+    return "\n".join(harness.markdown_table(header, table)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-sizes", default="4,8")
+    p = harness.arg_parser(__doc__.split("\n")[0], world_sizes="4,8")
     p.add_argument("--cycles", type=int, default=5, help="stage/activate repeats")
     p.add_argument("--replacements", type=int, default=3, help="kill + replace repeats")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per phase")
@@ -245,12 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--timeout-ms", type=int, default=5000, help="the buffers' timeout_ms")
     p.add_argument("--launch-timeout", type=float, default=300)
-    p.add_argument("--out-dir", default=str(HERE / "results"))
-    p.add_argument("--quick", action="store_true", help="world 4, 3 cycles, 2 replacements")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.world_sizes, args.cycles, args.replacements, args.rounds = "4", 3, 2, 3
-    worlds = [int(w) for w in args.world_sizes.split(",")]
+    harness.add_output_args(p, "world 4, 3 cycles, 2 replacements")
+    quick = {"world_sizes": "4", "cycles": 3, "replacements": 2, "rounds": 3}
+    args = harness.parse_args(p, argv, quick)
+    worlds = harness.csv_ints(args.world_sizes)
     if min(worlds) < 3:
         p.error("world sizes must be >= 3 (a victim, a new peer and slot 0)")
     cfg = {
@@ -264,9 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         "timeout_ms": args.timeout_ms,
         "timeout_us": args.timeout_ms * 1000,
     }
-    sys.path.insert(0, str(HERE))
-    import bench_pg
-
     started, load = time.time(), os.getloadavg()
     results = []
     for w in worlds:
@@ -274,11 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_world(w, cfg, args.launch_timeout))
     table = markdown_table(results)
     print(table)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = bench_pg.run_meta(started, os.cpu_count(), load, args)
-    (out / "elastic.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    (out / "elastic_table.md").write_text(table)
+    meta = harness.run_meta(started, os.cpu_count(), load, args)
+    files = {"elastic.json": {"meta": meta, "results": results}, "elastic_table.md": table}
+    harness.write_outputs(args.out_dir, files)
     bad = [r for r in results if any(c not in (0, -signal.SIGKILL) for c in r["exit"])]
     return 1 if bad else 0
 

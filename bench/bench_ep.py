@@ -23,20 +23,18 @@ calls: a call's time is the slowest rank's, and a row shows the median and the
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import statistics
 import sys
 import time
 import warnings
 from datetime import timedelta
-from pathlib import Path
 
-# Only the standard library at the top: the ranks are spawned processes that
-# re-import this file.
+# Only the standard library (and harness, which imports nothing else) at the top: the
+# ranks are spawned processes that re-import this file.
+import harness
+from harness import fmt_ratio, log, say
 
-HERE = Path(__file__).resolve().parent
 HEADER_BYTES = 16  # one dispatch message's header (mooncake/_ep_fallback.py)
 META_COLS = 6  # the counts exchange's row: T, H, E, fp8, status, accept, then E/R counts
 FP8_BLOCK = 128  # channels per fp32 scale
@@ -80,28 +78,14 @@ def time_calls(fn, cfg: dict) -> list[float]:
     through an all_reduce(MAX)), between ``min_iters`` and ``max_iters``. The
     timed calls run back to back between two barriers.
     """
-    import torch
     import torch.distributed as dist
 
     dist.barrier()
-    t0 = time.perf_counter()
-    fn()  # first call: first touch of the buffers
-    first = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(first, op=dist.ReduceOp.MAX)
-    warmup = cfg["warmup"] if first.item() < SLOW_CALL_S else 1
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        fn()
-    estimate = torch.tensor([(time.perf_counter() - t0) / max(warmup, 1)])
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
-    iters = int(cfg["point_seconds"] / max(estimate.item(), 1e-7))
-    iters = max(cfg["min_iters"], min(cfg["max_iters"], iters))
-    times = []
+    first = harness.rank_max(harness.mean_seconds(fn, 1))  # first touch of the buffers
+    warmup = cfg["warmup"] if first < SLOW_CALL_S else 1
+    iters = harness.calls_in_budget(harness.mean_seconds(fn, warmup), cfg)
     dist.barrier()
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = harness.call_seconds(fn, iters)
     dist.barrier()
     return times
 
@@ -224,9 +208,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
     )
     # Meet after the imports, which take seconds on a busy host: the rendezvous in
     # init_process_group is bounded by the op timeout, and imports are not measured.
-    if store.add("imported", 1) == world:
-        store.set("all_imported", "1")
-    store.wait(["all_imported"])
+    harness.store_barrier(store, "imported", world)
     init_rank(rank, world, port, timeout_s=cfg["op_timeout"])
     gloo = dist.new_group(backend="gloo")
     buf = Buffer(dist.group.WORLD, 0)
@@ -243,34 +225,23 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
     )
     for case in cfg["cases"]:
         points += run_case(buf, gloo, case, cfg, rank, world)
-        store.set(f"result/{rank}", json.dumps(points))
+        harness.publish(store, f"result/{rank}", points)
     dist.destroy_process_group()
 
 
 # --- the parent -----------------------------------------------------------------------
 
 
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100])."""
-    s = sorted(values)
-    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
-
-
 def summarize(name: str, per_rank: list[list[float]]) -> dict:
-    """Per call the slowest rank's time; their median, p90, mean and min."""
-    n = min(len(c) for c in per_rank)
-    calls = [max(c[i] for c in per_rank) for i in range(n)]
+    """Per call the slowest rank's time; their median, p90 (nearest rank), mean and min."""
+    calls = harness.slowest(per_rank)
     return {
         "measure": name,
-        "median_us": statistics.median(calls),
-        "p90_us": percentile(calls, 90),
-        "mean_us": statistics.fmean(calls),
-        "min_us": min(calls),
-        "calls": n,
+        **harness.summarize(
+            calls,
+            {"median_us": "median", "p90_us": "p90", "mean_us": "mean", "min_us": "min"},
+        ),
+        "calls": len(calls),
         "per_rank_median_us": [round(statistics.median(c), 2) for c in per_rank],
         "slowest_per_call_us": [round(c, 2) for c in calls],
     }
@@ -278,24 +249,17 @@ def summarize(name: str, per_rank: list[list[float]]) -> dict:
 
 def run_world(world: int, cases: list[dict], cfg: dict, timeout_s: float) -> dict:
     """One group of ``world`` ranks runs every case; returns its rows (whatever it finished)."""
-    from mooncake.launch import LocalGroup
-
-    started, load = time.time(), os.getloadavg()[0]
-    error = None
-    group = LocalGroup(world, {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    try:
-        group.start(member, args=(dict(cfg, cases=cases),))
-        group.results(timeout_s)
-    except RuntimeError as e:
-        error = str(e)
+    run = harness.launch(
+        world,
+        member,
+        (dict(cfg, cases=cases),),
+        env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        timeout_s=timeout_s,
+    )
+    error = run.error
+    if error:
         log(f"# world {world}: {error}")
-    finally:
-        group.close()
-    store = group.store
-    per_rank = []
-    for r in range(world):
-        key = f"result/{r}"
-        per_rank.append(json.loads(store.get(key)) if store.check([key]) else [])
+    per_rank = run.per_rank("result", [])
     rows, counts = [], None
     complete = min(len(p) for p in per_rank)
     points = {}  # (case, measure) -> per rank calls
@@ -346,8 +310,8 @@ def run_world(world: int, cases: list[dict], cfg: dict, timeout_s: float) -> dic
         "error": error,
         "rows": rows,
         "counts_exchange": counts,
-        "wall_s": round(time.time() - started, 1),
-        "loadavg": [load, os.getloadavg()[0]],
+        "wall_s": run.wall_s,
+        "loadavg": run.loadavg,
     }
 
 
@@ -369,9 +333,7 @@ def ratios(row: dict) -> dict:
 
 
 def fmt_us(t: float | None) -> str:
-    from report import fmt_us as report_fmt_us  # imported late: the ranks re-import this file
-
-    return report_fmt_us(t, whole_from=1e4)  # the EP tables are narrower: whole from 10 ms
+    return harness.fmt_fixed(t, 1e4)  # the EP tables are narrower: whole from 10 ms
 
 
 def fmt_kib(n: float) -> str:
@@ -396,8 +358,6 @@ RATIO_COLS = [
 
 
 def print_world(result: dict) -> None:
-    from report import fmt_ratio, say  # imported late: the ranks re-import this file
-
     world, rows = result["world"], result["rows"]
     if not rows:
         return
@@ -440,8 +400,6 @@ def print_world(result: dict) -> None:
 
 def markdown_table(results: list[dict], meta: dict) -> str:
     """World 4's rows, and the key shape at the other world sizes."""
-    from report import fmt_ratio  # imported late: the ranks re-import this file
-
     lines = [
         f'mooncake-cpu, portable path (`Buffer.path == "portable"`), CPU tensors, on one host '
         f"({meta['cores']} cores), {meta['started']}, library {meta['mooncake']['commit']}; "
@@ -453,11 +411,13 @@ def markdown_table(results: list[dict], meta: dict) -> str:
         "same bytes per peer as the call's token exchange (d: dispatch's, c: combine's), over "
         "the mooncake-cpu group (mc) or a gloo group.",
         "",
-        "| world | T | H | fp8 | KiB/peer (d) | dispatch | combine | dispatch + combine | "
-        "a2a mc (d) | a2a gloo (d) | a2a mc (c) | dispatch / a2a mc (d) | "
-        "combine / a2a mc (c) | gloo / mc (d) | gloo / mc (c) |",
-        "|" + "---:|" * 15,
     ]
+    header = [
+        *("world", "T", "H", "fp8", "KiB/peer (d)", "dispatch", "combine"),
+        *("dispatch + combine", "a2a mc (d)", "a2a gloo (d)", "a2a mc (c)"),
+        *("dispatch / a2a mc (d)", "combine / a2a mc (c)", "gloo / mc (d)", "gloo / mc (c)"),
+    ]
+    table = []
 
     def cell(row, name):
         p = row.get(name)
@@ -485,7 +445,8 @@ def markdown_table(results: list[dict], meta: dict) -> str:
                 fmt_ratio(r["gloo_over_mc_disp"]),
                 fmt_ratio(r["gloo_over_mc_comb"]),
             ]
-            lines.append("| " + " | ".join(cells) + " |")
+            table.append(cells)
+    lines += harness.markdown_table(header, table, "r" * len(header))
     counts = [
         f"world {res['world']} {fmt_us(res['counts_exchange']['median_us'])} µs"
         for res in results
@@ -524,13 +485,11 @@ def markdown_table(results: list[dict], meta: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Latency of the EP Buffer's portable dispatch and combine on CPU, beside "
-        "the raw all_to_all_single of the same bytes over mooncake-cpu and gloo "
-        "(see bench/README.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = harness.arg_parser(
+        "Latency of the EP Buffer's portable dispatch and combine on CPU, beside the raw "
+        "all_to_all_single of the same bytes over mooncake-cpu and gloo (see bench/README.md).",
+        world_sizes="2,4,8",
     )
-    p.add_argument("--world-sizes", default="2,4,8", help="comma-separated world sizes")
     p.add_argument(
         "--shapes",
         default=",".join(f"{t}x{h}" for t, h in FULL_CASES),
@@ -546,21 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip a shape at a world size where dispatch's recv_x (BF16) exceeds this per rank",
     )
     p.add_argument("--measures", default=",".join(MEASURES), help="comma-separated measures to run")
-    p.add_argument("--warmup", type=int, default=5, help="untimed calls before each measure")
-    p.add_argument("--min-iters", type=int, default=12, help="fewest timed calls per measure")
-    p.add_argument("--max-iters", type=int, default=500, help="most timed calls per measure")
-    p.add_argument(
-        "--point-seconds", type=float, default=0.2, help="timed seconds per measure (about)"
-    )
+    harness.add_loop_args(p, "measure", 5, 12, 500)
     p.add_argument("--op-timeout", type=float, default=120, help="backend op timeout, seconds")
     p.add_argument(
         "--launch-timeout", type=float, default=600, help="seconds for one world size's run"
     )
-    p.add_argument("--out-dir", default=str(HERE / "results"), help="where results go")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"worlds 2 and 4, shapes {','.join(f'{t}x{h}' for t, h in QUICK_CASES)}, "
+    harness.add_output_args(
+        p,
+        f"worlds 2 and 4, shapes {','.join(f'{t}x{h}' for t, h in QUICK_CASES)}, "
         "shorter loops: under a minute",
     )
     return p
@@ -568,15 +520,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.world_sizes = "2,4"
-        args.shapes = ",".join(f"{t}x{h}" for t, h in QUICK_CASES)
-        args.point_seconds = min(args.point_seconds, 0.05)
-        args.warmup = min(args.warmup, 2)
-        args.min_iters = min(args.min_iters, 8)
+    args = harness.parse_args(
+        parser,
+        argv,
+        {"world_sizes": "2,4", "shapes": ",".join(f"{t}x{h}" for t, h in QUICK_CASES)},
+        {"point_seconds": 0.05, "warmup": 2, "min_iters": 8},
+    )
     try:
-        worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()})
+        worlds = sorted(set(harness.csv_ints(args.world_sizes)))
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
         fp8s = [bool(int(v)) for v in args.fp8.split(",") if v.strip()]
         measures = [m.strip() for m in args.measures.split(",") if m.strip()]
@@ -591,9 +542,6 @@ def main(argv: list[str] | None = None) -> int:
     bad = [m for m in measures if m not in MEASURES]
     if bad:
         parser.error(f"unknown measure {', '.join(bad)}; choose from {', '.join(MEASURES)}")
-
-    import bench_pg  # for run_meta (here, not at the top: the ranks re-import this file)
-    from report import say
 
     cases = [
         {"index": i, "T": t, "H": h, "fp8": f}
@@ -612,9 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     load_start = os.getloadavg()
     cores = os.cpu_count()
-    say(f"# EP Buffer (portable path) on {cores} cores; load average at start {load_start[0]:.2f}")
-    if load_start[0] > 0.5 * cores:
-        say("# WARNING: the host is busy; times are noisy")
+    harness.say_host("EP Buffer (portable path)", cores, load_start)
     say("# d/mc = dispatch / a2a mc (d); c/mc = combine / a2a mc (c); gl/mc = gloo / mooncake")
     say(
         "# a2a (d): the dispatch's token exchange (16 B header + payload per (token, expert)); "
@@ -647,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in errors:
         say(f"# ERROR: world {e['world']}: {e['error']}")
     meta = {
-        **bench_pg.run_meta(started, cores, load_start, args),
+        **harness.run_meta(started, cores, load_start, args),
         "mooncake_env": {k: v for k, v in os.environ.items() if k.startswith("MOONCAKE_")},
         "measures": MEASURES,
         "time": "per call, the slowest rank's time (time.perf_counter around the call); "
@@ -655,11 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         "method": "see the module docstring and bench/README.md, 'EP benchmark'",
     }
     document = {"meta": meta, "results": results, "errors": errors, "check_failed": failed}
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ep.json").write_text(json.dumps(document, indent=1))
-    (out_dir / "ep_table.md").write_text(markdown_table(results, meta))
-    say(f"# wrote {out_dir}/ep.json, ep_table.md")
+    files = {"ep.json": document, "ep_table.md": markdown_table(results, meta)}
+    say(f"# {harness.write_outputs(args.out_dir, files)}")
     log(f"# total {time.time() - started:.0f} s")
     return 1 if errors or failed else 0
 

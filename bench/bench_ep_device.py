@@ -41,15 +41,12 @@ Medians in microseconds; JSON to ``--out-dir``.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+import harness
 
 
 def timed(fn, iters: int, warmup: int, barrier=None, host: list | None = None) -> list[float]:
@@ -62,21 +59,8 @@ def timed(fn, iters: int, warmup: int, barrier=None, host: list | None = None) -
     for _ in range(iters):
         if barrier is not None:
             barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1000)
-        if host is not None:
-            host.append((t1 - t0) * 1e6)
+        out.append(harness.cuda_span_ms(fn, 1, host) * 1000)
     return out
-
-
-def median(v: list[float]) -> float:
-    return statistics.median(v) if v else float("nan")
 
 
 def make_inputs(T: int, H: int, E: int, K: int, n_sets: int, seed: int):
@@ -284,17 +268,14 @@ def summarize(rows_by_rank: list[list[dict]]) -> list[dict]:
         row = {k: v for k, v in cases[0].items() if not isinstance(v, list)}
         for k, v in cases[0].items():
             if isinstance(v, list):
-                row[k] = max(median(c[k]) for c in cases)
+                row[k] = max(harness.median(c[k], empty=float("nan")) for c in cases)
         out.append(row)
     return out
 
 
 def upstream_rows(path: str | None) -> dict:
-    if not path:
-        return {}
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    data = harness.read_json(path) if path else None
+    if data is None:
         return {}
     if data.get("error") and not data.get("cases"):
         return {"error": data["error"]}
@@ -302,35 +283,47 @@ def upstream_rows(path: str | None) -> dict:
 
 
 def fmt(v) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return "-"
-    return f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+    return harness.fmt_fixed(v, 100)
+
+
+# The table's columns after "dispatch" and after "combine": header -> a row's key, or
+# "up:" and a key of upstream's case (its median).
+DISPATCH_COLS = {
+    "ours": "dispatch_us",
+    "kernel": "dispatch_kernel_us",
+    "send half": "send_half_us",
+    "(kernel)": "send_kernel_us",
+    "recv half": "recv_half_us",
+    "upstream": "up:dispatch_us",
+    "floor": "dispatch_floor_us",
+}
+COMBINE_COLS = {
+    "ours": "combine_us",
+    "zero-copy": "combine_zero_copy_us",
+    "send half": "combine_send_half_us",
+    "recv half": "combine_recv_half_us",
+    "kernel": "combine_kernel_us",
+    "upstream": "up:combine_us",
+    "floor": "combine_floor_us",
+}
 
 
 def table(world: int, rows: list[dict], up: dict) -> str:
-    lines = [
-        f"world {world}: median µs (T=128, H=7168, top-8)",
-        "| E | dispatch | ours | kernel | send half | (kernel) | recv half | upstream | floor "
-        "| combine | ours | zero-copy | send half | recv half | kernel | upstream | floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["E", "dispatch", *DISPATCH_COLS, "combine", *COMBINE_COLS]
+    cells = []
     for r in rows:
         u = up.get((r["E"], r["fp8"]), {}) if "error" not in up else {}
 
-        def um(key, u=u):
-            return (u.get(key) or {}).get("median")
+        def cell(key: str, r=r, u=u) -> str:
+            if key.startswith("up:"):
+                return fmt((u.get(key[3:]) or {}).get("median"))
+            return fmt(r.get(key))
 
-        lines.append(
-            f"| {r['E']} | {'FP8' if r['fp8'] else 'BF16'} | {fmt(r['dispatch_us'])} "
-            f"| {fmt(r.get('dispatch_kernel_us'))} | {fmt(r['send_half_us'])} "
-            f"| {fmt(r.get('send_kernel_us'))} "
-            f"| {fmt(r['recv_half_us'])} | {fmt(um('dispatch_us'))} "
-            f"| {fmt(r.get('dispatch_floor_us'))} | BF16 | {fmt(r['combine_us'])} "
-            f"| {fmt(r.get('combine_zero_copy_us'))} | {fmt(r.get('combine_send_half_us'))} "
-            f"| {fmt(r.get('combine_recv_half_us'))} "
-            f"| {fmt(r.get('combine_kernel_us'))} | {fmt(um('combine_us'))} "
-            f"| {fmt(r.get('combine_floor_us'))} |"
-        )
+        dispatch = [cell(k) for k in DISPATCH_COLS.values()]
+        combine = [cell(k) for k in COMBINE_COLS.values()]
+        cells.append([str(r["E"]), "FP8" if r["fp8"] else "BF16", *dispatch, "BF16", *combine])
+    lines = [f"world {world}: median µs (T=128, H=7168, top-8)"]
+    lines += harness.markdown_table(header, cells)
     if "error" in up:
         lines.append(f"(upstream skipped: {up['error'].splitlines()[-1][:120]})")
     return "\n".join(lines)
@@ -355,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         help="CAP: an elastic buffer of CAP slots (Buffer.create_elastic) instead of a "
         "process group's, its calls covering the processes' slots; the first of --experts",
     )
-    p.add_argument("--out-dir", default=str(HERE / "results"))
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_ep_device: no CUDA GPU here; nothing to measure")
@@ -374,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     up = upstream_rows(a.upstream)
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "worlds": {}}
-    for world in (int(w) for w in a.worlds.split(",")):
+    for world in harness.csv_ints(a.worlds):
         t0 = time.monotonic()
         rows = summarize(run_local(member, world, args=(cfg,), timeout_s=560))
         results["worlds"][world] = rows
@@ -387,11 +380,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt(r['dispatch_host_us'])} us, in combine {fmt(r['combine_host_us'])} us"
             )
         print(f"(world {world}: {time.monotonic() - t0:.0f} s)\n")
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     results["elastic_capacity"] = a.elastic
     name = f"ep_device_elastic{a.elastic}.json" if a.elastic else "ep_device.json"
-    (out / name).write_text(json.dumps(results, indent=1))
+    harness.write_outputs(a.out_dir, {name: results})
     return 0
 
 

@@ -43,7 +43,6 @@ process, without the watchdog.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -53,11 +52,13 @@ import time
 import traceback
 from pathlib import Path
 
-# Only the standard library at module level: the watchdog parent never loads torch.
+# Only the standard library at module level (harness imports nothing else, none of our
+# mooncake package in particular): the watchdog parent never loads torch.
+import harness
+from harness import read_json, write_json
 
-HERE = Path(__file__).resolve().parent
 IMPL = "upstream-0.3.14"
-DEFAULT_OUT = HERE / "results" / "ep_upstream.json"
+DEFAULT_OUT = harness.RESULTS / "ep_upstream.json"
 UPSTREAM_DISTS = ("mooncake-transfer-engine-cuda13", "mooncake-transfer-engine")
 NATIVE_LIBS = ("libcuda.so.1", "libcudart.so.13", "libibverbs.so.1", "libmlx5.so.1", "libnuma.so.1")
 NUM_INPUT_SETS = 4
@@ -69,42 +70,10 @@ NOT_STARTED = "worker did not start"
 # --- small helpers (stdlib only) -------------------------------------------------------
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Replace ``path`` at once, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def percentile(sorted_vals: list[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    if len(sorted_vals) == 1:
-        return sorted_vals[0]
-    pos = (len(sorted_vals) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_vals) - 1)
-    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (pos - lo)
-
-
 def summarize(times_us: list[float]) -> dict:
-    v = sorted(times_us)
-    return {
-        "median": round(percentile(v, 50), 3),
-        "p10": round(percentile(v, 10), 3),
-        "p90": round(percentile(v, 90), 3),
-        "min": round(v[0], 3),
-        "mean": round(sum(v) / len(v), 3),
-        "n": len(v),
-    }
+    """Percentiles interpolated between ranks (the median too), to the nanosecond."""
+    stats = {"median": "p50", "p10": "p10", "p90": "p90", "min": "min", "mean": "mean", "n": "n"}
+    return harness.summarize(times_us, stats, method="linear", digits=3)
 
 
 def case_id(num_experts: int, use_fp8: bool) -> str:
@@ -478,7 +447,7 @@ def worker(args: argparse.Namespace) -> None:
     def stage(text: str) -> None:
         rec["stage"] = text
         print(f"[stage] {text}", flush=True)
-        write_json(out_path, rec)
+        write_json(out_path, rec, indent=2)
 
     try:
         set_parent_death_signal()
@@ -531,7 +500,7 @@ def worker(args: argparse.Namespace) -> None:
                 }
             rec["cases"].append(result)
             torch.cuda.empty_cache()
-            write_json(out_path, rec)
+            write_json(out_path, rec, indent=2)
 
         failed = [c for c in rec["cases"] if c.get("error")]
         if len(failed) == len(rec["cases"]):
@@ -544,7 +513,7 @@ def worker(args: argparse.Namespace) -> None:
     except (Exception, KeyboardInterrupt) as exc:
         traceback.print_exc()
         rec["error"] = f"{rec['stage']}: {type(exc).__name__}: {exc}"
-    write_json(out_path, rec)
+    write_json(out_path, rec, indent=2)
 
 
 # --- the watchdog parent ---------------------------------------------------------------
@@ -556,6 +525,7 @@ def supervise(args: argparse.Namespace) -> None:
     write_json(
         out_path,
         {"impl": IMPL, "gpu": None, "torch": None, "cases": [], "error": NOT_STARTED},
+        indent=2,
     )
     cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker"]
     proc = subprocess.Popen(cmd)
@@ -592,7 +562,7 @@ def supervise(args: argparse.Namespace) -> None:
     elif not data.get("complete") and not worker_said:
         data["error"] = f"worker ended without finishing; {where}"
     if data.get("error") != previous:
-        write_json(out_path, data)
+        write_json(out_path, data, indent=2)
     print_table(data)
     print(f"results: {out_path}", flush=True)
 

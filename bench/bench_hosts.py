@@ -1,5 +1,5 @@
 """Across hosts: all_reduce and all_to_all_single at world 4 on two hosts of two ranks
-(network namespaces on this machine, see tests/python/hosts.py), over our tcp transport
+(network namespaces on this machine, see tools/hosts.py), over our tcp transport
 and over ucx (UCX kept to tcp: the same wire), beside the same world on one host
 (shared memory). Each point: warm-up, then timed loops of back-to-back ops between
 barriers; a loop's time is the slowest rank's mean, a point's its fastest loop's.
@@ -14,16 +14,15 @@ namespaces cannot be made it says why and exits 0 (the other benchmarks still ru
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
+import harness
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "python"))  # hosts.py: the namespaces
+sys.path.insert(0, str(HERE.parent / "tools"))  # hosts.py: the namespaces, shared with the tests
 
 import hosts  # noqa: E402
 
@@ -65,12 +64,7 @@ def rank_fn(rank, world, port, sizes):
             best = float("inf")
             for _ in range(3):
                 dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    run()
-                mine = torch.tensor([(time.perf_counter() - t0) / iters])
-                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-                best = min(best, mine.item())
+                best = min(best, harness.rank_max(harness.mean_seconds(run, iters)))
             out[f"{op}/{n}"] = best
             if rank == 0:
                 print(f"    {op} {n} B: {best * 1e6:.0f} us", file=sys.stderr, flush=True)
@@ -79,8 +73,6 @@ def rank_fn(rank, world, port, sizes):
 
 
 def inside(args) -> int:
-    from mooncake.launch import LocalGroup
-
     f = hosts.fabric(2)
     sizes = QUICK_SIZES if args.quick else SIZES
     results = {}
@@ -89,9 +81,11 @@ def inside(args) -> int:
             continue
         placement = None if len(set(where)) == 1 else f.placement(where)
         kw = {"placement": placement, "store_host": f.gateway} if placement else {}
-        with LocalGroup(4, env={"OMP_NUM_THREADS": "1", **env}, **kw) as group:
-            group.start(rank_fn, args=(sizes,))
-            results[label] = group.results(timeout_s=600)["0"]
+        env = {"OMP_NUM_THREADS": "1", **env}
+        run = harness.launch(4, rank_fn, (sizes,), env=env, timeout_s=600, **kw)
+        if run.error:
+            raise RuntimeError(f"{label}: {run.error}")
+        results[label] = run.returned["0"]
         print(f"  {label}: done", file=sys.stderr, flush=True)
     print(json.dumps({"sizes": sizes, "results": results}))
     return 0
@@ -103,15 +97,10 @@ def _ucx_built() -> bool:
     return "ucx" in load_extension().TransferEngine.available_transports()
 
 
-def fmt_size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-
-
 def table(data) -> str:
     sizes, res = data["sizes"], data["results"]
     labels = list(res)
-    head = "| op | size | " + " | ".join(labels) + " | ucx / tcp |"
-    lines = [head, "|" + "---|" * (len(labels) + 3)]
+    rows = []
     for op in OPS:
         for n in sizes:
             key = f"{op}/{n}"
@@ -120,14 +109,13 @@ def table(data) -> str:
             ucx, tcp = res.get("2 hosts, ucx every peer"), res.get("2 hosts, tcp every peer")
             if ucx and tcp:
                 ratio = f"{ucx[key] / tcp[key]:.2f}"
-            lines.append(f"| {op} | {fmt_size(n)} | " + " | ".join(cells) + f" | {ratio} |")
-    return "\n".join(lines)
+            rows.append([op, harness.fmt_bytes(n), *cells, ratio])
+    return "\n".join(harness.markdown_table(["op", "size", *labels, "ucx / tcp"], rows))
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="three sizes")
-    p.add_argument("--out-dir", default=str(HERE / "results"), help="where hosts.json goes")
+    p = harness.arg_parser(__doc__.splitlines()[0])
+    harness.add_output_args(p, "three sizes")
     args = p.parse_args()
     if hosts.inside():
         return inside(args)
@@ -141,8 +129,7 @@ def main() -> int:
         print(r.stdout[-3000:], r.stderr[-3000:], file=sys.stderr)
         return r.returncode
     data = json.loads(r.stdout.strip().splitlines()[-1])
-    os.makedirs(args.out_dir, exist_ok=True)
-    Path(args.out_dir, "hosts.json").write_text(json.dumps(data, indent=1))
+    harness.write_outputs(args.out_dir, {"hosts.json": data})
     print("world 4 (ranks 0, 1 on host A; 2, 3 on host B), mooncake-cpu, times per op:\n")
     print(table(data))
     return 0

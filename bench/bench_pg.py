@@ -19,11 +19,8 @@ bytes it must copy at this host's memcpy bandwidth. Results go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import resource
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import floors
+import harness
 import report
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +51,6 @@ MOONCAKE_ENV_DEFAULTS = {
     "MOONCAKE_ASYNC_DELAY_US": "100",
 }
 QUICK_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20)
-FAILURE_GRACE_S = 30
 # Copy rates from cache-sized to DRAM-sized (below 256 KiB the call costs more than the bytes).
 COPY_SIZES = [256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -95,31 +92,24 @@ def sizes_between(lo: int, hi: int, factor: int) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="nccl-tests-style benchmark of mooncake-cpu against gloo, with floors "
-        "measured in the same run (see bench/README.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = harness.arg_parser(
+        "nccl-tests-style benchmark of mooncake-cpu against gloo, with floors measured in the "
+        "same run (see bench/README.md).",
+        world_sizes="2,4,8",
     )
-    p.add_argument("--world-sizes", default="2,4,8", help="comma-separated world sizes")
     p.add_argument("--min-bytes", default="8", help="smallest message size (K/M/G suffixes)")
     p.add_argument("--max-bytes", default="64M", help="largest message size")
     p.add_argument("--step-factor", type=int, default=4, choices=(2, 4), help="size step")
     p.add_argument("--sizes", default="", help="explicit comma-separated sizes (overrides range)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated backends")
-    p.add_argument("--warmup", type=int, default=3, help="warm-up ops (1 above 1 MiB)")
-    p.add_argument("--min-iters", type=int, default=3, help="fewest timed ops per point")
-    p.add_argument("--max-iters", type=int, default=1000, help="most timed ops per point")
-    p.add_argument(
-        "--point-seconds", type=float, default=0.2, help="timed seconds per point, all loops"
-    )
+    harness.add_loop_args(p, "point (all its loops)", 3, 3, 1000, warmup_note=" (1 above 1 MiB)")
     p.add_argument(
         "--repeats", type=int, default=3, help="timed loops per point; the fastest is reported"
     )
     p.add_argument(
         "--no-overhead", action="store_true", help="skip the world-size-1 per-op overhead probe"
     )
-    p.add_argument("--out-dir", default=str(HERE / "results"), help="where results go")
     p.add_argument("--no-plot", action="store_true", help="skip pg.png")
     p.add_argument(
         "--launch-timeout", type=float, default=900, help="seconds before a launch is killed"
@@ -144,10 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "all_reduce inside each launch), the copy floor at the start (not each rank's copy "
         "after each loop of a large op)",
     )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="world 4, sizes 8 B/4K/64K/1M/16M, short loops: a smoke run of about a minute",
+    harness.add_output_args(
+        p, "world 4, sizes 8 B/4K/64K/1M/16M, short loops: a smoke run of about a minute"
     )
     return p
 
@@ -204,13 +192,7 @@ def time_point(fn, nbytes: int, cfg: dict, beside=None) -> tuple[list[float], in
     warmup = cfg["warmup"] if nbytes <= (1 << 20) else 1
     dist.barrier()
     fn()  # first call: first touch of buffers and peer slots
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        fn()
-    estimate = torch.tensor([(time.perf_counter() - t0) / max(warmup, 1)], dtype=torch.float64)
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
-    total = int(cfg["point_seconds"] / max(estimate.item(), 1e-7))
-    total = max(cfg["min_iters"], min(cfg["max_iters"], total))
+    total = harness.calls_in_budget(harness.mean_seconds(fn, warmup), cfg, torch.float64)
     # As many loops as asked whenever that many calls fit, one call each at the least:
     # a point of a few large calls is not decided by one disturbed loop.
     repeats = max(1, min(cfg["repeats"], total))
@@ -221,18 +203,12 @@ def time_point(fn, nbytes: int, cfg: dict, beside=None) -> tuple[list[float], in
     for _ in range(repeats):
         dist.barrier()
         before = usage_now()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        means.append((time.perf_counter() - t0) / iters)
+        means.append(harness.mean_seconds(fn, iters))
         after = usage_now()
         usage = [u + a - b for u, a, b in zip(usage, after, before, strict=True)]
         if beside is not None:
             dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                beside()
-            beside_means.append((time.perf_counter() - t0) / iters)
+            beside_means.append(harness.mean_seconds(beside, iters))
     dist.barrier()
     calls = repeats * iters
     return (
@@ -306,7 +282,7 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
 
     def record(point: dict) -> None:
         points.append(point)
-        store.set(f"result/{rank}", json.dumps(points))
+        harness.publish(store, f"result/{rank}", points)
         if rank == 0:
             print(
                 f"[{cfg['backend']} world {world}] {point['op']:<23} {point['bytes']:>10} B "
@@ -360,7 +336,7 @@ def run_worker(rank: int, world: int, port: int, cfg: dict) -> None:
             del fn
     if cfg.get("pair_rounds") and world >= 2:
         pairs = paired_rounds(rank, world, store, cfg, probes[DIRECT_PROBE])
-        store.set(f"pairs/{rank}", json.dumps(pairs))
+        harness.publish(store, f"pairs/{rank}", pairs)
     dist.destroy_process_group()
 
 
@@ -385,10 +361,10 @@ def paired_rounds(rank: int, world: int, store, cfg: dict, direct) -> list[dict]
                 "bare": run_bare_core(Path(cfg["bare_binary"]), [world]).get(world),
                 "hop_us": run_ring(world),
             }
-            store.set(key, json.dumps(floors_now))
+            harness.publish(store, key, floors_now)
         else:
             store.wait([key])
-        rounds.append({"small": loops, "direct": us(obj), **json.loads(store.get(key))})
+        rounds.append({"small": loops, "direct": us(obj), **harness.store_json(store, key)})
     return rounds
 
 
@@ -411,33 +387,24 @@ def run_ring(world: int) -> float | None:
 
 def launch(backend: str, world: int, cfg: dict, timeout: float, start_method: str) -> dict:
     """Runs one group of ``world`` ranks; returns each rank's points and any error."""
-    from mooncake.launch import LocalGroup
-
-    started, load = time.monotonic(), os.getloadavg()[0]
-    error = None
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with LocalGroup(world, env=env, start_method=start_method) as group:
-        keys = group.start(run_worker, args=(dict(cfg, backend=backend),))
-        # A rank that dies should make the others fail fast: they get a grace period.
-        if group.wait_all(keys, timeout, FAILURE_GRACE_S) == "deadline":
-            error = f"timed out after {timeout:.0f} s"
-        codes = group.reap(keys)
-        if error is None and any(codes):
-            error = f"ranks exited with codes {codes}"
-        per_rank, pairs = [], []
-        for rank in range(world):
-            key, pair_key = f"result/{rank}", f"pairs/{rank}"
-            per_rank.append(json.loads(group.store.get(key)) if group.store.check([key]) else [])
-            if group.store.check([pair_key]):
-                pairs.append(json.loads(group.store.get(pair_key)))
+    run = harness.launch(
+        world,
+        run_worker,
+        (dict(cfg, backend=backend),),
+        env=env,
+        timeout_s=timeout,
+        start_method=start_method,
+    )
+    pairs = [p for p in run.per_rank("pairs") if p is not None]
     return {
         "backend": backend,
         "world": world,
-        "error": error,
-        "per_rank": per_rank,
+        "error": run.error,
+        "per_rank": run.per_rank("result", []),
         "pairs": merge_pairs(pairs) if len(pairs) == world else [],
-        "wall_s": round(time.monotonic() - started, 1),
-        "loadavg": [load, os.getloadavg()[0]],
+        "wall_s": run.wall_s,
+        "loadavg": run.loadavg,
     }
 
 
@@ -464,7 +431,7 @@ def merge(launch_result: dict) -> dict[tuple[str, int], dict]:
     for i in range(complete):
         rows = [points[i] for points in ranks]
         first = rows[0]
-        loops = [max(r["loops_us"][k] for r in rows) for k in range(len(first["loops_us"]))]
+        loops = harness.slowest([r["loops_us"] for r in rows])
         best = loops.index(min(loops))
         merged[(first["op"], first["bytes"])] = {
             "op": first["op"],
@@ -481,9 +448,7 @@ def merge(launch_result: dict) -> dict[tuple[str, int], dict]:
         }
         if all("beside_us" in r["usage"] for r in rows):
             point = merged[(first["op"], first["bytes"])]
-            point["copy_beside_us"] = [
-                max(r["usage"]["beside_us"][k] for r in rows) for k in range(len(loops))
-            ]
+            point["copy_beside_us"] = harness.slowest([r["usage"]["beside_us"] for r in rows])
     return merged
 
 
@@ -492,7 +457,7 @@ def merge_pairs(per_rank: list[list[dict]]) -> list[dict]:
     as merge() does; rounds where the bare core failed are left out."""
 
     def slowest_then_fastest(loops_per_rank: list[list[float]]) -> float:
-        return min(max(loop) for loop in zip(*loops_per_rank, strict=True))
+        return min(harness.slowest(loops_per_rank))
 
     out = []
     for i, first in enumerate(per_rank[0]):
@@ -512,47 +477,6 @@ def merge_pairs(per_rank: list[list[dict]]) -> list[dict]:
             }
         )
     return out
-
-
-def library_version() -> dict:
-    """Which mooncake was measured: the checkout's commit and the extension's build time."""
-    repo = HERE.parent
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(repo), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    built = sorted((repo / "python" / "mooncake").glob("_pg_torch*.so"))
-    return {
-        "commit": commit,
-        "extensions": {
-            p.name: time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(p.stat().st_mtime))
-            for p in built
-        },
-    }
-
-
-def run_meta(started: float, cores: int, load_start, args) -> dict:
-    """What every benchmark's JSON says about its run: when, where, with what."""
-    import torch
-
-    return {
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
-        "duration_s": round(time.time() - started, 1),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cores": cores,
-        "loadavg_start": load_start,
-        "loadavg_end": os.getloadavg(),
-        "args": vars(args),
-        "mooncake": library_version(),
-    }
 
 
 def measure_floors(worlds: list[int], quick: bool) -> dict:
@@ -627,11 +551,6 @@ def run_bare_core(binary: Path, worlds: list[int]) -> dict[int, float]:
     return bare
 
 
-def _median(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
 def paired_point(world: int, rounds: list[dict], sweep_layer: float | None) -> dict:
     """One world's row of bare_core from its rounds: medians of the figures and of
     the per-round ratios. torch's layer is each round's through torch - through the
@@ -651,16 +570,18 @@ def paired_point(world: int, rounds: list[dict], sweep_layer: float | None) -> d
     has_direct = all(p["backend_object_us"] is not None for p in rounds)
     return {
         "world": world,
-        "torch_us": _median([p["torch_us"] for p in rounds]),
-        "backend_object_us": _median([p["backend_object_us"] for p in rounds]),
-        "bare_us": _median([p["bare_us"] for p in rounds]),
-        "ratio": _median([p["torch_us"] / p["bare_us"] for p in rounds]),
-        "backend_object_ratio": _median([p["backend_object_us"] / p["bare_us"] for p in rounds])
+        "torch_us": harness.median([p["torch_us"] for p in rounds]),
+        "backend_object_us": harness.median([p["backend_object_us"] for p in rounds]),
+        "bare_us": harness.median([p["bare_us"] for p in rounds]),
+        "ratio": harness.median([p["torch_us"] / p["bare_us"] for p in rounds]),
+        "backend_object_ratio": harness.median(
+            [p["backend_object_us"] / p["bare_us"] for p in rounds]
+        )
         if has_direct
         else None,
-        "torch_layer_us": _median(layers),
-        "do_nothing_us": _median(nothing),
-        "do_nothing_ratio": _median(nothing_ratios),
+        "torch_layer_us": harness.median(layers),
+        "do_nothing_us": harness.median(nothing),
+        "do_nothing_ratio": harness.median(nothing_ratios),
         "rounds": rounds,
         "fresh_torch_us": None,
         "fresh_backend_object_us": None,
@@ -691,9 +612,9 @@ def small_against_floors(model: floors.FloorModel, world: int, rounds: list[dict
             vs_torch.append(p["small_us"][nbytes] / (floor + layer) if floor + layer > 0 else None)
             nothing.append((floor + layer) / hand if hand > 0 else None)
         out[nbytes] = {
-            "vs_handoff": _median(vs_hand),
-            "vs_torch_floor": _median(vs_torch),
-            "do_nothing_vs_handoff": _median(nothing),  # a backend that moved nothing
+            "vs_handoff": harness.median(vs_hand),
+            "vs_torch_floor": harness.median(vs_torch),
+            "do_nothing_vs_handoff": harness.median(nothing),  # a backend that moved nothing
         }
     return out
 
@@ -800,14 +721,13 @@ def bare_core(
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = harness.parse_args(
+        parser, argv, {"world_sizes": "4"}, {"point_seconds": 0.05, "warmup": 2}
+    )
     if args.quick:
-        args.world_sizes = "4"
         args.sizes = args.sizes or ",".join(str(s) for s in QUICK_SIZES)
-        args.point_seconds = min(args.point_seconds, 0.05)
-        args.warmup = min(args.warmup, 2)
     try:
-        worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()})
+        worlds = sorted(set(harness.csv_ints(args.world_sizes)))
         ops = parse_list(args.ops, OPS, ALIASES)
         backends = parse_list(args.backends, BACKENDS, {})
         if args.sizes:
@@ -893,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     report.print_targets(targets)
     document = {
         "meta": {
-            **run_meta(started, measured["cores"], load_start, args),
+            **harness.run_meta(started, measured["cores"], load_start, args),
             "mooncake_env": mooncake_env,
             "dtype": "float32",
             "time": "per timed loop of back-to-back ops, the slowest rank's mean; per point, "
@@ -908,11 +828,13 @@ def main(argv: list[str] | None = None) -> int:
         "fresh_interpreters": {str(w): v for w, v in fresh.items()},
         "errors": errors,
     }
-    (out_dir / "pg.json").write_text(json.dumps(document, indent=1))
-    (out_dir / "pg_table.md").write_text(report.markdown_table(results["rows"], backends))
+    wrote = harness.write_outputs(
+        out_dir,
+        {"pg.json": document, "pg_table.md": report.markdown_table(results["rows"], backends)},
+    )
     if not args.no_plot:
         report.plot(results["rows"], backends, out_dir / "pg.png")
-    print(f"# wrote {out_dir}/pg.json, pg_table.md" + ("" if args.no_plot else ", pg.png"))
+    print(f"# {wrote}" + ("" if args.no_plot else ", pg.png"))
     print(f"# total {time.time() - started:.0f} s", file=sys.stderr)
     return 1 if errors else 0
 

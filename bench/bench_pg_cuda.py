@@ -32,7 +32,8 @@ import json
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
+
+import harness
 
 OPS = (
     "all_reduce",
@@ -102,13 +103,7 @@ def copy_rate(torch) -> float:
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    return 20 * a.numel() * 4 / (start.elapsed_time(end) / 1e3)
+    return 20 * a.numel() * 4 / (harness.cuda_span_ms(lambda: b.copy_(a), 20) / 1e3)
 
 
 def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
@@ -131,17 +126,12 @@ def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
                     fn()
                 torch.cuda.synchronize()
                 dist.barrier()
-                iters = iters_for(nbytes)
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                torch.cuda.synchronize()
-                seconds = (time.perf_counter() - t0) / iters
+                seconds = harness.mean_seconds(fn, iters_for(nbytes), torch.cuda.synchronize)
                 err = ""
             except Exception as e:  # noqa: BLE001 - a backend without the op: recorded
                 seconds, err = float("nan"), f"{type(e).__name__}: {e}"[:200]
             key = f"{op}/{nbytes}"
-            store.set(f"t/{key}/{rank}", json.dumps([seconds, err]))
+            harness.publish(store, f"t/{key}/{rank}", [seconds, err])
             if rank == 0:
                 got = [json.loads(store.get(f"t/{key}/{r}")) for r in range(world)]
                 errs = [g[1] for g in got if g[1]]
@@ -164,19 +154,12 @@ def launch(column: str, world: int, ops) -> dict:
         return {"rows": [], "failed": str(e)[-2000:]}
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= k:
-            return f"{n // k} {unit}"
-    return f"{n} B"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--out-dir", default=str(harness.RESULTS))
     args = p.parse_args(argv)
     ops = tuple(args.ops.split(","))
     unknown = set(ops) - set(OPS)
@@ -187,23 +170,19 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_pg_cuda: no CUDA GPU here; nothing to measure")
         return 0
-    outdir = Path(args.out_dir)
-    outdir.mkdir(parents=True, exist_ok=True)
     results = {}
-    for world in [int(w) for w in args.worlds.split(",")]:
+    for world in harness.csv_ints(args.worlds):
         for backend in args.backends.split(","):
             if backend == "nccl" and world > 1:
                 continue  # NCCL refuses two ranks on one GPU
             t0 = time.monotonic()
             results[f"{backend}/w{world}"] = launch(backend, world, ops)
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
-    (outdir / "pg_cuda.json").write_text(json.dumps(results, indent=1))
-    lines = [
-        "| op | bytes | world | mooncake µs | staged µs | gloo µs | nccl µs | mooncake / gloo "
-        "| mooncake busbw / copy rate | floor µs | floor / mooncake |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for world in [int(w) for w in args.worlds.split(",")]:
+    harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
+    header = ["op", "bytes", "world", "mooncake µs", "staged µs", "gloo µs", "nccl µs"]
+    header += ["mooncake / gloo", "mooncake busbw / copy rate", "floor µs", "floor / mooncake"]
+    rows = []
+    for world in harness.csv_ints(args.worlds):
         for op in ops:
             for nbytes in SIZES:
 
@@ -225,15 +204,14 @@ def main(argv=None) -> int:
                 ratio = f"{m / g:.2f}" if m and g else "-"
                 of_floor = f"{floor / m:.1%}" if m and floor else "-"
                 floor_cell = f"{floor:.1f}" if floor else "-"
-                lines.append(
-                    f"| {op} | {fmt_bytes(nbytes)} | {world} | {' | '.join(cells)} | {ratio} | {bus} "
-                    f"| {floor_cell} | {of_floor} |"
-                )
+                row = [op, harness.fmt_bytes(nbytes), str(world), *cells]
+                rows.append(row + [ratio, bus, floor_cell, of_floor])
+    lines = harness.markdown_table(header, rows, "l" + "r" * (len(header) - 1))
     rate = next((r.get("copy_rate") for r in results.values() if r.get("copy_rate")), None)
     if rate:
         lines.append(f"\nDevice-to-device copy rate, same run: {rate / 1e9:.0f} GB/s.")
     table = "\n".join(lines)
-    (outdir / "pg_cuda_table.md").write_text(table + "\n")
+    harness.write_outputs(args.out_dir, {"pg_cuda_table.md": table + "\n"})
     print(table)
     return 0
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
-import math
 import os
 import signal
 import statistics
@@ -42,10 +40,12 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-# Only the standard library at the top: the ranks are spawned processes that
-# re-import this file, and a replacement's start-up time is measured.
+# Only the standard library (and harness, which imports nothing else) at the top: the
+# ranks are spawned processes that re-import this file, and a replacement's start-up
+# time is measured.
+import harness
+from harness import fmt_fixed, log, say
 
-HERE = Path(__file__).resolve().parent
 SCENARIOS = ("kill", "hang", "kill-tcp")
 KILL_TARGET_MS = 250.0  # the issue's target for a process death on one host
 UPSTREAM = {
@@ -120,9 +120,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
             # The first ranks meet after their imports, which take seconds and vary with
             # the host's load: the rendezvous in init_process_group is bounded by the
             # op timeout, and importing torch is not what is measured.
-            if ctl.add("imported", 1) == world:
-                ctl.set("all_imported", "1")
-            ctl.wait(["all_imported"])
+            harness.store_barrier(ctl, "imported", world)
         waiter = threading.Thread(
             target=_fault_waiter,
             args=(port, key, os.path.join(cfg["stamp_dir"], key)),
@@ -142,7 +140,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
         info.update(t_entry=t_entry, t_import=t_import, t_ready=t_ready)
 
         def publish() -> None:
-            ctl.set(f"state/{key}", json.dumps(state))
+            harness.publish(ctl, f"state/{key}", state)
 
         if cfg["incarnation"] > 0:
             publish()  # ready: for the diagnosis of a join that stalls
@@ -231,7 +229,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
         state["traceback"] = traceback.format_exc()
         state["t_error"] = time.time()
     if ctl is not None:
-        ctl.set(f"result/{key}", json.dumps(state))
+        harness.publish(ctl, f"result/{key}", state)
 
 
 # --- the parent -----------------------------------------------------------------------
@@ -239,14 +237,6 @@ def member(rank: int, world: int, port: int, cfg: dict) -> None:
 
 class BenchError(RuntimeError):
     pass
-
-
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def read_json(store, key: str) -> dict | None:
-    return json.loads(store.get(key)) if store.check([key]) else None
 
 
 def read_stamp(stamp_dir: str, key: str) -> float | None:
@@ -289,13 +279,13 @@ def wait_counts(group, store, keys: list[str], count: int, timeout_s: float, wha
     while True:
         states = {}
         for k in keys:
-            result = read_json(store, f"result/{k}")
+            result = harness.store_json(store, f"result/{k}")
             if result and "error" in result:
                 raise BenchError(f"{what}: process {k} failed: {result['traceback']}")
             ended = exit_status(group.pid(k)) if result is None else None
-            if ended and read_json(store, f"result/{k}") is None:
+            if ended and harness.store_json(store, f"result/{k}") is None:
                 raise BenchError(f"{what}: process {k} {ended} without a result")
-            states[k] = read_json(store, f"state/{k}")
+            states[k] = harness.store_json(store, f"state/{k}")
         if all(s and s["events"] and s["events"][-1]["count"] == count for s in states.values()):
             return states
         if time.monotonic() > deadline:
@@ -451,12 +441,12 @@ def run_scenario(scenario: str, world: int, reps: int, args) -> dict:
         for k in live.values():
             while not store.check([f"result/{k}"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            result = read_json(store, f"result/{k}")
+            result = harness.store_json(store, f"result/{k}")
             if result is None:
                 raise BenchError(f"process {k} did not finish after the stop order")
             if "error" in result:
                 raise BenchError(f"process {k} failed: {result['traceback']}")
-        out["final_states"] = {k: read_json(store, f"result/{k}") for k in live.values()}
+        out["final_states"] = {k: harness.store_json(store, f"result/{k}") for k in live.values()}
         out["problems"] += check_membership(store, scenario, world, incarnation)
         out["growth"] = resource_growth(out["final_states"])
     except BenchError as e:
@@ -504,8 +494,8 @@ def diagnose(group, store, stamp_dir: str, incarnation: dict[int, int]) -> dict:
     for rank, last in incarnation.items():
         for inc in range(last + 1):
             key = rank_key(rank, inc)
-            result = read_json(store, f"result/{key}")
-            found[key] = {"result": result, "state": read_json(store, f"state/{key}")}
+            result = harness.store_json(store, f"result/{key}")
+            found[key] = {"result": result, "state": harness.store_json(store, f"state/{key}")}
             found[key]["status"] = exit_status(group.pid(key)) or "running"
             if result is None and found[key]["status"] == "running":
                 group.kill(key, signal.SIGUSR1)
@@ -528,7 +518,7 @@ def check_membership(store, scenario: str, world: int, incarnation: dict[int, in
     for rank, last in incarnation.items():
         for inc in range(last + 1):
             key = rank_key(rank, inc)
-            state = read_json(store, f"state/{key}")
+            state = harness.store_json(store, f"state/{key}")
             counts = [e["count"] for e in state["events"]] if state else []
             expected = [world if i % 2 == 0 else world - 1 for i in range(len(counts))]
             if counts != expected:
@@ -546,7 +536,7 @@ def resume_stopped(group, store, key: str, args) -> dict:
     deadline = time.monotonic() + args.op_timeout + 5
     while not store.check([f"result/{key}"]) and time.monotonic() < deadline:
         time.sleep(0.02)
-    result = read_json(store, f"result/{key}")
+    result = harness.store_json(store, f"result/{key}")
     if result is None:
         group.kill(key)  # SIGKILL: it did not learn in time
         log(f"#   resumed {key}: no error within {args.op_timeout + 5:.0f} s; killed it")
@@ -597,24 +587,10 @@ def join_record(
 # --- summary --------------------------------------------------------------------------
 
 
-def percentile(values: list[float], p: float) -> float | None:
-    """The nearest-rank percentile (p in (0, 100]): with fewer than 100 values, p99 is
-    the maximum."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
-
-
 def stats(values: list[float]) -> dict:
-    return {
-        "n": len(values),
-        "median_ms": statistics.median(values) if values else None,
-        "p99_ms": percentile(values, 99),
-        "max_ms": max(values) if values else None,
-        "min_ms": min(values) if values else None,
-        "values_ms": [round(v, 2) for v in values],
-    }
+    """Over repetitions; p99 is the nearest rank (with fewer than 100 values, the maximum)."""
+    keys = {"n": "n", "median_ms": "median", "p99_ms": "p99", "max_ms": "max", "min_ms": "min"}
+    return {**harness.summarize(values, keys), "values_ms": [round(v, 2) for v in values]}
 
 
 def summarize(groups: list[dict], args) -> list[dict]:
@@ -676,9 +652,7 @@ def summarize(groups: list[dict], args) -> list[dict]:
 
 
 def fmt_ms(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.1f}" if v < 1e4 else f"{v:.0f}"
+    return fmt_fixed(v, 1e4)
 
 
 def markdown_table(rows: list[dict], meta: dict, problems: list[str], errors: list[dict]) -> str:
@@ -690,17 +664,21 @@ def markdown_table(rows: list[dict], meta: dict, problems: list[str], errors: li
         "repetition's time is its slowest rank's; `rank 0` counts the repetitions in which "
         "rank 0 was the one that failed (or was replaced).",
         "",
-        "| measure | world | reps | rank 0 | median (ms) | p99 (ms) | max (ms) | target (ms) "
-        "| met |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for r in rows:
-        met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
-        lines.append(
-            f"| {r['measure']} | {r['world']} | {r['n']} | {r['rank0']} | "
-            f"{fmt_ms(r['median_ms'])} | {fmt_ms(r['p99_ms'])} | {fmt_ms(r['max_ms'])} | "
-            f"{fmt_ms(r['target_ms'])} | {met} |"
-        )
+    header = ["measure", "world", "reps", "rank 0", "median (ms)", "p99 (ms)", "max (ms)"]
+    header += ["target (ms)", "met"]
+    table = [
+        [
+            r["measure"],
+            str(r["world"]),
+            str(r["n"]),
+            str(r["rank0"]),
+            *(fmt_ms(r[k]) for k in ("median_ms", "p99_ms", "max_ms", "target_ms")),
+            "" if r["met"] is None else ("yes" if r["met"] else "**no**"),
+        ]
+        for r in rows
+    ]
+    lines += harness.markdown_table(header, table, "l" + "r" * 7 + "l")
     loops = ", ".join(f"{k} {v:.0f} µs" for k, v in meta["busy_op_us"].items())
     lines += [
         "",
@@ -717,8 +695,6 @@ def markdown_table(rows: list[dict], meta: dict, problems: list[str], errors: li
 
 
 def print_table(rows: list[dict]) -> None:
-    from report import say  # imported late: the ranks re-import this file
-
     say()
     say(
         f"# {'measure':<56} {'world':>5} {'reps':>4} {'rank0':>5} {'median':>8} {'p99':>8} "
@@ -739,12 +715,10 @@ def print_table(rows: list[dict]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description="Recovery benchmark of mooncake-cpu: kill -9, SIGSTOP and rejoin "
-        "(see bench/README.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = harness.arg_parser(
+        "Recovery benchmark of mooncake-cpu: kill -9, SIGSTOP and rejoin (see bench/README.md).",
+        world_sizes="4,8",
     )
-    p.add_argument("--world-sizes", default="4,8", help="comma-separated world sizes")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated scenarios")
     p.add_argument("--reps", type=int, default=5, help="faults per kill scenario and world size")
     p.add_argument(
@@ -758,32 +732,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-timeout", type=float, default=90, help="seconds for a launch")
     p.add_argument("--fault-timeout", type=float, default=40, help="seconds for a recovery")
     p.add_argument("--join-timeout", type=float, default=60, help="seconds for a replacement")
-    p.add_argument("--out-dir", default=str(HERE / "results"), help="where results go")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="world 4, 3 kills, 2 hangs, 2 tcp kills: under a minute",
-    )
+    harness.add_output_args(p, "world 4, 3 kills, 2 hangs, 2 tcp kills: under a minute")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.world_sizes = "4"
-        args.reps = min(args.reps, 3)
-        args.hang_reps = min(args.hang_reps, 2)
-    worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()})
+    args = harness.parse_args(parser, argv, {"world_sizes": "4"}, {"reps": 3, "hang_reps": 2})
+    worlds = sorted(set(harness.csv_ints(args.world_sizes)))
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in scenarios if s not in SCENARIOS]
     if bad:
         parser.error(f"unknown scenario {', '.join(bad)}; choose from {', '.join(SCENARIOS)}")
     if not worlds or min(worlds) < 3:
         parser.error("world sizes must be >= 3 (rank 2 is among the victims)")
-
-    import bench_pg  # for run_meta (here, not at the top: the ranks re-import this file)
-    from report import say
 
     started = time.time()
     load_start = os.getloadavg()
@@ -803,7 +765,7 @@ def main(argv: list[str] | None = None) -> int:
         if g["error"]
     ]
     meta = {
-        **bench_pg.run_meta(started, cores, load_start, args),
+        **harness.run_meta(started, cores, load_start, args),
         "check_s": CHECK_S,
         "idle_sleep_s": IDLE_SLEEP_S,
         "worlds_note": f"world {' and '.join(map(str, worlds))}"
@@ -838,11 +800,11 @@ def main(argv: list[str] | None = None) -> int:
         "errors": errors,
         "groups": groups,
     }
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "recovery.json").write_text(json.dumps(document, indent=1))
-    (out_dir / "recovery_table.md").write_text(markdown_table(rows, meta, problems, errors))
-    say(f"# wrote {out_dir}/recovery.json, recovery_table.md")
+    files = {
+        "recovery.json": document,
+        "recovery_table.md": markdown_table(rows, meta, problems, errors),
+    }
+    say(f"# {harness.write_outputs(args.out_dir, files)}")
     log(f"# total {time.time() - started:.0f} s")
     return 1 if errors or problems else 0
 

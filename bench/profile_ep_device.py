@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+import harness
 
 
 def host_us(fn, calls: int = 300, every: int = 10) -> float:
@@ -36,7 +36,7 @@ def host_us(fn, calls: int = 300, every: int = 10) -> float:
         if i % every == every - 1:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return statistics.median(out)
+    return harness.median(out)
 
 
 def back_to_back_us(fn, calls: int = 200) -> float:
@@ -45,13 +45,7 @@ def back_to_back_us(fn, calls: int = 200) -> float:
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / calls
+    return harness.cuda_span_ms(fn, calls) * 1000 / calls
 
 
 def kernel_table(fn, calls: int = 20) -> dict[str, float]:
@@ -68,7 +62,7 @@ def kernel_table(fn, calls: int = 20) -> dict[str, float]:
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             times.setdefault(ev.name[:60], []).append(ev.device_time)
-    return {k: round(statistics.median(v), 2) for k, v in times.items()}
+    return {k: round(harness.median(v), 2) for k, v in times.items()}
 
 
 def member(rank: int, world: int, port: int, cfg: dict) -> dict:
@@ -205,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_local(member, 1, args=(cfg,), timeout_s=300)[0]
     print(json.dumps(res, indent=1))
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        harness.write_json(a.out, res)
     return 0
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
+import harness
 from floors import FloorModel
+from harness import fmt_bytes, fmt_fixed, fmt_ratio, median, say
 
 MOONCAKE = "mooncake-cpu"
 GLOO = "gloo"
@@ -36,28 +37,9 @@ TARGETS = {  # world 4, except bare_core_world
 }
 
 
-def fmt_bytes(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
-def fmt_us(t: float | None, whole_from: float = 1e5) -> str:
-    """Microseconds with one decimal, whole from ``whole_from`` up; "-" for None."""
-    if t is None:
-        return "-"
-    return f"{t:.1f}" if t < whole_from else f"{t:.0f}"
-
-
-def fmt_ratio(r: float | None) -> str:
-    if r is None:
-        return "-"
-    return f"{r:.2f}" if r < 100 else f"{r:.0f}"
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
+def fmt_us(t: float | None) -> str:
+    """Microseconds in these tables: whole from 100 ms up."""
+    return fmt_fixed(t, 1e5)
 
 
 # --- rows -----------------------------------------------------------------------------
@@ -103,7 +85,7 @@ def over_copy_beside(point: dict) -> float | None:
     copies = point.get("copy_beside_us")
     if not copies:
         return None
-    return statistics.median(t / c for t, c in zip(point["loops_us"], copies, strict=True))
+    return median([t / c for t, c in zip(point["loops_us"], copies, strict=True)])
 
 
 def world_rows(
@@ -147,9 +129,7 @@ def collect(model: FloorModel, by_world: dict[int, dict[str, dict]], ops: list[s
 
 
 def print_floors(model: FloorModel, load: tuple[float, float, float]) -> None:
-    say(f"# mooncake-cpu vs gloo on {model.cores} cores; load average at start {load[0]:.2f}")
-    if load[0] > 0.5 * model.cores:
-        say("# WARNING: the host is busy; times and floors are noisy")
+    harness.say_host("mooncake-cpu vs gloo", model.cores, load, "times and floors are noisy")
     say("# floors, measured now:")
     for n, h in sorted(model.handoff.items()):
         trials = sorted(h.trials_us)
@@ -523,13 +503,7 @@ def markdown_table(rows: list[dict], backends: list[str]) -> str:
         cols += ["gloo / mooncake"]
     if MOONCAKE in backends:
         cols += ["mooncake busbw (GB/s)"]
-    lines = [
-        f"World size {KEY_WORLD}, float32; time = the slowest rank's mean over a timed loop "
-        "(the fastest of the point's loops).",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|",
-    ]
+    table = []
     for op, nbytes in KEY_ROWS:
         r = index.get((op, nbytes))
         if r is None:
@@ -543,7 +517,13 @@ def markdown_table(rows: list[dict], backends: list[str]) -> str:
             cells.append(fmt_ratio(r["ratios"]["gloo_over_mooncake"]))
         if MOONCAKE in backends:
             cells.append(f"{r[MOONCAKE]['busbw_gbps']:.2f}" if MOONCAKE in r else "-")
-        lines.append("| " + " | ".join(cells) + " |")
+        table.append(cells)
+    lines = [
+        f"World size {KEY_WORLD}, float32; time = the slowest rank's mean over a timed loop "
+        "(the fastest of the point's loops).",
+        "",
+        *harness.markdown_table(cols, table, "ll" + "r" * (len(cols) - 2)),
+    ]
     return "\n".join(lines) + "\n"
 
 

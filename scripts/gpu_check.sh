@@ -28,7 +28,7 @@
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS).
-# PYTEST_PATHS: what the Python step runs (default tests/python); PYTEST_ARGS: more.
+# PYTEST_PATHS: what the Python step runs (default tests/python bench/tests); PYTEST_ARGS: more.
 # BENCH_PG_CUDA_ARGS / BENCH_PG_CUDA_MPS_ARGS: arguments of bench_pg_cuda.py without and
 # with MPS (default: every world, backend and op; under MPS worlds 2 and 4).
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
@@ -126,7 +126,7 @@ if wants device; then
   stop_mps
 fi
 
-wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
+wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python bench/tests} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
 
 # The elastic EP buffer with CUDA tensors (staged through host memory).
 if wants elastic; then

@@ -10,8 +10,13 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-import launcher
+# hosts.py (network namespaces as hosts) lives in tools/: bench_hosts.py uses it too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import launcher  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,8 @@
-"""Other hosts on this machine: network namespaces joined by a bridge, for the tests.
+"""Other hosts on this machine: network namespaces joined by a bridge, for the tests
+(tests/python/test_hosts.py) and the benchmark across hosts (bench/bench_hosts.py).
+
+Not part of the mooncake package: users do not need it. Both put this folder on
+``sys.path`` (tests/python/conftest.py, bench/bench_hosts.py).
 
 A test that needs several hosts runs inside a namespace of its own (``unshare -rn``: a
 user namespace in which it may manage networks, and a network namespace that starts
