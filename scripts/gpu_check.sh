@@ -9,6 +9,12 @@
 # GPU_STEPS picks steps (default all: "doctor cpp device py elastic bench pgcuda epdev
 # epelastic epprof epbench"; the build always runs, incrementally), so a run can be split
 # over device calls.
+#   compare: (not in the default) an older commit against this tree, side by side: a
+#            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
+#            `git archive REV | tar -x -C .baseline`) is built as this tree is, then the EP
+#            device benchmark (world 1, and COMPARE_EP_WORLDS under MPS) and the CUDA
+#            backend's (world 2 under MPS) run for old and new in turn, COMPARE_ROUNDS times,
+#            so that both meet the same machine; JSON under $OUT/compare/{old,new}N-{ep1,ep,pg}/.
 #   device:  the device library without torch (build-gpu-core: no torch on its include
 #            path): tests/cpp/device (1-3 processes on the GPU, under MPS) and the C++
 #            example (3 processes, a rank killed); a test that skips fails the step.
@@ -219,6 +225,38 @@ if wants epncu; then
     echo "ncu: exit $? ($(grep -c 'Section: ' "$OUT/ncu.txt") sections in ncu.txt)"
   else
     echo "ncu not found: skipped"
+  fi
+fi
+
+if wants compare; then
+  if [ ! -f .baseline/CMakeLists.txt ]; then
+    echo "compare: no checkout of the older commit in .baseline/"; status=1
+  else
+    step "compare: build the baseline ($(cat .baseline/REV 2>/dev/null || echo '?'))"
+    (cd .baseline && cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
+      -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" -DMOONCAKE_BUILD_TESTS=OFF \
+      -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" >/dev/null && cmake --build build-gpu -j"$(nproc)") \
+      >"$OUT/build_baseline.log" 2>&1 || { status=1; tail -20 "$OUT/build_baseline.log"; }
+    # One benchmark for one tree: its own scripts and package.
+    compare_run() {  # TREE TAG ARGS...
+      local tree=$1 tag=$2
+      shift 2
+      mkdir -p "$OUT/compare/$tag"
+      (cd "$tree" && PYTHONPATH="$PWD/python" timeout 300 "$PY" "$@" --out-dir "$OUT/compare/$tag") \
+        >>"$OUT/compare/$tag.log" 2>&1 || { echo "compare: $tag $* failed"; status=1; }
+    }
+    for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
+      for pair in ".baseline old" ". new"; do
+        set -- $pair
+        step "compare: $2, round $round"
+        compare_run "$1" "$2$round-ep1" bench/bench_ep_device.py --worlds 1 --experts 256 --quick
+        start_mps
+        compare_run "$1" "$2$round-ep" bench/bench_ep_device.py --worlds "${COMPARE_EP_WORLDS:-4}" \
+          --experts 256 --quick
+        compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds 2 --backends mooncake
+        stop_mps
+      done
+    done
   fi
 fi
 

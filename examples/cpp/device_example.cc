@@ -59,63 +59,38 @@ void expect(bool ok, int rank, const std::string& what) {
 // comes back as x times the weights of its selections whose expert is live.
 void moe_step(EpBuffer& ep, int rank, int world, uint64_t seq, const std::vector<int32_t>& live,
               cudaStream_t stream) {
-  const int64_t E = kExpertsPerRank * world, cols = world * kT;
+  const EpShape shape{kT, kH, world, kExpertsPerRank * world};
+  EpArrays io(shape, kT, kK);
   std::vector<uint16_t> x(kT * kH);
   std::vector<int64_t> topk(kT * kK);
   std::vector<float> weights(kT * kK);
   for (int64_t t = 0; t < kT; ++t) {
     for (int64_t h = 0; h < kH; ++h) x[t * kH + h] = float_to_bf16(token_value(rank, t));
     for (int k = 0; k < kK; ++k) {
-      topk[t * kK + k] = expert_of(rank, t, k, E);
+      topk[t * kK + k] = expert_of(rank, t, k, shape.num_experts);
       weights[t * kK + k] = kWeights[k];
     }
   }
-  DeviceArray<uint16_t> d_x(x), recv_x(kExpertsPerRank * cols * kH), out(kT * kH);
-  DeviceArray<int64_t> d_topk(topk), layout_range(kExpertsPerRank * world);
-  DeviceArray<float> d_weights(weights);
-  DeviceArray<int32_t> active(live), recv_count(kExpertsPerRank), src_info(kExpertsPerRank * cols);
+  io.x.put(x);
+  io.topk_idx.put(topk);
+  io.topk_weights.put(weights);
+  DeviceArray<int32_t> active(live);
 
-  EpCall call;
-  call.max_tokens = kT;
-  call.hidden = kH;
-  call.num_experts = E;
-  call.ranks = world;
-  call.seq = seq;
-  call.timeout_ns = 2'000'000'000;  // a live but silent peer is masked after 2 s
-  call.active_ranks = active.get();
-  kernels::DispatchArgs d{};
-  d.x = d_x.get();
-  d.x_dtype = kernels::Dtype::kBf16;
-  d.num_tokens = kT;
-  d.topk_idx = d_topk.get();
-  d.topk_int64 = true;
-  d.topk = kK;
-  d.recv_x = recv_x.get();
-  d.recv_count = recv_count.get();
-  d.src_info = src_info.get();
-  d.layout_range = layout_range.get();
-  ep.dispatch(call, d, stream);
-  // The experts: identity, so the combine's input is recv_x as it arrived.
-  kernels::CombineArgs c{};
-  c.x = recv_x.get();
-  c.x_dtype = kernels::Dtype::kBf16;
-  c.layout_range = layout_range.get();
-  c.num_tokens = kT;
-  c.topk_idx = d_topk.get();
-  c.topk_int64 = true;
-  c.topk = kK;
-  c.topk_weights = d_weights.get();
-  c.out = out.get();
-  ep.combine(call, c, stream);
+  const EpCall call = EpCall::of(shape, seq, 2'000'000'000,
+                                 active.get());  // a live but silent peer is masked after 2 s
+  ep.dispatch(call, io.dispatch_args(), stream);
+  // The experts return their input, so the combine's input is recv_x as it arrived.
+  ep.combine(call, io.combine_args(io.recv_x.get()), stream);
   cuda_check(cudaStreamSynchronize(stream), "EP step");
   ep.raise_reported("EP step");
 
-  const std::vector<uint16_t> got = out.take();
+  const std::vector<uint16_t> got = io.out.take();
   int wrong = 0;
   for (int64_t t = 0; t < kT; ++t) {
     float w = 0;
     for (int k = 0; k < kK; ++k)
-      if (live[static_cast<size_t>(expert_of(rank, t, k, E) / kExpertsPerRank)]) w += kWeights[k];
+      if (live[static_cast<size_t>(expert_of(rank, t, k, shape.num_experts) / kExpertsPerRank)])
+        w += kWeights[k];
     for (int64_t h = 0; h < kH; ++h)
       wrong += bf16_to_float(got[t * kH + h]) != w * token_value(rank, t);
   }

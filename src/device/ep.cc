@@ -254,4 +254,49 @@ void EpBuffer::write_table(int64_t first, int64_t n) {
              "copying the peer table");
 }
 
+EpArrays::EpArrays(const EpShape& s, int64_t n, int32_t k)
+    : shape(s),
+      num_tokens(n),
+      topk(k),
+      x(static_cast<size_t>(n * s.hidden)),
+      topk_idx(static_cast<size_t>(n * k)),
+      topk_weights(static_cast<size_t>(n * k)),
+      recv_x(static_cast<size_t>(s.num_experts * s.max_tokens * s.hidden)),
+      recv_count(static_cast<size_t>(s.num_experts / s.num_ranks)),
+      src_info(static_cast<size_t>(s.num_experts * s.max_tokens)),
+      layout_range(static_cast<size_t>(s.num_experts)),
+      out(static_cast<size_t>(n * s.hidden)) {
+  MC_CHECK_ARG(s.num_ranks >= 1 && s.num_experts % s.num_ranks == 0, "EpArrays: ", s.num_experts,
+               " experts do not divide over ", s.num_ranks, " ranks");
+}
+
+k::DispatchArgs EpArrays::dispatch_args() const {
+  k::DispatchArgs a{};
+  a.x = x.get();
+  a.x_dtype = k::Dtype::kBf16;
+  a.num_tokens = num_tokens;
+  a.topk_idx = topk_idx.get();
+  a.topk_int64 = true;
+  a.topk = topk;
+  a.recv_x = recv_x.get();
+  a.recv_count = recv_count.get();
+  a.src_info = src_info.get();
+  a.layout_range = layout_range.get();
+  return a;
+}
+
+k::CombineArgs EpArrays::combine_args(const void* expert_out) const {
+  k::CombineArgs a{};
+  a.x = expert_out;
+  a.x_dtype = k::Dtype::kBf16;
+  a.layout_range = layout_range.get();
+  a.num_tokens = num_tokens;
+  a.topk_idx = topk_idx.get();
+  a.topk_int64 = true;
+  a.topk = topk;
+  a.topk_weights = topk_weights.get();
+  a.out = out.get();
+  return a;
+}
+
 }  // namespace mooncake

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "device/cuda.h"
 #include "device/ipc.h"
 #include "device/peers.h"
 #include "ep/layout.h"
@@ -34,6 +35,20 @@ namespace mooncake {
 
 // What every launch of one call shares.
 struct EpCall {
+  // A call of `shape` numbered `seq`, each wait phase bounded by `timeout_ns`,
+  // over the ranks `active_ranks` says are healthy.
+  static EpCall of(const EpShape& shape, uint64_t seq, int64_t timeout_ns, int32_t* active_ranks) {
+    EpCall c;
+    c.max_tokens = shape.max_tokens;
+    c.hidden = shape.hidden;
+    c.num_experts = shape.num_experts;
+    c.ranks = shape.num_ranks;
+    c.seq = seq;
+    c.timeout_ns = timeout_ns;
+    c.active_ranks = active_ranks;
+    return c;
+  }
+
   int64_t max_tokens = 0;   // T
   int64_t hidden = 0;       // H
   int64_t num_experts = 0;  // E
@@ -44,6 +59,31 @@ struct EpCall {
   int32_t num_blocks = 0;           // 0: the buffer's (num_blocks())
   int32_t* active_ranks = nullptr;  // device int32 [R], 1 = healthy
   int32_t* slot_mask = nullptr;     // optional device int32 [>= R]
+};
+
+// One call's device arrays, owned, for a C++ caller with BF16 tokens and
+// int64 expert ids (the torch binding passes its tensors instead): the
+// tokens, the dispatch's outputs and the combine's, each shaped as api.h says.
+struct EpArrays {
+  EpArrays(const EpShape& shape, int64_t num_tokens, int32_t topk);
+
+  // Launch arguments over these arrays (the EpCall's part is EpBuffer's).
+  kernels::DispatchArgs dispatch_args() const;
+  // The combine of `expert_out`: the experts' outputs in recv_x's layout
+  // (recv_x itself for experts that return their input).
+  kernels::CombineArgs combine_args(const void* expert_out) const;
+
+  const EpShape shape;
+  const int64_t num_tokens;           // N <= T
+  const int32_t topk;                 // K
+  DeviceArray<uint16_t> x;            // [N, H] bf16
+  DeviceArray<int64_t> topk_idx;      // [N, K], -1: no expert
+  DeviceArray<float> topk_weights;    // [N, K]
+  DeviceArray<uint16_t> recv_x;       // [E/R, R*T, H]
+  DeviceArray<int32_t> recv_count;    // [E/R]
+  DeviceArray<int32_t> src_info;      // [E/R, R*T]
+  DeviceArray<int64_t> layout_range;  // [E/R, R]
+  DeviceArray<uint16_t> out;          // [N, H]: the combine's result
 };
 
 class EpBuffer {

@@ -22,12 +22,10 @@ using mooncake::DeviceCollectives;
 using mooncake::DType;
 using mooncake::RedOp;
 
+// A rank's device collectives, with segments of `segment_bytes`.
 struct Fixture {
   explicit Fixture(Rank& r, size_t segment_bytes = 1 << 20)
-      : g(r), coll(g.comm, r.store, "t/", g.device, options(segment_bytes)) {
-    mooncake::cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
-  }
-  ~Fixture() { cudaStreamDestroy(stream); }
+      : g(r), coll(g.comm, r.store, "t/", g.device, options(segment_bytes)), stream(g.stream) {}
   static DeviceCollectives::Options options(size_t segment_bytes) {
     DeviceCollectives::Options o;
     o.segment_bytes = segment_bytes;
@@ -35,7 +33,7 @@ struct Fixture {
   }
   GpuRank g;
   DeviceCollectives coll;
-  cudaStream_t stream = nullptr;
+  cudaStream_t stream;
 };
 
 float value(int rank, size_t i) {

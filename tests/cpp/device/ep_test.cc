@@ -21,7 +21,6 @@ namespace {
 using mooncake::DeviceArray;
 using mooncake::EpBuffer;
 using mooncake::EpCall;
-namespace k = mooncake::kernels;
 
 constexpr int64_t kT = 24, kH = 128, kK = 3, kEpr = 3;  // experts per rank
 
@@ -47,56 +46,30 @@ struct Step {
 // unless `live` says otherwise.
 Step step(EpBuffer& ep, int rank, int R, uint64_t seq, std::vector<int32_t>& live,
           int64_t timeout_ns, cudaStream_t stream) {
-  const int64_t E = kEpr * R, cols = R * kT;
+  const mooncake::EpShape shape{kT, kH, R, kEpr * R};
+  mooncake::EpArrays io(shape, kT, kK);
   std::vector<uint16_t> x(kT * kH);
   std::vector<int64_t> topk(kT * kK);
   std::vector<float> w(kT * kK);
   for (int64_t t = 0; t < kT; ++t) {
     for (int64_t h = 0; h < kH; ++h) x[t * kH + h] = mooncake::float_to_bf16(token(rank, t));
     for (int j = 0; j < kK; ++j) {
-      topk[t * kK + j] = expert(rank, t, j, E);
+      topk[t * kK + j] = expert(rank, t, j, shape.num_experts);
       w[t * kK + j] = kWeight[j];
     }
   }
-  DeviceArray<uint16_t> dx(x), recv_x(kEpr * cols * kH), out(kT * kH);
-  DeviceArray<int64_t> dtopk(topk), layout_range(kEpr * R);
-  DeviceArray<float> dw(w);
-  DeviceArray<int32_t> active(live), recv_count(kEpr), src_info(kEpr * cols);
-  EpCall call;
-  call.max_tokens = kT;
-  call.hidden = kH;
-  call.num_experts = E;
-  call.ranks = R;
-  call.seq = seq;
-  call.timeout_ns = timeout_ns;
-  call.active_ranks = active.get();
-  k::DispatchArgs d{};
-  d.x = dx.get();
-  d.x_dtype = k::Dtype::kBf16;
-  d.num_tokens = kT;
-  d.topk_idx = dtopk.get();
-  d.topk_int64 = true;
-  d.topk = kK;
-  d.recv_x = recv_x.get();
-  d.recv_count = recv_count.get();
-  d.src_info = src_info.get();
-  d.layout_range = layout_range.get();
-  ep.dispatch(call, d, stream);
-  k::CombineArgs c{};
-  c.x = recv_x.get();
-  c.x_dtype = k::Dtype::kBf16;
-  c.layout_range = layout_range.get();
-  c.num_tokens = kT;
-  c.topk_idx = dtopk.get();
-  c.topk_int64 = true;
-  c.topk = kK;
-  c.topk_weights = dw.get();
-  c.out = out.get();
-  ep.combine(call, c, stream);
+  io.x.put(x);
+  io.topk_idx.put(topk);
+  io.topk_weights.put(w);
+  DeviceArray<int32_t> active(live);
+  const EpCall call = EpCall::of(shape, seq, timeout_ns, active.get());
+  ep.dispatch(call, io.dispatch_args(), stream);
+  ep.combine(call, io.combine_args(io.recv_x.get()), stream);
   mooncake::cuda_check(cudaStreamSynchronize(stream), "EP step");
   ep.raise_reported("EP step");
   live = active.take();
-  return Step{recv_count.take(), src_info.take(), layout_range.take(), recv_x.take(), out.take()};
+  return Step{io.recv_count.take(), io.src_info.take(), io.layout_range.take(), io.recv_x.take(),
+              io.out.take()};
 }
 
 // Checks `s` on `rank` against the model, with the ranks `live` says took part.
@@ -133,20 +106,24 @@ void check(const Step& s, int rank, int R, const std::vector<int32_t>& live) {
   }
 }
 
-// The ranks' buffers, connected through the store.
-EpBuffer& connected(Rank& r, GpuRank& g, std::unique_ptr<EpBuffer>& ep) {
-  const mooncake::EpShape shape{kT, kH, r.size, kEpr * r.size};
-  ep = std::make_unique<EpBuffer>(mooncake::EpLayout(shape).total_bytes, g.device);
-  r.store.set("card/" + std::to_string(r.rank), ep->card());
-  std::vector<std::string> cards;
-  for (int p = 0; p < r.size; ++p) cards.push_back(r.store.get("card/" + std::to_string(p), 10000));
-  const EpBuffer::Connection c = ep->connect(cards, r.rank);
-  for (int p = 0; p < r.size; ++p) {
-    EXPECT_TRUE(c.present[p]);
-    EXPECT_TRUE(c.reachable[p]) << "rank " << p << " is on this host";
+// A rank with its EP buffer, connected to the others' through the store.
+struct EpRank {
+  explicit EpRank(Rank& r) : g(r) {
+    const mooncake::EpShape shape{kT, kH, r.size, kEpr * r.size};
+    ep = std::make_unique<EpBuffer>(mooncake::EpLayout(shape).total_bytes, g.device);
+    r.store.set("card/" + std::to_string(r.rank), ep->card());
+    std::vector<std::string> cards;
+    for (int p = 0; p < r.size; ++p)
+      cards.push_back(r.store.get("card/" + std::to_string(p), 10000));
+    const EpBuffer::Connection c = ep->connect(cards, r.rank);
+    for (int p = 0; p < r.size; ++p) {
+      EXPECT_TRUE(c.present[p]);
+      EXPECT_TRUE(c.reachable[p]) << "rank " << p << " is on this host";
+    }
   }
-  return *ep;
-}
+  GpuRank g;
+  std::unique_ptr<EpBuffer> ep;
+};
 
 class EpBufferTest : public ::testing::TestWithParam<int> {};
 
@@ -154,18 +131,13 @@ TEST_P(EpBufferTest, DispatchAndCombineMatchTheModel) {
   MC_REQUIRE_GPU();
   run_ranks(GetParam(),
             [](Rank& r) {
-              GpuRank g(r);
-              std::unique_ptr<EpBuffer> owner;
-              EpBuffer& ep = connected(r, g, owner);
-              cudaStream_t stream;
-              mooncake::cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+              EpRank e(r);
               for (uint64_t seq = 1; seq <= 3; ++seq) {  // both halves, then the first again
                 std::vector<int32_t> live(static_cast<size_t>(r.size), 1);
-                const Step s = step(ep, r.rank, r.size, seq, live, 5'000'000'000, stream);
+                const Step s = step(*e.ep, r.rank, r.size, seq, live, 5'000'000'000, e.g.stream);
                 check(s, r.rank, r.size, live);
-                EXPECT_TRUE(ep.take_silent().empty());
+                EXPECT_TRUE(e.ep->take_silent().empty());
               }
-              cudaStreamDestroy(stream);
             },
             {60000});
 }
@@ -176,22 +148,17 @@ TEST(EpBuffer, SurvivorsMaskARankThatDiedAtTheirDeadline) {
   MC_REQUIRE_GPU();
   run_ranks(3,
             [](Rank& r) {
-              GpuRank g(r);
-              std::unique_ptr<EpBuffer> owner;
-              EpBuffer& ep = connected(r, g, owner);
-              cudaStream_t stream;
-              mooncake::cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+              EpRank e(r);
               std::vector<int32_t> live(3, 1);
-              check(step(ep, r.rank, 3, 1, live, 5'000'000'000, stream), r.rank, 3, live);
-              g.comm.barrier();
+              check(step(*e.ep, r.rank, 3, 1, live, 5'000'000'000, e.g.stream), r.rank, 3, live);
+              e.g.comm.barrier();
               if (r.rank == 2) exit_rank_abruptly();
               // Nobody told the kernels: they wait out the 200 ms deadline, then mask it.
               live.assign(3, 1);
-              const Step s = step(ep, r.rank, 3, 2, live, 200'000'000, stream);
+              const Step s = step(*e.ep, r.rank, 3, 2, live, 200'000'000, e.g.stream);
               EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
               check(s, r.rank, 3, live);
-              EXPECT_EQ(ep.take_silent(), std::vector<int64_t>{2});
-              cudaStreamDestroy(stream);
+              EXPECT_EQ(e.ep->take_silent(), std::vector<int64_t>{2});
             },
             {60000});
 }

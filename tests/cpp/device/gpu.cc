@@ -39,6 +39,12 @@ int pick_device(int rank) {
 GpuRank::GpuRank(Rank& r, int64_t timeout_ms)
     : device(pick_device(r.rank)),
       engine(mooncake::EngineOptions::from_env()),
-      comm(engine, r.store, "t/", r.rank, r.size, mooncake::CommConfig::from_env(timeout_ms)) {}
+      comm(engine, r.store, "t/", r.rank, r.size, mooncake::CommConfig::from_env(timeout_ms)) {
+  mooncake::cuda_check(cudaStreamCreate(&stream), "cudaStreamCreate");
+}
+
+GpuRank::~GpuRank() {
+  cudaStreamDestroy(stream);
+}
 
 }  // namespace mctest

@@ -3,6 +3,7 @@
 // to the ranks it forks), and the pieces every multi-process GPU test needs.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -25,13 +26,17 @@ int gpu_count();
     if (::mctest::gpu_count() == 0) GTEST_SKIP() << "no GPU"; \
   } while (0)
 
-// A rank's host side: its transfer engine and Communicator on the run's store,
-// on GPU rank % gpus (the current device afterwards).
+// A rank on GPU rank % gpus (the current device afterwards): its transfer
+// engine and Communicator on the run's store, and a stream of its own.
 struct GpuRank {
   explicit GpuRank(Rank& r, int64_t timeout_ms = 10000);
+  ~GpuRank();
+  GpuRank(const GpuRank&) = delete;
+  GpuRank& operator=(const GpuRank&) = delete;
   int device = 0;
   mooncake::TransferEngine engine;
   mooncake::Communicator comm;
+  cudaStream_t stream = nullptr;
 };
 
 }  // namespace mctest
