@@ -76,8 +76,8 @@ void moe_step(EpBuffer& ep, int rank, int world, uint64_t seq, const std::vector
   io.topk_weights.put(weights);
   DeviceArray<int32_t> active(live);
 
-  const EpCall call = EpCall::of(shape, seq, 2'000'000'000,
-                                 active.get());  // a live but silent peer is masked after 2 s
+  // A peer that is alive but silent would be masked after 2 s.
+  const EpCall call = EpCall::of(shape, seq, 2'000'000'000, active.get());
   ep.dispatch(call, io.dispatch_args(), stream);
   // The experts return their input, so the combine's input is recv_x as it arrived.
   ep.combine(call, io.combine_args(io.recv_x.get()), stream);
