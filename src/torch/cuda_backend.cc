@@ -22,7 +22,7 @@
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
-#include "kernels/reduce.h"
+#include "kernels/api.h"
 #include "torch/tensor_args.h"
 #include "torch/work.h"
 
