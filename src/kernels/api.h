@@ -1,9 +1,10 @@
 // The launch arguments and launchers of every device kernel, torch-free: the
 // bindings (src/torch) fill these structs from tensors and launch on the
-// caller's stream: EP dispatch and combine (ep.cu) and the CUDA backend's
-// reduction (coll/reduce.cu).
+// caller's stream. The kernels live by regime: coll/ (the CUDA backend's
+// reduction), ep_ll/ (low-latency EP dispatch and combine), with their
+// shared device helpers in common/.
 //
-// EP: dispatch and combine over workspaces that every rank maps
+// EP (ep_ll/): dispatch and combine over workspaces that every rank maps
 // (transport/cuda_ipc), placed by EpLayout.
 //
 // Each call has a sequence number `seq` (>= 1, the same on every rank for the
