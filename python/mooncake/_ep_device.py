@@ -7,7 +7,7 @@ once, sends headers to the ranks holding its experts and publishes
 per-(expert, source) counts; those ranks copy the rows from its stage. A
 combine puts the expert outputs in the workspace (the zero-copy buffer is
 already there) and flags them; each token's owner sums them from there
-(``src/kernels/ep.cu``). The
+(``src/kernels/ep_ll/``). The
 host only allocates outputs and launches: nothing here waits for the device,
 so calls can be captured in a CUDA graph.
 
