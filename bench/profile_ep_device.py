@@ -1,6 +1,6 @@
 """Where an EP device-path call spends its time, on one GPU (world 1).
 
-Two views, for the people tuning ``src/kernels/ep.cu`` and ``_ep_device.py``:
+Two views, for the people tuning ``src/kernels/ep_ll/`` and ``_ep_device.py``:
 
 - host: microseconds per call of each layer, from a bare torch op to the
   whole ``Buffer.dispatch``/``combine`` (calls back to back, the device

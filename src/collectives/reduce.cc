@@ -1,6 +1,5 @@
 #include "collectives/reduce.h"
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -9,69 +8,14 @@
 #include <immintrin.h>
 #endif
 
-#include "collectives/combine.h"
 #include "core/error.h"
+#include "kernels/common/numeric.h"
 
 namespace mooncake {
-
-float half_to_float(uint16_t h) {
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
-}
-
-uint16_t float_to_half(float f) {
-  _Float16 v = static_cast<_Float16>(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-}
-
-float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 namespace {
 
 constexpr size_t kBlock = 2048;
-
-struct Half {
-  uint16_t bits;
-};
-struct BFloat {
-  uint16_t bits;
-};
-
-// How an element type is loaded into and stored from its accumulator type.
-template <typename T>
-struct Acc {
-  using type = T;
-  static T load(T v) { return v; }
-  static T store(T v) { return v; }
-};
-template <>
-struct Acc<Half> {
-  using type = float;
-  static float load(Half v) { return half_to_float(v.bits); }
-  static Half store(float v) { return Half{float_to_half(v)}; }
-};
-template <>
-struct Acc<BFloat> {
-  using type = float;
-  static float load(BFloat v) { return bf16_to_float(v.bits); }
-  static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
-};
 
 // The reduction in blocks: inlined into each variant below, so that it is
 // compiled for that variant's instruction set.

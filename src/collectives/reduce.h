@@ -6,6 +6,7 @@
 #include <cstddef>
 
 #include "core/dtype.h"
+#include "kernels/common/numeric.h"
 
 namespace mooncake {
 
@@ -14,10 +15,8 @@ namespace mooncake {
 void reduce_arrays(DType dtype, RedOp op, void* out, const void* const* srcs, int nsrc,
                    size_t count, int avg_divisor);
 
-// float <-> 16-bit float conversions (round to nearest even), exposed for tests.
-float half_to_float(uint16_t h);
-uint16_t float_to_half(float f);
-float bf16_to_float(uint16_t b);
-uint16_t float_to_bf16(float f);
+// The float <-> 16-bit float conversions it uses (round to nearest even),
+// half_to_float, float_to_half, bf16_to_float and float_to_bf16, come with
+// kernels/common/numeric.h, which the CUDA kernel shares (tests use them).
 
 }  // namespace mooncake

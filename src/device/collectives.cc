@@ -5,7 +5,7 @@
 #include "collectives/layout.h"
 #include "core/env.h"
 #include "core/error.h"
-#include "kernels/reduce.h"
+#include "kernels/api.h"
 
 namespace mooncake {
 

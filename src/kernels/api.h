@@ -1,7 +1,11 @@
-// Launchers of the EP device kernels (ep.cu): dispatch and combine over
-// workspaces that every rank maps (transport/cuda_ipc), placed by EpLayout.
-// Torch-free: the binding (src/torch/ep_device.cc) fills these structs from
-// tensors and launches on the caller's stream.
+// The launch arguments and launchers of every device kernel, torch-free: the
+// bindings (src/torch) fill these structs from tensors and launch on the
+// caller's stream. The kernels live by regime: coll/ (the CUDA backend's
+// reduction), ep_ll/ (low-latency EP dispatch and combine), with their
+// shared device helpers in common/.
+//
+// EP (ep_ll/): dispatch and combine over workspaces that every rank maps
+// (transport/cuda_ipc), placed by EpLayout.
 //
 // Each call has a sequence number `seq` (>= 1, the same on every rank for the
 // same call); its half of the workspace is seq & 1 and its signals carry it.
@@ -18,8 +22,10 @@
 // reported in `status`, which the host reads without a sync.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
+#include "core/dtype.h"
 #include "ep/layout.h"
 
 struct CUstream_st;
@@ -95,7 +101,28 @@ struct CombineArgs {
 void launch_dispatch(const DispatchArgs& args, CUstream_st* stream);
 void launch_combine(const CombineArgs& args, CUstream_st* stream);
 
-// Threads per block of both kernels (the host sizes grids with it).
+// Threads per block of both EP kernels (the host sizes grids with it).
 constexpr int kThreads = 512;
+
+// The CUDA backend's reduction (coll/reduce.cu): out = sources combined in
+// order, with the same arithmetic as the host's reduce_arrays
+// (collectives/reduce.h): fp16 and bf16 accumulate in fp32 and are rounded
+// once, integers wrap around, MIN and MAX propagate NaN, AVG divides the sum
+// once. So the device plane and the host path give bit-identical results, and
+// so does every rank (each reduces the same sources in the same order).
+constexpr int kMaxReduceSources = 64;
+
+struct ReduceArgs {
+  const void* srcs[kMaxReduceSources];  // nsrc device pointers (this rank's or mapped)
+  int nsrc = 0;
+  void* out = nullptr;  // may be one of srcs
+  size_t count = 0;     // elements
+  DType dtype = DType::kFloat32;
+  RedOp op = RedOp::kSum;
+  int avg_divisor = 1;
+};
+
+// Queues the reduction on `stream`; returns the launch's cudaError_t (0: queued).
+int launch_reduce(const ReduceArgs& args, CUstream_st* stream);
 
 }  // namespace mooncake::kernels

@@ -1,61 +1,16 @@
-// launch_reduce (reduce.h): grid-stride, 16 bytes per load where aligned;
-// the arithmetic mirrors collectives/reduce.cc element for element.
-#include <cuda_fp16.h>
+// launch_reduce (kernels/api.h): grid-stride, 16 bytes per load where
+// aligned; the element arithmetic is collectives/reduce.cc's, from the same
+// header (common/numeric.h).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
-#include "collectives/combine.h"
-#include "kernels/reduce.h"
+#include "kernels/api.h"
+#include "kernels/common/numeric.h"
 
 namespace mooncake::kernels {
 namespace {
-
-struct Half {
-  uint16_t bits;
-};
-struct BFloat {
-  uint16_t bits;
-};
-
-__device__ float bf16_to_float(uint16_t b) {
-  return __uint_as_float(static_cast<uint32_t>(b) << 16);
-}
-
-// Round to nearest even; a NaN stays a (quiet) NaN: as float_to_bf16 on the host.
-__device__ uint16_t float_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if (f != f) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-__device__ float half_to_float(uint16_t h) {
-  return __half2float(__ushort_as_half(h));
-}
-__device__ uint16_t float_to_half(float f) {
-  return __half_as_ushort(__float2half_rn(f));
-}
-
-template <typename T>
-struct Acc {
-  using type = T;
-  __device__ static T load(T v) { return v; }
-  __device__ static T store(T v) { return v; }
-};
-template <>
-struct Acc<Half> {
-  using type = float;
-  __device__ static float load(Half v) { return half_to_float(v.bits); }
-  __device__ static Half store(float v) { return Half{float_to_half(v)}; }
-};
-template <>
-struct Acc<BFloat> {
-  using type = float;
-  __device__ static float load(BFloat v) { return bf16_to_float(v.bits); }
-  __device__ static BFloat store(float v) { return BFloat{float_to_bf16(v)}; }
-};
 
 template <typename T, RedOp Op>
 __device__ void reduce_one(const ReduceArgs& args, size_t i) {

@@ -1,0 +1,42 @@
+// Row copies by whole warps, in chunks.
+#pragma once
+
+#include <cstdint>
+
+namespace mooncake::kernels {
+
+// Rows move in chunks of kChunkBytes, a warp per chunk (kVecs 16-byte loads
+// in flight per lane, all issued before any store), so that a few rows still
+// spread over every warp. The kernels are latency-bound at these sizes (a
+// block holds ~8 rows): 8 loads a lane halved the copy loops' round trips
+// against 4.
+constexpr int kVecs = 8;
+constexpr int64_t kChunkBytes = 32 * kVecs * 16;
+
+__device__ __forceinline__ int64_t chunks_of(int64_t bytes) {
+  return (bytes + kChunkBytes - 1) / kChunkBytes;
+}
+
+// Copies chunk `c` of a row of `bytes` (a multiple of 16; both ends 16-byte
+// aligned). kFresh: plain loads, for data another rank stores during this
+// launch (the read-only path may not see it).
+template <bool kFresh>
+__device__ __forceinline__ void copy_chunk(uint8_t* dst, const uint8_t* src, int64_t bytes,
+                                           int64_t c, int lane) {
+  const int64_t n = bytes / 16, first = c * (kChunkBytes / 16) + lane;
+  auto* d = reinterpret_cast<int4*>(dst);
+  const auto* s = reinterpret_cast<const int4*>(src);
+  int4 v[kVecs];
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t i = first + 32 * j;
+    if (i < n) v[j] = kFresh ? s[i] : __ldg(s + i);
+  }
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int64_t i = first + 32 * j;
+    if (i < n) d[i] = v[j];
+  }
+}
+
+}  // namespace mooncake::kernels

@@ -1,0 +1,45 @@
+// Prefix sums and lookups in them, and work dealt round-robin over the grid.
+#pragma once
+
+#include <cstdint>
+
+namespace mooncake::kernels {
+
+// Exclusive prefix sums of v[0, n) into out[0, n], out[n] = the total, by
+// one warp (the lanes take 32 values at a time).
+__device__ inline void warp_exclusive_scan(const int32_t* v, int32_t* out, int n, int lane) {
+  int carry = 0;
+  for (int b = 0; b < n; b += 32) {
+    const int x = b + lane < n ? v[b + lane] : 0;
+    int incl = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (b + lane < n) out[b + lane] = carry + incl - x;
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  if (lane == 0) out[n] = carry;
+}
+
+// The last i with offsets[i] <= g, for offsets[0] == 0 <= g < offsets[n].
+__device__ __forceinline__ int find_segment(const int32_t* offsets, int n, int g) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= g)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// How many of `count` things, dealt round-robin over the grid, block b gets.
+__device__ __forceinline__ int dealt(int count) {
+  const int b = static_cast<int>(blockIdx.x), g = static_cast<int>(gridDim.x);
+  return b < count ? (count - b + g - 1) / g : 0;
+}
+
+}  // namespace mooncake::kernels

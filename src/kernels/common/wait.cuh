@@ -1,0 +1,62 @@
+// Waiting on a peer's signal with a deadline, and reporting what went wrong
+// in the status words (kernels/api.h says what they mean).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/api.h"
+#include "kernels/common/ptx.cuh"
+
+namespace mooncake::kernels {
+
+// First error wins; the words live in host-mapped memory, so plain stores
+// (a race between two reporters can only mix their details).
+__device__ inline void report(int32_t* status, int code, int d0, int d1) {
+  volatile int32_t* s = status;
+  if (s[0] != kStatusOk) return;
+  s[1] = d0;
+  s[2] = d1;
+  __threadfence_system();
+  s[0] = code;
+}
+
+__device__ __forceinline__ uint64_t deadline_of(int64_t timeout_ns) {
+  const uint64_t now = now_ns();
+  return now + static_cast<uint64_t>(timeout_ns);
+}
+
+// Waits until `*signal` satisfies `ready`, the source is masked, or the
+// deadline passes (then masks the source). True when the signal arrived.
+template <typename Ready>
+__device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, uint64_t deadline,
+                         int source, int phase, uint64_t* value) {
+  int32_t* active = c.active_ranks;
+  int32_t* slots = c.slot_mask;
+  int32_t* status = c.status;
+  while (true) {
+    const uint64_t v = ld_acquire_sys(signal);
+    if (ready(v)) {
+      *value = v;
+      return true;
+    }
+    if (ld_volatile(active + source) == 0) return false;
+    if (slots != nullptr && ld_volatile(slots + source) == 0) return false;
+    if (now_ns() > deadline) {
+      const bool first = atomicExch(active + source, 0) != 0;
+      if (slots != nullptr) atomicExch(slots + source, 0);
+      if (first) {
+        report(status, kStatusSilentPeer, source, phase);
+        volatile int32_t* timeouts = status + 3;
+        *timeouts = *timeouts + 1;
+        if (c.silent != nullptr) {
+          *reinterpret_cast<volatile int32_t*>(c.silent + source) = 1;
+          __threadfence_system();
+        }
+      }
+      return false;
+    }
+    __nanosleep(100);
+  }
+}
+
+}  // namespace mooncake::kernels
