@@ -12,7 +12,7 @@ already there) and flags them; each token's owner sums them from there
 host only allocates outputs and launches: nothing here waits for the device,
 so calls can be captured in a CUDA graph.
 
-Outputs match the portable path (``_ep_fallback``): the same rows in the same
+Outputs match the portable path (``portable_rows``): the same rows in the same
 order, BF16/FP16 payloads bit-exact, FP8 quantised by the same formula, and
 combine summed in the same order and rounded once.
 
@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from . import _checks, pg
-from ._ep_types import DispatchHandle, HandleState, stream_waiter, tensor_key
+from .. import _checks, pg
+from .types import DispatchHandle, HandleState, stream_waiter, tensor_key
 
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # index entries per token (src/ep/layout.h)
 _BOTH = pg._ext.EP_PHASE_BOTH  # a launch of both phases
@@ -59,7 +59,7 @@ def _silent(rank: int) -> str:
 class DevicePath:
     """One Buffer's device workspace, its peers' mappings and its launches.
 
-    Its members (``_ep_group.GroupMembers`` or ``_ep_elastic.Slots``) decide who is
+    Its members (``group.GroupMembers`` or ``elastic.Slots``) decide who is
     mapped and when: a group maps every member at once (:meth:`GroupMembers.connect_device`),
     an elastic buffer one slot at a time as it connects them. They also give each call
     its masks and take the ranks the kernels masked (``device_masks``,

@@ -3,7 +3,7 @@
 Who the ranks are (the group's), which of them take part right now (the
 group's rank-health mask, ``pg.get_active_ranks``) and how an exchange among
 them runs (the group's mooncake backend, ``alltoall_base`` with a per-exchange
-timeout). ``_ep_elastic.Slots`` answers the same questions for an elastic
+timeout). ``elastic.Slots`` answers the same questions for an elastic
 Buffer; the Buffer and its paths only ask them through these methods.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _ep_fallback as fb
-from . import pg
-from ._checks import MAX_INT, is_int
+from .. import pg
+from .._checks import MAX_INT, is_int
+from . import portable_rows
 
 
 class GroupMembers:
@@ -66,7 +66,9 @@ class GroupMembers:
         ``device`` None: this rank rejected its call and only takes part. ``timeout_us``
         is this exchange's own budget, from its start (-1: the group's timeout): a call
         of several exchanges gives each the whole ``timeout_us``."""
-        return fb.all_to_all(self.backend_for(device), out, inp, out_splits, in_splits, timeout_us)
+        return portable_rows.all_to_all(
+            self.backend_for(device), out, inp, out_splits, in_splits, timeout_us
+        )
 
     def reject(self, device, reason: str) -> bool:
         """Takes this rank's part in the next exchange without running it, so that every
@@ -131,7 +133,7 @@ class GroupMembers:
         ``pg.get_active_ranks`` shows it."""
         return list(self._events)
 
-    # --- the device path (mooncake/_ep_device.py) ---------------------------------------
+    # --- the device path (mooncake/ep/device.py) -----------------------------------------
 
     def connect_device(self, path) -> None:
         """Maps every same-host member's workspace into ``path`` (collective: every

@@ -4,7 +4,7 @@ A fixed capacity of slots; each slot is disconnected, staged (connected but
 masked) or active. Peers find each other through the caller's store; every rank
 keeps its own mask. Slots, masks, staging and the exchanges live in the
 torch-free core (``src/ep/elastic.h``, ``src/ep/slots.h``); this module adds
-the argument checks, the tensor side, and the answers ``_ep_group.GroupMembers``
+the argument checks, the tensor side, and the answers ``group.GroupMembers``
 gives for a process group: how many slots a call covers, which take part now,
 and how an exchange among them runs. The Buffer's slot methods
 (``connect_ranks`` and the others) call the methods of the same job here.
@@ -17,7 +17,7 @@ range that are not active send and receive nothing, as ranks marked 0 do in
 so a sparse set such as {0, 3} keeps its global-rank layout.
 
 With a device workspace (``num_rdma_bytes > 0`` on a machine with CUDA and a
-CUDA build), CUDA tensors run the device path's kernels (``_ep_device``): each
+CUDA build), CUDA tensors run the device path's kernels (``device``): each
 slot's workspace is mapped when it connects (CUDA IPC; its card travels
 with the slot's metadata in the store), enters the kernels' peer table when it
 is published, after this device's earlier work, and leaves it when it is
@@ -42,9 +42,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _ep_device, pg
-from . import _ep_fallback as fb
-from ._checks import (
+from .. import pg
+from .._checks import (
     MAX_INT,
     MAX_TIMEOUT_MS,
     flags_error,
@@ -53,6 +52,8 @@ from ._checks import (
     is_int,
     tensor_error,
 )
+from . import device as device_path
+from . import portable_rows
 
 __all__ = ["Slots"]
 
@@ -67,7 +68,7 @@ class _Done:
 def _budget_ms(timeout_us: int) -> int:
     """An exchange's own budget, as the portable path rounds it: whole ms from now
     (-1 stays -1: the buffer's timeout_ms)."""
-    return math.ceil(fb.timeout_of(timeout_us).total_seconds() * 1000)
+    return math.ceil(portable_rows.timeout_of(timeout_us).total_seconds() * 1000)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -127,7 +128,7 @@ class Slots:
         self.num_experts_per_rank = 0
         self.num_rdma_bytes = 0
         self._peers = None  # the core's ElasticPeers, once allocated
-        self.device: _ep_device.DevicePath | None = None  # the device path, with a workspace
+        self.device: device_path.DevicePath | None = None  # the device path, with a workspace
         self._dev_mask: torch.Tensor | None = None  # device int32 [capacity], 1 = active
         self._dev_views: dict[int, torch.Tensor] = {}  # _dev_mask[:R], per R
         self._mapped: set[int] = set()  # slots whose workspace is mapped
@@ -177,16 +178,16 @@ class Slots:
         self.num_rdma_bytes = num_rdma_bytes
         self._attach_device(path)
 
-    def _new_device(self, num_bytes: int) -> _ep_device.DevicePath | None:
+    def _new_device(self, num_bytes: int) -> device_path.DevicePath | None:
         """A device workspace of ``num_bytes`` on the current CUDA device, when there is
         one (and this build has the device path)."""
-        if num_bytes == 0 or not _ep_device.available() or not torch.cuda.is_available():
+        if num_bytes == 0 or not device_path.available() or not torch.cuda.is_available():
             return None
-        return _ep_device.DevicePath(
+        return device_path.DevicePath(
             self, num_bytes, torch.device("cuda", torch.cuda.current_device())
         )
 
-    def _attach_device(self, path: _ep_device.DevicePath | None) -> None:
+    def _attach_device(self, path: device_path.DevicePath | None) -> None:
         self.device = path
         self._dev_views = {}
         self._mapped = set()
@@ -450,7 +451,7 @@ class Slots:
         self._peers.reject(reason, -1)
         return True
 
-    # --- the device path (mooncake/_ep_device.py) ---------------------------------------
+    # --- the device path (mooncake/ep/device.py) -----------------------------------------
 
     def device_masks(
         self, active_ranks, R: int, device
