@@ -138,7 +138,7 @@ class Buffer:
             self._device = device_path.DevicePath(
                 self._members, num_ep_buffer_bytes, workspace_device
             )
-            self._members.connect_device(self._device)
+            self._device.connect_group()
 
     def _compose(self, members: GroupMembers | Slots, num_ep_buffer_bytes: int) -> None:
         """Puts the Buffer together: ``members`` and the portable path over them (the
@@ -250,7 +250,7 @@ class Buffer:
         """
         self._seq = self._members.refresh(self.num_ep_buffer_bytes, self._seq)
         if self._device is not None:
-            self._members.connect_device(self._device)
+            self._device.connect_group()
 
     def mask_events(self) -> list[str]:
         """Why peers were masked so far, oldest first: by the device path's kernels (a
