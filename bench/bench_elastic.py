@@ -1,6 +1,6 @@
 """How long the elastic EP buffer takes to stage, activate and replace a peer.
 
-``Buffer.create_elastic`` (``mooncake/_ep_elastic.py``, ``src/ep/elastic.h``) on
+``Buffer.create_elastic`` (``mooncake/ep/elastic.py``, ``src/ep/elastic.h``) on
 CPU tensors. One run per world size ``W``: slots ``0 .. W-2`` start connected;
 slot ``W-1`` is the new peer. Measured, in one run:
 

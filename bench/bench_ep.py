@@ -35,7 +35,7 @@ from datetime import timedelta
 import harness
 from harness import fmt_ratio, log, say
 
-HEADER_BYTES = 16  # one dispatch message's header (mooncake/_ep_fallback.py)
+HEADER_BYTES = 16  # one dispatch message's header (mooncake/ep/portable_rows.py)
 META_COLS = 6  # the counts exchange's row: T, H, E, fp8, status, accept, then E/R counts
 FP8_BLOCK = 128  # channels per fp32 scale
 # Measures, in the order each case runs them: (name, what it times).

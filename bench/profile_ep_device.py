@@ -1,6 +1,6 @@
 """Where an EP device-path call spends its time, on one GPU (world 1).
 
-Two views, for the people tuning ``src/kernels/ep_ll/`` and ``_ep_device.py``:
+Two views, for the people tuning ``src/kernels/ep_ll/`` and ``mooncake/ep/device.py``:
 
 - host: microseconds per call of each layer, from a bare torch op to the
   whole ``Buffer.dispatch``/``combine`` (calls back to back, the device
@@ -68,7 +68,8 @@ def kernel_table(fn, calls: int = 20) -> dict[str, float]:
 def member(rank: int, world: int, port: int, cfg: dict) -> dict:
     import torch.distributed as dist
 
-    from mooncake import _ep_device, pg
+    from mooncake import pg
+    from mooncake.ep import device as device_path
     from mooncake.launch import init_rank
     from mooncake.mooncake_ep_buffer import Buffer
 
@@ -178,7 +179,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
             hook2()
 
         res[f"{tag} kernels (halves)"] = kernel_table(halves)
-    res["cuda_ipc"] = _ep_device.available() and bool(pg._ext)
+    res["cuda_ipc"] = device_path.available() and bool(pg._ext)
     return res
 
 

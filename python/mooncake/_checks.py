@@ -24,8 +24,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ._ep_types import DispatchHandle
 from ._loader import load_extension
+from .ep.types import DispatchHandle
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -177,7 +177,7 @@ def dispatch_error(
     """The first rule a dispatch's arguments break, or None.
 
     ``members`` says how many ranks the call covers and which devices and expert
-    counts they take (``_ep_group.GroupMembers`` or ``_ep_elastic.Slots``); ``x`` on
+    counts they take (``ep.group.GroupMembers`` or ``ep.elastic.Slots``); ``x`` on
     ``path_device`` is moved by the calling path itself (the device path's
     workspace device), not by the members' exchange. ``values=False`` skips the
     rules on ``topk_idx``'s values.

@@ -1,5 +1,5 @@
 // Binds ElasticPeers (src/ep/elastic.h), the elastic EP buffer's peers, with
-// the c10d store adapter they talk through; mooncake/_ep_elastic.py drives them.
+// the c10d store adapter they talk through; mooncake/ep/elastic.py drives them.
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 

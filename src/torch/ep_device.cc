@@ -1,5 +1,5 @@
 // The EP device path's binding: the device library's EP buffer (device/ep.h)
-// for tensors. Python (mooncake/_ep_device.py) validates the arguments and
+// for tensors. Python (mooncake/ep/device.py) validates the arguments and
 // keeps the call numbers; this file allocates the outputs (reusing them
 // where it can) and turns tensors into the launch structs. Nothing here
 // waits for the device.
@@ -339,7 +339,7 @@ void register_ep_device(py::module_& m) {
   using R = py::call_guard<py::gil_scoped_release>;
   py::class_<EpDevice>(m, "EpDevice",
                        "The EP device path's buffer (src/device/ep.h): its workspace, its peers' "
-                       "mappings and the kernels' launches (mooncake/_ep_device.py drives it).")
+                       "mappings and the kernels' launches (mooncake/ep/device.py drives it).")
       .def(py::init<int64_t, int64_t>(), py::arg("bytes"), py::arg("device"))
       .def("card", &EpDevice::card)
       .def(

@@ -2,7 +2,7 @@
 dispatch + combine, the case lists of the launches, and the ranks of the kill test.
 
 The model (:func:`route_model`, :func:`combine_model`) is plain Python: loops over
-source ranks, tokens and top-k slots, sharing nothing with ``mooncake._ep_fallback``.
+source ranks, tokens and top-k slots, sharing nothing with ``mooncake.ep.portable_rows``.
 
 Inputs identify themselves: token ``t`` of rank ``r`` has ``x[t, 0] = r`` and
 ``x[t, 1] = t``, and small integers elsewhere, all exact in bf16/fp16/fp32. The
@@ -1216,9 +1216,9 @@ def c_corrupt_counts(ctx):
         def corrupting(device, out, inp, out_splits, in_splits, timeout_us):
             members.all_to_all = exchange  # once: the counts exchange of this call
             inp = inp.clone()
-            from mooncake import _ep_fallback as fb
+            from mooncake.ep import portable_rows
 
-            inp[0, fb.META_COLS] = args["num_max_dispatch_tokens_per_rank"] + 5
+            inp[0, portable_rows.META_COLS] = args["num_max_dispatch_tokens_per_rank"] + 5
             return exchange(device, out, inp, out_splits, in_splits, timeout_us)
 
         members.all_to_all = corrupting
@@ -1624,15 +1624,15 @@ SILENT_SPEC = Spec(T=6, H=128, K=3, epr=2, ns=(6, 4, 5), timeout_us=2_500_000)
 def _slow_between_exchanges(seconds: float) -> None:
     """Makes this process's dispatches spend ``seconds`` between the counts and the tokens
     exchange (in packing the tokens), as a loaded host would."""
-    from mooncake import _ep_fallback
+    from mooncake.ep import portable_rows
 
-    pack = _ep_fallback.pack_tokens
+    pack = portable_rows.pack_tokens
 
     def slow_pack(*args, **kwargs):
         time.sleep(seconds)
         return pack(*args, **kwargs)
 
-    _ep_fallback.pack_tokens = slow_pack
+    portable_rows.pack_tokens = slow_pack
 
 
 def ep_silent_rank(rank, world_size, port, plan):

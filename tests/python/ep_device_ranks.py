@@ -27,9 +27,9 @@ def has_device_path() -> bool:
     """Whether this machine has a CUDA GPU and this build the EP device path."""
     if not torch.cuda.is_available():
         return False
-    from mooncake import _ep_device
+    from mooncake.ep import device
 
-    return _ep_device.available()
+    return device.available()
 
 
 @dataclass(frozen=True)

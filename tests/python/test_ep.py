@@ -198,18 +198,18 @@ def test_corrupt_counts_from_a_peer_raise_runtime_error(counts):
     before anything is allocated from it; a row inside the range passes."""
     import torch
 
-    from mooncake import _ep_fallback as fb
-    from mooncake._ep_portable import check_peers
+    from mooncake.ep import portable_rows
+    from mooncake.ep.portable import check_peers
 
     T, H, E = 8, 128, 4
-    theirs = torch.zeros(2, fb.META_COLS + 2, dtype=torch.int64)
+    theirs = torch.zeros(2, portable_rows.META_COLS + 2, dtype=torch.int64)
     theirs[:, :4] = torch.tensor([T, H, E, 0])
-    theirs[:, 4] = fb.STATUS_OK
+    theirs[:, 4] = portable_rows.STATUS_OK
     present = torch.tensor([True, True])
     check_peers(0, theirs, present, T, H, E, False)  # all zero: fine
-    theirs[1, fb.META_COLS :] = torch.tensor([T, 0])
+    theirs[1, portable_rows.META_COLS :] = torch.tensor([T, 0])
     check_peers(0, theirs, present, T, H, E, False)  # at most T: fine
-    theirs[1, fb.META_COLS :] = torch.tensor(counts)
+    theirs[1, portable_rows.META_COLS :] = torch.tensor(counts)
     with pytest.raises(RuntimeError, match=r"rank 1 announces .* corrupt"):
         check_peers(0, theirs, present, T, H, E, False)
     present[1] = False  # a rank outside the set is not read

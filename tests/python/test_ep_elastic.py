@@ -1,4 +1,4 @@
-"""The elastic EP buffer (``Buffer.create_elastic``, ``mooncake._ep_elastic``), portable path
+"""The elastic EP buffer (``Buffer.create_elastic``, ``mooncake.ep.elastic``), portable path
 on CPU tensors: the focused plans and the 3-rank connection contract of the RFC's section 7
 (upstream's elastic EP buffer design), and its argument rules.
 
@@ -634,7 +634,7 @@ def test_corrupt_counts_fail_every_slot(store):
     alone can see it, takes its part in the tokens exchange by rejecting it, and raises
     RuntimeError naming slot 1; slot 1 raises ValueError naming slot 0 and why. Then rounds
     between them are exact again."""
-    from mooncake import _ep_fallback as fb
+    from mooncake.ep import portable_rows
 
     b0, b1 = connected_pair(store, fresh_prefix())
     members = b1._portable.members
@@ -643,7 +643,7 @@ def test_corrupt_counts_fail_every_slot(store):
     def corrupting(device, out, inp, out_splits, in_splits, timeout_us):
         members.all_to_all = exchange  # once: the counts exchange of this call
         inp = inp.clone()
-        inp[0, fb.META_COLS] = SPEC.T + 5
+        inp[0, portable_rows.META_COLS] = SPEC.T + 5
         return exchange(device, out, inp, out_splits, in_splits, timeout_us)
 
     members.all_to_all = corrupting

@@ -45,7 +45,7 @@ class HandleState:
     finished: bool  # the receive half has run: combine takes the handle
     on_device: bool = False  # the device path ran it, so its combine runs there
     event: Any = None  # device path: the dispatch's CUDA event when it ran on its own stream
-    exchange: Any = None  # portable path: what went where (``_ep_portable.Exchange``)
+    exchange: Any = None  # portable path: what went where (``portable.Exchange``)
 
 
 class DispatchHandle(NamedTuple):

@@ -1,6 +1,6 @@
 """The portable EP path's messages and tensor work: routing, packing, placing, summing.
 
-Torch ops on the caller's device, whatever it is. ``_ep_portable`` runs a call
+Torch ops on the caller's device, whatever it is. ``portable`` runs a call
 with them over the Buffer's members, whose exchange moves the rows (a process
 group's ``alltoall_base``, or an elastic Buffer's slots), each exchange with its
 own timeout. It is the reference the device path is tested against and what
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fp8, pg
+from .. import fp8, pg
 
 HEADER_BYTES = pg._ext.EP_HEADER_BYTES  # src/ep/layout.h's EpMsgHeader
 META_COLS = 6  # T, H, E, fp8, status, accept; then E/R counts

@@ -3,8 +3,10 @@
 Who the ranks are (the group's), which of them take part right now (the
 group's rank-health mask, ``pg.get_active_ranks``) and how an exchange among
 them runs (the group's mooncake backend, ``alltoall_base`` with a per-exchange
-timeout). ``_ep_elastic.Slots`` answers the same questions for an elastic
-Buffer; the Buffer and its paths only ask them through these methods.
+timeout). ``elastic.Slots`` answers the same questions for an elastic
+Buffer; the Buffer and its paths only ask them through these methods. The
+device path maps the members' workspaces itself (``device.DevicePath.connect_group``,
+when the Buffer is made and after ``update_ep_member``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _ep_fallback as fb
-from . import pg
-from ._checks import MAX_INT, is_int
+from .. import pg
+from .._checks import MAX_INT, is_int
+from . import portable_rows
 
 
 class GroupMembers:
@@ -66,7 +68,9 @@ class GroupMembers:
         ``device`` None: this rank rejected its call and only takes part. ``timeout_us``
         is this exchange's own budget, from its start (-1: the group's timeout): a call
         of several exchanges gives each the whole ``timeout_us``."""
-        return fb.all_to_all(self.backend_for(device), out, inp, out_splits, in_splits, timeout_us)
+        return portable_rows.all_to_all(
+            self.backend_for(device), out, inp, out_splits, in_splits, timeout_us
+        )
 
     def reject(self, device, reason: str) -> bool:
         """Takes this rank's part in the next exchange without running it, so that every
@@ -131,22 +135,7 @@ class GroupMembers:
         ``pg.get_active_ranks`` shows it."""
         return list(self._events)
 
-    # --- the device path (mooncake/_ep_device.py) ---------------------------------------
-
-    def connect_device(self, path) -> None:
-        """Maps every same-host member's workspace into ``path`` (collective: every
-        member calls it, at construction and after membership changes). A member that
-        dies later stays mapped (its memory outlives it): the kernels mask it. So
-        whether every member is mapped is settled here, once."""
-        R = self.num_ranks
-        own = path.card()
-        card = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
-        cards = torch.zeros(R * card.numel(), dtype=torch.uint8)
-        pg._backend_of(self.group)._allgather_base(cards, card).wait()
-        cards = cards.reshape(R, card.numel())
-        # A rank outside the group's view sends zeros: absent, not unreachable.
-        path.reachable, present = path.ext.connect([bytes(c.tolist()) for c in cards], self.rank)
-        path.usable = all(m for m, p in zip(path.reachable, present, strict=True) if p)
+    # --- the device path (mooncake/ep/device.py), which maps every member at once -------
 
     def device_masks(self, active_ranks, R: int, device) -> tuple[torch.Tensor, None]:
         """The kernels' masks for a call: ``active_ranks``, or the group's view kept on

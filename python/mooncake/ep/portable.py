@@ -1,9 +1,9 @@
 """The portable EP path: a Buffer's dispatch and combine as torch ops over its members.
 
 It serves every call the device path does not (CPU tensors first of all), for
-either kind of members (``_ep_group.GroupMembers`` or ``_ep_elastic.Slots``):
+either kind of members (``group.GroupMembers`` or ``elastic.Slots``):
 it only asks them how many ranks a call covers, who is present, and to run an
-exchange. The messages and the tensor work are ``_ep_fallback``'s; this module
+exchange. The messages and the tensor work are ``portable_rows``'; this module
 runs a call: its argument checks, the counts and tokens exchanges, and the
 receive half that ``hook()`` or the event may defer.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _checks
-from . import _ep_fallback as fb
-from ._ep_types import DispatchHandle, EventOverlap, HandleState
+from .. import _checks
+from . import portable_rows
+from .types import DispatchHandle, EventOverlap, HandleState
 
 
 class _Pending:
@@ -57,11 +57,11 @@ class Exchange:
     """What a dispatch sent where and received from whom: its combine sends the rows
     back the same way (``HandleState.exchange``)."""
 
-    route: fb.Route  # this rank's selections, sorted by destination
+    route: portable_rows.Route  # this rank's selections, sorted by destination
     sent: torch.Tensor  # bool [S]: the selections that went to a rank that took them
     send_splits: torch.Tensor  # int64 [R]: rows sent to each rank
     recv_splits: torch.Tensor  # int64 [R]: rows received from each rank
-    arrival: fb.Arrival | None = None  # where the received rows went (the receive half)
+    arrival: portable_rows.Arrival | None = None  # where the received rows went (the receive half)
     recv_rows: int = 0
 
 
@@ -84,7 +84,7 @@ def check_peers(rank: int, theirs, present, T, H, E, use_fp8) -> None:
     """
     for s in present.nonzero().squeeze(1).tolist():
         row = theirs[s].tolist()
-        if row[4] == fb.STATUS_REJECTED:
+        if row[4] == portable_rows.STATUS_REJECTED:
             raise ValueError(
                 f"dispatch: rank {s} rejected its arguments (its ValueError says why); "
                 f"nothing was sent"
@@ -99,7 +99,7 @@ def check_peers(rank: int, theirs, present, T, H, E, use_fp8) -> None:
         # A source sends each of this rank's experts at most T tokens (a token
         # selects an expert once): more, or fewer than 0, is corrupt data, and
         # would size the receive buffers from it.
-        counts = row[fb.META_COLS :]
+        counts = row[portable_rows.META_COLS :]
         if counts and not (0 <= min(counts) and max(counts) <= T):
             raise RuntimeError(
                 f"dispatch: rank {s} announces between {min(counts)} and {max(counts)} "
@@ -147,13 +147,13 @@ class PortablePath:
         )
 
         # 1. counts, shapes and consent
-        meta = torch.zeros(R, fb.META_COLS + epr, dtype=torch.int64)
+        meta = torch.zeros(R, portable_rows.META_COLS + epr, dtype=torch.int64)
         if ok:
             H = x.shape[1]
-            r = fb.route(topk_idx, R, epr)
+            r = portable_rows.route(topk_idx, R, epr)
             meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3] = T, H, num_experts, int(use_fp8)
-            meta[:, fb.META_COLS :] = r.counts.cpu()
-        meta[:, 4] = fb.STATUS_OK if ok else fb.STATUS_REJECTED
+            meta[:, portable_rows.META_COLS :] = r.counts.cpu()
+        meta[:, 4] = portable_rows.STATUS_OK if ok else portable_rows.STATUS_REJECTED
         meta[:, 5] = mask.long()
         meta = meta.to(device or "cpu")
         theirs = torch.zeros_like(meta)  # rows of ranks that send nothing stay 0
@@ -181,8 +181,8 @@ class PortablePath:
 
         # 2. tokens
         sent = mutual.to(r.dest.device)[r.dest]
-        rows, row_bytes = fb.pack_tokens(x, r, sent, use_fp8)
-        buffer_counts = theirs[:, fb.META_COLS :] * mutual.unsqueeze(1).long()
+        rows, row_bytes = portable_rows.pack_tokens(x, r, sent, use_fp8)
+        buffer_counts = theirs[:, portable_rows.META_COLS :] * mutual.unsqueeze(1).long()
         send_splits = (r.counts.cpu() * mutual.unsqueeze(1).long()).sum(1)
         recv_splits = buffer_counts.sum(1)
         recv = torch.empty(int(recv_splits.sum()), row_bytes, dtype=torch.uint8, device=device)
@@ -220,8 +220,8 @@ class PortablePath:
             now = members.present(R)
             _mark_failed(active_ranks, now)
             kept = (mutual & now).to(device)
-            a = fb.place(recv, buffer_counts.to(device), kept, T)
-            fb.unpack_tokens(recv, a, recv_x, x.dtype, H, use_fp8)
+            a = portable_rows.place(recv, buffer_counts.to(device), kept, T)
+            portable_rows.unpack_tokens(recv, a, recv_x, x.dtype, H, use_fp8)
             handle.src_info[a.local_expert, a.column] = a.token.to(torch.int32)
             per_expert = a.counts.t()
             start = torch.cumsum(per_expert, 1) - per_expert
@@ -264,7 +264,7 @@ class PortablePath:
         device = x.device
         state = handle.state
         ex = state.exchange
-        back = fb.gather_outputs(x, ex.arrival, ex.recv_rows)
+        back = portable_rows.gather_outputs(x, ex.arrival, ex.recv_rows)
         sent_rows = int(ex.send_splits.sum())
         returned = torch.empty(sent_rows, x.shape[2], dtype=x.dtype, device=device)
         work = members.all_to_all(
@@ -289,7 +289,7 @@ class PortablePath:
             _mark_failed(active_ranks, now)
             alive = now if mask is None else now & mask
             used = alive.to(device)[r.dest[sent]]
-            acc = fb.weighted_sum(returned, r, sent, used, topk_weights, num_tokens)
+            acc = portable_rows.weighted_sum(returned, r, sent, used, topk_weights, num_tokens)
             result.copy_(acc)
 
         pending = _Pending(work, finish)

@@ -4,7 +4,7 @@ A fixed capacity of slots; each slot is disconnected, staged (connected but
 masked) or active. Peers find each other through the caller's store; every rank
 keeps its own mask. Slots, masks, staging and the exchanges live in the
 torch-free core (``src/ep/elastic.h``, ``src/ep/slots.h``); this module adds
-the argument checks, the tensor side, and the answers ``_ep_group.GroupMembers``
+the argument checks, the tensor side, and the answers ``group.GroupMembers``
 gives for a process group: how many slots a call covers, which take part now,
 and how an exchange among them runs. The Buffer's slot methods
 (``connect_ranks`` and the others) call the methods of the same job here.
@@ -17,8 +17,9 @@ range that are not active send and receive nothing, as ranks marked 0 do in
 so a sparse set such as {0, 3} keeps its global-rank layout.
 
 With a device workspace (``num_rdma_bytes > 0`` on a machine with CUDA and a
-CUDA build), CUDA tensors run the device path's kernels (``_ep_device``): each
-slot's workspace is mapped when it connects (CUDA IPC; its card travels
+CUDA build), CUDA tensors run the device path's kernels (``device``, which
+also maps the slots when this module says: ``DevicePath.map_slot`` and the
+methods beside it): each slot's workspace is mapped when it connects (CUDA IPC; its card travels
 with the slot's metadata in the store), enters the kernels' peer table when it
 is published, after this device's earlier work, and leaves it when it is
 disconnected, after that work too. The mask the kernels read lives in device
@@ -37,14 +38,12 @@ tensors staged through host memory.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
-from . import _ep_device, pg
-from . import _ep_fallback as fb
-from ._checks import (
+from .. import pg
+from .._checks import (
     MAX_INT,
     MAX_TIMEOUT_MS,
     flags_error,
@@ -53,6 +52,8 @@ from ._checks import (
     is_int,
     tensor_error,
 )
+from . import device as device_path
+from . import portable_rows
 
 __all__ = ["Slots"]
 
@@ -67,24 +68,7 @@ class _Done:
 def _budget_ms(timeout_us: int) -> int:
     """An exchange's own budget, as the portable path rounds it: whole ms from now
     (-1 stays -1: the buffer's timeout_ms)."""
-    return math.ceil(fb.timeout_of(timeout_us).total_seconds() * 1000)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0
-    return pid > 0
-
-
-def _sync_device() -> None:
-    """Waits for this process's earlier GPU work (the RFC's rule before a peer is
-    published or released)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    return math.ceil(portable_rows.timeout_of(timeout_us).total_seconds() * 1000)
 
 
 class Slots:
@@ -127,10 +111,8 @@ class Slots:
         self.num_experts_per_rank = 0
         self.num_rdma_bytes = 0
         self._peers = None  # the core's ElasticPeers, once allocated
-        self.device: _ep_device.DevicePath | None = None  # the device path, with a workspace
-        self._dev_mask: torch.Tensor | None = None  # device int32 [capacity], 1 = active
-        self._dev_views: dict[int, torch.Tensor] = {}  # _dev_mask[:R], per R
-        self._mapped: set[int] = set()  # slots whose workspace is mapped
+        self.device: device_path.DevicePath | None = None  # the device path, with a workspace
+        self._dev_views: dict[int, torch.Tensor] = {}  # the device's slot_mask[:R], per R
         self.count_pending = False  # peers published since the last device call told counts
 
     # --- allocation --------------------------------------------------------------------
@@ -160,7 +142,7 @@ class Slots:
             if num_rdma_bytes != self.num_rdma_bytes:
                 self._reallocate(num_rdma_bytes)
             return
-        path = self._new_device(num_rdma_bytes)
+        path = device_path.for_slots(self, num_rdma_bytes)
         self._peers = pg._ext.ElasticPeers(
             self.store,
             pg._default_engine(),
@@ -177,100 +159,34 @@ class Slots:
         self.num_rdma_bytes = num_rdma_bytes
         self._attach_device(path)
 
-    def _new_device(self, num_bytes: int) -> _ep_device.DevicePath | None:
-        """A device workspace of ``num_bytes`` on the current CUDA device, when there is
-        one (and this build has the device path)."""
-        if num_bytes == 0 or not _ep_device.available() or not torch.cuda.is_available():
-            return None
-        return _ep_device.DevicePath(
-            self, num_bytes, torch.device("cuda", torch.cuda.current_device())
-        )
-
-    def _attach_device(self, path: _ep_device.DevicePath | None) -> None:
+    def _attach_device(self, path: device_path.DevicePath | None) -> None:
         self.device = path
         self._dev_views = {}
-        self._mapped = set()
-        if path is None:
-            self._dev_mask = None
-            return
-        path.ext.reserve(self.num_ranks, self.rank)
-        # This process's GPU, as the store records it: its card, which says the host and GPU.
-        self.store.set(self._gpu_key(self.rank), f"{path.card().hex()} {os.getpid()}")
-        self._dev_mask = torch.zeros(self.num_ranks, dtype=torch.int32, device=path.device)
-        self._dev_mask[self.rank] = 1
-        self._refresh_device(recount=True)
+        if path is not None:
+            path.attach_slots()
 
     def _reallocate(self, num_bytes: int) -> None:
         """Another workspace size: possible while no peer has mapped this one."""
-        _sync_device()
-        path = self._new_device(num_bytes)
+        device_path.wait_for_gpu()
+        path = device_path.for_slots(self, num_bytes)
         if path is not None or self.device is not None:
             self._peers.set_device_meta("" if path is None else path.card().hex())
         self.num_rdma_bytes = num_bytes
         self._attach_device(path)
 
-    def _refresh_device(self, recount: bool = False) -> None:
-        """Whether the device path can run (every active slot mapped); with
-        ``recount``, how many processes share this GPU (store reads: done when slots
-        connect or disconnect, not per publish)."""
-        path = self.device
-        if path is None:
-            return
-        active = self._peers.active_slots
-        path.usable = all(s == self.rank or s in self._mapped for s in active)
-        if recount:
-            path.share_gpu(self._gpu_sharers())
-
-    def _gpu_key(self, slot: int) -> str:
-        return f"{self.store_prefix}gpu/{slot}"
-
-    def _gpu_sharers(self) -> int:
-        """The live processes of these slots on this GPU, this one included. Each
-        process's kernels need all their blocks resident at once, so processes on one
-        GPU split its SMs; a process that is not connected here (it disconnected
-        everyone, or is still staging) still runs kernels, so its peers count it
-        through the store, not through their mappings. A process counted after it died
-        (a zombie not yet reaped) only costs blocks."""
-        n = 1
-        for s in range(self.num_ranks):
-            key = self._gpu_key(s)
-            if s == self.rank or not self.store.check([key]):
-                continue
-            card, _, pid = self.store.get(key).decode().rpartition(" ")
-            if self.device.ext.shares_gpu(bytes.fromhex(card)) and _pid_alive(int(pid or 0)):
-                n += 1
-        return n
-
-    def _map(self, slot: int) -> None:
-        """Maps a connected slot's workspace (staged: the kernels do not see it yet)."""
-        if self.device is None or slot in self._mapped:
-            return
-        meta = self._peers.device_meta(slot)
-        try:
-            row = bytes.fromhex(meta)
-        except ValueError:
-            return  # not a device row: reached through the portable path only
-        if self.device.ext.map_peer(slot, row):
-            self._mapped.add(slot)
+    def _recount_device(self) -> None:
+        """After slots connect or disconnect: whether the device path can run, and how
+        many processes share this GPU (``DevicePath.refresh_slots``)."""
+        if self.device is not None:
+            self.device.refresh_slots(recount=True)
 
     def _publish(self, slot: int) -> None:
-        """Puts a published slot into the kernels' table (after this device's earlier
-        work) and its mask entry to 1."""
+        """A published slot enters the device path's kernels' table (``publish_slot``),
+        and the next device call tells the peers' counts."""
         if self.device is None:
             return
         self.count_pending = True
-        if slot in self._mapped:
-            self.device.ext.publish_peer(slot)
-        self._dev_mask[slot] = 1
-        self._refresh_device()
-
-    def _unmap(self, slot: int) -> None:
-        if self.device is None:
-            return
-        self._dev_mask[slot] = 0
-        if slot in self._mapped:
-            self._mapped.discard(slot)
-            self.device.ext.unmap_peer(slot)  # after the mask write and earlier kernels
+        self.device.publish_slot(slot)
 
     def look(self, wait: bool = True) -> None:
         """Waits for this process's GPU work (``wait``), then takes in the slots its
@@ -278,7 +194,7 @@ class Slots:
         call returns before its kernels end, and a kernel that waits out a silent slot
         masks it at its deadline."""
         if wait:
-            _sync_device()
+            device_path.wait_for_gpu()
         if self.device is not None:
             self.device.poll()
 
@@ -317,12 +233,13 @@ class Slots:
         if activate:
             self.look()
         self._peers.connect(slots, activate, calls)
-        for p in slots:
-            self._map(p)
+        if self.device is not None:
+            for p in slots:
+                self.device.map_slot(p)
         if activate:
             for p in slots:
                 self._publish(p)
-        self._refresh_device(recount=True)
+        self._recount_device()
 
     def set_masked(self, peer, mask, calls: int = 0) -> None:
         self.need_peers("update_mask_buffer")
@@ -338,8 +255,7 @@ class Slots:
         self._peers.set_masked(peer, mask, calls)
         if mask:
             if self.device is not None:
-                self._dev_mask[peer] = 0
-                self._refresh_device()
+                self.device.mask_slot(peer)
         else:
             self._publish(peer)
 
@@ -347,9 +263,10 @@ class Slots:
         slots = self._slot_list("disconnect_ranks", peers)
         self.look()
         self._peers.disconnect(slots)
-        for p in slots:
-            self._unmap(p)
-        self._refresh_device(recount=True)
+        if self.device is not None:
+            for p in slots:
+                self.device.unmap_slot(p)
+        self._recount_device()
 
     def query_mask(self, out) -> None:
         peers = self.need_peers("query_mask_buffer")
@@ -360,9 +277,10 @@ class Slots:
             err = f"out must be a CPU or CUDA tensor, got one on {out.device}"
         if err:
             raise ValueError(f"query_mask_buffer: {err}")
-        if out.is_cuda and self._dev_mask is not None:
+        mask = None if self.device is None else self.device.slot_mask
+        if out.is_cuda and mask is not None:
             # The kernels' own mask, on the device: no host round trip.
-            out.copy_(self._dev_mask).neg_().add_(1)
+            out.copy_(mask).neg_().add_(1)
             return
         self.look()
         out.copy_(torch.tensor(peers.mask(), dtype=torch.int32))
@@ -450,7 +368,17 @@ class Slots:
         self._peers.reject(reason, -1)
         return True
 
-    # --- the device path (mooncake/_ep_device.py) ---------------------------------------
+    # --- the device path (mooncake/ep/device.py), which maps the slots -----------------
+
+    def table_active_slots(self) -> list[int]:
+        """The active slots as the slot table has them now, without looking at what the
+        kernels masked (:attr:`active_slots` waits for the GPU and looks first)."""
+        return self._peers.active_slots
+
+    def device_card(self, slot: int) -> str:
+        """The device card ``slot``'s process published with its metadata (hex; empty
+        when it has no device workspace)."""
+        return self._peers.device_meta(slot)
 
     def device_masks(
         self, active_ranks, R: int, device
@@ -459,7 +387,7 @@ class Slots:
         active) alone, or ``active_ranks`` with it beside."""
         view = self._dev_views.get(R)
         if view is None:
-            view = self._dev_views[R] = self._dev_mask[:R]
+            view = self._dev_views[R] = self.device.slot_mask[:R]
         return (view, None) if active_ranks is None else (active_ranks, view)
 
     def device_masked(self, slot: int, why: str) -> None:

@@ -12,7 +12,7 @@ already there) and flags them; each token's owner sums them from there
 host only allocates outputs and launches: nothing here waits for the device,
 so calls can be captured in a CUDA graph.
 
-Outputs match the portable path (``_ep_fallback``): the same rows in the same
+Outputs match the portable path (``portable_rows``): the same rows in the same
 order, BF16/FP16 payloads bit-exact, FP8 quantised by the same formula, and
 combine summed in the same order and rounded once.
 
@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from . import _checks, pg
-from ._ep_types import DispatchHandle, HandleState, stream_waiter, tensor_key
+from .. import _checks, pg
+from .types import DispatchHandle, HandleState, stream_waiter, tensor_key
 
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # index entries per token (src/ep/layout.h)
 _BOTH = pg._ext.EP_PHASE_BOTH  # a launch of both phases
@@ -56,14 +56,44 @@ def _silent(rank: int) -> str:
     return f"rank {rank} masked: silent past the deadline of a receive phase"
 
 
+def wait_for_gpu() -> None:
+    """Waits for this process's earlier GPU work (the RFC's rule before a peer is
+    published or released)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return pid > 0
+
+
+def _gpu_key(store_prefix: str, slot: int) -> str:
+    return f"{store_prefix}gpu/{slot}"
+
+
+def for_slots(slots, num_bytes: int) -> DevicePath | None:
+    """The device path of an elastic buffer's ``slots``: a workspace of ``num_bytes`` on
+    the current CUDA device, when there is one (and this build has the device path)."""
+    if num_bytes == 0 or not available() or not torch.cuda.is_available():
+        return None
+    return DevicePath(slots, num_bytes, torch.device("cuda", torch.cuda.current_device()))
+
+
 class DevicePath:
     """One Buffer's device workspace, its peers' mappings and its launches.
 
-    Its members (``_ep_group.GroupMembers`` or ``_ep_elastic.Slots``) decide who is
-    mapped and when: a group maps every member at once (:meth:`GroupMembers.connect_device`),
-    an elastic buffer one slot at a time as it connects them. They also give each call
-    its masks and take the ranks the kernels masked (``device_masks``,
-    ``device_masked``).
+    Its members (``group.GroupMembers`` or ``elastic.Slots``) say who the peers are
+    and when they change; this class maps them: a group's every member at once
+    (:meth:`connect_group`), an elastic buffer's slots one at a time as it connects
+    them (:meth:`attach_slots`, then :meth:`map_slot`, :meth:`publish_slot`,
+    :meth:`mask_slot`, :meth:`unmap_slot`). The members also give each call its masks
+    and take the ranks the kernels masked (``device_masks``, ``device_masked``).
     """
 
     def __init__(self, members, num_bytes: int, device: torch.device):
@@ -78,6 +108,9 @@ class DevicePath:
         self._checked_dispatch: tuple | None = None  # the last call shapes that passed
         self._checked_combine: tuple | None = None
         self._combine_views: dict[tuple, torch.Tensor] = {}  # combine_buffer's, per half and shape
+        # An elastic buffer's slots (attach_slots):
+        self.slot_mask: torch.Tensor | None = None  # device int32 [capacity], 1 = active
+        self._mapped: set[int] = set()  # slots whose workspace is mapped
 
     def card(self) -> bytes:
         """This workspace's card for the peers: its IPC handle, host and GPU
@@ -94,6 +127,103 @@ class DevicePath:
         other's stores), and ``processes`` processes on this GPU (this one included) run
         their kernels side by side: each takes its share of the SMs."""
         self.ext.share_gpu(processes)
+
+    # --- a process group's members (group.GroupMembers) -------------------------------
+
+    def connect_group(self) -> None:
+        """Maps every same-host member's workspace (collective: every member calls it, at
+        construction and after membership changes). A member that dies later stays
+        mapped (its memory outlives it): the kernels mask it. So whether every member is
+        mapped is settled here, once."""
+        members = self.members
+        R = members.num_ranks
+        own = self.card()
+        card = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
+        cards = torch.zeros(R * card.numel(), dtype=torch.uint8)
+        pg._backend_of(members.group)._allgather_base(cards, card).wait()
+        cards = cards.reshape(R, card.numel())
+        # A rank outside the group's view sends zeros: absent, not unreachable.
+        self.reachable, present = self.ext.connect([bytes(c.tolist()) for c in cards], members.rank)
+        self.usable = all(m for m, p in zip(self.reachable, present, strict=True) if p)
+
+    # --- an elastic buffer's slots (elastic.Slots), one at a time -----------------------
+
+    def attach_slots(self) -> None:
+        """Sets this workspace up for its slots, just allocated: the kernels' peer table
+        for the capacity, this process's GPU in the store, and the kernels' mask with
+        this slot alone active."""
+        slots = self.members
+        self.ext.reserve(slots.num_ranks, slots.rank)
+        # This process's GPU, as the store records it: its card, which says the host and GPU.
+        slots.store.set(
+            _gpu_key(slots.store_prefix, slots.rank), f"{self.card().hex()} {os.getpid()}"
+        )
+        self.slot_mask = torch.zeros(slots.num_ranks, dtype=torch.int32, device=self.device)
+        self.slot_mask[slots.rank] = 1
+        self.refresh_slots(recount=True)
+
+    def refresh_slots(self, recount: bool = False) -> None:
+        """Whether the device path can run (every active slot mapped); with
+        ``recount``, how many processes share this GPU (store reads: done when slots
+        connect or disconnect, not per publish)."""
+        slots = self.members
+        active = slots.table_active_slots()
+        self.usable = all(s == slots.rank or s in self._mapped for s in active)
+        if recount:
+            self.share_gpu(self.count_gpu_sharers())
+
+    def count_gpu_sharers(self) -> int:
+        """The live processes of these slots on this GPU, this one included. Each
+        process's kernels need all their blocks resident at once, so processes on one
+        GPU split its SMs; a process that is not connected here (it disconnected
+        everyone, or is still staging) still runs kernels, so its peers count it
+        through the store, not through their mappings. A process counted after it died
+        (a zombie not yet reaped) only costs blocks."""
+        slots = self.members
+        store = slots.store
+        n = 1
+        for s in range(slots.num_ranks):
+            key = _gpu_key(slots.store_prefix, s)
+            if s == slots.rank or not store.check([key]):
+                continue
+            card, _, pid = store.get(key).decode().rpartition(" ")
+            if self.ext.shares_gpu(bytes.fromhex(card)) and _pid_alive(int(pid or 0)):
+                n += 1
+        return n
+
+    def map_slot(self, slot: int) -> None:
+        """Maps a connected slot's workspace (staged: the kernels do not see it yet)."""
+        if slot in self._mapped:
+            return
+        meta = self.members.device_card(slot)
+        try:
+            row = bytes.fromhex(meta)
+        except ValueError:
+            return  # not a device row: reached through the portable path only
+        if self.ext.map_peer(slot, row):
+            self._mapped.add(slot)
+
+    def publish_slot(self, slot: int) -> None:
+        """Puts a published slot into the kernels' table (after this device's earlier
+        work) and its mask entry to 1."""
+        if slot in self._mapped:
+            self.ext.publish_peer(slot)
+        self.slot_mask[slot] = 1
+        self.refresh_slots()
+
+    def mask_slot(self, slot: int) -> None:
+        """Sets a masked slot's mask entry to 0 (a device operation: no wait for the GPU)."""
+        self.slot_mask[slot] = 0
+        self.refresh_slots()
+
+    def unmap_slot(self, slot: int) -> None:
+        """Sets a released slot's mask entry to 0, then unmaps its workspace."""
+        self.slot_mask[slot] = 0
+        if slot in self._mapped:
+            self._mapped.discard(slot)
+            self.ext.unmap_peer(slot)  # after the mask write and earlier kernels
+
+    # --- what the kernels report --------------------------------------------------------
 
     def _hand_over_silent(self) -> None:
         for r in self.ext.take_silent():

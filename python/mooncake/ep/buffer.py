@@ -1,0 +1,612 @@
+"""Expert-parallel dispatch and combine that know which ranks are healthy.
+
+``Buffer`` follows the DeepEP low-latency model, with upstream Mooncake's
+API: ``dispatch`` sends each token to
+the ranks holding its top-k experts and returns them packed per local expert;
+``combine`` sends the experts' outputs back and sums them per token with the
+top-k weights. It stays usable when ranks fail: a rank that dies is masked out
+(``active_ranks[rank] = 0``) and treated as having sent nothing, within
+``timeout_us``. Users import it from ``mooncake.mooncake_ep_buffer``
+(upstream's path), which re-exports it.
+
+A Buffer is composed of two parts, each with one job:
+
+* its **members**: who the ranks are, which take part right now, and how an
+  exchange among them runs. ``Buffer(group, ...)`` has a process group's
+  (``mooncake/ep/group.py``); ``Buffer.create_elastic`` has a fixed capacity
+  of stable slots connected one by one (``mooncake/ep/elastic.py``), and the
+  slot methods (``connect_ranks`` ...) that only such a Buffer answers.
+* its **paths**, which run the calls. The portable path
+  (``mooncake/ep/portable.py`` over ``portable_rows.py``) is torch ops over the
+  members' exchange, for CPU tensors and everything else. The device path
+  (``mooncake/ep/device.py``) runs CUDA kernels that store tokens straight
+  into peers' mapped workspaces; a process-group Buffer with a device
+  workspace has one, and it serves CUDA tensors there when every member is on
+  this host. ``Buffer.path`` says which one ran last; a combine runs on its
+  dispatch's path.
+
+Both paths check arguments with the same rules (``mooncake/_checks.py``); the
+device path skips those that read tensor values, since reading them would wait
+for the device.
+
+Shapes below: ``N`` tokens on this rank, ``K`` top-k, ``H`` hidden, ``R``
+ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
+``T`` = ``num_max_dispatch_tokens_per_rank``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+
+from .. import _checks, pg
+from . import device as device_path
+from .elastic import Slots
+from .group import GroupMembers
+from .portable import PortablePath
+from .types import DispatchHandle
+
+__all__ = ["Buffer"]
+
+_buffer_ids = itertools.count(1)
+
+
+def _workspace_device(group: dist.ProcessGroup, device) -> torch.device | None:
+    """The CUDA device of the device path's workspace, or None (portable only)."""
+    if device is None:
+        try:
+            cuda = isinstance(group._get_backend(torch.device("cuda")), pg.MooncakeBackend)
+        except (RuntimeError, ValueError):
+            cuda = False
+        if not cuda or not device_path.available():
+            return None
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Buffer: device must be a CUDA device, got {device!r}") from None
+    if dev.type != "cuda":
+        raise ValueError(f"Buffer: device must be a CUDA device, got {dev}")
+    if not device_path.available():
+        raise ValueError(
+            "Buffer: device: this build of mooncake has no CUDA device path (build it "
+            "against a CUDA torch)"
+        )
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+class Buffer:
+    """The EP runtime of one mooncake process group (or, from
+    :meth:`create_elastic`, of a set of elastic slots).
+
+    Args:
+        group: a ``torch.distributed`` ProcessGroup with a mooncake backend
+            (``mooncake-cpu`` or ``mooncake``); ``R = group.size()``.
+        num_ep_buffer_bytes: the workspace to reserve, from
+            :meth:`get_ep_buffer_size_hint`; 0 reserves none. When it is
+            non-zero, a dispatch whose shape needs more raises ValueError
+            instead of overflowing. The portable path allocates its tensors
+            per call and needs no workspace; the device path needs one.
+        device: where the device path's workspace lives: a CUDA device (an
+            index or ``"cuda:N"``; ``"cuda"`` is the current one). ``None``:
+            the current CUDA device when the group has a ``mooncake`` CUDA
+            backend, else no device path. With a workspace on a device,
+            dispatches of CUDA tensors there run the device path when every
+            member is mapped (``MOONCAKE_EP_FORCE_FALLBACK=1`` turns it off).
+
+    Collective: every rank of the group constructs its Buffer together (they
+    check that they agree on the size), and a process that joined the group
+    later constructs its Buffer while the others call
+    :meth:`update_ep_member`.
+
+    Raises:
+        ValueError: ``group`` has no mooncake backend; ``num_ep_buffer_bytes``
+            is not an int in ``[0, 2**63)``; the ranks disagree on it;
+            ``device`` is not a CUDA device or this build has no CUDA.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        num_ep_buffer_bytes: int = 0,
+        device: torch.device | str | int | None = None,
+    ):
+        if not isinstance(group, dist.ProcessGroup):
+            raise ValueError(
+                f"Buffer: group must be a torch.distributed ProcessGroup with a mooncake backend, "
+                f"got {type(group).__name__}"
+            )
+        try:
+            pg._backend_of(group)
+        except ValueError:
+            raise ValueError(
+                "Buffer: group has no mooncake backend (create it with backend "
+                '"mooncake-cpu" or "mooncake")'
+            ) from None
+        if not _checks.is_int(num_ep_buffer_bytes) or not 0 <= num_ep_buffer_bytes < 2**63:
+            raise ValueError(
+                f"Buffer: num_ep_buffer_bytes must be an int in [0, 2**63), got "
+                f"{num_ep_buffer_bytes!r}"
+            )
+        self._compose(GroupMembers(group), num_ep_buffer_bytes)
+        workspace_device = _workspace_device(group, device)
+        # A replacement's constructor meets the others' update_ep_member here.
+        self._seq = self._members.agree("Buffer", num_ep_buffer_bytes, self._seq)
+        if workspace_device is not None and num_ep_buffer_bytes > 0:
+            self._device = device_path.DevicePath(
+                self._members, num_ep_buffer_bytes, workspace_device
+            )
+            self._device.connect_group()
+
+    def _compose(self, members: GroupMembers | Slots, num_ep_buffer_bytes: int) -> None:
+        """Puts the Buffer together: ``members`` and the portable path over them (the
+        device path, when there is one, is added by the constructor). The paths share
+        the call numbers and zero-copy buffers kept here."""
+        self._members = members
+        self._portable = PortablePath(members)
+        self._device: device_path.DevicePath | None = None
+        self.group = members.group
+        self.rank = members.rank
+        self.num_ranks = members.num_ranks
+        self.num_ep_buffer_bytes = num_ep_buffer_bytes
+        self.path = "portable"
+        self._id = next(_buffer_ids)
+        self._seq = 0  # the latest dispatch's number (either path); its half is _seq % 2
+        self._combine_buffers: list[torch.Tensor | None] = [None, None]
+
+    @classmethod
+    def create_elastic(
+        cls,
+        rank: int,
+        tcp_store_group: dist.Store,
+        timeout_ms: int = 30000,
+        metadata_timeout_ms: int = 300000,
+        store_prefix: str = "mooncake-ep/",
+    ) -> Buffer:
+        """An elastic Buffer for global rank ``rank``: a fixed capacity of stable
+        rank slots, peers connected, staged and masked one by one
+        (upstream's elastic EP buffer design; ``mooncake.ep.elastic``).
+
+        Call ``update_memory_buffers(num_ranks=capacity, num_experts_per_rank,
+        num_rdma_bytes)`` next, then ``connect_ranks``/``update_mask_buffer``.
+        ``dispatch``/``combine`` work as here, among the active slots.
+
+        Args:
+            rank: this process's slot (logical rank), below ``2**31``.
+            tcp_store_group: the ``torch.distributed.Store`` (a TCPStore) through
+                which peers exchange metadata.
+            timeout_ms: the wait budget of each exchange phase (communication
+                only), from the phase's start; a peer silent past it is masked.
+                A dispatch runs two phases (counts, then tokens), so it may wait
+                up to twice it; a combine or a barrier one. A call's
+                ``timeout_us`` replaces it. -1: none; else below ``2**40``.
+            metadata_timeout_ms: bound of store waits only (a peer's buffer or
+                its side of a connection), in ``[1, 2**40)``.
+            store_prefix: the store keys' namespace (one per set of buffers).
+
+        Raises:
+            ValueError: an argument breaks its rule (the message names it).
+        """
+        slots = Slots(rank, tcp_store_group, timeout_ms, metadata_timeout_ms, store_prefix)
+        buf = cls.__new__(cls)  # not __init__: that one builds a process group's members
+        buf._compose(slots, 0)
+        buf.store = tcp_store_group
+        buf.timeout_ms = timeout_ms
+        buf.metadata_timeout_ms = metadata_timeout_ms
+        buf.store_prefix = store_prefix
+        buf.num_experts_per_rank = 0  # with num_ranks (the capacity), set by allocation
+        return buf
+
+    # --- sizes -------------------------------------------------------------------------
+
+    @staticmethod
+    def get_ep_buffer_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """The workspace, in bytes, for dispatches of up to ``T`` tokens per rank.
+
+        A closed formula (``src/ep/layout.h``): two halves (even and odd calls),
+        each ``align128(2E * 8)`` signal bytes + ``E * T`` message headers of
+        16 bytes + ``E * T`` rows of ``P`` (the expert outputs a combine
+        returns) + a stage of ``T * P`` + an index of ``T * 16 * 8``, where
+        ``P = align16(max(2H, H + 4 * ceil(H / 128)))`` is one row (BF16, or
+        FP8 with its scales); every region is 128-byte aligned. For T=128,
+        H=7168, R=8, E=288 that is about 1.06 GB.
+
+        Raises:
+            ValueError: an argument is < 1, ``num_experts % num_ranks != 0``, or
+                the result would exceed 2**50 bytes.
+        """
+        _checks.size_hint_args(
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            hidden=hidden,
+            num_ranks=num_ranks,
+            num_experts=num_experts,
+        )
+        return pg._ext.ep_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)[
+            "total_bytes"
+        ]
+
+    # --- membership ----------------------------------------------------------------------
+
+    def update_ep_member(self) -> None:
+        """Refreshes the EP peers after the process group changed membership.
+
+        Call it on every healthy rank after ``pg.recover_ranks`` admitted
+        replacements (the replacements construct their Buffer at the same
+        time: both sides run the same exchange). Afterwards a dispatch with
+        ``active_ranks`` back at 1 for the recovered ranks (or
+        ``active_ranks=None``) runs at full strength. A rank that died is
+        masked by dispatch and combine themselves; no call is needed for that.
+        The replacement takes over the others' call count, which the device
+        path's signals carry, so its first dispatch is theirs.
+
+        Raises:
+            ValueError: the members disagree on ``num_ep_buffer_bytes``.
+            RuntimeError: an elastic Buffer (it changes its peers with
+                :meth:`connect_ranks` and the other slot methods).
+        """
+        self._seq = self._members.refresh(self.num_ep_buffer_bytes, self._seq)
+        if self._device is not None:
+            self._device.connect_group()
+
+    def mask_events(self) -> list[str]:
+        """Why peers were masked so far, oldest first: by the device path's kernels (a
+        peer silent past a deadline; read without waiting for the device, so a call
+        still running may add to it later), or by an elastic Buffer's exchanges.
+
+        Raises:
+            RuntimeError: an elastic Buffer before :meth:`update_memory_buffers`.
+        """
+        if self._device is not None:
+            self._device.poll()
+        return self._members.mask_events()
+
+    # --- elastic slots (Buffer.create_elastic) -------------------------------------------
+
+    def _slots(self, what: str) -> Slots:
+        if not isinstance(self._members, Slots):
+            raise RuntimeError(
+                f"{what}: only an elastic Buffer (Buffer.create_elastic) has slots; this "
+                f"Buffer's members are its process group's ranks (see update_ep_member)"
+            )
+        return self._members
+
+    def update_memory_buffers(
+        self, num_ranks: int, num_experts_per_rank: int, num_rdma_bytes: int = 0
+    ) -> None:
+        """Allocates an elastic Buffer and fixes its capacity.
+
+        Args:
+            num_ranks: the capacity: slots ``[0, num_ranks)``; this rank's slot
+                (``rank``) must be below it; below ``2**31``.
+            num_experts_per_rank: experts on each slot (``E/R``); every peer
+                must use the same; below ``2**31``.
+            num_rdma_bytes: workspace to reserve, as ``num_ep_buffer_bytes`` of
+                :class:`Buffer` (see :meth:`Buffer.get_ep_buffer_size_hint`, with
+                ``num_ranks`` the capacity); 0 reserves none. On a machine with CUDA
+                it is device memory on the current device, which same-host peers
+                map when they connect: dispatches of CUDA tensors then run the
+                device path's kernels (``Buffer.path == "device"``) whenever every
+                active slot is mapped.
+
+        A later call with the same sizes changes nothing; it may ask for a smaller
+        capacity (the allocation stays); a larger one needs a new Buffer. Another
+        ``num_rdma_bytes`` reallocates the workspace, which only works while no peer
+        is connected (peers map it).
+
+        Raises:
+            ValueError: an argument breaks its rule; a larger capacity or other
+                ``num_experts_per_rank`` than the first call's; another
+                ``num_rdma_bytes`` while a peer is connected.
+            RuntimeError: not an elastic Buffer.
+        """
+        slots = self._slots("update_memory_buffers")
+        slots.allocate(num_ranks, num_experts_per_rank, num_rdma_bytes)
+        self.num_ranks, self.num_experts_per_rank = slots.num_ranks, slots.num_experts_per_rank
+        self.num_ep_buffer_bytes = num_rdma_bytes
+        self._device = slots.device
+
+    def connect_ranks(self, peers: list[int], activate: bool = False) -> None:
+        """Connects the processes holding ``peers``' slots (elastic Buffer).
+
+        Waits (up to ``metadata_timeout_ms``) for each peer's buffer to exist,
+        maps its memory, and stages the slot: it stays masked and no traffic
+        flows until :meth:`update_mask_buffer` publishes it (``activate=True``
+        does that at once). Exchanges among the active slots go on meanwhile.
+        Both sides of a pair call it; a replacement for a slot whose process
+        died is waited for and connected into the same slot.
+
+        Raises:
+            ValueError: a peer is this rank, outside the capacity, listed twice,
+                already connected, or its buffer has another capacity or
+                ``num_experts_per_rank``.
+            TimeoutError: no live process holds a slot within
+                ``metadata_timeout_ms``.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("connect_ranks").connect(peers, activate, self._seq)
+
+    def update_mask_buffer(self, peer: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or publishes (``mask=False``) a connected peer.
+
+        Publishing waits for this process's earlier GPU work, then for the
+        peer's side of the connection (up to ``metadata_timeout_ms``); from the
+        next call on, the peer takes part in dispatch and combine. A peer masked
+        here, or by a timeout, is skipped by send, receive and wait paths.
+        Publishing a peer again after it was masked restarts the connection
+        with fresh generations, so nothing either side queued meanwhile is
+        read: the peer publishes this rank too (a peer that kept calling has
+        masked this rank by its own timeout by then), or both reconnect.
+
+        Raises:
+            ValueError: ``peer`` is not a connected slot, or this rank.
+            TimeoutError: the peer has not connected back in time.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("update_mask_buffer").set_masked(peer, mask, self._seq)
+
+    def disconnect_ranks(self, peers: list[int]) -> None:
+        """Releases the connections of ``peers`` (staged or active) after this
+        process's earlier GPU work and any exchange in flight; the slots stay
+        reserved for a reconnect or a replacement.
+
+        Raises:
+            ValueError: a peer is this rank, outside the capacity, listed twice or
+                not connected.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("disconnect_ranks").disconnect(peers)
+
+    def query_mask_buffer(self, out: torch.Tensor) -> None:
+        """Writes the mask into ``out``: contiguous int32 ``[capacity]`` on the CPU
+        or a CUDA device, 1 = masked (staged or disconnected), 0 = active.
+
+        Raises:
+            ValueError: ``out`` is not a contiguous int32 CPU or CUDA tensor of
+                ``capacity`` entries.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        self._slots("query_mask_buffer").query_mask(out)
+
+    def barrier(self, timeout_ms: int | None = None) -> list[int]:
+        """Waits until every active slot has reached this barrier (the optional
+        native barrier): one exchange phase of empty messages. A slot that does not
+        arrive within ``timeout_ms`` (None: the buffer's) of this call is masked.
+
+        Returns:
+            the slots that took part (this rank included).
+
+        Raises:
+            ValueError: ``timeout_ms`` is not None or an int in ``[1, 2**40)``.
+            RuntimeError: before :meth:`update_memory_buffers`, or not an
+                elastic Buffer.
+        """
+        return self._slots("barrier").barrier(timeout_ms)
+
+    @property
+    def rank_bound(self) -> int:
+        """The highest active slot + 1: the fewest slots a dispatch covers."""
+        return self._slots("rank_bound").rank_bound
+
+    @property
+    def active_slots(self) -> list[int]:
+        """The active slots, this rank's included, in order."""
+        return self._slots("active_slots").active_slots
+
+    def slot_state(self, slot: int) -> str:
+        """The slot's state: "disconnected", "staged" or "active"."""
+        return self._slots("slot_state").slot_state(slot)
+
+    def transport_of(self, peer: int) -> str:
+        """How this rank reaches ``peer``: "shm", "tcp", "self" or "none"."""
+        return self._slots("transport_of").transport_of(peer)
+
+    # --- dispatch ------------------------------------------------------------------------
+
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        active_ranks: torch.Tensor | None,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        timeout_us: int,
+        use_fp8: bool = True,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+    ):
+        """Sends every token to the ranks that hold its selected experts.
+
+        Collective over the group's members: every healthy rank calls it, with
+        the same ``T``, ``H``, ``E`` and ``use_fp8``.
+
+        Args:
+            x: ``[N, H]`` bf16 (fp16 and fp32 work too), ``N <= T``, on a
+                device the group has a mooncake backend for.
+            topk_idx: ``[N, K]`` int64 (or int32), expert ids in ``[0, E)``;
+                ``-1`` marks a selection to skip.
+            active_ranks: int32 ``[R]`` on ``x``'s device, 1 = healthy. Tokens go
+                only to ranks marked 1 and are taken only from them (a pair of
+                ranks exchanges tokens when each counts the other healthy). A
+                rank that fails to deliver within ``timeout_us`` (it died) is
+                set to 0 in place and counted as sending nothing. ``None``:
+                the process group's view (``pg.get_active_ranks``).
+            num_max_dispatch_tokens_per_rank: ``T``, the most tokens any rank
+                sends in one call; sizes ``recv_x``; below ``2**31``.
+            num_experts: ``E``, divisible by ``R``; below ``2**31``.
+            timeout_us: the wait budget of each exchange phase, in
+                microseconds, from the phase's start, at most ``2**50`` (about
+                35 years); ``-1``: no EP deadline (the group's own timeout and
+                failure detection still apply). The portable path's dispatch
+                runs two phases (counts, then tokens), so it may wait up to
+                twice ``timeout_us`` (plus, per phase, the group's grace of at
+                most 0.5 s for the others to report when it leaves a rank out);
+                each phase has the whole budget, so a rank that answered one
+                phase is never masked because another rank was slow. A rank
+                that is alive but misses a phase's deadline is left out of the
+                process group, as the group does with any rank silent past an
+                op's deadline.
+            use_fp8: send FP8 e4m3 with one fp32 scale per token per 128
+                channels (``mooncake.fp8``); ``H % 128 == 0``.
+            async_finish: (bool) return at once; ``event.current_stream_wait()``
+                finishes the receive and fills the outputs.
+            return_recv_hook: (bool) return at once; ``hook()`` finishes the
+                receive and fills the outputs (exclusive with ``async_finish``).
+            cumulative_local_expert_recv_stats: optional int32 ``[E/R]``; the
+                tokens each local expert received are added to it.
+
+        Returns:
+            ``(recv_x, recv_count, handle, event, hook)``:
+
+            * ``recv_x``: ``[E/R, R*T, H]`` of ``x``'s dtype, or with FP8 a
+              pair ``(data float8_e4m3fn [E/R, R*T, H], scales float32
+              [E/R, R*T, H/128])``. For local expert ``j``, rows
+              ``[0, recv_count[j])`` hold its tokens grouped by source rank in
+              rank order (token order within a source); later rows are
+              undefined.
+            * ``recv_count``: int32 ``[E/R]``.
+            * ``handle``: a :class:`DispatchHandle` for :meth:`combine` and
+              :meth:`get_next_combine_buffer`.
+            * ``event``: an :class:`EventOverlap`.
+            * ``hook``: with ``return_recv_hook=True`` a callable that
+              finishes the receive; else None.
+
+            Outputs are on ``x``'s device and valid on return, unless
+            ``async_finish``/``return_recv_hook`` defer them.
+
+        Raises:
+            ValueError: an argument breaks a rule above (the message names it),
+                or the ranks disagree on the call's shape; raised on every rank
+                alike, and the group stays usable.
+            mooncake.LeftOutError: this rank was left out of the group (a
+                ``RuntimeError``; ``.ranks == [this rank]``).
+        """
+        device = self._device
+        path = device if device is not None and device.takes(x) else self._portable
+        return path.dispatch_call(
+            self,
+            x,
+            topk_idx,
+            active_ranks,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            timeout_us,
+            use_fp8,
+            async_finish,
+            return_recv_hook,
+            cumulative_local_expert_recv_stats,
+        )
+
+    # --- combine -------------------------------------------------------------------------
+
+    def get_next_combine_buffer(self, handle: DispatchHandle) -> torch.Tensor:
+        """The tensor to write expert outputs into for ``combine(..., zero_copy=True)``.
+
+        Args:
+            handle: from this Buffer's latest or second-latest dispatch.
+
+        Returns:
+            ``[E/R, R*T, H]`` of the dispatch's dtype (bf16 with FP8), on the
+            dispatch's device; one per half (even and odd calls), reused. On
+            the device path it is the workspace itself (token owners read the
+            expert outputs where they are, so the combine copies nothing); it
+            stays valid while this Buffer lives.
+
+        Raises:
+            ValueError: the handle is not from this Buffer, or two later
+                dispatches have reused its half.
+        """
+        error = _checks.handle_error(handle, self._id) or _checks.half_error(handle, self._seq)
+        if error:
+            raise ValueError(f"get_next_combine_buffer: {error}")
+        state = handle.state
+        half = state.seq % 2
+        if state.on_device and self._device is not None:
+            self._combine_buffers[half] = self._device.combine_buffer(handle)
+            return self._combine_buffers[half]
+        shape = tuple(handle.src_info.shape) + (handle.hidden,)
+        device = handle.src_info.device
+        buf = self._combine_buffers[half]
+        if (
+            buf is None
+            or tuple(buf.shape) != shape
+            or buf.dtype != state.dtype
+            or buf.device != device
+        ):
+            buf = torch.zeros(shape, dtype=state.dtype, device=device)
+            self._combine_buffers[half] = buf
+        return buf
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        active_ranks: torch.Tensor | None,
+        timeout_us: int,
+        handle: DispatchHandle,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ):
+        """Sends expert outputs back and sums them per token with the top-k weights.
+
+        Collective over the group's members, like :meth:`dispatch`.
+
+        Args:
+            x: ``[E/R, R*T, H]`` expert outputs in ``recv_x``'s layout (rows
+                past ``recv_count`` are ignored); the dispatch's dtype.
+            topk_idx: ``[N, K]``, the one passed to the dispatch.
+            topk_weights: ``[N, K]`` float32 (bf16/fp16 accepted).
+            active_ranks: int32 ``[R]`` as in :meth:`dispatch`. Outputs of
+                experts on ranks marked 0 (or that die now) are skipped; ranks
+                that die are set to 0. ``None``: the process group's view.
+            timeout_us: as in :meth:`dispatch`; a combine is one exchange phase,
+                so it waits at most ``timeout_us``.
+            handle: the dispatch's :class:`DispatchHandle`.
+            zero_copy: (bool) ``x`` is :meth:`get_next_combine_buffer` (handle).
+            async_finish, return_recv_hook: as in :meth:`dispatch`.
+            out: optional ``[N, H]`` of ``x``'s dtype, filled in place.
+
+        Returns:
+            ``(combined_x, event, hook)``: ``combined_x`` ``[N, H]`` of ``x``'s
+            dtype (``out`` when given): per token, the sum over its top-k of
+            ``weight * expert output``, skipping ``-1`` selections and experts
+            on inactive ranks, accumulated in fp32 and rounded once.
+
+        Raises:
+            ValueError: an argument breaks a rule above (a handle from another
+                Buffer, a ``topk_idx`` other than the dispatch's, wrong shapes,
+                dtypes or devices); every rank takes part in the exchange, so
+                the group stays usable.
+            mooncake.LeftOutError: this rank was left out of the group (a
+                ``RuntimeError``; ``.ranks == [this rank]``).
+        """
+        # A combine runs on its dispatch's path (a bad handle: the portable path, which
+        # says why on every rank).
+        state = handle.state if isinstance(handle, DispatchHandle) else None
+        device = self._device
+        on_device = state is not None and state.on_device and device is not None
+        path = device if on_device else self._portable
+        return path.combine_call(
+            self,
+            x,
+            topk_idx,
+            topk_weights,
+            active_ranks,
+            timeout_us,
+            handle,
+            zero_copy,
+            async_finish,
+            return_recv_hook,
+            out,
+        )
