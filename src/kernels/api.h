@@ -1,11 +1,11 @@
 // The launch arguments and launchers of every device kernel, torch-free: the
-// bindings (src/torch) fill these structs from tensors and launch on the
-// caller's stream. The kernels live by regime: coll/ (the CUDA backend's
+// device library (src/device) fills these structs from its callers' pointers
+// and launches on their streams. The kernels live by regime: coll/ (the CUDA backend's
 // reduction), ep_ll/ (low-latency EP dispatch and combine), with their
 // shared device helpers in common/.
 //
 // EP (ep_ll/): dispatch and combine over workspaces that every rank maps
-// (transport/cuda_ipc), placed by EpLayout.
+// (device/ipc.h), placed by EpLayout.
 //
 // Each call has a sequence number `seq` (>= 1, the same on every rank for the
 // same call); its half of the workspace is seq & 1 and its signals carry it.
