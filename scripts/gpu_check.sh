@@ -6,9 +6,9 @@
 # That machine has no GoogleTest and no package registry: carry its sources
 # (`cp -r /usr/src/googletest/googletest .gtest` here, after `make deps`; the
 # device call names .gtest in carry), and the C++ tests are built from them.
-# GPU_STEPS picks steps (default all: "doctor cpp device py elastic bench pgcuda epdev
-# epelastic epprof epbench"; the build always runs, incrementally), so a run can be split
-# over device calls.
+# GPU_STEPS picks steps (default all: "doctor cpp device py elastic bench pgcuda pgbench
+# epdev epelastic epelasticbench epprof epbench"; the build always runs, incrementally), so
+# a run can be split over device calls.
 #   compare: (not in the default) an older commit against this tree, side by side: a
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
 #            `git archive REV | tar -x -C .baseline`) is built as this tree is, then the EP
@@ -16,19 +16,21 @@
 #            backend's (world 2 under MPS) run for old and new in turn, COMPARE_ROUNDS times,
 #            so that both meet the same machine; JSON under $OUT/compare/{old,new}N-{ep1,ep,pg}/.
 #   device:  the device library without torch (build-gpu-core: no torch on its include
-#            path): tests/cpp/device (1-3 processes on the GPU, under MPS) and the C++
-#            example (3 processes, a rank killed); a test that skips fails the step.
+#            path): tests/cpp/device (1-3 processes on the GPU) and the C++ example (3
+#            processes, a rank killed), without MPS as every kill test here (MPS reports a
+#            killed client's fault to all); a test that skips fails the step.
 #   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
-#            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS), then
-#            bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
+#            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS);
+#   pgbench: bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
 #   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
 #            the GPU, under MPS when it starts), then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
 #   epelastic: the elastic EP buffer on the device path: tests/python/test_ep_elastic_device.py
 #            (growth and the connection contract under MPS, kills and replacements without
-#            it; 1-4 processes on the GPU), then bench_ep_device.py at 2 processes with a process group's
-#            buffer and with an elastic one of capacity 8;
+#            it; 1-4 processes on the GPU);
+#   epelasticbench: bench_ep_device.py at 2 processes with a process group's buffer and
+#            with an elastic one of capacity 8 (MPS);
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
@@ -47,7 +49,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp device py elastic bench pgcuda epdev epelastic epprof epbench} "
+STEPS=" ${GPU_STEPS:-doctor cpp device py elastic bench pgcuda pgbench epdev epelastic epelasticbench epprof epbench} "
 GTEST_ARGS=()
 [ -f .gtest/CMakeLists.txt ] && GTEST_ARGS=(-DMOONCAKE_GTEST_SOURCE="$PWD/.gtest")
 step() { echo "== $1"; }
@@ -124,12 +126,10 @@ if wants device; then
     >"$OUT/build_core.log" 2>&1 || status=1
   cmake --build build-gpu-core -j"$(nproc)" --target mooncake_device_example mooncake_device_tests \
     >>"$OUT/build_core.log" 2>&1 || { status=1; tail -20 "$OUT/build_core.log"; }
-  start_mps
   timeout 400 build-gpu-core/mooncake_device_tests 2>&1 | tee "$OUT/device_tests.log" | tail -6 || status=1
   grep -q "^\[  PASSED  \]" "$OUT/device_tests.log" || status=1
   if grep -q "^\[  SKIPPED \]" "$OUT/device_tests.log"; then echo "error: device tests skipped"; status=1; fi
   timeout 120 build-gpu-core/mooncake_device_example 3 2>&1 | tee "$OUT/device_example.log" | tail -4 || status=1
-  stop_mps
 fi
 
 wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python bench/tests} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
@@ -159,11 +159,10 @@ if wants pgcuda; then
     tests/python/test_fault_tolerance.py -k "cuda" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
-  sanitize tests/python/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS:-memcheck racecheck}
+  sanitize tests/python/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
-
-if wants pgcuda; then
+if wants pgbench; then
   step "CUDA backend: benchmark (no MPS, then MPS at 2 and 4 processes)"
   mkdir -p "$OUT/bench/mps"
   timeout 400 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_ARGS:-} --out-dir "$OUT/bench" 2>&1 \
@@ -181,7 +180,7 @@ if wants epdev; then
     | tee "$OUT/pytest_ep_device.log" | tail -15 || status=1
   stop_mps
   step "EP device path: compute-sanitizer"
-  sanitize tests/python/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS:-memcheck racecheck}
+  sanitize tests/python/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
 if wants epelastic; then
@@ -197,6 +196,8 @@ if wants epelastic; then
   timeout 400 "$PY" -m pytest tests/python/test_ep_elastic_device.py -k kills -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
+fi
+if wants epelasticbench; then
   start_mps
   step "elastic EP buffer, device path: against a process group's buffer (2 processes, MPS)"
   mkdir -p "$OUT/bench"
