@@ -254,7 +254,8 @@ if wants compare; then
         start_mps
         compare_run "$1" "$2$round-ep" bench/bench_ep_device.py --worlds "${COMPARE_EP_WORLDS:-4}" \
           --experts 256 --quick
-        compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds 2 --backends mooncake
+        compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds 2 --backends mooncake \
+          --ops "${COMPARE_PG_OPS:-all_reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single}"
         stop_mps
       done
     done
