@@ -13,7 +13,8 @@
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
 #            `git archive REV | tar -x -C .baseline`) is built as this tree is, then the EP
 #            device benchmark (world 1, and COMPARE_EP_WORLDS under MPS) and the CUDA
-#            backend's (world 2 under MPS) run for old and new in turn, COMPARE_ROUNDS times,
+#            backend's (world 2 under MPS) run for old and new in turn, COMPARE_ROUNDS times
+#            (COMPARE_BENCHES picks among "ep1 ep pg"),
 #            so that both meet the same machine; JSON under $OUT/compare/{old,new}N-{ep1,ep,pg}/.
 #   device:  the device library without torch (build-gpu-core: no torch on its include
 #            path): tests/cpp/device (1-3 processes on the GPU) and the C++ example (3
@@ -246,16 +247,23 @@ if wants compare; then
       (cd "$tree" && PYTHONPATH="$PWD/python" timeout 300 "$PY" "$@" --out-dir "$OUT/compare/$tag") \
         >>"$OUT/compare/$tag.log" 2>&1 || { echo "compare: $tag $* failed"; status=1; }
     }
+    COMPARE=${COMPARE_BENCHES:-ep1 ep pg}
     for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
       for pair in ".baseline old" ". new"; do
         set -- $pair
         step "compare: $2, round $round"
-        compare_run "$1" "$2$round-ep1" bench/bench_ep_device.py --worlds 1 --experts 256 --quick
+        if [[ " $COMPARE " == *" ep1 "* ]]; then
+          compare_run "$1" "$2$round-ep1" bench/bench_ep_device.py --worlds 1 --experts 256 --quick
+        fi
         start_mps
-        compare_run "$1" "$2$round-ep" bench/bench_ep_device.py --worlds "${COMPARE_EP_WORLDS:-4}" \
-          --experts 256 --quick
-        compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds 2 --backends mooncake \
-          --ops "${COMPARE_PG_OPS:-all_reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single}"
+        if [[ " $COMPARE " == *" ep "* ]]; then
+          compare_run "$1" "$2$round-ep" bench/bench_ep_device.py --worlds "${COMPARE_EP_WORLDS:-4}" \
+            --experts 256 --quick
+        fi
+        if [[ " $COMPARE " == *" pg "* ]]; then
+          compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds 2 --backends mooncake \
+            --ops "${COMPARE_PG_OPS:-all_reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single}"
+        fi
         stop_mps
       done
     done
