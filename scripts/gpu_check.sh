@@ -160,7 +160,7 @@ if wants pgcuda; then
     tests/python/test_fault_tolerance.py -k "cuda" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
-  sanitize tests/python/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS-memcheck racecheck}
+  sanitize tests/python/support/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
 if wants pgbench; then
@@ -181,7 +181,7 @@ if wants epdev; then
     | tee "$OUT/pytest_ep_device.log" | tail -15 || status=1
   stop_mps
   step "EP device path: compute-sanitizer"
-  sanitize tests/python/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS-memcheck racecheck}
+  sanitize tests/python/support/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
 if wants epelastic; then

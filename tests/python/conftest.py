@@ -13,8 +13,12 @@ import os
 import sys
 from pathlib import Path
 
-# hosts.py (network namespaces as hosts) lives in tools/: bench_hosts.py uses it too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+# The rank code and the helpers the tests share live in support/ (the test_*.py files
+# here hold the tests alone); hosts.py (network namespaces as hosts) lives in tools/, as
+# bench_hosts.py uses it too. Ranks started by multiprocessing inherit this path.
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "tools"))
+sys.path.insert(0, str(HERE / "support"))
 
 import launcher  # noqa: E402
 

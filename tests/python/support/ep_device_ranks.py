@@ -7,7 +7,7 @@ GPU), and checks that they agree: the same rows in the same order, BF16/FP16
 and FP8 payloads bit for bit, and combine bit for bit (both sum in ascending
 expert order in fp32 and round once).
 
-Run alone (``python tests/python/ep_device_ranks.py``) it does one small
+Run alone (``python tests/python/support/ep_device_ranks.py``) it does one small
 world-1 round, which is what compute-sanitizer checks.
 """
 

@@ -23,7 +23,7 @@ from ep_cases import Checks
 from launcher import CONTROLLED_ENV, read_run_files
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 SEED = int(os.environ.get("MOONCAKE_EP_SEED", "7"))
 
 # --- the timeline runner --------------------------------------------------------------------

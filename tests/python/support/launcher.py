@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
+REPO = HERE.parents[2]
 
 #: Knobs a launch must set explicitly (stripped from the inherited environment).
 CONTROLLED_ENV = (
