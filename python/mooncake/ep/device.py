@@ -101,6 +101,9 @@ class DevicePath:
         self.device = device
         self.ext = pg._ext.EpDevice(num_bytes, device.index)
         self.reachable: list[bool] = []
+        # The grid of each launch: this GPU's SMs split among the processes on it (the
+        # extension's count, kept here: it is read on every launch).
+        self.num_blocks = 1
         self._comm: torch.cuda.Stream | None = None  # async_finish's stream
         self._cap_ns = _env_int("MOONCAKE_EP_WAIT_CAP_MS") * 1_000_000  # timeout_us == -1
         self.usable = False  # whether every member that takes part is mapped
@@ -117,16 +120,12 @@ class DevicePath:
         (``src/device/peers.h``; peers map it where they run on the same host)."""
         return self.ext.card()
 
-    @property
-    def num_blocks(self) -> int:
-        """The grid of each launch: this GPU's SMs split among the processes on it."""
-        return self.ext.num_blocks
-
     def share_gpu(self, processes: int) -> None:
         """Every block of a launch must be resident at once (blocks wait for each
         other's stores), and ``processes`` processes on this GPU (this one included) run
         their kernels side by side: each takes its share of the SMs."""
         self.ext.share_gpu(processes)
+        self.num_blocks = self.ext.num_blocks
 
     # --- a process group's members (group.GroupMembers) -------------------------------
 
@@ -144,6 +143,7 @@ class DevicePath:
         cards = cards.reshape(R, card.numel())
         # A rank outside the group's view sends zeros: absent, not unreachable.
         self.reachable, present = self.ext.connect([bytes(c.tolist()) for c in cards], members.rank)
+        self.num_blocks = self.ext.num_blocks  # connect counted the processes on this GPU
         self.usable = all(m for m, p in zip(self.reachable, present, strict=True) if p)
 
     # --- an elastic buffer's slots (elastic.Slots), one at a time -----------------------
