@@ -45,8 +45,7 @@ PeerMapping::PeerMapping(const std::string& handle, int device) : device_(device
   const cudaError_t err = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
   if (err != cudaSuccess) {
     cudaGetLastError();  // the failure is answered here, not by the next call
-    throw_error(ErrorKind::kPeerFailed, -1,
-                "ipc: cannot map the peer's workspace: ", cudaGetErrorString(err));
+    cuda_check(err, "ipc: mapping a peer's segment", ErrorKind::kPeerFailed);
   }
   data_ = static_cast<uint8_t*>(p);
 }
