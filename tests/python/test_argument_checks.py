@@ -190,10 +190,13 @@ def over_capacity(ctx):
     ep_buffer(ctx).dispatch(x, idx, None, T, SMALL.epr * R, -1, use_fp8=False)
 
 
-def new_buffer(*args):
+def new_buffer(*args, **kwargs):
     from mooncake.mooncake_ep_buffer import Buffer
 
-    return lambda ctx: Buffer(*[a(ctx) if callable(a) else a for a in args])
+    return lambda ctx: Buffer(
+        *[a(ctx) if callable(a) else a for a in args],
+        **{k: v(ctx) if callable(v) else v for k, v in kwargs.items()},
+    )
 
 
 def size_hint(*args):
@@ -558,10 +561,12 @@ def _ep_rows() -> list[Row]:
         Row("ep/buffer/num_ep_buffer_bytes-disagree", R, "Buffer", "num_ep_buffer_bytes",
             "must be the same on every rank", V, ("num_ep_buffer_bytes", "disagree"),
             new_buffer(lambda c: world(c), lambda c: c.rank << 20)),
+        Row("ep/buffer/disable_p2p-type", R, "Buffer", "disable_p2p", "must be a bool", V,
+            ("disable_p2p", "bool"), new_buffer(lambda c: world(c), 0, "yes")),
         Row("ep/buffer/device-cpu", R, "Buffer", "device", "must be a CUDA device", V,
-            ("device", "CUDA device"), new_buffer(lambda c: world(c), 0, "cpu")),
+            ("device", "CUDA device"), new_buffer(lambda c: world(c), 0, device="cpu")),
         Row("ep/buffer/device-unknown", R, "Buffer", "device", "must name a device", V,
-            ("device", "CUDA device"), new_buffer(lambda c: world(c), 0, "no-such-device")),
+            ("device", "CUDA device"), new_buffer(lambda c: world(c), 0, device="no-such-device")),
         # get_ep_buffer_size_hint
         Row("ep/size_hint/T-below-1", R, H, "num_max_dispatch_tokens_per_rank", "must be >= 1",
             V, ("num_max_dispatch_tokens_per_rank", ">= 1"), size_hint(0, 128, 2, 4)),

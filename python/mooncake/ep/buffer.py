@@ -46,11 +46,28 @@ from . import device as device_path
 from .elastic import Slots
 from .group import GroupMembers
 from .portable import PortablePath
-from .types import DispatchHandle
+from .types import DispatchHandle, EventOverlap
 
 __all__ = ["Buffer"]
 
 _buffer_ids = itertools.count(1)
+
+
+class Runtime:
+    """``Buffer.runtime``: what upstream's native buffer answers about the transport."""
+
+    def __init__(self, buffer: Buffer):
+        self._buffer = buffer
+
+    def ibgda_disabled(self) -> bool:
+        """Always True: peers are reached by mapped device memory or the portable path,
+        never by GPU-initiated RDMA."""
+        return True
+
+    def p2p_enabled(self) -> bool:
+        """Whether the device path runs: a workspace with every member mapped."""
+        device = self._buffer._device
+        return device is not None and device.usable
 
 
 def _workspace_device(group: dist.ProcessGroup, device) -> torch.device | None:
@@ -89,7 +106,10 @@ class Buffer:
             non-zero, a dispatch whose shape needs more raises ValueError
             instead of overflowing. The portable path allocates its tensors
             per call and needs no workspace; the device path needs one.
-        device: where the device path's workspace lives: a CUDA device (an
+        disable_p2p: True: no device path (peers' workspaces are not mapped);
+            every call runs the portable path. Upstream's switch for NVLink
+            peer-to-peer; here it is the device path's.
+        device: (keyword only) where the device path's workspace lives: a CUDA device (an
             index or ``"cuda:N"``; ``"cuda"`` is the current one). ``None``:
             the current CUDA device when the group has a ``mooncake`` CUDA
             backend, else no device path. With a workspace on a device,
@@ -101,6 +121,13 @@ class Buffer:
     later constructs its Buffer while the others call
     :meth:`update_ep_member`.
 
+    Attributes upstream code reads: ``rank``, ``group_size`` (``R``; an elastic
+    Buffer's capacity once allocated), ``group`` and ``backend`` (the process
+    group; None for an elastic Buffer), ``num_ep_buffer_bytes``, ``device_type``
+    (``"cuda"``), and ``runtime``, which answers ``ibgda_disabled()`` (always
+    True: there is no GPU-initiated RDMA here) and ``p2p_enabled()`` (whether
+    the device path's peers are all mapped).
+
     Raises:
         ValueError: ``group`` has no mooncake backend; ``num_ep_buffer_bytes``
             is not an int in ``[0, 2**63)``; the ranks disagree on it;
@@ -111,6 +138,8 @@ class Buffer:
         self,
         group: dist.ProcessGroup,
         num_ep_buffer_bytes: int = 0,
+        disable_p2p: bool = False,
+        *,
         device: torch.device | str | int | None = None,
     ):
         if not isinstance(group, dist.ProcessGroup):
@@ -130,8 +159,10 @@ class Buffer:
                 f"Buffer: num_ep_buffer_bytes must be an int in [0, 2**63), got "
                 f"{num_ep_buffer_bytes!r}"
             )
+        if not isinstance(disable_p2p, bool):
+            raise ValueError(f"Buffer: disable_p2p must be a bool, got {disable_p2p!r}")
         self._compose(GroupMembers(group), num_ep_buffer_bytes)
-        workspace_device = _workspace_device(group, device)
+        workspace_device = None if disable_p2p else _workspace_device(group, device)
         # A replacement's constructor meets the others' update_ep_member here.
         self._seq = self._members.agree("Buffer", num_ep_buffer_bytes, self._seq)
         if workspace_device is not None and num_ep_buffer_bytes > 0:
@@ -148,9 +179,12 @@ class Buffer:
         self._portable = PortablePath(members)
         self._device: device_path.DevicePath | None = None
         self.group = members.group
+        self.backend = members.group  # upstream's name for the group
         self.rank = members.rank
-        self.num_ranks = members.num_ranks
+        self.num_ranks = self.group_size = members.num_ranks
         self.num_ep_buffer_bytes = num_ep_buffer_bytes
+        self.device_type = "cuda"
+        self.runtime = Runtime(self)
         self.path = "portable"
         self._id = next(_buffer_ids)
         self._seq = 0  # the latest dispatch's number (either path); its half is _seq % 2
@@ -229,7 +263,57 @@ class Buffer:
             "total_bytes"
         ]
 
+    @staticmethod
+    def get_low_latency_buffer_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Upstream's name for :meth:`get_ep_buffer_size_hint` (with ``num_ranks`` an
+        elastic Buffer's capacity): the workspace bytes for that shape."""
+        return Buffer.get_ep_buffer_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+
+    @staticmethod
+    def get_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Upstream's other name for :meth:`get_ep_buffer_size_hint`."""
+        return Buffer.get_ep_buffer_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded now on the current CUDA stream, as an :class:`EventOverlap`
+        (``current_stream_wait()`` makes the stream that is current then wait for it).
+        Without CUDA, an EventOverlap with nothing to wait for."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record()
+        return EventOverlap(event)
+
     # --- membership ----------------------------------------------------------------------
+
+    def connect(self, is_update: bool = False) -> None:
+        """Connects the peers again, collectively (the constructor has connected them
+        once): with ``is_update``, :meth:`update_ep_member`; without, the device path
+        maps every member's workspace again (nothing to do without one).
+
+        Raises:
+            RuntimeError: an elastic Buffer (its slots connect with :meth:`connect_ranks`).
+        """
+        if not isinstance(is_update, bool):
+            raise ValueError(f"connect: is_update must be a bool, got {is_update!r}")
+        if isinstance(self._members, Slots):
+            raise RuntimeError(
+                "connect: an elastic Buffer connects its slots with connect_ranks and "
+                "update_mask_buffer"
+            )
+        if is_update:
+            self.update_ep_member()
+        elif self._device is not None:
+            self._device.connect_group()
 
     def update_ep_member(self) -> None:
         """Refreshes the EP peers after the process group changed membership.
@@ -306,6 +390,7 @@ class Buffer:
         slots = self._slots("update_memory_buffers")
         slots.allocate(num_ranks, num_experts_per_rank, num_rdma_bytes)
         self.num_ranks, self.num_experts_per_rank = slots.num_ranks, slots.num_experts_per_rank
+        self.group_size = self.num_ranks
         self.num_ep_buffer_bytes = num_rdma_bytes
         self._device = slots.device
 
@@ -418,9 +503,11 @@ class Buffer:
         num_max_dispatch_tokens_per_rank: int,
         num_experts: int,
         timeout_us: int,
-        use_fp8: bool = True,
+        use_fp8: bool | None = None,
         async_finish: bool = False,
         return_recv_hook: bool = False,
+        topk_weights: torch.Tensor | None = None,
+        *,
         cumulative_local_expert_recv_stats: torch.Tensor | None = None,
     ):
         """Sends every token to the ranks that hold its selected experts.
@@ -455,13 +542,17 @@ class Buffer:
                 process group, as the group does with any rank silent past an
                 op's deadline.
             use_fp8: send FP8 e4m3 with one fp32 scale per token per 128
-                channels (``mooncake.fp8``); ``H % 128 == 0``.
+                channels (``mooncake.fp8``); ``H % 128 == 0``. None (the
+                default, as upstream's): True.
             async_finish: (bool) return at once; ``event.current_stream_wait()``
                 finishes the receive and fills the outputs.
             return_recv_hook: (bool) return at once; ``hook()`` finishes the
                 receive and fills the outputs (exclusive with ``async_finish``).
-            cumulative_local_expert_recv_stats: optional int32 ``[E/R]``; the
-                tokens each local expert received are added to it.
+            topk_weights: accepted where upstream's signature has it, and not
+                used: the weights are :meth:`combine`'s (upstream reads them here on
+                XPU only).
+            cumulative_local_expert_recv_stats: (keyword only) optional int32
+                ``[E/R]``; the tokens each local expert received are added to it.
 
         Returns:
             ``(recv_x, recv_count, handle, event, hook)``:
@@ -489,6 +580,8 @@ class Buffer:
             mooncake.LeftOutError: this rank was left out of the group (a
                 ``RuntimeError``; ``.ranks == [this rank]``).
         """
+        if use_fp8 is None:
+            use_fp8 = True
         device = self._device
         path = device if device is not None and device.takes(x) else self._portable
         return path.dispatch_call(

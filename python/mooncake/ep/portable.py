@@ -235,7 +235,7 @@ class PortablePath:
         pending = _Pending(work, finish)
         if not async_finish and not return_recv_hook:
             pending()
-        event = EventOverlap(pending if async_finish else None)
+        event = EventOverlap(finish=pending if async_finish else None)
         return recv_x, recv_count, handle, event, pending if return_recv_hook else None
 
     # --- combine -----------------------------------------------------------------------
@@ -295,5 +295,5 @@ class PortablePath:
         pending = _Pending(work, finish)
         if not async_finish and not return_recv_hook:
             pending()
-        event = EventOverlap(pending if async_finish else None)
+        event = EventOverlap(finish=pending if async_finish else None)
         return result, event, pending if return_recv_hook else None

@@ -11,20 +11,30 @@ import torch
 
 
 class EventOverlap:
-    """Completion of an async ``dispatch``/``combine`` (``async_finish=True``).
+    """Completion of an async ``dispatch``/``combine`` (``async_finish=True``), or an
+    event of :meth:`Buffer.capture`.
 
     ``current_stream_wait()`` finishes the call: on CPU it waits for the
     exchange and fills the outputs; on CUDA it also makes the current stream
     wait for the exchange's stream. Cheap when there is nothing left to do,
     and safe to call twice. ``with event:`` calls it on exit.
+
+    Upstream's constructor and attributes: ``EventOverlap(event=None,
+    extra_tensors=None)``; ``event`` is the ``torch.cuda.Event`` waited for
+    (None where there is none: CPU tensors, or a call on the current stream),
+    ``extra_tensors`` the tensors kept alive with it.
     """
 
-    def __init__(self, finish: Callable[[], None] | None = None):
+    def __init__(self, event=None, extra_tensors=None, *, finish: Callable[[], None] | None = None):
+        self.event = event
+        self.extra_tensors = extra_tensors
         self._finish = finish
 
     def current_stream_wait(self) -> None:
         if self._finish is not None:
             self._finish()
+        elif self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
     def __enter__(self) -> EventOverlap:
         return self
@@ -93,7 +103,7 @@ def stream_waiter(event) -> EventOverlap:
     stream wait for ``event`` (None: the call ran on the current stream, NO_WAIT)."""
     if event is None:
         return NO_WAIT
-    return EventOverlap(lambda: torch.cuda.current_stream().wait_event(event))
+    return EventOverlap(event)
 
 
 def tensor_key(t) -> tuple | None:

@@ -622,6 +622,39 @@ def c_buffer_init(ctx):
     ctx.expect(buf.num_ep_buffer_bytes == 0, f"num_ep_buffer_bytes {buf.num_ep_buffer_bytes}")
 
 
+def c_upstream_attributes(ctx):
+    """What upstream code reads off a Buffer and calls on it (an engine computes
+    ``expected_m`` from ``group_size``): the attributes, the runtime's answers, the
+    size-hint names, capture(), connect() and a dispatch with upstream's positional
+    ``topk_weights``."""
+    from mooncake.mooncake_ep_buffer import Buffer, EventOverlap
+
+    buf = get_buffer(ctx)
+    ctx.expect(buf.group_size == ctx.world_size, f"group_size {buf.group_size}")
+    ctx.expect(buf.backend is dist.group.WORLD, "backend is the group")
+    ctx.expect(buf.device_type == "cuda", f"device_type {buf.device_type!r}")
+    ctx.expect(buf.runtime.ibgda_disabled() is True, "runtime.ibgda_disabled()")
+    ctx.expect(buf.runtime.p2p_enabled() is False, "runtime.p2p_enabled() without a workspace")
+    hint = Buffer.get_ep_buffer_size_hint(8, 128, ctx.world_size, 2 * ctx.world_size)
+    for name in ("get_low_latency_buffer_size_hint", "get_rdma_size_hint"):
+        got = getattr(Buffer, name)(8, 128, ctx.world_size, 2 * ctx.world_size)
+        ctx.expect(got == hint, f"{name}: {got} against {hint}")
+    event = Buffer.capture()
+    ctx.expect(isinstance(event, EventOverlap), "capture() gives an EventOverlap")
+    ctx.expect(event.event is None and event.extra_tensors is None, "capture() on CPU")
+    event.current_stream_wait()
+    buf.connect()  # collective; nothing to map without a workspace
+    buf.connect(is_update=True)  # update_ep_member
+    r = Round(ctx, buf, SMALL, "upstream_topk_weights")
+    ins = make_inputs(seed_for("upstream", ctx.rank), ctx.rank, SMALL, ctx.world_size)
+    weights = ins.w.to(torch.float32)
+    out = buf.dispatch(ins.x, ins.idx, None, SMALL.T, r.E, -1, False, False, False, weights)
+    ctx.expect(len(out) == 5, f"dispatch returns {len(out)} items")
+    y, _, _ = buf.combine(out[0], ins.idx, weights, None, -1, out[2])
+    ctx.expect(y.shape == ins.x.shape, f"combine output {tuple(y.shape)}")
+    good_round(ctx, "after_upstream_calls")
+
+
 def c_stats(ctx):
     """cumulative_local_expert_recv_stats adds each call's recv_count to what it held."""
     buf = get_buffer(ctx)
@@ -755,7 +788,7 @@ def c_combine_twice(ctx):
 
 def route_cases(world: int) -> list[Case]:
     P = functools.partial
-    cases = [Case("buffer/init", c_buffer_init)]
+    cases = [Case("buffer/init", c_buffer_init), Case("buffer/upstream", c_upstream_attributes)]
     for K in range(1, 9):
         spec = Spec(T=8, K=K, epr=2 if K < 8 else 3, ns=(8, 5, 3, 0, 7), neg=0.15, dup=0.2)
         cases.append(Case(f"route/bf16_h128_k{K}", P(c_round, spec=spec)))
