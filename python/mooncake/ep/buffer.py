@@ -568,7 +568,8 @@ class Buffer:
               :meth:`get_next_combine_buffer`.
             * ``event``: an :class:`EventOverlap`.
             * ``hook``: with ``return_recv_hook=True`` a callable that
-              finishes the receive; else None.
+              finishes the receive; else one with nothing to do (upstream's
+              callers call it without looking).
 
             Outputs are on ``x``'s device and valid on return, unless
             ``async_finish``/``return_recv_hook`` defer them.
@@ -671,7 +672,8 @@ class Buffer:
             out: optional ``[N, H]`` of ``x``'s dtype, filled in place.
 
         Returns:
-            ``(combined_x, event, hook)``: ``combined_x`` ``[N, H]`` of ``x``'s
+            ``(combined_x, event, hook)`` (``hook`` as :meth:`dispatch`'s):
+            ``combined_x`` ``[N, H]`` of ``x``'s
             dtype (``out`` when given): per token, the sum over its top-k of
             ``weight * expert output``, skipping ``-1`` selections and experts
             on inactive ranks, accumulated in fp32 and rounded once.

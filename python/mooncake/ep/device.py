@@ -31,7 +31,7 @@ import os
 import torch
 
 from .. import _checks, pg
-from .types import DispatchHandle, HandleState, stream_waiter, tensor_key
+from .types import NO_HOOK, DispatchHandle, HandleState, stream_waiter, tensor_key
 
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # index entries per token (src/ep/layout.h)
 _BOTH = pg._ext.EP_PHASE_BOTH  # a launch of both phases
@@ -308,7 +308,7 @@ class DevicePath:
         handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
         overlap = stream_waiter(event)
         if not hook:
-            return recv_x, recv_count, handle, overlap, None
+            return recv_x, recv_count, handle, overlap, NO_HOOK
 
         def finish_hook() -> None:
             recv_hook()
@@ -369,7 +369,7 @@ class DevicePath:
         )
         buf.path = "device"
         overlap = stream_waiter(event)
-        return result, overlap, recv_hook
+        return result, overlap, recv_hook or NO_HOOK
 
     def combine_buffer(self, handle: DispatchHandle) -> torch.Tensor:
         """The zero-copy combine buffer of ``handle``'s half: the workspace's rows

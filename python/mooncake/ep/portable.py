@@ -21,7 +21,7 @@ import torch
 
 from .. import _checks
 from . import portable_rows
-from .types import DispatchHandle, EventOverlap, HandleState
+from .types import NO_HOOK, DispatchHandle, EventOverlap, HandleState
 
 
 class _Pending:
@@ -236,7 +236,7 @@ class PortablePath:
         if not async_finish and not return_recv_hook:
             pending()
         event = EventOverlap(finish=pending if async_finish else None)
-        return recv_x, recv_count, handle, event, pending if return_recv_hook else None
+        return recv_x, recv_count, handle, event, pending if return_recv_hook else NO_HOOK
 
     # --- combine -----------------------------------------------------------------------
 
@@ -296,4 +296,4 @@ class PortablePath:
         if not async_finish and not return_recv_hook:
             pending()
         event = EventOverlap(finish=pending if async_finish else None)
-        return result, event, pending if return_recv_hook else None
+        return result, event, pending if return_recv_hook else NO_HOOK

@@ -93,6 +93,12 @@ class DispatchHandle(NamedTuple):
         return tuple.__getitem__(self, slice(5))[i]
 
 
+def NO_HOOK() -> None:
+    """The ``hook`` of a call made without ``return_recv_hook``: nothing is left for it
+    to do. Upstream returns a callable for every call, and code written for it calls
+    the hook without looking."""
+
+
 #: The EventOverlap of a call with nothing left to wait for: it holds no state, so every
 #: such call returns this one (an allocation less per device-path call).
 NO_WAIT = EventOverlap()
