@@ -244,7 +244,10 @@ def handle_error(handle, buffer_id: int) -> str | None:
     """Whether ``handle`` is a finished dispatch's handle of the Buffer ``buffer_id``."""
     state = handle.state if isinstance(handle, DispatchHandle) else None
     if state is None:
-        return f"handle must be the DispatchHandle a dispatch returned, got {type(handle).__name__}"
+        return (
+            f"handle must be the DispatchHandle a dispatch returned (or a copy of its five "
+            f"items, while its half is the dispatch's), got {type(handle).__name__}"
+        )
     if state.buffer != buffer_id:
         return "handle comes from another Buffer's dispatch"
     if not state.finished:

@@ -37,6 +37,7 @@ ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,8 @@ class Buffer:
         self._id = next(_buffer_ids)
         self._seq = 0  # the latest dispatch's number (either path); its half is _seq % 2
         self._combine_buffers: list[torch.Tensor | None] = [None, None]
+        # Per half, the latest dispatch's (src_info, layout_range) weakly, its state, (T, H, E).
+        self._handles: list[tuple | None] = [None, None]
 
     @classmethod
     def create_elastic(
@@ -585,7 +588,7 @@ class Buffer:
             use_fp8 = True
         device = self._device
         path = device if device is not None and device.takes(x) else self._portable
-        return path.dispatch_call(
+        out = path.dispatch_call(
             self,
             x,
             topk_idx,
@@ -598,6 +601,40 @@ class Buffer:
             return_recv_hook,
             cumulative_local_expert_recv_stats,
         )
+        # Kept so that a copy of the handle (upstream's is a plain tuple that engines
+        # store and pass on) finds its dispatch again; a half holds one at a time. Its
+        # tensors only weakly: the device path reuses a call's outputs once nothing
+        # refers to them.
+        handle = out[2]
+        self._handles[self._seq % 2] = (
+            weakref.ref(handle.src_info),
+            weakref.ref(handle.layout_range),
+            handle.state,
+            (handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts),
+        )
+        return out
+
+    def _handle_of(self, handle):
+        """``handle`` itself when it is a DispatchHandle; for a copy of one (any sequence
+        of its five items, as upstream's tuple), the handle of the dispatch it copies,
+        while that dispatch's half is this Buffer's; else ``handle`` (the checks then
+        say what is wrong)."""
+        if isinstance(handle, DispatchHandle):
+            return handle
+        try:
+            items = tuple(handle)
+        except TypeError:
+            return handle
+        if len(items) == 5:
+            for kept in self._handles:
+                if (
+                    kept is not None
+                    and kept[0]() is items[0]
+                    and kept[1]() is items[1]
+                    and items[2:] == kept[3]
+                ):
+                    return DispatchHandle(*items, kept[2])
+        return handle
 
     # --- combine -------------------------------------------------------------------------
 
@@ -618,6 +655,7 @@ class Buffer:
             ValueError: the handle is not from this Buffer, or two later
                 dispatches have reused its half.
         """
+        handle = self._handle_of(handle)
         error = _checks.handle_error(handle, self._id) or _checks.half_error(handle, self._seq)
         if error:
             raise ValueError(f"get_next_combine_buffer: {error}")
@@ -688,6 +726,7 @@ class Buffer:
         """
         # A combine runs on its dispatch's path (a bad handle: the portable path, which
         # says why on every rank).
+        handle = self._handle_of(handle)
         state = handle.state if isinstance(handle, DispatchHandle) else None
         device = self._device
         on_device = state is not None and state.on_device and device is not None

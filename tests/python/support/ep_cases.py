@@ -654,6 +654,18 @@ def c_upstream_attributes(ctx):
     ctx.expect(len(out) == 5, f"dispatch returns {len(out)} items")
     y, _, _ = buf.combine(out[0], ins.idx, weights, None, -1, out[2])
     ctx.expect(y.shape == ins.x.shape, f"combine output {tuple(y.shape)}")
+    # Engines keep upstream's handle as a plain tuple: a copy combines as the handle.
+    for copy in (tuple(out[2]), list(out[2])):
+        again, _, _ = buf.combine(out[0], ins.idx, weights, None, -1, copy)
+        ctx.expect(torch.equal(again, y), f"combine with a {type(copy).__name__} of the handle")
+    buf.get_next_combine_buffer(tuple(out[2]))
+    forged = (out[2][0].clone(), *tuple(out[2])[1:])  # not this dispatch's tensors
+    expect_value_error(
+        ctx,
+        lambda: buf.combine(out[0], ins.idx, weights, None, -1, forged),
+        ("handle",),
+        "a tuple that copies no dispatch",
+    )
     good_round(ctx, "after_upstream_calls")
 
 
@@ -1114,9 +1126,9 @@ COMBINE_BAD = [
         prepare=_other_buffer,
     ),
     Bad(
-        "handle_plain_tuple",
+        "handle_foreign_tuple",  # a copy of the handle is taken (buffer/upstream)
         "combine",
-        _m(lambda a, e, c: {"handle": tuple(a["handle"])}),
+        _m(lambda a, e, c: {"handle": (a["handle"][0].clone(), *a["handle"][1:])}),
         ("handle", "tuple"),
     ),
     Bad("handle_none", "combine", _set(handle=None), ("handle", "nonetype")),
