@@ -245,7 +245,7 @@ if wants compare; then
       shift 2
       mkdir -p "$OUT/compare/$tag"
       (cd "$tree" && PYTHONPATH="$PWD/python" timeout 300 "$PY" "$@" --out-dir "$OUT/compare/$tag") \
-        >>"$OUT/compare/$tag.log" 2>&1 || { echo "compare: $tag $* failed"; status=1; }
+        >"$OUT/compare/$tag.log" 2>&1 || { echo "compare: $tag $* failed"; status=1; }
     }
     COMPARE=${COMPARE_BENCHES:-ep1 ep pg}
     for round in $(seq 1 "${COMPARE_ROUNDS:-2}"); do
