@@ -84,7 +84,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
     out: dict[str, list[float]] = {m: [] for m in MEASURES}
 
     def create(s: int):
-        buf = Buffer.create_elastic(s, store, timeout_ms=cfg["timeout_ms"])
+        buf = Buffer.create_elastic(rank=s, tcp_store_group=store, timeout_ms=cfg["timeout_ms"])
         buf.update_memory_buffers(num_ranks=world, num_experts_per_rank=cfg["experts_per_rank"])
         return buf
 
@@ -104,7 +104,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
         t0 = time.perf_counter()
         buf = create(VICTIM)
         others = [p for p in range(world) if p != VICTIM]
-        buf.connect_ranks(others)
+        buf.connect_ranks(others, activate=False)
         publish(buf, others)
         out["ready"].append(time.perf_counter() - t0)
         harness.publish(store, f"result/standby{slot}", out)
@@ -122,7 +122,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
     buf = create(slot)
     if slot != new:
         peers = [p for p in old if p != slot]
-        buf.connect_ranks(peers)
+        buf.connect_ranks(peers, activate=False)
         publish(buf, peers)
     sync(store, "initial", world)
     if slot != new:
@@ -133,9 +133,9 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
             buf.disconnect_ranks(old if slot == new else [new])
         sync(store, f"stage{cycle}", world)
         if slot == new:
-            timed("stage_new", lambda: buf.connect_ranks(old))
+            timed("stage_new", lambda: buf.connect_ranks(old, activate=False))
         else:
-            timed("stage", lambda: buf.connect_ranks([new]))
+            timed("stage", lambda: buf.connect_ranks([new], activate=False))
         sync(store, f"staged{cycle}", world)
         for p in old if slot == new else [new]:
             timed("activate", lambda p=p: buf.update_mask_buffer(p, False))
@@ -162,7 +162,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
         buf.disconnect_ranks([VICTIM])
         if slot == 0:
             store.set(f"go/{k}", "1")
-        buf.connect_ranks([VICTIM])
+        buf.connect_ranks([VICTIM], activate=False)
         buf.update_mask_buffer(VICTIM, False)
         out["reconnect"].append(time.perf_counter() - t0)
         sync(store, f"replaced{k}", world)

@@ -252,7 +252,9 @@ def elastic_buffer(rank: int, world: int, capacity: int, T: int, H: int, E: int)
 
     epr = E // world
     store = dist.distributed_c10d._get_default_store()
-    buf = Buffer.create_elastic(rank, store, timeout_ms=60000, store_prefix="bench-elastic/")
+    buf = Buffer.create_elastic(
+        rank=rank, tcp_store_group=store, timeout_ms=60000, store_prefix="bench-elastic/"
+    )
     hint = Buffer.get_ep_buffer_size_hint(T, H, capacity, epr * capacity)
     buf.update_memory_buffers(num_ranks=capacity, num_experts_per_rank=epr, num_rdma_bytes=hint)
     peers = [r for r in range(world) if r != rank]

@@ -165,7 +165,6 @@ def main(argv=None) -> int:
     unknown = set(ops) - set(OPS)
     if unknown:
         p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
-    import torch
 
     if not torch.cuda.is_available():
         print("bench_pg_cuda: no CUDA GPU here; nothing to measure")

@@ -40,10 +40,11 @@ def run_round(buf, step: int, device: str) -> tuple[list[int], float]:
     x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
     idx = torch.randint(0, EPR * R, (T, K), generator=g).to(device)
     w = torch.rand(T, K, generator=g).to(device)
-    recv_x, count, handle, _, _ = buf.dispatch(x, idx, None, T, EPR * R, 5_000_000, use_fp8=False)
+    # Upstream's elastic form: the buffer's mask and its timeout_ms (5 s) serve.
+    recv_x, count, handle, _, _ = buf.dispatch(x, idx, T, EPR * R, use_fp8=False)
     scale = torch.arange(EPR, device=device) + buf.rank * EPR + 1  # global expert id + 1
     y = (recv_x.float() * scale.view(-1, 1, 1)).to(torch.bfloat16)
-    out, _, _ = buf.combine(y, idx, w, None, 5_000_000, handle)
+    out, _, _ = buf.combine(y, idx, w, handle)
     active = buf.active_slots  # after the call: a slot that died in it is masked
     on_active = torch.isin(idx // EPR, torch.tensor(active, device=device))
     ref = ((idx + 1) * w * on_active).sum(1, keepdim=True) * x.float()
@@ -58,7 +59,9 @@ def rank_main(slot: int, port: int, device: str, role: str) -> None:
     from mooncake.mooncake_ep_buffer import Buffer
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
-    buf = Buffer.create_elastic(slot, store, timeout_ms=5000, metadata_timeout_ms=60000)
+    buf = Buffer.create_elastic(
+        rank=slot, tcp_store_group=store, timeout_ms=5000, metadata_timeout_ms=60000
+    )
     # With CUDA tensors, a workspace makes the calls run the device path's kernels over
     # the peers' mapped workspaces (without one they are staged through host memory).
     hint = Buffer.get_ep_buffer_size_hint(T, H, CAPACITY, EPR * CAPACITY)
@@ -67,7 +70,7 @@ def rank_main(slot: int, port: int, device: str, role: str) -> None:
     )
 
     def join(peers):
-        buf.connect_ranks(peers)  # staged
+        buf.connect_ranks(peers, activate=False)  # staged
         for p in peers:
             buf.update_mask_buffer(p, mask=False)  # published
 

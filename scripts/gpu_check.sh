@@ -24,8 +24,9 @@
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
 #            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS);
 #   pgbench: bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
-#   epdev:   the EP device path: tests/python/test_ep_device.py (1, 2, 4 processes on
-#            the GPU, under MPS when it starts), then compute-sanitizer
+#   epdev:   the EP device path: tests/python/test_ep_device.py and the engine pattern
+#            (test_engine_pattern.py, CUDA tensors) at 1, 2, 4 processes on the GPU, under
+#            MPS when it starts, then compute-sanitizer
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
 #   epelastic: the elastic EP buffer on the device path: tests/python/test_ep_elastic_device.py
 #            (growth and the connection contract under MPS, kills and replacements without

@@ -246,7 +246,8 @@ def handle_error(handle, buffer_id: int) -> str | None:
     if state is None:
         return (
             f"handle must be the DispatchHandle a dispatch returned (or a copy of its five "
-            f"items, while its half is the dispatch's), got {type(handle).__name__}"
+            f"items, or of the elastic form's four, while its half is the dispatch's), got "
+            f"{type(handle).__name__}"
         )
     if state.buffer != buffer_id:
         return "handle comes from another Buffer's dispatch"

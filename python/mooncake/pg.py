@@ -24,10 +24,13 @@ When ranks fail, the survivors' ops go on over the rest. An op that cannot
 complete raises :class:`PeerFailedError` (``.ranks``: the failed ranks, e.g. the
 root of a ``broadcast`` that died); a rank the others left out (taken for failed)
 gets :class:`LeftOutError` from its next op. Both are ``RuntimeError`` subclasses.
+``MooncakeBackendOptions(..., auto_deactivate_on_failure=False)`` hands failures to
+the application instead (:func:`sync_after_failure`, :func:`deactivate_ranks`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -35,7 +38,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from mooncake._checks import int_list, is_int64
+from mooncake._checks import int_list, is_int, is_int64
 from mooncake._loader import load_extension
 from mooncake.errors import LeftOutError, PeerFailedError
 
@@ -44,32 +47,60 @@ _ext = load_extension()
 MooncakeBackendOptions = _ext.MooncakeBackendOptions
 MooncakeBackend = _ext.MooncakeBackend
 TransferEngine = _ext.TransferEngine
+#: What ``recover_ranks``/``activate_ranks``/``deactivate_ranks`` return: ``status``
+#: (:class:`ProposalStatus`), ``new_epoch``, ``dropped_ranks``, ``reject_reason``.
+ProposeViewUpdateResponse = _ext.ProposeViewUpdateResponse
+ProposalStatus = _ext.ProposalStatus  # Rejected, Applied, AppliedWithDroppedRanks
+ViewUpdateStatus = ProposalStatus  # upstream's earlier name
+#: What ``sync_after_failure`` returns: ``status`` (:class:`SyncAfterFailureStatus`) and
+#: ``reject_reason``.
+SyncAfterFailureResponse = _ext.SyncAfterFailureResponse
+SyncAfterFailureStatus = _ext.SyncAfterFailureStatus  # Reconciled, NoPending, Rejected
 
 __all__ = [
     "MooncakeBackendOptions",
     "TransferEngine",
     "PeerFailedError",
     "LeftOutError",
+    "ProposeViewUpdateResponse",
+    "ProposalStatus",
+    "ViewUpdateStatus",
+    "SyncAfterFailureResponse",
+    "SyncAfterFailureStatus",
+    "createMooncakeBackend",
+    "createMooncakeCpuBackend",
     "set_host_ip",
     "set_device_filter",
     "set_transfer_engine",
+    "set_collective_timeout_us",
+    "set_p2p_timeout_us",
+    "set_fault_reconciliation_window_us",
     "get_preferred_hca",
     "get_active_ranks",
     "get_num_synced_ranks",
+    "get_current_epoch",
     "extend_group_size_to",
     "get_peer_state",
     "recover_ranks",
+    "activate_ranks",
+    "deactivate_ranks",
+    "sync_after_failure",
+    "get_failed_ranks_hint",
+    "get_local_success",
     "join_group",
 ]
 
-_engine: TransferEngine | None = None
+_engine: TransferEngine | None = None  # set_transfer_engine's
+_own_engine: TransferEngine | None = None  # the module's, made on first use
 
 
 def _default_engine() -> TransferEngine:
-    global _engine
-    if _engine is None:
-        _engine = TransferEngine()
-    return _engine
+    global _own_engine
+    if _engine is not None:
+        return _engine
+    if _own_engine is None:
+        _own_engine = TransferEngine()
+    return _own_engine
 
 
 #: Where the kernel lists RDMA devices and PCI functions (a test points these elsewhere).
@@ -153,20 +184,68 @@ def set_device_filter(filters: list[str]) -> None:
         warnings.warn("mooncake: set_device_filter: " + "; ".join(problems), RuntimeWarning, 2)
 
 
-def set_transfer_engine(engine: TransferEngine) -> None:
-    """Makes process groups created from now on use ``engine``.
+def set_transfer_engine(engine: TransferEngine | None) -> None:
+    """Makes process groups created from now on use ``engine``; ``None`` goes back to
+    the module's own engine (with what ``set_host_ip``/``set_device_filter`` set on it).
 
     Several groups may share one engine; it must outlive them.
 
     Raises:
-        TypeError: ``engine`` is not a ``mooncake.TransferEngine``.
+        TypeError: ``engine`` is neither a ``mooncake.TransferEngine`` nor None.
     """
-    if not isinstance(engine, TransferEngine):
+    if engine is not None and not isinstance(engine, TransferEngine):
         raise TypeError(
-            f"set_transfer_engine: engine must be a mooncake.TransferEngine, got {type(engine)}"
+            f"set_transfer_engine: engine must be a mooncake.TransferEngine or None, got "
+            f"{type(engine)}"
         )
     global _engine
     _engine = engine
+
+
+def _microseconds(what: str, us, low: int) -> int:
+    """``us`` (an int >= ``low``) in whole milliseconds, rounded up."""
+    if not is_int(us) or not low <= us < 2**63:
+        raise ValueError(f"{what}: us must be an int >= {low} (microseconds), got {us!r}")
+    return math.ceil(us / 1000)
+
+
+def set_collective_timeout_us(us: int) -> None:
+    """Sets the collective-op timeout of process groups created from now on: a member
+    that does not take part in an op within it is taken for failed. Rounded up to whole
+    milliseconds; it wins over ``MOONCAKE_PG_TIMEOUT_MS`` and ``init_process_group``'s
+    ``timeout`` (ranks that die are found at once, whatever it is).
+
+    Raises:
+        ValueError: ``us`` is not an int >= 1.
+    """
+    _ext.set_group_default(
+        "collective_timeout_ms", _microseconds("set_collective_timeout_us", us, 1)
+    )
+
+
+def set_p2p_timeout_us(us: int) -> None:
+    """Sets the timeout of ``send``/``recv`` (and their async forms) of process groups
+    created from now on, rounded up to whole milliseconds (the default: the collective
+    timeout).
+
+    Raises:
+        ValueError: ``us`` is not an int >= 1.
+    """
+    _ext.set_group_default("p2p_timeout_ms", _microseconds("set_p2p_timeout_us", us, 1))
+
+
+def set_fault_reconciliation_window_us(us: int) -> None:
+    """Sets, for process groups created from now on, how long members have to answer a
+    recovery once the failed op's own deadline has passed before the survivors settle
+    without them (default 500 ms, capped by the op's timeout), rounded up to whole
+    milliseconds. A dead rank never costs this: it is found at once.
+
+    Raises:
+        ValueError: ``us`` is not an int >= 0.
+    """
+    _ext.set_group_default(
+        "report_grace_ms", _microseconds("set_fault_reconciliation_window_us", us, 0)
+    )
 
 
 def _backend_of(backend) -> MooncakeBackend:
@@ -307,7 +386,7 @@ def _mooncake_subgroups():
             continue  # not a mooncake group
 
 
-def recover_ranks(backend, ranks: list[int]) -> None:
+def recover_ranks(backend, ranks: list[int]) -> ProposeViewUpdateResponse:
     """Admits the processes waiting to join as ``ranks`` into the group.
 
     Collective among the current healthy ranks. Afterwards the ranks are
@@ -319,6 +398,12 @@ def recover_ranks(backend, ranks: list[int]) -> None:
     process creates its subgroups, in the same order as the healthy ranks did,
     before it calls :func:`join_group`.
 
+    Returns:
+        The group's (the default group's) :class:`ProposeViewUpdateResponse`:
+        ``Applied`` with the new epoch, or ``AppliedWithDroppedRanks`` with
+        ``dropped_ranks`` the named ranks that died while being admitted and the
+        members lost meanwhile.
+
     Raises:
         ValueError: on every healthy rank, when ``ranks`` is not a list of ints,
             or a rank is active, out of range, named twice, beyond the extended
@@ -327,13 +412,97 @@ def recover_ranks(backend, ranks: list[int]) -> None:
     """
     ranks = int_list("recover_ranks", "ranks", ranks)
     b = _backend_of(backend)
-    b.recover_ranks(ranks)
+    response = b.recover_ranks(ranks)
     if not _is_world(backend, b):
-        return
+        return response
     for _, sub, rank_map in _mooncake_subgroups():
         sub_ranks = [rank_map[r] for r in ranks if r in rank_map]
         if sub_ranks:
             sub.recover_ranks(sub_ranks, wait=True)
+    return response
+
+
+def activate_ranks(backend, ranks: list[int]) -> ProposeViewUpdateResponse:
+    """:func:`recover_ranks` under upstream's other name (the same call)."""
+    return recover_ranks(backend, ranks)
+
+
+def deactivate_ranks(backend, ranks: list[int]) -> ProposeViewUpdateResponse:
+    """Removes ``ranks`` from the group's view, whether they are dead or alive.
+
+    Collective among the ranks that stay: call it on each of them, in the same order
+    relative to their other collectives, naming the same ranks. They agree on a view
+    without ``ranks`` (the epoch goes up); a live rank removed this way gets
+    :class:`LeftOutError` from its next op on the group, and can come back only as a new
+    process (``is_extension=True``, :func:`recover_ranks`). Only this group changes, not
+    its subgroups.
+
+    Returns:
+        A :class:`ProposeViewUpdateResponse`: ``Applied`` with the new epoch;
+        ``AppliedWithDroppedRanks`` when more ranks left (a member that died or did not
+        take part meanwhile: ``dropped_ranks``); ``Rejected`` when a named rank is not
+        active (``reject_reason`` says which; nothing changes).
+
+    Raises:
+        ValueError: ``ranks`` is not a non-empty list of ints, or a rank is out of
+            range, named twice, or this rank; nothing changes.
+        LeftOutError: another rank named this one.
+    """
+    ranks = int_list("deactivate_ranks", "ranks", ranks)
+    return _backend_of(backend).deactivate_ranks(ranks)
+
+
+def sync_after_failure(backend) -> SyncAfterFailureResponse:
+    """Settles the group's view after a failure an op met.
+
+    When this rank holds a failure no view has settled yet (with
+    ``auto_deactivate_on_failure=False`` or ``auto_sync_on_failure=False`` the op that
+    met it raised instead), a member has failed, or the other ranks started settling:
+    the surviving ranks agree on a view without the failed ones (collective among them:
+    call it on each survivor) and it returns ``Reconciled``; ops then run among them.
+    Otherwise it returns ``NoPending`` at once. A process still waiting in
+    :func:`join_group` gets ``Rejected``.
+
+    Raises:
+        LeftOutError: the others left this rank out.
+        TimeoutError: the survivors did not settle within the group's timeout.
+    """
+    return _backend_of(backend).sync_after_failure()
+
+
+def get_current_epoch(backend=None) -> int:
+    """The epoch of the group's view as :func:`get_active_ranks` shows it: 0 at creation,
+    one more with every membership change (a failure settled, ranks recovered or
+    deactivated)."""
+    return _backend_of(backend).current_epoch()
+
+
+def _work_arg(what: str, work):
+    if not isinstance(work, dist.Work):
+        raise TypeError(f"{what}: work must be a torch.distributed Work, got {type(work).__name__}")
+    return work
+
+
+def get_failed_ranks_hint(work) -> torch.Tensor:
+    """Which peers failed during the op of ``work`` (an async op's Work of a mooncake
+    group, p2p included): int32 ``[max_world_size]`` on the CPU, 1 = that rank failed
+    (was left out during the op, or the op failed on it). Waits for the op to end first
+    (bounded by its timeout); a Work of another backend gives an empty tensor.
+
+    Raises:
+        TypeError: ``work`` is not a ``torch.distributed`` Work.
+    """
+    return _ext.get_failed_ranks_hint(_work_arg("get_failed_ranks_hint", work))
+
+
+def get_local_success(work) -> bool:
+    """True iff the op of ``work`` ended without an error and no peer failed during it
+    (see :func:`get_failed_ranks_hint`); False for a Work of another backend.
+
+    Raises:
+        TypeError: ``work`` is not a ``torch.distributed`` Work.
+    """
+    return _ext.get_local_success(_work_arg("get_local_success", work))
 
 
 def join_group(backend=None) -> None:
@@ -372,42 +541,62 @@ def _joining_default_group() -> bool:
         return False
 
 
-def _create(cuda: bool):
-    def creator(dist_opts, pg_options):
-        if pg_options is not None and not isinstance(pg_options, MooncakeBackendOptions):
-            raise ValueError(
-                f"pg_options must be mooncake.pg.MooncakeBackendOptions, got "
-                f"{type(pg_options).__name__}"
-            )
-        if pg_options is None and _joining_default_group():
-            # A subgroup created by a process that joins a running group joins
-            # the subgroup as it runs on the healthy ranks (see join_group).
-            active = torch.ones(dist_opts.group_size, dtype=torch.int32)
-            pg_options = MooncakeBackendOptions(active, True)
-        return _ext.create_backend(
-            dist_opts.store,
-            dist_opts.group_rank,
-            dist_opts.group_size,
-            dist_opts.timeout,
-            pg_options,
-            _default_engine(),
-            cuda,
+def _create(dist_backend_opts, backend_options, cuda: bool):
+    if backend_options is not None and not isinstance(backend_options, MooncakeBackendOptions):
+        raise ValueError(
+            f"pg_options must be mooncake.pg.MooncakeBackendOptions, got "
+            f"{type(backend_options).__name__}"
         )
+    if backend_options is None and _joining_default_group():
+        # A subgroup created by a process that joins a running group joins
+        # the subgroup as it runs on the healthy ranks (see join_group), with
+        # the default group's failure handling.
+        parent = _backend_of(dist.distributed_c10d._world.default_pg).options
+        backend_options = MooncakeBackendOptions(
+            torch.ones(dist_backend_opts.group_size, dtype=torch.int32),
+            True,
+            auto_deactivate_on_failure=parent.auto_deactivate_on_failure,
+            auto_sync_on_failure=parent.auto_sync_on_failure,
+        )
+    return _ext.create_backend(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        dist_backend_opts.timeout,
+        backend_options,
+        _default_engine(),
+        cuda,
+    )
 
-    return creator
+
+def createMooncakeBackend(dist_backend_opts, backend_options):  # noqa: N802 - upstream's name
+    """The creator ``torch.distributed`` calls for backend ``mooncake`` (CUDA and CPU
+    tensors): ``dist_backend_opts`` is torch's ``_DistributedBackendOptions``,
+    ``backend_options`` the ``pg_options`` (a :class:`MooncakeBackendOptions` or None).
+
+    Raises:
+        ValueError: ``backend_options`` is something else, or this build has no CUDA.
+    """
+    return _create(dist_backend_opts, backend_options, True)
+
+
+def createMooncakeCpuBackend(dist_backend_opts, backend_options):  # noqa: N802
+    """The creator ``torch.distributed`` calls for backend ``mooncake-cpu``; see
+    :func:`createMooncakeBackend`."""
+    return _create(dist_backend_opts, backend_options, False)
 
 
 def _register() -> None:
     registered = dist.Backend.backend_list
     if "mooncake-cpu" not in registered:
         dist.Backend.register_backend(
-            "mooncake-cpu", _create(False), extended_api=True, devices=["cpu"]
+            "mooncake-cpu", createMooncakeCpuBackend, extended_api=True, devices=["cpu"]
         )
     # "mooncake" serves CUDA tensors and CPU tensors with one backend object
     # (torch makes one when every device maps to the same backend name).
     if _ext.build_info()["cuda"] and "mooncake" not in registered:
         dist.Backend.register_backend(
-            "mooncake", _create(True), extended_api=True, devices=["cpu", "cuda"]
+            "mooncake", createMooncakeBackend, extended_api=True, devices=["cpu", "cuda"]
         )
 
 

@@ -71,7 +71,7 @@ bool Channels::interrupted(uint64_t alarms) const {
   // A recovery's announcement rings the bells too: without looking at it here
   // a wait on a live peer that is busy recovering slept on until its poll.
   return endpoint_.alarms() != alarms ||
-         (watch_ == Watch::kPeerOrEpoch && agreement_called(endpoint_, epoch_));
+         (watch_ != Watch::kPeer && agreement_called(endpoint_, epoch_));
 }
 
 void Channels::check_one(int p, const char* what) {
@@ -85,7 +85,9 @@ void Channels::check_peer(int peer, const char* what) {
   check_one(peer, what);
   if (watch_ == Watch::kAnyWatched)
     for (int p : watched_) check_one(p, what);
-  if (watch_ == Watch::kPeerOrEpoch) {
+  // Also without re-runs (kAnyWatched): every member takes part in an
+  // agreement that another called (sync_after_failure, deactivate_ranks).
+  if (watch_ != Watch::kPeer) {
     if (agreement_called(endpoint_, epoch_))
       throw_error(ErrorKind::kPeerFailed, -1, what, ": the members of epoch ", epoch_,
                   " are agreeing on a new view (a member failed)");

@@ -39,7 +39,8 @@ class Channels {
   //    recover: a peer that waits on a dead rank abandons the op and says
   //    so, while a rank that exited after sending all its messages is no
   //    reason to stop);
-  //  * kAnyWatched: any watched rank is gone (collectives that fail fast).
+  //  * kAnyWatched: any watched rank is gone (collectives that fail fast),
+  //    or a peer told of a later epoch.
   // A rank whose heartbeat stood still for `hang_ms` (> 0) counts as failed.
   enum class Watch { kPeer, kPeerOrEpoch, kAnyWatched };
   // `one_bell`: acks ring the data bell too, so one wait sees both (for a

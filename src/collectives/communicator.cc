@@ -61,6 +61,9 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
   if (config_.small_bytes == 0) config_.small_bytes = env.small_bytes;
   if (config_.recover < 0) config_.recover = env.recover;
   if (config_.hang_ms < 0) config_.hang_ms = env.hang_ms;
+  MC_CHECK_ARG(config_.recover == kRecoverRerun || config_.recover == kRecoverOff ||
+                   config_.recover == kRecoverDeferred,
+               "CommConfig.recover must be 0, 1 or 2, got ", config_.recover);
   MC_CHECK_ARG(config_.chunk_bytes >= 64 && config_.chunk_bytes % 64 == 0,
                "CommConfig.chunk_bytes must be a positive multiple of 64, got ",
                config_.chunk_bytes);
@@ -72,10 +75,13 @@ Communicator::Communicator(const TransferEngine& engine, Store& store, const std
   }
   endpoint_ = std::make_unique<Endpoint>(engine, store_, prefix_, rank, incarnation_, capacity_,
                                          layout.total_bytes());
-  coll_ = std::make_unique<Channels>(
-      *endpoint_, layout, Plane::kCollective,
-      config_.recover ? Channels::Watch::kPeerOrEpoch : Channels::Watch::kAnyWatched,
-      config_.hang_ms);
+  // Without re-runs every member must fail fast on any failure: a survivor
+  // that gave up no longer sends what the others wait for.
+  coll_ =
+      std::make_unique<Channels>(*endpoint_, layout, Plane::kCollective,
+                                 config_.recover == kRecoverRerun ? Channels::Watch::kPeerOrEpoch
+                                                                  : Channels::Watch::kAnyWatched,
+                                 config_.hang_ms);
   p2p_ = std::make_unique<Channels>(*endpoint_, layout, Plane::kP2P, Channels::Watch::kPeer,
                                     config_.hang_ms);
   if (joining) {

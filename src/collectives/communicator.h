@@ -35,9 +35,11 @@
 //    completed, every survivor can. (An all_to_all of one step already ends
 //    with such a round, its verdicts on the split sizes: that one serves.)
 // An op that cannot complete raises: kPeerFailed naming the root of a rooted
-// op whose root failed, or the failed peer when recovery is off; kLeftOut on
-// a rank that the others left out (the agreement's decision); kTimeout when
-// re-runs among the same members do not complete in the op's timeout.
+// op whose root failed, or the failed peer when failures are not re-run
+// (CommConfig::recover: then the application settles the view with
+// sync_after_failure or deactivate, or the next op does); kLeftOut on a rank
+// that the others left out (the agreement's decision); kTimeout when re-runs
+// among the same members do not complete in the op's timeout.
 #pragma once
 
 #include <cstddef>
@@ -157,6 +159,20 @@ class Communicator {
   bool joining() const { return runner_->joining(); }
   // Blocks until the members admit this process, then connects to them.
   void join(int64_t timeout_ms = -1);
+
+  // --- membership changes the application asks for, in order with the ops ---
+  // When this rank holds a failure no view has settled yet (failures not
+  // re-run), a member has failed, or the others called an agreement: the
+  // members agree on a view without the failed ones (settled = true; also
+  // when an op of this rank failed and the others settled the view since).
+  // Otherwise nothing happens.
+  ViewChange sync_after_failure(int64_t timeout_ms = -1);
+  // Collective among the members that stay: they agree on a view without
+  // `slots` (dead or alive; a live one gets kLeftOut from its next op).
+  // Slots that are not members: nothing happens (rejected says why).
+  ViewChange deactivate(const std::vector<int>& slots, int64_t timeout_ms = -1);
+  // The ranks the ops since the last call found failed (OpRunner::take_failed).
+  std::vector<int> take_failed() { return runner_->take_failed(); }
 
  private:
   // What one rank sends to and receives from each slot in an exchange.

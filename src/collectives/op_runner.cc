@@ -19,9 +19,6 @@ namespace {
 
 // Re-runs among unchanged members before an op is given up as timed out.
 constexpr int kMaxStalledAttempts = 2;
-// How long members have to answer a recovery's announcement once the op's
-// own deadline has passed (capped by the op's timeout).
-constexpr int64_t kReportGraceMs = 500;
 
 }  // namespace
 
@@ -154,9 +151,11 @@ void OpRunner::joined(const View& view) {
 
 void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
                    const std::function<void()>& attempt) {
-  const bool recover_on = config_.recover != 0;
+  const bool rerun = config_.recover == kRecoverRerun;
   // The input a re-run needs, in a buffer kept across ops (no page faults).
-  const bool keep_input = recover_on && data.input_bytes() != 0;
+  // Kept in every mode: without re-runs of its own, an op still re-runs when
+  // the others call an agreement (sync_after_failure, deactivate_ranks).
+  const bool keep_input = data.input_bytes() != 0;
   if (keep_input) {
     if (saved_input_.size() < data.input_bytes()) saved_input_.resize(data.input_bytes());
     if (data.keeps_as_it_goes())
@@ -165,10 +164,19 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
       data.save_input(saved_input_.data());
   }
   // Errors that end the op: bad arguments, a dead root, this rank left out
-  // (kLeftOut, from the agreement: never peer_or_timeout), shutting down.
+  // (kLeftOut, from the agreement: never peer_or_timeout), shutting down;
+  // and, when failures are not re-run, any failure unless the others have
+  // called an agreement (which every member takes part in).
   auto final_error = [&](const Error& e) {
-    return !recover_on || !e.peer_or_timeout() || stopping_.load() || e.peer() == rank_ ||
-           (meta.root >= 0 && e.peer() == meta.root && !view_.is_member(meta.root));
+    if (!e.peer_or_timeout() || stopping_.load() || e.peer() == rank_ ||
+        (meta.root >= 0 && e.peer() == meta.root && !view_.is_member(meta.root)))
+      return true;
+    return !rerun && !agreement_called(endpoint_, view_.epoch);
+  };
+  auto fail = [&](const Error& e) {
+    note_failure(e);
+    finished(meta.seq, nullptr, true);
+    show(view_);
   };
   for (int attempt_no = 0;; ++attempt_no) {
     if (attempt_no > 0) {
@@ -177,39 +185,58 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
     }
     std::optional<Error> failure;
     attempt_epoch_ = view_.epoch;
-    try {
-      check_not_left_behind();  // a recovery started while this rank was away
-      if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root)) {
-        // Said in step with the others: one exchange of headers, so a member
-        // that named a live root gets a mismatch instead of waiting for this
-        // rank, and every member's op count stays the same.
-        header_round_(meta);
-        throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
-                    " has failed; the active ranks are ", view_.describe(), " (no data to return)");
-      }
-      meta.committed = false;
-      attempt();
-      if (finish == Finish::kCommit && members_.size() > 1 && !meta.committed)
-        header_round_(meta);  // the commit round
-      // A recovery called meanwhile does not undo a completed attempt: where
-      // the op did not complete, it can (kCommit) or gets this rank's result
-      // (kForward), and this rank reports at its next op, as one that
-      // completed a moment earlier does. Reporting now could deadlock: a
-      // member that completed this op may wait on this rank outside any op
-      // (a p2p receive), unable to report, and be left out.
-      if (told_left_out(endpoint_, view_.epoch)) check_not_left_behind();
-    } catch (const Error& e) {
-      // Stale messages from an abandoned attempt can look like a mismatch to
-      // a rank that was left out: it learns so first. A peer failure, not
-      // kLeftOut: the agreement it leads to decides whether this rank is out.
-      if (e.kind() == ErrorKind::kInvalidArgument && agreement_called(endpoint_, view_.epoch)) {
-        failure = Error(ErrorKind::kPeerFailed, "the group has moved on without this rank");
-      } else if (final_error(e)) {
-        finished(meta.seq, nullptr, true);
-        show(view_);
-        throw;
-      } else {
-        failure = e;
+    // kRecoverDeferred: a failure an earlier op met is settled before this op
+    // runs (it was that op's, so it is not recorded as this one's).
+    const bool settle_first = config_.recover == kRecoverDeferred && !pending_.empty();
+    if (settle_first) {
+      failure = Error(
+          ErrorKind::kPeerFailed,
+          str(meta.name, ": settling the failure of rank ", pending_[0], " that an earlier op met"),
+          pending_[0]);
+    } else {
+      try {
+        check_not_left_behind();  // a recovery started while this rank was away
+        if (latched_) {
+          for (int p : pending_) add_failed(p);
+          const int peer = pending_.empty() ? -1 : pending_[0];
+          throw_error(ErrorKind::kPeerFailed, peer, meta.name, ": an earlier op failed on ",
+                      peer >= 0 ? str("rank ", peer) : std::string("a failed peer"),
+                      " (the group's view is ", view_.describe(),
+                      "; failures are left to the application): call pg.sync_after_failure or "
+                      "pg.deactivate_ranks first");
+        }
+        if (meta.root >= 0 && meta.local_error.empty() && !view_.is_member(meta.root)) {
+          // Said in step with the others: one exchange of headers, so a member
+          // that named a live root gets a mismatch instead of waiting for this
+          // rank, and every member's op count stays the same.
+          header_round_(meta);
+          throw_error(ErrorKind::kPeerFailed, meta.root, meta.name, ": root rank ", meta.root,
+                      " has failed; the active ranks are ", view_.describe(),
+                      " (no data to return)");
+        }
+        meta.committed = false;
+        attempt();
+        if (finish == Finish::kCommit && members_.size() > 1 && !meta.committed)
+          header_round_(meta);  // the commit round
+        // A recovery called meanwhile does not undo a completed attempt: where
+        // the op did not complete, it can (kCommit) or gets this rank's result
+        // (kForward), and this rank reports at its next op, as one that
+        // completed a moment earlier does. Reporting now could deadlock: a
+        // member that completed this op may wait on this rank outside any op
+        // (a p2p receive), unable to report, and be left out.
+        if (told_left_out(endpoint_, view_.epoch)) check_not_left_behind();
+      } catch (const Error& e) {
+        // Stale messages from an abandoned attempt can look like a mismatch to
+        // a rank that was left out: it learns so first. A peer failure, not
+        // kLeftOut: the agreement it leads to decides whether this rank is out.
+        if (e.kind() == ErrorKind::kInvalidArgument && agreement_called(endpoint_, view_.epoch)) {
+          failure = Error(ErrorKind::kPeerFailed, "the group has moved on without this rank");
+        } else if (final_error(e)) {
+          fail(e);
+          throw;
+        } else {
+          failure = e;
+        }
       }
     }
     bool completed = !failure;
@@ -217,12 +244,11 @@ void OpRunner::run(OpMeta& meta, Finish finish, OpData& data,
       MC_LOG(kInfo, meta.name, " #", meta.seq, " failed at epoch ", view_.epoch, ": ",
              failure->what());
       try {
-        completed = recover(meta, finish, data, *failure, attempt_no);
+        completed = recover(meta, finish, data, *failure, attempt_no, {}, !settle_first);
         failure.reset();
       } catch (const Error& e) {
         if (final_error(e)) {
-          finished(meta.seq, nullptr, true);
-          show(view_);
+          fail(e);
           throw;
         }
         failure = e;
@@ -254,7 +280,7 @@ void OpRunner::finished(uint64_t seq, const OpData* result, bool failed) {
 }
 
 bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Error& cause,
-                       int attempts) {
+                       int attempts, const std::vector<int>& drop, bool record_lost) {
   Report mine;
   mine.rank = rank_;
   mine.pending = meta.seq;
@@ -272,10 +298,10 @@ bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Er
   // itself follows, and a short grace beyond it to answer: a rank that never
   // calls the op is left out about one timeout after the op began, not two.
   const Deadline until =
-      meta.deadline.latest(Deadline::after_ms(std::min(meta.timeout_ms, kReportGraceMs)));
+      meta.deadline.latest(Deadline::after_ms(std::min(meta.timeout_ms, config_.report_grace_ms)));
   Decision d;
   try {
-    d = agree_on_view(store_, prefix_, view_, mine, responsive, until);
+    d = agree_on_view(store_, prefix_, view_, mine, responsive, until, drop);
   } catch (const Error& e) {
     // The ranks that reach the store agree without this one: it is out (and
     // retrying would only spin until the store answers again).
@@ -288,7 +314,13 @@ bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Er
                 "is_extension=True");
   }
   if (view_.epoch == attempt_epoch_) attempt_view_ = view_;
+  const std::vector<int> was = members_;
   apply(d.view, /*show=*/false);
+  // The view has settled every failure met so far: those still in it reported.
+  pending_.clear();
+  if (record_lost)
+    for (int p : was)
+      if (!d.view.is_member(p)) add_failed(p);
   // The op to settle is the earliest pending one; a member ahead of it has
   // completed it (ops complete in order and need every member).
   uint64_t c = meta.seq;
@@ -316,8 +348,16 @@ bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Er
     return false;
   }
   if (meta.seq == c && failed_somewhere) {
-    // It ended in an error where it completed (a rank rejected its arguments).
+    // It ended in an error where it completed: a rank rejected its arguments,
+    // or, when failures are not re-run, met a failed peer.
     finished(meta.seq, nullptr, true);
+    if (config_.recover != kRecoverRerun) {
+      int lost = -1;  // a rank this agreement left out: the likely cause
+      for (int p : was)
+        if (lost < 0 && !d.view.is_member(p)) lost = p;
+      throw_error(ErrorKind::kPeerFailed, lost, meta.name,
+                  ": the op failed on the other ranks (a peer failed) while this rank waited");
+    }
     throw_error(ErrorKind::kInvalidArgument, -1, meta.name,
                 ": the op failed on the other ranks (a rank rejected its arguments) while this "
                 "rank was cut off by a failure");
@@ -337,6 +377,66 @@ bool OpRunner::recover(const OpMeta& meta, Finish finish, OpData& data, const Er
     for (const Report& r : d.reports)
       if (r.pending == c) send_result(c, r.rank, Deadline::after_ms(meta.timeout_ms));
   return false;
+}
+
+void OpRunner::add_failed(int peer) {
+  if (peer < 0 || peer >= capacity_ || peer == rank_) return;
+  if (std::find(failed_.begin(), failed_.end(), peer) == failed_.end()) failed_.push_back(peer);
+  if (config_.recover != kRecoverRerun && view_.is_member(peer) &&
+      std::find(pending_.begin(), pending_.end(), peer) == pending_.end())
+    pending_.push_back(peer);
+}
+
+void OpRunner::note_failure(const Error& e) {
+  if (!e.peer_or_timeout()) return;
+  if (config_.recover == kRecoverOff) latched_ = true;
+  add_failed(e.peer());
+  for (int p : members_)
+    if (p != rank_ && !coll_.peer_problem(p).empty()) add_failed(p);
+}
+
+ViewChange OpRunner::settle(const char* what, int64_t timeout_ms, const std::vector<int>& drop,
+                            bool only_if_called) {
+  MC_CHECK_ARG(!joining_, what,
+               ": this process joins a running group (is_extension=True): call "
+               "pg.join_group() first");
+  const int64_t t = timeout_ms >= 0 ? timeout_ms : config_.timeout_ms;
+  // Numbered as the next op, which it does not take: the reports then say
+  // this rank is between ops, so the agreement has it hand on a result it
+  // holds to a member that missed it.
+  OpMeta meta{OpType::kBarrier,      DType::kUInt8, RedOp::kSum, -1, 0, op_seq_ + 1, t,
+              Deadline::after_ms(t), what,          {}};
+  const std::vector<int> before = members_;
+  auto needed = [&] {
+    if (agreement_called(endpoint_, view_.epoch)) return true;
+    if (only_if_called) return false;
+    if (!drop.empty())
+      return std::any_of(drop.begin(), drop.end(), [&](int q) { return view_.is_member(q); });
+    if (!pending_.empty()) return true;
+    for (int p : members_)
+      if (p != rank_ && !coll_.peer_problem(p).empty()) return true;
+    return false;
+  };
+  ViewChange out;
+  HostOpData nothing({}, {});
+  while (needed()) {
+    if (stopping_.load())
+      throw_error(ErrorKind::kPeerFailed, -1, what, ": the process group is shutting down");
+    // Each round moves the epoch on; a drop that another round's decision
+    // did not take (it was made first) goes into the next one.
+    if (out.agreed && meta.deadline.expired())
+      throw_error(ErrorKind::kTimeout, -1, what, ": the members did not settle on a view within ",
+                  t, " ms");
+    recover(meta, Finish::kCommit, nothing, Error(ErrorKind::kPeerFailed, what), 0, drop, false);
+    out.agreed = true;
+  }
+  out.settled = out.agreed || latched_;
+  latched_ = false;
+  show(view_);
+  out.epoch = view_.epoch;
+  for (int p : before)
+    if (!view_.is_member(p)) out.lost.push_back(p);
+  return out;
 }
 
 void OpRunner::send_result(uint64_t seq, int to, const Deadline& deadline) {

@@ -104,7 +104,7 @@ class HostOpData final : public OpData {
   bool keeps_as_it_goes() const override { return as_it_goes_; }
   void keep_into(uint8_t* to) override { keep_ = to; }
   // Copies [p, p + len) of the in-place input into the kept buffer (nothing
-  // when no buffer was given: recovery is off, or the op keeps nothing).
+  // when no buffer was given: the op keeps nothing).
   void keep(const void* p, size_t len);
   // [p, p + len) of the in-place input is (about to be) overwritten.
   void overwrite(const void* p, size_t len);
@@ -122,6 +122,16 @@ class HostOpData final : public OpData {
   bool as_it_goes_ = false;
   uint8_t* keep_ = nullptr;
   std::vector<std::pair<size_t, size_t>> overwritten_;  // [begin, end) byte ranges
+};
+
+// What a membership change outside an op did (OpRunner::settle).
+struct ViewChange {
+  uint64_t epoch = 0;     // the view's epoch afterwards
+  std::vector<int> lost;  // members before that are not members afterwards
+  bool agreed = false;    // the members agreed on a new view
+  // That, or a failure an op of this rank met (kRecoverOff) is now settled.
+  bool settled = false;
+  std::string rejected;  // not tried, and why (deactivate_ranks of inactive ranks)
 };
 
 class OpRunner {
@@ -167,11 +177,30 @@ class OpRunner {
   // Wakes blocked waits and makes them fail: the group is going away.
   void stop() { stopping_.store(true); }
 
+  // Membership changes outside any op, in order with the ops. With `drop`
+  // empty (sync_after_failure): when this rank holds a failure no view has
+  // settled yet (kRecoverOff, kRecoverDeferred), a member is failed, or the
+  // others called an agreement, the members agree on a view without the
+  // failed ones; otherwise nothing happens. With `drop` (deactivate_ranks,
+  // called by the members that stay): they agree on a view without `drop`.
+  // `only_if_called`: only take part in an agreement the others called.
+  ViewChange settle(const char* what, int64_t timeout_ms, const std::vector<int>& drop,
+                    bool only_if_called = false);
+  // The ranks the ops since the last call found failed (left out by an
+  // agreement, or named by an op's failure), in the order found.
+  std::vector<int> take_failed() { return std::exchange(failed_, {}); }
+
  private:
   // After a failed attempt: agreement, the new view, and handing on results.
   // True when the op is complete without a re-run.
-  // `attempts`: re-runs of this op so far.
-  bool recover(const OpMeta& meta, Finish finish, OpData& data, const Error& cause, int attempts);
+  // `attempts`: re-runs of this op so far. `drop`: see agree_on_view.
+  // `record_lost`: the members the agreement leaves out failed in this op.
+  bool recover(const OpMeta& meta, Finish finish, OpData& data, const Error& cause, int attempts,
+               const std::vector<int>& drop = {}, bool record_lost = true);
+  // An op failed for good with `e`: its failed peers go to failed_ and, when
+  // failures are not re-run, to pending_ (and kRecoverOff latches).
+  void note_failure(const Error& e);
+  void add_failed(int peer);
   // Throws a recoverable error when a recovery was called at this rank's epoch.
   void check_not_left_behind();
   // Records op `seq` as done: with its result kept (kForward), or failed.
@@ -211,6 +240,15 @@ class OpRunner {
   bool has_kept_ = false;
   std::vector<uint8_t> kept_;
   std::vector<uint8_t> saved_input_;  // the input of an in-place op, for a re-run
+  // Failed members an op met that no agreement has settled yet (kRecoverOff,
+  // kRecoverDeferred), and what take_failed returns.
+  std::vector<int> pending_;
+  std::vector<int> failed_;
+  // kRecoverOff: an op of this rank failed on a failed peer, so its ops fail
+  // at once until the application calls settle() (sync_after_failure,
+  // deactivate_ranks). Per rank, so that every rank that saw the op fail
+  // fails the same later calls, also one whose view the others settled.
+  bool latched_ = false;
 };
 
 }  // namespace mooncake

@@ -1,6 +1,7 @@
 // The Communicator's membership ops: admitting new processes into the group
-// (recover_ranks) and joining one as such a process. Running ops across
-// failures is OpRunner's (op_runner.h).
+// (recover_ranks), joining one as such a process, and the changes the
+// application asks for (sync_after_failure, deactivate_ranks). Running ops
+// across failures is OpRunner's (op_runner.h).
 #include <signal.h>
 
 #include <algorithm>
@@ -164,6 +165,41 @@ void Communicator::join(int64_t timeout_ms) {
   runner_->connect_new(view, others, deadline);
   runner_->joined(view);
   barrier(timeout_ms);  // the members' last step of admit()
+}
+
+ViewChange Communicator::sync_after_failure(int64_t timeout_ms) {
+  return runner_->settle("sync_after_failure", timeout_ms, {});
+}
+
+ViewChange Communicator::deactivate(const std::vector<int>& slots, int64_t timeout_ms) {
+  MC_CHECK_ARG(!slots.empty(), "deactivate_ranks: ranks is empty");
+  for (int q : slots) {
+    MC_CHECK_ARG(q >= 0 && q < capacity_,
+                 "deactivate_ranks: ranks must be in [0, max_world_size=", capacity_, "), got ", q);
+    MC_CHECK_ARG(std::count(slots.begin(), slots.end(), q) == 1, "deactivate_ranks: rank ", q,
+                 " is named twice");
+    MC_CHECK_ARG(q != rank_, "deactivate_ranks: rank ", q,
+                 " is this rank: the ranks that stay call it, naming the others");
+  }
+  // First an agreement the others called (likely their deactivate_ranks of
+  // the same ranks, which this one joins with its own): the ranks are judged
+  // against the view that every member holds afterwards.
+  ViewChange change = runner_->settle("deactivate_ranks", timeout_ms, slots, true);
+  auto members_among = [&] {
+    return std::any_of(slots.begin(), slots.end(),
+                       [&](int q) { return runner_->view().is_member(q); });
+  };
+  if (change.agreed && !members_among()) return change;
+  std::string inactive;
+  for (int q : slots)
+    if (!change.agreed && !runner_->view().is_member(q))
+      inactive += (inactive.empty() ? "" : ", ") + str(q);
+  if (!inactive.empty()) {
+    change.rejected = str("deactivate_ranks: ranks [", inactive,
+                          "] are not active; the active ranks are ", runner_->view().describe());
+    return change;
+  }
+  return runner_->settle("deactivate_ranks", timeout_ms, slots);
 }
 
 }  // namespace mooncake

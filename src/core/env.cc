@@ -42,7 +42,16 @@ const std::vector<EnvVar>& env_registry() {
        "then cannot take part in agreements; the ranks that reach it go on without it."},
       {"MOONCAKE_RECOVER", "1",
        "1: when a rank fails, the survivors agree on the new group and re-run the op; 0: the "
-       "op fails with an error instead."},
+       "op fails with an error instead, and so do later ops until pg.sync_after_failure."},
+      {"MOONCAKE_PG_AUTO_DEACTIVATE_ON_FAILURE", "1",
+       "For groups created without pg_options: 1: a failed rank leaves the group "
+       "automatically; 0: the op that meets it fails and the rank stays in the view until "
+       "the application calls pg.sync_after_failure or pg.deactivate_ranks."},
+      {"MOONCAKE_PG_AUTO_SYNC_ON_FAILURE", "",
+       "For groups created without pg_options: 1: the op that meets a failure waits for the "
+       "survivors' new view and re-runs among them; 0: it fails, and the next op (or "
+       "pg.sync_after_failure) settles the new view first; unset: as "
+       "MOONCAKE_PG_AUTO_DEACTIVATE_ON_FAILURE. 1 needs MOONCAKE_PG_AUTO_DEACTIVATE_ON_FAILURE=1."},
       {"MOONCAKE_EP_WAIT_CAP_MS", "60000",
        "EP device path: how long a kernel waits for a silent peer when timeout_us is -1; "
        "past it the peer is masked, so no kernel spins forever."},

@@ -96,6 +96,8 @@ class EpBuffer {
 
   int device() const { return device_; }
   size_t bytes() const { return workspace_.size(); }
+  // The workspace's first byte (device memory of bytes() bytes on device()).
+  uint8_t* workspace() const { return workspace_.data(); }
   int sm_count() const { return sm_count_; }
   // This workspace's card (peers.h), encoded, for the peers to map it.
   const std::string& card() const { return card_; }

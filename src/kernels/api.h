@@ -77,7 +77,7 @@ struct DispatchArgs {
   int32_t topk;  // K <= EpLayout::kMaxTopk
   bool use_fp8;
   void* recv_x;           // [E/R, R*T, H] of x_dtype, or e4m3 with FP8
-  float* recv_scales;     // [E/R, R*T, H/128] with FP8, else null
+  float* recv_scales;     // [E/R, H/128, R*T] (token stride 1) with FP8, else null
   int32_t* recv_count;    // [E/R]
   int32_t* src_info;      // [E/R, R*T]: source token per row, -1 past recv_count
   int64_t* layout_range;  // [E/R, R]: offset << 32 | count per source

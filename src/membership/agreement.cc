@@ -75,14 +75,43 @@ constexpr size_t kEveryoneGathers = 64;
 constexpr int64_t kTakeoverMs = 10;
 constexpr int64_t kWaitMs = 20;  // the longest a rank not in line sleeps between looks
 
+std::string encode_drop(const std::vector<int>& drop) {
+  std::string s = std::to_string(drop.size());
+  for (int q : drop) {
+    s += ' ';
+    s += std::to_string(q);
+  }
+  return s;
+}
+
+// The drop set proposed for the round, as a mask over the view's slots.
+std::vector<uint8_t> decode_drop(const std::string& text, const std::string& key, int capacity) {
+  RecordReader in(text, "drop set under '" + key + "'");
+  const int n = in.number<int>("count", 0, capacity);
+  std::vector<uint8_t> mask(static_cast<size_t>(capacity), 0);
+  for (int i = 0; i < n; ++i) mask[in.number<int>("rank", 0, capacity - 1)] = 1;
+  in.end();
+  return mask;
+}
+
 }  // namespace
 
 Decision agree_on_view(Store& store, const std::string& prefix, const View& current,
-                       const Report& mine, const Probe& responsive, const Deadline& deadline) {
+                       const Report& mine, const Probe& responsive, const Deadline& deadline,
+                       const std::vector<int>& drop) {
   const std::string base = prefix + "epoch/" + std::to_string(current.epoch) + "/";
   const std::string decision_key = base + "decision";
+  const std::string drop_key = base + "drop";
   const std::vector<int> members = current.members();
   const bool in_line = members.size() > kEveryoneGathers;
+  // Proposed before the report, so whoever reads the report can read it.
+  if (!drop.empty()) store.compare_set(drop_key, encode_drop(drop));
+  std::vector<uint8_t> dropped;  // read once proposed; empty: none (yet)
+  auto read_drop = [&] {
+    if (dropped.empty() && store.check(drop_key))
+      dropped = decode_drop(store.get(drop_key, 1000), drop_key, current.capacity());
+  };
+  auto is_dropped = [&](int q) { return !dropped.empty() && dropped[q] != 0; };
   // Counted before it is posted: a count ahead of the reports only starts
   // the takeover clocks early, while one behind them would stop them.
   if (in_line) store.add(base + "reported", 1);
@@ -99,8 +128,9 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
     }
     if (in_line && !deadline.expired()) {
       int64_t ahead = 0, responsive_members = 0;  // as far as this rank can tell
+      read_drop();
       for (int q : members) {
-        const bool live = q == mine.rank || responsive(q);
+        const bool live = q == mine.rank || (responsive(q) && !is_dropped(q));
         responsive_members += live;
         if (q < mine.rank && live) ++ahead;
       }
@@ -122,8 +152,9 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
       }
     }
     bool settled = true;  // every member reported or is out
+    read_drop();
     for (int q : members) {
-      if (!reports[q].empty()) continue;
+      if (!reports[q].empty() || is_dropped(q)) continue;
       // Probed before the store is read: a member that reports and then dies
       // between the two reads would otherwise count as out, with its report in.
       const bool alive = q == mine.rank || responsive(q);
@@ -150,10 +181,13 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
     }
     if (!decided.empty()) break;
     if (settled || deadline.expired()) {
+      // Again: a proposal made after the last look came before the reports read since.
+      read_drop();
       Decision d;
       d.view = current;
       d.view.epoch = current.epoch + 1;
       for (int q : members) {
+        if (is_dropped(q)) reports[q].clear();
         d.view.active[q] = !reports[q].empty();
         d.view.since[q] = d.view.epoch;  // abandoned ops: every channel restarts
         if (!reports[q].empty()) d.reports.push_back(Report::decode(reports[q]));
@@ -169,6 +203,12 @@ Decision agree_on_view(Store& store, const std::string& prefix, const View& curr
     throw_error(ErrorKind::kInternal, -1, "malformed agreement decision under '", decision_key,
                 "' in the store: epoch ", d.view.epoch, " with ", d.view.capacity(),
                 " slots, expected epoch ", current.epoch + 1, " with ", current.capacity());
+  if (!d.view.is_member(mine.rank)) read_drop();
+  if (!d.view.is_member(mine.rank) && is_dropped(mine.rank))
+    throw_error(ErrorKind::kLeftOut, mine.rank, "rank ", mine.rank,
+                " was left out of the group by the other ranks at epoch ", current.epoch,
+                ": they removed it with deactivate_ranks; it can rejoin as a new process with "
+                "is_extension=True");
   if (!d.view.is_member(mine.rank))
     throw_error(ErrorKind::kLeftOut, mine.rank, "rank ", mine.rank,
                 " was left out of the group by the other ranks at epoch ", current.epoch,

@@ -64,8 +64,14 @@ using Probe = std::function<bool(int)>;
 
 // Runs one round of agreement for `current.epoch`. Throws a kLeftOut Error
 // (peer: this rank) when the decision leaves this rank out (it was taken for
-// dead).
+// dead, or dropped).
+//
+// `drop` (deactivate_ranks): members to leave out whether or not they report.
+// The first non-empty set proposed for the epoch wins (<prefix>epoch/<e>/drop,
+// written before the report); nobody waits for its members, and the decision
+// leaves them out.
 Decision agree_on_view(Store& store, const std::string& prefix, const View& current,
-                       const Report& mine, const Probe& responsive, const Deadline& deadline);
+                       const Report& mine, const Probe& responsive, const Deadline& deadline,
+                       const std::vector<int>& drop = {});
 
 }  // namespace mooncake

@@ -13,8 +13,10 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -22,18 +24,52 @@
 #include "collectives/p2p.h"
 #include "collectives/request.h"
 #include "core/error.h"
+#include "torch/work.h"
 #include "transport/engine.h"
 
 namespace mooncake {
 
-// pg.MooncakeBackendOptions(active_ranks[, is_extension[, max_world_size]]).
+// pg.MooncakeBackendOptions: upstream's six constructors (bind_backend.cc)
+// fill it. Checked here, once.
 struct MooncakeBackendOptions : c10d::Backend::Options {
   MooncakeBackendOptions(at::Tensor active_ranks, bool is_extension,
-                         std::optional<int64_t> max_world_size);
-  at::Tensor active_ranks;  // undefined: all ranks active
+                         std::optional<int64_t> max_world_size,
+                         bool auto_deactivate_on_failure = true, bool auto_sync_on_failure = true);
+  // The same options for another mask (`active` may be undefined).
+  c10::intrusive_ptr<MooncakeBackendOptions> with_mask(at::Tensor active) const;
+  at::Tensor active_ranks;  // undefined: the backend makes its own, all active
   bool is_extension = false;
-  std::optional<int64_t> max_world_size;
+  std::optional<int64_t> max_world_size;  // upstream's max_group_size
+  // What an op does when it meets a failed peer (core/comm_config.h): both
+  // on: the survivors agree and re-run it (kRecoverRerun); sync off: it
+  // fails and the next op settles the view (kRecoverDeferred); deactivate
+  // off: it fails and the view waits for the application (kRecoverOff).
+  bool auto_deactivate_on_failure = true;
+  bool auto_sync_on_failure = true;
 };
+
+// pg.ProposeViewUpdateResponse and pg.SyncAfterFailureResponse, with
+// upstream's status values.
+enum class ProposalStatus { kRejected = 0, kApplied = 1, kAppliedWithDroppedRanks = 2 };
+struct ProposalResponse {
+  ProposalStatus status = ProposalStatus::kRejected;
+  int64_t new_epoch = 0;
+  std::vector<int64_t> dropped_ranks;  // left the view beyond what was asked, or not admitted
+  std::string reject_reason;
+};
+enum class SyncStatus { kReconciled = 0, kNoPending = 1, kRejected = 2 };
+struct SyncResponse {
+  SyncStatus status = SyncStatus::kNoPending;
+  std::string reject_reason;
+};
+
+// Process-wide defaults for groups created afterwards (pg.set_*_us); < 0: unset.
+struct GroupDefaults {
+  std::atomic<int64_t> collective_timeout_ms{-1};
+  std::atomic<int64_t> p2p_timeout_ms{-1};
+  std::atomic<int64_t> report_grace_ms{-1};
+};
+GroupDefaults& group_defaults();
 
 class MooncakeBackend : public c10d::Backend {
  public:
@@ -116,7 +152,16 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<bool> get_peer_state(const std::vector<int64_t>& ranks);
   // Collective among the members: admits the waiting processes (with
   // `wait`, waits for processes that have not shown up yet).
-  void recover_ranks(const std::vector<int64_t>& ranks, bool wait = false);
+  ProposalResponse recover_ranks(const std::vector<int64_t>& ranks, bool wait = false);
+  // Collective among the members that stay: a view without `ranks`.
+  ProposalResponse deactivate_ranks(const std::vector<int64_t>& ranks);
+  // Settles a failure an op met (Communicator::sync_after_failure).
+  SyncResponse sync_after_failure();
+  // The view's epoch, as active_ranks shows it.
+  int64_t current_epoch() const;
+  const c10::intrusive_ptr<MooncakeBackendOptions>& options() const { return options_; }
+  // (collective op, p2p op, report grace) in ms: what pg.set_*_us gave this group.
+  std::tuple<int64_t, int64_t, int64_t> timeouts_ms() const;
   bool joining() const { return comm_ && comm_->joining(); }
   // A process created with is_extension=True: waits until admitted.
   void join_group();
@@ -169,11 +214,15 @@ class MooncakeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> p2p_op(c10d::OpType type, std::vector<at::Tensor> outputs,
                                         const std::function<Post()>& check);
   // A Work for `request` (counted in a coalescing block); `queue` is the
-  // queue it runs on, if any, so that a waiter can help run it.
+  // queue it runs on, if any, so that a waiter can help run it; `failed`,
+  // what its task records of failed peers.
   c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
                                       std::vector<at::Tensor> outputs,
-                                      std::weak_ptr<OpQueue> queue = {});
+                                      std::weak_ptr<OpQueue> queue = {},
+                                      FailedRanks failed = nullptr);
   P2P& p2p();
+  // The group's slots (max_world_size): the length of a Work's failed-ranks hint.
+  int slots() const { return static_cast<int>(active_ranks_.numel()); }
   // Copies a view into the active_ranks tensor (on the op thread).
   void show_view(const View& view);
   // Runs `task` on the op queue, in order with the collectives, and waits.
@@ -190,6 +239,7 @@ class MooncakeBackend : public c10d::Backend {
   at::Tensor active_ranks_;
   mutable std::mutex view_mu_;
   int num_members_ = 0;
+  int64_t epoch_ = 0;                     // the shown view's, under view_mu_
   std::atomic<int64_t> view_version_{0};  // bumped whenever show_view writes the view
   int64_t extended_size_ = 0;
   // The width of a per-rank list of `n` entries: the world size, or the size
@@ -201,8 +251,11 @@ class MooncakeBackend : public c10d::Backend {
   // check then names what is wrong).
   int parts_width(int64_t whole, int64_t part) const;
   int64_t timeout_ms_;
+  int64_t p2p_timeout_ms_;  // pg.set_p2p_timeout_us's when > 0, else timeout_ms_
+  int64_t p2p_timeout_ms() const { return p2p_timeout_ms_ > 0 ? p2p_timeout_ms_ : timeout_ms_; }
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Request>> coalesced_;
+  std::vector<FailedRanks> coalesced_failed_;
   // Inside a coalescing block (batch_isend_irecv): the p2p ops to post at
   // endCoalescing, each with the Request its Work waits on, and the first
   // argument error, which endCoalescing raises instead (torch's block has

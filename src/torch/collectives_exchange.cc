@@ -72,16 +72,20 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
     const c10d::AllgatherOptions& opts) {
   check_count(outputs.size(), inputs.size(), "all_gather_coalesced", "output_tensor_lists");
   std::vector<std::shared_ptr<Request>> parts;
+  std::vector<FailedRanks> failed;
   std::vector<at::Tensor> results;
   for (size_t i = 0; i < inputs.size(); ++i) {
     std::vector<std::vector<at::Tensor>> o{outputs[i]};
     std::vector<at::Tensor> in{inputs[i]};
     auto work = allgather(o, in, opts);
-    parts.push_back(static_cast<MooncakeWork*>(work.get())->request());
+    auto* part = static_cast<MooncakeWork*>(work.get());
+    parts.push_back(part->request());
+    failed.insert(failed.end(), part->failed_records().begin(), part->failed_records().end());
     results.insert(results.end(), outputs[i].begin(), outputs[i].end());
   }
   return c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::ALLGATHER_COALESCED, all_of(parts),
-                                           results);
+                                           results, std::weak_ptr<OpQueue>{}, slots(),
+                                           std::move(failed));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(

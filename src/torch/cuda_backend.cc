@@ -31,10 +31,7 @@ c10::intrusive_ptr<MooncakeBackendOptions> host_options(
     const c10::intrusive_ptr<MooncakeBackendOptions>& options) {
   if (!options || !options->active_ranks.defined() || options->active_ranks.is_cpu())
     return options;
-  auto host = c10::make_intrusive<MooncakeBackendOptions>(
-      options->active_ranks.cpu(), options->is_extension, options->max_world_size);
-  host->timeout = options->timeout;
-  return host;
+  return options->with_mask(options->active_ranks.cpu());
 }
 
 const void* cptr(const at::Tensor& t) {

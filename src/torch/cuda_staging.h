@@ -87,7 +87,7 @@ struct StagedOp {
 
 // The Work of a staged op (or of a coalesced block of them): done when the
 // host op is and its results have been queued back to the device.
-class MooncakeCudaWork final : public c10d::Work {
+class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
  public:
   MooncakeCudaWork(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> host,
                    std::vector<std::shared_ptr<StagedOp>> stages, int device,
@@ -136,6 +136,7 @@ class MooncakeCudaWork final : public c10d::Work {
   int sourceRank() const override { return host_->sourceRank(); }
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  MooncakeWork& mooncake_work() const override { return *static_cast<MooncakeWork*>(host_.get()); }
 
   // Waits for the host op (bounded by `timeout`), then makes the caller's
   // current stream wait for the results' copies; the host never waits for the GPU.

@@ -309,7 +309,11 @@ class EpDevice {
           const auto opts = x.options();
           return std::vector<at::Tensor>{
               at::empty({epr, cols, H}, opts.dtype(dtype)),
-              at::empty({use_fp8 ? epr : 0, cols, H / EpLayout::kFp8Block}, opts.dtype(at::kFloat)),
+              // Token stride 1, as upstream's (FP8 grouped GEMMs read scales so);
+              // strided, not a transpose: a view keeps its base, and the pool
+              // reuses a set only when its own reference is the last.
+              at::empty_strided({use_fp8 ? epr : 0, cols, H / EpLayout::kFp8Block},
+                                {H / EpLayout::kFp8Block * cols, 1, cols}, opts.dtype(at::kFloat)),
               at::empty({epr}, opts.dtype(at::kInt)),
               at::empty({epr, cols}, opts.dtype(at::kInt)),
               at::empty({epr, l.shape.num_ranks}, opts.dtype(at::kLong)),
@@ -337,9 +341,11 @@ class EpDevice {
 void register_ep_device(py::module_& m) {
   // The GIL is released where a call may wait for the device (the peer table's changes).
   using R = py::call_guard<py::gil_scoped_release>;
-  py::class_<EpDevice>(m, "EpDevice",
-                       "The EP device path's buffer (src/device/ep.h): its workspace, its peers' "
-                       "mappings and the kernels' launches (mooncake/ep/device.py drives it).")
+  // Held by shared_ptr: a workspace() view's storage keeps its EpDevice alive.
+  py::class_<EpDevice, std::shared_ptr<EpDevice>>(
+      m, "EpDevice",
+      "The EP device path's buffer (src/device/ep.h): its workspace, its peers' "
+      "mappings and the kernels' launches (mooncake/ep/device.py drives it).")
       .def(py::init<int64_t, int64_t>(), py::arg("bytes"), py::arg("device"))
       .def("card", &EpDevice::card)
       .def(
@@ -348,6 +354,16 @@ void register_ep_device(py::module_& m) {
           py::arg("card"))
       .def_property_readonly("bytes",
                              [](EpDevice& d) { return static_cast<int64_t>(d.ep().bytes()); })
+      .def("workspace",
+           [](const std::shared_ptr<EpDevice>& d) {
+             // The whole workspace as uint8 [bytes], without a copy. Its storage holds
+             // the EpDevice, so no view outlives the memory it shows.
+             const auto opts =
+                 at::TensorOptions().dtype(at::kByte).device(at::kCUDA, d->ep().device());
+             return at::from_blob(
+                 d->ep().workspace(), {static_cast<int64_t>(d->ep().bytes())},
+                 [keep = d](void*) mutable { keep.reset(); }, opts);
+           })
       .def_property_readonly("sm_count", [](EpDevice& d) { return d.ep().sm_count(); })
       .def_property_readonly("num_blocks", [](EpDevice& d) { return d.ep().num_blocks(); })
       .def(

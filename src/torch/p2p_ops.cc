@@ -10,7 +10,7 @@ P2P& MooncakeBackend::p2p() {
   std::lock_guard<std::mutex> lock(p2p_mu_);
   MC_CHECK_ARG(comm_ != nullptr, getBackendName(), ": the process group was shut down");
   if (!p2p_)
-    p2p_ = std::make_unique<P2P>(comm_->p2p_channels(), rank_, comm_->capacity(), timeout_ms_);
+    p2p_ = std::make_unique<P2P>(comm_->p2p_channels(), rank_, comm_->capacity(), p2p_timeout_ms());
   return *p2p_;
 }
 

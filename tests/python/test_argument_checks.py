@@ -212,7 +212,11 @@ def elastic(ctx):
 
     if "elastic" not in _state:
         buf = Buffer.create_elastic(
-            ctx.rank, ctx.store, timeout_ms=20000, metadata_timeout_ms=60000, store_prefix="ep/"
+            rank=ctx.rank,
+            tcp_store_group=ctx.store,
+            timeout_ms=20000,
+            metadata_timeout_ms=60000,
+            store_prefix="ep/",
         )
         buf.update_memory_buffers(num_ranks=CAPACITY, num_experts_per_rank=EPR)
         buf.connect_ranks([q for q in range(ctx.world_size) if q != ctx.rank], activate=True)
@@ -232,13 +236,46 @@ def create_elastic(**kw):
     return call
 
 
-def fresh_elastic(ctx, slot: int | None = None):
+def fresh_elastic(ctx, slot: int | None = None, store=True, **kw):
     """A new elastic buffer of this process (its own store prefix), not allocated yet."""
     from mooncake.mooncake_ep_buffer import Buffer
 
-    return Buffer.create_elastic(
-        ctx.rank if slot is None else slot, ctx.store, store_prefix="fresh/"
-    )
+    args = dict(rank=ctx.rank if slot is None else slot, store_prefix="fresh/")
+    args.update(tcp_store_group=ctx.store if store else None, **kw)
+    return Buffer.create_elastic(**args)
+
+
+def destroyed_elastic(ctx):
+    """A buffer of this process alone (its own store prefix), allocated and destroyed."""
+    buf = fresh_elastic(ctx, explicitly_destroy=True, store_prefix=f"gone{ctx.rank}/")
+    buf.update_memory_buffers(CAPACITY, EPR)
+    buf.destroy()
+    return buf
+
+
+def upstream_dispatch(**kw):
+    """The launch's elastic buffer's dispatch in upstream's elastic form (shape of
+    ``elastic_ranks.bad_dispatch``), with ``kw`` added."""
+
+    def call(ctx):
+        x = torch.zeros(4, 128, dtype=torch.bfloat16)
+        idx = torch.zeros(4, 1, dtype=torch.int64)
+        elastic(ctx).dispatch(x, idx, 8, EPR * 2, use_fp8=False, **kw)
+
+    return call
+
+
+def upstream_combine(handle=None, **kw):
+    """The launch's elastic buffer's combine in upstream's elastic form."""
+
+    def call(ctx):
+        y = torch.zeros(EPR, 2 * 8, 128, dtype=torch.bfloat16)
+        idx = torch.zeros(4, 1, dtype=torch.int64)
+        w = torch.ones(4, 1)
+        h = handle if handle is not None else (torch.zeros(EPR, 16), torch.zeros(EPR, 2), 8, 128)
+        elastic(ctx).combine(y, idx, w, h, **kw)
+
+    return call
 
 
 def peer(ctx) -> int:
@@ -254,6 +291,12 @@ def elastic_dispatch(num_experts):
     from elastic_ranks import bad_dispatch
 
     return lambda ctx: bad_dispatch(elastic(ctx), num_experts)
+
+
+def bad_dispatch_of(buf):
+    from elastic_ranks import bad_dispatch
+
+    return bad_dispatch(buf, EPR * 2)
 
 
 def _p2p_batch(ctx):
@@ -279,6 +322,12 @@ def init_with(options: Callable) -> Callable:
 
 def _i32(*shape, **kw):
     return torch.ones(*shape, dtype=torch.int32, **kw)
+
+
+def pg_options(*args):
+    from mooncake import pg
+
+    return pg.MooncakeBackendOptions(*args)
 
 
 def pg_call(name: str, *args) -> Callable:
@@ -375,6 +424,30 @@ def _pg_rows() -> list[Row]:
         Row("pg/set_device_filter/none", R, "pg.set_device_filter", "filters",
             "must be an iterable of strings (not None)", V, ("filters", "list of strings"),
             pg_call("set_device_filter", None)),
+        Row("pg/set_collective_timeout_us/zero", R, "pg.set_collective_timeout_us", "us",
+            "must be an int >= 1 (microseconds)", V, ("us", ">= 1"),
+            pg_call("set_collective_timeout_us", 0)),
+        Row("pg/set_p2p_timeout_us/float", R, "pg.set_p2p_timeout_us", "us",
+            "must be an int (not a float)", V, ("us", "1.5"), pg_call("set_p2p_timeout_us", 1.5)),
+        Row("pg/set_fault_reconciliation_window_us/negative", R,
+            "pg.set_fault_reconciliation_window_us", "us", "must be an int >= 0", V,
+            ("us", ">= 0"), pg_call("set_fault_reconciliation_window_us", -1)),
+        Row("pg/options/auto_sync-without-deactivate", R, "pg.MooncakeBackendOptions",
+            "auto_sync_on_failure", "True needs auto_deactivate_on_failure=True", V,
+            ("auto_sync_on_failure", "auto_deactivate_on_failure"),
+            lambda c: pg_options(c.world_size, False, False, True)),
+        Row("pg/options/max_group_size-bool", R, "pg.MooncakeBackendOptions", "max_group_size",
+            "must be an int (not a bool)", V, ("max_group_size", "bool"),
+            lambda c: pg_options(True)),
+        Row("pg/deactivate_ranks/self", R, "pg.deactivate_ranks", "ranks",
+            "must not name this rank (the ranks that stay call it)", V, ("ranks", "this rank"),
+            pg_call("deactivate_ranks", lambda c: dist.group.WORLD, lambda c: [c.rank])),
+        Row("pg/deactivate_ranks/range", R, "pg.deactivate_ranks", "ranks",
+            "must be in [0, max_world_size)", V, ("ranks", "[0, max_world_size"),
+            pg_call("deactivate_ranks", lambda c: dist.group.WORLD, lambda c: [c.world_size + 5])),
+        Row("pg/get_failed_ranks_hint/work-type", R, "pg.get_failed_ranks_hint", "work",
+            "must be a torch.distributed Work", T, ("work", "Work"),
+            pg_call("get_failed_ranks_hint", "not a work")),
         Row("pg/set_transfer_engine/type", R, "pg.set_transfer_engine", "engine",
             "must be a mooncake.TransferEngine", T, ("engine", "TransferEngine"),
             pg_call("set_transfer_engine", "engine")),
@@ -547,8 +620,6 @@ def _ep_rows() -> list[Row]:
         Row("ep/buffer/group-type", R, "Buffer", "group",
             "must be a torch.distributed ProcessGroup", V, ("group", "ProcessGroup"),
             new_buffer("world")),
-        Row("ep/buffer/group-gloo", R, "Buffer", "group", "must have a mooncake backend", V,
-            ("group", "no mooncake backend"), new_buffer(gloo_group)),
         Row("ep/buffer/num_ep_buffer_bytes-negative", R, "Buffer", "num_ep_buffer_bytes",
             "must be an int >= 0", V, ("num_ep_buffer_bytes", "-1"),
             new_buffer(lambda c: world(c), -1)),
@@ -753,7 +824,7 @@ def _ep_rows() -> list[Row]:
 
 def _elastic_rows() -> list[Row]:
     R = ELASTIC
-    V, RE = ValueError, RuntimeError
+    V, RE, NI = ValueError, RuntimeError, NotImplementedError
     CE = "Buffer.create_elastic"
     UM = "update_memory_buffers"
     CR, UMB, DR = "connect_ranks", "update_mask_buffer", "disconnect_ranks"
@@ -764,8 +835,14 @@ def _elastic_rows() -> list[Row]:
         Row("elastic/create/rank-huge", R, CE, "rank", "must be below 2**31", V,
             ("rank", "2**31"), create_elastic(rank=2**40)),
         Row("elastic/create/tcp_store_group-type", R, CE, "tcp_store_group",
-            "must be a torch.distributed.Store", V, ("tcp_store_group", "Store"),
+            "must be a torch.distributed.Store or None", V, ("tcp_store_group", "Store"),
             create_elastic(tcp_store_group="127.0.0.1:29500")),
+        Row("elastic/create/disable_ll_nvlink-type", R, CE, "disable_ll_nvlink",
+            "must be a bool (upstream's first parameter: pass rank= by keyword)", V,
+            ("disable_ll_nvlink", "bool", "keyword"), create_elastic(disable_ll_nvlink=0)),
+        Row("elastic/create/explicitly_destroy-type", R, CE, "explicitly_destroy",
+            "must be a bool", V, ("explicitly_destroy", "bool"),
+            create_elastic(explicitly_destroy="yes")),
         Row("elastic/create/timeout_ms-0", R, CE, "timeout_ms", "must be -1 or an int >= 1", V,
             ("timeout_ms", "got 0"), create_elastic(timeout_ms=0)),
         Row("elastic/create/timeout_ms-huge", R, CE, "timeout_ms", "must be below 2**40", V,
@@ -778,6 +855,14 @@ def _elastic_rows() -> list[Row]:
             create_elastic(metadata_timeout_ms=2**70)),
         Row("elastic/create/store_prefix-empty", R, CE, "store_prefix", "must be a non-empty str",
             V, ("store_prefix", "non-empty"), create_elastic(store_prefix="")),
+        # set_tcp_store_group
+        Row("elastic/set_tcp_store_group/type", R, "set_tcp_store_group", "tcp_store_group",
+            "must be a torch.distributed.Store or None", V, ("tcp_store_group", "Store"),
+            lambda c: fresh_elastic(c).set_tcp_store_group("127.0.0.1:29500")),
+        Row("elastic/set_tcp_store_group/after-allocation", R, "set_tcp_store_group",
+            "tcp_store_group", "must stay the same once update_memory_buffers ran", RE,
+            ("tcp_store_group", "fixed"),
+            lambda c: elastic(c).set_tcp_store_group(dist.HashStore())),
         # update_memory_buffers
         Row("elastic/update_memory_buffers/num_ranks-0", R, UM, "num_ranks",
             "must be an int >= 1", V, ("num_ranks", "got 0"),
@@ -802,65 +887,75 @@ def _elastic_rows() -> list[Row]:
         Row("elastic/update_memory_buffers/num_rdma_bytes-negative", R, UM, "num_rdma_bytes",
             "must be an int >= 0", V, ("num_rdma_bytes", "got -1"),
             lambda c: fresh_elastic(c).update_memory_buffers(CAPACITY, EPR, -1)),
+        Row("elastic/update_memory_buffers/no-store", R, UM, "tcp_store_group",
+            "must have been given (create_elastic or set_tcp_store_group)", RE,
+            ("update_memory_buffers", "tcp_store_group"),
+            lambda c: fresh_elastic(c, store=False).update_memory_buffers(CAPACITY, EPR)),
         # connect_ranks
         Row("elastic/connect_ranks/before-allocation", R, CR, "(call order)",
             "update_memory_buffers must come first", RE, ("connect_ranks", UM),
             lambda c: fresh_elastic(c).connect_ranks([peer(c)])),
-        Row("elastic/connect_ranks/peers-type", R, CR, "peers", "must be a list of ints", V,
-            ("peers", "list of ints"), lambda c: elastic(c).connect_ranks("1")),
-        Row("elastic/connect_ranks/peers-self", R, CR, "peers", "must not name this rank", V,
-            ("rank", "itself"), lambda c: elastic(c).connect_ranks([c.rank])),
-        Row("elastic/connect_ranks/peers-range", R, CR, "peers",
+        Row("elastic/connect_ranks/remote_ranks-type", R, CR, "remote_ranks",
+            "must be a list of ints", V, ("remote_ranks", "list of ints"),
+            lambda c: elastic(c).connect_ranks("1")),
+        Row("elastic/connect_ranks/remote_ranks-range", R, CR, "remote_ranks",
             "each must be in [0, capacity)", V, ("rank 4", "capacity"),
             lambda c: elastic(c).connect_ranks([CAPACITY])),
-        Row("elastic/connect_ranks/peers-huge", R, CR, "peers",
+        Row("elastic/connect_ranks/remote_ranks-huge", R, CR, "remote_ranks",
             "each must be in [0, capacity) (also beyond the C int range)", V,
             ("rank 1099511627776", "capacity"), lambda c: elastic(c).connect_ranks([2**40])),
-        Row("elastic/connect_ranks/peers-twice", R, CR, "peers", "must not list a slot twice",
+        Row("elastic/connect_ranks/remote_ranks-twice", R, CR, "remote_ranks",
+            "must not list a slot twice",
             V, ("rank 2", "twice"),
             lambda c: elastic(c).connect_ranks([disconnected_slot(c)] * 2)),
-        Row("elastic/connect_ranks/peers-connected", R, CR, "peers",
+        Row("elastic/connect_ranks/remote_ranks-connected", R, CR, "remote_ranks",
             "must not be connected already", V, ("rank", "already"),
             lambda c: elastic(c).connect_ranks([peer(c)])),
         Row("elastic/connect_ranks/activate-type", R, CR, "activate", "must be a bool", V,
             ("activate", "bool"),
             lambda c: elastic(c).connect_ranks([disconnected_slot(c)], activate=1)),
         # update_mask_buffer
-        Row("elastic/update_mask_buffer/peer-type", R, UMB, "peer", "must be an int", V,
-            ("peer", "int"), lambda c: elastic(c).update_mask_buffer("1")),
-        Row("elastic/update_mask_buffer/peer-self", R, UMB, "peer", "must not be this rank", V,
-            ("rank", "itself"), lambda c: elastic(c).update_mask_buffer(c.rank)),
-        Row("elastic/update_mask_buffer/peer-disconnected", R, UMB, "peer",
+        Row("elastic/update_mask_buffer/rank_to_mask-type", R, UMB, "rank_to_mask",
+            "must be an int", V, ("rank_to_mask", "int"),
+            lambda c: elastic(c).update_mask_buffer("1")),
+        Row("elastic/update_mask_buffer/rank_to_mask-self", R, UMB, "rank_to_mask",
+            "must not be this rank with mask=True", V, ("rank_to_mask", "itself"),
+            lambda c: elastic(c).update_mask_buffer(c.rank, mask=True)),
+        Row("elastic/update_mask_buffer/rank_to_mask-disconnected", R, UMB, "rank_to_mask",
             "must be a connected slot", V, ("rank 2", "not connected"),
             lambda c: elastic(c).update_mask_buffer(disconnected_slot(c))),
-        Row("elastic/update_mask_buffer/peer-huge", R, UMB, "peer",
+        Row("elastic/update_mask_buffer/rank_to_mask-huge", R, UMB, "rank_to_mask",
             "must be in [0, capacity) (also beyond the C int range)", V, ("rank", "capacity"),
             lambda c: elastic(c).update_mask_buffer(2**40, mask=True)),
         Row("elastic/update_mask_buffer/mask-type", R, UMB, "mask", "must be a bool", V,
             ("mask", "bool"), lambda c: elastic(c).update_mask_buffer(peer(c), mask=0)),
         # disconnect_ranks
-        Row("elastic/disconnect_ranks/peers-type", R, DR, "peers", "must be a list of ints", V,
-            ("peers", "list of ints"), lambda c: elastic(c).disconnect_ranks(peer(c))),
-        Row("elastic/disconnect_ranks/peers-self", R, DR, "peers", "must not name this rank", V,
-            ("rank", "itself"), lambda c: elastic(c).disconnect_ranks([c.rank])),
-        Row("elastic/disconnect_ranks/peers-disconnected", R, DR, "peers",
+        Row("elastic/disconnect_ranks/remote_ranks-type", R, DR, "remote_ranks",
+            "must be a list of ints", V, ("remote_ranks", "list of ints"),
+            lambda c: elastic(c).disconnect_ranks(peer(c))),
+        Row("elastic/disconnect_ranks/remote_ranks-disconnected", R, DR, "remote_ranks",
             "each must be connected", V, ("rank 2", "not connected"),
             lambda c: elastic(c).disconnect_ranks([disconnected_slot(c)])),
         # query_mask_buffer, barrier, slot_state, transport_of
-        Row("elastic/query_mask_buffer/out-dtype", R, "query_mask_buffer", "out",
-            "must be int32", V, ("out", "int64"),
+        Row("elastic/query_mask_buffer/mask_status-dtype", R, "query_mask_buffer",
+            "mask_status",
+            "must be int32", V, ("mask_status", "int64"),
             lambda c: elastic(c).query_mask_buffer(torch.zeros(CAPACITY, dtype=torch.int64))),
-        Row("elastic/query_mask_buffer/out-shape", R, "query_mask_buffer", "out",
-            "must have shape [capacity]", V, ("out", "shape", "[4]"),
+        Row("elastic/query_mask_buffer/mask_status-shape", R, "query_mask_buffer",
+            "mask_status",
+            "must have shape [capacity]", V, ("mask_status", "shape", "[4]"),
             lambda c: elastic(c).query_mask_buffer(_i32(CAPACITY - 1))),
-        Row("elastic/query_mask_buffer/out-contiguous", R, "query_mask_buffer", "out",
-            "must be contiguous", V, ("out", "contiguous"),
+        Row("elastic/query_mask_buffer/mask_status-contiguous", R, "query_mask_buffer",
+            "mask_status",
+            "must be contiguous", V, ("mask_status", "contiguous"),
             lambda c: elastic(c).query_mask_buffer(_i32(2 * CAPACITY)[::2])),
-        Row("elastic/query_mask_buffer/out-device", R, "query_mask_buffer", "out",
-            "must be a CPU or CUDA tensor", V, ("out", "meta"),
+        Row("elastic/query_mask_buffer/mask_status-device", R, "query_mask_buffer",
+            "mask_status",
+            "must be a CPU or CUDA tensor", V, ("mask_status", "meta"),
             lambda c: elastic(c).query_mask_buffer(_i32(CAPACITY, device="meta"))),
-        Row("elastic/query_mask_buffer/out-type", R, "query_mask_buffer", "out",
-            "must be a torch.Tensor", V, ("out", "Tensor"),
+        Row("elastic/query_mask_buffer/mask_status-type", R, "query_mask_buffer",
+            "mask_status",
+            "must be a torch.Tensor", V, ("mask_status", "Tensor"),
             lambda c: elastic(c).query_mask_buffer([0] * CAPACITY)),
         Row("elastic/barrier/timeout_ms-0", R, "barrier", "timeout_ms",
             "must be None or an int >= 1", V, ("timeout_ms", "got 0"),
@@ -885,6 +980,57 @@ def _elastic_rows() -> list[Row]:
             lambda c: elastic(c).dispatch(torch.zeros(2, 128, device="meta"),
                                           torch.zeros(2, 1, dtype=torch.int64, device="meta"),
                                           None, 8, EPR * 2, -1, use_fp8=False)),
+        # upstream's elastic forms of dispatch and combine
+        Row("elastic/dispatch/round_scale-type", R, "Buffer.dispatch (elastic form)",
+            "round_scale", "must be a bool", V, ("round_scale", "bool"),
+            upstream_dispatch(round_scale=1)),
+        Row("elastic/dispatch/round_scale", R, "Buffer.dispatch (elastic form)", "round_scale",
+            "True is not implemented (power-of-two scales)", NI, ("round_scale", "False"),
+            upstream_dispatch(round_scale=True)),
+        Row("elastic/dispatch/dispatch_wait_recv_cost_stats", R,
+            "Buffer.dispatch (elastic form)", "dispatch_wait_recv_cost_stats",
+            "a tensor is not implemented (pass None)", NI,
+            ("dispatch_wait_recv_cost_stats", "None"),
+            upstream_dispatch(dispatch_wait_recv_cost_stats=torch.zeros(CAPACITY,
+                                                                        dtype=torch.int64))),
+        Row("elastic/combine/use_logfmt", R, "Buffer.combine (elastic form)", "use_logfmt",
+            "True is not implemented (LogFMT)", NI, ("use_logfmt", "False"),
+            upstream_combine(use_logfmt=True)),
+        Row("elastic/combine/combine_wait_recv_cost_stats", R, "Buffer.combine (elastic form)",
+            "combine_wait_recv_cost_stats", "a tensor is not implemented (pass None)", NI,
+            ("combine_wait_recv_cost_stats", "None"),
+            upstream_combine(combine_wait_recv_cost_stats=torch.zeros(CAPACITY,
+                                                                      dtype=torch.int64))),
+        Row("elastic/combine/handle-four", R, "Buffer.combine (elastic form)", "handle",
+            "must be the 4-tuple an elastic dispatch returned (or a copy)", V,
+            ("handle", "tuple"), upstream_combine()),
+        # destroy, and what follows it
+        Row("elastic/destroy/explicitly_destroy", R, "destroy", "explicitly_destroy",
+            "create_elastic must have had explicitly_destroy=True", RE,
+            ("destroy", "explicitly_destroy"), lambda c: elastic(c).destroy()),
+        Row("elastic/destroy/twice", R, "destroy", "(call order)", "only once", RE,
+            ("destroy", "destroyed"), lambda c: destroyed_elastic(c).destroy()),
+        Row("elastic/destroy/then-dispatch", R, "Buffer.dispatch (elastic)", "(call order)",
+            "not after destroy", RE, ("dispatch", "destroyed"),
+            lambda c: bad_dispatch_of(destroyed_elastic(c))),
+        # get_local_buffer_tensor
+        Row("elastic/get_local_buffer_tensor/dtype", R, "get_local_buffer_tensor", "dtype",
+            "must be a torch.dtype", V, ("dtype", "torch.dtype"),
+            lambda c: elastic(c).get_local_buffer_tensor("float32")),
+        Row("elastic/get_local_buffer_tensor/use_rdma_buffer", R, "get_local_buffer_tensor",
+            "use_rdma_buffer", "must be True (the workspace is the only buffer)", V,
+            ("use_rdma_buffer", "True"),
+            lambda c: elastic(c).get_local_buffer_tensor(torch.int32, use_rdma_buffer=False)),
+        Row("elastic/get_local_buffer_tensor/offset", R, "get_local_buffer_tensor", "offset",
+            "must be an int >= 0 and a multiple of the dtype's size", V, ("offset", "multiple"),
+            lambda c: elastic(c).get_local_buffer_tensor(torch.int32, offset=2)),
+        Row("elastic/get_local_buffer_tensor/size", R, "get_local_buffer_tensor", "size",
+            "must be None or a sequence of ints >= 0", V, ("size", "ints"),
+            lambda c: elastic(c).get_local_buffer_tensor(torch.int32, size=[2, -1])),
+        Row("elastic/get_local_buffer_tensor/no-workspace", R, "get_local_buffer_tensor",
+            "num_rdma_bytes", "a device workspace must exist (num_rdma_bytes > 0 with CUDA)", RE,
+            ("get_local_buffer_tensor", "workspace", "num_rdma_bytes"),
+            lambda c: elastic(c).get_local_buffer_tensor(torch.int32)),
     ]  # fmt: skip
     # The elastic buffer's methods, as Buffer's.
     return [
@@ -1020,6 +1166,8 @@ NOT_NAMED = {
     "pg/join_group/not-extension": "the message names the process group and is_extension",
     "ep/size_hint/shape-too-large": "no single argument is at fault: the four together",
     "elastic/connect_ranks/before-allocation": "a call-order rule, naming the call to make",
+    "elastic/destroy/twice": "a call-order rule, naming the call",
+    "elastic/destroy/then-dispatch": "a call-order rule, naming the call",
 }
 
 
@@ -1030,15 +1178,18 @@ def _names_argument(row: Row) -> bool:
     if names & set(row.words):
         return True
     element = re.compile(r"rank( -?\d+)?")
-    return bool(names & {"ranks", "peers", "peer"}) and any(element.fullmatch(w) for w in row.words)
+    lists = {"ranks", "peers", "peer", "remote_ranks", "rank_to_mask"}
+    return bool(names & lists) and any(element.fullmatch(w) for w in row.words)
 
 
 def test_rows_cover_every_area_and_name_their_argument():
     """At least 45 rows, every area has ten or more, each raises ValueError, TypeError or
-    RuntimeError, and each message names the argument (except the rows of NOT_NAMED)."""
+    RuntimeError (NotImplementedError for upstream options not implemented), and each
+    message names the argument (except the rows of NOT_NAMED)."""
     areas = {a: sum(r.area == a for r in ROWS) for a in (PG, EP, ELASTIC)}
     assert len(ROWS) >= 45 and all(n >= 10 for n in areas.values()), areas
-    assert all(r.exception in (ValueError, TypeError, RuntimeError) for r in ROWS)
+    kinds = (ValueError, TypeError, RuntimeError, NotImplementedError)
+    assert all(r.exception in kinds for r in ROWS)
     unnamed = {r.id for r in ROWS if not _names_argument(r)}
     assert unnamed == set(NOT_NAMED), unnamed ^ set(NOT_NAMED)
 

@@ -398,7 +398,7 @@ def make(store, rank, prefix, capacity=4, epr=2, **kw):
 
     kw.setdefault("timeout_ms", 5000)
     kw.setdefault("metadata_timeout_ms", 5000)
-    buf = Buffer.create_elastic(rank, store, store_prefix=prefix, **kw)
+    buf = Buffer.create_elastic(rank=rank, tcp_store_group=store, store_prefix=prefix, **kw)
     if capacity is not None:
         buf.update_memory_buffers(num_ranks=capacity, num_experts_per_rank=epr)
     return buf
@@ -406,7 +406,7 @@ def make(store, rank, prefix, capacity=4, epr=2, **kw):
 
 def connected_pair(store, prefix, capacity=4, **kw):
     b0, b1 = make(store, 0, prefix, capacity, **kw), make(store, 1, prefix, capacity, **kw)
-    b0.connect_ranks([1])
+    b0.connect_ranks([1], activate=False)
     b1.connect_ranks([0], activate=True)
     b0.update_mask_buffer(1, mask=False)
     return b0, b1
@@ -418,8 +418,10 @@ CREATE_BAD = [
     ({"rank": 1.0}, "rank"),
     ({"rank": "0"}, "rank"),
     ({"rank": None}, "rank"),
-    ({"tcp_store_group": None}, "tcp_store_group"),
     ({"tcp_store_group": "127.0.0.1:29500"}, "tcp_store_group"),
+    ({"disable_ll_nvlink": 1}, "disable_ll_nvlink"),
+    ({"disable_ll_nvlink": None}, "disable_ll_nvlink"),
+    ({"explicitly_destroy": "yes"}, "explicitly_destroy"),
     ({"timeout_ms": 0}, "timeout_ms"),
     ({"timeout_ms": -2}, "timeout_ms"),
     ({"timeout_ms": 1.5}, "timeout_ms"),
@@ -449,7 +451,7 @@ def test_create_elastic_defaults_and_a_round_alone(store):
     is allowed; before update_memory_buffers the capacity is 0; a round alone works."""
     from mooncake.mooncake_ep_buffer import Buffer
 
-    buf = Buffer.create_elastic(0, store)
+    buf = Buffer.create_elastic(rank=0, tcp_store_group=store)
     assert isinstance(buf, Buffer)
     assert (buf.timeout_ms, buf.metadata_timeout_ms, buf.store_prefix) == (
         30000,
@@ -457,7 +459,9 @@ def test_create_elastic_defaults_and_a_round_alone(store):
         "mooncake-ep/",
     )
     assert buf.num_ranks == 0
-    assert Buffer.create_elastic(1, store, timeout_ms=-1).timeout_ms == -1
+    assert Buffer.create_elastic(rank=1, tcp_store_group=store, timeout_ms=-1).timeout_ms == -1
+    # Our old positional order meets upstream's flags first: refused, naming them.
+    raises(ValueError, lambda: Buffer.create_elastic(0, store), "disable_ll_nvlink", "keyword")
     buf = make(store, 0, fresh_prefix(), capacity=3)
     assert buf.num_ranks == 3
     assert verified_rounds([buf], [0], "alone", n=4) == []
@@ -532,41 +536,48 @@ def test_update_memory_buffers_rules(store):
 
 
 def test_peer_lifecycle_rules(store):
-    """connect_ranks, update_mask_buffer and disconnect_ranks reject this rank, slots
-    outside the capacity, a slot listed twice, a connected slot (connect) or a
-    disconnected one (mask, disconnect), and values of the wrong type, with a ValueError
-    naming the call and the rule; nothing changes, and the pair then works."""
+    """connect_ranks, update_mask_buffer and disconnect_ranks reject slots outside the
+    capacity, a slot listed twice, a connected slot (connect) or a disconnected one
+    (mask, disconnect), masking this rank, and values of the wrong type, with a
+    ValueError naming the call and the rule; nothing changes, and the pair then works.
+    This rank's own slot in a list is skipped, as upstream's (a list of every slot is a
+    correct upstream program)."""
     b0 = make(store, 0, prefix := fresh_prefix())
     b1 = make(store, 1, prefix)
     for call, words in [
-        (lambda: b0.connect_ranks([0]), ("connect_ranks", "rank 0", "itself")),
         (lambda: b0.connect_ranks([4]), ("connect_ranks", "rank 4", "capacity")),
         (lambda: b0.connect_ranks([-1]), ("connect_ranks", "rank -1", "capacity")),
         (lambda: b0.connect_ranks([1, 1]), ("connect_ranks", "rank 1", "twice")),
-        (lambda: b0.connect_ranks([1, 0]), ("connect_ranks", "itself")),  # all checked first
-        (lambda: b0.connect_ranks("1"), ("connect_ranks", "peers")),
-        (lambda: b0.connect_ranks([1.0]), ("connect_ranks", "peers")),
-        (lambda: b0.connect_ranks([True]), ("connect_ranks", "peers")),
-        (lambda: b0.connect_ranks(None), ("connect_ranks", "peers")),
+        (lambda: b0.connect_ranks([0, 1, 1]), ("connect_ranks", "rank 1", "twice")),
+        (lambda: b0.connect_ranks([1, 9]), ("connect_ranks", "capacity")),  # all checked first
+        (lambda: b0.connect_ranks("1"), ("connect_ranks", "remote_ranks")),
+        (lambda: b0.connect_ranks([1.0]), ("connect_ranks", "remote_ranks")),
+        (lambda: b0.connect_ranks([True]), ("connect_ranks", "remote_ranks")),
+        (lambda: b0.connect_ranks(None), ("connect_ranks", "remote_ranks")),
         (lambda: b0.connect_ranks([1], activate=1), ("connect_ranks", "activate")),
+        (lambda: b0.connect_ranks([0], activate=1), ("connect_ranks", "activate")),
         (
             lambda: b0.update_mask_buffer(1, mask=False),
             ("update_mask_buffer", "rank 1", "not connected"),
         ),
-        (lambda: b0.update_mask_buffer(0), ("update_mask_buffer", "rank 0", "itself")),
+        (lambda: b0.update_mask_buffer(0, True), ("update_mask_buffer", "rank 0", "itself")),
         (lambda: b0.update_mask_buffer(9), ("update_mask_buffer", "rank 9", "capacity")),
-        (lambda: b0.update_mask_buffer("1"), ("update_mask_buffer", "peer")),
+        (lambda: b0.update_mask_buffer("1"), ("update_mask_buffer", "rank_to_mask")),
         (lambda: b0.update_mask_buffer(1, mask=0), ("update_mask_buffer", "mask")),
         (lambda: b0.disconnect_ranks([1]), ("disconnect_ranks", "rank 1", "not connected")),
-        (lambda: b0.disconnect_ranks([0]), ("disconnect_ranks", "itself")),
+        (lambda: b0.disconnect_ranks([0, 1]), ("disconnect_ranks", "rank 1", "not connected")),
         (lambda: b0.disconnect_ranks([7]), ("disconnect_ranks", "capacity")),
-        (lambda: b0.disconnect_ranks(1), ("disconnect_ranks", "peers")),
+        (lambda: b0.disconnect_ranks(1), ("disconnect_ranks", "remote_ranks")),
         (lambda: b0.slot_state(4), ("slot_state", "slot", "capacity", "got 4")),
         (lambda: b0.slot_state(-1), ("slot_state", "slot", "capacity", "got -1")),
     ]:
         raises(ValueError, call, *words)
     assert b0.slot_state(1) == "disconnected" and b0.active_slots == [0]
-    b0.connect_ranks(torch.tensor([1]))  # a tensor of slots is taken too
+    b0.connect_ranks([0])  # this rank alone: nothing to do
+    b0.disconnect_ranks([0, 0])
+    b0.update_mask_buffer(0, mask=False)  # this rank is always active
+    assert b0.slot_state(1) == "disconnected" and b0.active_slots == [0]
+    b0.connect_ranks(torch.tensor([0, 1]), activate=False)  # a tensor of slots is taken too
     raises(
         ValueError, lambda: b0.connect_ranks([1]), "connect_ranks", "rank 1", "already", "staged"
     )
@@ -583,18 +594,18 @@ def test_peer_lifecycle_rules(store):
 
 
 def test_query_mask_buffer_rules(store):
-    """out: contiguous int32 [capacity], 1 = masked; anything else raises ValueError naming
-    out; the mask then reads right."""
+    """mask_status: contiguous int32 [capacity], 1 = masked; anything else raises
+    ValueError naming mask_status; the mask then reads right."""
     b0 = make(store, 0, fresh_prefix())
     for out, words in [
-        (torch.zeros(4, dtype=torch.int64), ("out", "int32")),
-        (torch.zeros(4, dtype=torch.float32), ("out", "int32")),
-        (torch.zeros(3, dtype=torch.int32), ("out", "shape", "[4]")),
-        (torch.zeros(5, dtype=torch.int32), ("out", "shape")),
-        (torch.zeros(4, 1, dtype=torch.int32), ("out", "dimensions")),
-        (torch.zeros(8, dtype=torch.int32)[::2], ("out", "contiguous")),
-        ([0, 0, 0, 0], ("out", "tensor")),
-        (None, ("out", "tensor")),
+        (torch.zeros(4, dtype=torch.int64), ("mask_status", "int32")),
+        (torch.zeros(4, dtype=torch.float32), ("mask_status", "int32")),
+        (torch.zeros(3, dtype=torch.int32), ("mask_status", "shape", "[4]")),
+        (torch.zeros(5, dtype=torch.int32), ("mask_status", "shape")),
+        (torch.zeros(4, 1, dtype=torch.int32), ("mask_status", "dimensions")),
+        (torch.zeros(8, dtype=torch.int32)[::2], ("mask_status", "contiguous")),
+        ([0, 0, 0, 0], ("mask_status", "tensor")),
+        (None, ("mask_status", "tensor")),
     ]:
         raises(ValueError, lambda out=out: b0.query_mask_buffer(out), "query_mask_buffer", *words)
     out = torch.full((4,), 9, dtype=torch.int32)
@@ -668,7 +679,7 @@ def test_store_waits_are_bounded_by_metadata_timeout(store):
     raises(TimeoutError, lambda: b0.connect_ranks([3]), "connect_ranks", "3", "metadata_timeout_ms")
     assert 0.3 < time.monotonic() - t0 < 5.0
     assert b0.slot_state(3) == "disconnected"
-    b0.connect_ranks([1])
+    b0.connect_ranks([1], activate=False)
     t0 = time.monotonic()
     raises(TimeoutError, lambda: b0.update_mask_buffer(1, mask=False), "update_mask_buffer", "1")
     assert 0.3 < time.monotonic() - t0 < 5.0
@@ -694,7 +705,7 @@ def test_connect_rejects_another_capacity_or_expert_count(store):
         "num_experts_per_rank=2",
     )
     assert (b0.slot_state(1), b0.slot_state(2)) == ("disconnected", "disconnected")
-    b0.connect_ranks([3])
+    b0.connect_ranks([3], activate=False)
     b3.connect_ranks([0], activate=True)
     b0.update_mask_buffer(3, mask=False)
     assert verified_rounds([b0, b3], [0, 3], "after") == []
@@ -793,7 +804,7 @@ def replacement():
     return r
 
 def connect():
-    b0.connect_ranks([1])
+    b0.connect_ranks([1], activate=False)
     took = time.monotonic() - t0
     b0.update_mask_buffer(1, mask=False)
     return took

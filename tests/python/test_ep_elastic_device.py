@@ -21,6 +21,8 @@ client on the GPU, so ``make gpu-check`` runs that one without MPS.
   slot receives nothing), disconnect/reconnect and mask/publish of a live peer (the
   peers ran different numbers of calls meanwhile and align again), barriers, a peer
   that skips a round masked by the kernels' deadline.
+* ``upstream`` (capacity 4, three processes): upstream's elastic API
+  (``test_upstream_elastic.py``) on the kernels, with views of the workspace.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ FAULT = {
 }
 
 CONTRACT = {"capacity": 4, "rounds": 4, "timeout_ms": 2500, "seed": SEED, "device": "cuda"}
+
+#: upstream_elastic_ranks.upstream: upstream's elastic API (test_upstream_elastic.py).
+UPSTREAM = {"capacity": 4, "rounds": 6, "timeout_ms": 10000, "seed": SEED, "device": "cuda"}
 
 
 def _device_problems(tl: Timeline) -> list[str]:
@@ -121,3 +126,15 @@ def test_connection_contract_on_the_device():
     assert not problems, report(problems, tl)
     phases = {r["phase"] for _, r in tl.records(event="round")}
     assert {"pair", "staging", "reconnect", "toggle", "timeout"} <= phases, phases
+
+
+@pytest.mark.timeout(400)
+def test_upstream_elastic_api_on_the_device():
+    """The upstream scenario with CUDA tensors: upstream's elastic forms on the kernels,
+    clean_mask_buffer, get_comm_stream and get_local_buffer_tensor over the workspace,
+    destroy and a new buffer in the slot."""
+    tl = Timeline("upstream", UPSTREAM, [0, 1, 2], timeout_s=360).run()
+    problems = _device_problems(tl)
+    assert not problems, report(problems, tl)
+    phases = {r["phase"] for _, r in tl.records(event="phase")}
+    assert {"forms", "clean", "local", "destroy"} <= phases, phases

@@ -7,8 +7,11 @@ defaults, and anything of ours beyond them keyword-only with a default (or, past
 upstream's, positional with a default). Static methods stay static. What each does
 is checked in the ranks (``ep_cases.c_upstream_attributes``, the EP launches).
 
-The rows cover the process group's Buffer so far; the elastic Buffer's and
-``mooncake.pg``'s differences are still open (the drop-in issue).
+The rows cover the process group's Buffer; the elastic Buffer's methods, and the
+elastic forms of ``dispatch`` and ``combine``, are ``test_upstream_elastic.py``'s, and
+``mooncake.pg``'s names ``test_upstream_pg.py``'s. How engines drive the whole
+(FP8 with hooks and events, scales' strides, a killed rank) is
+``test_engine_pattern.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ A Buffer is composed of two parts, each with one job:
   exchange among them runs. ``Buffer(group, ...)`` has a process group's
   (``mooncake/ep/group.py``); ``Buffer.create_elastic`` has a fixed capacity
   of stable slots connected one by one (``mooncake/ep/elastic.py``), and the
-  slot methods (``connect_ranks`` ...) that only such a Buffer answers.
+  slot methods (``connect_ranks`` ...) that only such a Buffer answers, which
+  ``Buffer`` inherits from ``mooncake/ep/elastic_api.py`` with upstream's
+  elastic forms of ``dispatch`` and ``combine``.
 * its **paths**, which run the calls. The portable path
   (``mooncake/ep/portable.py`` over ``portable_rows.py``) is torch ops over the
   members' exchange, for CPU tensors and everything else. The device path
@@ -36,7 +38,9 @@ ranks (``group.size()``), ``E`` experts, ``E/R`` local experts per rank,
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import warnings
 import weakref
 
 import torch
@@ -44,8 +48,10 @@ import torch.distributed as dist
 
 from .. import _checks, pg
 from . import device as device_path
+from . import elastic_api
 from .elastic import Slots
-from .group import GroupMembers
+from .elastic_api import ElasticMethods
+from .group import ForeignMembers, GroupMembers, backend_serves, has_mooncake_backend
 from .portable import PortablePath
 from .types import DispatchHandle, EventOverlap
 
@@ -74,11 +80,7 @@ class Runtime:
 def _workspace_device(group: dist.ProcessGroup, device) -> torch.device | None:
     """The CUDA device of the device path's workspace, or None (portable only)."""
     if device is None:
-        try:
-            cuda = isinstance(group._get_backend(torch.device("cuda")), pg.MooncakeBackend)
-        except (RuntimeError, ValueError):
-            cuda = False
-        if not cuda or not device_path.available():
+        if not device_path.available() or not backend_serves(group, "cuda"):
             return None
         return torch.device("cuda", torch.cuda.current_device())
     try:
@@ -95,13 +97,18 @@ def _workspace_device(group: dist.ProcessGroup, device) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
-class Buffer:
+class Buffer(ElasticMethods):
     """The EP runtime of one mooncake process group (or, from
     :meth:`create_elastic`, of a set of elastic slots).
 
     Args:
-        group: a ``torch.distributed`` ProcessGroup with a mooncake backend
-            (``mooncake-cpu`` or ``mooncake``); ``R = group.size()``.
+        group: a ``torch.distributed`` ProcessGroup; ``R = group.size()``. With a
+            mooncake backend (``mooncake-cpu`` or ``mooncake``) the Buffer follows the
+            group's view of failed ranks. Any other group (an engine's NCCL or gloo EP
+            group) works too, with a warning: nothing then tells the Buffer that a rank
+            failed between calls (pass ``active_ranks``), the portable path's exchanges
+            run under the group's own timeout, and only the device path's kernels mask a
+            silent peer (after ``timeout_us``).
         num_ep_buffer_bytes: the workspace to reserve, from
             :meth:`get_ep_buffer_size_hint`; 0 reserves none. When it is
             non-zero, a dispatch whose shape needs more raises ValueError
@@ -127,10 +134,12 @@ class Buffer:
     group; None for an elastic Buffer), ``num_ep_buffer_bytes``, ``device_type``
     (``"cuda"``), and ``runtime``, which answers ``ibgda_disabled()`` (always
     True: there is no GPU-initiated RDMA here) and ``p2p_enabled()`` (whether
-    the device path's peers are all mapped).
+    the device path's peers are all mapped). An elastic Buffer's ``runtime`` is None
+    before its allocation, as upstream's; its other attributes are in
+    :meth:`create_elastic`.
 
     Raises:
-        ValueError: ``group`` has no mooncake backend; ``num_ep_buffer_bytes``
+        ValueError: ``group`` is not a ProcessGroup; ``num_ep_buffer_bytes``
             is not an int in ``[0, 2**63)``; the ranks disagree on it;
             ``device`` is not a CUDA device or this build has no CUDA.
     """
@@ -145,16 +154,9 @@ class Buffer:
     ):
         if not isinstance(group, dist.ProcessGroup):
             raise ValueError(
-                f"Buffer: group must be a torch.distributed ProcessGroup with a mooncake backend, "
-                f"got {type(group).__name__}"
+                f"Buffer: group must be a torch.distributed ProcessGroup, got "
+                f"{type(group).__name__}"
             )
-        try:
-            pg._backend_of(group)
-        except ValueError:
-            raise ValueError(
-                "Buffer: group has no mooncake backend (create it with backend "
-                '"mooncake-cpu" or "mooncake")'
-            ) from None
         if not _checks.is_int(num_ep_buffer_bytes) or not 0 <= num_ep_buffer_bytes < 2**63:
             raise ValueError(
                 f"Buffer: num_ep_buffer_bytes must be an int in [0, 2**63), got "
@@ -162,7 +164,18 @@ class Buffer:
             )
         if not isinstance(disable_p2p, bool):
             raise ValueError(f"Buffer: disable_p2p must be a bool, got {disable_p2p!r}")
-        self._compose(GroupMembers(group), num_ep_buffer_bytes)
+        if has_mooncake_backend(group):
+            members = GroupMembers(group)
+        else:
+            members = ForeignMembers(group)
+            warnings.warn(
+                "mooncake Buffer: the group has no mooncake backend: failed ranks are not "
+                "detected between calls (pass active_ranks to mask them), and a dead rank "
+                "stalls the portable path's exchanges for the group's timeout",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._compose(members, num_ep_buffer_bytes)
         workspace_device = None if disable_p2p else _workspace_device(group, device)
         # A replacement's constructor meets the others' update_ep_member here.
         self._seq = self._members.agree("Buffer", num_ep_buffer_bytes, self._seq)
@@ -192,49 +205,6 @@ class Buffer:
         self._combine_buffers: list[torch.Tensor | None] = [None, None]
         # Per half, the latest dispatch's (src_info, layout_range) weakly, its state, (T, H, E).
         self._handles: list[tuple | None] = [None, None]
-
-    @classmethod
-    def create_elastic(
-        cls,
-        rank: int,
-        tcp_store_group: dist.Store,
-        timeout_ms: int = 30000,
-        metadata_timeout_ms: int = 300000,
-        store_prefix: str = "mooncake-ep/",
-    ) -> Buffer:
-        """An elastic Buffer for global rank ``rank``: a fixed capacity of stable
-        rank slots, peers connected, staged and masked one by one
-        (upstream's elastic EP buffer design; ``mooncake.ep.elastic``).
-
-        Call ``update_memory_buffers(num_ranks=capacity, num_experts_per_rank,
-        num_rdma_bytes)`` next, then ``connect_ranks``/``update_mask_buffer``.
-        ``dispatch``/``combine`` work as here, among the active slots.
-
-        Args:
-            rank: this process's slot (logical rank), below ``2**31``.
-            tcp_store_group: the ``torch.distributed.Store`` (a TCPStore) through
-                which peers exchange metadata.
-            timeout_ms: the wait budget of each exchange phase (communication
-                only), from the phase's start; a peer silent past it is masked.
-                A dispatch runs two phases (counts, then tokens), so it may wait
-                up to twice it; a combine or a barrier one. A call's
-                ``timeout_us`` replaces it. -1: none; else below ``2**40``.
-            metadata_timeout_ms: bound of store waits only (a peer's buffer or
-                its side of a connection), in ``[1, 2**40)``.
-            store_prefix: the store keys' namespace (one per set of buffers).
-
-        Raises:
-            ValueError: an argument breaks its rule (the message names it).
-        """
-        slots = Slots(rank, tcp_store_group, timeout_ms, metadata_timeout_ms, store_prefix)
-        buf = cls.__new__(cls)  # not __init__: that one builds a process group's members
-        buf._compose(slots, 0)
-        buf.store = tcp_store_group
-        buf.timeout_ms = timeout_ms
-        buf.metadata_timeout_ms = metadata_timeout_ms
-        buf.store_prefix = store_prefix
-        buf.num_experts_per_rank = 0  # with num_ranks (the capacity), set by allocation
-        return buf
 
     # --- sizes -------------------------------------------------------------------------
 
@@ -351,154 +321,9 @@ class Buffer:
             self._device.poll()
         return self._members.mask_events()
 
-    # --- elastic slots (Buffer.create_elastic) -------------------------------------------
-
-    def _slots(self, what: str) -> Slots:
-        if not isinstance(self._members, Slots):
-            raise RuntimeError(
-                f"{what}: only an elastic Buffer (Buffer.create_elastic) has slots; this "
-                f"Buffer's members are its process group's ranks (see update_ep_member)"
-            )
-        return self._members
-
-    def update_memory_buffers(
-        self, num_ranks: int, num_experts_per_rank: int, num_rdma_bytes: int = 0
-    ) -> None:
-        """Allocates an elastic Buffer and fixes its capacity.
-
-        Args:
-            num_ranks: the capacity: slots ``[0, num_ranks)``; this rank's slot
-                (``rank``) must be below it; below ``2**31``.
-            num_experts_per_rank: experts on each slot (``E/R``); every peer
-                must use the same; below ``2**31``.
-            num_rdma_bytes: workspace to reserve, as ``num_ep_buffer_bytes`` of
-                :class:`Buffer` (see :meth:`Buffer.get_ep_buffer_size_hint`, with
-                ``num_ranks`` the capacity); 0 reserves none. On a machine with CUDA
-                it is device memory on the current device, which same-host peers
-                map when they connect: dispatches of CUDA tensors then run the
-                device path's kernels (``Buffer.path == "device"``) whenever every
-                active slot is mapped.
-
-        A later call with the same sizes changes nothing; it may ask for a smaller
-        capacity (the allocation stays); a larger one needs a new Buffer. Another
-        ``num_rdma_bytes`` reallocates the workspace, which only works while no peer
-        is connected (peers map it).
-
-        Raises:
-            ValueError: an argument breaks its rule; a larger capacity or other
-                ``num_experts_per_rank`` than the first call's; another
-                ``num_rdma_bytes`` while a peer is connected.
-            RuntimeError: not an elastic Buffer.
-        """
-        slots = self._slots("update_memory_buffers")
-        slots.allocate(num_ranks, num_experts_per_rank, num_rdma_bytes)
-        self.num_ranks, self.num_experts_per_rank = slots.num_ranks, slots.num_experts_per_rank
-        self.group_size = self.num_ranks
-        self.num_ep_buffer_bytes = num_rdma_bytes
-        self._device = slots.device
-
-    def connect_ranks(self, peers: list[int], activate: bool = False) -> None:
-        """Connects the processes holding ``peers``' slots (elastic Buffer).
-
-        Waits (up to ``metadata_timeout_ms``) for each peer's buffer to exist,
-        maps its memory, and stages the slot: it stays masked and no traffic
-        flows until :meth:`update_mask_buffer` publishes it (``activate=True``
-        does that at once). Exchanges among the active slots go on meanwhile.
-        Both sides of a pair call it; a replacement for a slot whose process
-        died is waited for and connected into the same slot.
-
-        Raises:
-            ValueError: a peer is this rank, outside the capacity, listed twice,
-                already connected, or its buffer has another capacity or
-                ``num_experts_per_rank``.
-            TimeoutError: no live process holds a slot within
-                ``metadata_timeout_ms``.
-            RuntimeError: before :meth:`update_memory_buffers`, or not an
-                elastic Buffer.
-        """
-        self._slots("connect_ranks").connect(peers, activate, self._seq)
-
-    def update_mask_buffer(self, peer: int, mask: bool = False) -> None:
-        """Masks (``mask=True``) or publishes (``mask=False``) a connected peer.
-
-        Publishing waits for this process's earlier GPU work, then for the
-        peer's side of the connection (up to ``metadata_timeout_ms``); from the
-        next call on, the peer takes part in dispatch and combine. A peer masked
-        here, or by a timeout, is skipped by send, receive and wait paths.
-        Publishing a peer again after it was masked restarts the connection
-        with fresh generations, so nothing either side queued meanwhile is
-        read: the peer publishes this rank too (a peer that kept calling has
-        masked this rank by its own timeout by then), or both reconnect.
-
-        Raises:
-            ValueError: ``peer`` is not a connected slot, or this rank.
-            TimeoutError: the peer has not connected back in time.
-            RuntimeError: before :meth:`update_memory_buffers`, or not an
-                elastic Buffer.
-        """
-        self._slots("update_mask_buffer").set_masked(peer, mask, self._seq)
-
-    def disconnect_ranks(self, peers: list[int]) -> None:
-        """Releases the connections of ``peers`` (staged or active) after this
-        process's earlier GPU work and any exchange in flight; the slots stay
-        reserved for a reconnect or a replacement.
-
-        Raises:
-            ValueError: a peer is this rank, outside the capacity, listed twice or
-                not connected.
-            RuntimeError: before :meth:`update_memory_buffers`, or not an
-                elastic Buffer.
-        """
-        self._slots("disconnect_ranks").disconnect(peers)
-
-    def query_mask_buffer(self, out: torch.Tensor) -> None:
-        """Writes the mask into ``out``: contiguous int32 ``[capacity]`` on the CPU
-        or a CUDA device, 1 = masked (staged or disconnected), 0 = active.
-
-        Raises:
-            ValueError: ``out`` is not a contiguous int32 CPU or CUDA tensor of
-                ``capacity`` entries.
-            RuntimeError: before :meth:`update_memory_buffers`, or not an
-                elastic Buffer.
-        """
-        self._slots("query_mask_buffer").query_mask(out)
-
-    def barrier(self, timeout_ms: int | None = None) -> list[int]:
-        """Waits until every active slot has reached this barrier (the optional
-        native barrier): one exchange phase of empty messages. A slot that does not
-        arrive within ``timeout_ms`` (None: the buffer's) of this call is masked.
-
-        Returns:
-            the slots that took part (this rank included).
-
-        Raises:
-            ValueError: ``timeout_ms`` is not None or an int in ``[1, 2**40)``.
-            RuntimeError: before :meth:`update_memory_buffers`, or not an
-                elastic Buffer.
-        """
-        return self._slots("barrier").barrier(timeout_ms)
-
-    @property
-    def rank_bound(self) -> int:
-        """The highest active slot + 1: the fewest slots a dispatch covers."""
-        return self._slots("rank_bound").rank_bound
-
-    @property
-    def active_slots(self) -> list[int]:
-        """The active slots, this rank's included, in order."""
-        return self._slots("active_slots").active_slots
-
-    def slot_state(self, slot: int) -> str:
-        """The slot's state: "disconnected", "staged" or "active"."""
-        return self._slots("slot_state").slot_state(slot)
-
-    def transport_of(self, peer: int) -> str:
-        """How this rank reaches ``peer``: "shm", "tcp", "self" or "none"."""
-        return self._slots("transport_of").transport_of(peer)
-
     # --- dispatch ------------------------------------------------------------------------
 
-    def dispatch(
+    def _dispatch(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
@@ -517,6 +342,15 @@ class Buffer:
 
         Collective over the group's members: every healthy rank calls it, with
         the same ``T``, ``H``, ``E`` and ``use_fp8``.
+
+        An elastic Buffer also takes upstream's elastic form, ``dispatch(x, topk_idx,
+        num_max_dispatch_tokens_per_rank, num_experts=None,
+        cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+        use_fp8=True, round_scale=False, async_finish=False, return_recv_hook=False)``
+        (``elastic_api.dispatch``): the buffer's mask and ``timeout_ms`` serve, and the
+        handle is upstream's 4-tuple. The third positional argument tells the forms
+        apart (an int there is ``T``); without it, the keywords ``active_ranks`` or
+        ``timeout_us`` mean this form.
 
         Args:
             x: ``[N, H]`` bf16 (fp16 and fp32 work too), ``N <= T``, on a
@@ -614,6 +448,16 @@ class Buffer:
         )
         return out
 
+    def dispatch(self, *args, **kwargs):
+        # Two forms share the name; which one is the call's own arguments' to say
+        # (elastic_api.upstream_dispatch_form), before Python binds them to either.
+        if isinstance(self._members, Slots) and elastic_api.upstream_dispatch_form(args, kwargs):
+            return elastic_api.dispatch(self, *args, **kwargs)
+        return self._dispatch(*args, **kwargs)
+
+    dispatch.__signature__ = inspect.signature(_dispatch)
+    dispatch.__doc__ = _dispatch.__doc__
+
     def _handle_of(self, handle):
         """``handle`` itself when it is a DispatchHandle; for a copy of one (any sequence
         of its five items, as upstream's tuple), the handle of the dispatch it copies,
@@ -625,15 +469,15 @@ class Buffer:
             items = tuple(handle)
         except TypeError:
             return handle
-        if len(items) == 5:
+        if len(items) in (4, 5):  # (an elastic dispatch's upstream form returns four)
             for kept in self._handles:
                 if (
                     kept is not None
                     and kept[0]() is items[0]
                     and kept[1]() is items[1]
-                    and items[2:] == kept[3]
+                    and items[2:] == kept[3][: len(items) - 2]
                 ):
-                    return DispatchHandle(*items, kept[2])
+                    return DispatchHandle(*items[:4], kept[3][2], kept[2])
         return handle
 
     # --- combine -------------------------------------------------------------------------
@@ -677,7 +521,7 @@ class Buffer:
             self._combine_buffers[half] = buf
         return buf
 
-    def combine(
+    def _combine(
         self,
         x: torch.Tensor,
         topk_idx: torch.Tensor,
@@ -694,6 +538,12 @@ class Buffer:
 
         Collective over the group's members, like :meth:`dispatch`.
 
+        An elastic Buffer also takes upstream's elastic form, ``combine(x, topk_idx,
+        topk_weights, handle, use_logfmt=False, zero_copy=False, async_finish=False,
+        return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None)``
+        (``elastic_api.combine``), with the buffer's mask and ``timeout_ms``: a sequence
+        as the fourth positional argument is the handle.
+
         Args:
             x: ``[E/R, R*T, H]`` expert outputs in ``recv_x``'s layout (rows
                 past ``recv_count`` are ignored); the dispatch's dtype.
@@ -704,7 +554,8 @@ class Buffer:
                 that die are set to 0. ``None``: the process group's view.
             timeout_us: as in :meth:`dispatch`; a combine is one exchange phase,
                 so it waits at most ``timeout_us``.
-            handle: the dispatch's :class:`DispatchHandle`.
+            handle: the dispatch's :class:`DispatchHandle`, or a copy of its items (the
+                elastic form's 4-tuple too) while no later dispatch reused its half.
             zero_copy: (bool) ``x`` is :meth:`get_next_combine_buffer` (handle).
             async_finish, return_recv_hook: as in :meth:`dispatch`.
             out: optional ``[N, H]`` of ``x``'s dtype, filled in place.
@@ -744,3 +595,12 @@ class Buffer:
             return_recv_hook,
             out,
         )
+
+    def combine(self, *args, **kwargs):
+        # As dispatch: the elastic form's fourth positional argument is the handle.
+        if isinstance(self._members, Slots) and elastic_api.upstream_combine_form(args, kwargs):
+            return elastic_api.combine(self, *args, **kwargs)
+        return self._combine(*args, **kwargs)
+
+    combine.__signature__ = inspect.signature(_combine)
+    combine.__doc__ = _combine.__doc__

@@ -138,9 +138,7 @@ class DevicePath:
         R = members.num_ranks
         own = self.card()
         card = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
-        cards = torch.zeros(R * card.numel(), dtype=torch.uint8)
-        pg._backend_of(members.group)._allgather_base(cards, card).wait()
-        cards = cards.reshape(R, card.numel())
+        cards = members.all_gather(card).reshape(R, card.numel())
         # A rank outside the group's view sends zeros: absent, not unreachable.
         self.reachable, present = self.ext.connect([bytes(c.tolist()) for c in cards], members.rank)
         self.num_blocks = self.ext.num_blocks  # connect counted the processes on this GPU
@@ -445,6 +443,12 @@ class DevicePath:
                 if t is not None:
                     t.record_stream(self._comm)
         return result, event, recv_hook
+
+    def comm_stream(self) -> torch.cuda.Stream:
+        """The stream that async_finish calls run on (made on first use)."""
+        if self._comm is None:
+            self._comm = torch.cuda.Stream(self.device)
+        return self._comm
 
     def _run(self, run, async_finish: bool, hook: bool):
         """Runs a call's phases: the send half now and the receive half in the returned

@@ -6,8 +6,9 @@ keeps its own mask. Slots, masks, staging and the exchanges live in the
 torch-free core (``src/ep/elastic.h``, ``src/ep/slots.h``); this module adds
 the argument checks, the tensor side, and the answers ``group.GroupMembers``
 gives for a process group: how many slots a call covers, which take part now,
-and how an exchange among them runs. The Buffer's slot methods
-(``connect_ranks`` and the others) call the methods of the same job here.
+and how an exchange among them runs. The Buffer's elastic methods
+(``connect_ranks`` and the others, ``elastic_api.ElasticMethods``) call the
+methods of the same job here.
 
 A dispatch covers ``R = num_experts // num_experts_per_rank`` slots (expert
 ``e`` lives on slot ``e // num_experts_per_rank``); ``R`` is at least the rank
@@ -71,6 +72,14 @@ def _budget_ms(timeout_us: int) -> int:
     return math.ceil(portable_rows.timeout_of(timeout_us).total_seconds() * 1000)
 
 
+def _check_store(what: str, store) -> None:
+    if store is not None and not isinstance(store, dist.Store):
+        raise ValueError(
+            f"{what}: tcp_store_group must be a torch.distributed.Store (a TCPStore) or None, "
+            f"got {type(store).__name__}"
+        )
+
+
 class Slots:
     """The slots of one elastic Buffer and their peers (see ``Buffer.create_elastic``).
 
@@ -83,18 +92,15 @@ class Slots:
     def __init__(
         self,
         rank: int,
-        store: dist.Store,
+        store: dist.Store | None,
         timeout_ms: int,
         metadata_timeout_ms: int,
         store_prefix: str,
+        disable_device: bool = False,
     ):
         what = "create_elastic"
         int_arg(what, "rank", rank, 0)
-        if not isinstance(store, dist.Store):
-            raise ValueError(
-                f"{what}: tcp_store_group must be a torch.distributed.Store (a TCPStore), "
-                f"got {type(store).__name__}"
-            )
+        _check_store(what, store)
         if not is_int(timeout_ms) or not (timeout_ms == -1 or 0 < timeout_ms < MAX_TIMEOUT_MS):
             raise ValueError(
                 f"{what}: timeout_ms must be an int in [1, 2**40) or -1, got {timeout_ms!r}"
@@ -103,7 +109,9 @@ class Slots:
         if not isinstance(store_prefix, str) or not store_prefix:
             raise ValueError(f"{what}: store_prefix must be a non-empty str, got {store_prefix!r}")
         self.rank = rank
-        self.store = store
+        self.store = store  # may come later (set_store), before allocation
+        self.disable_device = disable_device  # create_elastic's disable_ll_nvlink
+        self.destroyed = False
         self.timeout_ms = timeout_ms
         self.metadata_timeout_ms = metadata_timeout_ms
         self.store_prefix = store_prefix
@@ -121,6 +129,7 @@ class Slots:
         """``Buffer.update_memory_buffers``: fixes the capacity on the first call; with
         ``num_rdma_bytes > 0`` and CUDA, allocates the device workspace."""
         what = "update_memory_buffers"
+        self._check_alive(what)
         int_arg(what, "num_ranks", num_ranks, 1)
         int_arg(what, "num_experts_per_rank", num_experts_per_rank, 1)
         int_arg(what, "num_rdma_bytes", num_rdma_bytes, 0, 2**63)
@@ -142,7 +151,12 @@ class Slots:
             if num_rdma_bytes != self.num_rdma_bytes:
                 self._reallocate(num_rdma_bytes)
             return
-        path = device_path.for_slots(self, num_rdma_bytes)
+        if self.store is None:
+            raise RuntimeError(
+                f"{what}: this elastic Buffer has no store: pass tcp_store_group to "
+                f"create_elastic, or call set_tcp_store_group(tcp_store_group) first"
+            )
+        path = self._device_path(num_rdma_bytes)
         self._peers = pg._ext.ElasticPeers(
             self.store,
             pg._default_engine(),
@@ -159,6 +173,10 @@ class Slots:
         self.num_rdma_bytes = num_rdma_bytes
         self._attach_device(path)
 
+    def _device_path(self, num_bytes: int) -> device_path.DevicePath | None:
+        # disable_ll_nvlink: no device path, as Buffer's disable_p2p.
+        return None if self.disable_device else device_path.for_slots(self, num_bytes)
+
     def _attach_device(self, path: device_path.DevicePath | None) -> None:
         self.device = path
         self._dev_views = {}
@@ -168,7 +186,7 @@ class Slots:
     def _reallocate(self, num_bytes: int) -> None:
         """Another workspace size: possible while no peer has mapped this one."""
         device_path.wait_for_gpu()
-        path = device_path.for_slots(self, num_bytes)
+        path = self._device_path(num_bytes)
         if path is not None or self.device is not None:
             self._peers.set_device_meta("" if path is None else path.card().hex())
         self.num_rdma_bytes = num_bytes
@@ -198,19 +216,28 @@ class Slots:
         if self.device is not None:
             self.device.poll()
 
+    def _check_alive(self, what: str) -> None:
+        if self.destroyed:
+            raise RuntimeError(
+                f"{what}: this elastic Buffer was destroyed (destroy()); create a new one"
+            )
+
     def need_peers(self, what: str):
         if self._peers is None:
+            self._check_alive(what)
             raise RuntimeError(f"{what}: call update_memory_buffers first (it fixes the capacity)")
         return self._peers
 
     # --- peers -------------------------------------------------------------------------
 
     def _slot_list(self, what: str, peers) -> list[int]:
+        """``remote_ranks`` less this rank, as upstream's: a list naming every slot
+        (this one included) is a correct upstream program."""
         self.need_peers(what)
-        peers = int_list(what, "peers", peers)
+        peers = int_list(what, "remote_ranks", peers)
         for p in peers:  # the core checks the range of those that fit its ints
             self._check_int_slot(what, p)
-        return peers
+        return [p for p in peers if p != self.rank]
 
     def _check_int_slot(self, what: str, slot: int) -> None:
         if not -MAX_INT <= slot < MAX_INT:
@@ -230,6 +257,8 @@ class Slots:
         error = flags_error(activate=activate)
         if error:
             raise ValueError(f"connect_ranks: {error}")
+        if not slots:
+            return
         if activate:
             self.look()
         self._peers.connect(slots, activate, calls)
@@ -242,13 +271,20 @@ class Slots:
         self._recount_device()
 
     def set_masked(self, peer, mask, calls: int = 0) -> None:
-        self.need_peers("update_mask_buffer")
+        what = "update_mask_buffer"
+        self.need_peers(what)
         if not is_int(peer):
-            raise ValueError(f"update_mask_buffer: peer must be an int, got {peer!r}")
-        self._check_int_slot("update_mask_buffer", peer)
+            raise ValueError(f"{what}: rank_to_mask must be an int, got {peer!r}")
+        self._check_int_slot(what, peer)
         error = flags_error(mask=mask)
         if error:
-            raise ValueError(f"update_mask_buffer: {error}")
+            raise ValueError(f"{what}: {error}")
+        if peer == self.rank:
+            if mask:
+                raise ValueError(
+                    f"{what}: rank_to_mask: rank {peer} is this rank itself, which cannot be masked"
+                )
+            return  # this slot is always active (upstream takes the call too)
         # A slot a kernel masked is published again as the core restarts it. Masking
         # is a device operation: no wait for the GPU.
         self.look(wait=not mask)
@@ -261,6 +297,8 @@ class Slots:
 
     def disconnect(self, peers) -> None:
         slots = self._slot_list("disconnect_ranks", peers)
+        if not slots:
+            return
         self.look()
         self._peers.disconnect(slots)
         if self.device is not None:
@@ -270,11 +308,12 @@ class Slots:
 
     def query_mask(self, out) -> None:
         peers = self.need_peers("query_mask_buffer")
-        err = tensor_error("out", out, (torch.int32,), 1, shape=[self.num_ranks])
+        name = "mask_status"
+        err = tensor_error(name, out, (torch.int32,), 1, shape=[self.num_ranks])
         if err is None and not out.is_contiguous():
-            err = "out must be contiguous"
+            err = f"{name} must be contiguous"
         if err is None and out.device.type not in ("cpu", "cuda"):
-            err = f"out must be a CPU or CUDA tensor, got one on {out.device}"
+            err = f"{name} must be a CPU or CUDA tensor, got one on {out.device}"
         if err:
             raise ValueError(f"query_mask_buffer: {err}")
         mask = None if self.device is None else self.device.slot_mask
@@ -295,6 +334,130 @@ class Slots:
             )
         got = peers.barrier(-1 if timeout_ms is None else timeout_ms)
         return [s for s, ok in enumerate(got) if ok]
+
+    # --- upstream's other elastic calls (mooncake/ep/elastic_api.py documents them) -------
+
+    def set_store(self, store) -> None:
+        what = "set_tcp_store_group"
+        self._check_alive(what)
+        _check_store(what, store)
+        if self._peers is not None and store is not self.store:
+            # The core talks through the store it was built with.
+            raise RuntimeError(
+                f"{what}: tcp_store_group is fixed once update_memory_buffers has set this "
+                f"buffer up with it (pass the same store, or create a new Buffer)"
+            )
+        self.store = store
+
+    def clean_mask(self, calls: int = 0) -> None:
+        """Publishes every staged slot (connected, masked by update_mask_buffer or by a
+        timeout), as upstream's sets every connected slot active; disconnected slots stay
+        masked."""
+        what = "clean_mask_buffer"
+        peers = self.need_peers(what)
+        self.look()
+        staged = [s for s in range(self.num_ranks) if s != self.rank and peers.state(s) == "staged"]
+        failed = []
+        for s in staged:  # each publish waits for its peer's side; one late peer stops none
+            try:
+                self.set_masked(s, False, calls)
+            except TimeoutError as e:
+                failed.append(str(e))
+        if failed:
+            raise TimeoutError(
+                f"{what}: {len(failed)} of {len(staged)} staged slots were not published "
+                f"(the others were): " + "; ".join(failed)
+            )
+
+    def destroy(self) -> None:
+        """Releases the connections (after this process's GPU work), the core's peers and
+        the device workspace (once no view of it is left); every later call raises."""
+        self._check_alive("destroy")
+        peers = self._peers
+        if peers is not None:
+            self.look()
+            connected = [
+                s
+                for s in range(self.num_ranks)
+                if s != self.rank and peers.state(s) != "disconnected"
+            ]
+            if connected:
+                self.disconnect(connected)
+        path = self.device
+        self.destroyed = True
+        self._peers = None
+        self._attach_device(None)
+        if path is not None:
+            # The path and these slots refer to each other: drop the workspace now rather
+            # than at the next garbage collection.
+            path.ext = None
+
+    def comm_stream(self):
+        """The CUDA stream the buffer's device work runs on (see
+        ``ElasticMethods.get_comm_stream``)."""
+        what = "get_comm_stream"
+        self.need_peers(what)
+        if self.device is not None:
+            return self.device.comm_stream()
+        if torch.cuda.is_available():
+            return torch.cuda.current_stream()
+        raise RuntimeError(
+            f"{what}: this machine has no CUDA: every call runs on the host, on no stream"
+        )
+
+    def local_tensor(self, dtype, size, offset, use_rdma_buffer) -> torch.Tensor:
+        """A view of this process's device workspace (see
+        ``ElasticMethods.get_local_buffer_tensor``)."""
+        what = "get_local_buffer_tensor"
+        self.need_peers(what)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{what}: dtype must be a torch.dtype, got {dtype!r}")
+        error = flags_error(use_rdma_buffer=use_rdma_buffer)
+        if error:
+            raise ValueError(f"{what}: {error}")
+        if not use_rdma_buffer:
+            raise ValueError(
+                f"{what}: use_rdma_buffer must be True: the device workspace is this "
+                f"buffer's only one (there is no separate NVLink buffer)"
+            )
+        es = torch.empty(0, dtype=dtype).element_size()
+        if not is_int(offset) or offset < 0 or offset % es:
+            raise ValueError(
+                f"{what}: offset must be an int >= 0, in bytes, and a multiple of "
+                f"{str(dtype).replace('torch.', '')}'s size ({es}), got {offset!r}"
+            )
+        shape = None
+        if size is not None:
+            shape = [size] if is_int(size) else size
+            try:
+                shape = [int(d) for d in shape] if all(is_int(d) for d in shape) else None
+            except TypeError:
+                shape = None
+            if shape is None or any(d < 0 for d in shape):
+                raise ValueError(
+                    f"{what}: size must be None or a sequence of ints >= 0 (a torch.Size), "
+                    f"got {size!r}"
+                )
+        if self.device is None:
+            raise RuntimeError(
+                f"{what}: this elastic Buffer has no device workspace (it needs "
+                f"num_rdma_bytes > 0 in update_memory_buffers, CUDA on this machine, a CUDA "
+                f"build of mooncake and disable_ll_nvlink=False); the portable path keeps no "
+                f"workspace to view"
+            )
+        ws = self.device.ext.workspace()  # uint8 [bytes], zero-copy, keeps the workspace
+        total = ws.numel()
+        if offset > total:
+            raise ValueError(f"{what}: offset ({offset}) is past the workspace ({total} bytes)")
+        fits = (total - offset) // es
+        n = fits if shape is None else math.prod(shape)
+        if n > fits:
+            raise ValueError(
+                f"{what}: size {shape} needs {n * es} bytes from offset {offset}; the "
+                f"workspace has {total - offset} there"
+            )
+        view = ws[offset : offset + n * es].view(dtype)
+        return view if shape is None else view.view(shape)
 
     @property
     def rank_bound(self) -> int:

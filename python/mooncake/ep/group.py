@@ -106,15 +106,8 @@ class GroupMembers:
         Raises:
             ValueError: a member has another ``num_bytes``.
         """
-        try:
-            cpu = isinstance(self.group._get_backend(torch.device("cpu")), pg.MooncakeBackend)
-        except (RuntimeError, ValueError):
-            cpu = False
-        device = torch.device("cpu" if cpu else "cuda")
-        mine = torch.tensor([1, num_bytes, self.num_ranks, seq], device=device)
-        everyone = torch.zeros(self.num_ranks * 4, dtype=torch.int64, device=device)
-        self.backend_for(device)._allgather_base(everyone, mine).wait()
-        rows = everyone.reshape(self.num_ranks, 4).tolist()
+        mine = torch.tensor([1, num_bytes, self.num_ranks, seq])
+        rows = self.all_gather(mine).reshape(self.num_ranks, 4).tolist()
         for r, (present, nbytes, size, _) in enumerate(rows):
             if present and (nbytes, size) != (num_bytes, self.num_ranks):
                 raise ValueError(
@@ -122,6 +115,24 @@ class GroupMembers:
                     f"rank {self.rank} has {num_bytes}"
                 )
         return max(row[3] for row in rows if row[0])
+
+    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every member's ``mine`` (a 1-D CPU tensor, the same size on each), as one CPU
+        tensor of ``num_ranks`` rows (collective). Members outside the view send zeros."""
+        device = self._gather_device()
+        everyone = torch.zeros(self.num_ranks * mine.numel(), dtype=mine.dtype, device=device)
+        self._all_gather_into(everyone, mine.to(device))
+        return everyone.cpu()
+
+    def _gather_device(self) -> torch.device:
+        try:
+            cpu = isinstance(self.group._get_backend(torch.device("cpu")), pg.MooncakeBackend)
+        except (RuntimeError, ValueError):
+            cpu = False
+        return torch.device("cpu" if cpu else "cuda")
+
+    def _all_gather_into(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        self.backend_for(out.device)._allgather_base(out, mine).wait()
 
     def refresh(self, num_bytes: int, seq: int) -> int:
         """``Buffer.update_ep_member``: the members after the group changed membership
@@ -155,3 +166,89 @@ class GroupMembers:
 
     #: Never: the members agree on the call count when the Buffer is made (:meth:`agree`).
     count_pending = False
+
+
+def has_mooncake_backend(group: dist.ProcessGroup) -> bool:
+    try:
+        pg._backend_of(group)
+    except ValueError:
+        return False
+    return True
+
+
+def backend_serves(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether ``group`` has a backend for tensors on ``device_type``."""
+    try:
+        group._get_backend(torch.device(device_type))
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+class _Done:
+    """A finished exchange, for callers that wait on a Work."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class ForeignMembers(GroupMembers):
+    """The ranks of a group without a mooncake backend (an engine's NCCL or gloo EP
+    group). Its backend neither detects failed ranks nor bounds an exchange: every rank
+    takes part unless the caller's ``active_ranks`` says otherwise, exchanges run under
+    the group's own timeout, and a rank that dies stalls the portable path's exchanges
+    until that timeout (NCCL's watchdog, gloo's). The device path's kernels still mask
+    a silent peer after ``timeout_us``."""
+
+    def device_error(self, device: torch.device) -> str | None:
+        if backend_serves(self.group, device.type):
+            return None
+        return f"x is on {device}, but the group has no backend for {device.type}"
+
+    def present(self, num_ranks: int) -> torch.Tensor:
+        return torch.ones(num_ranks, dtype=torch.bool)
+
+    def _exchange_device(self, device: torch.device) -> torch.device:
+        """Where the group can move tensors that live on ``device`` (CPU tensors go
+        through the GPU for an NCCL group, CUDA tensors through the host for a CPU-only
+        one)."""
+        if backend_serves(self.group, device.type):
+            return device
+        if device.type == "cpu":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_to_all(self, device, out, inp, out_splits, in_splits, timeout_us):
+        """As :meth:`GroupMembers.all_to_all`, under the group's own timeout (a foreign
+        backend takes no per-exchange budget)."""
+        out_splits, in_splits = [int(s) for s in out_splits], [int(s) for s in in_splits]
+        where = self._exchange_device(out.device)
+        if where == out.device:
+            return dist.all_to_all_single(
+                out, inp, out_splits, in_splits, group=self.group, async_op=True
+            )
+        staged = torch.empty(out.shape, dtype=out.dtype, device=where)
+        dist.all_to_all_single(staged, inp.to(where), out_splits, in_splits, group=self.group)
+        out.copy_(staged)
+        return _Done()
+
+    def reject(self, device, reason: str) -> bool:
+        return False  # no way to fail the others' exchange: only this rank knows
+
+    def backend_for(self, device: torch.device | None):
+        raise ValueError("the group has no mooncake backend")
+
+    def _gather_device(self) -> torch.device:
+        return self._exchange_device(torch.device("cpu"))
+
+    def _all_gather_into(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        # torch 2.13 renamed it (the old name warns); the GPU machine's 2.11 has only that.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, mine, group=self.group)
+
+    def device_masks(self, active_ranks, R: int, device) -> tuple[torch.Tensor, None]:
+        if active_ranks is not None:
+            return active_ranks, None
+        if self._mask_dev.device != device or self._mask_dev.numel() != R:
+            self._mask_dev = torch.ones(R, dtype=torch.int32, device=device)
+        return self._mask_dev, None

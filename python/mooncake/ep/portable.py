@@ -191,7 +191,14 @@ class PortablePath:
         if use_fp8:
             recv_x = (
                 torch.empty(epr, R * T, H, dtype=torch.float8_e4m3fn, device=device),
-                torch.empty(epr, R * T, H // 128, dtype=torch.float32, device=device),
+                # Token stride 1, as upstream's (and the device path's): FP8 grouped
+                # GEMMs read the scales of one channel block for many tokens.
+                torch.empty_strided(
+                    (epr, R * T, H // 128),
+                    (H // 128 * R * T, 1, R * T),
+                    dtype=torch.float32,
+                    device=device,
+                ),
             )
         else:
             recv_x = torch.empty(epr, R * T, H, dtype=x.dtype, device=device)

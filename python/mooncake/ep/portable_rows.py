@@ -217,11 +217,10 @@ def unpack_tokens(
             flat,
             rows[:, HEADER_BYTES : HEADER_BYTES + hidden],
         )
-        _scatter_rows(
-            scales.view(-1, scales.shape[2]).view(torch.uint8),
-            flat,
-            rows[:, HEADER_BYTES + hidden :],
-        )
+        # scales is a transposed view ([E/R, R*T, H/128], token stride 1): index it.
+        nscale = scales.shape[2]
+        raw = rows[:, HEADER_BYTES + hidden : HEADER_BYTES + hidden + 4 * nscale]
+        scales[a.local_expert, a.column] = raw.contiguous().view(torch.float32)
     else:
         _scatter_rows(out.view(-1, hidden).view(torch.uint8), flat, rows[:, HEADER_BYTES:])
 

@@ -292,9 +292,12 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const Dispa
                        lane);
       if constexpr (kFp8) {
         if (c != 0) continue;
+        // Scales are [E/R, H/128, R*T] in memory (token stride 1, the layout
+        // FP8 grouped GEMMs read), handed out transposed to [E/R, R*T, H/128].
         const int64_t nscale = H / EpLayout::kFp8Block;
+        float* col = a.recv_scales + (row / cols) * nscale * cols + row % cols;
         for (int64_t j = lane; j < nscale; j += 32)
-          a.recv_scales[row * nscale + j] = reinterpret_cast<const float*>(body + H)[j];
+          col[j * cols] = reinterpret_cast<const float*>(body + H)[j];
       }
     }
     __syncthreads();  // s_src and s_row are refilled next round

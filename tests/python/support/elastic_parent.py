@@ -293,7 +293,9 @@ store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                       timeout=timedelta(seconds=30))
 
 def make(rank, **kw):
-    b = Buffer.create_elastic(rank, store, store_prefix="p/", metadata_timeout_ms=2500, **kw)
+    b = Buffer.create_elastic(
+        rank=rank, tcp_store_group=store, store_prefix="p/", metadata_timeout_ms=2500, **kw
+    )
     b.update_memory_buffers(num_ranks=4, num_experts_per_rank=2)
     return b
 
@@ -311,7 +313,7 @@ def both(*calls):
 
 def pair():
     b0, b1 = make(0), make(1)
-    b0.connect_ranks([1])
+    b0.connect_ranks([1], activate=False)
     b1.connect_ranks([0], activate=True)
     b0.update_mask_buffer(1, mask=False)
     assert both(b0.barrier, b1.barrier) == [[0, 1], [0, 1]]

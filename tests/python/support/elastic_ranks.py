@@ -51,16 +51,22 @@ SPEC = Spec(T=8, H=128, K=3, epr=2, ns=(5, 3, 8, 6, 0, 7))
 #: How rounds vary (round i uses STYLES[i % len]): R ("bound": the rank bound, "cap":
 #: the capacity, "mid": between), dispatch and combine completion, FP8, active_ranks
 #: ("none": None, the buffer's mask; "plan": the active slots; "ones": all ones),
-#: combine(out=...), zero-copy combine, cumulative_local_expert_recv_stats. A style may add
-#: ``timeout_us`` (default -1: the buffer's timeout_ms).
+#: combine(out=...), zero-copy combine, cumulative_local_expert_recv_stats, and the call
+#: form ("ours", or upstream's elastic one by keyword or by position:
+#: upstream_elastic_ranks.UpstreamForm, where act is "none" and timeout_us the buffer's).
+#: A style may add ``timeout_us`` (default -1: the buffer's timeout_ms).
+# fmt: off
 STYLES = (
     dict(R="bound", d="sync", c="sync", fp8=False, act="none", out=False, zc=False, stats=True),
     dict(R="cap", d="async", c="hook", fp8=False, act="plan", out=True, zc=False, stats=False),
-    dict(R="bound", d="hook", c="async", fp8=True, act="none", out=False, zc=False, stats=True),
+    dict(R="bound", d="hook", c="async", fp8=True, act="none", out=False, zc=False, stats=True,
+         form="upstream-kw"),
     dict(R="mid", d="with", c="sync", fp8=False, act="plan", out=True, zc=True, stats=True),
     dict(R="cap", d="sync", c="with", fp8=True, act="ones", out=True, zc=False, stats=False),
-    dict(R="mid", d="hook", c="hook", fp8=False, act="none", out=True, zc=False, stats=False),
+    dict(R="mid", d="hook", c="hook", fp8=False, act="none", out=True, zc=True, stats=False,
+         form="upstream-pos"),
 )
+# fmt: on
 
 
 class Aborted(Exception):
@@ -220,6 +226,12 @@ def play_round(
     if st["act"] == "ones":  # slots outside the view are masked: they may be set to 0
         may_drop = set(may_drop) | {q for q in range(R) if q not in view}
     r = ElasticRound(chk, buf, spec, tag, seed_for(seed, phase, i), R, views, act)
+    form = st.get("form", "ours")
+    if form != "ours" and st["act"] == "none" and "timeout_us" not in st:
+        from upstream_elastic_ranks import UpstreamForm
+
+        quiet = not may_drop and must_drop is None  # the rank bound stays as it is
+        r.buf = UpstreamForm(buf, chk, form == "upstream-pos", quiet and st["R"] == "bound")
     use = stats if st["stats"] and stats is not None else None
     t0 = time.monotonic()
     r.dispatch(st["d"], stats=None if use is None else use[0])
@@ -315,8 +327,8 @@ class Rank:
         from mooncake.mooncake_ep_buffer import Buffer
 
         buf = Buffer.create_elastic(
-            self.slot,
-            self.store,
+            rank=self.slot,
+            tcp_store_group=self.store,
             timeout_ms=self.p["timeout_ms"],
             metadata_timeout_ms=self.p.get("metadata_timeout_ms", 60000),
             store_prefix="ep/",
@@ -726,7 +738,7 @@ def rejoin_after_skip(rk: Rank, buf, trio, pair, skipped: int) -> None:
         rk.rounds(buf, n, pair, start=1)
         rk.sync(f"{tag}-rejoin", trio)
         buf.disconnect_ranks([skipped])
-        buf.connect_ranks([skipped])
+        buf.connect_ranks([skipped], activate=False)
         rk.publish(buf, [skipped])
     else:
         rk.wait_keys([f"tl/{tag}/{q}" for q in pair])
@@ -734,7 +746,7 @@ def rejoin_after_skip(rk: Rank, buf, trio, pair, skipped: int) -> None:
         rk.check("skipped")
         rk.sync(f"{tag}-rejoin", trio)
         buf.disconnect_ranks(pair)
-        buf.connect_ranks(pair)
+        buf.connect_ranks(pair, activate=False)
         rk.publish(buf, pair)
     rk.expect_slots(buf, trio, f"reconnected after the {tag} phase")
     rk.check("rejoined")
@@ -846,7 +858,20 @@ def silent(rk: Rank) -> None:
 
 # --- main -----------------------------------------------------------------------------------
 
-SCENARIOS = {"growth": growth, "fault": fault, "contract": contract, "silent": silent}
+
+def upstream(rk: Rank) -> None:
+    from upstream_elastic_ranks import upstream as scenario
+
+    scenario(rk)
+
+
+SCENARIOS = {
+    "growth": growth,
+    "fault": fault,
+    "contract": contract,
+    "silent": silent,
+    "upstream": upstream,
+}
 
 
 def process_main(slot: int, capacity: int, port: int, cfg_path: str, gen: int, role: str) -> None:

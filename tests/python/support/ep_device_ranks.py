@@ -146,6 +146,11 @@ def _compare_dispatch(dev, ref, fp8: bool) -> None:
     (rx_d, cnt_d, h_d), (rx_r, cnt_r, h_r) = dev, ref
     _same(cnt_d, cnt_r, "recv_count")
     _same(h_d.layout_range, h_r.layout_range, "layout_range")
+    if fp8:  # upstream's layout on both paths: a transposed view, token stride 1
+        for name, scales in (("device", rx_d[1]), ("portable", rx_r[1])):
+            e, rows, _ = scales.shape
+            if scales.stride()[1:] != (1, rows):
+                raise AssertionError(f"{name} scales strides {scales.stride()}, token stride not 1")
     for j, c in enumerate(cnt_r.tolist()):
         _same(h_d.src_info[j, :c], h_r.src_info[j, :c], f"src_info[{j}]")
         if fp8:

@@ -253,8 +253,8 @@ class Ops:
         others = [r for r in range(self.world) if r != self.rank]
         if self._elastic is None:
             buf = Buffer.create_elastic(
-                self.rank,
-                store,
+                rank=self.rank,
+                tcp_store_group=store,
                 timeout_ms=EEP_TIMEOUT_MS,
                 metadata_timeout_ms=60_000,
                 store_prefix="eep/",
