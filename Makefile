@@ -117,8 +117,8 @@ bench: build
 	$(PY) bench/bench_hosts.py
 	$(PY) bench/bench_ep.py
 	$(PY) bench/bench_elastic.py
-	$(PY) bench/bench_ep_device.py
-	$(PY) bench/bench_pg_cuda.py
+	$(PY) bench/bench_ep_device.py --if-gpu
+	$(PY) bench/bench_pg_cuda.py --if-gpu
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)

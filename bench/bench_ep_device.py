@@ -351,10 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         "process group's, its calls covering the processes' slots; the first of --experts",
     )
     p.add_argument("--out-dir", default=str(harness.RESULTS))
+    harness.add_if_gpu(p)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_ep_device: no CUDA GPU here; nothing to measure")
-        return 0
+    status = harness.no_gpu_status("bench_ep_device", a.if_gpu)
+    if status is not None:
+        return status
     from mooncake.launch import run_local
 
     cfg = {

@@ -160,15 +160,16 @@ def main(argv=None) -> int:
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--out-dir", default=str(harness.RESULTS))
+    harness.add_if_gpu(p)
     args = p.parse_args(argv)
     ops = tuple(args.ops.split(","))
     unknown = set(ops) - set(OPS)
     if unknown:
         p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
 
-    if not torch.cuda.is_available():
-        print("bench_pg_cuda: no CUDA GPU here; nothing to measure")
-        return 0
+    status = harness.no_gpu_status("bench_pg_cuda", args.if_gpu)
+    if status is not None:
+        return status
     results = {}
     for world in harness.csv_ints(args.worlds):
         for backend in args.backends.split(","):

@@ -51,6 +51,28 @@ def say_host(
 # --- statistics -------------------------------------------------------------------------
 
 
+def add_if_gpu(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--if-gpu",
+        action="store_true",
+        help="on a machine without a CUDA GPU, say so and succeed (make bench); without "
+        "it, that is an error: asked to measure the GPU, nothing was measured",
+    )
+
+
+def no_gpu_status(name: str, if_gpu: bool) -> int | None:
+    """None where a CUDA GPU is visible; else the exit status (0 with ``--if-gpu``)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if if_gpu:
+        print(f"{name}: no CUDA GPU here; nothing to measure (--if-gpu)")
+        return 0
+    print(f"{name}: error: no CUDA GPU visible to torch; nothing was measured", file=sys.stderr)
+    return 1
+
+
 def percentile(values, q: float, method: str = "nearest") -> float | None:
     """The ``q``-th percentile (``q`` in [0, 100]) of ``values`` (any order); None when empty.
 

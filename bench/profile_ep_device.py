@@ -190,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", default=None, help="JSON file for the results")
+    harness.add_if_gpu(p)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_ep_device: no CUDA GPU here; nothing to measure")
-        return 0
+    status = harness.no_gpu_status("profile_ep_device", a.if_gpu)
+    if status is not None:
+        return status
     from mooncake.launch import run_local
 
     cfg = {"T": a.tokens, "H": a.hidden, "E": a.experts, "K": a.topk}

@@ -38,7 +38,9 @@
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS).
-# PYTEST_PATHS: what the Python step runs (default tests/python bench/tests); PYTEST_ARGS: more.
+# PYTEST_PATHS: what the Python step runs (default tests/python bench/tests); PYTEST_ARGS: more
+# arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
+# The GPU steps run with MOONCAKE_NO_SKIP=1: a test that skips there fails (nothing tested).
 # BENCH_PG_CUDA_ARGS / BENCH_PG_CUDA_MPS_ARGS: arguments of bench_pg_cuda.py without and
 # with MPS (default: every world, backend and op; under MPS worlds 2 and 4).
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
@@ -55,6 +57,22 @@ STEPS=" ${GPU_STEPS:-doctor cpp device py elastic bench pgcuda pgbench epdev epe
 GTEST_ARGS=()
 [ -f .gtest/CMakeLists.txt ] && GTEST_ARGS=(-DMOONCAKE_GTEST_SOURCE="$PWD/.gtest")
 step() { echo "== $1"; }
+case " ${PYTEST_ARGS:-} " in
+  *" -k "* | *" -k="* | *" -k"[!\ ]*)
+    echo "error: PYTEST_ARGS has a -k, which would replace the steps' own selections: use PYTEST_K"
+    exit 2 ;;
+esac
+# sel OWN: the -k arguments of a step whose own selection is OWN ("" for none), with PYTEST_K.
+sel() {
+  if [ -n "$1" ] && [ -n "${PYTEST_K:-}" ]; then printf '%s\n' -k "($1) and ($PYTEST_K)"
+  elif [ -n "$1" ]; then printf '%s\n' -k "$1"
+  elif [ -n "${PYTEST_K:-}" ]; then printf '%s\n' -k "$PYTEST_K"
+  fi
+}
+mapfile -t SEL_ALL < <(sel "")
+mapfile -t SEL_CUDA < <(sel "cuda")
+mapfile -t SEL_KILLS < <(sel "kills")
+mapfile -t SEL_NOT_KILLS < <(sel "not kills")
 # sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
 # log in $OUT/LOG_STEM_TOOL.log; any error fails the run.
 sanitize() {
@@ -109,6 +127,16 @@ if [ -n "$so" ] && nm -C --defined-only "$so" 2>/dev/null | grep -q "std::basic_
   echo "error: $so carries its own libstdc++ (a static C++ runtime was linked in)"; status=1
 fi
 
+# Everything after this tests the GPU: a machine whose torch sees none, or a build without
+# CUDA, would otherwise pass on skips.
+"$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/machine.txt" || status=1
+import sys, torch
+from mooncake.pg import _ext
+gpu, cuda, ep = torch.cuda.is_available(), bool(_ext.build_info()["cuda"]), hasattr(_ext, "EpDevice")
+print(f"GPU visible: {gpu}; CUDA build: {cuda}; EP device path: {ep}")
+sys.exit(0 if gpu and cuda and ep else 1)
+PYEOF
+
 wants doctor && step "doctor" && { "$PY" -m mooncake doctor 2>&1 | tee "$OUT/doctor.txt" || status=1; }
 
 if ! wants cpp; then
@@ -117,7 +145,8 @@ elif [ -x build-gpu/mooncake_tests ]; then
   step "C++ tests"
   (cd build-gpu && ctest --output-on-failure -j8) 2>&1 | tee "$OUT/ctest.log" | tail -5 || status=1
 else
-  echo "GoogleTest not available here: C++ tests skipped" | tee "$OUT/ctest.log"
+  echo "error: GoogleTest not available here (carry .gtest/): C++ tests not run" | tee "$OUT/ctest.log"
+  status=1
 fi
 
 # The device library as a C++ user builds it: no torch anywhere on the include path.
@@ -134,7 +163,7 @@ if wants device; then
   timeout 120 build-gpu-core/mooncake_device_example 3 2>&1 | tee "$OUT/device_example.log" | tail -4 || status=1
 fi
 
-wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python bench/tests} -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
+wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python bench/tests} "${SEL_ALL[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
 
 # The elastic EP buffer with CUDA tensors (staged through host memory).
 if wants elastic; then
@@ -158,7 +187,7 @@ fi
 if wants pgcuda; then
   step "CUDA backend: tests"
   timeout 900 "$PY" -m pytest tests/python/test_cuda_backend.py tests/python/test_collectives.py \
-    tests/python/test_fault_tolerance.py -k "cuda" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+    tests/python/test_fault_tolerance.py "${SEL_CUDA[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
   sanitize tests/python/support/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS-memcheck racecheck}
@@ -178,8 +207,11 @@ fi
 if wants epdev; then
   step "EP device path: tests (MPS)"
   start_mps
-  timeout 400 "$PY" -m pytest tests/python/test_ep_device.py -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+  MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_ep_device.py "${SEL_ALL[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_ep_device.log" | tail -15 || status=1
+  step "EP as engines drive it, CUDA tensors (MPS)"
+  MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_engine_pattern.py "${SEL_CUDA[@]}" -q -p no:cacheprovider \
+    ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_engine.log" | tail -15 || status=1
   stop_mps
   step "EP device path: compute-sanitizer"
   sanitize tests/python/support/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS-memcheck racecheck}
@@ -191,11 +223,11 @@ if wants epelastic; then
   # error to every client on the GPU (MPS shares fatal errors among a GPU's clients):
   # the kill test runs without it (docs/failures.md).
   start_mps
-  timeout 900 "$PY" -m pytest tests/python/test_ep_elastic_device.py -k "not kills" -q \
+  MOONCAKE_NO_SKIP=1 timeout 900 "$PY" -m pytest tests/python/test_ep_elastic_device.py "${SEL_NOT_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
   stop_mps
-  timeout 400 "$PY" -m pytest tests/python/test_ep_elastic_device.py -k kills -q \
+  MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_ep_elastic_device.py "${SEL_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
 fi

@@ -78,6 +78,7 @@ __all__ = [
     "get_preferred_hca",
     "get_active_ranks",
     "get_num_synced_ranks",
+    "get_op_paths",
     "get_current_epoch",
     "extend_group_size_to",
     "get_peer_state",
@@ -334,6 +335,18 @@ def get_num_synced_ranks(backend=None) -> int:
     the members of the group's current view, which all agreed on it.
     """
     return _backend_of(backend).num_synced_ranks()
+
+
+def get_op_paths(backend=None) -> dict[str, int]:
+    """How the group's ops on CUDA tensors ran so far: ``{"device": n, "staged": m}``, ops
+    on the device plane (kernels over the members' mapped GPU memory) and ops staged
+    through host memory (a size or op the plane does not serve, or a peer it cannot
+    reach). Counted as the ops are issued, on this rank. Zeros for a ``mooncake-cpu``
+    group."""
+    b = _backend_of(backend)
+    if hasattr(b, "op_paths"):
+        return b.op_paths()
+    return {"device": 0, "staged": 0}
 
 
 def extend_group_size_to(backend, size: int) -> None:

@@ -187,7 +187,14 @@ void register_backend(py::module_& m) {
 #if MOONCAKE_WITH_CUDA
   py::class_<MooncakeCudaBackend, MooncakeBackend, c10::intrusive_ptr<MooncakeCudaBackend>>(
       m, "MooncakeCudaBackend")
-      .def_property_readonly("device", &MooncakeCudaBackend::device);
+      .def_property_readonly("device", &MooncakeCudaBackend::device)
+      .def("op_paths", [](const MooncakeCudaBackend& b) {
+        const auto [device, staged] = b.op_paths();
+        py::dict d;
+        d["device"] = device;
+        d["staged"] = staged;
+        return d;
+      });
 #endif
 
   m.def("create_backend", &create_backend, py::arg("store"), py::arg("rank"), py::arg("size"),

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "core/error.h"
@@ -32,6 +33,18 @@ c10::intrusive_ptr<MooncakeBackendOptions> host_options(
   if (!options || !options->active_ranks.defined() || options->active_ranks.is_cpu())
     return options;
   return options->with_mask(options->active_ranks.cpu());
+}
+
+// Whether an op's tensors include a CUDA one (then staging it moves GPU memory).
+bool has_cuda(const at::Tensor& t) {
+  return t.defined() && t.is_cuda();
+}
+bool has_cuda(const std::vector<at::Tensor>& ts) {
+  return std::any_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return has_cuda(t); });
+}
+bool has_cuda(const std::vector<std::vector<at::Tensor>>& lists) {
+  return std::any_of(lists.begin(), lists.end(),
+                     [](const std::vector<at::Tensor>& l) { return has_cuda(l); });
 }
 
 const void* cptr(const at::Tensor& t) {
@@ -116,6 +129,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::host_op(const char* op, c10d
                                                             const In& in, const char* in_arg,
                                                             const Out& out, const char* out_arg,
                                                             HostOp&& call) {
+  // Both sides: a gather's non-root ranks have no outputs, a scatter's no inputs.
+  count_staged(has_cuda(results) || has_cuda(in));
   return staged(op, Kind::kCollective, [&](Staging& s) {
     auto host_in = s.in(in, in_arg);
     auto host_out = s.out(out, out_arg);
@@ -127,6 +142,7 @@ template <typename HostOp>
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::host_inout(const char* op, c10d::OpType type,
                                                                std::vector<at::Tensor>& tensors,
                                                                const char* arg, HostOp&& call) {
+  count_staged(has_cuda(tensors));
   return staged(op, Kind::kCollective, [&](Staging& s) {
     auto host = s.inout(tensors, arg);
     return s.run(type, tensors, [&] { return call(host); });
@@ -165,6 +181,7 @@ template <typename Move>
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::OpType type,
                                                               std::vector<at::Tensor> results,
                                                               Move move) {
+  ++device_ops_;
   return s.run_device(type, std::move(results), [this, move = std::move(move)] {
     c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
     c10::cuda::CUDAStreamGuard stream_guard(*stream_);
@@ -468,6 +485,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::barrier(const c10d::BarrierO
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send(std::vector<at::Tensor>& tensors, int dst,
                                                          int tag) {
+  count_staged(has_cuda(tensors));
   return staged("send", Kind::kSend, [&](Staging& s) {
     auto host = s.in(tensors, "tensor");
     return s.run(c10d::OpType::SEND, tensors,
@@ -477,6 +495,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::recv(std::vector<at::Tensor>& tensors, int src,
                                                          int tag) {
+  count_staged(has_cuda(tensors));
   return staged("recv", Kind::kRecv, [&](Staging& s) {
     auto host = s.out(tensors, "tensor");
     return s.run(c10d::OpType::RECV, tensors,

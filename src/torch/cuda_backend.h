@@ -29,8 +29,10 @@
 
 #include <c10/cuda/CUDAStream.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -103,6 +105,9 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // The active_ranks tensor given in the options (CUDA or CPU), else a CUDA one.
   at::Tensor active_ranks() const override;
   int device() const { return device_; }
+  // CUDA-tensor ops so far that ran on the device plane and that were staged
+  // through host memory: tests assert which path served them.
+  std::pair<int64_t, int64_t> op_paths() const { return {device_ops_.load(), staged_ops_.load()}; }
 
  protected:
   void view_changed(const at::Tensor& active) override;
@@ -140,6 +145,10 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // each with as many elements as `one`.
   bool on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list,
                      std::optional<size_t> bytes);
+  // Counts a staged op when it moves CUDA tensors (CPU tensors are not staged).
+  void count_staged(bool cuda) {
+    if (cuda) ++staged_ops_;
+  }
   // Runs `move(collectives, stream)` on the op thread, on the staging stream
   // (after the caller's stream has reached the op), and returns its Work.
   template <typename Move>
@@ -158,6 +167,7 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   std::optional<c10::cuda::CUDAStream> stream_;
   at::Tensor user_active_;                   // what active_ranks() returns
   std::unique_ptr<DeviceCollectives> coll_;  // null: every op is staged through the host
+  std::atomic<int64_t> device_ops_{0}, staged_ops_{0};
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;

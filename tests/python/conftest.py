@@ -5,6 +5,8 @@
 * After selection, the launcher learns which cases of each launch will run,
   so that ``-k`` on a few cases starts the ranks for just those.
 * At the end, a summary lists each launch's wall time.
+* With ``MOONCAKE_NO_SKIP=1`` (``make gpu-check`` sets it for its GPU steps) a test
+  that skips fails instead: on the GPU machine a skip means the device was not tested.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "tools"))
 sys.path.insert(0, str(HERE / "support"))
 
+import pytest  # noqa: E402
+
 import launcher  # noqa: E402
 
 
@@ -32,6 +36,20 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        report.skipped
+        and os.environ.get("MOONCAKE_NO_SKIP") == "1"
+        and not hasattr(report, "wasxfail")
+    ):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under MOONCAKE_NO_SKIP=1 (the GPU run must test it): {reason}"
 
 
 def pytest_collection_finish(session):

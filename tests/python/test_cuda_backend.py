@@ -9,6 +9,7 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
 * coalescing blocks, ``batch_isend_irecv``, functional collectives, p2p (also
   from any source) on CUDA tensors;
 * one group serves CPU tensors too; ``active_ranks`` is a CUDA int32 tensor;
+* which path served an op (``pg.get_op_paths``): the device plane where it should;
 * bad input (CPU and CUDA tensors mixed, split sizes that disagree between ranks, an op
   under CUDA graph capture) raises ValueError naming the argument on every rank,
   and the group goes on.
@@ -245,14 +246,52 @@ def subgroup(ctx):
     for i in range(2):
         x = torch.full((n,), float(ctx.rank + 1), device="cuda")
         if ctx.rank in ranks:
-            dist.all_reduce(x, group=g)
+            got = _paths(lambda x=x: dist.all_reduce(x, group=g), g)
+            ctx.expect(got == (1, 0), f"subgroup all_reduce {i}: (device, staged) {got}")
             want = float(sum(r + 1 for r in ranks))
             ctx.expect(bool((x == want).all()), f"subgroup all_reduce {i}: {x[0].item()}")
         y = torch.full((n,), float(ctx.rank + 1), device="cuda")
-        dist.all_reduce(y)
+        got = _paths(lambda y=y: dist.all_reduce(y))
+        ctx.expect(got == (1, 0), f"world all_reduce {i}: (device, staged) {got}")
         want = world * (world + 1) / 2
         ctx.expect(bool((y == want).all()), f"world all_reduce {i}: {y[0].item()}")
     dist.destroy_process_group(g)
+
+
+def _paths(fn, group=None) -> tuple[int, int]:
+    """(device, staged) ops that ``fn`` issued on ``group``, from pg.get_op_paths."""
+    from mooncake import pg
+
+    before = pg.get_op_paths(group)
+    fn()
+    torch.cuda.synchronize()
+    after = pg.get_op_paths(group)
+    return after["device"] - before["device"], after["staged"] - before["staged"]
+
+
+def op_paths(ctx):
+    """Which path served each op, asserted (the plane must not be bypassed silently):
+    128 KiB all_reduce and all_gather_into_tensor on the device plane at every launch; a
+    4 KiB all_reduce on the plane where PLANE_ALL lowers its threshold, else staged;
+    gather (not on the plane) staged; CPU tensors in the same group counted as neither."""
+    import os
+
+    world, n = ctx.world_size, 1 << 15
+    x = torch.ones(n, device="cuda")
+    out = torch.empty(world * n, device="cuda")
+    got = _paths(lambda: dist.all_reduce(x))
+    ctx.expect(got == (1, 0), f"128 KiB all_reduce: (device, staged) {got}")
+    got = _paths(lambda: dist.all_gather_into_tensor(out, x))
+    ctx.expect(got == (1, 0), f"128 KiB all_gather_into_tensor: {got}")
+    small = torch.ones(1024, device="cuda")
+    plane_all = os.environ.get("MOONCAKE_CUDA_PLANE_MIN_BYTES") == "0"
+    got = _paths(lambda: dist.all_reduce(small))
+    ctx.expect(got == ((1, 0) if plane_all else (0, 1)), f"4 KiB all_reduce: {got}")
+    parts = [torch.empty(n, device="cuda") for _ in range(world)] if ctx.rank == 0 else None
+    got = _paths(lambda: dist.gather(x, parts, dst=0))
+    ctx.expect(got == (0, 1), f"gather: {got}")
+    got = _paths(lambda: dist.all_reduce(torch.ones(n)))
+    ctx.expect(got == (0, 0), f"CPU all_reduce: {got}")
 
 
 def graph_capture(ctx):
@@ -275,7 +314,8 @@ def big(ctx):
     for dtype, n in ((torch.bfloat16, 8 << 20), (torch.float32, 16 << 20)):
         xs = ctx.inputs((n,), dtype)
         x = cuda(xs[ctx.rank])
-        dist.all_reduce(x)
+        got = _paths(lambda x=x: dist.all_reduce(x))
+        ctx.expect(got == (1, 0), f"{dtype} all_reduce of {x.nbytes >> 20} MiB: {got}")
         ctx.expect_equal(x.cpu(), reduce_ref(xs, "SUM"), f"{dtype}")
     world = ctx.world_size
     n = (4 << 20) // world * world
@@ -302,6 +342,7 @@ def cases(world: int) -> list[Case]:
         Case("bad_input", bad_input),
         Case("split_mismatch", split_mismatch),
         Case("subgroup", subgroup),
+        Case("op_paths", op_paths),
         Case("graph_capture", graph_capture),
         Case("big", big),
     ]
