@@ -47,9 +47,16 @@ def run_round(buf, step: int, device: str) -> tuple[list[int], float]:
     out, _, _ = buf.combine(y, idx, w, handle)
     active = buf.active_slots  # after the call: a slot that died in it is masked
     on_active = torch.isin(idx // EPR, torch.tensor(active, device=device))
-    ref = ((idx + 1) * w * on_active).sum(1, keepdim=True) * x.float()
+    coef = (idx + 1) * w * on_active
+    ref = coef.sum(1, keepdim=True) * x.float()
+    # Each element against its own bound: the experts' bf16 outputs and combine's one
+    # rounding of the fp32 sum each lose at most 2**-8 relative (bf16 keeps 8 bits).
+    bound = (coef.abs().sum(1, keepdim=True) * x.float().abs() + ref.abs()) * 2**-8 + 1e-6
+    excess = ((out.float() - ref).abs() - bound).max().item()
+    assert excess <= 0, f"rank {buf.rank}: an element is {excess} past its bound"
     err = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    assert err < 2e-2, f"rank {buf.rank}: relative error {err}"
+    if device == "cuda":  # a workspace on every slot: the kernels must have served it
+        assert buf.path == "device", f"rank {buf.rank}: the {buf.path} path ran"
     return active, err
 
 

@@ -11,9 +11,13 @@
   within ``fp8.error_bound``.
 * Combine: bit-exact against the reference weighted sum without FP8 (exact inputs,
   exact experts, power-of-two weights); within a derived bound with FP8.
-* Shapes: hidden 128, 256, 7168; top-k 1..8; -1 selections (all of them too); ranks with
-  0 tokens; N == T (8 and 128); duplicate experts in a token's top-k; int32 ids;
-  bf16/fp16 weights; non-contiguous inputs; 1 and 5 experts per rank.
+* Shapes: hidden 128, 256, 7168; top-k 1..8 and 16; -1 selections (all of them too);
+  ranks with 0 tokens; N == T (8 and 128); duplicate experts in a token's top-k; int32
+  ids; bf16/fp16 weights; non-contiguous inputs; 1, 5 and 1024/R experts per rank (E=1024
+  with top-16, and with FP8 top-8: the device tests' largest shapes, which compare the
+  device path with this one). FP8 scales have upstream's strides (token stride 1).
+* Any process group: a gloo group (as an engine's NCCL or gloo EP group) routes, quantises
+  and masks as a mooncake one, with a warning.
 * Modes: ``out=``, ``zero_copy`` with ``get_next_combine_buffer`` (two dispatches in
   flight, stale handles), ``async_finish`` (``current_stream_wait``, ``with event``),
   ``return_recv_hook`` (hook twice; combine before the hook raises).

@@ -845,6 +845,18 @@ def route_cases(world: int) -> list[Case]:
     for K in range(1, 9):
         spec = Spec(T=8, K=K, epr=2 if K < 8 else 3, ns=(8, 5, 3, 0, 7), neg=0.15, dup=0.2)
         cases.append(Case(f"route/bf16_h128_k{K}", P(c_round, spec=spec)))
+    # The device tests' largest shapes (ep_device_ranks: k16, e1024, e1024/fp8/one-block)
+    # compare the device path with this path bit for bit; here this path meets the model
+    # at those shapes.
+    e1024 = 1024 // world
+    cases += [
+        Case("route/k16", P(c_round, spec=Spec(T=8, H=256, K=16, epr=16, ns=(8, 3), dup=0.2))),
+        Case("route/e1024_k16", P(c_round, spec=Spec(T=8, H=256, K=16, epr=e1024, ns=(8, 5)))),
+        Case(
+            "route/e1024_k8_fp8",
+            P(c_round, spec=Spec(T=16, H=256, K=8, epr=e1024, ns=(16, 9), fp8=True)),
+        ),
+    ]
     for K, fp8 in ((1, True), (4, True), (8, True), (4, False)):
         spec = Spec(T=4, H=256, K=K, epr=2, ns=(4, 1), fp8=fp8)
         cases.append(Case(f"route/{'fp8' if fp8 else 'bf16'}_h256_k{K}", P(c_round, spec=spec)))
