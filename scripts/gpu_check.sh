@@ -41,6 +41,7 @@
 # PYTEST_PATHS: what the Python step runs (default tests/python bench/tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
 # The GPU steps run with MOONCAKE_NO_SKIP=1: a test that skips there fails (nothing tested).
+# The run ends with a summary of what each step ran ($OUT/summary.txt).
 # BENCH_PG_CUDA_ARGS / BENCH_PG_CUDA_MPS_ARGS: arguments of bench_pg_cuda.py without and
 # with MPS (default: every world, backend and op; under MPS worlds 2 and 4).
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
@@ -336,4 +337,15 @@ if wants epbench; then
     cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_no_mps.json" 2>/dev/null
   fi
 fi
+step "summary: what each step ran"
+# One line per test run (its log, then pytest's or GoogleTest's count), so that a step that
+# ran nothing, or skipped, shows here; written to $OUT/summary.txt too.
+{
+  for log in "$OUT"/pytest*.log "$OUT"/device_tests.log "$OUT"/ctest.log; do
+    [ -f "$log" ] || continue
+    grep -hE '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran|tests passed|^\[  (PASSED|FAILED|SKIPPED) +\]' "$log" \
+      | sed "s|^|$(basename "$log"): |"
+  done
+  echo "gpu-check: $([ "$status" = 0 ] && echo passed || echo FAILED) (steps:${STEPS% })"
+} | tee "$OUT/summary.txt"
 exit $status
