@@ -20,7 +20,7 @@ shown by a correct operation checked against a reference:
 * EP: a dispatch + combine round of the launch's ``Buffer`` checked against the plain
   model of ``ep_cases`` (``ep_cases.good_round``).
 * elastic EP: a dispatch + combine round of the launch's elastic buffer (capacity 4,
-  slots 0 and 1 connected) checked against the same model (``elastic_ranks.play_round``),
+  slots 0 and 1 connected) checked against the same model (``elastic_round.play_round``),
   which also checks that the active slots are still exactly {0, 1}.
 """
 
@@ -1071,7 +1071,7 @@ def _usable(ctx, row: Row, index: int) -> None:
         ep_buffer(ctx)
         good_round(ctx, "after")
     else:
-        from elastic_ranks import play_round
+        from elastic_round import play_round
 
         buf = elastic(ctx)
         chk = Checks(ctx.rank, buf.num_ranks, ctx.case)

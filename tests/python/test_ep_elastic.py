@@ -54,7 +54,7 @@ from elastic_parent import (
     tiny_dispatch,
     verified_rounds,
 )
-from elastic_ranks import SPEC
+from elastic_round import SPEC
 
 # --- the timelines ----------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Needs a CUDA GPU and a CUDA build of the extension (``make gpu-check`` runs it o
 machine); skipped elsewhere. The timelines of ``elastic_ranks.py`` run with
 ``device="cuda"``: every process allocates its workspace in device memory, maps each
 slot's as it connects it, and every round (dispatch + combine, all the styles of
-``elastic_ranks.STYLES``: sync, event, hook, FP8, ``out=``, zero-copy, stats, explicit
+``elastic_round.STYLES``: sync, event, hook, FP8, ``out=``, zero-copy, stats, explicit
 ``active_ranks``) runs the device path's kernels on CUDA tensors and is checked against
 the same model as on the CPU. All processes share the one GPU: under MPS in
 ``make gpu-check`` (correct, only slower, without it), except the kill test: under MPS a

@@ -19,7 +19,7 @@ without a store, then ``set_tcp_store_group``; ``connect_ranks`` of every slot w
 default ``activate=True``; rounds in both forms; the same inputs through both, bit for
 bit; ``clean_mask_buffer``; own rank in lists; ``destroy`` and a new buffer in the slot.
 The other elastic timelines (``test_ep_elastic.py``) run upstream's form in two of the six
-round styles (``elastic_ranks.STYLES``).
+round styles (``elastic_round.STYLES``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from elastic_parent import SEED, Timeline, in_threads, raises, report
-from elastic_ranks import SPEC
+from elastic_round import SPEC
 from mooncake.ep import elastic_api
 from mooncake.mooncake_ep_buffer import Buffer
 

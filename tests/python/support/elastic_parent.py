@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic_ranks import SPEC, play_round
+from elastic_round import SPEC, play_round
 from ep_cases import Checks
 from launcher import CONTROLLED_ENV, read_run_files
 

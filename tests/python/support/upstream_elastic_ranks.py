@@ -6,7 +6,7 @@
   (all positional, or by keyword), checks what upstream's return (the handle is a plain
   4-tuple), and hands the round a ``DispatchHandle`` of the same items for its checks, so
   every round in this form is checked against the same model as the other form's.
-  ``elastic_ranks.STYLES`` marks the styles that run it.
+  ``elastic_round.STYLES`` marks the styles that run it.
 * :func:`upstream`: the ``upstream`` scenario of ``elastic_ranks.SCENARIOS``, three slots
   of capacity 4: ``create_elastic`` by keyword without a store, then
   ``set_tcp_store_group``; ``connect_ranks`` of every slot (this one included) with the
@@ -109,7 +109,7 @@ def _same_in_both_forms(rk, buf, plan, fp8: bool) -> None:
     """One round's inputs through our form and upstream's: recv_x, recv_count, the
     handle's tensors and the combined tokens agree bit for bit (both forms run the
     buffer's mask and timeout_ms)."""
-    from elastic_ranks import SPEC, ElasticRound
+    from elastic_round import SPEC, ElasticRound
 
     dev = torch.device(ElasticRound.device)
     R = max(plan) + 1
@@ -148,7 +148,8 @@ def _same_in_both_forms(rk, buf, plan, fp8: bool) -> None:
 def upstream(rk) -> None:
     """Slots 0, 1 and 2 of capacity 4 (see the module docstring). Phases: ``create``,
     ``connect``, ``forms``, ``clean``, ``reconnect``, ``local``, ``destroy``."""
-    from elastic_ranks import SPEC, ElasticRound, others
+    from elastic_ranks import others
+    from elastic_round import SPEC, ElasticRound
 
     me, trio, pair, n = rk.slot, [0, 1, 2], [0, 1], rk.p["rounds"]
     on_cuda = ElasticRound.device == "cuda"
