@@ -27,6 +27,19 @@ import pytest  # noqa: E402
 import launcher  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def store():
+    """A TCPStore served by the test process, for elastic buffers made in it (each test
+    takes its own key prefix)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("MOONCAKE_STRESS") == "1":
         return

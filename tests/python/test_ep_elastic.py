@@ -38,7 +38,6 @@ import os
 import random
 import signal
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -377,15 +376,6 @@ def test_silent_peer_masks_only_itself_when_another_is_late():
 # --- argument rules, on buffers in this process ------------------------------------------------
 
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def store():
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
 
 
 def fresh_prefix() -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from datetime import timedelta
 
 import pytest
 import torch
@@ -172,15 +171,6 @@ def test_the_table_covers_upstreams_elastic_methods():
 # --- calling each, in upstream's order ----------------------------------------------------
 
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def store():
-    import torch.distributed as dist
-
-    return dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
 
 
 def _prefix() -> str:

@@ -1577,9 +1577,8 @@ def ep_kill_rank(rank, world_size, port, plan):
 
     Returns ``{"rounds": [...], "active": ...}``; each round record lists the failed
     expectations (empty: correct)."""
-    from ft_ranks import client_store, kill_self_after, start_rank
+    from ft_ranks import kill_self_after, start_rank
     from mooncake import pg
-    from mooncake.launch import init_rank
     from mooncake.mooncake_ep_buffer import Buffer
 
     joiner = plan["role"] == "joiner"
@@ -1587,12 +1586,11 @@ def ep_kill_rank(rank, world_size, port, plan):
     chk = Checks(rank, world_size, "kill")
     out = {"rounds": [], "role": plan["role"]}
     if joiner:
-        torch.set_num_threads(1)
-        store = client_store(port, world_size)
-        init_rank(
+        _, store = start_rank(
             rank,
             world_size,
             port,
+            barrier=False,  # the healthy ranks are in the group already
             timeout_s=plan["timeout_s"],
             max_world_size=world_size,
             is_extension=True,

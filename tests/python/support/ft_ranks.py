@@ -868,13 +868,11 @@ def subgroup_rank(rank, world_size, port, plan):
     joiner = plan["role"] == "joiner"
     W = dist.group.WORLD
     if joiner:
-        torch.set_num_threads(1)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        store = client_store(port, world_size)
-        active = init_rank(
+        active, store = start_rank(
             rank,
             world_size,
             port,
+            barrier=False,  # the healthy ranks are in the group already
             timeout_s=plan["timeout_s"],
             max_world_size=world_size,
             is_extension=True,

@@ -16,9 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ft_ranks import client_store, describe, start_rank, stay_until_done
+from ft_ranks import describe, start_rank, stay_until_done
 from mooncake import pg
-from mooncake.launch import init_rank
 
 
 def attempt(fn):
@@ -210,12 +209,11 @@ def elastic_rank(rank, world_size, port, plan):
         store.set(f"ready/{rank}", "1")
         out["activate"] = _admit(W, store, 3, pg.activate_ranks)
     else:
-        torch.set_num_threads(1)
-        store = client_store(port, world_size)
-        init_rank(
+        _, store = start_rank(
             rank,
             world_size,
             port,
+            barrier=False,  # the members are in the group already
             timeout_s=plan["timeout_s"],
             max_world_size=4,
             is_extension=True,

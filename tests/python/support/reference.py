@@ -17,6 +17,7 @@ The arithmetic contract (what makes exact comparison possible):
 
 from __future__ import annotations
 
+import operator
 import zlib
 
 import torch
@@ -92,39 +93,25 @@ def make_tensor(shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
 
 
+_ARITH = {"SUM": operator.add, "PRODUCT": operator.mul, "MIN": torch.minimum, "MAX": torch.maximum}
+_BITWISE = {"BAND": operator.and_, "BOR": operator.or_, "BXOR": operator.xor}
+#: Per kind of dtype, each op's element-wise combination (bool: SUM/MAX are OR, PRODUCT/MIN AND).
+_COMBINE_BOOL = {"SUM": operator.or_, "MAX": operator.or_, "PRODUCT": operator.and_,
+                 "MIN": operator.and_, **_BITWISE}  # fmt: skip
+_COMBINE_FLOAT = {**_ARITH, "AVG": operator.add}
+_COMBINE_OTHER = {**_ARITH, **_BITWISE}  # integers (and complex, where MIN/MAX fail)
+
+
 def _combine(op: str, acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if acc.dtype == torch.bool:
-        if op in ("SUM", "MAX", "BOR"):
-            return acc | x
-        if op in ("PRODUCT", "MIN", "BAND"):
-            return acc & x
-        if op == "BXOR":
-            return acc ^ x
+        table = _COMBINE_BOOL
     elif acc.dtype.is_floating_point:
-        if op in ("SUM", "AVG"):
-            return acc + x
-        if op == "PRODUCT":
-            return acc * x
-        if op == "MIN":
-            return torch.minimum(acc, x)
-        if op == "MAX":
-            return torch.maximum(acc, x)
+        table = _COMBINE_FLOAT
     else:
-        if op == "SUM":
-            return acc + x
-        if op == "PRODUCT":
-            return acc * x
-        if op == "MIN":
-            return torch.minimum(acc, x)
-        if op == "MAX":
-            return torch.maximum(acc, x)
-        if op == "BAND":
-            return acc & x
-        if op == "BOR":
-            return acc | x
-        if op == "BXOR":
-            return acc ^ x
-    raise ValueError(f"reference: op {op} is not defined for {acc.dtype}")
+        table = _COMBINE_OTHER
+    if op not in table:
+        raise ValueError(f"reference: op {op} is not defined for {acc.dtype}")
+    return table[op](acc, x)
 
 
 def reduce_ref(contributions: list[torch.Tensor], op: str) -> torch.Tensor:
