@@ -22,7 +22,7 @@
 #            killed client's fault to all); a test that skips fails the step.
 #   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
-#            GPU), compute-sanitizer over a world-1 round (PG_SANITIZE_TOOLS);
+#            GPU), compute-sanitizer over a 2-process round (PG_SANITIZE_TOOLS);
 #   pgbench: bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
 #   epdev:   the EP device path: tests/python/test_ep_device.py and the engine pattern
 #            (test_engine_pattern.py, CUDA tensors) at 1, 2, 4 processes on the GPU, under
@@ -38,9 +38,11 @@
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS).
-# PYTEST_PATHS: what the Python step runs (default tests/python bench/tests); PYTEST_ARGS: more
+# PYTEST_PATHS: what the Python step runs (default tests/python bench/tests, less the tests the
+# GPU steps run: the CUDA backend's, the EP device path's, the elastic device tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
-# The GPU steps run with MOONCAKE_NO_SKIP=1: a test that skips there fails (nothing tested).
+# The GPU steps run with MOONCAKE_NO_SKIP=1: a test that skips there fails (nothing tested);
+# without a GPU visible to torch, or with a build without CUDA, every GPU step fails unrun.
 # The run ends with a summary of what each step ran ($OUT/summary.txt).
 # BENCH_PG_CUDA_ARGS / BENCH_PG_CUDA_MPS_ARGS: arguments of bench_pg_cuda.py without and
 # with MPS (default: every world, backend and op; under MPS worlds 2 and 4).
@@ -74,6 +76,10 @@ mapfile -t SEL_ALL < <(sel "")
 mapfile -t SEL_CUDA < <(sel "cuda")
 mapfile -t SEL_KILLS < <(sel "kills")
 mapfile -t SEL_NOT_KILLS < <(sel "not kills")
+# The Python step runs the suite minus what the GPU steps run (pgcuda, epdev, epelastic).
+mapfile -t SEL_PY < <(sel "not test_collective_cuda and not test_kill_world4_cuda and not (test_engine_pattern and cuda)")
+PY_IGNORE=(--ignore=tests/python/test_cuda_backend.py --ignore=tests/python/test_ep_device.py
+  --ignore=tests/python/test_ep_elastic_device.py)
 # sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
 # log in $OUT/LOG_STEM_TOOL.log; any error fails the run.
 sanitize() {
@@ -85,6 +91,10 @@ sanitize() {
     rc=$?
     echo "$tool: exit $rc ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|$(basename "$script" .py)" \
       "$OUT/${stem}_$tool.log" | tail -2 | tr '\n' ' '))"
+    # A rank (a child process) reports its own summary; its errors fail the run too.
+    if grep -qE "(ERROR|RACECHECK) SUMMARY: [1-9]" "$OUT/${stem}_$tool.log"; then
+      echo "$tool: errors reported (${stem}_$tool.log)"; rc=9
+    fi
     [ $rc = 0 ] || status=1
   done
 }
@@ -129,14 +139,28 @@ if [ -n "$so" ] && nm -C --defined-only "$so" 2>/dev/null | grep -q "std::basic_
 fi
 
 # Everything after this tests the GPU: a machine whose torch sees none, or a build without
-# CUDA, would otherwise pass on skips.
-"$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/machine.txt" || status=1
-import sys, torch
+# CUDA, would otherwise pass on skips. Without them every GPU step fails, unrun, saying why.
+GPU_WHY=$("$PY" - <<'PYEOF' 2>&1 | tee -a "$OUT/machine.txt" | tail -1
+import torch
 from mooncake.pg import _ext
 gpu, cuda, ep = torch.cuda.is_available(), bool(_ext.build_info()["cuda"]), hasattr(_ext, "EpDevice")
 print(f"GPU visible: {gpu}; CUDA build: {cuda}; EP device path: {ep}")
-sys.exit(0 if gpu and cuda and ep else 1)
+missing = [w for w, ok in (("no GPU visible to torch", gpu), ("a build without CUDA", cuda),
+                           ("no EP device path in the build", ep)) if not ok]
+print("; ".join(missing) or "ok")
 PYEOF
+)
+echo "GPU check: $GPU_WHY"
+[ "$GPU_WHY" = ok ] || status=1
+# gpu_wants STEP: whether to run GPU step STEP; a wanted step fails here when the GPU check did.
+gpu_wants() {
+  wants "$1" || return 1
+  [ "$GPU_WHY" = ok ] && return 0
+  echo "== $1: FAILED, not run: $GPU_WHY"
+  NOT_RUN+=" $1"
+  status=1
+  return 1
+}
 
 wants doctor && step "doctor" && { "$PY" -m mooncake doctor 2>&1 | tee "$OUT/doctor.txt" || status=1; }
 
@@ -151,7 +175,7 @@ else
 fi
 
 # The device library as a C++ user builds it: no torch anywhere on the include path.
-if wants device; then
+if gpu_wants device; then
   step "device library without torch"
   cmake -S . -B build-gpu-core -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DMOONCAKE_CUDA=ON \
     -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" "${GTEST_ARGS[@]}" \
@@ -164,10 +188,10 @@ if wants device; then
   timeout 120 build-gpu-core/mooncake_device_example 3 2>&1 | tee "$OUT/device_example.log" | tail -4 || status=1
 fi
 
-wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python bench/tests} "${SEL_ALL[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
+wants py && step "Python tests" && { "$PY" -m pytest ${PYTEST_PATHS:-tests/python bench/tests} "${PY_IGNORE[@]}" "${SEL_PY[@]}" -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15 || status=1; }
 
 # The elastic EP buffer with CUDA tensors (staged through host memory).
-if wants elastic; then
+if gpu_wants elastic; then
   step "elastic EP, CUDA tensors"
   "$PY" examples/elastic_ep.py --device cuda 2>&1 | tee "$OUT/elastic_cuda.log" | tail -8 || status=1
 fi
@@ -185,16 +209,16 @@ fi
 if wants bench && [ -f bench/bench_elastic.py ]; then
   "$PY" bench/bench_elastic.py ${BENCH_ELASTIC_ARGS-} --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_elastic.log" | tail -14 || status=1
 fi
-if wants pgcuda; then
+if gpu_wants pgcuda; then
   step "CUDA backend: tests"
-  timeout 900 "$PY" -m pytest tests/python/test_cuda_backend.py tests/python/test_collectives.py \
+  MOONCAKE_NO_SKIP=1 timeout 900 "$PY" -m pytest tests/python/test_cuda_backend.py tests/python/test_collectives.py \
     tests/python/test_fault_tolerance.py "${SEL_CUDA[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
   sanitize tests/python/support/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
-if wants pgbench; then
+if gpu_wants pgbench; then
   step "CUDA backend: benchmark (no MPS, then MPS at 2 and 4 processes)"
   mkdir -p "$OUT/bench/mps"
   timeout 400 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_ARGS:-} --out-dir "$OUT/bench" 2>&1 \
@@ -205,7 +229,7 @@ if wants pgbench; then
   stop_mps
 fi
 
-if wants epdev; then
+if gpu_wants epdev; then
   step "EP device path: tests (MPS)"
   start_mps
   MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_ep_device.py "${SEL_ALL[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
@@ -218,7 +242,7 @@ if wants epdev; then
   sanitize tests/python/support/ep_device_ranks.py sanitizer ${EP_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
-if wants epelastic; then
+if gpu_wants epelastic; then
   step "elastic EP buffer, device path: tests (growth and contract under MPS, kills without)"
   # Under MPS a process killed while its kernel runs makes the server report a fatal
   # error to every client on the GPU (MPS shares fatal errors among a GPU's clients):
@@ -232,7 +256,7 @@ if wants epelastic; then
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
 fi
-if wants epelasticbench; then
+if gpu_wants epelasticbench; then
   start_mps
   step "elastic EP buffer, device path: against a process group's buffer (2 processes, MPS)"
   mkdir -p "$OUT/bench"
@@ -243,7 +267,7 @@ if wants epelasticbench; then
   stop_mps
 fi
 
-if wants epprof; then
+if gpu_wants epprof; then
   step "EP device path: profile"
   mkdir -p "$OUT/bench"
   timeout 300 "$PY" bench/profile_ep_device.py --out "$OUT/bench/ep_profile.json" 2>&1 | tee "$OUT/ep_profile.log" | tail -60 || status=1
@@ -251,7 +275,7 @@ fi
 
 # Not in the default steps: Nsight Compute over a few warm dispatch and combine
 # launches (T=128, H=7168, E=256: FP8 first), for tuning the kernels.
-if wants epncu; then
+if gpu_wants epncu; then
   step "EP device path: Nsight Compute"
   if command -v ncu >/dev/null; then
     timeout 300 ncu --kernel-name regex:"dispatch_kernel|combine_kernel" --launch-skip ${NCU_SKIP:-40} \
@@ -264,7 +288,7 @@ if wants epncu; then
   fi
 fi
 
-if wants compare; then
+if gpu_wants compare; then
   if [ ! -f .baseline/CMakeLists.txt ]; then
     echo "compare: no checkout of the older commit in .baseline/"; status=1
   else
@@ -304,7 +328,7 @@ if wants compare; then
   fi
 fi
 
-if wants epbench; then
+if gpu_wants epbench; then
   mkdir -p "$OUT/bench"
   UP_JSON="$OUT/bench/ep_upstream.json"
   if ls .whl/mooncake_transfer_engine_cuda13-*.whl >/dev/null 2>&1; then
@@ -343,9 +367,10 @@ step "summary: what each step ran"
 {
   for log in "$OUT"/pytest*.log "$OUT"/device_tests.log "$OUT"/ctest.log; do
     [ -f "$log" ] || continue
-    grep -hE '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran|tests passed|^\[  (PASSED|FAILED|SKIPPED) +\]' "$log" \
+    grep -hE '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran|tests passed|\(Skipped\)$|^SKIPPED|^\[  (PASSED|FAILED|SKIPPED) +\]' "$log" \
       | sed "s|^|$(basename "$log"): |"
   done
+  [ -z "${NOT_RUN:-}" ] || echo "not run (GPU check: $GPU_WHY):$NOT_RUN"
   echo "gpu-check: $([ "$status" = 0 ] && echo passed || echo FAILED) (steps:${STEPS% })"
 } | tee "$OUT/summary.txt"
 exit $status

@@ -681,13 +681,29 @@ def _on_device(fn, ctx) -> None:
         dist = host_dist
 
 
-def on_device(world: int, of: str = "matrix", **params) -> list[Case]:
-    """The cases of ``of`` (matrix or big) with CUDA tensors."""
+def plane_served(ctx, plane: str) -> None:
+    """Which path served the launch's ops on the world group (``pg.get_op_paths``), so that a
+    bypassed device plane fails: ``on``, some ops on the plane; ``some``, some on the plane
+    and some staged; ``off``, none on the plane."""
+    from mooncake import pg
+
+    paths = pg.get_op_paths()
+    device, staged = paths["device"], paths["staged"]
+    want = {"on": device > 0, "some": device > 0 and staged > 0, "off": device == 0 and staged > 0}
+    ctx.expect(want[plane], f"plane {plane}: {device} ops on the device plane, {staged} staged")
+
+
+def on_device(world: int, of: str = "matrix", plane: str = "on", **params) -> list[Case]:
+    """The cases of ``of`` (matrix or big) with CUDA tensors, then a check of which path
+    served them (``plane_served``)."""
     cases = {"matrix": matrix, "big": big}[of](world, **params)
     return [
-        Case(c.name, functools.partial(_on_device, c.fn))
-        for c in cases
-        if not c.name.startswith(NOT_ON_DEVICE)
+        *(
+            Case(c.name, functools.partial(_on_device, c.fn))
+            for c in cases
+            if not c.name.startswith(NOT_ON_DEVICE)
+        ),
+        Case("plane_served", functools.partial(plane_served, plane=plane)),
     ]
 
 
@@ -769,6 +785,7 @@ CUDA_LAUNCHES = [
         4,
         "cuda-w4-chunk4k-seg16k",
         env=(*SMALL_CHUNKS, *PLANE_ALL, (SEGMENT, "16384")),
+        params=(("plane", "some"),),
         backend="mooncake",
     ),
     Launch(
@@ -776,6 +793,7 @@ CUDA_LAUNCHES = [
         2,
         "cuda-w2-chunk4k-staged",
         env=(*SMALL_CHUNKS, (SEGMENT, "0")),
+        params=(("plane", "off"),),
         backend="mooncake",
     ),
     Launch(
@@ -786,7 +804,7 @@ CUDA_LAUNCHES = [
         3,
         "cuda-w3-tcp-sample",
         env=TCP,
-        params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "tcp")),
+        params=(*SAMPLE, ("dtypes", SAMPLE_DTYPES), ("transport_name", "tcp"), ("plane", "off")),
         backend="mooncake",
     ),
 ]

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from launcher import Case, Launch, check, needs_cuda, parametrize
+from launcher import TEARDOWN, Case, Launch, check, needs_cuda, parametrize, run
 from reference import reduce_ref
 
 pytestmark = needs_cuda
@@ -108,7 +108,8 @@ def in_flight(ctx):
 
 
 def coalesced(ctx, async_ops):
-    """A coalescing block of mixed-dtype all_reduces and an all_gather_into_tensor."""
+    """A coalescing block of mixed-dtype all_reduces and an all_gather_into_tensor, then the
+    other coalesced forms (``_coalesced_rest``)."""
     dtypes = (torch.float32, torch.int64, torch.bfloat16, torch.uint8)
     hosts = [ctx.input((50 + i,), dt, tag=str(i)) for i, dt in enumerate(dtypes)]
     xs = [cuda(h) for h in hosts]
@@ -127,6 +128,42 @@ def coalesced(ctx, async_ops):
             dist.all_gather_into_tensor(o, i)
     for k, o in enumerate(outs):
         ctx.expect_equal(o.cpu(), torch.cat(ctx.inputs((9,), torch.float32, f"ag{k}")), "ag")
+    _coalesced_rest(ctx)
+
+
+def _garbage(shape, dtype) -> torch.Tensor:
+    """An output that no right answer equals: NaN, or -77 for integers."""
+    return torch.full(
+        shape, float("nan") if dtype.is_floating_point else -77, dtype=dtype, device="cuda"
+    )
+
+
+def _coalesced_rest(ctx):
+    """A coalesced reduce_scatter_tensor and the legacy all_reduce_coalesced and
+    all_gather_coalesced, into outputs that start as garbage."""
+    world, me = ctx.world_size, ctx.rank
+    dtypes = (torch.float32, torch.int16)
+    ins = [cuda(ctx.input((world * (20 + i),), dt, tag=f"rs{i}")) for i, dt in enumerate(dtypes)]
+    outs = [_garbage((20 + i,), dt) for i, dt in enumerate(dtypes)]
+    with dist._coalescing_manager():
+        for o, x in zip(outs, ins, strict=True):
+            dist.reduce_scatter_tensor(o, x)
+    for i, (o, dt) in enumerate(zip(outs, dtypes, strict=True)):
+        m = 20 + i
+        parts = [t[me * m : (me + 1) * m] for t in ctx.inputs((world * m,), dt, f"rs{i}")]
+        ctx.expect_equal(o.cpu(), reduce_ref(parts, "SUM"), f"coalesced reduce_scatter_tensor {dt}")
+    xs = [cuda(ctx.input((30 + i,), torch.float64, tag=f"arc{i}")) for i in range(3)]
+    dist.all_reduce_coalesced(xs, op=dist.ReduceOp.MAX)
+    for i, x in enumerate(xs):
+        want = reduce_ref(ctx.inputs((30 + i,), torch.float64, f"arc{i}"), "MAX")
+        ctx.expect_equal(x.cpu(), want, f"all_reduce_coalesced {i}")
+    xs = [cuda(ctx.input((11 + i,), torch.int8, tag=f"agc{i}")) for i in range(2)]
+    outs = [[_garbage((11 + i,), torch.int8) for _ in range(world)] for i in range(2)]
+    dist.all_gather_coalesced(outs, xs)
+    for i in range(2):
+        for r in range(world):
+            want = ctx.input((11 + i,), torch.int8, r, f"agc{i}")
+            ctx.expect_equal(outs[i][r].cpu(), want, f"all_gather_coalesced {i}/{r}")
 
 
 def functional(ctx):
@@ -142,6 +179,10 @@ def functional(ctx):
     got = funcol.wait_tensor(funcol.reduce_scatter_tensor(x, "sum", 0, group))
     parts = [t[ctx.rank * n : (ctx.rank + 1) * n] for t in xs]
     ctx.expect_equal(got.cpu(), reduce_ref(parts, "SUM"), "reduce_scatter_tensor")
+    got = funcol.wait_tensor(funcol.all_to_all_single(x, [n] * world, [n] * world, group))
+    want = torch.cat([t[ctx.rank * n : (ctx.rank + 1) * n] for t in xs])
+    ctx.expect_equal(got.cpu(), want, "all_to_all_single")
+    ctx.expect_equal(x.cpu(), xs[ctx.rank], "input (must not change)")
 
 
 def p2p(ctx):
@@ -360,3 +401,26 @@ LAUNCHES = [
 @pytest.mark.parametrize(("launch", "case"), parametrize(LAUNCHES))
 def test_cuda_backend(launch, case):
     check(launch, case)
+
+
+def plane_cases(world: int) -> list[Case]:
+    return [Case(n, fn) for n, fn in (("op_paths", op_paths), ("subgroup", subgroup), ("big", big))]
+
+
+def test_bypassed_plane_is_caught():
+    """The negative control of the path assertions: with the device plane off (no segment),
+    every case that asserts the plane fails, naming the staged path, and the group ends
+    cleanly. (If the assertions could not fail, this would.)"""
+    off = Launch(
+        plane_cases,
+        2,
+        "cuda-w2-no-plane",
+        env=(("MOONCAKE_CUDA_SEGMENT_BYTES", "0"),),
+        backend="mooncake",
+    )
+    result = run(off)
+    for case in ("op_paths", "subgroup", "big"):
+        passed, why = result.verdict(case)
+        assert not passed and "(0, 1)" in why, f"{case} with the plane off: {why or 'passed'}"
+    passed, why = result.verdict(TEARDOWN)
+    assert passed, why

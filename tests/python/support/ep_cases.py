@@ -649,7 +649,10 @@ def c_upstream_attributes(ctx):
         ctx.expect(got == hint, f"{name}: {got} against {hint}")
     event = Buffer.capture()
     ctx.expect(isinstance(event, EventOverlap), "capture() gives an EventOverlap")
-    ctx.expect(event.event is None and event.extra_tensors is None, "capture() on CPU")
+    # With CUDA (the GPU machine's run) it records an event on the current stream.
+    recorded = isinstance(event.event, torch.cuda.Event)
+    ctx.expect(recorded == torch.cuda.is_available(), f"capture() event {event.event!r}")
+    ctx.expect(event.extra_tensors is None, "capture() extra_tensors")
     event.current_stream_wait()
     buf.connect()  # collective; nothing to map without a workspace
     buf.connect(is_update=True)  # update_ep_member

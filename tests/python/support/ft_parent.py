@@ -294,7 +294,9 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
     * a stopped rank (mode ``stop``) agrees with the survivors on every op it completed,
       and learns it was left out (a LeftOutError with ``.ranks == [itself]``);
     * a slowed rank (mode ``slow``) is an ordinary survivor: left out of nothing, every
-      op of its phase over everyone (the rules above, with nobody removed).
+      op of its phase over everyone (the rules above, with nobody removed);
+    * on CUDA tensors (``plan["device"] == "cuda"``), every survivor's device plane served
+      ops both in the warm-up and after it (``pg.get_op_paths``).
     """
     problems: list[str] = []
     events = plan["events"]
@@ -314,6 +316,13 @@ def check_chaos(results: dict[str, Any], world: int, plan) -> list[str]:
     logs = {r: results[str(r)]["log"] for r in survivors if str(r) in results}
     if not logs:
         return problems + ["no survivor returned"]
+    if plan.get("device") == "cuda":
+        for r in logs:
+            warm, end = results[str(r)]["op_paths"]
+            if not 0 < warm["device"] < end["device"]:
+                problems.append(
+                    f"rank {r}: device plane ops {warm} after warm-up, {end} at the end"
+                )
     ref_rank = min(logs)
     ref = logs[ref_rank]
     for r, log in logs.items():

@@ -412,6 +412,7 @@ def chaos_rank(rank, world_size, port, plan):
         rec = ops.run(kinds[i % n], i)
         durations[kinds[i % n]] = time.monotonic() - t0
         log.append((0, i, rec))
+    warm_paths = pg.get_op_paths()
     members = set(range(world_size))
     # Roots come from the member set of the last op every survivor completed (an op
     # result they share), never from the local view, which changes at different
@@ -437,7 +438,7 @@ def chaos_rank(rank, world_size, port, plan):
             if kind in MASK_KINDS and rec[1] == "ok":
                 shared = ranks_of(rec[3])
             if is_left_out(rec):
-                return _chaos_result(log, active, phase_s)
+                return _chaos_result(log, active, phase_s, warm_paths)
             if arm and event["mode"] == "between":
                 os.kill(os.getpid(), signal.SIGKILL)
             if arm and event["mode"] == "pause":  # the parent stops this process meanwhile
@@ -453,18 +454,21 @@ def chaos_rank(rank, world_size, port, plan):
                 phase_s.append(time.monotonic() - t_phase)
             if time.monotonic() - t_phase > plan["phase_limit_s"]:
                 log.append((e, i, ("phase", "err", None, None, "phase limit reached")))
-                return _chaos_result(log, active, phase_s)
+                return _chaos_result(log, active, phase_s, warm_paths)
         store.set(f"done/{e}/{rank}", "1")
         members = target
-    return _chaos_result(log, active, phase_s)
+    return _chaos_result(log, active, phase_s, warm_paths)
 
 
-def _chaos_result(log, active, phase_s):
+def _chaos_result(log, active, phase_s, warm_paths):
     return {
         "log": log,
         "active": active.tolist(),
         "synced": pg.get_num_synced_ranks(),
         "phase_s": phase_s,
+        # Ops served by the device plane / staged (CUDA tensors), after the warm-up and at
+        # the end: a device run must have used the plane, also among the survivors.
+        "op_paths": (warm_paths, pg.get_op_paths()),
     }
 
 
