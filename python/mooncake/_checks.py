@@ -1,9 +1,9 @@
 """Argument rules of mooncake's Python API, written once for every caller.
 
 The process-group helpers (``pg``), the EP Buffer's constructors and both of
-its paths (portable and device) check their arguments here, so that a rule
-and its message exist in one place (``docs/argument-checks.md`` lists them
-with their tests).
+its paths (portable and device), and the high-throughput ElasticBuffer, check
+their arguments here, so that a rule and its message exist in one place
+(``docs/argument-checks.md`` lists them with their tests).
 
 Two kinds of function: ``*_error`` returns the message of the first rule
 broken (None when there is none), for callers that must do something before
@@ -329,4 +329,231 @@ def combine_error(
             return err
     if zero_copy:
         return half_error(handle, seq) or zero_copy_error(x, handle, combine_buffers)
+    return None
+
+
+# --- the ElasticBuffer (high-throughput regime, mooncake.mooncake_elastic_buffer) -------------
+
+#: The dtypes of pre-quantised data, and of its scale factors (fp32, or packed 4-byte words).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_DTYPES = (torch.float32, torch.int32)
+#: The most top-k selections a token may have (upstream's kernels give a warp lane to each).
+MAX_TOPK = 32
+#: The transports an ElasticBuffer can run over here; upstream's others are refused by name.
+SERVED_TRANSPORTS = ("auto", "pg")
+UPSTREAM_TRANSPORTS = ("ibgda", "nccl")
+#: The longest timeout in seconds (its microseconds stay below MAX_TIMEOUT_US).
+MAX_TIMEOUT_SECS = 2**30
+
+
+def transport_arg(transport) -> str:
+    """The transport an ElasticBuffer runs over for the request ``transport``; ValueError
+    naming what can be served when it cannot."""
+    if not isinstance(transport, str):
+        raise ValueError(f"ElasticBuffer: transport must be a str, got {transport!r}")
+    want = transport.strip().lower()
+    served = ", ".join(repr(t) for t in SERVED_TRANSPORTS)
+    if want in UPSTREAM_TRANSPORTS:
+        raise ValueError(
+            f"ElasticBuffer: transport {want!r} cannot be served here (no GPU-initiated RDMA "
+            f"and no NCCL device API in this build); it can serve {served}: the process "
+            f"group's exchange"
+        )
+    if want not in SERVED_TRANSPORTS:
+        raise ValueError(
+            f"ElasticBuffer: transport must be one of {served} (or upstream's "
+            f"{', '.join(repr(t) for t in UPSTREAM_TRANSPORTS)}, which cannot be served "
+            f"here), got {transport!r}"
+        )
+    return "pg"
+
+
+def throughput_buffer_args(**args) -> None:
+    """The rules of ``ElasticBuffer(...)``'s arguments but ``group`` and ``transport``."""
+    what = "ElasticBuffer"
+    num_bytes = args.pop("num_bytes")
+    if num_bytes is not None and not (is_int(num_bytes) and 0 <= num_bytes < 2**63):
+        raise ValueError(
+            f"{what}: num_bytes must be None or an int in [0, 2**63), got {num_bytes!r}"
+        )
+    for name in ("num_max_tokens_per_rank", "hidden", "num_allocated_qps"):
+        int_arg(what, name, args.pop(name), 0)
+    num_topk = args.pop("num_topk")
+    if not (is_int(num_topk) and 0 <= num_topk <= MAX_TOPK):
+        raise ValueError(f"{what}: num_topk must be an int in [0, {MAX_TOPK}], got {num_topk!r}")
+    int_arg(what, "sl_idx", args.pop("sl_idx"), 0, 16)
+    for name in ("num_cpu_timeout_secs", "num_gpu_timeout_secs"):
+        int_arg(what, name, args.pop(name), 1, MAX_TIMEOUT_SECS)
+    err = flags_error(**args)
+    if err:
+        raise ValueError(f"{what}: {err}")
+
+
+def throughput_x(x) -> tuple[str | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(error, data, scales)`` of a dispatch's ``x``: a tensor, or (data, scales)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            return f"x must be a tensor or a pair (data, scales), got {len(x)} items", None, None
+        data, scales = x
+        err = tensor_error("x[0] (data)", data, FP8_DTYPES, 2) or tensor_error(
+            "x[1] (scales)", scales, SCALE_DTYPES, 2, data.device
+        )
+        if err:
+            return err, None, None
+        if scales.shape[0] != data.shape[0] or scales.shape[1] < 1:
+            return (
+                f"x[1] (scales) must have shape [num_tokens, packs >= 1] with one row per token "
+                f"of x[0] ({data.shape[0]}), got {list(scales.shape)}",
+                None,
+                None,
+            )
+    else:
+        data, scales = x, None
+        err = tensor_error("x", data, FLOAT_DTYPES, 2)
+        if err:
+            return err, None, None
+    if data.shape[1] < 1:
+        return f"x must have a hidden size >= 1, got {data.shape[1]}", None, None
+    if data.device.type not in ("cpu", "cuda"):
+        return f"x must be on cpu or cuda, got {data.device}", None, None
+    return None, data, scales
+
+
+def _optional_int(name: str, v, low: int) -> str | None:
+    if v is None or (is_int(v) and low <= v < MAX_INT):
+        return None
+    return f"{name} must be None or an int in [{low}, 2**31), got {v!r}"
+
+
+def throughput_handle_error(handle, buffer_id: int, generation: int) -> str | None:
+    """Whether ``handle`` is a dispatch's EPHandle of this ElasticBuffer, from its current
+    membership generation."""
+    from .ep.throughput_handle import EPHandle
+
+    plan = handle.native_handle if isinstance(handle, EPHandle) else None
+    if plan is None:
+        return f"handle must be the EPHandle a dispatch returned, got {type(handle).__name__}"
+    if plan.buffer != buffer_id:
+        return "handle comes from another ElasticBuffer's dispatch"
+    if plan.generation != generation:
+        return (
+            f"handle is from membership generation {plan.generation} of this ElasticBuffer, "
+            f"but update_ep_member() has since changed its members (generation {generation}): "
+            f"dispatch again for a new handle"
+        )
+    return None
+
+
+def throughput_dispatch_error(
+    num_ranks: int, data, scales, topk_idx, topk_weights, num_experts, max_tokens, alignment,
+    handle, do_expand, do_cpu_sync, num_sms, async_with_compute_stream, buffer_id: int,
+    generation: int, *, values: bool,
+) -> str | None:  # fmt: skip
+    """The first rule an ElasticBuffer dispatch's arguments break, or None.
+
+    ``data``/``scales``: ``x`` as :func:`throughput_x` split it (checked there);
+    ``num_experts``, ``max_tokens`` and ``alignment`` with their defaults filled in where
+    there are any (None where not). ``values=False`` skips the rules on ``topk_idx``'s
+    values.
+    """
+    n = data.shape[0]
+    err = (
+        flags_error(do_expand=do_expand, async_with_compute_stream=async_with_compute_stream)
+        or (None if do_cpu_sync is None else flags_error(do_cpu_sync=do_cpu_sync))
+        or _optional_int("num_sms", num_sms, 0)
+        or _optional_int("expert_alignment", alignment, 1)
+    )
+    if err:
+        return err
+    if handle is not None:
+        err = throughput_handle_error(handle, buffer_id, generation)
+        if err:
+            return err
+        plan = handle.native_handle
+        if topk_idx is not None:
+            return "topk_idx must be None with a cached handle (the handle's routing serves)"
+        if do_cpu_sync:
+            return "do_cpu_sync must not be True with a cached handle (the layout is known)"
+        if do_expand or handle.do_expand:
+            return "do_expand: a cached handle serves only dispatches without expanding"
+        for name, v, have in (
+            ("num_experts", num_experts, handle.num_experts),
+            ("num_max_tokens_per_rank", max_tokens, handle.num_max_tokens_per_rank),
+            ("expert_alignment", alignment, handle.expert_alignment),
+        ):
+            if v is not None and v != have:
+                return f"{name} ({v}) must be None or the cached handle's ({have})"
+        if n != plan.num_tokens or data.device != plan.device:
+            return (
+                f"x must have the cached handle's {plan.num_tokens} tokens on {plan.device}, "
+                f"got {n} on {data.device}"
+            )
+        k = plan.num_topk
+    else:
+        err = tensor_error("topk_idx", topk_idx, INDEX_DTYPES, 2, data.device)
+        if err:
+            return err
+        if topk_idx.shape[0] != n:
+            return (
+                f"topk_idx must have one row per token of x ({n}), got shape {list(topk_idx.shape)}"
+            )
+        k = topk_idx.shape[1]
+        if not 1 <= k <= MAX_TOPK:
+            return f"topk_idx must have between 1 and {MAX_TOPK} columns (num_topk), got {k}"
+        if num_experts is None:
+            return "num_experts must be given: topk_idx selects no expert to infer it from"
+        err = _shape_error("num_experts", num_experts) or _shape_error(
+            "num_max_tokens_per_rank", max_tokens
+        )
+        if err:
+            return err
+        if num_experts % num_ranks:
+            return (
+                f"num_experts ({num_experts}) must be divisible by the number of ranks "
+                f"({num_ranks})"
+            )
+        if n > max_tokens:
+            return f"x has {n} tokens, more than num_max_tokens_per_rank ({max_tokens})"
+    if topk_weights is not None:
+        err = tensor_error("topk_weights", topk_weights, (torch.float32,), 2, data.device, [n, k])
+        if err:
+            return err
+    if values and handle is None and topk_idx.numel():
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            bad = lo if lo < -1 else hi
+            return f"topk_idx holds expert {bad}; ids must be in [0, {num_experts}) or -1"
+        ids = topk_idx.long().sort(1).values
+        twice = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)
+        if bool(twice.any()):
+            t = int(twice.any(1).nonzero()[0, 0])
+            return f"topk_idx selects an expert twice in token {t}: {topk_idx[t].tolist()}"
+    return None
+
+
+def throughput_combine_error(x, handle, topk_weights, num_sms, async_with_compute_stream,
+                             buffer_id: int, generation: int) -> str | None:  # fmt: skip
+    """The first rule an ElasticBuffer combine's arguments break, or None."""
+    err = throughput_handle_error(handle, buffer_id, generation)
+    if err:
+        return err
+    plan = handle.native_handle
+    rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+    err = (
+        tensor_error("x", x, FLOAT_DTYPES, 2)
+        or _optional_int("num_sms", num_sms, 0)
+        or flags_error(async_with_compute_stream=async_with_compute_stream)
+    )
+    if err:
+        return err
+    if x.device != plan.device:
+        return f"x must be on the dispatch's device ({plan.device}), got {x.device}"
+    if x.shape[0] != rows or x.shape[1] < 1:
+        what = "expanded rows" if handle.do_expand else "received tokens"
+        return f"x must have shape [{rows}, hidden >= 1] (the handle's {what}), got {list(x.shape)}"
+    if topk_weights is not None:
+        shape = [rows] if handle.do_expand else [rows, plan.num_topk]
+        return tensor_error(
+            "topk_weights", topk_weights, (torch.float32,), len(shape), x.device, shape
+        )
     return None

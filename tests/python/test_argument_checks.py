@@ -1,7 +1,8 @@
 """Every argument check of the public Python API, as one table, and one test per row.
 
 :data:`ROWS` lists, for the process group (``mooncake.pg`` and ``torch.distributed`` on a
-``mooncake-cpu`` group), the EP ``Buffer`` and the elastic EP buffer, each rule an
+``mooncake-cpu`` group), the EP ``Buffer``, the elastic EP buffer and the high-throughput
+``ElasticBuffer`` (``mooncake.mooncake_elastic_buffer``), each rule an
 argument must follow: the function, the argument, the rule in plain words, the exception
 and the words its message must contain, and the bad call itself. ``docs/argument-checks.md``
 holds the same table (``python tests/python/test_argument_checks.py --markdown`` prints
@@ -22,6 +23,8 @@ shown by a correct operation checked against a reference:
 * elastic EP: a dispatch + combine round of the launch's elastic buffer (capacity 4,
   slots 0 and 1 connected) checked against the same model (``elastic_round.play_round``),
   which also checks that the active slots are still exactly {0, 1}.
+* ElasticBuffer: a fresh and a cached dispatch and their combines on the launch's
+  ElasticBuffer, checked against the plain model of ``ht_model`` (``ht_cases.good_round``).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from test_errors import healthy
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "argument-checks.md"
 
-PG, EP, ELASTIC = "PG", "EP", "elastic EP"
+PG, EP, ELASTIC, HT = "PG", "EP", "elastic EP", "ElasticBuffer"
 
 #: The elastic buffer of the launch: capacity, experts per slot.
 CAPACITY, EPR = 4, 2
@@ -64,7 +67,7 @@ class Row:
     """One argument rule and the call that breaks it."""
 
     id: str  # the case name, unique
-    area: str  # PG | EP | elastic EP
+    area: str  # PG | EP | elastic EP | ElasticBuffer
     function: str
     argument: str
     rule: str  # plain words
@@ -1039,7 +1042,273 @@ def _elastic_rows() -> list[Row]:
     ]
 
 
-ROWS: list[Row] = _pg_rows() + _ep_rows() + _elastic_rows()
+# --- the ElasticBuffer (mooncake.mooncake_elastic_buffer) ----------------------------------------
+
+
+def ebuf(ctx, **kw):
+    """The launch's ElasticBuffer (``ht_cases.get_ebuf``) over the default group."""
+    from ht_cases import get_ebuf
+
+    world(ctx)
+    return get_ebuf(ctx, **kw)
+
+
+def new_ebuf(*args, **kwargs):
+    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+    return lambda ctx: ElasticBuffer(
+        *[a(ctx) if callable(a) else a for a in args],
+        **{k: v(ctx) if callable(v) else v for k, v in kwargs.items()},
+    )
+
+
+def ht_dispatch_with(change: Callable) -> Callable:
+    """The launch ElasticBuffer's fresh dispatch with correct arguments (``ht_cases._args``)
+    updated with ``change(args, ctx)``."""
+
+    def call(ctx):
+        from ht_cases import _args
+
+        buf = ebuf(ctx)
+        args = _args(ctx)
+        args.update(change(args, ctx))
+        buf.dispatch(**args)
+
+    return call
+
+
+def ht_cached_with(change: Callable) -> Callable:
+    """A fresh dispatch, then a cached one along its handle, with ``change`` applied."""
+
+    def call(ctx):
+        from ht_cases import _args
+
+        buf = ebuf(ctx)
+        args = _args(ctx)
+        _, _, _, h, _ = buf.dispatch(**args)
+        cached = dict(x=args["x"], topk_weights=args["topk_weights"], handle=h)
+        cached.update(change(dict(args, handle=h), ctx))
+        buf.dispatch(**cached)
+
+    return call
+
+
+def ht_combine_with(change: Callable) -> Callable:
+    """A fresh dispatch, then its combine with correct arguments updated with ``change``."""
+
+    def call(ctx):
+        from ht_cases import _args
+
+        buf = ebuf(ctx)
+        recv, _, w, h, _ = buf.dispatch(**_args(ctx))
+        args = dict(x=torch.zeros(recv.shape[0], recv.shape[1], dtype=torch.bfloat16), handle=h,
+                    topk_weights=w)  # fmt: skip
+        args.update(change(args, ctx))
+        buf.combine(**args)
+
+    return call
+
+
+def other_ebuf_handle(ctx):
+    """A handle of another ElasticBuffer's dispatch (collective)."""
+    from ht_cases import _args
+
+    return ebuf(ctx, deterministic=True).dispatch(**_args(ctx))[3]
+
+
+def ht_stale_handle(ctx):
+    """A cached dispatch along a handle from before update_ep_member (collective)."""
+    from ht_cases import _args
+
+    buf = ebuf(ctx)
+    args = _args(ctx)
+    _, _, _, h, _ = buf.dispatch(**args)
+    buf.update_ep_member()
+    buf.dispatch(args["x"], handle=h)
+
+
+def ht_destroyed_dispatch(ctx):
+    from ht_cases import _args
+    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+    buf = ElasticBuffer(world(ctx))
+    buf.destroy()
+    buf.dispatch(**_args(ctx))
+
+
+def ht_size_hint(*args):
+    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+    return lambda ctx: ElasticBuffer.get_buffer_size_hint(
+        *[a(ctx) if callable(a) else a for a in args]
+    )
+
+
+def _i64(*rows):
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+def _ht_rows() -> list[Row]:
+    R = HT
+    V, RE = ValueError, RuntimeError
+    B, D, C = "ElasticBuffer", "ElasticBuffer.dispatch", "ElasticBuffer.combine"
+    H = "ElasticBuffer.get_buffer_size_hint"
+    meta = torch.device("meta")
+    W = lambda c: world(c)  # noqa: E731 - the default group, as the rows call it
+    return [
+        # ElasticBuffer(group, ...)
+        Row("ht/buffer/group-type", R, B, "group", "must be a torch.distributed ProcessGroup",
+            V, ("group", "ProcessGroup"), new_ebuf("world")),
+        Row("ht/buffer/num_bytes-negative", R, B, "num_bytes", "must be None or an int >= 0", V,
+            ("num_bytes", "-1"), new_ebuf(W, -1)),
+        Row("ht/buffer/num_max_tokens_per_rank-float", R, B, "num_max_tokens_per_rank",
+            "must be an int >= 0", V, ("num_max_tokens_per_rank", "1.5"),
+            new_ebuf(W, num_max_tokens_per_rank=1.5)),
+        Row("ht/buffer/num_topk-above-32", R, B, "num_topk", "must be an int in [0, 32]", V,
+            ("num_topk", "33"), new_ebuf(W, num_topk=33)),
+        Row("ht/buffer/sl_idx-range", R, B, "sl_idx", "must be an int in [0, 16)", V,
+            ("sl_idx", "2**4"), new_ebuf(W, sl_idx=16)),
+        Row("ht/buffer/num_cpu_timeout_secs-zero", R, B, "num_cpu_timeout_secs",
+            "must be an int >= 1", V, ("num_cpu_timeout_secs", ">= 1"),
+            new_ebuf(W, num_cpu_timeout_secs=0)),
+        Row("ht/buffer/deterministic-type", R, B, "deterministic", "must be a bool", V,
+            ("deterministic", "bool"), new_ebuf(W, deterministic="yes")),
+        Row("ht/buffer/transport-ibgda", R, B, "transport",
+            "ibgda cannot be served here; the message names what can", V,
+            ("transport", "ibgda", "pg"), new_ebuf(W, transport="ibgda")),
+        Row("ht/buffer/transport-nccl", R, B, "transport",
+            "nccl cannot be served here; the message names what can", V,
+            ("transport", "nccl", "pg"), new_ebuf(W, transport="nccl")),
+        Row("ht/buffer/transport-unknown", R, B, "transport",
+            "must be auto or pg (upstream's ibgda and nccl are named)", V,
+            ("transport", "bogus"), new_ebuf(W, transport="bogus")),
+        Row("ht/buffer/transport-type", R, B, "transport", "must be a str", V,
+            ("transport", "str"), new_ebuf(W, transport=3)),
+        # get_buffer_size_hint
+        Row("ht/size_hint/group-type", R, H, "group", "must be a torch.distributed ProcessGroup",
+            V, ("group", "ProcessGroup"), ht_size_hint(None, 8, 128)),
+        Row("ht/size_hint/T-below-1", R, H, "num_max_tokens_per_rank", "must be an int >= 1", V,
+            ("num_max_tokens_per_rank", ">= 1"), ht_size_hint(W, 0, 128)),
+        Row("ht/size_hint/hidden-type", R, H, "hidden", "must be an int >= 1", V,
+            ("hidden", "int"), ht_size_hint(W, 8, "128")),
+        Row("ht/size_hint/num_topk-above-32", R, H, "num_topk", "must be an int in [0, 32]", V,
+            ("num_topk", "33"), ht_size_hint(W, 8, 128, 33)),
+        # dispatch
+        Row("ht/dispatch/x-dtype", R, D, "x",
+            "must be bfloat16, float16 or float32 (or a pair (data, scales))", V, ("x", "int32"),
+            ht_dispatch_with(lambda a, c: {"x": a["x"].to(torch.int32)})),
+        Row("ht/dispatch/x-three-items", R, D, "x", "a tuple must be the pair (data, scales)", V,
+            ("x", "pair"), ht_dispatch_with(lambda a, c: {"x": (a["x"],) * 3})),
+        Row("ht/dispatch/x-data-dtype", R, D, "x", "a pair's data must be float8", V,
+            ("x", "data", "bfloat16"),
+            ht_dispatch_with(lambda a, c: {"x": (a["x"], torch.ones(len(a["x"]), 1))})),
+        Row("ht/dispatch/x-scales-dtype", R, D, "x", "a pair's scales must be float32 or int32",
+            V, ("x", "scales", "float16"),
+            ht_dispatch_with(lambda a, c: {"x": (a["x"].to(torch.float8_e4m3fn),
+                                                 torch.ones(len(a["x"]), 1).half())})),
+        Row("ht/dispatch/x-scales-rows", R, D, "x",
+            "a pair's scales must have one row per token of its data", V,
+            ("x", "scales", "one row per token"),
+            ht_dispatch_with(lambda a, c: {"x": (a["x"].to(torch.float8_e4m3fn),
+                                                 torch.ones(len(a["x"]) + 1, 1))})),
+        Row("ht/dispatch/x-device", R, D, "x", "must be on cpu or cuda", V, ("x", "meta"),
+            ht_dispatch_with(lambda a, c: {"x": a["x"].to(meta)})),
+        Row("ht/dispatch/topk_idx-missing", R, D, "topk_idx",
+            "must be a tensor without a cached handle", V, ("topk_idx", "Tensor"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": None})),
+        Row("ht/dispatch/topk_idx-dtype", R, D, "topk_idx", "must be int64 or int32", V,
+            ("topk_idx", "float32"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].float()})),
+        Row("ht/dispatch/topk_idx-rows", R, D, "topk_idx", "must have one row per token of x", V,
+            ("topk_idx", "one row per token"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"][:-1]})),
+        Row("ht/dispatch/topk_idx-columns", R, D, "topk_idx", "must have 1 to 32 columns", V,
+            ("topk_idx", "32"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": torch.full((len(a["x"]), 33), -1)})),
+        Row("ht/dispatch/topk_idx-above-E", R, D, "topk_idx",
+            "expert ids must be in [0, num_experts) or -1", V, ("topk_idx", "[0, 4)"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].clone().fill_(4)})),
+        Row("ht/dispatch/topk_idx-twice", R, D, "topk_idx",
+            "a token selects each expert at most once", V, ("topk_idx", "twice"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": a["topk_idx"].clone().fill_(1)})),
+        Row("ht/dispatch/topk_weights-dtype", R, D, "topk_weights", "must be float32", V,
+            ("topk_weights", "float16"),
+            ht_dispatch_with(lambda a, c: {"topk_weights": a["topk_weights"].half()})),
+        Row("ht/dispatch/topk_weights-shape", R, D, "topk_weights",
+            "must have topk_idx's shape [num_tokens, num_topk]", V, ("topk_weights", "shape"),
+            ht_dispatch_with(lambda a, c: {"topk_weights": a["topk_weights"][:, :1]})),
+        Row("ht/dispatch/num_experts-divisible", R, D, "num_experts",
+            "must be divisible by the number of ranks", V, ("num_experts", "divisible"),
+            ht_dispatch_with(lambda a, c: {"num_experts": 5})),
+        Row("ht/dispatch/num_experts-zero", R, D, "num_experts", "must be an int >= 1", V,
+            ("num_experts", "[1, 2**31)"), ht_dispatch_with(lambda a, c: {"num_experts": 0})),
+        Row("ht/dispatch/T-below-tokens", R, D, "num_max_tokens_per_rank",
+            "must be >= x's number of tokens", V, ("x", "num_max_tokens_per_rank"),
+            ht_dispatch_with(lambda a, c: {"num_max_tokens_per_rank": 2})),
+        Row("ht/dispatch/expert_alignment-zero", R, D, "expert_alignment",
+            "must be None or an int >= 1", V, ("expert_alignment", "[1, 2**31)"),
+            ht_dispatch_with(lambda a, c: {"expert_alignment": 0})),
+        Row("ht/dispatch/do_expand-type", R, D, "do_expand", "must be a bool", V,
+            ("do_expand", "bool"), ht_dispatch_with(lambda a, c: {"do_expand": 1})),
+        Row("ht/dispatch/do_cpu_sync-type", R, D, "do_cpu_sync", "must be None or a bool", V,
+            ("do_cpu_sync", "bool"), ht_dispatch_with(lambda a, c: {"do_cpu_sync": "yes"})),
+        Row("ht/dispatch/num_sms-negative", R, D, "num_sms", "must be None or an int >= 0", V,
+            ("num_sms", "-1"), ht_dispatch_with(lambda a, c: {"num_sms": -1})),
+        Row("ht/dispatch/async-type", R, D, "async_with_compute_stream", "must be a bool", V,
+            ("async_with_compute_stream", "bool"),
+            ht_dispatch_with(lambda a, c: {"async_with_compute_stream": None})),
+        Row("ht/dispatch/handle-type", R, D, "handle",
+            "must be None or the EPHandle a dispatch returned", V, ("handle", "EPHandle"),
+            ht_dispatch_with(lambda a, c: {"topk_idx": None, "handle": (1, 2)})),
+        Row("ht/dispatch/handle-with-topk_idx", R, D, "topk_idx",
+            "must be None with a cached handle", V, ("topk_idx", "cached"),
+            ht_cached_with(lambda a, c: {"topk_idx": a["topk_idx"]})),
+        Row("ht/dispatch/handle-with-cpu-sync", R, D, "do_cpu_sync",
+            "must not be True with a cached handle", V, ("do_cpu_sync", "cached"),
+            ht_cached_with(lambda a, c: {"do_cpu_sync": True})),
+        Row("ht/dispatch/handle-with-expand", R, D, "do_expand",
+            "must be False with a cached handle", V, ("do_expand", "cached"),
+            ht_cached_with(lambda a, c: {"do_expand": True})),
+        Row("ht/dispatch/handle-other-num_experts", R, D, "num_experts",
+            "must be None or the cached handle's", V, ("num_experts", "cached"),
+            ht_cached_with(lambda a, c: {"num_experts": 2 * a["num_experts"]})),
+        Row("ht/dispatch/handle-other-tokens", R, D, "x",
+            "must have the cached handle's number of tokens", V, ("x", "cached"),
+            ht_cached_with(lambda a, c: {"x": a["x"][:-1], "topk_weights": None})),
+        Row("ht/dispatch/handle-stale", R, D, "handle",
+            "must be of the current membership generation (not before update_ep_member)", V,
+            ("handle", "generation", "update_ep_member"), ht_stale_handle),
+        Row("ht/dispatch/after-destroy", R, D, "(call order)", "not after destroy", RE,
+            ("dispatch", "destroyed"), ht_destroyed_dispatch),
+        # combine
+        Row("ht/combine/x-rows", R, C, "x",
+            "must have shape [handle's rows, hidden] (its received or expanded rows)", V,
+            ("x", "shape"), ht_combine_with(lambda a, c: {"x": a["x"][:-1]})),
+        Row("ht/combine/x-dtype", R, C, "x", "must be bfloat16, float16 or float32", V,
+            ("x", "int32"), ht_combine_with(lambda a, c: {"x": a["x"].to(torch.int32)})),
+        Row("ht/combine/x-device", R, C, "x", "must be on the dispatch's device", V,
+            ("x", "meta"), ht_combine_with(lambda a, c: {"x": a["x"].to(meta)})),
+        Row("ht/combine/handle-type", R, C, "handle", "must be the EPHandle a dispatch returned",
+            V, ("handle", "EPHandle"), ht_combine_with(lambda a, c: {"handle": None})),
+        Row("ht/combine/handle-other-buffer", R, C, "handle",
+            "must come from this ElasticBuffer's dispatch", V, ("handle", "another"),
+            ht_combine_with(lambda a, c: {"handle": other_ebuf_handle(c)})),
+        Row("ht/combine/topk_weights-shape", R, C, "topk_weights",
+            "must be None or float32 [handle's rows, num_topk]", V, ("topk_weights", "shape"),
+            ht_combine_with(lambda a, c: {"topk_weights": a["topk_weights"][:, :1]})),
+        Row("ht/combine/num_sms-type", R, C, "num_sms", "must be None or an int >= 0", V,
+            ("num_sms", "1.5"), ht_combine_with(lambda a, c: {"num_sms": 1.5})),
+        # the other methods
+        Row("ht/barrier/with_cpu_sync-type", R, "ElasticBuffer.barrier", "with_cpu_sync",
+            "must be a bool", V, ("with_cpu_sync", "bool"),
+            lambda c: ebuf(c).barrier(with_cpu_sync="yes")),
+        Row("ht/get_theoretical_num_sms/num_experts", R, "ElasticBuffer.get_theoretical_num_sms",
+            "num_experts", "must be an int >= 1", V, ("num_experts", ">= 1"),
+            lambda c: ebuf(c).get_theoretical_num_sms(0, 2)),
+    ]  # fmt: skip
+
+
+ROWS: list[Row] = _pg_rows() + _ep_rows() + _elastic_rows() + _ht_rows()
 
 _INIT = "dist.init_process_group"
 assert len({r.id for r in ROWS}) == len(ROWS), "duplicate row ids"
@@ -1070,6 +1339,11 @@ def _usable(ctx, row: Row, index: int) -> None:
     elif row.area == EP:
         ep_buffer(ctx)
         good_round(ctx, "after")
+    elif row.area == HT:
+        from ht_cases import good_round as ht_good_round
+
+        ebuf(ctx)
+        ht_good_round(ctx, "after")
     else:
         from elastic_round import play_round
 
@@ -1168,6 +1442,7 @@ NOT_NAMED = {
     "elastic/connect_ranks/before-allocation": "a call-order rule, naming the call to make",
     "elastic/destroy/twice": "a call-order rule, naming the call",
     "elastic/destroy/then-dispatch": "a call-order rule, naming the call",
+    "ht/dispatch/after-destroy": "a call-order rule, naming the call",
 }
 
 
@@ -1186,7 +1461,7 @@ def test_rows_cover_every_area_and_name_their_argument():
     """At least 45 rows, every area has ten or more, each raises ValueError, TypeError or
     RuntimeError (NotImplementedError for upstream options not implemented), and each
     message names the argument (except the rows of NOT_NAMED)."""
-    areas = {a: sum(r.area == a for r in ROWS) for a in (PG, EP, ELASTIC)}
+    areas = {a: sum(r.area == a for r in ROWS) for a in (PG, EP, ELASTIC, HT)}
     assert len(ROWS) >= 45 and all(n >= 10 for n in areas.values()), areas
     kinds = (ValueError, TypeError, RuntimeError, NotImplementedError)
     assert all(r.exception in kinds for r in ROWS)

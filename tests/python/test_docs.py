@@ -226,10 +226,13 @@ def test_the_checks_see_links_and_anchors():
 
 def public_api() -> list[str]:
     from mooncake import errors, fp8, pg
+    from mooncake import mooncake_elastic_buffer as ht
     from mooncake import mooncake_ep_buffer as ep
 
-    names = list(pg.__all__) + list(ep.__all__) + list(errors.__all__)
+    names = list(pg.__all__) + list(ep.__all__) + list(errors.__all__) + list(ht.__all__)
     names += [n for n in dir(ep.Buffer) if not n.startswith("_")]  # the elastic mixin's too
+    names += [n for n in dir(ht.ElasticBuffer) if not n.startswith("_")]
+    names += [n for n in dir(ht.EPHandle) if not n.startswith("_")]
     names += [n for n in ep.DispatchHandle._fields if n != "state"]
     names += ["current_stream_wait", "MooncakeBackend", "transport_of"]
     names += [n for n in ("quantize", "dequantize", "error_bound") if hasattr(fp8, n)]

@@ -14,5 +14,10 @@ A Buffer is its members times its paths; each module has one job:
 * the device path: ``device`` (``DevicePath``, CUDA kernels over mapped
   workspaces, and the mapping of the members' workspaces).
 
+The high-throughput ``ElasticBuffer`` (prefill; ``mooncake.mooncake_elastic_buffer``
+re-exports it) shares the members and the row helpers: ``throughput`` (the public
+class), ``throughput_handle`` (``EPHandle``, a call's routing plan),
+``throughput_portable`` (its portable path) over ``throughput_rows``.
+
 Nothing is imported here, so that ``mooncake._checks`` can take ``types`` alone.
 """

@@ -124,6 +124,13 @@ class GroupMembers:
         self._all_gather_into(everyone, mine.to(device))
         return everyone.cpu()
 
+    def control_device(self) -> torch.device:
+        """Where the group's small control exchanges run (a call's counts, the
+        ElasticBuffer's agreement): the same device on every rank, whatever device a
+        call's tensors are on, so that a rank that rejects its call still meets the
+        others' exchange."""
+        return self._gather_device()
+
     def _gather_device(self) -> torch.device:
         try:
             cpu = isinstance(self.group._get_backend(torch.device("cpu")), pg.MooncakeBackend)

@@ -103,18 +103,23 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
+def dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` with the standard strides (copied when it has others, as some views do)."""
     if t.is_contiguous() and (t.dim() == 0 or t.stride(-1) == 1):
         return t
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
-def _gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+def gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
     """``dst[i] = src[index[i]]`` for uint8 rows, as word copies (``dst`` may be a strided
-    column block; ``src`` is made dense, so it takes ``dst``'s word type)."""
+    column block; ``src`` is made dense, so it takes ``dst``'s word type, and copied to a
+    storage of its own when its place in its storage is not aligned to that type, as for
+    a view that starts a few elements into a buffer)."""
     dst = _words(dst)
-    dst.copy_(_dense(src).view(dst.dtype).index_select(0, index))
+    src = dense(src)
+    if src.storage_offset() % dst.element_size():
+        src = src.clone()
+    dst.copy_(src.view(dst.dtype).index_select(0, index))
 
 
 def pack_tokens(
@@ -136,10 +141,10 @@ def pack_tokens(
     dst.copy_(header.view(torch.uint8).view(dst.dtype))
     if use_fp8:
         data, scales = fp8.quantize(x)
-        _gather_rows(rows[:, HEADER_BYTES : HEADER_BYTES + hidden], data.view(torch.uint8), token)
-        _gather_rows(rows[:, HEADER_BYTES + hidden :], scales.view(torch.uint8), token)
+        gather_rows(rows[:, HEADER_BYTES : HEADER_BYTES + hidden], data.view(torch.uint8), token)
+        gather_rows(rows[:, HEADER_BYTES + hidden :], scales.view(torch.uint8), token)
     else:
-        _gather_rows(rows[:, HEADER_BYTES:], _dense(x).view(torch.uint8), token)
+        gather_rows(rows[:, HEADER_BYTES:], dense(x).view(torch.uint8), token)
     return rows, rows.shape[1]
 
 
@@ -229,7 +234,7 @@ def gather_outputs(x: torch.Tensor, a: Arrival, num_rows: int) -> torch.Tensor:
     """Combine's send buffer: row ``i`` is the expert output for received row ``i`` (zero
     for rows of sources that were dropped)."""
     hidden = x.shape[2]
-    flat = _dense(x).view(-1, hidden)
+    flat = dense(x).view(-1, hidden)
     picked = flat.index_select(0, a.local_expert * x.shape[1] + a.column)
     if a.row.numel() == num_rows:
         return picked
