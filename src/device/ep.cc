@@ -1,6 +1,7 @@
 #include "device/ep.h"
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 
 #include "core/error.h"
@@ -25,6 +26,39 @@ int32_t* host_words(int64_t n, int32_t** dev, const char* what) {
 }
 
 }  // namespace
+
+LostWords::LostWords(int64_t n) : n_(n) {
+  host_ = host_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the lost-rank words");
+}
+
+LostWords::~LostWords() {
+  cudaFreeHost(host_);
+}
+
+void LostWords::set(int64_t rank) {
+  if (rank >= 0 && rank < n_) std::atomic_ref<int32_t>(host_[rank]).store(1);
+}
+
+void LostWords::clear(int64_t rank) {
+  if (rank >= 0 && rank < n_) std::atomic_ref<int32_t>(host_[rank]).store(0);
+}
+
+bool LostWords::test(int64_t rank) const {
+  return rank >= 0 && rank < n_ && std::atomic_ref<int32_t>(host_[rank]).load() != 0;
+}
+
+Endpoint::LossListener set_lost(std::weak_ptr<LostWords> lost) {
+  return [lost = std::move(lost)](int peer, Endpoint::PeerLoss) {
+    const auto words = lost.lock();
+    if (!words) return false;
+    words->set(peer);
+    return true;
+  };
+}
+
+uint64_t watch_lost(Endpoint& endpoint, std::weak_ptr<LostWords> lost, int64_t hang_ms) {
+  return endpoint.watch_peers(set_lost(std::move(lost)), hang_ms);
+}
 
 EpBuffer::EpBuffer(size_t bytes, int device) : device_(device), workspace_(bytes, device) {
   OnDevice on(device_);
@@ -71,6 +105,7 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank) {
   if (silent_ != nullptr) cudaFreeHost(silent_);
   silent_ = nullptr;
   silent_ = host_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
+  lost_ = std::make_shared<LostWords>(capacity);
   num_ranks_ = capacity;
   rank_ = rank;
   write_table(0, capacity);
@@ -106,6 +141,7 @@ bool EpBuffer::map_peer(int64_t slot, const std::string& encoded) {
   OnDevice on(device_);
   try {
     maps_[slot] = std::make_unique<PeerMapping>(card->handle, device_);
+    lost_->clear(slot);  // a new process in the slot
     return true;
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kPeerFailed) throw;
@@ -131,13 +167,15 @@ void EpBuffer::unmap_peer(int64_t slot) {
   maps_[slot].reset();
 }
 
-std::vector<int64_t> EpBuffer::take_silent() {
-  std::vector<int64_t> out;
-  for (int64_t r = 0; r < num_ranks_; ++r)
-    if (reinterpret_cast<volatile int32_t*>(silent_)[r] != 0) {
+std::vector<std::pair<int64_t, int32_t>> EpBuffer::take_masked() {
+  std::vector<std::pair<int64_t, int32_t>> out;
+  for (int64_t r = 0; r < num_ranks_; ++r) {
+    const int32_t why = reinterpret_cast<volatile int32_t*>(silent_)[r];
+    if (why != 0) {
       silent_[r] = 0;
-      out.push_back(r);
+      out.emplace_back(r, why);
     }
+  }
   return out;
 }
 
@@ -215,6 +253,7 @@ k::Common EpBuffer::common(const EpCall& call, const char* what) const {
   c.active_ranks = call.active_ranks;
   c.slot_mask = call.slot_mask;
   c.silent = silent_dev_;
+  c.lost = lost_ ? lost_->device() : nullptr;
   c.timeout_ns = call.timeout_ns;
   c.status = status_dev_;
   c.grid_sync = grid_sync_;

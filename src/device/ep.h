@@ -10,9 +10,11 @@
 // publish_peer when the slot connects; unmap_peer when it leaves), exchanging
 // the cards of peers.h through its own members.
 //
-// Health: the kernels mask a peer that stays silent past a call's deadline
-// (in the call's active_ranks, and slot_mask when given) and record it in
-// host-mapped words, which take_silent() hands over; bad values (expert ids
+// Health: the kernels mask a peer that stays silent past a call's deadline,
+// or that the host has seen lost (lost_words(): the caller wires a watcher,
+// e.g. the group's transport, to them), in the call's active_ranks (and
+// slot_mask when given), and record it in host-mapped words, which
+// take_masked() hands over; bad values (expert ids
 // out of range, more rows for an expert than a call allows, corrupt counts or
 // headers) are reported in the status words, which raise_reported() turns
 // into typed errors on the next call.
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device/cuda.h"
@@ -30,8 +33,40 @@
 #include "device/peers.h"
 #include "ep/layout.h"
 #include "kernels/api.h"
+#include "transport/engine.h"
 
 namespace mooncake {
+
+// The words the kernels read as Common::lost, one per rank, in host-mapped
+// memory: set from any thread (a transport's heartbeat thread, the moment it
+// sees a peer lost), read by the device over the bus. Held by a shared_ptr,
+// so that a watcher that outlives its buffer still writes into live memory.
+class LostWords {
+ public:
+  explicit LostWords(int64_t n);  // n words, all clear
+  ~LostWords();
+  LostWords(const LostWords&) = delete;
+  LostWords& operator=(const LostWords&) = delete;
+
+  int64_t size() const { return n_; }
+  const int32_t* device() const { return dev_; }
+  void set(int64_t rank);  // ranks outside [0, size) are ignored
+  void clear(int64_t rank);
+  bool test(int64_t rank) const;
+
+ private:
+  int32_t* host_ = nullptr;
+  int32_t* dev_ = nullptr;
+  int64_t n_ = 0;
+};
+
+// A listener for Endpoint::watch_peers that sets the word in `lost` of every
+// peer it hears of (the endpoint's slots are the buffer's ranks), for as long
+// as the words live.
+Endpoint::LossListener set_lost(std::weak_ptr<LostWords> lost);
+
+// endpoint.watch_peers(set_lost(lost), hang_ms): its id.
+uint64_t watch_lost(Endpoint& endpoint, std::weak_ptr<LostWords> lost, int64_t hang_ms);
 
 // What every launch of one call shares.
 struct EpCall {
@@ -141,8 +176,13 @@ class EpBuffer {
   uint8_t* combine_rows(int64_t T, int64_t H, int64_t E, int64_t R, uint64_t seq,
                         const char* what) const;
 
-  // The ranks kernels masked for silence since the last call (and forgets them).
-  std::vector<int64_t> take_silent();
+  // The ranks kernels masked since the last call, each with its
+  // kernels::MaskReason (silent past the deadline, or lost), and forgets them.
+  std::vector<std::pair<int64_t, int32_t>> take_masked();
+  // The lost words of the current peer table (replaced by reserve/connect,
+  // cleared for a slot by map_peer): whoever learns that a peer is lost sets
+  // its word, and kernels stop waiting for it.
+  std::shared_ptr<LostWords> lost_words() const { return lost_; }
   // The first status word (0 while no kernel has reported anything).
   int32_t status_code() const;
   // The status words as the device last wrote them (no sync); `clear`
@@ -170,6 +210,7 @@ class EpBuffer {
   uint8_t** peers_ = nullptr;
   int32_t* silent_ = nullptr;  // host-mapped [num_ranks_]
   int32_t* silent_dev_ = nullptr;
+  std::shared_ptr<LostWords> lost_;  // [num_ranks_]
   int64_t num_ranks_ = 0;
   int64_t rank_ = 0;
   int32_t* status_host_ = nullptr;

@@ -539,6 +539,10 @@ std::vector<uint8_t> ElasticPeers::barrier(int64_t timeout_ms) {
                   timeout_ms);
 }
 
+uint64_t ElasticPeers::watch_peers(Endpoint::LossListener fn) {
+  return endpoint_->watch_peers(std::move(fn), config_.hang_ms);
+}
+
 const char* ElasticPeers::transport_of(int peer) const {
   return endpoint_->transport_of(peer);
 }

@@ -151,6 +151,8 @@ class ElasticPeers {
   const char* transport_of(int peer) const;
   // Why peers were masked by exchanges so far (one line each), oldest first.
   std::vector<std::string> events() const;
+  // Endpoint::watch_peers of this process's endpoint, with the hang limit.
+  uint64_t watch_peers(Endpoint::LossListener fn);
 
  private:
   struct Peer {

@@ -47,6 +47,12 @@ enum StatusCode : int32_t {
 };
 constexpr int kStatusWords = 4;  // code, detail 0, detail 1, timeouts so far
 
+// Why a wait masked a rank, in its silent word (Common::silent).
+enum MaskReason : int32_t {
+  kMaskedSilent = 1,  // its signal did not come by the deadline
+  kMaskedLost = 2,    // the host saw it lost (Common::lost)
+};
+
 struct Common {
   EpLayout layout;
   uint8_t* const* peers;  // device [R]: every rank's workspace as this rank maps it
@@ -57,9 +63,15 @@ struct Common {
   // slot mask, in force beside active_ranks (a rank takes part when both say
   // so; a silent one is set to 0 in both).
   int32_t* slot_mask;
-  // Optional host-mapped int32 [R]: set to 1 for every rank a wait masked
-  // (the status words keep only the first report).
+  // Optional host-mapped int32 [R]: a MaskReason for every rank a launch
+  // masked (the status words keep only the first report).
   int32_t* silent;
+  // Optional host-mapped int32 [R], written by the host: nonzero for a rank
+  // whose loss the host has seen (its process gone, or its heartbeat still
+  // past the hang limit). A launch masks such a rank at its start and a wait
+  // on it ends within microseconds, instead of at the deadline; its silent
+  // word then says kMaskedLost.
+  const int32_t* lost;
   int64_t timeout_ns;   // per wait phase
   int32_t* status;      // kStatusWords ints, host-mapped
   uint32_t* grid_sync;  // device, 2 words, zeroed once: the grid barrier's count and generation

@@ -302,6 +302,11 @@ void MooncakeBackend::join_group() {
   options_->is_extension = false;
 }
 
+uint64_t MooncakeBackend::watch_peers(Endpoint::LossListener fn) {
+  MC_CHECK_ARG(comm_ != nullptr, "watch_peers: the group is shut down");
+  return comm_->endpoint().watch_peers(std::move(fn), comm_->config().hang_ms);
+}
+
 std::string MooncakeBackend::transport_of(int peer) const {
   MC_CHECK_ARG(peer >= 0 && peer < size_, "peer must be in [0, ", size_, "), got ", peer);
   MC_CHECK_ARG(comm_ != nullptr, "the process group was shut down");

@@ -167,6 +167,10 @@ class MooncakeBackend : public c10d::Backend {
   void join_group();
   std::string transport_of(int peer) const;
   const std::shared_ptr<TransferEngine>& engine() const { return engine_; }
+  // Calls `fn` as soon as the group's transport sees a peer lost: its process
+  // gone, or its heartbeat still past the group's hang limit
+  // (Endpoint::watch_peers). For the device, which cannot watch processes.
+  uint64_t watch_peers(Endpoint::LossListener fn);
 
  protected:
   using Task = std::function<void()>;

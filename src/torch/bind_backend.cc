@@ -182,6 +182,9 @@ void register_backend(py::module_& m) {
       .def("join_group", &MooncakeBackend::join_group, py::call_guard<py::gil_scoped_release>())
       .def("transport_of", &MooncakeBackend::transport_of, py::arg("peer"))
       .def("reject_next", &MooncakeBackend::reject_next, py::arg("reason"))
+      .def(
+          "watch_peers", [](MooncakeBackend& b, const LossListenerBox& l) { b.watch_peers(l.fn); },
+          py::arg("listener"))
       .def_property_readonly("engine", &MooncakeBackend::engine);
 
 #if MOONCAKE_WITH_CUDA

@@ -29,6 +29,9 @@ void register_engine(py::module_& m) {
             e.mutable_options().device_filter = f;
           })
       .def_static("available_transports", &TransferEngine::available_transports);
+  py::class_<LossListenerBox>(m, "LossListener",
+                              "Called from a transport's heartbeat thread with each peer it "
+                              "sees lost (made by EpDevice.lost_listener).");
 }
 
 }  // namespace mooncake

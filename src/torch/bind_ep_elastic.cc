@@ -159,7 +159,11 @@ void register_ep_elastic(py::module_& m) {
            })
       .def("transport_of", [](const ElasticHandle& h,
                               int peer) { return std::string(h.peers->transport_of(peer)); })
-      .def("events", [](const ElasticHandle& h) { return h.peers->events(); });
+      .def("events", [](const ElasticHandle& h) { return h.peers->events(); })
+      .def(
+          "watch_peers",
+          [](ElasticHandle& h, const LossListenerBox& l) { h.peers->watch_peers(l.fn); },
+          py::arg("listener"));
 }
 
 }  // namespace mooncake

@@ -4,7 +4,16 @@
 
 #include <pybind11/pybind11.h>
 
+#include "transport/engine.h"
+
 namespace mooncake {
+
+// A listener for lost peers (Endpoint::watch_peers) handed between bindings
+// as a Python object: the device path makes one (EpDevice.lost_listener) and
+// whoever watches the peers (a group, an elastic buffer's peers) takes it.
+struct LossListenerBox {
+  Endpoint::LossListener fn;
+};
 
 // Maps the library's errors to Python exceptions (bind_errors.cc).
 void register_errors(pybind11::module_& m);

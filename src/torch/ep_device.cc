@@ -16,6 +16,8 @@ void register_ep_phases(pybind11::module_& m) {
   m.attr("EP_PHASE_RECV") = static_cast<int>(kernels::kRecv);
   m.attr("EP_PHASE_BOTH") = static_cast<int>(kernels::kBoth);
   m.attr("EP_STATUS_SILENT_PEER") = static_cast<int>(kernels::kStatusSilentPeer);
+  m.attr("EP_MASKED_SILENT") = static_cast<int>(kernels::kMaskedSilent);
+  m.attr("EP_MASKED_LOST") = static_cast<int>(kernels::kMaskedLost);
 }
 
 }  // namespace
@@ -392,7 +394,12 @@ void register_ep_device(py::module_& m) {
       .def(
           "unmap_peer", [](EpDevice& d, int64_t slot) { d.ep().unmap_peer(slot); }, py::arg("slot"),
           R())
-      .def("take_silent", [](EpDevice& d) { return d.ep().take_silent(); })
+      .def("take_masked", [](EpDevice& d) { return d.ep().take_masked(); })
+      .def("lost_listener",
+           // For whoever watches the peers (MooncakeBackend/ElasticPeers.watch_peers): sets
+           // the kernels' lost words of the current peer table (a connect or reserve
+           // replaces them: watch again then).
+           [](EpDevice& d) { return LossListenerBox{set_lost(d.ep().lost_words())}; })
       .def("dispatch", &EpDevice::dispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("active_ranks"), py::arg("slot_mask"), py::arg("stats"), py::arg("outputs"),
            py::arg("max_tokens"), py::arg("num_experts"), py::arg("ranks"), py::arg("seq"),

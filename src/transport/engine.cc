@@ -272,6 +272,8 @@ void Endpoint::heartbeat_loop() {
   std::vector<std::weak_ptr<PeerLink>> seen_dead;  // links already reported gone
   std::vector<pollfd> fds;
   std::vector<std::atomic<uint32_t>*> lives;  // the watched peers' life words
+  std::vector<int> gone, dead;                // slots newly seen gone, and all seen gone
+  std::vector<int64_t> still_us;              // per slot: how long its heartbeat stood still
   int64_t last_round = now_us();
   for (;;) {
     header->heartbeat.fetch_add(1, std::memory_order_relaxed);
@@ -287,6 +289,9 @@ void Endpoint::heartbeat_loop() {
     fds.assign(1, pollfd{stop_fd_, POLLIN, 0});
     lives.clear();
     bool newly_dead = false;
+    gone.clear();
+    dead.clear();
+    still_us.assign(links.size(), 0);
     for (size_t p = 0; p < links.size(); ++p) {
       PeerLink* link = links[p].get();
       if (!link) continue;
@@ -297,12 +302,19 @@ void Endpoint::heartbeat_loop() {
         pulse_[p].changed_us.store(now, std::memory_order_relaxed);
         pulse_[p].last.store(hb, std::memory_order_relaxed);
       }
+      if (static_cast<int>(p) != rank_)
+        still_us[p] = now - pulse_[p].changed_us.load(std::memory_order_relaxed);
       const bool known = std::any_of(seen_dead.begin(), seen_dead.end(),
                                      [&](const auto& d) { return d.lock() == shared; });
-      if (known) continue;
+      if (known) {
+        dead.push_back(static_cast<int>(p));
+        continue;
+      }
       if (!link->alive()) {
         seen_dead.push_back(shared);
         newly_dead = true;
+        gone.push_back(static_cast<int>(p));
+        dead.push_back(static_cast<int>(p));
       } else {
         if (link->death_fd() >= 0) fds.push_back(pollfd{link->death_fd(), POLLIN, 0});
         if (auto* word = link->life_word()) lives.push_back(word);
@@ -315,6 +327,7 @@ void Endpoint::heartbeat_loop() {
       alarms_.fetch_add(1, std::memory_order_acq_rel);
       wake_all();
     }
+    tell_watchers(gone, dead, still_us);
     // Sleep until the next round, a peer's death, or stop: on the peers' life
     // words where the kernel can wait on several futexes (their pidfds are
     // looked at every round), else on the pidfds.
@@ -328,6 +341,42 @@ void Endpoint::heartbeat_loop() {
     if (stop) break;
   }
   life_.release();
+}
+
+uint64_t Endpoint::watch_peers(LossListener fn, int64_t hang_ms) {
+  std::lock_guard<std::mutex> l(watch_mu_);
+  const uint64_t id = next_watch_++;
+  watchers_.push_back(Watcher{id, std::move(fn), hang_ms > 0 ? hang_ms * 1000 : 0,
+                              std::vector<uint8_t>(static_cast<size_t>(capacity_), 0)});
+  return id;
+}
+
+void Endpoint::unwatch_peers(uint64_t id) {
+  std::lock_guard<std::mutex> l(watch_mu_);
+  std::erase_if(watchers_, [id](const Watcher& w) { return w.id == id; });
+}
+
+void Endpoint::tell_watchers(const std::vector<int>& gone, const std::vector<int>& dead,
+                             const std::vector<int64_t>& still_us) {
+  std::lock_guard<std::mutex> l(watch_mu_);
+  std::erase_if(watchers_, [&](Watcher& w) {
+    bool keep = true;
+    auto tell = [&](int p, PeerLoss why) {
+      if (keep && !w.told[p]) keep = w.fn(p, why);
+      w.told[p] = 1;
+    };
+    for (int p : w.fresh ? dead : gone) tell(p, PeerLoss::kGone);
+    w.fresh = false;
+    for (size_t p = 0; p < still_us.size(); ++p) {
+      if (std::find(dead.begin(), dead.end(), static_cast<int>(p)) != dead.end()) continue;
+      if (still_us[p] == 0 || w.hang_us == 0) {
+        if (still_us[p] == 0) w.told[p] = 0;  // it moved (or a new link): tell it again later
+        continue;
+      }
+      if (still_us[p] >= w.hang_us) tell(static_cast<int>(p), PeerLoss::kSilent);
+    }
+    return !keep;
+  });
 }
 
 Endpoint::~Endpoint() {

@@ -6,6 +6,8 @@
 // Peers find each other through the Store.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -112,8 +114,31 @@ class Endpoint {
   // Rings every doorbell of the local segment: blocked waits look again.
   void wake_all();
 
+  // For what must hear of a lost peer at once but cannot watch processes
+  // itself (kernels spinning on a peer's signal): `fn(peer, why)` is called
+  // from the heartbeat thread as soon as a connected peer is seen gone
+  // (kGone; peers already gone are told on the first round), and when its
+  // heartbeat has stood still for `hang_ms` (> 0; kSilent, again only after
+  // it moved). `fn` must not block; returning false drops it (its target is
+  // gone). unwatch_peers(id): after it returns, `fn` is never called again.
+  enum class PeerLoss { kGone = 1, kSilent = 2 };
+  using LossListener = std::function<bool(int peer, PeerLoss why)>;
+  uint64_t watch_peers(LossListener fn, int64_t hang_ms);
+  void unwatch_peers(uint64_t id);
+
  private:
   void heartbeat_loop();
+  struct Watcher {
+    uint64_t id;
+    LossListener fn;
+    int64_t hang_us;
+    std::vector<uint8_t> told;  // per slot: its silence (or loss) was told
+    bool fresh = true;          // not told of the peers already gone yet
+  };
+  // One heartbeat round's news for the watchers: `gone` newly, `dead` all the
+  // links seen gone; `still_us[p]`: how long p's heartbeat has stood still.
+  void tell_watchers(const std::vector<int>& gone, const std::vector<int>& dead,
+                     const std::vector<int64_t>& still_us);
 
   const EngineOptions options_;
   Store& store_;
@@ -138,6 +163,9 @@ class Endpoint {
   int stop_fd_ = -1;                    // eventfd: stops the heartbeat thread (while it polls)
   std::atomic<uint32_t> stop_word_{0};  // and while it waits on life words
   LifeHold life_;                       // this process's life word, held by the heartbeat thread
+  std::mutex watch_mu_;                 // held while watchers are called
+  std::vector<Watcher> watchers_;
+  uint64_t next_watch_ = 1;
   std::thread heartbeat_;
 };
 

@@ -14,8 +14,9 @@ slower, hence the generous deadlines).
   combine bit for bit; and outputs reused by a later call only once nothing
   refers to them.
 * ``test_a_rank_that_exits``: a rank exits before dispatch, or between
-  dispatch and combine; the others finish within ``timeout_us`` plus a bound,
-  with exactly that rank masked and every other row exact.
+  dispatch and combine; the others finish with exactly that rank masked and
+  every other row exact, told by the group's transport (masked as lost, far
+  inside a 60 s ``timeout_us``: the kernels did not wait for the deadline).
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def test_device_path_matches_portable(world):
 def test_a_rank_that_exits(when):
     from mooncake.launch import LocalGroup
 
-    world, victim, timeout_s = 3, 2, 1.5
+    world, victim, timeout_s = 3, 2, 60
     with LocalGroup(world, ENV) as group:
-        group.start(edr.rank_exit, args=(when, victim))
+        group.start(edr.rank_exit, args=(when, victim, timeout_s * 1_000_000))
         group.expect_exit(victim)
         results = group.results(timeout_s=240)
     for r in range(world):
@@ -63,10 +64,10 @@ def test_a_rank_that_exits(when):
             continue
         res = results[str(r)]
         assert res["active"] == [1 if s != victim else 0 for s in range(world)], res
+        assert res["events"] and f"rank {victim} masked: lost" in res["events"][0], res
+        # Not the deadline: half of it is far more than a launch and the host's notice take.
         masked_in = res["dispatch_s"] if when == "dispatch" else res["combine_s"]
-        # The deadline, plus a bound for the launch and for time-slicing without MPS.
-        assert masked_in < timeout_s + 2.0, res
-        assert res["events"] and f"rank {victim} masked" in res["events"][0], res
+        assert masked_in < timeout_s / 2, res
 
 
 @pytest.mark.parametrize("backend", ["mooncake-cpu", "mooncake"])

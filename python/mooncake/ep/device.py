@@ -52,7 +52,10 @@ def forced_off() -> bool:
     return _env_int("MOONCAKE_EP_FORCE_FALLBACK") != 0
 
 
-def _silent(rank: int) -> str:
+def _masked(rank: int, why: int) -> str:
+    """What a kernel's mask of ``rank`` says, by its reason word."""
+    if why == getattr(pg._ext, "EP_MASKED_LOST", -1):
+        return f"rank {rank} masked: lost (its process gone, or silent past MOONCAKE_HANG_MS)"
     return f"rank {rank} masked: silent past the deadline of a receive phase"
 
 
@@ -141,6 +144,9 @@ class DevicePath:
         cards = members.all_gather(card).reshape(R, card.numel())
         # A rank outside the group's view sends zeros: absent, not unreachable.
         self.reachable, present = self.ext.connect([bytes(c.tolist()) for c in cards], members.rank)
+        # The group's transport tells the kernels of a peer it sees lost (they stop waiting
+        # for it at once); connect made new words, so it is told of them again.
+        members.watch_lost(self.ext)
         self.num_blocks = self.ext.num_blocks  # connect counted the processes on this GPU
         self.usable = all(m for m, p in zip(self.reachable, present, strict=True) if p)
 
@@ -152,6 +158,7 @@ class DevicePath:
         this slot alone active."""
         slots = self.members
         self.ext.reserve(slots.num_ranks, slots.rank)
+        slots.watch_lost(self.ext)  # reserve made new lost words
         # This process's GPU, as the store records it: its card, which says the host and GPU.
         slots.store.set(
             _gpu_key(slots.store_prefix, slots.rank), f"{self.card().hex()} {os.getpid()}"
@@ -224,8 +231,8 @@ class DevicePath:
     # --- what the kernels report --------------------------------------------------------
 
     def _hand_over_silent(self) -> None:
-        for r in self.ext.take_silent():
-            self.members.device_masked(r, _silent(r))
+        for r, why in self.ext.take_masked():
+            self.members.device_masked(r, _masked(r, why))
 
     def poll(self) -> None:
         """Hands the ranks kernels masked for silence to the members and clears that

@@ -554,9 +554,14 @@ class Slots:
         return (view, None) if active_ranks is None else (active_ranks, view)
 
     def device_masked(self, slot: int, why: str) -> None:
-        """A kernel masked ``slot`` for silence: the slot table masks it too."""
+        """A kernel masked ``slot`` (silent, or lost): the slot table masks it too."""
         if slot != self.rank:  # (never its own: it is not waited for across processes)
             self._peers.note_masked(slot, why)
+
+    def watch_lost(self, ext) -> None:
+        """Has this process's endpoint set the device path's lost words (``ext``, an
+        EpDevice) of the slots it sees lost, so that kernels stop waiting for them."""
+        self._peers.watch_peers(ext.lost_listener())
 
     def told_count(self, timeout_us: int) -> int:
         """The highest call count the peers published since the last call told this

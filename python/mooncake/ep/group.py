@@ -168,8 +168,13 @@ class GroupMembers:
         return self._mask_dev, None
 
     def device_masked(self, rank: int, why: str) -> None:
-        """A kernel masked ``rank`` for silence."""
+        """A kernel masked ``rank`` (silent past a deadline, or lost)."""
         self._events.append(why)
+
+    def watch_lost(self, ext) -> None:
+        """Has the group's transport set the device path's lost words (``ext``, an
+        EpDevice) of the peers it sees lost, so that kernels stop waiting for them."""
+        pg._backend_of(self.group).watch_peers(ext.lost_listener())
 
     #: Never: the members agree on the call count when the Buffer is made (:meth:`agree`).
     count_pending = False
@@ -211,6 +216,9 @@ class ForeignMembers(GroupMembers):
         if backend_serves(self.group, device.type):
             return None
         return f"x is on {device}, but the group has no backend for {device.type}"
+
+    def watch_lost(self, ext) -> None:
+        """Nobody watches the peers: the kernels wait for a dead one until the deadline."""
 
     def present(self, num_ranks: int) -> torch.Tensor:
         return torch.ones(num_ranks, dtype=torch.bool)

@@ -25,15 +25,38 @@ __device__ __forceinline__ uint64_t deadline_of(int64_t timeout_ns) {
   return now + static_cast<uint64_t>(timeout_ns);
 }
 
-// Waits until `*signal` satisfies `ready`, the source is masked, or the
-// deadline passes (then masks the source). True when the signal arrived.
+// Masks `source` (in active_ranks, and slot_mask when given) for `why`; the
+// first masking records it in the silent words, and a deadline's in the status.
+__device__ inline void mask_peer(const Common& c, int source, int phase, MaskReason why) {
+  const bool first = atomicExch(c.active_ranks + source, 0) != 0;
+  if (c.slot_mask != nullptr) atomicExch(c.slot_mask + source, 0);
+  if (!first) return;
+  if (why == kMaskedSilent) {
+    report(c.status, kStatusSilentPeer, source, phase);
+    volatile int32_t* timeouts = c.status + 3;
+    *timeouts = *timeouts + 1;
+  }
+  if (c.silent != nullptr) {
+    *reinterpret_cast<volatile int32_t*>(c.silent + source) = why;
+    __threadfence_system();
+  }
+}
+
+// Whether the host has seen `source` lost (a read of host memory: callers
+// in a loop look every few rounds).
+__device__ __forceinline__ bool host_lost(const Common& c, int source) {
+  return c.lost != nullptr && ld_volatile(c.lost + source) != 0;
+}
+
+// Waits until `*signal` satisfies `ready`, the source is masked, the host
+// says it is lost, or the deadline passes (then masks the source). True when
+// the signal arrived.
 template <typename Ready>
 __device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, uint64_t deadline,
                          int source, int phase, uint64_t* value) {
   int32_t* active = c.active_ranks;
   int32_t* slots = c.slot_mask;
-  int32_t* status = c.status;
-  while (true) {
+  for (uint32_t round = 0;; ++round) {
     const uint64_t v = ld_acquire_sys(signal);
     if (ready(v)) {
       *value = v;
@@ -41,18 +64,13 @@ __device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, u
     }
     if (ld_volatile(active + source) == 0) return false;
     if (slots != nullptr && ld_volatile(slots + source) == 0) return false;
+    // The lost word crosses the bus: every 16th round (a few microseconds).
+    if ((round & 15) == 15 && host_lost(c, source)) {
+      mask_peer(c, source, phase, kMaskedLost);
+      return false;
+    }
     if (now_ns() > deadline) {
-      const bool first = atomicExch(active + source, 0) != 0;
-      if (slots != nullptr) atomicExch(slots + source, 0);
-      if (first) {
-        report(status, kStatusSilentPeer, source, phase);
-        volatile int32_t* timeouts = status + 3;
-        *timeouts = *timeouts + 1;
-        if (c.silent != nullptr) {
-          *reinterpret_cast<volatile int32_t*>(c.silent + source) = 1;
-          __threadfence_system();
-        }
-      }
+      mask_peer(c, source, phase, kMaskedSilent);
       return false;
     }
     __nanosleep(100);

@@ -28,6 +28,7 @@
 #include "ep/layout.h"
 #include "kernels/api.h"
 #include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
 
 namespace mooncake::kernels::ep_ll {
 
@@ -44,8 +45,13 @@ struct MaskSnapshot {
   uint8_t live[kSnapRanks];
 
   // Every thread calls it; a __syncthreads must follow before the first use.
+  // A rank the host has seen lost is masked here, before anything is sent to it.
   __device__ void load(const Common& c, int R) {
-    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads) live[r] = live_now(c, r);
+    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads) {
+      if (host_lost(c, r) && ld_volatile(c.active_ranks + r) != 0)
+        mask_peer(c, r, kSend, kMaskedLost);
+      live[r] = live_now(c, r);
+    }
   }
   __device__ bool operator()(const Common& c, int r) const {
     return r < kSnapRanks ? live[r] != 0 : live_now(c, r);
@@ -54,7 +60,8 @@ struct MaskSnapshot {
   // live, whatever the masks say: nothing may be stored through its entry.
   static __device__ bool live_now(const Common& c, int r) {
     return ld_volatile(c.active_ranks + r) != 0 &&
-           (c.slot_mask == nullptr || ld_volatile(c.slot_mask + r) != 0) && c.peers[r] != nullptr;
+           (c.slot_mask == nullptr || ld_volatile(c.slot_mask + r) != 0) && c.peers[r] != nullptr &&
+           !host_lost(c, r);
   }
 };
 

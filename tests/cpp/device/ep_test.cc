@@ -136,7 +136,7 @@ TEST_P(EpBufferTest, DispatchAndCombineMatchTheModel) {
                 std::vector<int32_t> live(static_cast<size_t>(r.size), 1);
                 const Step s = step(*e.ep, r.rank, r.size, seq, live, 5'000'000'000, e.g.stream);
                 check(s, r.rank, r.size, live);
-                EXPECT_TRUE(e.ep->take_silent().empty());
+                EXPECT_TRUE(e.ep->take_masked().empty());
               }
             },
             {60000});
@@ -158,9 +158,39 @@ TEST(EpBuffer, SurvivorsMaskARankThatDiedAtTheirDeadline) {
               const Step s = step(*e.ep, r.rank, 3, 2, live, 200'000'000, e.g.stream);
               EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
               check(s, r.rank, 3, live);
-              EXPECT_EQ(e.ep->take_silent(), std::vector<int64_t>{2});
+              using Masked = std::vector<std::pair<int64_t, int32_t>>;
+              EXPECT_EQ(e.ep->take_masked(), (Masked{{2, mooncake::kernels::kMaskedSilent}}));
             },
             {60000});
+}
+
+// With the group's transport watching for them (watch_lost), the kernels hear of
+// a dead peer from the host: a call with a 60 s deadline masks it at once. (Had
+// it waited for the deadline, the ranks would run past the test's 30 s limit,
+// and the reason would say silent.)
+TEST(EpBuffer, SurvivorsMaskALostRankAtOnce) {
+  MC_REQUIRE_GPU();
+  run_ranks(3,
+            [](Rank& r) {
+              EpRank e(r);
+              watch_lost(e.g.comm.endpoint(), e.ep->lost_words(), 0);
+              std::vector<int32_t> live(3, 1);
+              check(step(*e.ep, r.rank, 3, 1, live, 5'000'000'000, e.g.stream), r.rank, 3, live);
+              e.g.comm.barrier();
+              if (r.rank == 2) exit_rank_abruptly();
+              live.assign(3, 1);
+              const Step s = step(*e.ep, r.rank, 3, 2, live, 60'000'000'000, e.g.stream);
+              EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+              check(s, r.rank, 3, live);
+              using Masked = std::vector<std::pair<int64_t, int32_t>>;
+              EXPECT_EQ(e.ep->take_masked(), (Masked{{2, mooncake::kernels::kMaskedLost}}));
+              // The same rank in the next call: masked at the launch, before any wait.
+              live.assign(3, 1);
+              check(step(*e.ep, r.rank, 3, 3, live, 60'000'000'000, e.g.stream), r.rank, 3,
+                    (std::vector<int32_t>{1, 1, 0}));
+              EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+            },
+            {30000});
 }
 
 }  // namespace

@@ -7,7 +7,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "core/clock.h"
 #include "transport/endpoint_group.h"
@@ -69,6 +74,105 @@ TEST_P(Liveness, AResumedProcessDoesNotTakeItsLivePeersForSilent) {
     const int64_t start = mooncake::now_us();
     while (mooncake::now_us() - start < 3'000'000) worst = std::max(worst, ep->silent_ms(1));
     EXPECT_LT(worst, 500) << "rank 1 looked silent for " << worst << " ms";
+    r.store.set("done", "1");
+  });
+}
+
+// What a watcher (Endpoint::watch_peers) heard, as the heartbeat thread calls it.
+struct Heard {
+  std::mutex mu;
+  std::vector<std::pair<int, mooncake::Endpoint::PeerLoss>> calls;
+  size_t size() {
+    std::lock_guard<std::mutex> l(mu);
+    return calls.size();
+  }
+};
+
+bool wait_until(const std::function<bool()>& done, int64_t us) {
+  const int64_t until = mooncake::now_us() + us;
+  while (!done() && mooncake::now_us() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return done();
+}
+
+// A watcher hears of a peer's death once (kGone), and a watcher added after it
+// hears of it too; nothing for the live peer, nor after a watcher is dropped.
+TEST_P(Liveness, WatchersHearOfADeadPeerOnce) {
+  run_ranks(3, [this](Rank& r) {
+    using Loss = mooncake::Endpoint::PeerLoss;
+    auto ep = connect_endpoint(r, transport(), 4096);
+    auto heard = std::make_shared<Heard>();
+    const auto listen = [](std::shared_ptr<Heard> h) {
+      return [h](int peer, Loss why) {
+        std::lock_guard<std::mutex> l(h->mu);
+        h->calls.emplace_back(peer, why);
+        return true;
+      };
+    };
+    ep->watch_peers(listen(heard), 0);
+    int dropped_calls = 0;
+    ep->watch_peers(
+        [&dropped_calls](int, Loss) {
+          ++dropped_calls;
+          return false;  // dropped after its first call
+        },
+        0);
+    store_barrier(r.store, "watching", r.rank, r.size);
+    if (r.rank == 2) exit_rank_abruptly();
+    ASSERT_TRUE(wait_until([&] { return heard->size() >= 1; }, 3'000'000)) << "nothing in 3 s";
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a few more rounds
+    {
+      std::lock_guard<std::mutex> l(heard->mu);
+      EXPECT_EQ(heard->calls, (std::vector<std::pair<int, Loss>>{{2, Loss::kGone}}));
+    }
+    EXPECT_EQ(dropped_calls, 1);
+    auto late = std::make_shared<Heard>();
+    const uint64_t id = ep->watch_peers(listen(late), 0);
+    ASSERT_TRUE(wait_until([&] { return late->size() >= 1; }, 1'000'000));
+    ep->unwatch_peers(id);
+    std::lock_guard<std::mutex> l(late->mu);
+    EXPECT_EQ(late->calls, (std::vector<std::pair<int, Loss>>{{2, Loss::kGone}}));
+    store_barrier(r.store, "checked", r.rank, 2);
+  });
+}
+
+// A stopped peer is heard of as silent once its heartbeat stood still past the
+// watcher's hang limit (and not by a watcher without one); after it resumes
+// and beats again, a second stop is heard of again.
+TEST_P(Liveness, WatchersHearOfAStoppedPeerAfterTheHangLimit) {
+  run_ranks(2, [this](Rank& r) {
+    using Loss = mooncake::Endpoint::PeerLoss;
+    auto ep = connect_endpoint(r, transport(), 4096);
+    if (r.rank == 1) {
+      r.store.set("pid 1", std::to_string(::getpid()));
+      r.store.get("done", 20000);
+      return;
+    }
+    const pid_t pid = static_cast<pid_t>(std::stol(r.store.get("pid 1", 10000)));
+    ASSERT_TRUE(wait_until([&] { return ep->heartbeat(1) > 0; }, 10'000'000));
+    auto heard = std::make_shared<Heard>(), never = std::make_shared<Heard>();
+    for (auto [h, hang] : {std::pair{heard, int64_t{300}}, std::pair{never, int64_t{0}}})
+      ep->watch_peers(
+          [h](int peer, Loss why) {
+            std::lock_guard<std::mutex> l(h->mu);
+            h->calls.emplace_back(peer, why);
+            return true;
+          },
+          hang);
+    for (int stop = 1; stop <= 2; ++stop) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      EXPECT_EQ(heard->size(), static_cast<size_t>(stop - 1)) << "before stop " << stop;
+      ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+      const bool told =
+          wait_until([&] { return heard->size() >= static_cast<size_t>(stop); }, 3'000'000);
+      ASSERT_EQ(::kill(pid, SIGCONT), 0);
+      ASSERT_TRUE(told) << "stop " << stop << ": not heard of in 3 s";
+      ASSERT_TRUE(wait_until([&] { return ep->silent_ms(1) == 0; }, 3'000'000));
+    }
+    std::lock_guard<std::mutex> l(heard->mu);
+    EXPECT_EQ(heard->calls,
+              (std::vector<std::pair<int, Loss>>{{1, Loss::kSilent}, {1, Loss::kSilent}}));
+    EXPECT_EQ(never->size(), 0u);
     r.store.set("done", "1");
   });
 }

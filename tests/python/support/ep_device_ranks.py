@@ -380,11 +380,11 @@ def _model_round(buf, case: Case, rank: int, world: int, step: int, dead, timeou
     }
 
 
-def rank_exit(rank: int, world: int, port: int, when: str, victim: int) -> dict:
+def rank_exit(rank: int, world: int, port: int, when: str, victim: int, timeout_us: int) -> dict:
     """``victim`` exits before the dispatch (``when="dispatch"``) or between dispatch
-    and combine (``"combine"``); the others must finish within the deadline with
-    exactly the victim masked and every other row exact."""
-    T, H, E, K, timeout_us = 32, 1024, 8 * world, 4, 1_500_000
+    and combine (``"combine"``); the others must finish with exactly the victim masked
+    and every other row exact."""
+    T, H, E, K = 32, 1024, 8 * world, 4
     buf = _setup(rank, world, port, T, H, E)
     case = Case("exit", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
     cuda = torch.device("cuda", 0)
