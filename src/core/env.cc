@@ -61,10 +61,9 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_CUDA_SEGMENT_BYTES", "67108864",
        "Backend mooncake: bytes of each rank's device segment (allocated by the first op that "
        "uses it), which same-host peers map. "
-       "all_reduce, broadcast, all_gather and reduce_scatter (tensor and list forms) whose "
-       "input fits, and all_to_all_single / all_to_all, go GPU to GPU through it; larger ones, "
-       "other ops, and groups that span hosts stage through host memory. 0: no segment "
-       "(every op is staged)."},
+       "Every collective goes GPU to GPU through it (inputs larger than the segment in "
+       "pieces); point-to-point ops and groups that span hosts stage through host memory. "
+       "0: no segment (every op is staged)."},
       {"MOONCAKE_CUDA_PLANE_MIN_BYTES", "65536",
        "Backend mooncake: ops with smaller inputs are staged through host memory even where "
        "the device segment could take them (for small messages the staged path's two copies "

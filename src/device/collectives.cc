@@ -59,11 +59,16 @@ DeviceCollectives::DeviceCollectives(Communicator& comm, Store& store, std::stri
 
 bool DeviceCollectives::serves(std::optional<size_t> bytes, int64_t timeout_ms) {
   if (comm_.size() > kernels::kMaxReduceSources) return false;
-  if (bytes && (*bytes > options_.segment_bytes || *bytes < options_.min_bytes)) return false;
-  if (!bytes && options_.segment_bytes < static_cast<size_t>(comm_.size()) * kMinRegion)
-    return false;
+  if (bytes && *bytes < options_.min_bytes) return false;
+  if (options_.segment_bytes < static_cast<size_t>(comm_.size()) * kMinRegion) return false;
   if (same_host_ < 0) same_host_ = directory_.all_on_this_host(comm_.size(), timeout_ms) ? 1 : 0;
   return same_host_ == 1;
+}
+
+size_t DeviceCollectives::per_piece(size_t parts, size_t esize) const {
+  const size_t share = options_.segment_bytes / parts;
+  const size_t blocks = share >= kMinRegion ? share / kMinRegion * kMinRegion : share;
+  return std::max<size_t>(1, blocks / esize);
 }
 
 uint8_t* DeviceCollectives::mine() {
@@ -100,68 +105,144 @@ void DeviceCollectives::check_width(const std::vector<int>& members, const char*
                  comm_.size(), ") and has no slice in the per-rank tensors");
 }
 
-void DeviceCollectives::run(OpType type, DType dtype, RedOp op, int root, uint64_t numel,
+void DeviceCollectives::run(OpType type, DType dtype, RedOp op, int root, size_t count, size_t per,
                             cudaStream_t stream, int64_t timeout_ms,
-                            const std::function<void(uint8_t*)>& copy_in, const Move& move) {
+                            const std::function<void(const Piece&, uint8_t*)>& copy_in,
+                            const Move& move) {
   OnDevice on(device_);
-  // The segment is free: the last op's commit round said every member had read it.
-  copy_in(mine());
-  finish(stream);
-  comm_.run_external(type, dtype, op, root, numel, timeout_ms,
-                     [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
-                       // Every member's input is in its segment, published: a member that
-                       // died before is found here, not by a wait for its segment.
-                       sync.barrier();
-                       move(members, segments(members, timeout_ms));
-                       finish(stream);  // before the commit round lets peers reuse theirs
-                     });
+  const size_t pieces = count <= per ? 1 : (count + per - 1) / per;
+  auto piece = [&](size_t k) { return Piece{k, k * per, std::min(per, count - k * per)}; };
+  // One piece: the segment is free (the last op's commit round said every
+  // member had read it), and what is copied in now survives a re-run.
+  if (pieces == 1) {
+    copy_in(piece(0), mine());
+    finish(stream);
+  }
+  comm_.run_external(
+      type, dtype, op, root, count, timeout_ms,
+      [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
+        std::vector<const uint8_t*> segs;
+        for (size_t k = 0; k < pieces; ++k) {
+          if (pieces > 1) {
+            if (k > 0) sync.barrier();  // every member has read piece k - 1
+            copy_in(piece(k), mine());
+            finish(stream);
+          }
+          // Every member's piece is in its segment, published: a member that
+          // died before is found here, not by a wait for its segment.
+          sync.barrier();
+          if (k == 0) segs = segments(members, timeout_ms);
+          move(piece(k), members, segs);
+          finish(stream);  // before the next round (or the commit) lets peers reuse theirs
+        }
+      });
 }
+
+namespace {
+
+const uint8_t* at(const void* p, size_t bytes) {
+  return static_cast<const uint8_t*>(p) + bytes;
+}
+uint8_t* at(void* p, size_t bytes) {
+  return static_cast<uint8_t*>(p) + bytes;
+}
+
+}  // namespace
 
 void DeviceCollectives::all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
                                    cudaStream_t stream, int64_t timeout_ms) {
-  MC_CHECK_ARG(redop_supported(op, dtype), "all_reduce: ", redop_name(op), " is not defined on ",
+  reduce(in, out, count, dtype, op, -1, stream, timeout_ms);
+}
+
+void DeviceCollectives::reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
+                               int root, cudaStream_t stream, int64_t timeout_ms) {
+  const char* name = root < 0 ? "all_reduce" : "reduce";
+  MC_CHECK_ARG(redop_supported(op, dtype), name, ": ", redop_name(op), " is not defined on ",
                dtype_name(dtype));
-  const size_t bytes = count * dtype_size(dtype);
+  const size_t esize = dtype_size(dtype);
+  const bool writes = root < 0 || comm_.rank() == root;
+  MC_CHECK_ARG(!writes || in != out || in_place_ok(count * esize), name,
+               ": the output must not be the input when it is larger than the segment");
   run(
-      OpType::kAllReduce, dtype, op, -1, count, stream, timeout_ms,
-      [&](uint8_t* seg) { copy(seg, in, bytes, stream, "all_reduce input"); },
-      [&](const std::vector<int>&, const std::vector<const uint8_t*>& segs) {
-        reduce_segments(segs, 0, out, count, dtype, op, stream);
+      root < 0 ? OpType::kAllReduce : OpType::kReduce, dtype, op, root, count, per_piece(1, esize),
+      stream, timeout_ms,
+      [&](const Piece& p, uint8_t* seg) {
+        copy(seg, at(in, p.first * esize), p.n * esize, stream, "reduce input");
+      },
+      [&](const Piece& p, const std::vector<int>&, const std::vector<const uint8_t*>& segs) {
+        if (writes) reduce_segments(segs, 0, at(out, p.first * esize), p.n, dtype, op, stream);
       });
 }
 
 void DeviceCollectives::broadcast(const void* in, void* out, size_t count, DType dtype, int root,
                                   cudaStream_t stream, int64_t timeout_ms) {
-  const size_t bytes = count * dtype_size(dtype);
+  const size_t esize = dtype_size(dtype);
   const bool am_root = comm_.rank() == root;
   run(
-      OpType::kBroadcast, dtype, RedOp::kSum, root, count, stream, timeout_ms,
-      [&](uint8_t* seg) {
-        if (am_root) copy(seg, in, bytes, stream, "broadcast input");
+      OpType::kBroadcast, dtype, RedOp::kSum, root, count, per_piece(1, esize), stream, timeout_ms,
+      [&](const Piece& p, uint8_t* seg) {
+        if (am_root) copy(seg, at(in, p.first * esize), p.n * esize, stream, "broadcast input");
       },
-      [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segs) {
+      [&](const Piece& p, const std::vector<int>& members,
+          const std::vector<const uint8_t*>& segs) {
         if (am_root) return;
-        const size_t at = std::find(members.begin(), members.end(), root) - members.begin();
-        copy(out, segs[at], bytes, stream, "broadcast copy");
+        const size_t i = std::find(members.begin(), members.end(), root) - members.begin();
+        copy(at(out, p.first * esize), segs[i], p.n * esize, stream, "broadcast copy");
       });
 }
 
 void DeviceCollectives::all_gather(const void* in, size_t count, DType dtype, void* const* outs,
                                    cudaStream_t stream, int64_t timeout_ms) {
-  const size_t bytes = count * dtype_size(dtype);
+  gather(in, count, dtype, outs, -1, stream, timeout_ms);
+}
+
+void DeviceCollectives::gather(const void* in, size_t count, DType dtype, void* const* outs,
+                               int root, cudaStream_t stream, int64_t timeout_ms) {
+  const char* name = root < 0 ? "all_gather" : "gather";
+  const size_t esize = dtype_size(dtype);
+  const bool writes = root < 0 || comm_.rank() == root;
   run(
-      OpType::kAllGather, dtype, RedOp::kSum, -1, count, stream, timeout_ms,
-      [&](uint8_t* seg) { copy(seg, in, bytes, stream, "all_gather input"); },
-      [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segs) {
-        check_width(members, "all_gather");
-        // Member i's segment into outs[members[i]]; zeros for the ranks outside the view.
+      root < 0 ? OpType::kAllGather : OpType::kGather, dtype, RedOp::kSum, root, count,
+      per_piece(1, esize), stream, timeout_ms,
+      [&](const Piece& p, uint8_t* seg) {
+        copy(seg, at(in, p.first * esize), p.n * esize, stream, "gather input");
+      },
+      [&](const Piece& p, const std::vector<int>& members,
+          const std::vector<const uint8_t*>& segs) {
+        check_width(members, name);
+        if (!writes) return;
+        // Member i's piece into outs[members[i]]; zeros for the ranks outside the view.
+        const size_t off = p.first * esize, bytes = p.n * esize;
         std::vector<bool> filled(static_cast<size_t>(comm_.size()), false);
         for (size_t i = 0; i < members.size(); ++i) {
           filled[static_cast<size_t>(members[i])] = true;
-          copy(outs[members[i]], segs[i], bytes, stream, "all_gather copy");
+          copy(at(outs[members[i]], off), segs[i], bytes, stream, "gather copy");
         }
-        for (size_t p = 0; p < filled.size(); ++p)
-          if (!filled[p]) zero(outs[p], bytes, stream, "all_gather zero fill");
+        for (size_t q = 0; q < filled.size(); ++q)
+          if (!filled[q]) zero(at(outs[q], off), bytes, stream, "gather zero fill");
+      });
+}
+
+void DeviceCollectives::scatter(const void* const* ins, void* out, size_t count, DType dtype,
+                                int root, cudaStream_t stream, int64_t timeout_ms) {
+  const size_t esize = dtype_size(dtype);
+  const auto world = static_cast<size_t>(comm_.size());
+  const bool am_root = comm_.rank() == root;
+  run(
+      OpType::kScatter, dtype, RedOp::kSum, root, count, per_piece(world, esize), stream,
+      timeout_ms,
+      [&](const Piece& p, uint8_t* seg) {
+        if (!am_root) return;
+        for (size_t q = 0; q < world; ++q)
+          copy(seg + q * p.n * esize, at(ins[q], p.first * esize), p.n * esize, stream,
+               "scatter input");
+      },
+      [&](const Piece& p, const std::vector<int>& members,
+          const std::vector<const uint8_t*>& segs) {
+        check_width(members, "scatter");
+        const size_t i = std::find(members.begin(), members.end(), root) - members.begin();
+        copy(at(out, p.first * esize), segs[i] + static_cast<size_t>(comm_.rank()) * p.n * esize,
+             p.n * esize, stream, "scatter copy");
       });
 }
 
@@ -169,27 +250,28 @@ void DeviceCollectives::reduce_scatter(const void* const* ins, void* out, size_t
                                        RedOp op, cudaStream_t stream, int64_t timeout_ms) {
   MC_CHECK_ARG(redop_supported(op, dtype), "reduce_scatter: ", redop_name(op),
                " is not defined on ", dtype_name(dtype));
-  const size_t bytes = count * dtype_size(dtype);
+  const size_t esize = dtype_size(dtype);
   const auto world = static_cast<size_t>(comm_.size());
   run(
-      OpType::kReduceScatter, dtype, op, -1, count, stream, timeout_ms,
-      [&](uint8_t* seg) {
+      OpType::kReduceScatter, dtype, op, -1, count, per_piece(world, esize), stream, timeout_ms,
+      [&](const Piece& p, uint8_t* seg) {
         // One slice per rank, as reduce_scatter_tensor's input holds them: one
-        // copy when the caller's slices already lie that way.
-        bool packed = true;
-        for (size_t p = 1; p < world && packed; ++p)
-          packed = ins[p] == static_cast<const uint8_t*>(ins[0]) + p * bytes;
+        // copy when the op is one piece and the caller's slices lie that way.
+        const size_t bytes = p.n * esize;
+        bool packed = p.n == count;
+        for (size_t q = 1; q < world && packed; ++q) packed = ins[q] == at(ins[0], q * bytes);
         if (packed) {
           copy(seg, ins[0], world * bytes, stream, "reduce_scatter input");
           return;
         }
-        for (size_t p = 0; p < world; ++p)
-          copy(seg + p * bytes, ins[p], bytes, stream, "reduce_scatter input");
+        for (size_t q = 0; q < world; ++q)
+          copy(seg + q * bytes, at(ins[q], p.first * esize), bytes, stream, "reduce_scatter input");
       },
-      [&](const std::vector<int>& members, const std::vector<const uint8_t*>& segs) {
+      [&](const Piece& p, const std::vector<int>& members,
+          const std::vector<const uint8_t*>& segs) {
         check_width(members, "reduce_scatter");
-        reduce_segments(segs, static_cast<size_t>(comm_.rank()) * bytes, out, count, dtype, op,
-                        stream);
+        reduce_segments(segs, static_cast<size_t>(comm_.rank()) * p.n * esize,
+                        at(out, p.first * esize), p.n, dtype, op, stream);
       });
 }
 

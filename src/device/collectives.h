@@ -55,20 +55,36 @@ class DeviceCollectives {
   size_t capacity() const { return options_.segment_bytes; }
 
   // Whether an op whose every rank moves `bytes` (nullopt: sizes that differ
-  // between ranks, where any size fits) runs here: every rank of the world on
-  // this host, at most kernels::kMaxReduceSources ranks, and the bytes within
-  // [min_bytes, segment_bytes]. Every rank gets the same answer for the same
-  // op, so all take the same path.
+  // between ranks) runs here: every rank of the world on this host, at most
+  // kernels::kMaxReduceSources ranks, at least min_bytes, and a segment with
+  // room for a piece of every rank (kMinRegion bytes each). Any larger size
+  // moves through the segment in pieces. Every rank gets the same answer for
+  // the same op, so all take the same path.
   bool serves(std::optional<size_t> bytes, int64_t timeout_ms);
+
+  // Ops larger than a segment move in pieces, and a failure re-runs every
+  // piece among the survivors, so no op may write its inputs: `in` and `out`
+  // differ once `in` is larger than the segment (in_place_ok says when they may
+  // be the same), and the root of reduce/broadcast passes a separate output.
+  bool in_place_ok(size_t bytes) const { return bytes <= options_.segment_bytes; }
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
                   cudaStream_t stream, int64_t timeout_ms = -1);
+  // all_reduce whose result only `root` writes (to `out`; others pass null).
+  void reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, int root,
+              cudaStream_t stream, int64_t timeout_ms = -1);
   // The root reads `in`, the others write `out`.
   void broadcast(const void* in, void* out, size_t count, DType dtype, int root,
                  cudaStream_t stream, int64_t timeout_ms = -1);
   // outs[p] receives rank p's `count` elements.
   void all_gather(const void* in, size_t count, DType dtype, void* const* outs, cudaStream_t stream,
                   int64_t timeout_ms = -1);
+  // all_gather into `root`'s outs alone (the others pass null).
+  void gather(const void* in, size_t count, DType dtype, void* const* outs, int root,
+              cudaStream_t stream, int64_t timeout_ms = -1);
+  // Rank p receives `root`'s ins[p] (`count` elements; the others pass null ins).
+  void scatter(const void* const* ins, void* out, size_t count, DType dtype, int root,
+               cudaStream_t stream, int64_t timeout_ms = -1);
   // ins[p] is this rank's contribution to rank p's shard of `count` elements.
   void reduce_scatter(const void* const* ins, void* out, size_t count, DType dtype, RedOp op,
                       cudaStream_t stream, int64_t timeout_ms = -1);
@@ -83,13 +99,26 @@ class DeviceCollectives {
                                const char* what);
 
  private:
-  using Move = std::function<void(const std::vector<int>& members,
+  // Piece k of an op covers elements [k * per, k * per + n) of each rank's part.
+  struct Piece {
+    size_t k, first, n;
+  };
+  using Move = std::function<void(const Piece& piece, const std::vector<int>& members,
                                   const std::vector<const uint8_t*>& segments)>;
-  // The shape every op but all_to_all shares: `copy_in(segment)` queues this
-  // rank's input into its segment; once it is there, `move` queues the op's
-  // reads of the members' segments, among the members, until it succeeds.
-  void run(OpType type, DType dtype, RedOp op, int root, uint64_t numel, cudaStream_t stream,
-           int64_t timeout_ms, const std::function<void(uint8_t*)>& copy_in, const Move& move);
+  // The shape every op but all_to_all shares, over `count` elements per part
+  // and `per` per piece: `copy_in(piece, segment)` queues this rank's part of
+  // the piece into its segment; once every member's is there, `move` queues
+  // the op's reads of the members' segments. One piece is copied in before
+  // the members meet (its round of headers says it is in place); several take
+  // a round each to say so and one to say they were read, and a re-run among
+  // survivors copies every piece in again.
+  void run(OpType type, DType dtype, RedOp op, int root, size_t count, size_t per,
+           cudaStream_t stream, int64_t timeout_ms,
+           const std::function<void(const Piece&, uint8_t*)>& copy_in, const Move& move);
+  // Elements per piece of an op whose segment holds `parts` parts of `esize`-byte
+  // elements (at least 1; the segment's share of each part, whole 256-byte blocks
+  // where that leaves room).
+  size_t per_piece(size_t parts, size_t esize) const;
   // This rank's segment (allocated and published on the first call).
   uint8_t* mine();
   // The segments of `members`, in order (this rank's own among them).

@@ -58,6 +58,19 @@ std::vector<void*> ptrs(const std::vector<at::Tensor>& ts) {
   return out;
 }
 
+// The input of an op that writes `t` in place: `t` itself (contiguous) when the op fits
+// the segment, else a copy, since an op that moves in pieces re-runs every piece from its
+// input after a failure (DeviceCollectives::in_place_ok).
+at::Tensor input_of(const DeviceCollectives& c, const at::Tensor& t) {
+  return c.in_place_ok(t.nbytes()) ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// Whether every tensor of `list` has `numel` elements (a rooted op's list, on its root).
+bool all_numel(const std::vector<at::Tensor>& list, int64_t numel) {
+  return std::all_of(list.begin(), list.end(),
+                     [&](const at::Tensor& t) { return t.defined() && t.numel() == numel; });
+}
+
 // `n` pointers `bytes` apart from `base`: one tensor's per-rank slices.
 std::vector<void*> slices(void* base, size_t bytes, size_t n) {
   std::vector<void*> out;
@@ -226,7 +239,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
       const at::Tensor out = s.device_out(t);
       return on_device(s, c10d::OpType::ALLREDUCE, {t},
                        [t, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor in = t.contiguous();
+                         const at::Tensor in = input_of(c, t);
                          c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
                        });
     });
@@ -237,12 +250,53 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  size_t bytes = 0;
+  for (const at::Tensor& t : tensors) bytes += t.defined() ? t.nbytes() : 0;
+  if (!tensors.empty() && on_plane(tensors, bytes)) {
+    // One device op per tensor, in order, on every rank: one Work.
+    return staged("all_reduce_coalesced", Kind::kCollective, [&](Staging& s) {
+      const RedOp op = to_redop(opts.reduceOp, tensors[0], "all_reduce_coalesced");
+      const DType dt = to_dtype(tensors[0].scalar_type(), "all_reduce_coalesced", "tensors");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      std::vector<at::Tensor> outs;
+      for (const at::Tensor& t : tensors) outs.push_back(s.device_out(t));
+      return on_device(
+          s, c10d::OpType::ALLREDUCE_COALESCED, tensors,
+          [ts = tensors, outs, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
+            for (size_t i = 0; i < ts.size(); ++i) {
+              const at::Tensor in = input_of(c, ts[i]);
+              c.all_reduce(cptr(in), outs[i].data_ptr(), elems(ts[i]), dt, op, st, timeout);
+            }
+          });
+    });
+  }
   return host_inout("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors, "tensors",
                     [&](auto& host) { return MooncakeBackend::allreduce_coalesced(host, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::ReduceOptions& opts) {
+  const int root = static_cast<int>(opts.rootRank);
+  if (tensors.size() == 1 && root >= 0 && root < size_ &&
+      on_plane({tensors[0]}, tensors[0].nbytes())) {
+    return staged("reduce", Kind::kCollective, [&](Staging& s) {
+      const at::Tensor t = tensors[0];
+      const DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
+      const RedOp op = to_redop(opts.reduceOp, t, "reduce");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      // Only the root's tensor is written; the others' are read.
+      const bool is_root = rank_ == root;
+      const at::Tensor out = is_root ? s.device_out(t) : t;
+      if (!is_root) s.keep(t);
+      return on_device(
+          s, c10d::OpType::REDUCE, {t},
+          [t, out, dt, op, root, timeout, is_root](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor in = is_root ? input_of(c, t) : t.contiguous();
+            c.reduce(cptr(in), is_root ? out.data_ptr() : nullptr, elems(t), dt, op, root, st,
+                     timeout);
+          });
+    });
+  }
   return host_inout("reduce", c10d::OpType::REDUCE, tensors, "tensor",
                     [&](auto& host) { return MooncakeBackend::reduce(host, opts); });
 }
@@ -300,6 +354,31 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  bool plane = !inputs.empty() && outputs.size() == inputs.size();
+  for (size_t i = 0; plane && i < inputs.size(); ++i)
+    plane = on_plane_list(inputs[i], outputs[i], inputs[i].nbytes());
+  if (plane) {
+    // One device op per input, in order, on every rank: one Work.
+    return staged("all_gather_coalesced", Kind::kCollective, [&](Staging& s) {
+      std::vector<DType> dts;
+      std::vector<std::vector<at::Tensor>> outs(inputs.size());
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        dts.push_back(
+            to_dtype(inputs[i].scalar_type(), "all_gather_coalesced", "input_tensor_list"));
+        s.keep(inputs[i]);
+        for (const at::Tensor& t : outputs[i]) outs[i].push_back(s.device_out(t));
+      }
+      return on_device(s, c10d::OpType::ALLGATHER_COALESCED, flat(outputs),
+                       [ins = inputs, outs, dts, timeout = op_timeout_ms(opts.timeout)](
+                           DeviceCollectives& c, cudaStream_t st) {
+                         for (size_t i = 0; i < ins.size(); ++i) {
+                           const at::Tensor src = ins[i].contiguous();
+                           c.all_gather(cptr(src), elems(ins[i]), dts[i], ptrs(outs[i]).data(), st,
+                                        timeout);
+                         }
+                       });
+    });
+  }
   return host_op("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, flat(outputs), inputs,
                  "input_tensor_list", outputs, "output_tensor_lists", [&](auto& outs, auto& ins) {
                    return MooncakeBackend::allgather_coalesced(outs, ins, opts);
@@ -309,6 +388,31 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  bool plane = !inputs.empty() && outputs.size() == inputs.size();
+  for (size_t i = 0; plane && i < inputs.size(); ++i)
+    plane = outputs[i].defined() && inputs[i].defined() &&
+            outputs[i].numel() == inputs[i].numel() * size_ &&
+            on_plane({inputs[i], outputs[i]}, inputs[i].nbytes());
+  if (plane) {
+    return staged("all_gather_into_tensor", Kind::kCollective, [&](Staging& s) {
+      std::vector<DType> dts;
+      std::vector<at::Tensor> outs;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        dts.push_back(to_dtype(inputs[i].scalar_type(), "all_gather_into_tensor", "input_tensor"));
+        s.keep(inputs[i]);
+        outs.push_back(s.device_out(outputs[i]));
+      }
+      return on_device(s, c10d::OpType::COALESCED, outputs,
+                       [ins = inputs, outs, dts, timeout = op_timeout_ms(opts.timeout),
+                        world = static_cast<size_t>(size_)](DeviceCollectives& c, cudaStream_t st) {
+                         for (size_t i = 0; i < ins.size(); ++i) {
+                           const at::Tensor src = ins[i].contiguous();
+                           const auto to = slices(outs[i].data_ptr(), src.nbytes(), world);
+                           c.all_gather(cptr(src), elems(src), dts[i], to.data(), st, timeout);
+                         }
+                       });
+    });
+  }
   return host_op("all_gather_into_tensor", c10d::OpType::COALESCED, outputs, inputs, "input_tensor",
                  outputs, "output_tensor", [&](auto& outs, auto& ins) {
                    return MooncakeBackend::allgather_into_tensor_coalesced(outs, ins, opts);
@@ -318,6 +422,33 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_into_tensor_coales
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
+  // The path depends on the input alone (what every rank shares): a root whose list does
+  // not fit it is a bad call, which the staged path rejects on every rank.
+  const int root = static_cast<int>(opts.rootRank);
+  const bool is_root = rank_ == root;
+  std::vector<at::Tensor> all = inputs;
+  if (is_root && outputs.size() == 1) all.insert(all.end(), outputs[0].begin(), outputs[0].end());
+  if (inputs.size() == 1 && root >= 0 && root < size_ &&
+      (!is_root || (outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_) &&
+                    all_numel(outputs[0], inputs[0].numel()))) &&
+      on_plane(all, inputs[0].nbytes())) {
+    return staged("gather", Kind::kCollective, [&](Staging& s) {
+      const at::Tensor in = inputs[0];
+      const DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      s.keep(in);
+      std::vector<at::Tensor> outs;
+      if (is_root)
+        for (const at::Tensor& t : outputs[0]) outs.push_back(s.device_out(t));
+      return on_device(s, c10d::OpType::GATHER, flat(outputs),
+                       [in, outs, dt, root, timeout](DeviceCollectives& c, cudaStream_t st) {
+                         const at::Tensor src = in.contiguous();
+                         const auto to = ptrs(outs);
+                         c.gather(cptr(src), elems(in), dt, to.empty() ? nullptr : to.data(), root,
+                                  st, timeout);
+                       });
+    });
+  }
   return host_op("gather", c10d::OpType::GATHER, flat(outputs), inputs, "tensor", outputs,
                  "gather_list",
                  [&](auto& outs, auto& ins) { return MooncakeBackend::gather(outs, ins, opts); });
@@ -326,6 +457,39 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
+  // As gather: the path depends on the output alone.
+  const int root = static_cast<int>(opts.rootRank);
+  const bool is_root = rank_ == root;
+  std::vector<at::Tensor> all = outputs;
+  if (is_root && inputs.size() == 1) all.insert(all.end(), inputs[0].begin(), inputs[0].end());
+  if (outputs.size() == 1 && root >= 0 && root < size_ &&
+      (!is_root || (inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_) &&
+                    all_numel(inputs[0], outputs[0].numel()))) &&
+      on_plane(all, outputs[0].nbytes())) {
+    return staged("scatter", Kind::kCollective, [&](Staging& s) {
+      const at::Tensor user_out = outputs[0];
+      const DType dt = to_dtype(user_out.scalar_type(), "scatter", "tensor");
+      const int64_t timeout = op_timeout_ms(opts.timeout);
+      std::vector<at::Tensor> ins;
+      if (is_root)
+        for (const at::Tensor& t : inputs[0]) {
+          s.keep(t);
+          ins.push_back(t);
+        }
+      const at::Tensor out = s.device_out(user_out);
+      return on_device(s, c10d::OpType::SCATTER, {user_out},
+                       [ins, out, dt, root, timeout](DeviceCollectives& c, cudaStream_t st) {
+                         std::vector<at::Tensor> srcs;  // kept until the op is done
+                         std::vector<const void*> from;
+                         for (const at::Tensor& t : ins) {
+                           srcs.push_back(t.contiguous());
+                           from.push_back(cptr(srcs.back()));
+                         }
+                         c.scatter(from.empty() ? nullptr : from.data(), out.data_ptr(), elems(out),
+                                   dt, root, st, timeout);
+                       });
+    });
+  }
   return host_op("scatter", c10d::OpType::SCATTER, outputs, inputs, "scatter_list", outputs,
                  "tensor",
                  [&](auto& outs, auto& ins) { return MooncakeBackend::scatter(outs, ins, opts); });
@@ -392,6 +556,35 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  bool plane = !inputs.empty() && outputs.size() == inputs.size();
+  for (size_t i = 0; plane && i < inputs.size(); ++i)
+    plane = outputs[i].defined() && inputs[i].defined() &&
+            inputs[i].numel() == outputs[i].numel() * size_ &&
+            on_plane({inputs[i], outputs[i]}, inputs[i].nbytes());
+  if (plane) {
+    return staged("reduce_scatter_tensor", Kind::kCollective, [&](Staging& s) {
+      std::vector<DType> dts;
+      std::vector<RedOp> ops;
+      std::vector<at::Tensor> outs;
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        dts.push_back(to_dtype(inputs[i].scalar_type(), "reduce_scatter_tensor", "input"));
+        ops.push_back(to_redop(opts.reduceOp, inputs[i], "reduce_scatter_tensor"));
+        s.keep(inputs[i]);
+        outs.push_back(s.device_out(outputs[i]));
+      }
+      return on_device(s, c10d::OpType::COALESCED, outputs,
+                       [ins = inputs, outs, dts, ops, timeout = op_timeout_ms(opts.timeout),
+                        world = static_cast<size_t>(size_)](DeviceCollectives& c, cudaStream_t st) {
+                         for (size_t i = 0; i < ins.size(); ++i) {
+                           const at::Tensor src = ins[i].contiguous();
+                           const auto parts = slices(src.data_ptr(), outs[i].nbytes(), world);
+                           std::vector<const void*> from(parts.begin(), parts.end());
+                           c.reduce_scatter(from.data(), outs[i].data_ptr(), elems(outs[i]), dts[i],
+                                            ops[i], st, timeout);
+                         }
+                       });
+    });
+  }
   return host_op("reduce_scatter_tensor", c10d::OpType::COALESCED, outputs, inputs, "input",
                  outputs, "output", [&](auto& outs, auto& ins) {
                    return MooncakeBackend::reduce_scatter_tensor_coalesced(outs, ins, opts);

@@ -314,7 +314,8 @@ def op_paths(ctx):
     """Which path served each op, asserted (the plane must not be bypassed silently):
     128 KiB all_reduce and all_gather_into_tensor on the device plane at every launch; a
     4 KiB all_reduce on the plane where PLANE_ALL lowers its threshold, else staged;
-    gather (not on the plane) staged; CPU tensors in the same group counted as neither."""
+    gather, scatter and reduce on the plane too; CPU tensors in the same group counted as
+    neither."""
     import os
 
     world, n = ctx.world_size, 1 << 15
@@ -330,7 +331,11 @@ def op_paths(ctx):
     ctx.expect(got == ((1, 0) if plane_all else (0, 1)), f"4 KiB all_reduce: {got}")
     parts = [torch.empty(n, device="cuda") for _ in range(world)] if ctx.rank == 0 else None
     got = _paths(lambda: dist.gather(x, parts, dst=0))
-    ctx.expect(got == (0, 1), f"gather: {got}")
+    ctx.expect(got == (1, 0), f"gather: {got}")
+    got = _paths(lambda: dist.scatter(x, [p.clone() for p in parts] if parts else None, src=0))
+    ctx.expect(got == (1, 0), f"scatter: {got}")
+    got = _paths(lambda: dist.reduce(x, dst=world - 1))
+    ctx.expect(got == (1, 0), f"reduce: {got}")
     got = _paths(lambda: dist.all_reduce(torch.ones(n)))
     ctx.expect(got == (0, 0), f"CPU all_reduce: {got}")
 
@@ -368,6 +373,38 @@ def big(ctx):
     ctx.expect_equal(out.cpu(), want, "all_to_all_single")
 
 
+def beyond_segment(ctx):
+    """Ops larger than the device segment (64 MiB) move through it in pieces, on the plane:
+    a 96 MiB all_reduce in place (the op reads a copy of its input, which a re-run after a
+    failure needs), a reduce_scatter_tensor of 64 MiB per rank and an all_gather_into_tensor
+    of 80 MiB per rank; outputs start as NaN. Values are small integers (exact sums)."""
+    world, me = ctx.world_size, ctx.rank
+    ranks_sum = world * (world - 1) // 2
+
+    def pattern(first, n):
+        return torch.arange(first, first + n, device="cuda") % 251
+
+    n = 24 << 20
+    x = (pattern(0, n) + me).float()
+    got = _paths(lambda: dist.all_reduce(x))
+    ctx.expect(got == (1, 0), f"96 MiB all_reduce: (device, staged) {got}")
+    ctx.expect(torch.equal(x, (pattern(0, n) * world + ranks_sum).float()), "96 MiB all_reduce")
+    m = 16 << 20
+    inp = (pattern(0, world * m) + me).float()
+    out = torch.full((m,), float("nan"), device="cuda")
+    got = _paths(lambda: dist.reduce_scatter_tensor(out, inp))
+    ctx.expect(got == (1, 0), f"reduce_scatter_tensor of 64 MiB per rank: {got}")
+    want = (pattern(me * m, m) * world + ranks_sum).float()
+    ctx.expect(torch.equal(out, want), "reduce_scatter_tensor of 64 MiB per rank")
+    k = 20 << 20
+    mine = (pattern(0, k) + me).float()
+    out = torch.full((world * k,), float("nan"), device="cuda")
+    got = _paths(lambda: dist.all_gather_into_tensor(out, mine))
+    ctx.expect(got == (1, 0), f"all_gather_into_tensor of 80 MiB per rank: {got}")
+    want = torch.cat([(pattern(0, k) + r).float() for r in range(world)])
+    ctx.expect(torch.equal(out, want), "all_gather_into_tensor of 80 MiB per rank")
+
+
 def cases(world: int) -> list[Case]:
     return [
         Case("stream_order", stream_order),
@@ -386,6 +423,7 @@ def cases(world: int) -> list[Case]:
         Case("op_paths", op_paths),
         Case("graph_capture", graph_capture),
         Case("big", big),
+        Case("beyond_segment", beyond_segment),
     ]
 
 

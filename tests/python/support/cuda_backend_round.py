@@ -2,8 +2,9 @@
 
     cuda_backend_round.py [--world N]     (default 2; starts N ranks on the one GPU)
 
-Every op the device plane serves, on inputs that take it (``MOONCAKE_CUDA_PLANE_MIN_BYTES=0``),
-and the staged ones beside them (reduce, gather, scatter, send/recv, a coalesced block). Each
+Every op the device plane serves, on inputs that take it (``MOONCAKE_CUDA_PLANE_MIN_BYTES=0``)
+through a 64 KiB segment (``MOONCAKE_CUDA_SEGMENT_BYTES``), so that the larger ones move
+through it in pieces, and isend/irecv (staged) beside them. Each
 output starts as garbage (NaN, or a sentinel for integers) and is checked against a reference
 computed here from every rank's inputs, which each rank can regenerate (small integers, so
 that any summation order is exact). Each op's path is checked too (``pg.get_op_paths``: the
@@ -179,23 +180,23 @@ class Round:
                 f"all_to_all from {s}", outs[s], data(s, f"a2al{me}", (me + 3,), torch.int32, world)
             )
 
-    def staged_ops(self) -> None:
+    def rooted_ops(self) -> None:
         me, world = self.rank, self.world
         xs = self.inputs("red", (999,))
         x = xs[me].cuda()
-        self.path("reduce", "staged", dist.reduce, x, dst=world - 1)
+        self.path("reduce", "device", dist.reduce, x, dst=world - 1)
         if me == world - 1:
             self.same("reduce", x, reduce_all(xs, R.SUM))
         xs = self.inputs("ga", (500,))
         parts = [garbage((500,), torch.float32) for _ in range(world)] if me == 0 else None
-        self.path("gather", "staged", dist.gather, xs[me].cuda(), parts, dst=0)
+        self.path("gather", "device", dist.gather, xs[me].cuda(), parts, dst=0)
         if me == 0:
             for r in range(world):
                 self.same(f"gather [{r}]", parts[r], xs[r])
         chunks = self.inputs("sc", (300,))
         out = garbage((300,), torch.float32)
         src_list = [c.cuda() for c in chunks] if me == 0 else None
-        self.path("scatter", "staged", dist.scatter, out, src_list, src=0)
+        self.path("scatter", "device", dist.scatter, out, src_list, src=0)
         self.same("scatter", out, chunks[me])
         nxt, prv = (me + 1) % world, (me - 1) % world
         mine = data(me, "p2p", (4097,), torch.int64, world).cuda()
@@ -206,13 +207,14 @@ class Round:
         self.same("isend/irecv", buf, data(prv, "p2p", (4097,), torch.int64, world))
         xs = [self.inputs(f"co{i}", (64 + i,), torch.float64) for i in range(3)]
         ys = [x[me].cuda() for x in xs]
-        self.path("all_reduce_coalesced", "staged", dist.all_reduce_coalesced, ys, op=R.MAX)
+        self.path("all_reduce_coalesced", "device", dist.all_reduce_coalesced, ys, op=R.MAX)
         for i, y in enumerate(ys):
             self.same(f"all_reduce_coalesced [{i}]", y, reduce_all(xs[i], R.MAX))
 
 
 def rank_main(rank: int, world: int, port: int) -> int:
     os.environ["MOONCAKE_CUDA_PLANE_MIN_BYTES"] = "0"
+    os.environ["MOONCAKE_CUDA_SEGMENT_BYTES"] = str(64 << 10)
     from mooncake import pg
 
     torch.cuda.set_device(0)
@@ -227,7 +229,7 @@ def rank_main(rank: int, world: int, port: int) -> int:
     )
     r = Round(rank, world)
     r.plane_ops()
-    r.staged_ops()
+    r.rooted_ops()
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()
