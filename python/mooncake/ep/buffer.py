@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import warnings
 import weakref
 
 import torch
@@ -51,7 +50,7 @@ from . import device as device_path
 from . import elastic_api
 from .elastic import Slots
 from .elastic_api import ElasticMethods
-from .group import ForeignMembers, GroupMembers, backend_serves, has_mooncake_backend
+from .group import GroupMembers, backend_serves, members_of
 from .portable import PortablePath
 from .types import DispatchHandle, EventOverlap
 
@@ -164,17 +163,12 @@ class Buffer(ElasticMethods):
             )
         if not isinstance(disable_p2p, bool):
             raise ValueError(f"Buffer: disable_p2p must be a bool, got {disable_p2p!r}")
-        if has_mooncake_backend(group):
-            members = GroupMembers(group)
-        else:
-            members = ForeignMembers(group)
-            warnings.warn(
-                "mooncake Buffer: the group has no mooncake backend: failed ranks are not "
-                "detected between calls (pass active_ranks to mask them), and a dead rank "
-                "stalls the portable path's exchanges for the group's timeout",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        members = members_of(
+            group,
+            "Buffer",
+            " between calls (pass active_ranks to mask them), and a dead rank stalls the "
+            "portable path's exchanges for the group's timeout",
+        )
         self._compose(members, num_ep_buffer_bytes)
         workspace_device = None if disable_p2p else _workspace_device(group, device)
         # A replacement's constructor meets the others' update_ep_member here.

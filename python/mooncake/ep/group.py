@@ -11,6 +11,8 @@ when the Buffer is made and after ``update_ep_member``).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -178,6 +180,21 @@ class GroupMembers:
 
     #: Never: the members agree on the call count when the Buffer is made (:meth:`agree`).
     count_pending = False
+
+
+def members_of(group: dist.ProcessGroup, owner: str, stall: str) -> GroupMembers:
+    """The members of ``group``: its mooncake backend's, or a foreign group's with a
+    warning that nothing detects failed ranks (``owner``: the class; ``stall``: what a dead
+    rank stalls)."""
+    if has_mooncake_backend(group):
+        return GroupMembers(group)
+    warnings.warn(
+        f"mooncake {owner}: the group has no mooncake backend: failed ranks are not "
+        f"detected{stall}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return ForeignMembers(group)
 
 
 def has_mooncake_backend(group: dist.ProcessGroup) -> bool:

@@ -39,7 +39,7 @@ class _Pending:
         self._finish()
 
 
-class _Rephrased:
+class Rephrased:
     """A Work whose ValueError (the ranks' calls disagree) gets a message saying so."""
 
     def __init__(self, work, what: str):
@@ -277,7 +277,7 @@ class PortablePath:
         work = members.all_to_all(
             device, returned, back, ex.send_splits, ex.recv_splits, timeout_us
         )
-        work = _Rephrased(
+        work = Rephrased(
             work,
             "combine: ranks disagree on the call (a rank rejected its arguments, or they pass "
             "handles of different dispatches); nothing was combined",

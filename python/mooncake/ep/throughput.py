@@ -30,13 +30,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from .. import _checks
-from .group import ForeignMembers, GroupMembers, has_mooncake_backend
+from .group import members_of
 from .throughput_handle import EPHandle
 from .throughput_portable import ThroughputPortable
 from .types import EventOverlap
@@ -166,16 +165,9 @@ class ElasticBuffer:
         )  # fmt: skip
         self.transport = _checks.transport_arg(transport)
         self.requested_transport = transport.strip().lower()
-        if has_mooncake_backend(group):
-            members = GroupMembers(group)
-        else:
-            members = ForeignMembers(group)
-            warnings.warn(
-                "mooncake ElasticBuffer: the group has no mooncake backend: failed ranks are "
-                "not detected, and a dead rank stalls the exchanges for the group's timeout",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        members = members_of(
+            group, "ElasticBuffer", ", and a dead rank stalls the exchanges for the group's timeout"
+        )
         self._members = members
         self.group = self.backend = group
         self.rank_idx, self.num_ranks = members.rank, members.num_ranks

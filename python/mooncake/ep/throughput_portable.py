@@ -21,23 +21,11 @@ import torch
 
 from .. import _checks
 from . import throughput_rows as rows_
+from .portable import Rephrased
 from .throughput_handle import EPHandle, Plan
 from .types import NO_WAIT
 
 _DEVICE_CODES = {"cpu": 1, "cuda": 2}
-
-
-class _Disagree:
-    """A Work whose ValueError (the ranks' calls do not match) says so, naming the op."""
-
-    def __init__(self, work, what: str):
-        self._work, self._what = work, what
-
-    def wait(self) -> None:
-        try:
-            self._work.wait()
-        except ValueError as e:
-            raise ValueError(f"{self._what}: {e}") from None
 
 
 def _padded_rows(num_rows: int, topk: int, local_experts: int, alignment: int) -> int:
@@ -214,7 +202,7 @@ class ThroughputPortable:
         work = members.all_to_all(
             ex_dev, recv, out.to(ex_dev), recv_splits, send_splits, buf._gpu_timeout_us
         )
-        _Disagree(work, "dispatch: ranks disagree on the call; nothing was received").wait()
+        Rephrased(work, "dispatch: ranks disagree on the call; nothing was received").wait()
         kept = mutual & self._after_exchange(buf)
         recv = recv.to(device)
 
@@ -351,7 +339,7 @@ class ThroughputPortable:
         work = members.all_to_all(
             ex_dev, recv, out.to(ex_dev), plan.recv_splits, plan.send_splits, buf._gpu_timeout_us
         )
-        _Disagree(
+        Rephrased(
             work,
             "dispatch: ranks disagree on the call (a rank rejected its arguments, made "
             "another call, or passes a handle of another shape); nothing was received",
@@ -407,7 +395,7 @@ class ThroughputPortable:
         work = members.all_to_all(
             ex_dev, returned, back.to(ex_dev), ret.splits.cpu(), in_splits, buf._gpu_timeout_us
         )
-        _Disagree(
+        Rephrased(
             work,
             "combine: ranks disagree on the call (a rank rejected its arguments, or they pass "
             "handles of different dispatches, or x of other widths or dtypes); nothing was "

@@ -452,12 +452,9 @@ def rank_replace(rank: int, world: int, port: int, backend: str, victim: int, ro
         while not store.check(["dead"]):
             time.sleep(0.005)
         out["rounds"].append(_model_round(buf, REPLACE, rank, world, 1, {victim}, timeout_us))
-        deadline = time.monotonic() + 120
-        while not all(pg.get_peer_state(W, [victim])):
-            if time.monotonic() > deadline:
-                raise TimeoutError("no replacement waits")
-            time.sleep(0.02)
-        pg.recover_ranks(W, [victim])
+        from ft_ranks import admit
+
+        admit(W, [victim])
         buf.update_ep_member()
     if not all(buf._device.reachable):
         raise AssertionError(f"rank {rank}: not every peer is mapped: {buf._device.reachable}")

@@ -97,6 +97,20 @@ def start_rank(rank, world_size, port, *, barrier=True, **init_kwargs):
     return active, store
 
 
+def admit(group, ranks: list[int], timeout_s: float = 120.0) -> int:
+    """Waits until a replacement waits for each of ``ranks`` (``pg.get_peer_state``), then
+    admits them (``pg.recover_ranks``; collective among the members). Returns the polls."""
+    deadline = time.monotonic() + timeout_s
+    polls = 0
+    while not all(pg.get_peer_state(group, ranks)):
+        polls += 1
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no replacement waits for ranks {ranks}")
+        time.sleep(0.01)
+    pg.recover_ranks(group, ranks)
+    return polls
+
+
 def members_of(active: torch.Tensor) -> list[int]:
     return [r for r, a in enumerate(active.tolist()) if a]
 
@@ -916,12 +930,7 @@ def subgroup_rank(rank, world_size, port, plan):
     while not store.check(["dead"]):
         time.sleep(0.005)
     stage("after_death")
-    deadline = time.monotonic() + 120
-    while not all(pg.get_peer_state(W, [victim])):
-        if time.monotonic() > deadline:
-            raise TimeoutError("no replacement waits")
-        time.sleep(0.01)
-    pg.recover_ranks(W, [victim])  # recovers it in the subgroups that hold it, too
+    admit(W, [victim])  # recovers it in the subgroups that hold it, too
     stage("after_join")
     return out
 
@@ -966,12 +975,7 @@ def uneven_extension_rank(rank, world_size, port, plan):
     if rank == 0:
         pg.extend_group_size_to(W, 4)
     store.set(f"ready/{rank}", "1")
-    deadline = time.monotonic() + 120
-    while not all(pg.get_peer_state(W, [3])):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the joiner never waited")
-        time.sleep(0.01)
-    out = [_attempt(lambda: pg.recover_ranks(W, [3]))]
+    out = [_attempt(lambda: admit(W, [3]))]
     out += [ops.run("ar", 0) for _ in range(3)]
     stay_until_done(store, rank, range(world_size))
     return out

@@ -29,22 +29,12 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from ep_cases import Checks, _wait_store
+from ep_cases import _round_record as _record
+from ft_ranks import admit
 from ht_round import HRound, HSpec, make_inputs
 
 SPEC = HSpec(T=6, H=128, K=3, epr=2, ns=(6, 4, 5, 3), cached=1, fp8="odd")
 TIMEOUT_SECS = 3
-
-
-def _record(chk: Checks, r: HRound | None, tag: str, **extra) -> dict:
-    rec = {
-        "tag": tag,
-        "failures": list(chk.failures),
-        "dispatch_s": getattr(r, "dispatch_s", None),
-        "combine_s": getattr(r, "combine_s", None),
-        **extra,
-    }
-    chk.failures.clear()
-    return rec
 
 
 def _error_of(call) -> tuple[str, str]:
@@ -119,12 +109,7 @@ def ht_fault_rank(rank, world_size, port, plan):
         out["rounds"].append(_record(chk, first, "cached_old", active=buf.active_ranks.tolist()))
 
         # Part 3: a replacement joins.
-        deadline = time.monotonic() + 120
-        while not all(pg.get_peer_state(W, [victim])):
-            if time.monotonic() > deadline:
-                raise TimeoutError("no replacement waits")
-            time.sleep(0.02)
-        pg.recover_ranks(W, [victim])
+        admit(W, [victim])
         buf.update_ep_member()
         out["generation"] = buf.generation
         out["stale_dispatch"] = _error_of(
