@@ -35,23 +35,36 @@ LostWords::~LostWords() {
   cudaFreeHost(host_);
 }
 
-void LostWords::set(int64_t rank) {
-  if (rank >= 0 && rank < n_) std::atomic_ref<int32_t>(host_[rank]).store(1);
+void LostWords::set(int64_t rank, Word w) {
+  if (rank >= 0 && rank < n_) std::atomic_ref<int32_t>(host_[rank]).store(w);
 }
 
-void LostWords::clear(int64_t rank) {
-  if (rank >= 0 && rank < n_) std::atomic_ref<int32_t>(host_[rank]).store(0);
+void LostWords::clear(int64_t rank, Word only) {
+  if (rank < 0 || rank >= n_) return;
+  int32_t expected = only;
+  std::atomic_ref<int32_t> word(host_[rank]);
+  if (only == kClear)
+    word.store(kClear);
+  else
+    word.compare_exchange_strong(expected, kClear);
 }
 
-bool LostWords::test(int64_t rank) const {
-  return rank >= 0 && rank < n_ && std::atomic_ref<int32_t>(host_[rank]).load() != 0;
+LostWords::Word LostWords::get(int64_t rank) const {
+  if (rank < 0 || rank >= n_) return kClear;
+  return static_cast<Word>(std::atomic_ref<int32_t>(host_[rank]).load());
 }
 
 Endpoint::LossListener set_lost(std::weak_ptr<LostWords> lost) {
-  return [lost = std::move(lost)](int peer, Endpoint::PeerLoss) {
+  return [lost = std::move(lost)](int peer, Endpoint::PeerLoss why) {
     const auto words = lost.lock();
     if (!words) return false;
-    words->set(peer);
+    switch (why) {
+      case Endpoint::PeerLoss::kGone: words->set(peer, LostWords::kGone); break;
+      case Endpoint::PeerLoss::kSilent:
+        if (words->get(peer) != LostWords::kGone) words->set(peer, LostWords::kSilent);
+        break;
+      case Endpoint::PeerLoss::kBack: words->clear(peer, LostWords::kSilent); break;
+    }
     return true;
   };
 }

@@ -48,11 +48,16 @@ class LostWords {
   LostWords(const LostWords&) = delete;
   LostWords& operator=(const LostWords&) = delete;
 
+  // A word's values: kernels mask a gone rank at a launch's start and in any
+  // wait on it, a silent one only in a wait on it (as the host fails a silent
+  // peer only in an op that waits for it), and a silent one may come back.
+  enum Word : int32_t { kClear = 0, kGone = 1, kSilent = 2 };
   int64_t size() const { return n_; }
   const int32_t* device() const { return dev_; }
-  void set(int64_t rank);  // ranks outside [0, size) are ignored
-  void clear(int64_t rank);
-  bool test(int64_t rank) const;
+  void set(int64_t rank, Word w);  // ranks outside [0, size) are ignored
+  // Clears the word if it holds `only` (kClear: whatever it holds).
+  void clear(int64_t rank, Word only = kClear);
+  Word get(int64_t rank) const;
 
  private:
   int32_t* host_ = nullptr;

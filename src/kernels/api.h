@@ -66,11 +66,11 @@ struct Common {
   // Optional host-mapped int32 [R]: a MaskReason for every rank a launch
   // masked (the status words keep only the first report).
   int32_t* silent;
-  // Optional host-mapped int32 [R], written by the host: nonzero for a rank
-  // whose loss the host has seen (its process gone, or its heartbeat still
-  // past the hang limit). A launch masks such a rank at its start and a wait
-  // on it ends within microseconds, instead of at the deadline; its silent
-  // word then says kMaskedLost.
+  // Optional host-mapped int32 [R], written by the host: 1 for a rank whose
+  // process the host has seen gone, 2 for one whose heartbeat stands still
+  // past the hang limit. A wait on such a rank ends within microseconds
+  // instead of at the deadline, and a launch masks a gone one at its start;
+  // the silent word then says kMaskedLost.
   const int32_t* lost;
   int64_t timeout_ns;   // per wait phase
   int32_t* status;      // kStatusWords ints, host-mapped

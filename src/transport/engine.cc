@@ -359,21 +359,25 @@ void Endpoint::unwatch_peers(uint64_t id) {
 void Endpoint::tell_watchers(const std::vector<int>& gone, const std::vector<int>& dead,
                              const std::vector<int64_t>& still_us) {
   std::lock_guard<std::mutex> l(watch_mu_);
+  // told[p]: 0 nothing told; 1 told silent; 2 told gone (for good, while the link lasts).
   std::erase_if(watchers_, [&](Watcher& w) {
     bool keep = true;
-    auto tell = [&](int p, PeerLoss why) {
-      if (keep && !w.told[p]) keep = w.fn(p, why);
-      w.told[p] = 1;
+    auto tell = [&](int p, PeerLoss why, uint8_t state) {
+      if (keep) keep = w.fn(p, why);
+      w.told[p] = state;
     };
-    for (int p : w.fresh ? dead : gone) tell(p, PeerLoss::kGone);
+    for (int p : w.fresh ? dead : gone)
+      if (w.told[p] != 2) tell(p, PeerLoss::kGone, 2);
     w.fresh = false;
     for (size_t p = 0; p < still_us.size(); ++p) {
-      if (std::find(dead.begin(), dead.end(), static_cast<int>(p)) != dead.end()) continue;
-      if (still_us[p] == 0 || w.hang_us == 0) {
-        if (still_us[p] == 0) w.told[p] = 0;  // it moved (or a new link): tell it again later
-        continue;
+      const int peer = static_cast<int>(p);
+      if (std::find(dead.begin(), dead.end(), peer) != dead.end()) continue;
+      if (still_us[p] == 0) {  // it moved (or a new link)
+        if (w.told[p] == 1) tell(peer, PeerLoss::kBack, 0);
+        w.told[p] = 0;
+      } else if (w.hang_us > 0 && still_us[p] >= w.hang_us && w.told[p] == 0) {
+        tell(peer, PeerLoss::kSilent, 1);
       }
-      if (still_us[p] >= w.hang_us) tell(static_cast<int>(p), PeerLoss::kSilent);
     }
     return !keep;
   });

@@ -117,11 +117,12 @@ class Endpoint {
   // For what must hear of a lost peer at once but cannot watch processes
   // itself (kernels spinning on a peer's signal): `fn(peer, why)` is called
   // from the heartbeat thread as soon as a connected peer is seen gone
-  // (kGone; peers already gone are told on the first round), and when its
-  // heartbeat has stood still for `hang_ms` (> 0; kSilent, again only after
-  // it moved). `fn` must not block; returning false drops it (its target is
-  // gone). unwatch_peers(id): after it returns, `fn` is never called again.
-  enum class PeerLoss { kGone = 1, kSilent = 2 };
+  // (kGone, once; peers already gone are told on the first round), when its
+  // heartbeat has stood still for `hang_ms` (> 0; kSilent), and when a peer
+  // told silent beats again (kBack). `fn` must not block; returning false
+  // drops it (its target is gone). unwatch_peers(id): after it returns, `fn`
+  // is never called again.
+  enum class PeerLoss { kBack = 0, kGone = 1, kSilent = 2 };
   using LossListener = std::function<bool(int peer, PeerLoss why)>;
   uint64_t watch_peers(LossListener fn, int64_t hang_ms);
   void unwatch_peers(uint64_t id);
@@ -132,7 +133,7 @@ class Endpoint {
     uint64_t id;
     LossListener fn;
     int64_t hang_us;
-    std::vector<uint8_t> told;  // per slot: its silence (or loss) was told
+    std::vector<uint8_t> told;  // per slot: what it was told last (tell_watchers)
     bool fresh = true;          // not told of the peers already gone yet
   };
   // One heartbeat round's news for the watchers: `gone` newly, `dead` all the

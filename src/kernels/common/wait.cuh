@@ -42,10 +42,13 @@ __device__ inline void mask_peer(const Common& c, int source, int phase, MaskRea
   }
 }
 
-// Whether the host has seen `source` lost (a read of host memory: callers
-// in a loop look every few rounds).
-__device__ __forceinline__ bool host_lost(const Common& c, int source) {
-  return c.lost != nullptr && ld_volatile(c.lost + source) != 0;
+// Whether the host has seen `source` lost (Common::lost: gone, or silent past
+// the hang limit; `gone_only`: gone). A read of host memory: callers in a loop
+// look every few rounds.
+__device__ __forceinline__ bool host_lost(const Common& c, int source, bool gone_only = false) {
+  if (c.lost == nullptr) return false;
+  const int word = ld_volatile(c.lost + source);
+  return gone_only ? word == 1 : word != 0;
 }
 
 // Waits until `*signal` satisfies `ready`, the source is masked, the host

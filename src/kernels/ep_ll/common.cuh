@@ -45,10 +45,10 @@ struct MaskSnapshot {
   uint8_t live[kSnapRanks];
 
   // Every thread calls it; a __syncthreads must follow before the first use.
-  // A rank the host has seen lost is masked here, before anything is sent to it.
+  // A rank the host has seen gone is masked here, before anything is sent to it.
   __device__ void load(const Common& c, int R) {
     for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads) {
-      if (host_lost(c, r) && ld_volatile(c.active_ranks + r) != 0)
+      if (host_lost(c, r, true) && ld_volatile(c.active_ranks + r) != 0)
         mask_peer(c, r, kSend, kMaskedLost);
       live[r] = live_now(c, r);
     }
@@ -61,7 +61,7 @@ struct MaskSnapshot {
   static __device__ bool live_now(const Common& c, int r) {
     return ld_volatile(c.active_ranks + r) != 0 &&
            (c.slot_mask == nullptr || ld_volatile(c.slot_mask + r) != 0) && c.peers[r] != nullptr &&
-           !host_lost(c, r);
+           !host_lost(c, r, true);
   }
 };
 

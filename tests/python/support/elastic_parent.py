@@ -342,3 +342,21 @@ def script_result(proc: subprocess.CompletedProcess) -> dict:
         f"exit code {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     )
     return json.loads(lines[-1][len("RESULT ") :])
+
+
+def device_problems(tl: Timeline) -> list[str]:
+    """Every failed expectation and trouble of the timeline, and every round of a
+    process whose buffer had every active slot mapped that did not run on the device."""
+    problems = [
+        f"process {p.key}: {r.get('what', r.get('tag'))}: {f}"
+        for p, r in tl.records()
+        if r["event"] in ("round", "check")
+        for f in r["failures"]
+    ]
+    problems += tl.troubles()
+    portable = [
+        f"process {p.key}: round {r['tag']} ran the {r['path']} path"
+        for p, r in tl.records(event="round")
+        if r["path"] != "device"
+    ]
+    return problems + portable[:10]
