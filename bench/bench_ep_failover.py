@@ -1,0 +1,457 @@
+"""How fast EP and the collectives get over a failed rank, and take in its replacement.
+
+N processes on this host (``mooncake.launch.LocalGroup``: this process hosts the store),
+one GPU shared by all with ``--device cuda`` (the EP ``Buffer``'s device path over a
+``mooncake`` group, whose transport tells the kernels of a lost peer), or CPU tensors
+with ``--device cpu`` (the portable path over ``mooncake-cpu``). Each launch lives
+through a plan of faults (``tests/python/support/chaos_ranks.py``); every step is
+checked against the routing model of ``tests/python/support/ep_cases.py``, and a wrong
+result, a hang (every wait is bounded), a survivor disagreeing with another on the
+ranks a step covered, a stopped rank masked before the hang limit or at the deadline,
+or any masking in the healthy run makes the program exit non-zero.
+
+Scenarios (all of them unless some are named: ``--kill``, ``--stop``, ``--healthy``,
+``--allreduce``):
+
+* ``kill``: per world size and ``timeout_us``, ``--kills`` kill -9 of a random rank
+  (rank 0 included) per mode of ``--modes``: ``between`` two EP steps (after a barrier,
+  so that every process is between steps), or ``inside`` a dispatch (the victim
+  SIGKILLs itself right after launching its dispatch, before synchronizing; on the
+  portable path, once its tokens' exchange started). Measured from the victim's stamp
+  (``time.monotonic()``, one clock for every process of the host, taken just before it
+  writes the stamp to the store and kills itself): **kill -> next step**, the slowest
+  survivor's next dispatch + combine returned (synchronised); then a pre-started
+  replacement joins (``pg.join_group``, its Buffer, the others' ``recover_ranks`` and
+  ``update_ep_member``): **kill -> full strength**, the slowest process's first
+  full-strength dispatch + combine returned, and **join_group -> full strength** from
+  the replacement's ``join_group()`` call.
+* ``stop``: ``--stops`` SIGSTOPs of a random rank between steps, for longer than
+  ``MOONCAKE_HANG_MS`` (``--hang-ms``): it must be masked after the hang limit, never
+  before it nor at ``timeout_us``; it is replaced, then resumed and must be told it was
+  left out (``LeftOutError``).
+* ``healthy``: ``--healthy-steps`` EP steps with rank ``--busy-rank`` busy for
+  ``--busy-ms`` between steps (a matmul loop on the GPU, a spinning loop on the CPU):
+  nobody may be masked.
+* ``allreduce``: ``--ar-world`` processes, ``--kills`` kills of a random rank inside a
+  ``--ar-mib`` MiB float32 all_reduce (the victim issues it, waits a random share of
+  the op's usual time, then dies): **kill -> all_reduce returned** on the slowest
+  survivor; the result must cover all ranks or the survivors, alike on every survivor.
+
+Every step's time is also shown at full strength (``step``), for comparison. A row
+gives the median and p99 (nearest rank: with fewer than 100 values, the maximum) over
+the faults. Targets (issue 39, the GPU): kill -> next EP step <= 20 ms p99, kill inside
+a 64 MiB all_reduce <= 50 ms p99; shown, not fatal. JSON and a Markdown table go to
+``--out-dir`` (``ep_failover.json``, ``ep_failover_table.md``).
+
+Under MPS a process killed while its kernel runs makes the MPS server fail every client
+on the GPU (docs/failures.md): run ``inside`` kills and ``allreduce`` without MPS, and
+``between`` kills, ``stop`` and ``healthy`` under MPS if you want MPS's speed
+(``scripts/gpu_check.sh``'s ``epfail`` step does so).
+
+    python bench/bench_ep_failover.py --device cuda [--worlds 4,8] [--kills 50]
+    .venv/bin/python bench/bench_ep_failover.py --device cpu --worlds 4 --kills 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import harness
+from harness import fmt_fixed, log, say
+
+HERE = Path(__file__).resolve().parent
+# The rank code and the model live with the tests (shared, not copied).
+sys.path.insert(0, str(HERE.parent / "tests" / "python" / "support"))
+
+SCENARIOS = ("kill", "stop", "healthy", "allreduce")
+TARGETS_MS = {"kill": 20.0, "allreduce": 50.0}  # p99, issue 39 (the GPU)
+
+
+# --- plans ---------------------------------------------------------------------------------
+
+
+def ep_cycles(seed: int, world: int, modes: list[str], kills: int, stops: int) -> list[dict]:
+    """The faults of one EP launch, shuffled: ``kills`` per mode and ``stops``, each on a
+    random rank; the first fault of each kind on rank 0."""
+    rng = random.Random(seed)
+    kinds = [("kill", m) for m in modes for _ in range(kills)] + [("stop", "between")] * stops
+    rng.shuffle(kinds)
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for fault, where in kinds:
+        v = 0 if (fault, where) not in seen else rng.randrange(world)
+        seen.add((fault, where))
+        out.append({"victim": v, "fault": fault, "where": where, "frac": 0.5})
+    return out
+
+
+def ar_cycles(seed: int, world: int, kills: int) -> list[dict]:
+    """Kills inside the all_reduce, each at a random share of the op's usual time."""
+    rng = random.Random(seed)
+    return [
+        {
+            "victim": 0 if k == 0 else rng.randrange(world),
+            "fault": "kill",
+            "where": "inside",
+            "frac": round(rng.uniform(0.05, 0.9), 3),
+        }
+        for k in range(kills)
+    ]
+
+
+def launch_budget(plan: dict, device: str) -> float:
+    """Seconds a launch may take: start-up, every cycle (a replacement's start and join
+    on the GPU takes seconds), every stop's hang limit, every healthy step."""
+    per_cycle = 20.0 if device == "cuda" else 10.0
+    world_factor = max(1.0, plan["world"] / 4)
+    cycles = len(plan["cycles"]) * per_cycle * world_factor
+    stops = sum(plan["hang_ms"] / 1000 + 5 for cy in plan["cycles"] if cy["fault"] == "stop")
+    h = plan.get("healthy") or {}
+    healthy = h.get("steps", 0) * (h.get("busy_ms", 0) / 1000 + 0.25 * world_factor)
+    return 120 + cycles + stops + healthy
+
+
+# --- summary -------------------------------------------------------------------------------
+
+
+def stats(values: list[float]) -> dict:
+    keys = {"n": "n", "median_ms": "median", "p99_ms": "p99", "max_ms": "max"}
+    return {**harness.summarize(values, keys, digits=2), "values_ms": [round(v, 2) for v in values]}
+
+
+def healthy_steps(outcome) -> dict:
+    """The healthy run: per step the slowest rank's time, and how many steps saw a mask."""
+    by_step: dict[str, list[float]] = {}
+    masked = 0
+    for _, rec in outcome.records():
+        if rec.get("phase") != "healthy":
+            continue
+        by_step.setdefault(rec["tag"], []).append((rec["t1"] - rec["t0"]) * 1e3)
+        masked += int(rec.get("ranks") is not None and 0 in rec["ranks"])
+    times = [max(v) for v in by_step.values()]
+    events = sum(
+        len(p.get("info", {}).get("healthy_events") or []) for p in outcome.processes.values()
+    )
+    return {"steps": len(times), "step": stats(times), "masked_steps": masked, "events": events}
+
+
+def rows_of(launch: dict) -> list[dict]:
+    """The table's rows of one launch: per scenario, ``(measure, the fault times' key,
+    target)``; a row's statistics are over the scenario's faults."""
+    from chaos_parent import STOP_SLACK_MS
+
+    world, tmo, faults = launch["world"], launch["timeout_us"], launch["faults"]
+    if not faults and not launch.get("healthy"):
+        return []  # not run, or ended before its first fault (its problems say why)
+    groups = []
+    if launch["scenario"] == "allreduce":
+        mib = launch["ar_mib"]
+        measures = [
+            (f"kill inside {mib} MiB all_reduce → survivors' all_reduce returned", "next_ms",
+             TARGETS_MS["allreduce"]),
+            (f"{mib} MiB all_reduce at full strength", "step_ms", None),
+            ("kill → replacement joined → first full all_reduce", "full_ms", None),
+        ]  # fmt: skip
+        groups.append(("allreduce", faults, measures))
+    else:
+        for mode in ("between", "inside"):
+            sel = [f for f in faults if f["fault"] == "kill" and f["where"] == mode]
+            measures = [
+                (
+                    f"kill {mode} → survivors' next dispatch + combine",
+                    "next_ms",
+                    TARGETS_MS["kill"],
+                ),
+                (f"kill {mode} → replacement joined → first full step", "full_ms", None),
+                (f"kill {mode}: join_group() → first full step", "join_full_ms", None),
+                (f"kill {mode}: dispatch + combine at full strength", "step_ms", None),
+            ]
+            groups.append((f"kill {mode}", sel, measures))
+        hang = launch["hang_ms"]
+        measures = [
+            (f"SIGSTOP → survivors' next step (hang limit {hang} ms)", "next_ms",
+             hang + STOP_SLACK_MS),
+            ("SIGSTOP → replacement joined → first full step", "full_ms", None),
+            ("SIGCONT → the stopped rank's op raises LeftOutError", "told_ms", None),
+        ]  # fmt: skip
+        groups.append(("stop", [f for f in faults if f["fault"] == "stop"], measures))
+    rows = []
+    for scenario, sel, measures in groups:
+        rank0 = sum(1 for f in sel if f["victim"] == 0)
+        for measure, key, target in measures:
+            values = [f[key] for f in sel if f.get(key) is not None]
+            if values:  # (rank 0's count: of the faults; a full-strength step has none)
+                extra = {} if key == "step_ms" else {"rank0": rank0}
+                rows.append(row(measure, scenario, world, tmo, values, target, **extra))
+    h = launch.get("healthy")
+    if h and h["steps"]:
+        busy = f"rank {launch['busy_rank']} busy {launch['busy_ms']:g} ms between steps"
+        masked = h["masked_steps"] + h["events"]
+        values = h["step"]["values_ms"]
+        rows.append(row(f"healthy: a step, {busy}", "healthy", world, tmo, values, masked=masked))
+    return rows
+
+
+def row(measure: str, scenario: str, world: int, tmo: int, values, target=None, **extra) -> dict:
+    r = {"measure": measure, "scenario": scenario, "world": world, "timeout_us": tmo}
+    r.update(stats(values), target_ms=target, **extra)
+    r["met"] = None if target is None else r["p99_ms"] <= target
+    return r
+
+
+def fmt_ms(v) -> str:
+    return fmt_fixed(v, 1e4)
+
+
+def fmt_timeout(t: int) -> str:
+    return "-1" if t == -1 else f"{t / 1e6:g} s"
+
+
+def print_table(rows: list[dict]) -> None:
+    say()
+    say(
+        f"# {'measure':<62} {'world':>5} {'timeout':>7} {'n':>4} {'rank0':>5} "
+        f"{'median':>8} {'p99':>8} {'max':>8} {'target':>7}"
+    )
+    say(
+        f"# {'':<62} {'':>5} {'':>7} {'':>4} {'':>5} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} "
+        f"{'(p99)':>7}"
+    )
+    for r in rows:
+        met = "" if r["met"] is None else ("  met" if r["met"] else "  MISS")
+        masked = f"  masked {r['masked']}" if "masked" in r else ""
+        say(
+            f"  {r['measure']:<62} {r['world']:>5} {fmt_timeout(r['timeout_us']):>7} "
+            f"{r['n']:>4} {r.get('rank0', ''):>5} {fmt_ms(r['median_ms']):>8} "
+            f"{fmt_ms(r['p99_ms']):>8} {fmt_ms(r['max_ms']):>8} {fmt_ms(r['target_ms']):>7}"
+            f"{met}{masked}"
+        )
+
+
+def markdown(rows: list[dict], meta: dict, problems: list[str]) -> str:
+    lines = [
+        f"{meta['what']}, {meta['started']}, library {meta['mooncake']['commit']}; load "
+        f"average {meta['loadavg_start'][0]:.1f} at the start; {meta['duration_s']:.0f} s in "
+        "all. Times from the fault's stamp (`time.monotonic()`, taken in the victim just "
+        "before it fails) to the step's synchronised end on the slowest process; p99 is "
+        "the nearest rank.",
+        "",
+    ]
+    header = ["measure", "world", "timeout_us", "n", "rank 0", "median (ms)", "p99 (ms)"]
+    header += ["max (ms)", "target p99 (ms)", "met"]
+    cells = [
+        [
+            r["measure"] + (f" (masked: {r['masked']})" if "masked" in r else ""),
+            str(r["world"]),
+            fmt_timeout(r["timeout_us"]),
+            str(r["n"]),
+            str(r.get("rank0", "")),
+            *(fmt_ms(r[k]) for k in ("median_ms", "p99_ms", "max_ms", "target_ms")),
+            "" if r["met"] is None else ("yes" if r["met"] else "**no**"),
+        ]
+        for r in rows
+    ]
+    lines += harness.markdown_table(header, cells, "lrrrrrrrrl")
+    lines += [f"\nPROBLEM: {p}" for p in problems]
+    return "\n".join(lines) + "\n"
+
+
+# --- main ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = harness.arg_parser(__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--worlds", default="4,8", help="comma-separated process counts")
+    p.add_argument("--timeouts-us", default="10000000,-1", help="EP timeout_us values")
+    p.add_argument("--kills", type=int, default=50, help="kills per mode, world and timeout")
+    p.add_argument("--modes", default="between,inside", help="where kills strike")
+    p.add_argument("--stops", type=int, default=5, help="SIGSTOPs per world and timeout")
+    p.add_argument("--hang-ms", type=int, default=2000, help="MOONCAKE_HANG_MS")
+    for s in SCENARIOS:
+        p.add_argument(f"--{s}", action="store_true", help=f"run the {s} scenario (see above)")
+    p.add_argument("--healthy-steps", type=int, default=200)
+    p.add_argument("--busy-ms", type=float, default=50.0)
+    p.add_argument("--busy-rank", type=int, default=0)
+    p.add_argument("--ar-world", type=int, default=4)
+    p.add_argument("--ar-mib", type=int, default=64)
+    p.add_argument("--ar-kills", type=int, default=None, help="(default: --kills; 0: none)")
+    p.add_argument("--tokens", type=int, default=0, help="T per rank (0: 64 on cuda, 16 on cpu)")
+    p.add_argument(
+        "--hidden", type=int, default=0, help="H, a multiple of 128 (0: 2048 on cuda, 512 on cpu)"
+    )
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--experts-per-rank", type=int, default=4)
+    p.add_argument("--fp8", type=int, default=1, help="the timed dispatch in FP8 (1) or BF16")
+    p.add_argument("--seed", type=int, default=39)
+    p.add_argument("--launch-timeout", type=float, default=0, help="seconds (0: estimated)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        help="seconds for the whole run (0: none): a launch gets at most what is left, and "
+        "one that runs out fails like a hang (with its processes' stacks)",
+    )
+    p.add_argument("--log-dir", default=None, help="each process's output, one file each")
+    harness.add_output_args(p, "world 4, 5 kills, 2 stops, 40 healthy steps")
+    harness.add_if_gpu(p)
+    return p
+
+
+def run_launch(scenario: str, plan: dict, env: dict, args) -> dict:
+    from chaos_parent import fault_times, problems_of, run
+
+    budget = args.launch_timeout or launch_budget(plan, args.device)
+    t0 = time.monotonic()
+    label = f"{scenario}, world {plan['world']}, timeout_us {plan['timeout_us']}"
+    if args.time_limit:
+        left = args.time_limit - (t0 - args.t_start)
+        if left < 15:
+            log(f"# {label}: not run, the --time-limit is spent")
+            return {"scenario": scenario, "world": plan["world"], "timeout_us": plan["timeout_us"],
+                    "faults": [], "error": "not run: --time-limit spent",
+                    "problems": [f"{label}: not run: the --time-limit is spent"]}  # fmt: skip
+        budget = min(budget, left)
+    log(f"# {label}: {len(plan['cycles'])} faults (budget {budget:.0f} s) ...")
+    o = run(plan, env, budget, args.log_dir)
+    problems = [f"{label}: {p}" for p in problems_of(o)]
+    launch = {
+        "scenario": scenario,
+        "world": plan["world"],
+        "timeout_us": plan["timeout_us"],
+        "hang_ms": plan["hang_ms"],
+        "ar_mib": plan["ar_bytes"] >> 20,
+        "cycles": plan["cycles"],
+        "faults": fault_times(o),
+        "error": o.error,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "problems": problems,
+    }
+    if plan.get("healthy"):
+        launch["healthy"] = healthy_steps(o)
+        launch.update(busy_rank=plan["healthy"]["busy_rank"], busy_ms=plan["healthy"]["busy_ms"])
+    log(
+        f"#   done in {launch['wall_s']:.0f} s"
+        + (f"; {len(problems)} problems" if problems else "")
+    )
+    for p in problems[:20]:
+        log(f"#   PROBLEM: {p[:2000]}")
+    return launch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = harness.parse_args(
+        parser,
+        argv,
+        {"worlds": "4"},
+        {"kills": 5, "stops": 2, "healthy_steps": 40, "ar_kills": 5},
+    )
+    args.t_start = time.monotonic()
+    # `timeout` sends SIGTERM: leave through the launch's cleanup, which kills its ranks.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    chosen = [s for s in SCENARIOS if getattr(args, s)] or list(SCENARIOS)
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in ("between", "inside") for m in modes):
+        parser.error(f"--modes: between and/or inside, not {args.modes!r}")
+    worlds = harness.csv_ints(args.worlds)
+    if not worlds or min(worlds) < 2:
+        parser.error("--worlds: process counts of at least 2")
+    if args.device == "cuda":
+        status = harness.no_gpu_status("bench_ep_failover", args.if_gpu)
+        if status is not None:
+            return status
+        from mooncake.ep import device as device_path
+
+        if not device_path.available():
+            print(
+                "bench_ep_failover: error: this build of mooncake has no EP device path",
+                file=sys.stderr,
+            )
+            return 0 if args.if_gpu else 1
+    from chaos_parent import env_for, make_plan
+
+    started, load = time.time(), os.getloadavg()
+    cores = os.cpu_count()
+    harness.say_host(f"EP failover ({args.device})", cores, load)
+    T = args.tokens or (64 if args.device == "cuda" else 16)
+    H = args.hidden or (2048 if args.device == "cuda" else 512)
+    spec = {"T": T, "H": H, "K": args.topk, "epr": args.experts_per_rank}
+    spec["ns"] = (T, T - T // 4, T // 2, T - 1)  # tokens of rank r: ns[r % 4]
+    env = env_for(args.hang_ms, {"OMP_NUM_THREADS": "1"})
+    common = {"spec": spec, "hang_ms": args.hang_ms, "fp8": bool(args.fp8), "settle": 2}
+    launches = []
+    for world in worlds:
+        for tmo in harness.csv_ints(args.timeouts_us):
+            kills = args.kills if "kill" in chosen else 0
+            stops = args.stops if "stop" in chosen else 0
+            cycles = ep_cycles(args.seed + world, world, modes, kills, stops)
+            healthy = None
+            if "healthy" in chosen and args.healthy_steps > 0:
+                busy = args.busy_rank % world
+                healthy = {"steps": args.healthy_steps, "busy_rank": busy, "busy_ms": args.busy_ms}
+            if not cycles and not healthy:
+                continue
+            plan = make_plan(
+                args.device,
+                world,
+                cycles,
+                timeout_us=tmo,
+                healthy=healthy,
+                seed=args.seed,
+                label=f"failover-{world}",
+                **common,
+            )
+            launches.append(run_launch("ep", plan, env, args))
+    kills = args.kills if args.ar_kills is None else args.ar_kills
+    if "allreduce" in chosen and kills > 0:
+        cycles = ar_cycles(args.seed, args.ar_world, kills)
+        plan = make_plan(
+            args.device,
+            args.ar_world,
+            cycles,
+            measure="ar",
+            ar_bytes=args.ar_mib << 20,
+            timeout_us=-1,
+            seed=args.seed,
+            label="failover-ar",
+            **common,
+        )
+        launches.append(run_launch("allreduce", plan, env, args))
+    rows = [r for launch in launches for r in rows_of(launch)]
+    problems = [p for launch in launches for p in launch["problems"]]
+    meta = harness.run_meta(started, cores, load, args)
+    meta["what"] = (
+        f"EP failover on {args.device} ({cores} cores"
+        + (f", {gpu_name()}" if args.device == "cuda" else "")
+        + f"), worlds {args.worlds}, scenarios {','.join(chosen)}, modes {args.modes}"
+    )
+    print_table(rows)
+    for p in problems:
+        say(f"# PROBLEM: {p[:4000]}")
+    doc = {
+        "meta": meta,
+        "targets_ms": TARGETS_MS,
+        "rows": rows,
+        "launches": launches,
+        "problems": problems,
+    }
+    files = {"ep_failover.json": doc, "ep_failover_table.md": markdown(rows, meta, problems)}
+    say(f"# {harness.write_outputs(args.out_dir, files)}")
+    return 1 if problems else 0
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
