@@ -9,7 +9,7 @@ BUILD := build
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all demo test test-cpp test-py test-asan cuda-compile fuzz fuzz-ci fuzz-build fuzz-deps build bench stress gpu-check doctor lint format clean deps
+.PHONY: all demo test test-cpp test-py test-asan cuda-compile fuzz fuzz-ci fuzz-build fuzz-deps build bench stress gpu-check gpu-bench doctor lint format clean deps
 
 all: build
 
@@ -119,6 +119,8 @@ bench: build
 	$(PY) bench/bench_elastic.py
 	$(PY) bench/bench_ep_device.py --if-gpu
 	$(PY) bench/bench_pg_cuda.py --if-gpu
+	$(PY) bench/bench_ep_failover.py --if-gpu
+	$(PY) bench/bench_elastic_buffer.py --if-gpu
 
 stress: build
 	MOONCAKE_STRESS=1 $(PY) -m pytest tests/python -q -m stress $(PYTEST_ARGS)
@@ -126,9 +128,12 @@ stress: build
 doctor: build
 	$(PY) -m mooncake doctor
 
-# Build + test + benchmark on the GPU machine (see scripts/gpu_check.sh).
+# On the GPU machine (see scripts/gpu_check.sh): build + every GPU test; build + benchmarks.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+gpu-bench:
+	GPU_STEPS=benches bash scripts/gpu_check.sh
 
 CXX_SOURCES = $(shell find src tests/cpp tests/fuzz -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 

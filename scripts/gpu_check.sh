@@ -6,9 +6,11 @@
 # That machine has no GoogleTest and no package registry: carry its sources
 # (`cp -r /usr/src/googletest/googletest .gtest` here, after `make deps`; the
 # device call names .gtest in carry), and the C++ tests are built from them.
-# GPU_STEPS picks steps (default all: "doctor cpp device py elastic bench pgcuda pgbench
-# epdev epelastic epelasticbench epprof epbench"; the build always runs, incrementally), so
-# a run can be split over device calls.
+# GPU_STEPS picks steps (the build always runs, incrementally), so a run can be split over
+# device calls; "tests" stands for the test steps, "benches" for the benchmark steps:
+#   tests   (the default, make gpu-check): doctor cpp device py elastic pgcuda epdev epelastic
+#           chaos, about 20 minutes on one H200;
+#   benches (make gpu-bench): bench pgbench epelasticbench epprof epbench epfail epht.
 #   compare: (not in the default) an older commit against this tree, side by side: a
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
 #            `git archive REV | tar -x -C .baseline`) is built as this tree is, then the EP
@@ -30,14 +32,31 @@
 #            (EP_SANITIZE_TOOLS, default "memcheck racecheck") over a world-1 round;
 #   epelastic: the elastic EP buffer on the device path: tests/python/test_ep_elastic_device.py
 #            (growth and the connection contract under MPS, kills and replacements without
-#            it; 1-4 processes on the GPU);
+#            it; 1-4 processes on the GPU), then compute-sanitizer (EP_ELASTIC_SANITIZE_TOOLS,
+#            default "memcheck racecheck") over a short contract timeline with masked slots;
+#   chaos:   the chaos soak, tests/python/test_gpu_chaos.py on CUDA tensors: 4 processes on
+#            the GPU, CHAOS_CYCLES (40) random kills, stops past the hang limit and slow
+#            ranks, every one replaced, EP (Buffer and elastic, BF16 and FP8) and the
+#            collectives checked after every join; without MPS (it kills ranks inside their
+#            kernels), the launch bounded by CHAOS_BUDGET_S (300);
 #   epelasticbench: bench_ep_device.py at 2 processes with a process group's buffer and
 #            with an elastic one of capacity 8 (MPS);
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
-#            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS).
+#            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS);
+#   epfail:  bench/bench_ep_failover.py at EPFAIL_WORLDS (4,8) processes: kills between EP
+#            steps, SIGSTOPs and a busy rank under MPS, then kills inside a dispatch and
+#            inside a 64 MiB all_reduce without it (MPS fails every client when a process
+#            dies inside a kernel); EPFAIL_KILLS (3) kills per mode, world and timeout,
+#            EPFAIL_STOPS (1), EPFAIL_HEALTHY_STEPS (200), EPFAIL_ARGS: more arguments
+#            (both halves; e.g. --timeouts-us 10000000); each half ends itself after
+#            EPFAIL_TIME_S (150) seconds; JSON under $OUT/bench/epfail_mps/ and $OUT/bench/epfail/;
+#   epht:    the high-throughput ElasticBuffer: upstream's at world 1 (its wheel from .whl/, when
+#            carried; UPSTREAM_EB_DEADLINE_S, 300) and bench/bench_elastic_buffer.py --quick at
+#            EB_WORLDS (1,2,4) processes under MPS, T=512/1024/4096, BF16 and FP8, against the
+#            copy floor and the Buffer, bounded to 240 s; JSON in $OUT/bench/elastic_buffer*.json.
 # PYTEST_PATHS: what the Python step runs (default tests/python bench/tests, less the tests the
 # GPU steps run: the CUDA backend's, the EP device path's, the elastic device tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
@@ -56,7 +75,11 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-STEPS=" ${GPU_STEPS:-doctor cpp device py elastic bench pgcuda pgbench epdev epelastic epelasticbench epprof epbench} "
+GPU_TESTS="doctor cpp device py elastic pgcuda epdev epelastic chaos"
+GPU_BENCHES="bench pgbench epelasticbench epprof epbench epfail epht"
+STEPS=" ${GPU_STEPS:-tests} "
+STEPS=${STEPS/ tests / $GPU_TESTS }
+STEPS=" ${STEPS/ benches / $GPU_BENCHES } "
 GTEST_ARGS=()
 [ -f .gtest/CMakeLists.txt ] && GTEST_ARGS=(-DMOONCAKE_GTEST_SOURCE="$PWD/.gtest")
 step() { echo "== $1"; }
@@ -76,8 +99,8 @@ mapfile -t SEL_ALL < <(sel "")
 mapfile -t SEL_CUDA < <(sel "cuda")
 mapfile -t SEL_KILLS < <(sel "kills")
 mapfile -t SEL_NOT_KILLS < <(sel "not kills")
-# The Python step runs the suite minus what the GPU steps run (pgcuda, epdev, epelastic).
-mapfile -t SEL_PY < <(sel "not test_collective_cuda and not test_kill_world4_cuda and not (test_engine_pattern and cuda)")
+# The Python step runs the suite minus what the GPU steps run (pgcuda, epdev, epelastic, chaos).
+mapfile -t SEL_PY < <(sel "not test_collective_cuda and not test_kill_world4_cuda and not (test_engine_pattern and cuda) and not (test_gpu_chaos and cuda)")
 PY_IGNORE=(--ignore=tests/python/test_cuda_backend.py --ignore=tests/python/test_ep_device.py
   --ignore=tests/python/test_ep_elastic_device.py)
 # sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
@@ -86,7 +109,7 @@ sanitize() {
   local script=$1 stem=$2 tool rc
   shift 2
   for tool in "$@"; do
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" "$script" \
+    timeout "${SANITIZE_TIMEOUT_S:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" "$script" \
       >"$OUT/${stem}_$tool.log" 2>&1
     rc=$?
     echo "$tool: exit $rc ($(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|$(basename "$script" .py)" \
@@ -255,7 +278,18 @@ if gpu_wants epelastic; then
   MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_ep_elastic_device.py "${SEL_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
+  step "elastic EP buffer, device path: compute-sanitizer"
+  sanitize tests/python/support/elastic_device_round.py sanitizer_elastic \
+    ${EP_ELASTIC_SANITIZE_TOOLS-memcheck racecheck}
 fi
+if gpu_wants chaos; then
+  step "chaos soak on the GPU: kills, stops, slow ranks, replacements (no MPS: it kills inside kernels)"
+  stop_mps
+  MOONCAKE_NO_SKIP=1 MOONCAKE_CHAOS_CYCLES=${CHAOS_CYCLES:-40} MOONCAKE_CHAOS_BUDGET_S=${CHAOS_BUDGET_S:-300} \
+    timeout $(( ${CHAOS_BUDGET_S:-300} + 60 )) "$PY" -m pytest tests/python/test_gpu_chaos.py "${SEL_CUDA[@]}" -q -s \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_chaos.log" | tail -25 || status=1
+fi
+
 if gpu_wants epelasticbench; then
   start_mps
   step "elastic EP buffer, device path: against a process group's buffer (2 processes, MPS)"
@@ -361,6 +395,44 @@ if gpu_wants epbench; then
     cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_no_mps.json" 2>/dev/null
   fi
 fi
+if gpu_wants epfail; then
+  mkdir -p "$OUT/bench/epfail_mps" "$OUT/bench/epfail"
+  EPFAIL_S=${EPFAIL_TIME_S:-150}  # each half's bound; the bench ends itself at it, with stacks
+  EPFAIL=(--device cuda --worlds "${EPFAIL_WORLDS:-4,8}" --kills "${EPFAIL_KILLS:-3}" --time-limit "$EPFAIL_S")
+  step "EP failover: kills between steps, stops, a busy rank (MPS)"
+  start_mps
+  timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --stop \
+    --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-200}" ${EPFAIL_ARGS:-} \
+    --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
+  stop_mps
+  # Without MPS: a process killed inside its kernel would make MPS fail every client.
+  step "EP failover: kills inside a dispatch and inside a 64 MiB all_reduce (no MPS)"
+  timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes inside --allreduce \
+    ${EPFAIL_ARGS:-} --out-dir "$OUT/bench/epfail" 2>&1 | tee -a "$OUT/bench_ep_failover.log" | tail -20 \
+    || status=1
+fi
+
+if gpu_wants epht; then
+  mkdir -p "$OUT/bench"
+  UP_EB_JSON="$OUT/bench/elastic_buffer_upstream.json"
+  if ls .whl/mooncake_transfer_engine_cuda13-*.whl >/dev/null 2>&1; then
+    step "ElasticBuffer: upstream's (world 1)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream-site \
+      .whl/mooncake_transfer_engine_cuda13-*.whl 2>&1 | tail -2
+    env PYTHONPATH=/tmp/upstream-site CXX=/usr/bin/g++ "$PY" bench/bench_ep_upstream_elastic.py --quick \
+      --deadline-s "${UPSTREAM_EB_DEADLINE_S:-300}" --out "$UP_EB_JSON" 2>&1 \
+      | tee "$OUT/bench_elastic_buffer_upstream.log" | tail -10
+  else
+    echo "no upstream wheel in .whl/: its column is skipped"
+  fi
+  step "ElasticBuffer: benchmark, ${EB_WORLDS:-1,2,4} processes (MPS)"
+  start_mps
+  timeout 240 "$PY" bench/bench_elastic_buffer.py --device cuda --quick --worlds "${EB_WORLDS:-1,2,4}" \
+    --launch-timeout 200 --upstream "$UP_EB_JSON" --out-dir "$OUT/bench" 2>&1 \
+    | tee "$OUT/bench_elastic_buffer.log" | tail -70 || status=1
+  stop_mps
+fi
+
 step "summary: what each step ran"
 # One line per test run (its log, then pytest's or GoogleTest's count), so that a step that
 # ran nothing, or skipped, shows here; written to $OUT/summary.txt too.
