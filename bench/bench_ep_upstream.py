@@ -519,15 +519,20 @@ def worker(args: argparse.Namespace) -> None:
 # --- the watchdog parent ---------------------------------------------------------------
 
 
-def supervise(args: argparse.Namespace) -> None:
-    """Run the worker in a child process; whatever happens, leave a JSON file behind."""
+def supervise(
+    args: argparse.Namespace, impl: str = IMPL, script: str = __file__, show=None
+) -> None:
+    """Run the worker (``script --worker``, this one's by default) in a child process;
+    whatever happens, leave a JSON file behind, and print it with ``show`` (this
+    module's print_table by default). bench_ep_upstream_elastic.py uses it too."""
+    show = show or print_table
     out_path = Path(args.out)
     write_json(
         out_path,
-        {"impl": IMPL, "gpu": None, "torch": None, "cases": [], "error": NOT_STARTED},
+        {"impl": impl, "gpu": None, "torch": None, "cases": [], "error": NOT_STARTED},
         indent=2,
     )
-    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker"]
+    cmd = [sys.executable, str(Path(script).resolve()), *sys.argv[1:], "--worker"]
     proc = subprocess.Popen(cmd)
 
     def forward(signum, _frame):
@@ -553,7 +558,7 @@ def supervise(args: argparse.Namespace) -> None:
             proc.kill()
             proc.wait()
 
-    data = read_json(out_path) or {"impl": IMPL, "gpu": None, "torch": None, "cases": []}
+    data = read_json(out_path) or {"impl": impl, "gpu": None, "torch": None, "cases": []}
     previous = data.get("error")
     worker_said = previous if previous not in (None, PENDING, NOT_STARTED) else None
     where = f"last stage: {data.get('stage')}"
@@ -563,7 +568,7 @@ def supervise(args: argparse.Namespace) -> None:
         data["error"] = f"worker ended without finishing; {where}"
     if data.get("error") != previous:
         write_json(out_path, data, indent=2)
-    print_table(data)
+    show(data)
     print(f"results: {out_path}", flush=True)
 
 

@@ -41,8 +41,6 @@ import argparse
 import importlib
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
 import time
 import traceback
@@ -239,38 +237,6 @@ def print_table(data: dict) -> None:
     sys.stdout.flush()
 
 
-def supervise(args: argparse.Namespace) -> None:
-    """The worker in a child process under ``--deadline-s``; a JSON file either way."""
-    out_path = Path(args.out)
-    harness.write_json(out_path, {"impl": IMPL, "cases": [], "error": base.NOT_STARTED}, indent=2)
-    proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker"]
-    )
-    signal.signal(signal.SIGTERM, lambda signum, _f: proc.send_signal(signal.SIGTERM))
-    problem = None
-    try:
-        rc = proc.wait(timeout=args.deadline_s if args.deadline_s > 0 else None)
-        if rc != 0:
-            problem = f"worker exited with status {rc}"
-    except subprocess.TimeoutExpired:
-        problem = f"worker ran past --deadline-s {args.deadline_s:g} s and was stopped"
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    data = harness.read_json(out_path) or {"impl": IMPL, "cases": []}
-    said = data.get("error") not in (None, base.PENDING, base.NOT_STARTED)
-    if problem or (not data.get("complete") and not said):
-        where = f"last stage: {data.get('stage')}"
-        why = problem or "worker ended without finishing"
-        data["error"] = f"{data['error']}; then {why}" if said else f"{why}; {where}"
-        harness.write_json(out_path, data, indent=2)
-    print_table(data)
-    print(f"results: {out_path}", flush=True)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.arg_parser(__doc__.split("\n\n")[0])
     p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results path")
@@ -307,7 +273,7 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # no native destructors at exit
-    supervise(args)
+    base.supervise(args, IMPL, __file__, print_table)
     sys.exit(0)
 
 

@@ -178,26 +178,34 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=4, help="number of local ranks (default 4)")
     args = parser.parse_args()
     got = run_local(rank_main, args.world, env={"OMP_NUM_THREADS": "1"})
+    return 0 if check_against_blocks(got, args.world, tokens_of) else 1
+
+
+def check_against_blocks(got, world: int, tokens_of, device: str = "cpu", shape: str = "") -> bool:
+    """Runs each unsharded block (the ranks' weights) on every rank's tokens
+    (``tokens_of(rank, dtype)``) on ``device``, compares with the ranks' outputs
+    ``got[rank][name, dtype]`` and prints a line per case (``shape`` after the ranks);
+    True when every case is within its bound."""
     ok = True
     torch.set_num_threads(1)  # as in the ranks: at this size more threads only contend
     # (by 100x on a busy machine)
     with torch.inference_mode():
         for name in MODELS:
             for dtype, bound in BOUNDS.items():
-                block = make_block(name, dtype)  # unsharded, the same weights as the ranks'
+                block = make_block(name, dtype).to(device)  # unsharded, the ranks' weights
                 err = 0.0
-                for rank in range(args.world):
-                    ref = block(tokens_of(rank, dtype)).float()
+                for rank in range(world):
+                    ref = block(tokens_of(rank, dtype)).float().cpu()
                     diff = (got[rank][name, dtype].float() - ref).abs().max()
                     err = max(err, (diff / ref.abs().max()).item())
                 good = err <= bound
                 ok &= good
                 print(
-                    f"{name} block, {EXPERTS} experts over {args.world} ranks, "
+                    f"{name} block, {EXPERTS} experts over {world} ranks{shape}, "
                     f"{str(dtype).removeprefix('torch.')}: max error vs transformers {err:.2e} "
                     f"(bound {bound:g}) {'OK' if good else 'FAILED'}"
                 )
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ runs the unsharded block on each rank's tokens, on the same device, and compares
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import torch
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 # The blocks, their weights and the error bounds are hf_moe.py's (this directory is on
 # sys.path when the example runs, and in its ranks).
-from hf_moe import BOUNDS, EXPERTS, HIDDEN, MODELS, SEED, make_block
+from hf_moe import BOUNDS, HIDDEN, MODELS, SEED, check_against_blocks, make_block
 
 BATCH, SEQ = 4, 256
 TOKENS = BATCH * SEQ  # per rank and forward: 1,024, the ElasticBuffer's T
@@ -137,25 +138,9 @@ def main() -> int:
     got = run_local(
         rank_main, args.world, args=(args.device,), env={"OMP_NUM_THREADS": "1"}, timeout_s=600
     )
-    ok = True
-    torch.set_num_threads(1)  # as in the ranks
-    with torch.inference_mode():
-        for name in MODELS:
-            for dtype, bound in BOUNDS.items():
-                block = make_block(name, dtype).to(args.device)  # unsharded, the same weights
-                err = 0.0
-                for rank in range(args.world):
-                    ref = block(tokens_of(rank, dtype, args.device)).float().cpu()
-                    diff = (got[rank][name, dtype].float() - ref).abs().max()
-                    err = max(err, (diff / ref.abs().max()).item())
-                good = err <= bound
-                ok &= good
-                print(
-                    f"{name} block, {EXPERTS} experts over {args.world} ranks, {TOKENS} tokens "
-                    f"per rank, {str(dtype).removeprefix('torch.')}: max error vs transformers "
-                    f"{err:.2e} (bound {bound:g}) {'OK' if good else 'FAILED'}"
-                )
-    return 0 if ok else 1
+    tokens = functools.partial(tokens_of, device=args.device)
+    shape = f", {TOKENS} tokens per rank"
+    return 0 if check_against_blocks(got, args.world, tokens, args.device, shape) else 1
 
 
 if __name__ == "__main__":

@@ -122,6 +122,21 @@ sanitize() {
   done
 }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
+# run_upstream TITLE LOG_STEM TAIL SCRIPT ARGS...: SCRIPT with upstream Mooncake's package
+# (its wheel from .whl/, installed once into /tmp/upstream-site; its own PYTHONPATH, as both
+# packages are named mooncake), its log in $OUT/LOG_STEM.log; without the wheel, says so.
+run_upstream() {
+  local title=$1 stem=$2 lines=$3
+  shift 3
+  if ! ls .whl/mooncake_transfer_engine_cuda13-*.whl >/dev/null 2>&1; then
+    echo "no upstream wheel in .whl/: its column is skipped"
+    return
+  fi
+  step "$title"
+  [ -d /tmp/upstream-site/mooncake ] || "$PY" -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/upstream-site .whl/mooncake_transfer_engine_cuda13-*.whl 2>&1 | tail -2
+  env PYTHONPATH=/tmp/upstream-site CXX=/usr/bin/g++ "$PY" "$@" 2>&1 | tee "$OUT/$stem.log" | tail -"$lines"
+}
 
 # Several processes on one GPU run their kernels side by side only under MPS
 # (without it they time-slice: correct, milliseconds per round trip).
@@ -365,15 +380,8 @@ fi
 if gpu_wants epbench; then
   mkdir -p "$OUT/bench"
   UP_JSON="$OUT/bench/ep_upstream.json"
-  if ls .whl/mooncake_transfer_engine_cuda13-*.whl >/dev/null 2>&1; then
-    step "EP: upstream Mooncake's kernels (world 1)"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream-site \
-      .whl/mooncake_transfer_engine_cuda13-*.whl 2>&1 | tail -2
-    env PYTHONPATH=/tmp/upstream-site CXX=/usr/bin/g++ "$PY" bench/bench_ep_upstream.py \
-      --deadline-s ${UPSTREAM_DEADLINE_S:-240} ${BENCH_UPSTREAM_ARGS:-} --out "$UP_JSON" 2>&1 | tee "$OUT/bench_ep_upstream.log" | tail -12
-  else
-    echo "no upstream wheel in .whl/: its column is skipped"
-  fi
+  run_upstream "EP: upstream Mooncake's kernels (world 1)" bench_ep_upstream 12 bench/bench_ep_upstream.py \
+    --deadline-s ${UPSTREAM_DEADLINE_S:-240} ${BENCH_UPSTREAM_ARGS:-} --out "$UP_JSON"
   step "EP device path: benchmark, world 1"
   "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds 1 --upstream "$UP_JSON" \
     --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep_device.log" | tail -12 || status=1
@@ -415,16 +423,9 @@ fi
 if gpu_wants epht; then
   mkdir -p "$OUT/bench"
   UP_EB_JSON="$OUT/bench/elastic_buffer_upstream.json"
-  if ls .whl/mooncake_transfer_engine_cuda13-*.whl >/dev/null 2>&1; then
-    step "ElasticBuffer: upstream's (world 1)"
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/upstream-site \
-      .whl/mooncake_transfer_engine_cuda13-*.whl 2>&1 | tail -2
-    env PYTHONPATH=/tmp/upstream-site CXX=/usr/bin/g++ "$PY" bench/bench_ep_upstream_elastic.py --quick \
-      --deadline-s "${UPSTREAM_EB_DEADLINE_S:-300}" --out "$UP_EB_JSON" 2>&1 \
-      | tee "$OUT/bench_elastic_buffer_upstream.log" | tail -10
-  else
-    echo "no upstream wheel in .whl/: its column is skipped"
-  fi
+  run_upstream "ElasticBuffer: upstream's (world 1)" bench_elastic_buffer_upstream 10 \
+    bench/bench_ep_upstream_elastic.py --quick --deadline-s "${UPSTREAM_EB_DEADLINE_S:-300}" \
+    --out "$UP_EB_JSON"
   step "ElasticBuffer: benchmark, ${EB_WORLDS:-1,2,4} processes (MPS)"
   start_mps
   timeout 240 "$PY" bench/bench_elastic_buffer.py --device cuda --quick --worlds "${EB_WORLDS:-1,2,4}" \

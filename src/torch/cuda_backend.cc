@@ -65,12 +65,6 @@ at::Tensor input_of(const DeviceCollectives& c, const at::Tensor& t) {
   return c.in_place_ok(t.nbytes()) ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// Whether every tensor of `list` has `numel` elements (a rooted op's list, on its root).
-bool all_numel(const std::vector<at::Tensor>& list, int64_t numel) {
-  return std::all_of(list.begin(), list.end(),
-                     [&](const at::Tensor& t) { return t.defined() && t.numel() == numel; });
-}
-
 // `n` pointers `bytes` apart from `base`: one tensor's per-rank slices.
 std::vector<void*> slices(void* base, size_t bytes, size_t n) {
   std::vector<void*> out;
@@ -188,6 +182,14 @@ bool MooncakeCudaBackend::on_plane_list(const at::Tensor& one, const std::vector
     all.push_back(t);
   }
   return on_plane(all, bytes);
+}
+
+bool MooncakeCudaBackend::on_plane_rooted(const at::Tensor& one,
+                                          const std::vector<std::vector<at::Tensor>>& lists,
+                                          int root) {
+  if (root < 0 || root >= size_ || !one.defined()) return false;
+  if (rank_ != root) return on_plane({one}, one.nbytes());
+  return lists.size() == 1 && on_plane_list(one, lists[0], one.nbytes());
 }
 
 template <typename Move>
@@ -426,12 +428,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
   // not fit it is a bad call, which the staged path rejects on every rank.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  std::vector<at::Tensor> all = inputs;
-  if (is_root && outputs.size() == 1) all.insert(all.end(), outputs[0].begin(), outputs[0].end());
-  if (inputs.size() == 1 && root >= 0 && root < size_ &&
-      (!is_root || (outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_) &&
-                    all_numel(outputs[0], inputs[0].numel()))) &&
-      on_plane(all, inputs[0].nbytes())) {
+  if (inputs.size() == 1 && on_plane_rooted(inputs[0], outputs, root)) {
     return staged("gather", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = inputs[0];
       const DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
@@ -460,12 +457,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
   // As gather: the path depends on the output alone.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  std::vector<at::Tensor> all = outputs;
-  if (is_root && inputs.size() == 1) all.insert(all.end(), inputs[0].begin(), inputs[0].end());
-  if (outputs.size() == 1 && root >= 0 && root < size_ &&
-      (!is_root || (inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_) &&
-                    all_numel(inputs[0], outputs[0].numel()))) &&
-      on_plane(all, outputs[0].nbytes())) {
+  if (outputs.size() == 1 && on_plane_rooted(outputs[0], inputs, root)) {
     return staged("scatter", Kind::kCollective, [&](Staging& s) {
       const at::Tensor user_out = outputs[0];
       const DType dt = to_dtype(user_out.scalar_type(), "scatter", "tensor");

@@ -145,6 +145,11 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // each with as many elements as `one`.
   bool on_plane_list(const at::Tensor& one, const std::vector<at::Tensor>& list,
                      std::optional<size_t> bytes);
+  // The same for gather/scatter: `one` (the input, or the output) decides on every rank;
+  // the root's `lists` (one list of a tensor per rank) must fit it too, or the root's
+  // call is a bad one, which the staged path rejects on every rank.
+  bool on_plane_rooted(const at::Tensor& one, const std::vector<std::vector<at::Tensor>>& lists,
+                       int root);
   // Counts a staged op when it moves CUDA tensors (CPU tensors are not staged).
   void count_staged(bool cuda) {
     if (cuda) ++staged_ops_;
