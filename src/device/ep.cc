@@ -73,7 +73,8 @@ uint64_t watch_lost(Endpoint& endpoint, std::weak_ptr<LostWords> lost, int64_t h
   return endpoint.watch_peers(set_lost(std::move(lost)), hang_ms);
 }
 
-EpBuffer::EpBuffer(size_t bytes, int device) : device_(device), workspace_(bytes, device) {
+EpBuffer::EpBuffer(size_t bytes, int device)
+    : device_(device), bytes_(bytes), workspace_(bytes + kControlBytes, device) {
   OnDevice on(device_);
   mine_ = PeerCard::of(workspace_);
   card_ = mine_.encode();
@@ -89,6 +90,8 @@ EpBuffer::~EpBuffer() {
   cudaDeviceSynchronize();  // no kernel may still use the peers' mappings
   maps_.clear();
   if (peers_ != nullptr) cudaFree(peers_);
+  if (keys_ != nullptr) cudaFree(keys_);
+  if (fence_stream_ != nullptr) cudaStreamDestroy(fence_stream_);
   if (silent_ != nullptr) cudaFreeHost(silent_);
   cudaFree(grid_sync_);
   cudaFreeHost(status_host_);
@@ -103,18 +106,23 @@ void EpBuffer::share_gpu(int processes) {
   num_blocks_ = std::max(1, sm_count_ / std::max(1, processes));
 }
 
-void EpBuffer::reserve(int64_t capacity, int64_t rank) {
+void EpBuffer::reserve(int64_t capacity, int64_t rank, uint32_t key) {
   MC_CHECK_ARG(capacity >= 1 && rank >= 0 && rank < capacity, "reserve: rank ", rank,
                " is outside [0, ", capacity, ")");
   OnDevice on(device_);
   cuda_check(cudaDeviceSynchronize(), "waiting for the device before remapping");
   maps_.clear();
   maps_.resize(static_cast<size_t>(capacity));
+  cards_.assign(static_cast<size_t>(capacity), std::string());
   table_.assign(static_cast<size_t>(capacity), nullptr);
-  table_[static_cast<size_t>(rank)] = workspace_.data();
+  table_[static_cast<size_t>(rank)] = workspace();
   if (peers_ != nullptr) cudaFree(peers_);
   peers_ = nullptr;
   cuda_check(cudaMalloc(&peers_, capacity * sizeof(uint8_t*)), "cudaMalloc of the peer table");
+  keys_host_.assign(static_cast<size_t>(capacity), key);
+  if (keys_ != nullptr) cudaFree(keys_);
+  keys_ = nullptr;
+  cuda_check(cudaMalloc(&keys_, capacity * sizeof(uint32_t)), "cudaMalloc of the fence keys");
   if (silent_ != nullptr) cudaFreeHost(silent_);
   silent_ = nullptr;
   silent_ = host_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
@@ -122,12 +130,18 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank) {
   num_ranks_ = capacity;
   rank_ = rank;
   write_table(0, capacity);
+  write_keys(0, capacity);
 }
 
-EpBuffer::Connection EpBuffer::connect(const std::vector<std::string>& cards, int64_t rank) {
+EpBuffer::Connection EpBuffer::connect(const std::vector<std::string>& cards, int64_t rank,
+                                       uint32_t key) {
   const auto R = static_cast<int64_t>(cards.size());
   MC_CHECK_ARG(rank >= 0 && rank < R, "connect: rank ", rank, " is outside [0, ", R, ")");
-  reserve(R, rank);
+  // A process mapped here whose rank now has another card, or none, left the
+  // group: fenced before its mapping goes (its late kernels stop storing here).
+  for (int64_t r = 0; r < num_ranks_; ++r)
+    if (maps_[r] != nullptr && (r >= R || cards[r] != cards_[r])) fence_peer(r);
+  reserve(R, rank, key);
   std::vector<std::optional<PeerCard>> decoded;
   decoded.reserve(cards.size());
   for (const std::string& c : cards) decoded.push_back(PeerCard::decode(c));
@@ -137,8 +151,8 @@ EpBuffer::Connection EpBuffer::connect(const std::vector<std::string>& cards, in
   for (int64_t r = 0; r < R; ++r) {
     if (r == rank || !decoded[r]) continue;
     out.present[r] = true;
-    if (!map_peer(r, cards[r])) continue;
-    table_[r] = maps_[r]->data();
+    if (!map_peer(r, cards[r], key)) continue;
+    table_[r] = maps_[r]->data() + kControlBytes;
     out.reachable[r] = true;
   }
   write_table(0, R);
@@ -146,7 +160,7 @@ EpBuffer::Connection EpBuffer::connect(const std::vector<std::string>& cards, in
   return out;
 }
 
-bool EpBuffer::map_peer(int64_t slot, const std::string& encoded) {
+bool EpBuffer::map_peer(int64_t slot, const std::string& encoded, uint32_t key) {
   check_peer_slot(slot, "map_peer");
   MC_CHECK_ARG(maps_[slot] == nullptr, "map_peer: slot ", slot, " is mapped already");
   const auto card = PeerCard::decode(encoded);
@@ -154,7 +168,9 @@ bool EpBuffer::map_peer(int64_t slot, const std::string& encoded) {
   OnDevice on(device_);
   try {
     maps_[slot] = std::make_unique<PeerMapping>(card->handle, device_);
-    lost_->clear(slot);  // a new process in the slot
+    cards_[slot] = encoded;
+    keys_host_[slot] = key;  // in force once published
+    lost_->clear(slot);      // a new process in the slot
     return true;
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kPeerFailed) throw;
@@ -167,8 +183,9 @@ void EpBuffer::publish_peer(int64_t slot) {
   MC_CHECK_ARG(maps_[slot] != nullptr, "publish_peer: slot ", slot, " is not mapped");
   OnDevice on(device_);
   cuda_check(cudaDeviceSynchronize(), "waiting for the device before publishing a peer");
-  table_[slot] = maps_[slot]->data();
+  table_[slot] = maps_[slot]->data() + kControlBytes;
   write_table(slot, 1);
+  write_keys(slot, 1);
 }
 
 void EpBuffer::unmap_peer(int64_t slot) {
@@ -178,6 +195,23 @@ void EpBuffer::unmap_peer(int64_t slot) {
   table_[slot] = nullptr;
   write_table(slot, 1);
   maps_[slot].reset();
+  cards_[slot].clear();
+}
+
+void EpBuffer::fence_peer(int64_t slot) {
+  check_peer_slot(slot, "fence_peer");
+  if (maps_[slot] == nullptr) return;
+  OnDevice on(device_);
+  // A stream of its own that waits for nothing: this device may be running
+  // kernels that wait on the fenced process until their deadline.
+  if (fence_stream_ == nullptr)
+    cuda_check(cudaStreamCreateWithFlags(&fence_stream_, cudaStreamNonBlocking),
+               "creating the fence stream");
+  static const int32_t kFenced = 1;
+  cuda_check(cudaMemcpyAsync(maps_[slot]->data(), &kFenced, sizeof(kFenced), cudaMemcpyHostToDevice,
+                             fence_stream_),
+             "setting a peer's fence word");
+  cuda_check(cudaStreamSynchronize(fence_stream_), "setting a peer's fence word");
 }
 
 std::vector<std::pair<int64_t, int32_t>> EpBuffer::take_masked() {
@@ -209,6 +243,7 @@ void EpBuffer::raise_reported(const char* what) {
   switch (s[0]) {
     case k::kStatusOk:
     case k::kStatusSilentPeer: return;
+    case k::kStatusLeftOut: left_out_ = true; throw_left_out(what);
     case k::kStatusBadExpert:
       throw_error(ErrorKind::kInvalidArgument, -1, what,
                   ": an earlier dispatch on this rank had topk_idx holding expert ", d0, " (token ",
@@ -236,6 +271,14 @@ void EpBuffer::raise_reported(const char* what) {
   }
 }
 
+void EpBuffer::throw_left_out(const char* what) const {
+  throw_error(ErrorKind::kLeftOut, static_cast<int>(rank_), what, ": rank ", rank_,
+              " was left out by its peers: they went on without it (it was stopped, hung or "
+              "gone past the hang limit, MOONCAKE_HANG_MS) and fenced its device workspace, so "
+              "its kernels store nothing into theirs; it can come back only as a new process "
+              "(or a new elastic buffer in its slot)");
+}
+
 EpLayout EpBuffer::layout(int64_t T, int64_t H, int64_t E, int64_t R, const char* what) const {
   MC_CHECK_ARG(peers_ != nullptr, what, ": the EP device path is not connected");
   MC_CHECK_ARG(R > rank_ && R <= num_ranks_, what, ": a call covers ", R,
@@ -244,12 +287,13 @@ EpLayout EpBuffer::layout(int64_t T, int64_t H, int64_t E, int64_t R, const char
   // Rows are numbered in int32 on the device (a combine flag carries one).
   MC_CHECK_ARG(E * T < (int64_t{1} << 31), what, ": num_experts * num_max_dispatch_tokens_per_rank",
                " must be below 2^31 on the device path, got ", E * T);
-  MC_CHECK_ARG(l.total_bytes <= workspace_.size(), what, ": the call needs ", l.total_bytes,
-               " workspace bytes, the buffer has ", workspace_.size());
+  MC_CHECK_ARG(l.total_bytes <= bytes_, what, ": the call needs ", l.total_bytes,
+               " workspace bytes, the buffer has ", bytes_);
   return l;
 }
 
 k::Common EpBuffer::common(const EpCall& call, const char* what) const {
+  if (left_out_) throw_left_out(what);
   k::Common c{};
   c.layout = layout(call.max_tokens, call.hidden, call.num_experts, call.ranks, what);
   const int32_t blocks = call.num_blocks > 0 ? call.num_blocks : num_blocks_;
@@ -267,6 +311,8 @@ k::Common EpBuffer::common(const EpCall& call, const char* what) const {
   c.slot_mask = call.slot_mask;
   c.silent = silent_dev_;
   c.lost = lost_ ? lost_->device() : nullptr;
+  c.keys = keys_;
+  c.fence = reinterpret_cast<const int32_t*>(workspace_.data());
   c.timeout_ns = call.timeout_ns;
   c.status = status_dev_;
   c.grid_sync = grid_sync_;
@@ -292,7 +338,7 @@ uint8_t* EpBuffer::combine_rows(int64_t T, int64_t H, int64_t E, int64_t R, uint
   const EpLayout l = layout(T, H, E, R, what);
   MC_CHECK_ARG(H % 8 == 0, what, ": hidden must be a multiple of 8, got ", H);
   MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
-  return workspace_.data() + l.expert_row(seq, 0);
+  return workspace() + l.expert_row(seq, 0);
 }
 
 void EpBuffer::check_peer_slot(int64_t slot, const char* what) const {
@@ -304,6 +350,12 @@ void EpBuffer::write_table(int64_t first, int64_t n) {
   cuda_check(cudaMemcpy(peers_ + first, table_.data() + first, n * sizeof(uint8_t*),
                         cudaMemcpyHostToDevice),
              "copying the peer table");
+}
+
+void EpBuffer::write_keys(int64_t first, int64_t n) {
+  cuda_check(cudaMemcpy(keys_ + first, keys_host_.data() + first, n * sizeof(uint32_t),
+                        cudaMemcpyHostToDevice),
+             "copying the fence keys");
 }
 
 EpArrays::EpArrays(const EpShape& s, int64_t n, int32_t k)

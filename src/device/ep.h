@@ -18,6 +18,34 @@
 // out of range, more rows for an expert than a call allows, corrupt counts or
 // headers) are reported in the status words, which raise_reported() turns
 // into typed errors on the next call.
+//
+// Fencing (kernels/api.h says what the kernels do): every workspace starts
+// with a control block (kControlBytes, before what the layout places) holding
+// its fence word, and each rank has a fence key (reserve, connect, map_peer:
+// the caller's; an elastic buffer's slot incarnation, a group's EP membership
+// generation). When this process's peers leave it out they set its fence word
+// through their mapping (fence_peer, and connect for a slot whose process
+// changed or left); its kernels then store into no peer, report it, and every
+// later launch here raises a kLeftOut error before it starts. What is
+// guaranteed, and what is not:
+//  * a receiver takes a signal or header from slot r only with the tag of the
+//    call and of the key it mapped at r: nothing a process of another key
+//    stores (a resumed or late kernel of a process left out, of a slot since
+//    given to a replacement) is taken for the current call, at any time;
+//  * payload rows are never stored into a peer: receivers read them from the
+//    source's own workspace through their current mapping, which a stale
+//    process never had. Headers are the only data a writer stores into a
+//    peer, and a header of another tag is dropped and reported (corrupt data,
+//    a RuntimeError on the receiver's next call), never used;
+//  * a stale kernel that looked at its fence word before it was set may still
+//    store until its next look (they come right before each store phase, so
+//    microseconds), and such a store may overwrite a current signal or header
+//    of the same place: that call then waits out (or drops) the row, it is
+//    never wrong. Peers set the word when they leave a process out, seconds
+//    before its replacement can run a call, so this needs a kernel held up
+//    between a look and its stores for that long;
+//  * keys are 8 bits: only 256 changes of key in one slot while a stale kernel
+//    of it still runs could make its tag current again.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -128,6 +156,10 @@ struct EpArrays {
 
 class EpBuffer {
  public:
+  // Bytes before the workspace proper in every process's segment: the fence
+  // word, then room to keep the workspace's alignment.
+  static constexpr size_t kControlBytes = 256;
+
   // A workspace of `bytes` on `device`, with no peer table yet.
   EpBuffer(size_t bytes, int device);
   ~EpBuffer();
@@ -135,9 +167,9 @@ class EpBuffer {
   EpBuffer& operator=(const EpBuffer&) = delete;
 
   int device() const { return device_; }
-  size_t bytes() const { return workspace_.size(); }
+  size_t bytes() const { return bytes_; }
   // The workspace's first byte (device memory of bytes() bytes on device()).
-  uint8_t* workspace() const { return workspace_.data(); }
+  uint8_t* workspace() const { return workspace_.data() + kControlBytes; }
   int sm_count() const { return sm_count_; }
   // This workspace's card (peers.h), encoded, for the peers to map it.
   const std::string& card() const { return card_; }
@@ -145,26 +177,35 @@ class EpBuffer {
   bool shares_gpu(const std::string& encoded) const;
 
   // Sizes the peer table (a group's ranks, or an elastic buffer's capacity)
-  // with this process at `rank` and no peer mapped. Waits for this device's
-  // work first, so no kernel sees the table change under it.
-  void reserve(int64_t capacity, int64_t rank);
+  // with this process at `rank`, fence key `key`, and no peer mapped. Waits
+  // for this device's work first, so no kernel sees the table change under it.
+  void reserve(int64_t capacity, int64_t rank, uint32_t key = 0);
   // A group's table at once: maps rank r from cards[r] where it is on this
-  // host (anything but a card, e.g. zeros: absent), and sizes launches by the
-  // processes on this GPU among the cards.
+  // host (anything but a card, e.g. zeros: absent), every rank with fence
+  // key `key` (the members agree on it), and sizes launches by the processes
+  // on this GPU among the cards. A rank mapped before whose card is gone or
+  // another is fenced first (fence_peer): its process left the group.
   struct Connection {
     std::vector<bool> reachable;  // per rank: mapped (this one included)
     std::vector<bool> present;    // per rank: a card was given
   };
-  Connection connect(const std::vector<std::string>& cards, int64_t rank);
+  Connection connect(const std::vector<std::string>& cards, int64_t rank, uint32_t key = 0);
   // Maps `slot`'s workspace from its card, staged: kernels do not see it
-  // before publish_peer. False when it cannot be mapped (absent, another
+  // before publish_peer, which also puts `key` (the fence key of that slot's
+  // process) in force. False when it cannot be mapped (absent, another
   // host, or its process is gone).
-  bool map_peer(int64_t slot, const std::string& card);
+  bool map_peer(int64_t slot, const std::string& card, uint32_t key = 0);
   // Puts a mapped slot into the kernels' table, after this device's earlier work.
   void publish_peer(int64_t slot);
   // Takes a slot out of the table and releases its mapping, after this
   // device's earlier work.
   void unmap_peer(int64_t slot);
+  // Sets the fence word of `slot`'s process (mapped: else nothing to do) at
+  // once, without waiting for this device's work: its peers left it out, and
+  // its kernels must stop storing into them.
+  void fence_peer(int64_t slot);
+  // Whether a kernel here found this process fenced (its next launch raises).
+  bool left_out() const { return left_out_; }
 
   // Launch sizes: every block of a launch must be resident at once (blocks
   // wait for each other's stores), and `processes` processes on this GPU
@@ -201,18 +242,27 @@ class EpBuffer {
  private:
   // The layout of a call's shape, checked against this workspace.
   EpLayout layout(int64_t T, int64_t H, int64_t E, int64_t R, const char* what) const;
+  [[noreturn]] void throw_left_out(const char* what) const;
+  // Copies keys_host_[first, first + n) to the device's keys.
+  void write_keys(int64_t first, int64_t n);
   kernels::Common common(const EpCall& call, const char* what) const;
   void check_peer_slot(int64_t slot, const char* what) const;
   // Copies table_[first, first + n) to the device's peer table.
   void write_table(int64_t first, int64_t n);
 
   const int device_;
+  const size_t bytes_;  // the workspace proper (the segment has kControlBytes more)
   DeviceSegment workspace_;
   std::string card_;
   PeerCard mine_;
   std::vector<std::unique_ptr<PeerMapping>> maps_;  // per slot; null: not mapped
+  std::vector<std::string> cards_;                  // per slot: the card it was mapped from
   std::vector<uint8_t*> table_;                     // what the device's table holds
   uint8_t** peers_ = nullptr;
+  std::vector<uint32_t> keys_host_;      // per slot: its fence key (in force once published)
+  uint32_t* keys_ = nullptr;             // device [num_ranks_]
+  cudaStream_t fence_stream_ = nullptr;  // fence_peer's: never behind this process's kernels
+  bool left_out_ = false;
   int32_t* silent_ = nullptr;  // host-mapped [num_ranks_]
   int32_t* silent_dev_ = nullptr;
   std::shared_ptr<LostWords> lost_;  // [num_ranks_]

@@ -5,12 +5,14 @@
 #include <cstring>
 #include <thread>
 
+#include "core/clock.h"
 #include "core/comm_config.h"
 #include "core/error.h"
 #include "core/limits.h"
 #include "core/log.h"
 #include "core/record.h"
 #include "core/wait.h"
+#include "membership/hints.h"
 
 namespace mooncake {
 
@@ -97,13 +99,23 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline, std::string* d
   // The process named by cur/<peer>, once it is alive: right after a death
   // the key still names the dead process until its replacement publishes.
   uint32_t inc = 0;
-  bool dead_seen = false;
+  bool dead_seen = false, left_seen = false, claimed_seen = false;
   const bool found = poll_store(deadline, [&] {
     if (!store_.check(key("cur", peer))) return false;
     const std::string cur = key("cur", peer);
     RecordReader current(store_.get(cur, 1000), "current incarnation under '" + cur + "'");
     inc = current.number<uint32_t>("incarnation");
     current.end();
+    // A newer process has claimed the slot (it publishes cur/<slot> next), or
+    // the one named was left out: wait for the replacement, as for a dead one.
+    if (store_.add(key("inc", peer), 0) > int64_t{inc} + 1) {
+      claimed_seen = true;
+      return false;
+    }
+    if (store_.check(left_key(peer, inc))) {
+      left_seen = true;
+      return false;
+    }
     const std::string meta_key = key("meta", peer) + "/" + std::to_string(inc);
     RecordReader meta(store_.get(meta_key, 1000), "buffer metadata under '" + meta_key + "'");
     const int capacity = meta.number<int>("num_ranks", 1, kMaxCapacity);
@@ -133,7 +145,11 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline, std::string* d
     throw_error(ErrorKind::kTimeout, peer, "connect_ranks: no live process holds rank ", peer,
                 " within metadata_timeout_ms (", config_.metadata_timeout_ms,
                 " ms): it has not created its buffer (update_memory_buffers)",
-                dead_seen ? ", or it died and no replacement has started" : "");
+                claimed_seen ? ", or a newer process claimed the slot and has not published itself"
+                : left_seen  ? str(", or its process (incarnation ", inc,
+                                   ") was left out and no replacement has started")
+                : dead_seen  ? ", or it died and no replacement has started"
+                             : "");
   return inc;
 }
 
@@ -153,6 +169,7 @@ void ElasticPeers::check_slots(const std::vector<int>& peers, const char* what) 
 
 void ElasticPeers::connect(const std::vector<int>& peers, bool activate, uint64_t calls) {
   std::lock_guard<std::mutex> admin(admin_mu_);
+  check_member_in_store("connect_ranks");
   check_slots(peers, "connect_ranks");
   for (int p : peers)
     MC_CHECK_ARG(slots_.state(p) == SlotState::kDisconnected, "connect_ranks: rank ", p,
@@ -174,6 +191,7 @@ void ElasticPeers::connect(const std::vector<int>& peers, bool activate, uint64_
     Peer& peer = peers_[static_cast<size_t>(p)];
     if (peer.inc != incs[i]) peer.last_gen = 0;
     peer.inc = incs[i];
+    peer.left_out = false;
     peer.send_gen = gen;
     peer.recv_gen = 0;
     peer.device_meta = std::move(metas[i]);
@@ -311,6 +329,13 @@ void ElasticPeers::set_masked_locked(int peer, bool masked, uint64_t calls) {
     return;
   }
   if (slots_.active(peer)) return;
+  check_member_in_store("update_mask_buffer");
+  if (peer_left_out(peer))
+    throw_error(ErrorKind::kPeerFailed, peer, "update_mask_buffer: rank ", peer,
+                "'s process (incarnation ", p.inc,
+                ") was left out (gone, or stopped or hung past the hang limit): it can come "
+                "back only as a new process; disconnect_ranks([",
+                peer, "]), then connect_ranks([", peer, "]) connects its replacement");
   // A new connection, or one masked since its channel restarted: (re)start
   // it with fresh generations on both sides. The store waits happen without
   // mu_, so exchanges among the others go on meanwhile.
@@ -337,6 +362,10 @@ void ElasticPeers::disconnect(const std::vector<int>& peers) {
                  " is not connected");
   std::lock_guard<std::mutex> lock(mu_);  // after any exchange in flight
   for (int p : peers) {
+    // A masked peer whose process is lost now was left out, however it was
+    // masked (a deadline may have come before the hang limit).
+    if (!slots_.active(p) && lost_now(p))
+      leave_out(p, str("rank ", p, " was lost when it was disconnected"));
     slots_.disconnect(p);
     peers_[static_cast<size_t>(p)].recv_gen = 0;
     peers_[static_cast<size_t>(p)].masked_since = false;
@@ -349,6 +378,83 @@ void ElasticPeers::mark_failed(int peer, const std::string& why) {
   peers_[static_cast<size_t>(peer)].masked_since = true;
   events_.push_back(why);
   MC_LOG(kWarn, "ep rank ", config_.rank, ": masked rank ", peer, ": ", why);
+  if (lost_now(peer)) leave_out(peer, why);
+}
+
+bool ElasticPeers::lost_now(int peer) const {
+  if (!endpoint_->link(peer)) return false;  // not connected: nothing to judge
+  if (!endpoint_->alive(peer)) return true;
+  return config_.hang_ms > 0 && endpoint_->silent_ms(peer) >= config_.hang_ms;
+}
+
+void ElasticPeers::leave_out(int peer, const std::string& why) {
+  Peer& p = peers_[static_cast<size_t>(peer)];
+  if (p.left_out) return;
+  p.left_out = true;
+  left_out_peers_.push_back(peer);
+  // In the store for the other peers' connects and for the process itself
+  // (should the hint not reach it), then in its segment, where its next call
+  // looks (best effort: a dead one is skipped).
+  try {
+    store_.set(left_key(peer, p.inc), str(config_.rank, " ", why));
+  } catch (const Error& e) {
+    MC_LOG(kWarn, "ep rank ", config_.rank, ": could not record rank ", peer,
+           " as left out in the store: ", e.what());
+  }
+  endpoint_->post_hint(peer, kLeftOutHint, 1);
+  if (endpoint_->alive(peer))  // (a dead one's mask said enough)
+    MC_LOG(kWarn, "ep rank ", config_.rank, ": left out rank ", peer, " (incarnation ", p.inc,
+           "), alive but stopped or hung: it may come back only as a new process");
+}
+
+std::string ElasticPeers::left_key(int slot, uint32_t inc) const {
+  return config_.prefix + "left/" + std::to_string(slot) + "/" + std::to_string(inc);
+}
+
+uint32_t ElasticPeers::incarnation_of(int peer) const {
+  check_slot(peer, "incarnation_of");
+  std::lock_guard<std::mutex> lock(mu_);
+  MC_CHECK_ARG(slots_.state(peer) != SlotState::kDisconnected, "incarnation_of: rank ", peer,
+               " is not connected");
+  return peers_[static_cast<size_t>(peer)].inc;
+}
+
+bool ElasticPeers::left_out() const {
+  return left_out_.load(std::memory_order_acquire) || endpoint_->hint(kLeftOutHint) != 0;
+}
+
+void ElasticPeers::check_member(const char* what) const {
+  if (left_out()) throw_left_out(what);
+}
+
+void ElasticPeers::check_member_in_store(const char* what) {
+  check_member(what);
+  if (store_.check(left_key(config_.rank, incarnation_))) {
+    left_out_.store(true, std::memory_order_release);
+    throw_left_out(what);
+  }
+}
+
+void ElasticPeers::throw_left_out(const char* what) const {
+  throw_error(ErrorKind::kLeftOut, config_.rank, what, ": rank ", config_.rank, " (incarnation ",
+              incarnation_,
+              ") was left out by its peers: they found its process stopped, hung or gone past "
+              "the hang limit (MOONCAKE_HANG_MS) and went on without it. This buffer sends "
+              "nothing more; the slot can come back only as a new incarnation (a new "
+              "Buffer.create_elastic and update_memory_buffers, which the peers connect after "
+              "disconnect_ranks)");
+}
+
+bool ElasticPeers::peer_left_out(int peer) const {
+  check_slot(peer, "peer_left_out");
+  std::lock_guard<std::mutex> lock(mu_);
+  return slots_.state(peer) != SlotState::kDisconnected &&
+         peers_[static_cast<size_t>(peer)].left_out;
+}
+
+std::vector<int> ElasticPeers::take_left_out() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return std::exchange(left_out_peers_, {});
 }
 
 std::vector<uint8_t> ElasticPeers::exchange(const void* const* send, const size_t* send_bytes,
@@ -376,6 +482,7 @@ std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const s
                                                 void* const* recv, const size_t* recv_bytes,
                                                 int bound, int64_t timeout_ms,
                                                 const std::string* reject) {
+  check_member("ep exchange");
   std::lock_guard<std::mutex> lock(mu_);
   rejections_.clear();
   const int me = config_.rank;
@@ -485,7 +592,8 @@ std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const s
     }
     return moved;
   };
-  auto look = [&] {  // fails the unfinished streams of peers that are gone or hung
+  auto look = [&] {               // fails the unfinished streams of peers that are gone or hung
+    check_member("ep exchange");  // the hint rings the bells: a wait ends at once
     bool any = false;
     for (Stream& s : streams) {
       if (s.done()) continue;
@@ -500,7 +608,19 @@ std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const s
   auto unfinished = [&] {
     return std::any_of(streams.begin(), streams.end(), [](const Stream& s) { return !s.done(); });
   };
+  // This process stood still past the hang limit (stopped, since its last
+  // exchange or inside this one): its peers may have left it out, and over
+  // tcp their hint may still wait in a socket. The store says so before it
+  // sends again: a resumed process's late message would overwrite a flag of
+  // its replacement's channel (it reads as zero there, but stalls the pair).
+  auto awake = [&, last = last_exchange_us_]() mutable {
+    const int64_t now = now_us();
+    if (config_.hang_ms > 0 && now - last > config_.hang_ms * 1000)
+      check_member_in_store("ep exchange");
+    last = now;
+  };
   while (unfinished()) {
+    awake();
     bool moved = false;
     for (Stream& s : streams)
       if (!s.done()) moved |= step(s);
@@ -525,8 +645,15 @@ std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const s
                       limit_ms, " ms)"));
     }
   }
-  for (const Stream& s : streams)
+  last_exchange_us_ = now_us();
+  bool failed = false;
+  for (const Stream& s : streams) {
     if (!s.failed) got[static_cast<size_t>(s.peer)] = 1;
+    failed |= s.failed;
+  }
+  // Peers that stopped answering this process may have left it out, with a
+  // hint that has not arrived (over tcp, queued while it was stopped).
+  if (failed) check_member_in_store("ep exchange");
   return got;
 }
 

@@ -21,6 +21,20 @@
 //   calls/<from>/<to>       "<from inc> <to inc> <gen> <calls>": the caller's call
 //                           count when `from` last published `to`, with the
 //                           generation it sends with since (see await_call_count)
+//   left/<slot>/<inc>       "<by> <why>": process <inc> of the slot was left out
+//
+// Left out: a peer masked while the transport sees its process gone, or its
+// heartbeat still past the hang limit (a stopped or hung process), is left
+// out for good, as a process group leaves such a rank out: it may come back
+// only as a new process (a new incarnation of its slot). The side that sees
+// it records that in the store and posts it into the process's segment (the
+// left-out hint, membership/hints.h). Connecting never takes a left-out
+// process, nor one whose slot a newer process has claimed: connect waits for
+// the replacement, as for a dead process (a stopped one is alive and still
+// named by cur/<slot>, and was taken: every side then timed out publishing).
+// A left-out process that resumes gets a kLeftOut error from its next call
+// (check_member: the hint, one load; admin calls and failed exchanges also
+// read the store, in case the hint never reached it), before it sends.
 //
 // Connecting is one-sided and never waits for the peer to connect back: it
 // maps the peer's segment (waiting for its address up to the metadata
@@ -48,6 +62,7 @@
 // masked.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -91,6 +106,20 @@ class ElasticPeers {
   const ElasticConfig& config() const { return config_; }
   const SlotTable& slots() const { return slots_; }
   uint32_t incarnation() const { return incarnation_; }
+  // The incarnation of the process a connected peer's slot is connected to
+  // (throws for a disconnected slot): a device path tags what it expects from
+  // that slot with it.
+  uint32_t incarnation_of(int peer) const;
+
+  // Whether the peers left this process out (see "Left out" above): one load.
+  bool left_out() const;
+  // Throws kLeftOut (naming `what`) when they did.
+  void check_member(const char* what) const;
+  // Whether this side left out the process connected in `peer`'s slot.
+  bool peer_left_out(int peer) const;
+  // The slots whose processes this side left out since the last call: a
+  // device path fences their workspaces before it lets their mappings go.
+  std::vector<int> take_left_out();
 
   // Connects to the process that holds each slot; all or nothing: when one
   // fails (bad argument, refused, timed out), no slot changes. While the
@@ -157,6 +186,7 @@ class ElasticPeers {
  private:
   struct Peer {
     uint32_t inc = 0;            // the process connected to (valid while connected)
+    bool left_out = false;       // process `inc` was left out (by this side or another)
     uint64_t send_gen = 0;       // ours on this connection, chosen at connect
     uint64_t recv_gen = 0;       // the peer's on this connection (0: not yet published)
     uint64_t last_gen = 0;       // the newest peer generation taken from process `inc`
@@ -179,7 +209,16 @@ class ElasticPeers {
   uint64_t publish_send_gen(int peer, uint32_t peer_inc);
   // Waits for the peer's generation of this connection (admin_mu_ held).
   uint64_t await_peer_gen(int peer, const Deadline& deadline);
-  void mark_failed(int peer, const std::string& why);             // mu_ held
+  std::string left_key(int slot, uint32_t inc) const;
+  void mark_failed(int peer, const std::string& why);  // mu_ held
+  // Whether the transport sees `peer`'s process gone, or its heartbeat still
+  // past the hang limit.
+  bool lost_now(int peer) const;
+  // Leaves the connected process of `peer` out (see "Left out"); mu_ held.
+  void leave_out(int peer, const std::string& why);
+  // check_member, then the store's record (admin calls, failed exchanges).
+  void check_member_in_store(const char* what);
+  [[noreturn]] void throw_left_out(const char* what) const;
   void set_masked_locked(int peer, bool masked, uint64_t calls);  // admin_mu_ held
   void check_slot(int peer, const char* what) const;
   // Every slot in range, not this rank's, and listed once.
@@ -199,6 +238,9 @@ class ElasticPeers {
   std::mutex admin_mu_;
   mutable std::mutex mu_;
   std::vector<Peer> peers_;
+  std::vector<int> left_out_peers_;    // take_left_out's
+  int64_t last_exchange_us_ = 0;       // when the last exchange ended (now_us)
+  std::atomic<bool> left_out_{false};  // found so in the store (the hint is read live)
   std::vector<std::string> events_;
   std::vector<std::pair<int, std::string>> rejections_;  // of the last exchange
   // exchange(), or with `reject` its rejecting form (see reject()).

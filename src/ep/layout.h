@@ -18,20 +18,23 @@
 // a call of another T or H never takes data an earlier call left for a signal.
 //
 //   signals   2E int64, 128-byte aligned: E dispatch counts, one per (local
-//             expert, source rank) ([E/R][R]), each `seq << 32 | count`; and
+//             expert, source rank) ([E/R][R]), each `tag << 32 | count`; and
 //             E combine flags, one per global expert a token may hear back
-//             from, each `seq << 32 | first row` (the row of the expert
+//             from, each `tag << 32 | first row` (the row of the expert
 //             owner's rows region where its outputs for this rank start, or
-//             kNoRows). A signal carries its
-//             call's sequence number, so a late write from a dead or masked
-//             peer, or from an earlier call, never reads as this call's. A
+//             kNoRows). The tag (tag_of) is the call's sequence number with
+//             the writer's fence key, so a late write from a dead or masked
+//             peer, from an earlier call, or from a process its slot has since
+//             been given to another (a resumed or late kernel of a rank left
+//             out), never reads as this call's. A
 //             count's place depends on R, which an elastic buffer's calls
 //             choose, so ranks store only into the workspaces of ranks they
 //             count in: a peer's call of another R reads its places elsewhere;
 //   headers   E*T EpMsgHeaders, [E/R local experts][R sources][T slots]: the
 //             most any call can deliver (every token of every source to
 //             every local expert); a source writes the headers of its rows for
-//             local expert j, in token order, into its own T slots;
+//             local expert j, in token order, into its own T slots, each with
+//             its tag: a receiver takes only headers of the tag it expects;
 //   rows      E*T rows of `row_bytes`: the expert outputs a combine returns,
 //             where the token owners read them. A zero-copy combine finds them
 //             in recv_x's layout, [E/R local experts][R*T] (the zero-copy
@@ -44,7 +47,7 @@
 //             them (quantised to FP8 once, or as they are); a BF16/FP16 call
 //             at world 1 in one launch skips it;
 //   index     T * kMaxTopk int64, [T tokens][top-k slot]: which slot each of
-//             this rank's selections took at its expert (`seq << 32 | slot`),
+//             this rank's selections took at its expert (`tag << 32 | slot`),
 //             so that a combine finds the expert's output row (the expert's
 //             first row for this rank, from the flag, plus the slot). Only
 //             this rank writes or reads it.
@@ -57,6 +60,13 @@
 // aligned (2H whenever H % 8 == 0, so the rows region is a plain tensor).
 //
 // Every region starts on a 128-byte boundary.
+//
+// Fencing (device/ep.h says who sets what): every process's fence key is
+// that of its incarnation in its slot (an elastic buffer's), or the
+// generation of the group's EP membership it joined (a process group's), and
+// each receiver knows the key of the process it maps in every slot. Tags are
+// 8 bits of key and 24 of sequence number: a stale writer's tag matches only
+// after 256 changes of key in its slot while it still runs, or 2^24 calls.
 #pragma once
 
 #include <cstddef>
@@ -78,7 +88,7 @@ struct EpMsgHeader {
   int32_t token;         // the source's token index
   int32_t local_expert;  // at the receiver, in [0, E/R)
   int32_t topk_slot;     // the column of topk_idx that selected it
-  int32_t reserved;
+  uint32_t tag;          // EpLayout::tag_of the call and the writer (the portable path: 0)
 };
 static_assert(sizeof(EpMsgHeader) == 16, "the header is 16 bytes on the wire");
 
@@ -89,6 +99,12 @@ struct EpLayout {
   static constexpr int64_t kMaxTopk = 16;    // top-k columns: index entries per token
   // A combine flag's low word when the expert got none of this rank's rows.
   static constexpr uint32_t kNoRows = 0xffffffffu;
+  static constexpr int kTagSeqBits = 24;  // the rest of a tag's 32 bits: the fence key's
+
+  // The tag of call `seq` by the process of fence key `key` (see Fencing above).
+  static MC_HD uint32_t tag_of(uint64_t seq, uint32_t key) {
+    return (key << kTagSeqBits) | static_cast<uint32_t>(seq & ((1u << kTagSeqBits) - 1));
+  }
 
   struct Region {
     size_t offset = 0;  // from the start of the workspace

@@ -8,7 +8,19 @@
 // (device/ipc.h), placed by EpLayout.
 //
 // Each call has a sequence number `seq` (>= 1, the same on every rank for the
-// same call); its half of the workspace is seq & 1 and its signals carry it.
+// same call); its half of the workspace is seq & 1 and its signals carry it,
+// with the writer's fence key (EpLayout::tag_of): a receiver takes a signal
+// or header from rank r only with the tag of this call and of the process it
+// maps at r (Common::keys).
+//
+// Fence: a process its peers left out (a resumed or late kernel) must not
+// store into their workspaces. Its peers then set the fence word in its
+// workspace (Common::fence, device/ep.h); a launch that finds it set stores
+// into no peer (every peer counts as masked) and reports kStatusLeftOut, and
+// one that is past that point looks again right before each phase that
+// stores into peers (headers, counts, combine flags). A kernel that looked
+// before the word was set may still store until its next look; the tags keep
+// whatever it stores from being taken for a newer process's.
 // A call runs in phases: kSend stores this rank's rows into the peers'
 // workspaces and publishes them; kRecv waits for the peers' rows and unpacks
 // them. Both phases in one launch is the usual call; split, the send half
@@ -44,6 +56,7 @@ enum StatusCode : int32_t {
   kStatusBadCount = 4,     // detail: the source rank, the count
   kStatusSilentPeer = 5,   // detail: the rank masked for silence, the phase
   kStatusNotResident = 6,  // detail: the blocks that arrived, the grid size
+  kStatusLeftOut = 7,      // the fence word was set: this process's peers left it out
 };
 constexpr int kStatusWords = 4;  // code, detail 0, detail 1, timeouts so far
 
@@ -72,6 +85,12 @@ struct Common {
   // instead of at the deadline, and a launch masks a gone one at its start;
   // the silent word then says kMaskedLost.
   const int32_t* lost;
+  // Device uint32 [R]: the fence key of the process mapped at each rank (this
+  // one's own at `rank`): its signals' and headers' tags carry it.
+  const uint32_t* keys;
+  // Device, in this process's workspace's control block: nonzero once its
+  // peers left it out (see Fence above).
+  const int32_t* fence;
   int64_t timeout_ns;   // per wait phase
   int32_t* status;      // kStatusWords ints, host-mapped
   uint32_t* grid_sync;  // device, 2 words, zeroed once: the grid barrier's count and generation

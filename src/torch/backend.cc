@@ -4,6 +4,7 @@
 
 #include "core/env.h"
 #include "core/error.h"
+#include "membership/hints.h"
 #include "store/store.h"
 #include "torch/c10d_store.h"
 #include "torch/tensor_args.h"
@@ -199,6 +200,10 @@ std::tuple<int64_t, int64_t, int64_t> MooncakeBackend::timeouts_ms() const {
 int64_t MooncakeBackend::current_epoch() const {
   std::lock_guard<std::mutex> lock(view_mu_);
   return epoch_;
+}
+
+bool MooncakeBackend::left_out() const {
+  return comm_ && told_left_out(comm_->endpoint(), static_cast<uint64_t>(current_epoch()));
 }
 
 // --- elastic membership --------------------------------------------------------------------

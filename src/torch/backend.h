@@ -159,6 +159,11 @@ class MooncakeBackend : public c10d::Backend {
   SyncResponse sync_after_failure();
   // The view's epoch, as active_ranks shows it.
   int64_t current_epoch() const;
+  // Whether the others left this rank out (they post so into its segment when
+  // they agree on a view without it): one load, for a layer that must not act
+  // for a rank that is out before its next op on the group tells it (the EP
+  // device path looks before every launch).
+  bool left_out() const;
   const c10::intrusive_ptr<MooncakeBackendOptions>& options() const { return options_; }
   // (collective op, p2p op, report grace) in ms: what pg.set_*_us gave this group.
   std::tuple<int64_t, int64_t, int64_t> timeouts_ms() const;

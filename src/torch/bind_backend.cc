@@ -176,6 +176,7 @@ void register_backend(py::module_& m) {
       .def("sync_after_failure", &MooncakeBackend::sync_after_failure,
            py::call_guard<py::gil_scoped_release>())
       .def("current_epoch", &MooncakeBackend::current_epoch)
+      .def("left_out", &MooncakeBackend::left_out)
       .def_property_readonly("options", &MooncakeBackend::options)
       .def("_timeouts_ms", &MooncakeBackend::timeouts_ms)
       .def_property_readonly("joining", &MooncakeBackend::joining)

@@ -150,6 +150,18 @@ void register_ep_elastic(py::module_& m) {
                              [](const ElasticHandle& h) { return h.peers->slots().active_slots(); })
       .def_property_readonly("incarnation",
                              [](const ElasticHandle& h) { return h.peers->incarnation(); })
+      .def("incarnation_of",
+           [](const ElasticHandle& h, int peer) { return h.peers->incarnation_of(peer); })
+      .def("left_out", [](const ElasticHandle& h) { return h.peers->left_out(); })
+      .def(
+          "check_member",
+          [](const ElasticHandle& h, const std::string& what) {
+            h.peers->check_member(what.c_str());
+          },
+          py::arg("what"))
+      .def("peer_left_out",
+           [](const ElasticHandle& h, int peer) { return h.peers->peer_left_out(peer); })
+      .def("take_left_out", [](ElasticHandle& h) { return h.peers->take_left_out(); })
       .def("describe", [](const ElasticHandle& h) { return h.peers->slots().describe(); })
       .def("mask",
            [](const ElasticHandle& h) {

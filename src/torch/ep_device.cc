@@ -16,6 +16,7 @@ void register_ep_phases(pybind11::module_& m) {
   m.attr("EP_PHASE_RECV") = static_cast<int>(kernels::kRecv);
   m.attr("EP_PHASE_BOTH") = static_cast<int>(kernels::kBoth);
   m.attr("EP_STATUS_SILENT_PEER") = static_cast<int>(kernels::kStatusSilentPeer);
+  m.attr("EP_STATUS_LEFT_OUT") = static_cast<int>(kernels::kStatusLeftOut);
   m.attr("EP_MASKED_SILENT") = static_cast<int>(kernels::kMaskedSilent);
   m.attr("EP_MASKED_LOST") = static_cast<int>(kernels::kMaskedLost);
 }
@@ -373,27 +374,33 @@ void register_ep_device(py::module_& m) {
           py::arg("processes"))
       .def(
           "connect",
-          [](EpDevice& d, const std::vector<std::string>& cards, int64_t rank) {
-            auto c = d.ep().connect(cards, rank);
+          [](EpDevice& d, const std::vector<std::string>& cards, int64_t rank, uint32_t key) {
+            auto c = d.ep().connect(cards, rank, key);
             return std::make_pair(c.reachable, c.present);
           },
-          py::arg("cards"), py::arg("rank"), R())
+          py::arg("cards"), py::arg("rank"), py::arg("key"), R())
       .def(
           "reserve",
-          [](EpDevice& d, int64_t capacity, int64_t rank) { d.ep().reserve(capacity, rank); },
-          py::arg("capacity"), py::arg("rank"), R())
+          [](EpDevice& d, int64_t capacity, int64_t rank, uint32_t key) {
+            d.ep().reserve(capacity, rank, key);
+          },
+          py::arg("capacity"), py::arg("rank"), py::arg("key"), R())
       .def(
           "map_peer",
-          [](EpDevice& d, int64_t slot, const std::string& card) {
-            return d.ep().map_peer(slot, card);
+          [](EpDevice& d, int64_t slot, const std::string& card, uint32_t key) {
+            return d.ep().map_peer(slot, card, key);
           },
-          py::arg("slot"), py::arg("card"), R())
+          py::arg("slot"), py::arg("card"), py::arg("key"), R())
       .def(
           "publish_peer", [](EpDevice& d, int64_t slot) { d.ep().publish_peer(slot); },
           py::arg("slot"), R())
       .def(
           "unmap_peer", [](EpDevice& d, int64_t slot) { d.ep().unmap_peer(slot); }, py::arg("slot"),
           R())
+      .def(
+          "fence_peer", [](EpDevice& d, int64_t slot) { d.ep().fence_peer(slot); }, py::arg("slot"),
+          R())
+      .def_property_readonly("left_out", [](EpDevice& d) { return d.ep().left_out(); })
       .def("take_masked", [](EpDevice& d) { return d.ep().take_masked(); })
       .def("lost_listener",
            // For whoever watches the peers (MooncakeBackend/ElasticPeers.watch_peers): sets

@@ -323,6 +323,10 @@ def kill_problems(plan, results) -> tuple[list[str], list[str]]:
                     problems.append(f"process {key}: a survivor was masked: {m}")
             if not masks or masks[-1] != survivors:
                 problems.append(f"process {key}: {prefix} rounds ended with {masks[-1:]}")
+        # The group's note that a rank was left out (pg backend left_out(), which the EP
+        # device path reads before every launch): on the stopped rank only.
+        if res.get("left_out_flag") is not (key == _key(plan, last[-1])):
+            problems.append(f"process {key}: left_out() is {res.get('left_out_flag')}")
         if key == _key(plan, last[-1]):
             status, detail, took, ranks = res.get("stopped", ("missing", "", 0, None))
             if (
@@ -391,8 +395,11 @@ def test_rank_killed_before_dispatch_is_masked_and_replaced(killed):
     recover_ranks, update_ep_member / Buffer) and a round with every rank active is
     correct on all four processes. Then rank ``victim2`` dies at a random moment of a
     sequence of rounds: the survivors mask exactly it, agree on when, and every round
-    is correct. Last, a third rank dies between its dispatch and its combine: the
-    survivors' combine leaves its experts out and they go on without it."""
+    is correct. Then a third rank dies between its dispatch and its combine: the
+    survivors' combine leaves its experts out and they go on without it. Last, of the
+    two left, one is stopped and resumed: its dispatch raises LeftOutError, and its
+    group's ``left_out()`` (what the EP device path reads before every launch) says so,
+    the other's not."""
     plan, out = killed
     problems, _ = kill_problems(plan, out.get())
     assert not problems, f"plan {plan}, {out.seconds:.1f} s:\n" + "\n".join(problems[:40])

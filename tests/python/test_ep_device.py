@@ -17,10 +17,17 @@ slower, hence the generous deadlines).
   dispatch and combine; the others finish with exactly that rank masked and
   every other row exact, told by the group's transport (masked as lost, far
   inside a 60 s ``timeout_us``: the kernels did not wait for the deadline).
+* ``test_a_replaced_rank``: a rank exits, a replacement joins, full rounds.
+* ``test_a_stopped_rank_is_fenced`` (the canary of device fencing): a rank stopped with
+  SIGSTOP is masked past MOONCAKE_HANG_MS, left out and replaced; resumed, its next
+  dispatch raises LeftOutError, and a late launch of its kernel (straight through the
+  extension, past that check) stores into nobody; the survivors' and the replacement's
+  rounds after it are exact.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -100,3 +107,40 @@ def test_a_replaced_rank(backend):
             assert rounds[1]["dispatch_s"] < 1.5 + 2.0, (key, rounds)
     seqs = {tuple(r["seq"] for r in res["rounds"][-2:]) for res in results.values()}
     assert len(seqs) == 1, f"the ranks' call numbers differ: {seqs}"
+
+
+def test_a_stopped_rank_is_fenced():
+    """See the module docstring: SIGSTOP mid-use, masked by the kernels past the hang
+    limit (not at timeout_us), left out by the group, replaced; SIGCONT: LeftOutError
+    at its next dispatch, and its late kernel fenced; every other round exact."""
+    from mooncake.launch import LocalGroup
+
+    world, victim = 3, 2
+    env = dict(ENV, MOONCAKE_HANG_MS="1000")
+    with LocalGroup(world, env) as group:
+        group.start(edr.rank_stop, args=(victim, "member"))
+
+        def wait_keys(keys, what):
+            deadline = time.monotonic() + 180
+            while not group.store.check(keys):
+                assert time.monotonic() < deadline, what
+                time.sleep(0.05)
+
+        wait_keys(["stopping"], "the victim never stopped")
+        group.start(edr.rank_stop, ranks=[victim], args=(victim, "joiner"))
+        wait_keys([f"joined/{r}" for r in range(world)], "the replacement never joined")
+        group.kill(str(victim), signal.SIGCONT)
+        results = group.results(timeout_s=240)
+    assert sorted(results) == ["0", "1", str(victim), f"{victim}.1"], sorted(results)
+    stopped = results[str(victim)]
+    assert stopped["told"] == "LeftOutError", stopped
+    assert stopped["late"]["fenced"] and stopped["late"]["next"] == "LeftOutError", stopped
+    for key, res in results.items():
+        if key == str(victim):
+            continue
+        rounds = res["rounds"]
+        assert all(r["active"] == [1] * world for r in rounds[-4:]), (key, rounds)
+        if key != f"{victim}.1":
+            assert rounds[1]["active"] == [1, 1, 0], (key, rounds)
+            # Masked for its heartbeat (1 s), far inside the 20 s timeout_us.
+            assert rounds[1]["dispatch_s"] < 10.0, (key, rounds)

@@ -23,6 +23,9 @@ bound, the capacity or between. The tests read what the processes recorded:
   live peer, 8 barriers, a peer that skips a round masked after timeout_ms, reconnected.
 * ``silent`` (capacity 4, slots 0, 1 and 3): slot 3 skips a round while slot 1 calls it
   late; only slot 3 is masked (each exchange phase has its own budget; issue 15).
+* ``stopped`` (capacity 4, slots 0..2): slot 2 stopped (SIGSTOP) is masked past the hang
+  limit and left out; the survivors' connect_ranks waits for its replacement (it took the
+  stopped process, issue 39); resumed, the stopped process is told (LeftOutError).
 
 The argument rules run on buffers in this process (two buffers of one store talk through
 threads); what could crash the process, or needs MOONCAKE_TRANSPORT=tcp, runs in a fresh
@@ -371,6 +374,40 @@ def test_silent_peer_masks_only_itself_when_another_is_late():
         assert 0.9 * t <= rec["dispatch_s"] <= 2 * t + 3.0, (slot, rec)
         assert rec["combine_s"] < t, (slot, rec)
         assert all(f"deadline {SILENT['timeout_ms']} ms" in e for e in rec["events"]), rec
+
+
+# --- a stopped rank: left out, replaced, resumed --------------------------------------------
+
+#: The hang limit well below timeout_ms: the stopped slot is masked for its heartbeat.
+STOPPED = {"capacity": 4, "rounds": 3, "timeout_ms": 20000, "metadata_timeout_ms": 20000,
+           "seed": SEED}  # fmt: skip
+STOPPED_ENV = {"MOONCAKE_HANG_MS": "1000"}
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_rank_is_left_out_replaced_and_told():
+    """Slot 2 stops (SIGSTOP) in the middle of use: 0 and 1 mask it once its heartbeat
+    stood still past MOONCAKE_HANG_MS (not at timeout_ms), disconnect it and call
+    connect_ranks for slot 2 before its replacement exists. connect_ranks waits for the
+    replacement rather than taking the stopped process, which is alive and still named by
+    the store (it did: every side then timed out in update_mask_buffer); full rounds with
+    the replacement pass. Resumed, the stopped process's next dispatch, barrier and
+    connect_ranks raise LeftOutError naming it, at once; the survivors' and the
+    replacement's rounds after that stay exact."""
+    tl = Timeline("stopped", STOPPED, [0, 1, 2], env=STOPPED_ENV, timeout_s=150).run()
+    n = STOPPED["rounds"]
+    problems = tl.problems(["full", "replace", "resume"], slots=[0, 1, 2], rounds=n)
+    problems += tl.problems(["stop"], slots=[0, 1], rounds=1) + tl.problems(["resumed"])
+    problems += tl.troubles()
+    assert not problems, report(problems, tl)
+    masked = tl.checks("stop", "masked")
+    assert sorted(masked) == [0, 1], masked
+    for slot, rec in masked.items():
+        assert rec["dispatch_s"] < STOPPED["timeout_ms"] / 1000 / 2, (slot, rec)
+    told = [r for p, r in tl.records(["resumed"], "check") if p.key == "2.0"]
+    assert told and all(v == "LeftOutError" for v in told[0]["told"].values()), told
+    replaced = [p for p, r in tl.records(["resume"], "phase") if p.slot == 2]
+    assert [p.key for p in replaced] == ["2.1"], replaced
 
 
 # --- argument rules, on buffers in this process ------------------------------------------------

@@ -23,6 +23,11 @@ client on the GPU, so ``make gpu-check`` runs that one without MPS.
   that skips a round masked by the kernels' deadline.
 * ``upstream`` (capacity 4, three processes): upstream's elastic API
   (``test_upstream_elastic.py``) on the kernels, with views of the workspace.
+* ``stopped`` (capacity 4, three processes; the canary of device fencing): slot 2 stopped
+  with SIGSTOP is masked by the kernels past MOONCAKE_HANG_MS and left out; connect_ranks
+  waits for its replacement (not the stopped process); resumed, its next calls raise
+  LeftOutError and a late launch of its kernel stores into nobody (its peers fenced its
+  workspace); the survivors' and the replacement's rounds after it are exact.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ FAULT = {
 }
 
 CONTRACT = {"capacity": 4, "rounds": 4, "timeout_ms": 2500, "seed": SEED, "device": "cuda"}
+
+#: elastic_ranks.stopped, on the device (test_ep_elastic.py runs it on the CPU).
+STOPPED = {"capacity": 4, "rounds": 3, "timeout_ms": 20000, "metadata_timeout_ms": 60000,
+           "seed": SEED, "device": "cuda"}  # fmt: skip
 
 #: upstream_elastic_ranks.upstream: upstream's elastic API (test_upstream_elastic.py).
 UPSTREAM = {"capacity": 4, "rounds": 6, "timeout_ms": 10000, "seed": SEED, "device": "cuda"}
@@ -122,3 +131,19 @@ def test_upstream_elastic_api_on_the_device():
     assert not problems, report(problems, tl)
     phases = {r["phase"] for _, r in tl.records(event="phase")}
     assert {"forms", "clean", "local", "destroy"} <= phases, phases
+
+
+@pytest.mark.timeout(400)
+def test_a_stopped_rank_is_fenced_on_the_device():
+    tl = Timeline("stopped", STOPPED, [0, 1, 2], env={"MOONCAKE_HANG_MS": "1000"}, timeout_s=360)
+    tl.run()
+    problems = device_problems(tl)
+    told = [r for p, r in tl.records(["resumed"], "check") if p.key == "2.0"]
+    if not told or not (told[0].get("late") or {}).get("fenced"):
+        problems.append(f"the resumed slot 2: {told}")
+    for slot, rec in tl.checks("stop", "masked").items():
+        if rec["dispatch_s"] > STOPPED["timeout_ms"] / 1000 / 2:
+            problems.append(f"slot {slot} masked the stopped slot in {rec['dispatch_s']:.1f} s")
+    assert not problems, report(problems, tl)
+    phases = {r["phase"] for _, r in tl.records(event="phase")}
+    assert {"full", "stop", "replace", "resume", "resumed"} <= phases, phases

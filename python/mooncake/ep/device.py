@@ -22,6 +22,14 @@ expert selected more than ``T`` times is dropped, and the next call on this
 rank raises ValueError naming it), combine does not compare its ``topk_idx``
 with the dispatch's, and a rank whose arguments are rejected raises without
 taking part, so its peers mask it when their deadline passes.
+
+Fencing (``src/device/ep.h``): a rank's signals and headers carry a tag with its
+fence key (a group's EP membership generation, from ``GroupMembers.agree``; an
+elastic slot's process incarnation), and receivers take only the key of the process
+they map in each slot. When the members leave a process out, they set the fence
+word in its workspace (:meth:`DevicePath.fence_slot`), so its kernels still running
+stop storing into theirs; and the process itself raises ``LeftOutError`` before its
+next launch (``members.device_guard``).
 """
 
 from __future__ import annotations
@@ -143,7 +151,11 @@ class DevicePath:
         card = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
         cards = members.all_gather(card).reshape(R, card.numel())
         # A rank outside the group's view sends zeros: absent, not unreachable.
-        self.reachable, present = self.ext.connect([bytes(c.tolist()) for c in cards], members.rank)
+        # A rank mapped before whose process left (another card, or none) is fenced first.
+        self.reachable, present = self.ext.connect(
+            [bytes(c.tolist()) for c in cards], members.rank, members.fence_key
+        )
+        members.connected()
         # The group's transport tells the kernels of a peer it sees lost (they stop waiting
         # for it at once); connect made new words, so it is told of them again.
         members.watch_lost(self.ext)
@@ -157,7 +169,7 @@ class DevicePath:
         for the capacity, this process's GPU in the store, and the kernels' mask with
         this slot alone active."""
         slots = self.members
-        self.ext.reserve(slots.num_ranks, slots.rank)
+        self.ext.reserve(slots.num_ranks, slots.rank, slots.device_key(slots.rank))
         slots.watch_lost(self.ext)  # reserve made new lost words
         # This process's GPU, as the store records it: its card, which says the host and GPU.
         slots.store.set(
@@ -205,7 +217,7 @@ class DevicePath:
             row = bytes.fromhex(meta)
         except ValueError:
             return  # not a device row: reached through the portable path only
-        if self.ext.map_peer(slot, row):
+        if self.ext.map_peer(slot, row, self.members.device_key(slot)):
             self._mapped.add(slot)
 
     def publish_slot(self, slot: int) -> None:
@@ -215,6 +227,14 @@ class DevicePath:
             self.ext.publish_peer(slot)
         self.slot_mask[slot] = 1
         self.refresh_slots()
+
+    def fence_slot(self, slot: int) -> None:
+        """Sets the fence word in the workspace of ``slot``'s process, which its peers
+        left out (mapped: else nothing to do), at once: its kernels still running stop
+        storing into the peers' workspaces (``src/device/ep.h`` says what is and is not
+        guaranteed)."""
+        if slot != self.rank and 0 <= slot < self.members.num_ranks:
+            self.ext.fence_peer(slot)
 
     def mask_slot(self, slot: int) -> None:
         """Sets a masked slot's mask entry to 0 (a device operation: no wait for the GPU)."""
@@ -245,7 +265,7 @@ class DevicePath:
     def raise_reported(self, what: str) -> None:
         """As :meth:`poll`, then raises what an earlier kernel on this rank reported
         (ValueError for bad ``topk_idx`` values, RuntimeError for corrupt data or a
-        grid that was not resident)."""
+        grid that was not resident, LeftOutError when it found this process fenced)."""
         self._hand_over_silent()
         self.ext.raise_reported(what)
 
@@ -279,9 +299,10 @@ class DevicePath:
     ):
         """``buf.dispatch`` on this path (``buf``: the Buffer, for its members, workspace
         size and call numbers)."""
+        members = self.members
+        members.device_guard(self, "dispatch")  # a process left out launches nothing
         if self.ext.status_code():  # first: it may mask slots, which R depends on
             self.raise_reported("dispatch")
-        members = self.members
         R = members.call_ranks(E)
         # The checks need no tensor values, so a call shaped like the last good one
         # passes them too: skip them (they cost more than the launch).
@@ -350,6 +371,7 @@ class DevicePath:
                 )
                 if error:
                     raise ValueError(f"combine: {error}")
+        self.members.device_guard(self, "combine")
         if self.ext.status_code():
             self.raise_reported("combine")
         if state.event is not None:  # the dispatch ran on the communication stream

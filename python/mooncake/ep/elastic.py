@@ -30,7 +30,10 @@ the host looks. Kernels tag their signals with the call count, which peers
 must share; processes that ran calls without each other (a new one, or one
 masked for a while) count differently, so when two publish each other they
 tell their counts, and before the next call each moves up to the highest it
-was told (``ElasticPeers::await_call_count``). When an active
+was told (``ElasticPeers::await_call_count``). Each slot's fence key is the
+incarnation of the process connected there: nothing a process that was left out (or
+replaced) stores is taken for a current call, and the workspace of a slot this side
+leaves out is fenced as it learns of it (``DevicePath.fence_slot``). When an active
 slot is not mapped (another host) or the tensors are on the CPU, calls run the
 portable path: the core's exchange (shm on one host, tcp across hosts), CUDA
 tensors staged through host memory.
@@ -215,6 +218,15 @@ class Slots:
             device_path.wait_for_gpu()
         if self.device is not None:
             self.device.poll()
+        self._fence_left_out()
+
+    def _fence_left_out(self) -> None:
+        """Fences the device workspaces of the slots whose processes this side left out
+        (``DevicePath.fence_slot``): a kernel of theirs still running stops storing into
+        its peers' workspaces."""
+        for slot in self._peers.take_left_out() if self._peers is not None else ():
+            if self.device is not None:
+                self.device.fence_slot(slot)
 
     def _check_alive(self, what: str) -> None:
         if self.destroyed:
@@ -301,6 +313,7 @@ class Slots:
             return
         self.look()
         self._peers.disconnect(slots)
+        self._fence_left_out()  # (disconnect leaves out the masked ones that are lost)
         if self.device is not None:
             for p in slots:
                 self.device.unmap_slot(p)
@@ -352,11 +365,17 @@ class Slots:
     def clean_mask(self, calls: int = 0) -> None:
         """Publishes every staged slot (connected, masked by update_mask_buffer or by a
         timeout), as upstream's sets every connected slot active; disconnected slots stay
-        masked."""
+        masked, and so do slots whose process was left out (it can come back only as a
+        new process, which disconnect_ranks and connect_ranks take in)."""
         what = "clean_mask_buffer"
         peers = self.need_peers(what)
         self.look()
-        staged = [s for s in range(self.num_ranks) if s != self.rank and peers.state(s) == "staged"]
+        peers.check_member(what)
+        staged = [
+            s
+            for s in range(self.num_ranks)
+            if s != self.rank and peers.state(s) == "staged" and not peers.peer_left_out(s)
+        ]
         failed = []
         for s in staged:  # each publish waits for its peer's side; one late peer stops none
             try:
@@ -552,6 +571,17 @@ class Slots:
         if view is None:
             view = self._dev_views[R] = self.device.slot_mask[:R]
         return (view, None) if active_ranks is None else (active_ranks, view)
+
+    def device_guard(self, path, what: str) -> None:
+        """Before a device launch: raises LeftOutError when the peers left this process
+        out (one load: the hint they post into its segment). The workspaces of the slots
+        this side leaves out are fenced as it learns of them (:meth:`look`)."""
+        self._peers.check_member(what)
+
+    def device_key(self, slot: int) -> int:
+        """The fence key the device path expects in ``slot``'s signals: the incarnation
+        of the process connected there (this process's own for its slot)."""
+        return self._peers.incarnation if slot == self.rank else self._peers.incarnation_of(slot)
 
     def device_masked(self, slot: int, why: str) -> None:
         """A kernel masked ``slot`` (silent, or lost): the slot table masks it too."""

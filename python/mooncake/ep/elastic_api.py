@@ -325,8 +325,11 @@ class ElasticMethods:
             ValueError: ``remote_ranks`` is not a list of ints; a slot is outside
                 the capacity, listed twice, already connected, or its buffer has
                 another capacity or ``num_experts_per_rank``.
-            TimeoutError: no live process holds a slot, or (activating) a peer has
-                not connected back, within ``metadata_timeout_ms``.
+            TimeoutError: no live process holds a slot (a process that was left out,
+                such as one stopped past ``MOONCAKE_HANG_MS``, does not count: the call
+                waits for its replacement), or (activating) a peer has not connected
+                back, within ``metadata_timeout_ms``.
+            mooncake.LeftOutError: the peers left this process out.
             RuntimeError: before :meth:`update_memory_buffers`, not an elastic
                 Buffer, or destroyed.
         """
@@ -350,6 +353,10 @@ class ElasticMethods:
             ValueError: ``rank_to_mask`` is not a connected slot, or is this rank
                 with ``mask=True``.
             TimeoutError: the peer has not connected back in time.
+            mooncake.PeerFailedError: publishing a peer whose process this side left
+                out (gone, or stopped or hung past ``MOONCAKE_HANG_MS``): disconnect
+                it and connect its replacement.
+            mooncake.LeftOutError: publishing, when the peers left this process out.
             RuntimeError: before :meth:`update_memory_buffers`, not an elastic
                 Buffer, or destroyed.
         """
@@ -385,12 +392,16 @@ class ElasticMethods:
         """Unmasks every connected slot, as upstream's: each staged slot (connected
         with ``activate=False``, masked by :meth:`update_mask_buffer` or by a timeout)
         is published as ``update_mask_buffer(slot, mask=False)`` does, one after the
-        other; disconnected slots stay masked. Each publish waits for the peer's side
-        (up to ``metadata_timeout_ms``): disconnect slots whose process is gone first.
+        other; disconnected slots stay masked, and so do slots whose process was left
+        out (gone, or stopped or hung past ``MOONCAKE_HANG_MS``: only a replacement,
+        connected after :meth:`disconnect_ranks`, takes such a slot again). Each
+        publish waits for the peer's side (up to ``metadata_timeout_ms``): disconnect
+        slots whose process is gone first.
 
         Raises:
             TimeoutError: some peers did not publish this rank in time (the message
                 names them; the others are published).
+            mooncake.LeftOutError: the peers left this process out.
             RuntimeError: before :meth:`update_memory_buffers`, not an elastic
                 Buffer, or destroyed.
         """
@@ -406,6 +417,7 @@ class ElasticMethods:
 
         Raises:
             ValueError: ``timeout_ms`` is not None or an int in ``[1, 2**40)``.
+            mooncake.LeftOutError: the peers left this process out.
             RuntimeError: before :meth:`update_memory_buffers`, not an elastic
                 Buffer, or destroyed.
         """

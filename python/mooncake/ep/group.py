@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .. import pg
 from .._checks import MAX_INT, is_int
+from ..errors import LeftOutError
 from . import portable_rows
 
 
@@ -31,6 +32,12 @@ class GroupMembers:
         self._events: list[str] = []  # ranks the device path's kernels masked
         self._mask_version = -1  # the group's view_version that _mask_dev shows
         self._mask_dev = torch.zeros(0, dtype=torch.int32)
+        # The device path's fence key: the generation of the EP membership this process
+        # agreed on last (agree); a process left out keeps an older one.
+        self.fence_key = 0
+        self._guarded: tuple | None = None  # the group's mooncake backends (device_guard)
+        self._guard_version = -1  # the view_version device_guard fenced for
+        self._fenced: set[int] = set()  # ranks whose workspaces device_guard fenced
 
     # --- the shape of a call ----------------------------------------------------------
 
@@ -104,18 +111,21 @@ class GroupMembers:
         group size (collective: every member calls it); returns the highest call number
         ``seq`` among them, which every member takes as its own (a replacement starts
         at 0, the others where they are: the device path tags its signals with it).
+        The members also move to a new fence key, above every one of theirs: a process
+        that was left out before keeps its old one, so nothing it sends is taken.
 
         Raises:
             ValueError: a member has another ``num_bytes``.
         """
-        mine = torch.tensor([1, num_bytes, self.num_ranks, seq])
-        rows = self.all_gather(mine).reshape(self.num_ranks, 4).tolist()
-        for r, (present, nbytes, size, _) in enumerate(rows):
+        mine = torch.tensor([1, num_bytes, self.num_ranks, seq, self.fence_key])
+        rows = self.all_gather(mine).reshape(self.num_ranks, 5).tolist()
+        for r, (present, nbytes, size, _, _) in enumerate(rows):
             if present and (nbytes, size) != (num_bytes, self.num_ranks):
                 raise ValueError(
                     f"{what}: ranks disagree on num_ep_buffer_bytes: rank {r} has {nbytes}, "
                     f"rank {self.rank} has {num_bytes}"
                 )
+        self.fence_key = max(row[4] for row in rows if row[0]) + 1
         return max(row[3] for row in rows if row[0])
 
     def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
@@ -173,6 +183,43 @@ class GroupMembers:
         """A kernel masked ``rank`` (silent past a deadline, or lost)."""
         self._events.append(why)
 
+    def device_guard(self, path, what: str) -> None:
+        """Before a device launch: raises LeftOutError when the group left this rank out
+        (one load per mooncake backend: the others post it into its segment), and when
+        the group's view changed, fences the device workspaces of the mapped ranks it
+        no longer holds (``DevicePath.fence_slot``): they were left out, and a kernel of
+        theirs still running stops storing into this one's."""
+        backends = self._guarded
+        if backends is None:
+            backends = self._guarded = _mooncake_backends(self.group)
+        for b in backends:
+            if b.left_out():
+                raise LeftOutError(
+                    f"{what}: rank {self.rank} was left out of the group by the other ranks "
+                    f"(it was stopped, hung or gone past MOONCAKE_HANG_MS, or deactivated); "
+                    f"it launches nothing more. It can come back only as a new process: "
+                    f"create its group with MooncakeBackendOptions(..., is_extension=True), "
+                    f"pg.join_group() and a new Buffer, while the others call "
+                    f"pg.recover_ranks and update_ep_member",
+                    [self.rank],
+                )
+        if not backends:
+            return
+        version = backends[0].view_version()
+        if version == self._guard_version:
+            return
+        self._guard_version = version
+        present = self.present(self.num_ranks).tolist()
+        for r, here in enumerate(present):
+            if not here and r != self.rank and r not in self._fenced:
+                path.fence_slot(r)
+                self._fenced.add(r)
+
+    def connected(self) -> None:
+        """The device path mapped the members again (``connect`` fenced those that left)."""
+        self._fenced.clear()
+        self._guard_version = -1
+
     def watch_lost(self, ext) -> None:
         """Has the group's transport set the device path's lost words (``ext``, an
         EpDevice) of the peers it sees lost, so that kernels stop waiting for them."""
@@ -195,6 +242,20 @@ def members_of(group: dist.ProcessGroup, owner: str, stall: str) -> GroupMembers
         stacklevel=3,
     )
     return ForeignMembers(group)
+
+
+def _mooncake_backends(group: dist.ProcessGroup) -> tuple:
+    """The group's mooncake backends (CPU and CUDA may be two, each with its own view of
+    who is left out)."""
+    out = []
+    for device in ("cpu", "cuda"):
+        try:
+            b = group._get_backend(torch.device(device))
+        except (RuntimeError, ValueError):
+            continue
+        if isinstance(b, pg.MooncakeBackend) and b not in out:
+            out.append(b)
+    return tuple(out)
 
 
 def has_mooncake_backend(group: dist.ProcessGroup) -> bool:
@@ -236,6 +297,10 @@ class ForeignMembers(GroupMembers):
 
     def watch_lost(self, ext) -> None:
         """Nobody watches the peers: the kernels wait for a dead one until the deadline."""
+
+    def device_guard(self, path, what: str) -> None:
+        """Nothing tells this rank it was left out: only the fence keys (agree) and the
+        mappings a new connect fences protect the others."""
 
     def present(self, num_ranks: int) -> torch.Tensor:
         return torch.ones(num_ranks, dtype=torch.bool)

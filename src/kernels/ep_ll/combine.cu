@@ -29,7 +29,7 @@ struct CombineView {
   int K;
   int warp, lane;
   uint64_t seq;
-  uint32_t tag;  // the sequence number's low word, as signals carry it
+  uint32_t tag;  // this rank's tag for the call, as its signals and index entries carry it
   bool both;     // one launch; split, own rows go through the rows region too
   uint8_t* own;  // this rank's workspace
 };
@@ -105,15 +105,16 @@ __device__ __forceinline__ void combine_send(const CombineArgs& a, const Combine
     }
     __syncthreads();  // s_row and s_dst are refilled; the last round: rows before flags
   }
+  const bool open = !s_live.out && !fenced(a.c);  // a fence set meanwhile stops the flags
   for (int i = threadIdx.x; i < np; i += kThreads) {
     const int p = static_cast<int>(blockIdx.x) + i * G, le = p / R, s = p % R;
-    if (!s_live(a.c, s) || (both && s == a.c.rank)) continue;
+    if (!s_live(a.c, s) || (both && s == a.c.rank) || (!open && s != a.c.rank)) continue;
     const int64_t range = a.layout_range[p];
     const uint32_t first =
         (range & 0xffffffff) != 0 ? static_cast<uint32_t>(s_place[i]) : EpLayout::kNoRows;
     st_release_sys(
         reinterpret_cast<uint64_t*>(a.c.peers[s] + L.combine_flag(seq, a.c.rank * epr + le)),
-        (seq << 32) | first);
+        (static_cast<uint64_t>(tag) << 32) | first);
   }
 }
 
@@ -168,7 +169,8 @@ __device__ __forceinline__ void combine_recv(const CombineArgs& a, const Combine
         } else {
           uint64_t v = 0;
           const auto* flag = reinterpret_cast<const uint64_t*>(own + L.combine_flag(seq, e));
-          const auto ready = [tag](uint64_t x) { return (x >> 32) == tag; };
+          const uint32_t want = tag_from(a.c, d);  // from the process mapped at d
+          const auto ready = [want](uint64_t x) { return (x >> 32) == want; };
           if (wait_for(a.c, flag, ready, deadline, d, kRecv, &v)) {
             const uint32_t first = static_cast<uint32_t>(v);
             used = sent && first != EpLayout::kNoRows && first + slot < epr * cols;
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const int K = a.topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint64_t seq = a.c.seq;
-  const uint32_t tag = static_cast<uint32_t>(seq);
+  const uint32_t tag = tag_from(a.c, a.c.rank);
   const bool both = a.c.phases == kBoth;  // split: own rows go through the rows region too
   uint8_t* own = a.c.peers[a.c.rank];
   __shared__ MaskSnapshot s_live;

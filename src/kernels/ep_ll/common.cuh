@@ -41,20 +41,39 @@ constexpr int kWarps = kThreads / 32;
 // silent peer.
 constexpr int kSnapRanks = 1024;
 
+// Whether this process's peers left it out (Common::fence, api.h): a load of
+// its own workspace's control word, where they store it. Each store phase
+// into peers looks right before it starts (and reports it, for the host).
+__device__ __forceinline__ bool fenced(const Common& c) {
+  if (ld_volatile(c.fence) == 0) return false;
+  if (threadIdx.x == 0) report(c.status, kStatusLeftOut, c.rank, 0);  // (host memory: one a block)
+  return true;
+}
+
+// The tag of this call's signals and headers from rank r (its process's
+// fence key: EpLayout::tag_of); r = this rank: the tag it writes.
+__device__ __forceinline__ uint32_t tag_from(const Common& c, int r) {
+  return EpLayout::tag_of(c.seq, c.keys[r]);
+}
+
 struct MaskSnapshot {
   uint8_t live[kSnapRanks];
+  bool out;  // fenced at the launch's start: no peer is live
 
   // Every thread calls it; a __syncthreads must follow before the first use.
-  // A rank the host has seen gone is masked here, before anything is sent to it.
+  // A rank the host has seen gone is masked here, before anything is sent to
+  // it; a fenced process sends to nobody and waits for nobody.
   __device__ void load(const Common& c, int R) {
+    const bool fence = fenced(c);
+    if (threadIdx.x == 0) out = fence;
     for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads) {
       if (host_lost(c, r, true) && ld_volatile(c.active_ranks + r) != 0)
         mask_peer(c, r, kSend, kMaskedLost);
-      live[r] = live_now(c, r);
+      live[r] = (!fence || r == c.rank) && live_now(c, r);
     }
   }
   __device__ bool operator()(const Common& c, int r) const {
-    return r < kSnapRanks ? live[r] != 0 : live_now(c, r);
+    return r < kSnapRanks ? live[r] != 0 : (!out || r == c.rank) && live_now(c, r);
   }
   // A rank with no mapping (an elastic buffer's slot not published) is never
   // live, whatever the masks say: nothing may be stored through its entry.

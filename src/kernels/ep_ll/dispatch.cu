@@ -119,8 +119,12 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const Dispa
   const int nb = dealt(E);
   int32_t* s_base = s_dyn;                // [nb][kWarps]: this round's rows per warp, then bases
   int32_t* s_rows = s_dyn + nb * kWarps;  // [nb]: rows given so far
+  const uint32_t tag = tag_from(a.c, a.c.rank);
   for (int i = threadIdx.x; i < nb; i += kThreads) s_rows[i] = 0;
   for (int64_t round = 0; round < entries; round += kThreads) {
+    // The fence, loaded at the round's start (its latency hides behind the
+    // slot count), decides the round's header stores into peers.
+    const bool open = !s_live.out && !fenced(a.c);
     for (int i = threadIdx.x; i < nb * kWarps; i += kThreads) s_base[i] = 0;
     __syncthreads();
     const int64_t j = round + threadIdx.x;
@@ -152,14 +156,14 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const Dispa
       const int slot = s_base[mine * kWarps + warp] + rank_in_warp;
       const int e = static_cast<int>(id), t = static_cast<int>(j / K);
       const int k = static_cast<int>(j % K), le = e % epr;
-      if (slot < T) {
+      if (slot >= T) {
+        report(a.c.status, kStatusOverflow, e, slot + 1);
+      } else if (open || e / epr == a.c.rank) {
         *reinterpret_cast<EpMsgHeader*>(a.c.peers[e / epr] + L.header(seq, le, a.c.rank, slot)) =
-            EpMsgHeader{t, le, k, 0};
+            EpMsgHeader{t, le, k, tag};
         // The combine finds this selection's expert output by its slot.
         *reinterpret_cast<uint64_t*>(own + L.combine_index(seq, t, k)) =
-            (seq << 32) | static_cast<uint32_t>(slot);
-      } else {
-        report(a.c.status, kStatusOverflow, e, slot + 1);
+            (static_cast<uint64_t>(tag) << 32) | static_cast<uint32_t>(slot);
       }
     }
     __syncthreads();  // s_base is refilled next round
@@ -171,7 +175,9 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const Dispa
   }
   // Every thread's stores are done (the barrier above), then each count is
   // published with a release, which is cumulative: it covers what the
-  // barrier made visible to the publishing thread.
+  // barrier made visible to the publishing thread. A fence set meanwhile
+  // stops the counts to peers.
+  const bool open = !s_live.out && !fenced(a.c);
   for (int i = threadIdx.x; i < nb; i += kThreads) {
     const int e = static_cast<int>(blockIdx.x) + i * G;
     // This rank's flag for e in this half is next raised by e's owner in the
@@ -183,11 +189,11 @@ __device__ __forceinline__ void dispatch_send(const DispatchArgs& a, const Dispa
     // landed on another (expert, source) of its own with a matching tag.
     // An owner that still counts this rank in waits out its deadline, as
     // on the portable path.
-    if (!s_live(a.c, e / epr)) continue;
+    if (!s_live(a.c, e / epr) || (!open && e / epr != a.c.rank)) continue;
     uint8_t* owner = a.c.peers[e / epr];
     const uint64_t count = static_cast<uint64_t>(s_rows[i] < T ? s_rows[i] : T);
     st_release_sys(reinterpret_cast<uint64_t*>(owner + L.dispatch_count(seq, e % epr, a.c.rank)),
-                   (seq << 32) | count);
+                   (static_cast<uint64_t>(tag) << 32) | count);
   }
   __syncthreads();  // s_dyn is the receive phase's next
 }
@@ -219,7 +225,8 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const Dispa
     uint64_t v = 0;
     int count = 0;
     const auto* sig = reinterpret_cast<const uint64_t*>(own + L.dispatch_count(seq, le, s));
-    const auto ready = [seq](uint64_t x) { return (x >> 32) == (seq & 0xffffffffu); };
+    const uint32_t want = tag_from(a.c, s);  // this call's, from the process mapped at s
+    const auto ready = [want](uint64_t x) { return (x >> 32) == want; };
     if (s_live(a.c, s) && wait_for(a.c, sig, ready, deadline, s, kRecv, &v)) {
       // Consumed: cleared, so a replay of a captured graph (the same
       // sequence number again) waits for the new count.
@@ -267,8 +274,11 @@ __device__ __forceinline__ void dispatch_recv(const DispatchArgs& a, const Dispa
       const int le = static_cast<int>(blockIdx.x) + i * G;
       const EpMsgHeader h =
           *reinterpret_cast<const EpMsgHeader*>(own + L.header(seq, le, s, r - off[s]));
-      const bool ok = h.local_expert == le && h.token >= 0 && h.token < T && h.topk_slot >= 0 &&
-                      h.topk_slot < EpLayout::kMaxTopk && (s != a.c.rank || h.token < a.num_tokens);
+      // Of another tag: a late store of a process left out in s's slot (the
+      // fence stops those, but not one already past its look), over s's own.
+      const bool ok = h.tag == tag_from(a.c, s) && h.local_expert == le && h.token >= 0 &&
+                      h.token < T && h.topk_slot >= 0 && h.topk_slot < EpLayout::kMaxTopk &&
+                      (s != a.c.rank || h.token < a.num_tokens);
       const int64_t row = le * cols + r;
       a.src_info[row] = ok ? h.token : -1;
       const uint8_t* body = nullptr;

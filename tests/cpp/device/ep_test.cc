@@ -1,7 +1,9 @@
 // The low-latency EP buffer (device/ep.h) among processes on the GPU: what a
 // dispatch delivers (counts, rows in source-rank then token order, their
 // bytes) and what a combine sums, against a host model of the routing; then
-// a rank that dies before a call, masked by the survivors at their deadline.
+// a rank that dies before a call, masked by the survivors at their deadline;
+// then fencing: a rank its peers fenced stores into nobody (canaries in their
+// workspaces), and signals of another fence key are never taken.
 // Each test needs a GPU (gpu.h).
 #include "device/ep.h"
 
@@ -9,6 +11,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "collectives/reduce.h"
@@ -191,6 +195,100 @@ TEST(EpBuffer, SurvivorsMaskALostRankAtOnce) {
               EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
             },
             {30000});
+}
+
+// Bytes [offset, offset + n) of this rank's workspace, read back.
+std::vector<uint8_t> read_workspace(const EpBuffer& ep, size_t offset, size_t n) {
+  std::vector<uint8_t> out(n);
+  mooncake::cuda_check(cudaMemcpy(out.data(), ep.workspace() + offset, n, cudaMemcpyDeviceToHost),
+                       "reading the workspace");
+  return out;
+}
+
+// Whether every place of call `seq`'s half where `src` stores into this rank
+// (its counts, its headers, the combine flags of its experts) is still zero.
+bool untouched_by(const EpBuffer& ep, int R, uint64_t seq, int src) {
+  const mooncake::EpLayout l(mooncake::EpShape{kT, kH, R, kEpr * R});
+  bool clean = true;
+  auto zero = [&](size_t offset, size_t n) {
+    for (uint8_t b : read_workspace(ep, offset, n)) clean &= b == 0;
+  };
+  for (int64_t le = 0; le < kEpr; ++le) {
+    zero(l.dispatch_count(seq, le, src), 8);
+    zero(l.header(seq, le, src, 0), static_cast<size_t>(kT) * mooncake::EpLayout::kHeaderBytes);
+    zero(l.combine_flag(seq, src * kEpr + le), 8);
+  }
+  return clean;
+}
+
+// Whether `fn` throws a kLeftOut Error.
+bool left_out_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const mooncake::Error& e) {
+    return e.kind() == mooncake::ErrorKind::kLeftOut &&
+           std::string(e.what()).find("left out") != std::string::npos;
+  }
+  return false;
+}
+
+// Rank 2's peers fence it, as they do when they leave it out; its next call,
+// every rank marked live, stores into neither (their canaries: its places in
+// their workspaces stay zero), reports it, and raises kLeftOut, as does every
+// later launch. The others' call among themselves is exact.
+TEST(EpBuffer, AFencedRankStoresIntoNobody) {
+  MC_REQUIRE_GPU();
+  run_ranks(
+      3,
+      [](Rank& r) {
+        EpRank e(r);
+        std::vector<int32_t> live(3, 1);
+        check(step(*e.ep, r.rank, 3, 1, live, 5'000'000'000, e.g.stream), r.rank, 3, live);
+        if (r.rank == 0) e.ep->fence_peer(2);
+        e.g.comm.barrier();
+        if (r.rank == 2) {
+          live.assign(3, 1);
+          EXPECT_TRUE(left_out_error([&] { step(*e.ep, 2, 3, 2, live, 200'000'000, e.g.stream); }));
+          EXPECT_TRUE(e.ep->left_out());
+          EXPECT_TRUE(left_out_error([&] { step(*e.ep, 2, 3, 3, live, 200'000'000, e.g.stream); }));
+          e.g.comm.barrier();
+          return;
+        }
+        e.g.comm.barrier();  // rank 2's calls are over
+        // Call 2's half: no call had used it before rank 2's.
+        EXPECT_TRUE(untouched_by(*e.ep, 3, 2, 2));
+        live.assign({1, 1, 0});
+        const Step s = step(*e.ep, r.rank, 3, 2, live, 5'000'000'000, e.g.stream);
+        EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+        check(s, r.rank, 3, live);
+      },
+      {60000});
+}
+
+// Ranks 0 and 1 expect rank 2's process at fence key 2 (a replacement's); the
+// process at rank 2 writes key 1 (the one its slot had before), unfenced:
+// nothing it sends is taken. The survivors wait it out and mask it, and their
+// rows and sums are exactly those of {0, 1}.
+TEST(EpBuffer, SignalsOfAnotherFenceKeyAreNeverTaken) {
+  MC_REQUIRE_GPU();
+  run_ranks(3,
+            [](Rank& r) {
+              EpRank e(r);
+              std::vector<std::string> cards;
+              for (int p = 0; p < 3; ++p)
+                cards.push_back(r.store.get("card/" + std::to_string(p), 10000));
+              e.ep->connect(cards, r.rank, r.rank == 2 ? 1 : 2);
+              e.g.comm.barrier();
+              std::vector<int32_t> live(3, 1);
+              const Step s = step(*e.ep, r.rank, 3, 1, live, 300'000'000, e.g.stream);
+              if (r.rank == 2) {
+                EXPECT_EQ(live, (std::vector<int32_t>{0, 0, 1}));
+                return;
+              }
+              EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+              check(s, r.rank, 3, live);
+            },
+            {60000});
 }
 
 }  // namespace

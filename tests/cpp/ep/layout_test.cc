@@ -134,6 +134,21 @@ TEST(EpLayout, AccessorsStayInsideTheirRegions) {
   }
 }
 
+// A tag is the call's number and the writer's fence key: tags of two keys
+// never meet, whatever the calls; nor do two calls' of one key, within 2^24.
+TEST(EpLayout, TagsTellKeysAndCallsApart) {
+  for (uint32_t key : {0u, 1u, 7u, 255u})
+    for (uint64_t seq : {uint64_t{1}, uint64_t{2}, uint64_t{1} << 23, (uint64_t{1} << 24) - 1}) {
+      const uint32_t tag = EpLayout::tag_of(seq, key);
+      EXPECT_EQ(tag >> EpLayout::kTagSeqBits, key);
+      EXPECT_NE(tag, EpLayout::tag_of(seq, key + 1)) << seq << " " << key;
+      EXPECT_NE(tag, EpLayout::tag_of(seq + 1, key)) << seq << " " << key;
+      EXPECT_NE(tag, EpLayout::tag_of(seq + 1, key ^ 1)) << seq << " " << key;
+    }
+  EXPECT_EQ(EpLayout::tag_of(1, 256), EpLayout::tag_of(1, 0));  // keys are 8 bits
+  EXPECT_EQ(EpLayout::tag_of(uint64_t{1} << 24, 3), EpLayout::tag_of(0, 3));
+}
+
 TEST(EpLayout, BadShapesNameTheArgument) {
   auto bad = [](EpShape s, const char* contains) {
     return throws_error(ErrorKind::kInvalidArgument, [&] { EpLayout l(s); }, contains);

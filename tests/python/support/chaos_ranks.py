@@ -290,7 +290,9 @@ class Process:
         # Stopped past the hang limit: the parent resumes this process once its
         # replacement has joined. It must be told that it was left out.
         self.info["t_resumed"] = t_resumed
-        self.info["left_out"] = left_out_check(self.rank, self.device, self.steps.buf)
+        self.info["left_out"] = left_out_check(
+            self.rank, self.device, self.steps.buf, self.steps.eep
+        )
         self.publish()
         return False
 

@@ -122,8 +122,8 @@ class Steps:
         """After ``pg.recover_ranks``: the Buffer takes the group's members again (the
         joiners make theirs), the EP mask goes back to ones, and the elastic buffer
         releases the old slots and connects the new processes, once ``wait_cards()``
-        says that their elastic buffers exist (connect_ranks maps whichever live
-        process holds a slot: a stopped one, left out of the group, still counts)."""
+        says that their elastic buffers exist (connect_ranks would wait for them by
+        itself: it never takes a process that was left out, such as a stopped one)."""
         if self.buf is not None:
             self.buf.update_ep_member()
             if self.device.type == "cuda" and not self.buf.runtime.p2p_enabled():
@@ -346,11 +346,10 @@ def stop_self(store, key: str, what: str) -> float:
     return now()
 
 
-def left_out_check(rank: int, device: torch.device, buf) -> dict:
-    """A resumed process the others left out: its next op on the group must raise
-    LeftOutError naming this rank; on the portable path its next EP dispatch too. (On the
-    device path it makes no EP call: nothing yet fences a late kernel's stores off the
-    workspaces of the survivors and of its replacement.)"""
+def left_out_check(rank: int, device: torch.device, buf, eep=None) -> dict:
+    """A resumed process the others left out: its next op on the group, its next EP
+    dispatch (on the device path too: it launches nothing) and its elastic buffer's next
+    dispatch must raise LeftOutError naming this rank."""
     from mooncake import LeftOutError
 
     out: dict = {}
@@ -363,15 +362,24 @@ def left_out_check(rank: int, device: torch.device, buf) -> dict:
     except Exception as e:  # noqa: BLE001  (reported)
         out["op"] = describe(e)
     out["op_ms"] = (now() - t0) * 1e3
-    if device.type == "cpu" and buf is not None:
-        x = torch.ones(1, 128, dtype=torch.bfloat16)
-        idx = torch.zeros(1, 1, dtype=torch.int64)
+
+    def ep_call(b, num_experts: int, T: int, H: int) -> str:
+        x = torch.ones(1, H, dtype=torch.bfloat16, device=device)
+        idx = torch.zeros(1, 1, dtype=torch.int64, device=device)
         try:
-            buf.dispatch(x, idx, None, 1, buf.num_ranks, -1, use_fp8=False)
-            out["ep"] = "returned normally"
+            b.dispatch(x, idx, None, T, num_experts, -1, use_fp8=False)
+            return "returned normally"
         except LeftOutError as e:
-            out["ep"] = "LeftOutError" if e.ranks == [rank] else describe(e)
+            return "LeftOutError" if e.ranks == [rank] else describe(e)
         except Exception as e:  # noqa: BLE001
-            out["ep"] = describe(e)
-    out["told"] = out["op"] == "LeftOutError" and out.get("ep", "LeftOutError") == "LeftOutError"
+            return describe(e)
+
+    if buf is not None:
+        out["ep"] = ep_call(buf, buf.num_ranks, 1, 128)
+    if eep is not None:
+        epr = EEP_SPEC.epr
+        out["eep"] = ep_call(eep, epr * eep.num_ranks, EEP_SPEC.T, EEP_SPEC.H)
+    out["told"] = out["op"] == "LeftOutError" and all(
+        out.get(k, "LeftOutError") == "LeftOutError" for k in ("ep", "eep")
+    )
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -153,6 +154,9 @@ class Timeline:
                 if req["op"] == "spawn":
                     self._spawn(req["slot"], req.get("role", {}))
                     running = True
+                elif req["op"] == "resume":  # a process that stopped itself (SIGSTOP)
+                    proc = [q for q in self.procs if q.slot == req["slot"]][req["gen"]]
+                    self.group.kill(proc.group_key, signal.SIGCONT)
                 else:
                     kills.append((now + req["delay_s"], req["slot"]))
             for due in [k for k in kills if k[0] <= now]:

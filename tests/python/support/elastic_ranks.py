@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 import traceback
@@ -632,6 +633,113 @@ def silent(rk: Rank) -> None:
     rejoin_after_skip(rk, buf, trio, pair, skipped=3)
 
 
+# --- a stopped rank, left out and replaced, then resumed -----------------------------------
+
+
+def stopped(rk: Rank) -> None:
+    """Slots 0, 1 and 2 of capacity 4 (MOONCAKE_HANG_MS well below timeout_ms). ``full``:
+    rounds among the three. ``stop``: slot 2 stops itself (SIGSTOP): 0 and 1 mask it in
+    their next round once its heartbeat stood still past the hang limit (it is left out:
+    it may come back only as a new process). ``replace``: 0 and 1 disconnect it and call
+    connect_ranks for slot 2 at once, before its replacement exists (slot 0 asks for it
+    right then): connect_ranks must wait for the replacement, not take the stopped
+    process, which is alive and still named by the store (it did, and update_mask_buffer
+    timed out on every side); then full rounds with the replacement. ``resume``: the
+    parent resumes the stopped process; its next dispatch, barrier and connect_ranks
+    raise LeftOutError naming it, at once; then the survivors and the replacement run
+    full rounds again, exact (nothing of the resumed process reached them)."""
+    p, me, trio, pair, v = rk.p, rk.slot, [0, 1, 2], [0, 1], 2
+    n = p["rounds"]
+    buf = rk.make_buffer()
+    if rk.role.get("replacement"):
+        rk.phase = "replace"
+        buf.connect_ranks(pair, activate=False)
+        rk.publish(buf, pair)
+    else:
+        rk.phase = "full"
+        buf.connect_ranks(others(trio, me), activate=False)
+        rk.publish(buf, others(trio, me))
+        rk.expect_slots(buf, trio, "connected")
+        rk.check("connected")
+        rk.sync(rk.phase, trio)
+        rk.rounds(buf, n, trio)
+        rk.end_phase()
+
+        rk.phase = "stop"
+        rk.sync(rk.phase, trio)
+        if me == v:
+            stopped_victim(rk, buf)
+            return
+        rk.wait_keys([f"tl/stopping/{v}"])
+        r = rk.round(buf, 0, trio, must_drop=(v,), style={"act": "plan", "R": "bound"})
+        rk.chk.expect(rk.mask(buf)[v] == 1, f"query_mask_buffer[{v}] is not 1 after the round")
+        rk.check("masked", dispatch_s=r.dispatch_s, events=buf.mask_events())
+        rk.end_phase()
+
+        rk.phase = "replace"
+        buf.disconnect_ranks([v])
+        if me == 0:
+            rk.request("spawn", slot=v, role={"replacement": True})
+        t0 = time.monotonic()
+        buf.connect_ranks([v], activate=False)  # waits for the replacement
+        rk.publish(buf, [v])
+        rk.check("reconnected", connect_s=time.monotonic() - t0)
+    rk.expect_slots(buf, trio, "with the replacement")
+    rk.sync("replaced", trio)
+    rk.rounds(buf, n, trio)
+    rk.end_phase()
+
+    rk.phase = "resume"
+    rk.sync("resume", trio)
+    if me == 0:
+        rk.request("resume", slot=v, gen=0)
+    rk.wait_keys([f"tl/resumed/{v}"], timeout_s=60)
+    rk.rounds(buf, n, trio, start=100)
+    rk.end_phase()
+
+
+def stopped_victim(rk: Rank, buf) -> None:
+    """The stopped slot's side: stops itself; once resumed (after its replacement joined),
+    its next calls must raise LeftOutError naming it, without waiting for anything."""
+    from mooncake import LeftOutError
+
+    rk.store.set(f"tl/stopping/{rk.slot}", "1")
+    os.kill(os.getpid(), signal.SIGSTOP)
+    rk.phase = "resumed"
+    trio = [0, 1, 2]
+    calls = {
+        "dispatch": lambda: play_round(rk.chk, buf, rk.p["seed"], "resumed", 0, trio),
+        "barrier": buf.barrier,
+        "connect_ranks": lambda: buf.connect_ranks([0], activate=False),
+    }
+    told = {}
+    for name, call in calls.items():
+        t0 = time.monotonic()
+        try:
+            call()
+            told[name] = "returned normally"
+        except LeftOutError as e:
+            ok = e.ranks == [rk.slot] and "left out" in str(e)
+            told[name] = "LeftOutError" if ok else f"LeftOutError {e.ranks}: {e}"
+        except Exception as e:  # noqa: BLE001 - reported
+            told[name] = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - t0
+        rk.chk.expect(told[name] == "LeftOutError", f"{name} after the resume: {told[name]}")
+        rk.chk.expect(took < 2.0, f"{name} after the resume took {took:.2f} s")
+    rk.chk.failures[:] = [f for f in rk.chk.failures if not f.startswith("resumed/")]
+    late = None
+    if buf._device is not None:  # the canary: a late kernel must store into nobody
+        from ep_device_ranks import late_launch
+
+        cap = rk.cap
+        late = late_launch(buf, SPEC.T, SPEC.H, min(SPEC.K, rk.epr * cap), rk.epr * cap, cap)
+        rk.chk.expect(late["fenced"], f"a late kernel was not fenced: {late}")
+        rk.chk.expect(late["next"] == "LeftOutError", f"after a late kernel: {late}")
+    rk.check("told", told=told, late=late)
+    rk.store.set(f"tl/resumed/{rk.slot}", "1")
+    rk.end_phase()
+
+
 # --- main -----------------------------------------------------------------------------------
 
 
@@ -646,6 +754,7 @@ SCENARIOS = {
     "fault": fault,
     "contract": contract,
     "silent": silent,
+    "stopped": stopped,
     "upstream": upstream,
 }
 

@@ -1678,6 +1678,9 @@ def ep_kill_rank(rank, world_size, port, plan):
     store.set(f"p4ready/{rank}", "1")
     if rank == last[-1]:
         _wait_store(store, "p4done")
+        # What the EP device path looks at before every launch (one load): the group's
+        # note, in this process's segment, that it was left out.
+        out["left_out_flag"] = pg._backend_of(W).left_out()
         t0 = time.monotonic()
         r = Round(chk, buf, KILL_SPEC, "stopped_self", act=act)
         try:
@@ -1695,6 +1698,7 @@ def ep_kill_rank(rank, world_size, port, plan):
     r.check_combine()
     out["rounds"].append(_round_record(chk, r, "stopped_peer", active=act.tolist()))
     out["pg_stopped"] = pg_view(R)
+    out["left_out_flag"] = pg._backend_of(W).left_out()
     store.set("p4done", "1")
     return out
 

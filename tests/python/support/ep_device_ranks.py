@@ -465,6 +465,102 @@ def rank_replace(rank: int, world: int, port: int, backend: str, victim: int, ro
     return out
 
 
+def late_launch(buf, T: int, H: int, K: int, E: int, R: int) -> dict:
+    """A dispatch of ``buf``'s device path launched straight through the extension, past
+    the host's checks, as a kernel of this process queued before it stopped would run:
+    selections to every rank's experts, every rank marked active, a 0.5 s deadline,
+    the next call number. A fenced process's kernel stores into nobody and reports it;
+    the next call raises LeftOutError. Returns what it saw."""
+    from mooncake import LeftOutError, pg
+
+    dev = buf._device
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    x = torch.ones(T, H, dtype=torch.bfloat16, device=cuda)
+    idx = (torch.arange(T * K, device=cuda) % E).reshape(T, K)
+    active = torch.ones(R, dtype=torch.int32, device=cuda)
+    dev.ext.dispatch(
+        x, idx, active, None, None, None, T, E, R, buf._seq + 1, 500_000_000, False,
+        pg._ext.EP_PHASE_BOTH, dev.num_blocks,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    out = {"status": dev.ext.status_code(), "active": active.cpu().tolist()}
+    try:
+        dev.raise_reported("late launch")
+        out["next"] = "returned normally"
+    except LeftOutError as e:
+        out["next"] = "LeftOutError" if e.ranks == [buf.rank] else f"LeftOutError {e.ranks}"
+    out["fenced"] = out["status"] == pg._ext.EP_STATUS_LEFT_OUT and dev.ext.left_out
+    return out
+
+
+def rank_stop(rank: int, world: int, port: int, victim: int, role: str) -> dict:
+    """A round with everyone; ``victim`` stops itself (SIGSTOP); the survivors' next
+    round masks it once its heartbeat stood still past MOONCAKE_HANG_MS, far inside
+    timeout_us; the group leaves it out and admits a replacement (``role="joiner"``),
+    while the survivors call update_ep_member (the members move to a new fence key and
+    fence the stopped process's workspace); full rounds. Then the parent resumes the
+    stopped process: its next dispatch must raise LeftOutError, and a late launch of
+    its (:func:`late_launch`) must store nothing; after that, full rounds among the
+    survivors and the replacement are exact."""
+    import signal
+
+    import torch.distributed as dist
+
+    from mooncake import LeftOutError, pg
+    from mooncake.launch import init_rank
+    from mooncake.mooncake_ep_buffer import Buffer
+
+    torch.cuda.set_device(0)
+    timeout_us = 20_000_000  # the stopped rank must be masked for its heartbeat, not this
+    T, H, E = REPLACE.T, REPLACE.H, _experts(REPLACE, world)
+    hint = Buffer.get_ep_buffer_size_hint(T, H, world, E)
+    joiner = role == "joiner"
+    init_rank(rank, world, port, max_world_size=world, is_extension=joiner, timeout_s=20.0)
+    W = dist.group.WORLD
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    out: dict = {"rounds": []}
+    if joiner:
+        pg.join_group(W)
+        buf = Buffer(W, hint, device="cuda")
+    else:
+        buf = Buffer(W, hint, device="cuda")
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 0, set(), timeout_us))
+        if rank == victim:
+            store.set("stopping", "1")
+            os.kill(os.getpid(), signal.SIGSTOP)
+            # Resumed, after the replacement joined.
+            x, idx, _ = _inputs(REPLACE, rank, world, 9, torch.device("cuda", 0))
+            try:
+                buf.dispatch(x, idx, None, T, E, timeout_us, use_fp8=False)
+                out["told"] = "returned normally"
+            except LeftOutError as e:
+                ok = e.ranks == [rank] and "left out" in str(e)
+                out["told"] = "LeftOutError" if ok else f"LeftOutError {e.ranks}: {e}"
+            out["late"] = late_launch(buf, T, H, REPLACE.K, E, world)
+            store.set("resumed_done", "1")
+            return out
+        while not store.check(["stopping"]):
+            time.sleep(0.005)
+        time.sleep(0.2)  # it is stopped now
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 1, {victim}, timeout_us))
+        from ft_ranks import admit
+
+        admit(W, [victim])
+        buf.update_ep_member()
+    if not all(buf._device.reachable):
+        raise AssertionError(f"rank {rank}: not every peer is mapped: {buf._device.reachable}")
+    dist.barrier(W)
+    for step in (2, 3):
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, step, set(), timeout_us))
+    store.set(f"joined/{rank}", "1")
+    while not store.check(["resumed_done"]):  # the stopped rank's late calls
+        time.sleep(0.005)
+    for step in (4, 5):
+        out["rounds"].append(_model_round(buf, REPLACE, rank, world, step, set(), timeout_us))
+    out["events"] = buf.mask_events()
+    return out
+
+
 def main() -> int:
     """One small world-1 round on its own (for compute-sanitizer)."""
     import torch.distributed as dist
