@@ -1,10 +1,17 @@
 """The process-group backends on CUDA tensors: ``mooncake`` against gloo and NCCL.
 
-``mooncake`` runs twice: as it comes (same-host groups take the device plane
+``mooncake`` runs in up to three columns: as it comes (same-host groups take the device plane
 for all_reduce, all_gather, reduce_scatter and all_to_all, tensor and list
-forms) and with
+forms; all_reduce up to 8 MiB the device-driven kernel), with
+``MOONCAKE_CUDA_ALLREDUCE=host`` (all_reduce on the host-driven plane, or staged
+below 64 KiB, as before the device-driven kernel): column "host" (on request:
+``--backends mooncake,host``), and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
+
+``all_reduce_graph`` is an all_reduce captured in a CUDA graph once (after an
+eager warm-up) and replayed: a point is back-to-back replays (gloo is left out:
+it cannot be captured; the host and staged columns record the ValueError).
 
 Each (backend, world size) is launched once with ``mooncake.launch`` (this
 process hosts the TCPStore, every rank is a spawned process) on the one GPU
@@ -37,6 +44,7 @@ import harness
 
 OPS = (
     "all_reduce",
+    "all_reduce_graph",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
     "all_to_all_single",
@@ -46,6 +54,7 @@ OPS = (
     "all_to_all",
 )
 SIZES = (8, 4 << 10, 1 << 20, 64 << 20)
+#: the default columns ("host" on request: --backends mooncake,host)
 BACKENDS = ("mooncake", "staged", "gloo", "nccl")
 #: every rank copying its bytes at once (timed like an op): the floor of an op on
 #: one shared GPU, where each input must be read and each output written once
@@ -53,6 +62,7 @@ FLOOR = "copy"
 #: backend name given to torch, and environment, of each column
 COLUMNS = {
     "mooncake": ("mooncake", {}),
+    "host": ("mooncake", {"MOONCAKE_CUDA_ALLREDUCE": "host"}),
     "staged": ("mooncake", {"MOONCAKE_CUDA_SEGMENT_BYTES": "0"}),
     "gloo": ("gloo", {}),
     "nccl": ("nccl", {}),
@@ -63,7 +73,7 @@ def iters_for(nbytes: int) -> int:
     return 200 if nbytes <= 64 << 10 else (40 if nbytes <= 4 << 20 else 8)
 
 
-def make_op(dist, torch, op: str, nbytes: int, world: int):
+def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
     n = max(1, nbytes // 4)
     n = (n + world - 1) // world * world
     x = torch.ones(n, device="cuda")
@@ -72,6 +82,18 @@ def make_op(dist, torch, op: str, nbytes: int, world: int):
         return lambda: y.copy_(x)
     if op == "all_reduce":
         return lambda: dist.all_reduce(x)
+    if op == "all_reduce_graph":
+        if backend == "gloo":
+            raise RuntimeError("gloo cannot be captured in a CUDA graph")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the eager warm-up (mooncake: sets the path up)
+            dist.all_reduce(x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            dist.all_reduce(x)
+        return graph.replay
     if op == "all_gather_into_tensor":
         shard = torch.ones(n // world, device="cuda")  # bytes = the gathered output
         out = torch.empty(n, device="cuda")
@@ -94,7 +116,7 @@ def make_op(dist, torch, op: str, nbytes: int, world: int):
 def bus_factor(op: str, world: int) -> float:
     if world == 1:
         return 1.0
-    return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+    return 2 * (world - 1) / world if op.startswith("all_reduce") else (world - 1) / world
 
 
 def copy_rate(torch) -> float:
@@ -121,7 +143,7 @@ def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
     for op in (*ops, FLOOR):
         for nbytes in SIZES:
             try:
-                fn = make_op(dist, torch, op, nbytes, world)
+                fn = make_op(dist, torch, op, nbytes, world, backend)
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
@@ -157,7 +179,7 @@ def launch(column: str, world: int, ops) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", default="1,2,4")
-    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"of {','.join(COLUMNS)}")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     harness.add_if_gpu(p)
@@ -166,6 +188,10 @@ def main(argv=None) -> int:
     unknown = set(ops) - set(OPS)
     if unknown:
         p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
+
+    unknown = set(args.backends.split(",")) - set(COLUMNS)
+    if unknown:
+        p.error(f"--backends: unknown {sorted(unknown)}; choose from {','.join(COLUMNS)}")
 
     status = harness.no_gpu_status("bench_pg_cuda", args.if_gpu)
     if status is not None:
@@ -179,7 +205,7 @@ def main(argv=None) -> int:
             results[f"{backend}/w{world}"] = launch(backend, world, ops)
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
     harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
-    header = ["op", "bytes", "world", "mooncake µs", "staged µs", "gloo µs", "nccl µs"]
+    header = ["op", "bytes", "world", "mooncake µs", "host µs", "staged µs", "gloo µs", "nccl µs"]
     header += ["mooncake / gloo", "mooncake busbw / copy rate", "floor µs", "floor / mooncake"]
     rows = []
     for world in harness.csv_ints(args.worlds):
@@ -192,7 +218,8 @@ def main(argv=None) -> int:
                             return row["us"]
                     return None
 
-                m, st, g, n = get("mooncake"), get("staged"), get("gloo"), get("nccl")
+                m, h, st = get("mooncake"), get("host"), get("staged")
+                g, n = get("gloo"), get("nccl")
                 floor = get("mooncake", op=FLOOR)
                 rate = results.get(f"mooncake/w{world}", {}).get("copy_rate")
                 bus = (
@@ -200,7 +227,7 @@ def main(argv=None) -> int:
                     if m and rate
                     else "-"
                 )
-                cells = [f"{v:.1f}" if v else "-" for v in (m, st, g, n)]
+                cells = [f"{v:.1f}" if v else "-" for v in (m, h, st, g, n)]
                 ratio = f"{m / g:.2f}" if m and g else "-"
                 of_floor = f"{floor / m:.1%}" if m and floor else "-"
                 floor_cell = f"{floor:.1f}" if floor else "-"

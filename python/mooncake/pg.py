@@ -338,15 +338,16 @@ def get_num_synced_ranks(backend=None) -> int:
 
 
 def get_op_paths(backend=None) -> dict[str, int]:
-    """How the group's ops on CUDA tensors ran so far: ``{"device": n, "staged": m}``, ops
-    on the device plane (kernels over the members' mapped GPU memory) and ops staged
-    through host memory (a size or op the plane does not serve, or a peer it cannot
-    reach). Counted as the ops are issued, on this rank. Zeros for a ``mooncake-cpu``
-    group."""
+    """How the group's ops on CUDA tensors ran so far: ``{"device": n, "staged": m,
+    "direct": k}``, ops on the device plane (kernels over the members' mapped GPU memory)
+    and ops staged through host memory (a size or op the plane does not serve, or a peer
+    it cannot reach); ``direct`` counts the device plane's ops that were the device-driven
+    all_reduce (no host round; a captured one counts once, when captured). Counted as the
+    ops are issued, on this rank. Zeros for a ``mooncake-cpu`` group."""
     b = _backend_of(backend)
     if hasattr(b, "op_paths"):
         return b.op_paths()
-    return {"device": 0, "staged": 0}
+    return {"device": 0, "staged": 0, "direct": 0}
 
 
 def extend_group_size_to(backend, size: int) -> None:

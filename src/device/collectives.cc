@@ -5,7 +5,9 @@
 #include "collectives/layout.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "kernels/api.h"
+#include "membership/hints.h"
 
 namespace mooncake {
 
@@ -13,6 +15,10 @@ namespace {
 
 // all_to_all gives each peer a region of at least this many bytes of a segment.
 constexpr size_t kMinRegion = 256;
+
+// A device-driven all_reduce takes a block per this many bytes (up to its
+// share of the GPU): a 4 KiB op is one block, which needs no grid barrier.
+constexpr size_t kDirectBytesPerBlock = 32 << 10;
 
 void copy(void* to, const void* from, size_t bytes, cudaStream_t stream, const char* what) {
   if (bytes != 0)
@@ -45,6 +51,22 @@ std::optional<DeviceCollectives::Options> DeviceCollectives::Options::from_env()
   Options o;
   o.segment_bytes = static_cast<size_t>(bytes);
   o.min_bytes = static_cast<size_t>(std::max<int64_t>(0, env_int("MOONCAKE_CUDA_PLANE_MIN_BYTES")));
+  const int64_t direct_bytes = env_int("MOONCAKE_CUDA_ALLREDUCE_BYTES");
+  MC_CHECK_ARG(direct_bytes >= 0, "MOONCAKE_CUDA_ALLREDUCE_BYTES must be >= 0, got ", direct_bytes);
+  o.direct_bytes = static_cast<size_t>(direct_bytes);
+  const std::string mode = env_string("MOONCAKE_CUDA_ALLREDUCE");
+  if (mode == "auto")
+    o.direct = Direct::kAuto;
+  else if (mode == "oneshot")
+    o.direct = Direct::kOneShot;
+  else if (mode == "twoshot")
+    o.direct = Direct::kTwoShot;
+  else if (mode == "host")
+    o.direct = Direct::kOff;
+  else
+    throw_error(ErrorKind::kInvalidArgument, -1,
+                "MOONCAKE_CUDA_ALLREDUCE must be auto, oneshot, twoshot or host, got '", mode, "'");
+  if (o.direct_bytes == 0) o.direct = Direct::kOff;
   return o;
 }
 
@@ -71,9 +93,24 @@ size_t DeviceCollectives::per_piece(size_t parts, size_t esize) const {
   return std::max<size_t>(1, blocks / esize);
 }
 
+size_t DeviceCollectives::direct_max_bytes() const {
+  return options_.direct == Direct::kOff ? 0
+                                         : std::min(options_.direct_bytes, options_.segment_bytes);
+}
+
+kernels::DirectLayout DeviceCollectives::direct_layout() const {
+  return kernels::DirectLayout::of(direct_max_bytes());
+}
+
+size_t DeviceCollectives::direct_offset() const {
+  return kernels::DirectLayout::round_up(options_.segment_bytes);
+}
+
 uint8_t* DeviceCollectives::mine() {
   if (!segment_) {
-    segment_ = std::make_unique<DeviceSegment>(options_.segment_bytes, device_);
+    // The device-driven all_reduce's area comes after the host-driven plane's part.
+    const size_t area = direct_max_bytes() > 0 ? direct_layout().total_bytes : 0;
+    segment_ = std::make_unique<DeviceSegment>(direct_offset() + area, device_);
     const View view = comm_.view();
     directory_.publish(comm_.rank(), view.incarnation[static_cast<size_t>(comm_.rank())],
                        PeerCard::of(*segment_));
@@ -86,10 +123,15 @@ std::vector<const uint8_t*> DeviceCollectives::segments(const std::vector<int>& 
   const View view = comm_.view();
   std::vector<const uint8_t*> out;
   out.reserve(members.size());
-  for (int p : members)
-    out.push_back(p == comm_.rank()
-                      ? mine()
-                      : directory_.map(p, view.incarnation[static_cast<size_t>(p)], timeout_ms));
+  for (int p : members) {
+    const uint32_t inc = view.incarnation[static_cast<size_t>(p)];
+    // A new process in slot p: its last one's mapping goes, and no launch of
+    // the device-driven all_reduce (a graph replay) may read through it.
+    if (direct_ && p != comm_.rank() && direct_->incarnation(p) != DirectAllReduce::kNone &&
+        direct_->incarnation(p) != inc)
+      direct_->retire_now(p);
+    out.push_back(p == comm_.rank() ? mine() : directory_.map(p, inc, timeout_ms));
+  }
   return out;
 }
 
@@ -339,6 +381,110 @@ void DeviceCollectives::all_to_all(const void* const* ins, const size_t* in_coun
           finish(stream);
         }
       });
+}
+
+// --- the device-driven all_reduce ---------------------------------------------------------
+
+bool DeviceCollectives::direct_serves(size_t bytes, int64_t timeout_ms) {
+  if (direct_max_bytes() == 0 || bytes > direct_max_bytes()) return false;
+  if (comm_.size() > kernels::kDirectMaxRanks) return false;
+  return serves(std::nullopt, timeout_ms);
+}
+
+bool DeviceCollectives::direct_ready() {
+  if (!direct_ || !direct_->installed() || direct_->left_behind()) return false;
+  const uint64_t epoch = comm_.view().epoch;
+  return direct_->epoch() == epoch && !told_left_out(comm_.endpoint(), epoch);
+}
+
+void DeviceCollectives::direct_setup(DType dtype, RedOp op, size_t count, cudaStream_t stream,
+                                     int64_t timeout_ms) {
+  // This rank's launches are over before the members meet: none of the last
+  // generation meets a signal of the next, and none reads the table while it
+  // changes.
+  cuda_check(cudaStreamSynchronize(stream), "waiting for the earlier all_reduce launches");
+  const int world = comm_.size();
+  if (!direct_) {
+    direct_ = std::make_unique<DirectAllReduce>(device_, comm_.rank(), world, direct_layout());
+    watch_lost(comm_.endpoint(), direct_->lost_words(), comm_.config().hang_ms);
+  }
+  direct_->set_report(report_to_);
+  mine();  // published before the members meet, so that each can map the others'
+  std::vector<uint8_t*> areas(static_cast<size_t>(world), nullptr);
+  std::vector<uint32_t> incarnations(static_cast<size_t>(world), DirectAllReduce::kNone);
+  uint64_t gen = 0;
+  bool fits = true;
+  comm_.run_external(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
+                     [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
+                       fits = std::all_of(members.begin(), members.end(),
+                                          [&](int p) { return p < world; });
+                       // Every member is here, its segment published and its launches over;
+                       // the generation goes past every member's last, so that no signal of
+                       // an earlier setup (a member left out and still running) is taken.
+                       const std::vector<size_t> none(static_cast<size_t>(comm_.capacity()), 0);
+                       gen = sync.sized(none, none, uint64_t{direct_->generation()} + 1);
+                       std::fill(areas.begin(), areas.end(), nullptr);
+                       if (!fits) return;
+                       const View view = comm_.view();
+                       const auto segs = segments(members, timeout_ms);
+                       for (size_t i = 0; i < members.size(); ++i) {
+                         const auto p = static_cast<size_t>(members[i]);
+                         areas[p] = const_cast<uint8_t*>(segs[i]) + direct_offset();
+                         incarnations[p] = view.incarnation[p];
+                       }
+                     });
+  const uint64_t epoch = comm_.view().epoch;
+  if (!fits) {
+    direct_unfit_epoch_ = epoch;
+    return;
+  }
+  direct_->install(areas, incarnations, static_cast<uint32_t>(gen), epoch, stream);
+}
+
+void DeviceCollectives::direct_all_reduce(const void* in, void* out, size_t count, DType dtype,
+                                          RedOp op, cudaStream_t stream, int64_t timeout_ms,
+                                          const char* reject) {
+  OnDevice on(device_);
+  if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
+  if (direct_)
+    for (const std::string& line : direct_->take_reports())
+      MC_LOG(kWarn, "all_reduce (device-driven) on rank ", comm_.rank(), ": ", line);
+  if (!direct_ready()) {
+    const uint64_t epoch = comm_.view().epoch;
+    const bool left = (direct_ && direct_->left_behind()) || told_left_out(comm_.endpoint(), epoch);
+    if (!left && direct_unfit_epoch_ != epoch) direct_setup(dtype, op, count, stream, timeout_ms);
+    if (!direct_ready()) {
+      // The host-driven plane: it tells a rank left out so, and serves any view.
+      if (reject != nullptr)
+        comm_.reject(reject, timeout_ms);
+      else
+        all_reduce(in, out, count, dtype, op, stream, timeout_ms);
+      return;
+    }
+  }
+  const int world = comm_.size();
+  const size_t bytes = count * dtype_size(dtype);
+  const bool two_shot =
+      world >= 2 && (options_.direct == Direct::kTwoShot ||
+                     (options_.direct == Direct::kAuto && world > 2 && bytes > kOneShotBytes));
+  // Every rank of the group may run on this GPU: each takes its share of it.
+  if (direct_blocks_ == 0)
+    direct_blocks_ = std::clamp(device_sm_count(device_) / world, 1, kernels::kDirectMaxBlocks);
+  const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
+  const int blocks =
+      static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
+  direct_->launch(in, out, count, dtype, op, two_shot, reject != nullptr, timeout_ms, blocks,
+                  stream);
+}
+
+void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,
+                                            cudaStream_t stream) {
+  if (!direct_) return;
+  OnDevice on(device_);
+  const size_t n = std::min(active.size(), static_cast<size_t>(comm_.size()));
+  for (size_t p = 0; p < n; ++p)
+    if (active[p] == 0 && direct_->incarnation(static_cast<int>(p)) != DirectAllReduce::kNone)
+      direct_->retire(static_cast<int>(p), stream);
 }
 
 }  // namespace mooncake

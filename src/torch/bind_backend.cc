@@ -197,6 +197,7 @@ void register_backend(py::module_& m) {
         py::dict d;
         d["device"] = device;
         d["staged"] = staged;
+        d["direct"] = b.direct_ops();
         return d;
       });
 #endif

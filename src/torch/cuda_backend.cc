@@ -1,6 +1,7 @@
 // MooncakeCudaBackend (cuda_backend.h): each op on the device collectives
 // (device/collectives.h) where they serve it, else staged through host
-// memory around mooncake-cpu's op (cuda_staging.h).
+// memory around mooncake-cpu's op (cuda_staging.h); all_reduce on the
+// device-driven kernel where it serves it.
 #if MOONCAKE_WITH_CUDA
 
 #include "torch/cuda_backend.h"
@@ -100,6 +101,9 @@ MooncakeCudaBackend::MooncakeCudaBackend(const c10::intrusive_ptr<c10d::Store>& 
                              at::TensorOptions().dtype(at::kInt).device(
                                  c10::kCUDA, static_cast<c10::DeviceIndex>(device_)));
   }
+  // A rank the device-driven all_reduce masks shows as 0 there at once.
+  if (coll_ && user_active_.defined() && user_active_.is_cuda())
+    coll_->direct_report_to(user_active_.data_ptr<int32_t>());
   view_changed(MooncakeBackend::active_ranks());
 }
 
@@ -108,9 +112,16 @@ at::Tensor MooncakeCudaBackend::active_ranks() const {
 }
 
 void MooncakeCudaBackend::view_changed(const at::Tensor& active) {
+  if (device_ < 0) return;
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
+  if (coll_) {
+    // Ranks that left stop taking part in device-driven launches (graph
+    // replays included) before the next setup.
+    const int32_t* a = active.data_ptr<int32_t>();
+    coll_->direct_view_changed(std::vector<uint8_t>(a, a + active.numel()), stream_->stream());
+  }
   if (!user_active_.defined() || !user_active_.is_cuda()) return;
   // On the staging stream, so the ops' done events come after the update.
-  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
   c10::cuda::CUDAStreamGuard stream_guard(*stream_);
   user_active_.copy_(active);
 }
@@ -120,7 +131,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::staged(const char* op, Kind 
                                                            Build&& build) {
   Staging staging(*this, op, kind);
   try {
-    return build(staging);
+    auto work = build(staging);
+    if (kind == Kind::kCollective) queued(work);
+    return work;
   } catch (const Error& e) {
     // Rejected by the staging (mooncake-cpu's own checks reject for themselves).
     if (!staging.handed_over() && kind == Kind::kCollective &&
@@ -204,6 +217,117 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::
   });
 }
 
+// --- the device-driven all_reduce ----------------------------------------------------
+
+bool MooncakeCudaBackend::direct_branch(const at::Tensor& t) {
+  if (!coll_ || !t.defined() || !t.is_cuda() || t.layout() != at::kStrided) return false;
+  try {
+    to_dtype(t.scalar_type(), "", "");
+  } catch (const Error&) {
+    return false;
+  }
+  return coll_->direct_serves(t.nbytes(), timeout_ms());
+}
+
+void MooncakeCudaBackend::queued(const c10::intrusive_ptr<c10d::Work>& work) {
+  last_stages_.clear();
+  last_request_.reset();
+  if (auto* w = dynamic_cast<MooncakeCudaWork*>(work.get())) {
+    last_request_ = w->mooncake_work().request();
+    last_stages_ = w->stages();
+  } else if (auto* m = dynamic_cast<MooncakeWork*>(work.get())) {
+    last_request_ = m->request();
+  }
+}
+
+bool MooncakeCudaBackend::host_idle() const {
+  if (last_request_ && !last_request_->done()) return false;
+  for (const auto& s : last_stages_)
+    if (!s->is_finished()) return false;
+  return true;
+}
+
+void MooncakeCudaBackend::join_queued(cudaStream_t stream) {
+  for (const auto& s : last_stages_) s->done->block(stream);
+  last_stages_.clear();
+  last_request_.reset();
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
+    const at::Tensor& t, const c10d::AllreduceOptions& opts) {
+  const DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
+  const RedOp op = to_redop(opts.reduceOp, t, "all_reduce");  // checks that dt defines it
+  const int64_t timeout = op_timeout_ms(opts.timeout);
+  const auto device = static_cast<c10::DeviceIndex>(device_);
+  c10::cuda::CUDAGuard device_guard(device);
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(caller.stream(), &capture), "cudaStreamIsCapturing");
+  // A tensor on another GPU is this rank's mistake: it still takes part
+  // (without data), so that every rank's launches stay in step, then raises.
+  const std::string reject =
+      t.device().index() == device_
+          ? std::string()
+          : str("all_reduce: tensor must be on cuda:", device_,
+                " (the device that was current when the group was created), got ",
+                t.device().str());
+  const int slots = static_cast<int>(MooncakeBackend::active_ranks().numel());
+  if (capture != cudaStreamCaptureStatusNone) {
+    MC_CHECK_ARG(reject.empty(), reject);
+    MC_CHECK_ARG(!staging_coalesced_,
+                 "all_reduce: cannot run under CUDA graph capture inside a coalescing block");
+    MC_CHECK_ARG(host_idle() && coll_->direct_ready(),
+                 "all_reduce under CUDA graph capture: the group's device-driven all_reduce is "
+                 "not set up for its current members; call all_reduce once outside the "
+                 "captured region first (after creating the group, and after any change of "
+                 "its ranks), and wait for the group's earlier ops");
+    // (The queued op's copies are done: capture begins after a device synchronize.)
+    last_stages_.clear();
+    last_request_.reset();
+    const at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
+    coll_->direct_all_reduce(buf.data_ptr(), buf.data_ptr(), elems(t), dt, op, caller.stream(),
+                             timeout);
+    if (!buf.is_same(t)) t.copy_(buf);
+    ++device_ops_;
+    ++direct_ops_;
+    return c10::make_intrusive<DeviceWork>(
+        rank_, c10d::OpType::ALLREDUCE, std::vector<at::Tensor>{t}, device_, caller, true, slots);
+  }
+  if (!staging_coalesced_ && host_idle() && coll_->direct_ready()) {
+    join_queued(caller.stream());  // after what the op queue put on the backend's stream
+    ++device_ops_;
+    ++direct_ops_;
+    if (!reject.empty()) {
+      coll_->direct_all_reduce(nullptr, nullptr, elems(t), dt, op, caller.stream(), timeout,
+                               reject.c_str());
+      throw_error(ErrorKind::kInvalidArgument, -1, reject);
+    }
+    const at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
+    coll_->direct_all_reduce(buf.data_ptr(), buf.data_ptr(), elems(t), dt, op, caller.stream(),
+                             timeout);
+    if (!buf.is_same(t)) t.copy_(buf);
+    return c10::make_intrusive<DeviceWork>(
+        rank_, c10d::OpType::ALLREDUCE, std::vector<at::Tensor>{t}, device_, caller, false, slots);
+  }
+  // In the op queue's order: its first call sets it up, with a host op.
+  Staging s(*this, "all_reduce", Kind::kCollective);
+  const at::Tensor out = reject.empty() ? s.device_out(t) : at::Tensor();
+  auto work = on_device(
+      s, c10d::OpType::ALLREDUCE, {t},
+      [t, out, dt, op, timeout, reject](DeviceCollectives& c, cudaStream_t st) {
+        if (!reject.empty()) {
+          c.direct_all_reduce(nullptr, nullptr, elems(t), dt, op, st, timeout, reject.c_str());
+          return;
+        }
+        const at::Tensor in = t.contiguous();
+        c.direct_all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
+      });
+  ++direct_ops_;
+  queued(work);
+  MC_CHECK_ARG(reject.empty(), reject);
+  return work;
+}
+
 // --- the ops ----------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -232,6 +356,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && direct_branch(tensors[0])) return direct_allreduce(tensors[0], opts);
   if (tensors.size() == 1 && on_plane({tensors[0]}, tensors[0].nbytes())) {
     return staged("all_reduce", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];

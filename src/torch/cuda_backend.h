@@ -2,7 +2,16 @@
 // handling and membership for CUDA tensors (and, unchanged, for CPU tensors,
 // so one group serves both).
 //
-// Data path: when every rank runs on this host, all_reduce, broadcast,
+// Data path: when every rank runs on this host, all_reduce of one tensor up
+// to MOONCAKE_CUDA_ALLREDUCE_BYTES takes the device-driven kernel
+// (device/direct_all_reduce.h): launched on the caller's current stream, with
+// no host round and no host wait, so that it can be captured in a CUDA graph
+// (the only op that can: the others raise ValueError under capture). Its
+// first call, and the first after a membership change, sets it up with a
+// host op among the members (through the op queue); after that a call goes
+// straight to the GPU, unless an op of this backend queued before it has not
+// finished its host part yet (then it waits its turn in the op queue, on the
+// backend's stream, as every other op does). Otherwise, all_reduce, broadcast,
 // all_gather and reduce_scatter (tensor and list forms) whose bytes the
 // device collectives serve (device/collectives.h: between
 // MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES), and every
@@ -108,6 +117,9 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // CUDA-tensor ops so far that ran on the device plane and that were staged
   // through host memory: tests assert which path served them.
   std::pair<int64_t, int64_t> op_paths() const { return {device_ops_.load(), staged_ops_.load()}; }
+  // Of the device plane's ops, those that ran as the device-driven all_reduce
+  // (a captured one is counted once, when captured).
+  int64_t direct_ops() const { return direct_ops_.load(); }
 
  protected:
   void view_changed(const at::Tensor& active) override;
@@ -159,6 +171,19 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   template <typename Move>
   c10::intrusive_ptr<c10d::Work> on_device(Staging& s, c10d::OpType type,
                                            std::vector<at::Tensor> results, Move move);
+  // Whether all_reduce of `t` takes the device-driven kernel: the same answer
+  // on every rank of the op (dtype, size, the group), whatever t's device is
+  // (a CUDA tensor on another device is rejected there, in step with the others).
+  bool direct_branch(const at::Tensor& t);
+  c10::intrusive_ptr<c10d::Work> direct_allreduce(const at::Tensor& t,
+                                                  const c10d::AllreduceOptions& opts);
+  // Whether the collective this backend queued last has finished its host
+  // part, its results' copies queued (then a launch on the caller's stream
+  // goes in order with it, once the stream waits for those: join_queued).
+  bool host_idle() const;
+  void join_queued(cudaStream_t stream);
+  // Remembers `work` as the last collective queued.
+  void queued(const c10::intrusive_ptr<c10d::Work>& work);
   // all_to_all_single (one tensor each, sliced by the counts) and all_to_all
   // (one tensor per rank) on the device collectives.
   c10::intrusive_ptr<c10d::Work> all_to_all_on_device(Staging& s, const char* op, c10d::OpType type,
@@ -172,7 +197,11 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   std::optional<c10::cuda::CUDAStream> stream_;
   at::Tensor user_active_;                   // what active_ranks() returns
   std::unique_ptr<DeviceCollectives> coll_;  // null: every op is staged through the host
-  std::atomic<int64_t> device_ops_{0}, staged_ops_{0};
+  std::atomic<int64_t> device_ops_{0}, staged_ops_{0}, direct_ops_{0};
+  // The last collective queued on the op queue (host_idle): its request, and
+  // the copies that bring its results back.
+  std::shared_ptr<Request> last_request_;
+  std::vector<std::shared_ptr<StagedOp>> last_stages_;
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;

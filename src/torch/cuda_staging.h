@@ -1,7 +1,8 @@
 // The staging of the "mooncake" backend's device tensors (cuda_backend.h):
 // host copies of an op's tensors around mooncake-cpu's op, the Work that
 // hands the results back on the device, and the same Work for ops that run
-// on the device collectives (device/collectives.h) instead. Included by
+// on the device collectives (device/collectives.h) instead; and the Work of
+// an all_reduce launched on the caller's stream (DeviceWork). Included by
 // cuda_backend.cc only: Staging is the backend's friend.
 #pragma once
 
@@ -128,6 +129,7 @@ class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
       if (!s->is_finished() || !s->done->query()) return false;
     return true;
   }
+  const std::vector<std::shared_ptr<StagedOp>>& stages() const { return stages_; }
   bool isSuccess() const override { return host_->isSuccess() && !stage_error(); }
   std::exception_ptr exception() const override {
     auto e = host_->exception();
@@ -170,6 +172,80 @@ class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
   std::vector<std::shared_ptr<StagedOp>> stages_;
   const int device_;
   std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// The Work of an op launched on the caller's current stream (the
+// device-driven all_reduce, outside the op queue): the host's part is done
+// when it is returned; the device's is ordered on that stream like any kernel
+// the caller queued there. Under CUDA graph capture it is part of the graph:
+// wait() does nothing then, and the future is completed on the host.
+class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
+ public:
+  DeviceWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, int device,
+             c10::cuda::CUDAStream stream, bool captured, int slots)
+      : Work(rank, type),
+        outputs_(std::move(outputs)),
+        device_(device),
+        stream_(stream),
+        captured_(captured),
+        host_(c10::make_intrusive<MooncakeWork>(rank, type, done_request(), outputs_,
+                                                std::weak_ptr<OpQueue>{}, slots)) {}
+
+  bool isCompleted() override {
+    if (captured_) return true;
+    const cudaError_t err = cudaStreamQuery(stream_.stream());
+    if (err == cudaErrorNotReady) return false;
+    cuda_check(err, "cudaStreamQuery");
+    return true;
+  }
+  bool isSuccess() const override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  MooncakeWork& mooncake_work() const override { return *host_; }
+
+  bool wait(std::chrono::milliseconds) override {
+    synchronize();
+    return true;
+  }
+  // The caller's current stream waits for the op (nothing to do on the
+  // stream it was launched on).
+  void synchronize() override {
+    if (captured_) return;
+    c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
+    const auto current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+    if (current == stream_) return;
+    CudaEvent done(false);
+    done.record(stream_.stream());
+    done.block(current.stream());
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!future_) {
+      std::vector<c10::Device> devices;
+      if (!captured_) devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
+      future_ = c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()), devices);
+      // Completed on the launch stream: the future's events come after the op.
+      c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
+      c10::cuda::CUDAStreamGuard stream_guard(stream_);
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    return future_;
+  }
+
+ private:
+  static std::shared_ptr<Request> done_request() {
+    auto r = std::make_shared<Request>();
+    r->complete();
+    return r;
+  }
+
+  std::vector<at::Tensor> outputs_;
+  const int device_;
+  const c10::cuda::CUDAStream stream_;
+  const bool captured_;
+  c10::intrusive_ptr<MooncakeWork> host_;
+  std::mutex mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -291,8 +367,9 @@ class Staging {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cuda_check(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
     MC_CHECK_ARG(capture == cudaStreamCaptureStatusNone, op_,
-                 ": cannot run under CUDA graph capture (backend mooncake stages device "
-                 "tensors through host memory); call it outside the captured region");
+                 ": cannot run under CUDA graph capture: of backend mooncake's ops only "
+                 "all_reduce (one CUDA tensor, on the device-driven path) can be captured; "
+                 "call it outside the captured region");
     auto ready = make_event(false);
     ready->record(caller);
     ready->block(*b_.stream_);

@@ -10,9 +10,14 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
   from any source) on CUDA tensors;
 * one group serves CPU tensors too; ``active_ranks`` is a CUDA int32 tensor;
 * which path served an op (``pg.get_op_paths``): the device plane where it should;
+* the device-driven all_reduce: one-shot and two-shot equal to the host-driven paths bit
+  for bit; captured in a CUDA graph and replayed with new inputs, equal to eager calls;
+  which ops can be captured, and that capture needs one eager call first; and, in a
+  launch of its own (``test_graph_replay_masks_a_killed_rank``), a rank killed between
+  replays: the survivors' replays finish at once and cover the others;
 * bad input (CPU and CUDA tensors mixed, split sizes that disagree between ranks, an op
-  under CUDA graph capture) raises ValueError naming the argument on every rank,
-  and the group goes on.
+  under CUDA graph capture that cannot be captured) raises ValueError naming the argument
+  on every rank, and the group goes on.
 
 Runs only with a GPU and a CUDA build (``make gpu-check``); several processes
 share the one GPU.
@@ -21,6 +26,7 @@ share the one GPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -28,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from launcher import TEARDOWN, Case, Launch, check, needs_cuda, parametrize, run
-from reference import reduce_ref
+from reference import reduce_ops_for, reduce_ref
 
 pytestmark = needs_cuda
 
@@ -299,36 +305,34 @@ def subgroup(ctx):
     dist.destroy_process_group(g)
 
 
-def _paths(fn, group=None) -> tuple[int, int]:
-    """(device, staged) ops that ``fn`` issued on ``group``, from pg.get_op_paths."""
+def _paths(fn, group=None, direct: bool = False) -> tuple[int, ...]:
+    """(device, staged) ops that ``fn`` issued on ``group``, from pg.get_op_paths; with
+    ``direct``, (device, staged, direct): direct counts the device-driven all_reduce."""
     from mooncake import pg
 
     before = pg.get_op_paths(group)
     fn()
     torch.cuda.synchronize()
     after = pg.get_op_paths(group)
-    return after["device"] - before["device"], after["staged"] - before["staged"]
+    keys = ("device", "staged", "direct") if direct else ("device", "staged")
+    return tuple(after[k] - before[k] for k in keys)
 
 
 def op_paths(ctx):
     """Which path served each op, asserted (the plane must not be bypassed silently):
-    128 KiB all_reduce and all_gather_into_tensor on the device plane at every launch; a
-    4 KiB all_reduce on the plane where PLANE_ALL lowers its threshold, else staged;
-    gather, scatter and reduce on the plane too; CPU tensors in the same group counted as
-    neither."""
-    import os
-
+    128 KiB and 4 KiB all_reduce on the device-driven kernel and all_gather_into_tensor
+    on the device plane at every launch; gather, scatter and reduce on the plane too; CPU
+    tensors in the same group counted as neither."""
     world, n = ctx.world_size, 1 << 15
     x = torch.ones(n, device="cuda")
     out = torch.empty(world * n, device="cuda")
-    got = _paths(lambda: dist.all_reduce(x))
-    ctx.expect(got == (1, 0), f"128 KiB all_reduce: (device, staged) {got}")
-    got = _paths(lambda: dist.all_gather_into_tensor(out, x))
-    ctx.expect(got == (1, 0), f"128 KiB all_gather_into_tensor: {got}")
+    got = _paths(lambda: dist.all_reduce(x), direct=True)
+    ctx.expect(got == (1, 0, 1), f"128 KiB all_reduce: (device, staged, direct) {got}")
+    got = _paths(lambda: dist.all_gather_into_tensor(out, x), direct=True)
+    ctx.expect(got == (1, 0, 0), f"128 KiB all_gather_into_tensor: {got}")
     small = torch.ones(1024, device="cuda")
-    plane_all = os.environ.get("MOONCAKE_CUDA_PLANE_MIN_BYTES") == "0"
-    got = _paths(lambda: dist.all_reduce(small))
-    ctx.expect(got == ((1, 0) if plane_all else (0, 1)), f"4 KiB all_reduce: {got}")
+    got = _paths(lambda: dist.all_reduce(small), direct=True)
+    ctx.expect(got == (1, 0, 1), f"4 KiB all_reduce: {got}")
     parts = [torch.empty(n, device="cuda") for _ in range(world)] if ctx.rank == 0 else None
     got = _paths(lambda: dist.gather(x, parts, dst=0))
     ctx.expect(got == (1, 0), f"gather: {got}")
@@ -340,19 +344,171 @@ def op_paths(ctx):
     ctx.expect(got == (0, 0), f"CPU all_reduce: {got}")
 
 
-def graph_capture(ctx):
-    """An op under CUDA graph capture raises ValueError saying why, on every rank."""
-    x = torch.ones(4, device="cuda")
+def _capture_raises(ctx, fn, *match) -> None:
+    """``fn()`` under CUDA graph capture raises ValueError matching ``match``, and the
+    capture ends cleanly."""
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         try:
-            with ctx.expect_raises(ValueError, "graph capture"):
+            with ctx.expect_raises(ValueError, *match):
                 with torch.cuda.graph(g, stream=s):
-                    dist.all_reduce(x)
+                    fn()
         except RuntimeError as e:  # the capture itself failing on the way out
             ctx.fail(f"capture raised {e}")
+
+
+def _group_with(env: dict[str, str]):
+    """A group of every rank whose backend read ``env`` when it was made (the device
+    collectives read their knobs then), with a 4 MiB segment."""
+    env = {"MOONCAKE_CUDA_SEGMENT_BYTES": str(4 << 20), **env}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return dist.new_group(list(range(dist.get_world_size())))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def graph_capture(ctx):
+    """Under CUDA graph capture: an op other than all_reduce raises ValueError naming the
+    ops that can be captured; so does all_reduce on a group whose device-driven path was
+    never set up (one eager call first sets it up, and capture then works), and on a group
+    where MOONCAKE_CUDA_ALLREDUCE=host turns that path off. The groups go on."""
+    x = torch.ones(4, device="cuda")
+    _capture_raises(ctx, lambda: dist.broadcast(x, 0), "graph capture", "all_reduce")
+    _usable(ctx, "a broadcast under graph capture")
+    fresh = _group_with({})
+    _capture_raises(
+        ctx, lambda: dist.all_reduce(x, group=fresh), "graph capture", "outside the captured"
+    )
+    y = torch.ones(4, device="cuda")
+    dist.all_reduce(y, group=fresh)  # sets it up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dist.all_reduce(y, group=fresh)
+    y.fill_(1.0)
+    g.replay()
+    ctx.expect_equal(y.cpu(), torch.full((4,), float(ctx.world_size)), "replay after set-up")
+    host = _group_with({"MOONCAKE_CUDA_ALLREDUCE": "host"})
+    _capture_raises(ctx, lambda: dist.all_reduce(x, group=host), "graph capture")
+    z = torch.ones(4, device="cuda")
+    dist.all_reduce(z, group=host)
+    ctx.expect_equal(z.cpu(), torch.full((4,), float(ctx.world_size)), "host group after capture")
+    for grp in (fresh, host):
+        dist.destroy_process_group(grp)
     _usable(ctx, "graph capture")
+
+
+#: (dtype, op) pairs of the device-driven sweep: every dtype, every kind of op.
+DIRECT_SWEEP = (
+    (torch.float32, "SUM"),
+    (torch.bfloat16, "AVG"),
+    (torch.float16, "MIN"),
+    (torch.float64, "PRODUCT"),
+    (torch.int64, "MAX"),
+    (torch.int32, "PRODUCT"),
+    (torch.int16, "BXOR"),
+    (torch.int8, "SUM"),
+    (torch.uint8, "BOR"),
+    (torch.bool, "SUM"),
+)
+#: Elements: a tail only; one 16-byte vector short of a block; several blocks (the
+#: two-shot shares then span blocks); past 256 KiB (auto takes two-shot at world 4).
+DIRECT_SIZES = (7, 4093, 70_001, 300_000)
+
+
+def direct_matches_host(ctx):
+    """The device-driven all_reduce, forced one-shot and two-shot (groups made with
+    MOONCAKE_CUDA_ALLREDUCE=oneshot / twoshot) and as it comes (auto, the world group),
+    equals the host-driven paths (a group with MOONCAKE_CUDA_ALLREDUCE=host: the device
+    plane, or staged below 64 KiB) and the reference bit for bit, over dtypes, ops and
+    sizes; also in place on a non-contiguous tensor and on a view 4 bytes off alignment
+    (the scalar paths). The paths are asserted: every call of the first three took the
+    device-driven kernel, none of the host group's."""
+    groups = {
+        "host": _group_with({"MOONCAKE_CUDA_ALLREDUCE": "host"}),
+        "oneshot": _group_with({"MOONCAKE_CUDA_ALLREDUCE": "oneshot"}),
+        "twoshot": _group_with({"MOONCAKE_CUDA_ALLREDUCE": "twoshot"}),
+        "auto": None,
+    }
+    R = dist.ReduceOp
+    for dtype, op in DIRECT_SWEEP:
+        if op not in reduce_ops_for(dtype):
+            ctx.fail(f"the sweep has {op} on {dtype}, which it does not define")
+            continue
+        for n in DIRECT_SIZES:
+            xs = ctx.inputs((n,), dtype, tag=f"{dtype}{op}{n}")
+            want = reduce_ref(xs, op)
+            for name, grp in groups.items():
+                x = cuda(xs[ctx.rank])
+                red = getattr(R, op)
+                got = _paths(lambda x=x, g=grp, o=red: dist.all_reduce(x, o, group=g), grp, True)
+                ctx.expect(got[2] == (0 if name == "host" else 1), f"{name} paths {got}")
+                ctx.expect_equal(x.cpu(), want, f"{name} {dtype} {op} n{n}")
+    n = 5000
+    xs = ctx.inputs((2, n), torch.float32, tag="layouts")
+    for name, grp in groups.items():
+        t = cuda(xs[ctx.rank]).t()  # [n, 2], not contiguous
+        dist.all_reduce(t, group=grp)
+        ctx.expect_equal(t.cpu(), reduce_ref(xs, "SUM").t(), f"{name} non-contiguous")
+        base = torch.zeros(n + 1, device="cuda")
+        off = base[1:]  # 4 bytes past the allocation's alignment
+        off.copy_(cuda(xs[ctx.rank][0]))
+        dist.all_reduce(off, group=grp)
+        ctx.expect_equal(off.cpu(), reduce_ref([x[0] for x in xs], "SUM"), f"{name} misaligned")
+        ctx.expect(base[0].item() == 0.0, f"{name} misaligned: wrote before the view")
+    for grp in groups.values():
+        if grp is not None:
+            dist.destroy_process_group(grp)
+
+
+def graph_replay(ctx):
+    """all_reduce captured in a CUDA graph (4 KiB one-shot on the world group; 1 MiB on
+    the world group, and two-shot on a group forced to it), replayed 5 times with new
+    inputs, an eager all_reduce between replays: each replay equals an eager all_reduce of
+    the same inputs (and the reference) bit for bit. Capture counts one direct op; the
+    replays count none (they are the GPU's alone)."""
+    from mooncake import pg
+
+    two = _group_with({"MOONCAKE_CUDA_ALLREDUCE": "twoshot"})
+    for label, grp, n in (("4 KiB", None, 1024), ("1 MiB", None, 1 << 18), ("two-shot", two, 1 << 18)):  # fmt: skip
+        static = torch.zeros(n, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the eager warm-up sets the path up
+            dist.all_reduce(static, group=grp)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        got = _paths(lambda static=static, g=g, grp=grp: _capture(g, static, grp), grp, True)
+        ctx.expect(got == (1, 0, 1), f"{label}: capture counted {got}")
+        before = pg.get_op_paths(grp)
+        for k in range(5):
+            xs = ctx.inputs((n,), torch.float32, tag=f"{label}{k}")
+            static.copy_(cuda(xs[ctx.rank]))
+            g.replay()
+            eager = cuda(xs[ctx.rank])
+            if k == 2:
+                dist.all_reduce(eager, group=grp)
+            else:
+                torch.cuda.synchronize()
+                eager = None
+            want = reduce_ref(xs, "SUM")
+            ctx.expect_equal(static.cpu(), want, f"{label} replay {k}")
+            if eager is not None:
+                ctx.expect_equal(eager.cpu(), want, f"{label} eager between replays")
+        after = pg.get_op_paths(grp)
+        ctx.expect(after["direct"] - before["direct"] == 1, f"{label}: replays counted")
+    dist.destroy_process_group(two)
+
+
+def _capture(g, static, grp) -> None:
+    with torch.cuda.graph(g):
+        dist.all_reduce(static, group=grp)
 
 
 def big(ctx):
@@ -422,6 +578,8 @@ def cases(world: int) -> list[Case]:
         Case("subgroup", subgroup),
         Case("op_paths", op_paths),
         Case("graph_capture", graph_capture),
+        Case("direct_matches_host", direct_matches_host),
+        Case("graph_replay", graph_replay),
         Case("big", big),
         Case("beyond_segment", beyond_segment),
     ]
@@ -462,3 +620,46 @@ def test_bypassed_plane_is_caught():
         assert not passed and "(0, 1)" in why, f"{case} with the plane off: {why or 'passed'}"
     passed, why = result.verdict(TEARDOWN)
     assert passed, why
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_graph_replay_masks_a_killed_rank():
+    """World 3, a 4 KiB all_reduce captured in a CUDA graph and replayed; rank 0 (not
+    special: the store is the parent's) dies by SIGKILL right after launching a replay.
+    That replay covers it on every survivor or on none (they agree); every later replay
+    finishes at once (the host saw it gone: the op timeout is 60 s) over the survivors,
+    who find it 0 in their CUDA active_ranks; an eager call agrees; an op on the host then
+    settles the view without it, and the path, set up again, serves the eager call and
+    the old graph alike. Runs without MPS (a process killed inside a kernel under MPS
+    fails every client of the GPU)."""
+    from cuda_backend_round import replay_through_a_kill
+    from mooncake.launch import LocalGroup
+
+    world, victim = 3, 0
+    survivors = [r for r in range(world) if r != victim]
+    with LocalGroup(world, env={"PYTHONUNBUFFERED": "1"}) as group:
+        group.start(replay_through_a_kill, args=(victim,))
+        group.expect_exit(victim)
+        results = group.results(timeout_s=240)
+
+    def total(ranks, k):
+        return [float(sum((r + 1) * (k + 1) for r in ranks))]
+
+    racing = {str(results[str(r)]["racing"]) for r in survivors}
+    assert len(racing) == 1, f"the survivors disagree on the replay the victim died in: {racing}"
+    assert results[str(survivors[0])]["racing"] in (
+        total(range(world), 3),
+        total(survivors, 3),
+    ), results
+    for r in survivors:
+        got = results[str(r)]
+        assert got["before"] == [total(range(world), k) for k in range(3)], (r, got)
+        assert got["after"] == [total(survivors, k) for k in range(4, 7)], (r, got)
+        assert got["racing_s"] < 15 and got["after_s"] < 15, (r, got)
+        assert got["active"] == [0 if q == victim else 1 for q in range(world)], (r, got)
+        assert got["eager"] == [float(sum(q + 1 for q in survivors))], (r, got)
+        assert got["synced"] == len(survivors), (r, got)
+        assert got["eager_after_view"] == got["eager"], (r, got)
+        assert got["replay_after_view"] == total(survivors, 7), (r, got)
+        assert got["paths"]["staged"] == 0 and got["paths"]["direct"] >= 4, (r, got)

@@ -212,6 +212,65 @@ class Round:
             self.same(f"all_reduce_coalesced [{i}]", y, reduce_all(xs[i], R.MAX))
 
 
+def replay_through_a_kill(rank: int, world: int, port: int, victim: int) -> dict:
+    """Rank side of test_cuda_backend.test_graph_replay_masks_a_killed_rank (a
+    ``mooncake.launch.LocalGroup`` process): a 4 KiB all_reduce captured in a CUDA graph,
+    replayed with rank r contributing (r + 1) * (k + 1) at replay k; after replay 2 and a
+    barrier, ``victim`` launches replay 3 and kills itself (SIGKILL) without waiting for
+    it. The survivors return what each replay gave, how long the replays after the kill
+    took, their CUDA active_ranks, an eager all_reduce's value, and after a barrier (an op
+    on the host, which finds the victim gone) the members' count, an eager all_reduce
+    (set up again among them) and one more replay."""
+    import signal
+    import time
+
+    from mooncake import pg
+    from mooncake.launch import init_rank
+
+    active = init_rank(rank, world, port, "mooncake", timeout_s=60)
+    n = 1024
+    x = torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the eager call that sets the path up
+        dist.all_reduce(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(x)
+
+    def replay(k: int) -> list[float]:
+        x.fill_(float((rank + 1) * (k + 1)))
+        graph.replay()
+        return sorted(set(x.cpu().tolist()))
+
+    out: dict = {"before": [replay(k) for k in range(3)]}
+    dist.barrier()
+    if rank == victim:
+        x.fill_(float((rank + 1) * 4))
+        graph.replay()
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    out["racing"] = replay(3)
+    out["racing_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    out["after"] = [replay(k) for k in range(4, 7)]
+    out["after_s"] = time.monotonic() - t0
+    out["active"] = active.cpu().tolist()
+    y = torch.full((n,), float(rank + 1), device="cuda")
+    dist.all_reduce(y)
+    out["eager"] = sorted(set(y.cpu().tolist()))
+    dist.barrier()  # on the host: finds the victim gone, and the survivors agree
+    out["synced"] = pg.get_num_synced_ranks()
+    y = torch.full((n,), float(rank + 1), device="cuda")
+    dist.all_reduce(y)
+    out["eager_after_view"] = sorted(set(y.cpu().tolist()))
+    out["replay_after_view"] = replay(7)
+    out["paths"] = pg.get_op_paths()
+    dist.destroy_process_group()
+    return out
+
+
 def rank_main(rank: int, world: int, port: int) -> int:
     os.environ["MOONCAKE_CUDA_PLANE_MIN_BYTES"] = "0"
     os.environ["MOONCAKE_CUDA_SEGMENT_BYTES"] = str(64 << 10)

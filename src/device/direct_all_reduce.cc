@@ -1,0 +1,197 @@
+#include "device/direct_all_reduce.h"
+
+#include <cstddef>
+
+#include "core/error.h"
+#include "device/cuda.h"
+
+namespace mooncake {
+
+namespace k = kernels;
+
+namespace {
+
+// `n` zeroed int32 words of host memory the device maps; the device's pointer in `dev`.
+int32_t* mapped_words(int n, int32_t** dev, const char* what) {
+  void* host = nullptr;
+  cuda_check(cudaHostAlloc(&host, static_cast<size_t>(n) * sizeof(int32_t), cudaHostAllocMapped),
+             what);
+  auto* words = static_cast<int32_t*>(host);
+  for (int i = 0; i < n; ++i) words[i] = 0;
+  void* d = nullptr;
+  cuda_check(cudaHostGetDevicePointer(&d, host, 0), "cudaHostGetDevicePointer");
+  *dev = static_cast<int32_t*>(d);
+  return words;
+}
+
+// A field of the device state, by address (the state is device memory).
+template <typename T>
+T* field(k::DirectState* state, size_t offset) {
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(state) + offset);
+}
+
+int32_t load(const int32_t* p) {
+  return *static_cast<const volatile int32_t*>(p);
+}
+
+}  // namespace
+
+DirectAllReduce::DirectAllReduce(int device, int rank, int ranks, const k::DirectLayout& layout)
+    : device_(device),
+      rank_(rank),
+      ranks_(ranks),
+      layout_(layout),
+      incarnations_(static_cast<size_t>(ranks), kNone) {
+  MC_CHECK_ARG(ranks >= 1 && ranks <= k::kDirectMaxRanks && rank >= 0 && rank < ranks,
+               "DirectAllReduce: rank ", rank, " of ", ranks, " ranks (at most ",
+               k::kDirectMaxRanks, ")");
+  OnDevice on(device_);
+  try {
+    // Written whole by install(), before any launch reads it.
+    cuda_check(cudaMalloc(&state_, sizeof(k::DirectState)), "cudaMalloc of the all_reduce state");
+    status_host_ = mapped_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
+    silent_host_ = mapped_words(ranks, &silent_dev_, "cudaHostAlloc of the silent-rank words");
+    lost_ = std::make_shared<LostWords>(ranks);
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+DirectAllReduce::~DirectAllReduce() {
+  OnDevice on(device_);
+  cudaDeviceSynchronize();  // a launch (a graph replay) may still read the state
+  release();
+}
+
+void DirectAllReduce::release() {
+  if (state_ != nullptr) cudaFree(state_);
+  if (status_host_ != nullptr) cudaFreeHost(status_host_);
+  if (silent_host_ != nullptr) cudaFreeHost(silent_host_);
+  state_ = nullptr;
+  status_host_ = silent_host_ = nullptr;
+}
+
+void DirectAllReduce::install(const std::vector<uint8_t*>& areas,
+                              const std::vector<uint32_t>& incarnations, uint32_t gen,
+                              uint64_t epoch, cudaStream_t stream) {
+  MC_ASSERT(areas.size() == static_cast<size_t>(ranks_) && incarnations.size() == areas.size());
+  OnDevice on(device_);
+  k::DirectState h{};
+  h.seq = 0;
+  h.gen = gen;
+  h.rank = rank_;
+  h.ranks = ranks_;
+  h.report = report_;
+  for (int p = 0; p < ranks_; ++p) {
+    h.areas[p] = areas[static_cast<size_t>(p)];
+    h.live[p] = h.areas[p] != nullptr ? 1 : 0;
+  }
+  cuda_check(cudaMemcpyAsync(state_, &h, sizeof(h), cudaMemcpyHostToDevice, stream),
+             "writing the all_reduce state");
+  cuda_check(cudaStreamSynchronize(stream), "writing the all_reduce state");
+  for (int p = 0; p < ranks_; ++p) {
+    const uint32_t inc = incarnations[static_cast<size_t>(p)];
+    // A new process in the slot: what the transport said of the last one is void.
+    if (areas[static_cast<size_t>(p)] != nullptr && inc != incarnations_[static_cast<size_t>(p)])
+      lost_->clear(p);
+    incarnations_[static_cast<size_t>(p)] = areas[static_cast<size_t>(p)] != nullptr ? inc : kNone;
+    silent_host_[p] = 0;
+  }
+  for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
+  gen_ = gen;
+  epoch_ = epoch;
+  installed_ = true;
+}
+
+uint32_t DirectAllReduce::incarnation(int slot) const {
+  return slot >= 0 && slot < ranks_ ? incarnations_[static_cast<size_t>(slot)] : kNone;
+}
+
+void DirectAllReduce::retire(int slot, cudaStream_t stream) {
+  if (slot < 0 || slot >= ranks_) return;
+  OnDevice on(device_);
+  int32_t* live = field<int32_t>(state_, offsetof(k::DirectState, live)) + slot;
+  cuda_check(cudaMemsetAsync(live, 0, sizeof(int32_t), stream), "retiring a rank");
+  incarnations_[static_cast<size_t>(slot)] = kNone;
+}
+
+void DirectAllReduce::retire_now(int slot) {
+  retire(slot, nullptr);
+  cuda_check(cudaStreamSynchronize(nullptr), "retiring a rank");
+}
+
+void DirectAllReduce::launch(const void* in, void* out, size_t count, DType dtype, RedOp op,
+                             bool two_shot, bool reject, int64_t timeout_ms, int blocks,
+                             cudaStream_t stream) {
+  MC_ASSERT(installed_ && timeout_ms > 0);
+  k::DirectArgs a{};
+  a.c.peers = field<uint8_t*>(state_, offsetof(k::DirectState, areas));
+  a.c.rank = rank_;
+  a.c.active_ranks = field<int32_t>(state_, offsetof(k::DirectState, live));
+  a.c.silent = silent_dev_;
+  a.c.lost = lost_->device();
+  a.c.timeout_ns = timeout_ms * 1000000;
+  a.c.status = status_dev_;
+  a.c.grid_sync = field<uint32_t>(state_, offsetof(k::DirectState, grid_sync));
+  a.state = state_;
+  a.layout = layout_;
+  a.in = in;
+  a.out = out;
+  a.count = count;
+  a.dtype = dtype;
+  a.op = op;
+  a.shape = reject ? k::kShapeRejected : k::direct_shape(count, dtype, op);
+  a.two_shot = two_shot;
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  a.vec = aligned(in) && aligned(out);
+  cuda_check(static_cast<cudaError_t>(k::launch_direct_all_reduce(a, blocks, stream)),
+             "the device-driven all_reduce kernel");
+}
+
+std::vector<std::string> DirectAllReduce::take_reports() {
+  std::vector<std::string> out;
+  const int32_t code = load(status_host_);
+  if (code != k::kStatusOk) {
+    const int32_t d0 = load(status_host_ + 1), d1 = load(status_host_ + 2);
+    switch (code) {
+      case k::kStatusSilentPeer:
+        out.push_back(str("rank ", d0, " was silent past the op's timeout and is masked"));
+        break;
+      case k::kStatusNotResident:
+        out.push_back(str("only ", d0, " of ", d1,
+                          " blocks of a launch ran at once (the GPU is shared with other work): "
+                          "its result may be wrong"));
+        break;
+      case k::kStatusDirectStale:
+        left_behind_ = true;
+        out.push_back(str("rank ", d0, " went on to setup ", d1, " (this rank's: ", gen_,
+                          ") without this rank: the others left it out"));
+        break;
+      case k::kStatusDirectMismatch:
+        out.push_back(str("rank ", d0,
+                          " called all_reduce with another count, dtype or op: each rank's "
+                          "result left the other out"));
+        break;
+      case k::kStatusDirectRejected:
+        out.push_back(str("rank ", d0,
+                          " rejected its arguments (it raised ValueError): the others' result "
+                          "left it out"));
+        break;
+      default: out.push_back(str("status ", code, " (", d0, ", ", d1, ")"));
+    }
+    for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
+  }
+  for (int r = 0; r < ranks_; ++r) {
+    const int32_t why = load(silent_host_ + r);
+    if (why == 0) continue;
+    silent_host_[r] = 0;
+    out.push_back(str("rank ", r, " is masked: ",
+                      why == k::kMaskedLost
+                          ? "lost (its process gone, or silent past MOONCAKE_HANG_MS)"
+                          : "silent past the op's timeout"));
+  }
+  return out;
+}
+
+}  // namespace mooncake

@@ -1,0 +1,100 @@
+// The device-driven all_reduce's host half (the kernel and its protocol:
+// kernels/coll/direct.h): the group's state in device memory, the words its
+// launches report into, and the launch itself, which needs no host op, no
+// allocation and no host wait, so that it can be captured in a CUDA graph.
+// DeviceCollectives (collectives.h) drives it: it owns the segments (each
+// rank's area lies past the host-driven plane's part of its segment), sets it
+// up with the members, and decides when a launch may run.
+//
+// Health: a launch masks a peer that stays silent past the deadline, or that
+// the host has seen lost (lost_words(), which the group's transport sets), in
+// the state's live words, in the caller's active_ranks (set_report) and in
+// the silent words; masked ranks stay out of later launches until the next
+// install. take_reports() hands over what launches reported, for the log.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "device/ep.h"
+#include "kernels/coll/direct.h"
+
+namespace mooncake {
+
+class DirectAllReduce {
+ public:
+  // No incarnation: a slot no install mapped.
+  static constexpr uint32_t kNone = UINT32_MAX;
+
+  // For a world of `ranks` processes (this one `rank`, at most
+  // kernels::kDirectMaxRanks) whose areas are laid out as `layout`.
+  DirectAllReduce(int device, int rank, int ranks, const kernels::DirectLayout& layout);
+  ~DirectAllReduce();
+  DirectAllReduce(const DirectAllReduce&) = delete;
+  DirectAllReduce& operator=(const DirectAllReduce&) = delete;
+
+  const kernels::DirectLayout& layout() const { return layout_; }
+  // Whoever learns that a peer is lost sets its word (watch_lost).
+  std::shared_ptr<LostWords> lost_words() const { return lost_; }
+  // The caller's active_ranks (device int32 [ranks]; null: none): launches
+  // set a rank they mask to 0 there. In force from the next install.
+  void set_report(int32_t* active_ranks) { report_ = active_ranks; }
+
+  // A setup agreed with the members: each rank's area as this process maps
+  // it (null: out), the incarnation each was mapped from, the generation the
+  // members agreed on and the view's epoch. Queued on `stream` after what it
+  // holds, and waited for: no launch may see the state change under it.
+  void install(const std::vector<uint8_t*>& areas, const std::vector<uint32_t>& incarnations,
+               uint32_t gen, uint64_t epoch, cudaStream_t stream);
+  bool installed() const { return installed_; }
+  uint64_t epoch() const { return epoch_; }
+  uint32_t generation() const { return gen_; }
+  // The incarnation of `slot`'s area at the last install (kNone: none).
+  uint32_t incarnation(int slot) const;
+
+  // Takes `slot` out of the launches queued after this on `stream` (its
+  // process left the group: graph replays stop waiting for it).
+  void retire(int slot, cudaStream_t stream);
+  // The same, done before it returns (its mapping is about to go).
+  void retire_now(int slot);
+
+  // Queues one op (kernels/coll/direct.h) of `blocks` blocks on `stream`;
+  // `reject`: this rank takes part without data. timeout_ms > 0.
+  void launch(const void* in, void* out, size_t count, DType dtype, RedOp op, bool two_shot,
+              bool reject, int64_t timeout_ms, int blocks, cudaStream_t stream);
+
+  // What launches reported since the last call (masked ranks, peers whose
+  // calls did not match), one line each; clears the words. Reads host memory
+  // only (no sync), so it sees what the launches that finished wrote.
+  std::vector<std::string> take_reports();
+  // Whether a launch found the others gone on to a newer setup without this
+  // rank (they left it out): from the first report of it on.
+  bool left_behind() const { return left_behind_; }
+
+ private:
+  void release();  // frees what the constructor allocated
+
+  const int device_;
+  const int rank_;
+  const int ranks_;
+  const kernels::DirectLayout layout_;
+  kernels::DirectState* state_ = nullptr;  // device
+  int32_t* report_ = nullptr;              // device, the caller's
+  int32_t* status_host_ = nullptr;         // host-mapped kernels::kStatusWords
+  int32_t* status_dev_ = nullptr;
+  int32_t* silent_host_ = nullptr;  // host-mapped [ranks]
+  int32_t* silent_dev_ = nullptr;
+  std::shared_ptr<LostWords> lost_;
+  std::vector<uint32_t> incarnations_;
+  bool installed_ = false;
+  bool left_behind_ = false;
+  uint64_t epoch_ = 0;
+  uint32_t gen_ = 0;
+};
+
+}  // namespace mooncake
