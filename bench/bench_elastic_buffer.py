@@ -11,7 +11,11 @@ uniform), so every rank can rebuild every other rank's inputs for the checks.
 Measures (each call's time is the slowest process's; a row shows the median and p90):
 
 - ``dispatch``: ``ElasticBuffer.dispatch(x, topk_idx, topk_weights, num_experts=E)``
-  (fresh: counts exchange, CPU sync, tokens exchange), two input sets alternating;
+  (fresh: counts exchange, CPU sync, tokens exchange), two input sets alternating; on
+  CUDA, with every process on this host, the device path runs (``src/kernels/ep_ht``:
+  layout pass, notify, rows through bounded rings; the table's header says which path
+  ran); ``no sync``: the same with ``do_cpu_sync=False`` (worst-case outputs, no host
+  wait: the graph-capturable call);
 - ``combine``: ``ElasticBuffer.combine(y, handle)``, each timed call after an untimed
   dispatch of its own, ``y`` the received rows as BF16 (identity experts; FP8 rows
   dequantised first, untimed);
@@ -37,8 +41,10 @@ Measures (each call's time is the slowest process's; a row shows the median and 
   the allocation before one fresh dispatch and one combine (outputs, temporaries and,
   with FP8, the BF16 expert rows), plus the workspace: for ElasticBuffer the CUDA
   backend's device segment (``MOONCAKE_CUDA_SEGMENT_BYTES``, default 64 MiB, made with
-  the group outside torch's allocator; the portable path reserves nothing else), for
-  Buffer ``get_ep_buffer_size_hint(T, H, R, E)`` (its device workspace). On CPU the
+  the group outside torch's allocator; the portable path reserves nothing else) or, on
+  the device path, its workspace (``device_workspace_bytes``: signals and rings, the same
+  at every T), for Buffer ``get_ep_buffer_size_hint(T, H, R, E)`` (its device
+  workspace). On CPU the
   bytes of the outputs (every tensor returned, the handles' too) instead of the peak,
   and Buffer's hint all the same (its portable path does not reserve it);
 - ``cached``: at ``--cached-tokens`` (512), ``dispatch(x, handle=h)`` along the first
@@ -314,7 +320,7 @@ def measure_elastic(eb, cfg, T, fp8, sets, rt, clock, device, problems) -> dict:
     handle0 = out[3]
     del out, combined
 
-    row = {"T": T, "fp8": fp8, "path": eb.path}
+    row = {"T": T, "fp8": fp8, "path": eb.path, "transport": eb.transport}
     payload = H + 4 * (H // 128) if fp8 else 2 * H
     row["dispatch_bytes"] = sum(rt.sent) * payload
     row["combine_bytes"] = len(rt.tokens) * 2 * H
@@ -327,6 +333,27 @@ def measure_elastic(eb, cfg, T, fp8, sets, rt, clock, device, problems) -> dict:
         return lambda: eb.combine(y, handle)
 
     row["combine_us"] = clock.prepared(combine_call, cfg["iters"], cfg["warmup"])
+
+    def no_sync(k):
+        return eb.dispatch(
+            sent[k], sets[k][1], sets[k][2], num_experts=E, num_max_tokens_per_rank=T,
+            do_cpu_sync=False,
+        )  # fmt: skip
+
+    got = no_sync(0)  # checked: the same rows, at the front of the worst-case outputs
+    valid = int(got[3].psum_num_recv_tokens_per_scaleup_rank[-1])
+    if valid != len(rt.tokens):
+        problems.append(f"{tag} dispatch without CPU sync: {valid} rows, the model says "
+                        f"{len(rt.tokens)}")  # fmt: skip
+    else:
+        head = (got[0][0][:valid], got[0][1][:valid]) if fp8 else got[0][:valid]
+        problems += [
+            f"{tag} dispatch without CPU sync: {p}" for p in check_rows(head, rt, source(0))
+        ]
+    del got
+    row["dispatch_nosync_us"] = clock.loop(
+        lambda: no_sync(next(turn) % 2), cfg["iters"], cfg["warmup"]
+    )
     d_in = [n * payload for n in rt.sent]
     d_out = [n * payload for n in rt.per_source]
     row["dispatch_floor_us"], row["dispatch_exchange_us"] = floors(
@@ -352,7 +379,8 @@ def measure_elastic(eb, cfg, T, fp8, sets, rt, clock, device, problems) -> dict:
         return recv, handle, eb.combine(as_bf16(recv), handle)
 
     cuda = device.type == "cuda"
-    row["memory_bytes"] = peak_bytes(cuda, round_trip) + (segment_bytes() if cuda else 0)
+    workspace = eb.device_workspace_bytes if eb.path == "device" else segment_bytes()
+    row["memory_bytes"] = peak_bytes(cuda, round_trip) + (workspace if cuda else 0)
     return row
 
 
@@ -571,13 +599,15 @@ def tables(world: int, cfg: dict, rows: list[dict], up: dict) -> list[str]:
         s = (u or {}).get(key) or {}
         return harness.fmt_fixed(s.get("median"), 100) if s else "-"
 
-    head = ["T", "dtype", "MiB", "dispatch", "floor", "×floor", "exchange", "Buffer", "upstream"]
+    head = ["T", "dtype", "MiB", "dispatch", "no sync", "floor", "×floor", "exchange", "Buffer"]
+    head += ["upstream"]
     head += ["MiB", "combine", "floor", "×floor", "exchange", "Buffer", "upstream"]
     cells = []
     for r in rows:
         cells.append([
             str(r["T"]), "FP8" if r["fp8"] else "BF16", mib(r["dispatch_bytes"]),
-            fmt_us(r, "dispatch_us"), fmt_us(r, "dispatch_floor_us"),
+            fmt_us(r, "dispatch_us"), fmt_us(r, "dispatch_nosync_us"),
+            fmt_us(r, "dispatch_floor_us"),
             ratio(med(r, "dispatch_us"), med(r, "dispatch_floor_us")),
             fmt_us(r, "dispatch_exchange_us"), fmt_us(r, "buffer_dispatch_us"),
             up_cell(r, "dispatch_us"), mib(r["combine_bytes"]),
@@ -587,12 +617,13 @@ def tables(world: int, cfg: dict, rows: list[dict], up: dict) -> list[str]:
             up_cell(r, "combine_us"),
         ])  # fmt: skip
     what = f"H={cfg['H']}, top-{cfg['K']} of E={cfg['E']}"
-    paths = f"ElasticBuffer {rows[0]['path']}, Buffer {rows[0].get('buffer_path', '-')}"
+    paths = (f"ElasticBuffer {rows[0]['path']} ({rows[0].get('transport', '-')}), "
+             f"Buffer {rows[0].get('buffer_path', '-')}")  # fmt: skip
     lines = [
         f"world {world}, {cfg['device']}: µs, median / p90 of the slowest process ({what}; "
         f"paths: {paths})"
     ]
-    lines += harness.markdown_table(head, cells, "rrrrrrrrrrrrrrrr")
+    lines += harness.markdown_table(head, cells, "rrrrrrrrrrrrrrrrr")
     if world == 1 and "error" in up:
         lines.append(f"upstream's ElasticBuffer: {up['error']}")
     elif world == 1:

@@ -9,7 +9,7 @@
 # GPU_STEPS picks steps (the build always runs, incrementally), so a run can be split over
 # device calls; "tests" stands for the test steps, "benches" for the benchmark steps:
 #   tests   (the default, make gpu-check): doctor cpp device py elastic pgcuda epdev epelastic
-#           chaos, about 20 minutes on one H200;
+#           ephtdev chaos, about 25 minutes on one H200;
 #   benches (make gpu-bench): bench pgbench epelasticbench epprof epbench epfail epht.
 #   compare: (not in the default) an older commit against this tree, side by side: a
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
@@ -34,6 +34,11 @@
 #            (growth and the connection contract under MPS, kills and replacements without
 #            it; 1-4 processes on the GPU), then compute-sanitizer (EP_ELASTIC_SANITIZE_TOOLS,
 #            default "memcheck racecheck") over a short contract timeline with masked slots;
+#   ephtdev: the ElasticBuffer's device path: tests/python/test_elastic_buffer_device.py (every
+#            argument combination at 1, 2, 4 processes under MPS, against the routing model and
+#            the portable path; the kill-and-replace test without MPS), then compute-sanitizer
+#            (EPHT_SANITIZE_TOOLS, default "memcheck racecheck") over a 2-process round
+#            (tests/python/support/ht_device_round.py);
 #   chaos:   the chaos soak, tests/python/test_gpu_chaos.py on CUDA tensors: 4 processes on
 #            the GPU, CHAOS_CYCLES (40) random kills, stops past the hang limit and slow
 #            ranks, every one replaced, EP (Buffer and elastic, BF16 and FP8) and the
@@ -75,7 +80,7 @@ PY=${PY:-python3}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
-GPU_TESTS="doctor cpp device py elastic pgcuda epdev epelastic chaos"
+GPU_TESTS="doctor cpp device py elastic pgcuda epdev epelastic ephtdev chaos"
 GPU_BENCHES="bench pgbench epelasticbench epprof epbench epfail epht"
 STEPS=" ${GPU_STEPS:-tests} "
 STEPS=${STEPS/ tests / $GPU_TESTS }
@@ -99,10 +104,11 @@ mapfile -t SEL_ALL < <(sel "")
 mapfile -t SEL_CUDA < <(sel "cuda")
 mapfile -t SEL_KILLS < <(sel "kills")
 mapfile -t SEL_NOT_KILLS < <(sel "not kills")
-# The Python step runs the suite minus what the GPU steps run (pgcuda, epdev, epelastic, chaos).
+# The Python step runs the suite minus what the GPU steps run (pgcuda, epdev, epelastic, ephtdev,
+# chaos).
 mapfile -t SEL_PY < <(sel "not test_collective_cuda and not test_kill_world4_cuda and not (test_engine_pattern and cuda) and not (test_gpu_chaos and cuda)")
 PY_IGNORE=(--ignore=tests/python/test_cuda_backend.py --ignore=tests/python/test_ep_device.py
-  --ignore=tests/python/test_ep_elastic_device.py)
+  --ignore=tests/python/test_ep_elastic_device.py --ignore=tests/python/test_elastic_buffer_device.py)
 # sanitize SCRIPT LOG_STEM TOOL...: the script under each compute-sanitizer tool, its
 # log in $OUT/LOG_STEM_TOOL.log; any error fails the run.
 sanitize() {
@@ -296,6 +302,18 @@ if gpu_wants epelastic; then
   step "elastic EP buffer, device path: compute-sanitizer"
   sanitize tests/python/support/elastic_device_round.py sanitizer_elastic \
     ${EP_ELASTIC_SANITIZE_TOOLS-memcheck racecheck}
+fi
+if gpu_wants ephtdev; then
+  step "ElasticBuffer device path: tests (rounds under MPS, the kill test without it)"
+  # As epelastic: MPS reports a killed client's fault to every client on the GPU.
+  start_mps
+  MOONCAKE_NO_SKIP=1 timeout 1200 "$PY" -m pytest tests/python/test_elastic_buffer_device.py "${SEL_NOT_KILLS[@]}" -q \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_elastic_buffer_device.log" | tail -15 || status=1
+  stop_mps
+  MOONCAKE_NO_SKIP=1 timeout 700 "$PY" -m pytest tests/python/test_elastic_buffer_device.py "${SEL_KILLS[@]}" -q \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_elastic_buffer_device.log" | tail -8 || status=1
+  step "ElasticBuffer device path: compute-sanitizer"
+  sanitize tests/python/support/ht_device_round.py sanitizer_ht ${EPHT_SANITIZE_TOOLS-memcheck racecheck}
 fi
 if gpu_wants chaos; then
   step "chaos soak on the GPU: kills, stops, slow ranks, replacements (no MPS: it kills inside kernels)"

@@ -27,6 +27,8 @@ void register_ep_layout(pybind11::module_& m);
 void register_ep_elastic(pybind11::module_& m);
 // EpDevice when this build has CUDA, nothing otherwise (ep_device.cc).
 void register_ep_device(pybind11::module_& m);
+// EpHtDevice and HtPlan when this build has CUDA, nothing otherwise (ep_ht_device.cc).
+void register_ep_ht_device(pybind11::module_& m);
 // env_registry (bind_env.cc).
 void register_env(pybind11::module_& m);
 

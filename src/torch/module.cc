@@ -39,5 +39,6 @@ PYBIND11_MODULE(MOONCAKE_PG_MODULE, m) {
   register_ep_layout(m);
   register_ep_elastic(m);
   register_ep_device(m);
+  register_ep_ht_device(m);
   register_env(m);
 }

@@ -9,11 +9,13 @@ row per token (``[num_recv_tokens, H]``) with the token's local expert ids
 ``expert_alignment``.
 
 An ElasticBuffer is its members (a process group's: ``group.GroupMembers``) times its
-paths. The portable path (``throughput_portable`` over ``throughput_rows``) runs every
-call today: torch ops over the group's exchange, deterministic, for CPU tensors and
-(staged through the host where the group cannot move them) CUDA ones. A device path
-(kernels over mapped peer workspaces) plugs in at :meth:`ElasticBuffer._path_for`;
-``path`` says which one ran last.
+paths. The device path (``throughput_device``: kernels over workspaces every member maps
+through CUDA IPC) runs calls on CUDA tensors when every member runs on this host and the
+build has it; the portable path (``throughput_portable`` over ``throughput_rows``: torch
+ops over the group's exchange) runs the others, for CPU tensors and (staged through the
+host where the group cannot move them) CUDA ones. Both are deterministic and give the same
+results bit for bit; :meth:`ElasticBuffer._path_for` picks, and ``path`` and ``transport``
+say which ran last.
 
 Failures as in ``Buffer``: a rank that dies (or stays silent past the exchange's
 timeout) is left out by the process group, counted as having sent nothing, and masked
@@ -35,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks
+from . import throughput_device
 from .group import members_of
+from .throughput_device import DevicePlan
 from .throughput_handle import EPHandle
 from .throughput_portable import ThroughputPortable
 from .types import EventOverlap
@@ -71,7 +75,8 @@ class _Runtime:
         self._buffer = buffer
 
     def ibgda_disabled(self) -> bool:
-        """Always True: peers are reached through the process group's exchange."""
+        """Always True: peers are reached through the process group's exchange or CUDA IPC
+        (no GPU-initiated RDMA)."""
         return True
 
     def get_physical_domain_size(self) -> tuple[int, int]:
@@ -90,13 +95,16 @@ class ElasticBuffer:
             other group works too, with a warning (nothing detects a failed rank).
         num_bytes: the workspace to reserve (None: :meth:`get_buffer_size_hint` of the
             MoE settings below, or 0 without ``num_max_tokens_per_rank`` and ``hidden``).
-            Recorded: the portable path allocates per call and reserves nothing.
+            Recorded: the portable path allocates per call and reserves nothing, and the
+            device path sizes its own workspace (``device_workspace_bytes``).
         num_max_tokens_per_rank: the default ``T`` of :meth:`dispatch` (0: none).
-        hidden, num_topk, use_fp8_dispatch: the MoE settings the size hint takes. FP8 is
-            chosen per call by passing ``x`` as ``(data, scales)``, as upstream's.
-        deterministic: upstream's switch for a fixed receive order; the portable path is
-            always deterministic (sources in rank order, tokens in order; results bit
-            for bit the same run to run).
+        hidden, num_topk, use_fp8_dispatch: the MoE settings the size hint takes (the
+            device path sizes its rings for ``hidden`` and ``num_topk``, or its first
+            call's if larger). FP8 is chosen per call by passing ``x`` as ``(data,
+            scales)``, as upstream's.
+        deterministic: upstream's switch for a fixed receive order; both paths are always
+            deterministic (sources in rank order, tokens in order; results bit for bit
+            the same run to run, and the same on either path).
         allow_hybrid_mode: accepted; the portable path is one flat exchange (logical
             domain ``(1, R)``).
         allow_multiple_reduction: True: with ``do_expand`` a rank sums a token's expanded
@@ -108,10 +116,13 @@ class ElasticBuffer:
         num_cpu_timeout_secs: the budget of a dispatch's counts exchange, in seconds: a
             rank silent that long is left out of the group (a dead one sooner: the group
             notices its death).
-        num_gpu_timeout_secs: the budget of each tokens and combine exchange, in seconds.
+        num_gpu_timeout_secs: the budget of each tokens and combine exchange, in seconds
+            (on the device path, of a wait for a silent peer, started again whenever it
+            shows progress; the counts' wait takes ``num_cpu_timeout_secs``).
         explicitly_destroy: accepted; :meth:`destroy` works either way.
-        transport: ``"auto"`` (the default) or ``"pg"``: the process group's exchange,
-            which ``transport`` then reads. Upstream's ``"ibgda"`` and ``"nccl"`` cannot
+        transport: ``"auto"`` (the default) or ``"pg"``: the process group's exchange, or
+            the device path's mapped workspaces where it serves (the attribute
+            ``transport`` reads which moved the last call's rows). Upstream's ``"ibgda"`` and ``"nccl"`` cannot
             be served here and raise ValueError naming what can.
 
     Collective: every rank of the group constructs its buffer together (they check
@@ -120,10 +131,13 @@ class ElasticBuffer:
 
     Attributes (upstream's): ``group`` and ``backend`` (the group), ``rank_idx``,
     ``num_ranks``, the constructor's arguments, ``requested_transport`` and
-    ``transport`` (``"pg"``), ``num_scaleout_ranks``/``num_scaleup_ranks`` and
-    ``scaleout_rank_idx``/``scaleup_rank_idx`` (the logical domain),
-    ``num_rdma_ranks``/``num_nvlink_ranks`` (the physical one), ``runtime`` (None once
-    destroyed). Ours: ``path`` (``"portable"``), ``active_ranks``, ``generation``.
+    ``transport`` (what moved the last call's rows: ``"pg"``, the group's exchange, or
+    ``"cuda_ipc"``, the device path's mapped workspaces), ``num_scaleout_ranks``/
+    ``num_scaleup_ranks`` and ``scaleout_rank_idx``/``scaleup_rank_idx`` (the logical
+    domain), ``num_rdma_ranks``/``num_nvlink_ranks`` (the physical one), ``runtime`` (None
+    once destroyed). Ours: ``path`` (``"portable"`` or ``"device"``: the last call's),
+    ``device_workspace_bytes`` (the device path's workspace, 0 without one),
+    ``active_ranks``, ``generation``.
 
     Raises:
         ValueError: an argument breaks a rule above, or the ranks disagree on
@@ -199,7 +213,10 @@ class ElasticBuffer:
         self._generation = 0  # membership generations; handles carry theirs
         self._active = torch.ones(self.num_ranks, dtype=torch.bool)
         self._portable = ThroughputPortable(members)
-        self._device = None  # the device path, once there is one (see _path_for)
+        # The device path: made by every member together at their first dispatch of CUDA
+        # tensors (see _path_for), None where it cannot serve them all.
+        self._device: throughput_device.ThroughputDevice | None = None
+        self._device_tried = False
         self.path = "portable"
         self.runtime: _Runtime | None = _Runtime(self)
         self._agree("ElasticBuffer")
@@ -243,6 +260,7 @@ class ElasticBuffer:
             RuntimeError: the buffer was destroyed.
         """
         self._alive("update_ep_member")
+        self._drop_device()
         self._agree("update_ep_member")
 
     @property
@@ -261,6 +279,20 @@ class ElasticBuffer:
         """Releases the buffer (not collective; a second call does nothing). Dispatch,
         combine, barrier and update_ep_member raise RuntimeError afterwards."""
         self.runtime = None
+        self._drop_device()
+
+    def _drop_device(self) -> None:
+        """Lets the device path go (peers that still map its workspace keep it readable);
+        the members make a new one together at their next dispatch of CUDA tensors."""
+        if self._device is not None and torch.cuda.is_available():
+            torch.cuda.synchronize(self._device.device)  # no kernel of ours still runs
+        self._device, self._device_tried = None, False
+
+    @property
+    def device_workspace_bytes(self) -> int:
+        """The device path's workspace on this rank (bytes; 0 without one): signals and
+        rings whose size does not depend on ``num_max_tokens_per_rank``."""
+        return 0 if self._device is None else self._device.workspace_bytes
 
     def _alive(self, what: str) -> None:
         if self.runtime is None:
@@ -407,10 +439,33 @@ class ElasticBuffer:
 
     # --- dispatch and combine ----------------------------------------------------------
 
-    def _path_for(self, x):
-        """The path that runs a call with ``x``: the device path, where one serves it
-        (none yet: its kernels plug in here), else the portable path."""
-        if self._device is not None and self._device.takes(x):
+    def _path_for(self, x, topk_idx=None, topk_weights=None, num_experts=None,
+                  do_expand=False, handle=None):  # fmt: skip
+        """The path that runs a dispatch: a handle's own path; else, for CUDA tensors, the
+        device path where it serves every member and these arguments; else the portable
+        path. Every member picks alike (the choice depends on what a valid call agrees on).
+
+        The first dispatch of CUDA tensors makes the device path, collectively
+        (``throughput_device.connect``)."""
+        if handle is not None:
+            plan = getattr(handle, "native_handle", None)
+            if isinstance(plan, DevicePlan) and self._device is not None:
+                return self._device
+            return self._portable  # (which refuses a device handle of another generation)
+        data, scales = (x[0], x[1]) if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
+        if not (isinstance(data, torch.Tensor) and data.is_cuda):
+            return self._portable
+        if self._device is None and not self._device_tried:
+            self._device_tried = True
+            K = (
+                topk_idx.shape[1]
+                if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
+                else 8
+            )
+            self._device = throughput_device.connect(self, data, K, _host_key())
+        if self._device is not None and self._device.takes(
+            data, scales, topk_idx, topk_weights, num_experts, do_expand
+        ):
             return self._device
         return self._portable
 
@@ -464,9 +519,12 @@ class ElasticBuffer:
                 ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` (and expanded, by
                 ``handle.psum_num_recv_tokens_per_expert``), on ``x``'s device; the rest
                 are zero, with ``recv_topk_idx`` -1.
-            num_sms: accepted (None or an int >= 0); the portable path uses no SMs.
-            async_with_compute_stream: accepted; the portable path finishes before it
-                returns, so the event has nothing to wait for.
+            num_sms: None or an int >= 0: on the device path, the thread blocks its kernels
+                run (at most this process's share of the GPU's multiprocessors; None or 0:
+                that share); the portable path uses no SMs.
+            async_with_compute_stream: accepted; both paths run on the current stream
+                (the device path's kernels are queued on it; without CPU sync nothing
+                waits for them), so the event has nothing to wait for.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, handle, event)``:
@@ -488,7 +546,8 @@ class ElasticBuffer:
 
             Tokens of ranks that failed during the call are left out (or, with a
             handle, read as zero rows with ``recv_topk_idx`` -1); ``active_ranks``
-            says who took part.
+            says who took part (on the device path without CPU sync, as of the next
+            call: the kernels report it as they run).
 
         Raises:
             ValueError: an argument breaks a rule above (the message names it), or the
@@ -498,8 +557,8 @@ class ElasticBuffer:
             mooncake.LeftOutError: this rank was left out of the group.
         """
         self._alive("dispatch")
-        path = self._path_for(x)
-        self.path = path.name
+        path = self._path_for(x, topk_idx, topk_weights, num_experts, do_expand, handle)
+        self.path, self.transport = path.name, path.transport
         return path.dispatch_call(
             self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
             expert_alignment, handle, do_expand, do_cpu_sync, num_sms,
@@ -550,7 +609,13 @@ class ElasticBuffer:
             mooncake.LeftOutError: this rank was left out of the group.
         """
         self._alive("combine")
-        # A combine runs on its dispatch's path: the portable one, while it is the only one.
-        return self._portable.combine_call(
-            self, x, handle, topk_weights, num_sms, async_with_compute_stream
-        )
+        # A combine runs on its dispatch's path (a device handle of an earlier membership
+        # generation goes to the portable path, which refuses it alike on every rank).
+        path = self._portable
+        if (
+            isinstance(getattr(handle, "native_handle", None), DevicePlan)
+            and self._device is not None
+        ):
+            path = self._device
+        self.path, self.transport = path.name, path.transport
+        return path.combine_call(self, x, handle, topk_weights, num_sms, async_with_compute_stream)

@@ -73,6 +73,7 @@ class ThroughputPortable:
     ElasticBuffer (its mask, call numbers, generation and timeouts)."""
 
     name = "portable"
+    transport = "pg"  # the group's exchange moves the rows
 
     def __init__(self, members):
         self.members = members

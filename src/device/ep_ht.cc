@@ -1,0 +1,245 @@
+#include "device/ep_ht.h"
+
+#include <algorithm>
+#include <atomic>
+#include <optional>
+
+#include "core/error.h"
+#include "device/cuda.h"
+
+namespace mooncake {
+
+namespace ht = kernels::ep_ht;
+
+HostWords::HostWords(int64_t n) {
+  void* host = nullptr;
+  cuda_check(cudaHostAlloc(&host, std::max<int64_t>(n, 1) * sizeof(int32_t), cudaHostAllocMapped),
+             "cudaHostAlloc of the EP report words");
+  host_ = static_cast<int32_t*>(host);
+  for (int64_t i = 0; i < n; ++i) host_[i] = 0;
+  void* d = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&d, host, 0);
+  if (err != cudaSuccess) {
+    cudaFreeHost(host_);
+    cuda_check(err, "cudaHostGetDevicePointer");
+  }
+  dev_ = static_cast<int32_t*>(d);
+}
+
+HostWords::~HostWords() {
+  cudaFreeHost(host_);
+}
+
+int32_t HostWords::load(int64_t i) const {
+  return std::atomic_ref<int32_t>(host_[i]).load();
+}
+
+void HostWords::store(int64_t i, int32_t v) {
+  std::atomic_ref<int32_t>(host_[i]).store(v);
+}
+
+namespace {
+
+// The workspace's layout, its arguments checked first (a member initialiser).
+ht::HtLayout checked_layout(int64_t ranks, int64_t rank, int64_t channels, size_t ring_bytes) {
+  MC_CHECK_ARG(ranks >= 1 && ranks <= ht::kMaxRanks, "ElasticBuffer device path: ", ranks,
+               " ranks; it serves 1 to ", ht::kMaxRanks);
+  MC_CHECK_ARG(rank >= 0 && rank < ranks, "ElasticBuffer device path: rank ", rank,
+               " is outside [0, ", ranks, ")");
+  MC_CHECK_ARG(channels >= 1 && channels <= ht::kMaxChannels,
+               "ElasticBuffer device path: ", channels, " channels; it takes 1 to ",
+               ht::kMaxChannels);
+  return ht::HtLayout(ranks, channels, ring_bytes);
+}
+
+template <typename T>
+T* device_zeros(size_t n, const char* what) {
+  void* p = nullptr;
+  cuda_check(cudaMalloc(&p, n * sizeof(T)), what);
+  const cudaError_t err = cudaMemset(p, 0, n * sizeof(T));
+  if (err != cudaSuccess) {
+    cudaFree(p);
+    cuda_check(err, what);
+  }
+  return static_cast<T*>(p);
+}
+
+}  // namespace
+
+EpHtBuffer::EpHtBuffer(int64_t ranks, int64_t rank, int64_t channels, size_t ring_bytes, int device)
+    : device_(device),
+      rank_(rank),
+      layout_(checked_layout(ranks, rank, channels, ring_bytes)),
+      workspace_(layout_.total, device),
+      silent_(ranks),
+      status_(kernels::kStatusWords),
+      lost_(std::make_shared<LostWords>(ranks)) {
+  OnDevice on(device_);
+  mine_ = PeerCard::of(workspace_);
+  card_ = mine_.encode();
+  maps_.resize(static_cast<size_t>(ranks));
+  peers_ = device_zeros<uint8_t*>(static_cast<size_t>(ranks), "cudaMalloc of the peer table");
+  uint8_t* own = workspace_.data();
+  cuda_check(cudaMemcpy(peers_ + rank, &own, sizeof(own), cudaMemcpyHostToDevice),
+             "copying the peer table");
+  counters_ = device_zeros<uint32_t>(2, "cudaMalloc of the EP counters");
+  etotal_ = device_zeros<int32_t>(ht::kMaxExperts, "cudaMalloc of the EP scratch");
+  sm_count_ = device_sm_count(device_);
+}
+
+EpHtBuffer::~EpHtBuffer() {
+  OnDevice on(device_);
+  cudaDeviceSynchronize();  // no kernel may still use the peers' mappings
+  maps_.clear();
+  cudaFree(peers_);
+  cudaFree(counters_);
+  cudaFree(etotal_);
+}
+
+bool EpHtBuffer::shares_gpu(const std::string& encoded) const {
+  const auto card = PeerCard::decode(encoded);
+  return card && mine_.same_gpu(*card);
+}
+
+EpHtBuffer::Connection EpHtBuffer::connect(const std::vector<std::string>& cards) {
+  const int64_t R = layout_.ranks;
+  MC_CHECK_ARG(static_cast<int64_t>(cards.size()) == R, "connect: ", cards.size(), " cards for ", R,
+               " ranks");
+  OnDevice on(device_);
+  cuda_check(cudaDeviceSynchronize(), "waiting for the device before mapping peers");
+  std::vector<std::optional<PeerCard>> decoded;
+  decoded.reserve(cards.size());
+  for (const std::string& c : cards) decoded.push_back(PeerCard::decode(c));
+  Connection out{std::vector<bool>(static_cast<size_t>(R), false),
+                 std::vector<bool>(static_cast<size_t>(R), false), 1};
+  std::vector<uint8_t*> table(static_cast<size_t>(R), nullptr);
+  table[rank_] = workspace_.data();
+  out.reachable[rank_] = out.present[rank_] = true;
+  for (int64_t r = 0; r < R; ++r) {
+    maps_[r].reset();
+    if (r == rank_ || !decoded[r]) continue;
+    out.present[r] = true;
+    if (!decoded[r]->on_this_host()) continue;
+    try {
+      maps_[r] = std::make_unique<PeerMapping>(decoded[r]->handle, device_);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kPeerFailed) throw;
+      continue;  // its process is gone, or its GPU cannot be reached from here
+    }
+    table[r] = maps_[r]->data();
+    out.reachable[r] = true;
+    lost_->clear(r);  // a new process in the slot
+  }
+  cuda_check(cudaMemcpy(peers_, table.data(), R * sizeof(uint8_t*), cudaMemcpyHostToDevice),
+             "copying the peer table");
+  out.sharers = gpu_sharers(mine_, decoded);
+  return out;
+}
+
+std::vector<std::pair<int64_t, int32_t>> EpHtBuffer::take_masked() {
+  std::vector<std::pair<int64_t, int32_t>> out;
+  for (int64_t r = 0; r < layout_.ranks; ++r) {
+    const int32_t why = silent_.load(r);
+    if (why != 0) {
+      silent_.store(r, 0);
+      out.emplace_back(r, why);
+    }
+  }
+  return out;
+}
+
+int32_t EpHtBuffer::status_code() const {
+  return status_.load(0);
+}
+
+std::vector<int32_t> EpHtBuffer::status(bool clear) {
+  std::vector<int32_t> out(kernels::kStatusWords);
+  for (int i = 0; i < kernels::kStatusWords; ++i) out[i] = status_.load(i);
+  if (clear)
+    for (int i = 0; i < kernels::kStatusWords; ++i) status_.store(i, 0);
+  return out;
+}
+
+void EpHtBuffer::raise_reported(const char* what) {
+  const std::vector<int32_t> s = status(true);
+  const int32_t d0 = s[1], d1 = s[2];
+  switch (s[0]) {
+    case kernels::kStatusOk:
+    case kernels::kStatusSilentPeer: return;
+    case kernels::kStatusBadExpert:
+      throw_error(ErrorKind::kInvalidArgument, -1, what,
+                  ": a dispatch on this rank had topk_idx holding expert ", d0, " (token ", d1,
+                  "); ids must be in [0, num_experts) or -1; that selection was dropped");
+    case ht::kHtDuplicate:
+      throw_error(ErrorKind::kInvalidArgument, -1, what, ": a dispatch on this rank had token ", d0,
+                  " select expert ", d1,
+                  " twice in topk_idx; a token selects an expert at most once");
+    case ht::kHtMismatch:
+      throw_error(ErrorKind::kInvalidArgument, -1, what, ": rank ", d0,
+                  " made a dispatch of another shape (num_max_tokens_per_rank, num_experts, "
+                  "num_topk, x's row size or dtype, topk_weights given, do_expand or "
+                  "expert_alignment differ): the ranks' calls must agree; neither took the "
+                  "other's tokens");
+    case kernels::kStatusBadCount:
+      throw_error(ErrorKind::kSystem, -1, what, ": a dispatch received from rank ", d0,
+                  " a count of ", d1,
+                  " tokens that is not its call's (another call, or corrupt): it was masked");
+    default:
+      throw_error(ErrorKind::kSystem, -1, what, ": a dispatch or combine received a row from rank ",
+                  d0, " at place ", d1,
+                  " outside its outputs, or rows of another call: the data is corrupt");
+  }
+}
+
+ht::HtCommon EpHtBuffer::common(uint64_t seq, int64_t timeout_ns, int32_t* active, int counter,
+                                const char* what) const {
+  MC_CHECK_ARG(active != nullptr, what, ": the rank mask is required");
+  MC_CHECK_ARG(seq >= 1, what, ": seq must be >= 1");
+  MC_CHECK_ARG(timeout_ns > 0, what, ": timeout_ns must be > 0");
+  ht::HtCommon h{};
+  h.c.peers = peers_;
+  h.c.rank = static_cast<int32_t>(rank_);
+  h.c.seq = seq;
+  h.c.active_ranks = active;
+  h.c.slot_mask = nullptr;
+  h.c.silent = silent_.device();
+  h.c.lost = lost_->device();
+  h.c.timeout_ns = timeout_ns;
+  h.c.status = status_.device();
+  h.c.phases = kernels::kBoth;
+  h.ws = layout_;
+  h.counter = counters_ + counter;
+  return h;
+}
+
+void EpHtBuffer::layout(ht::LayoutArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
+                        int blocks, cudaStream_t stream) {
+  a.h = common(seq, timeout_ns, active, 0, "dispatch");
+  a.etotal = etotal_;
+  MC_CHECK_ARG(a.r.num_experts >= 1 && a.r.num_experts <= ht::kMaxExperts,
+               "dispatch: num_experts must be in [1, ", ht::kMaxExperts,
+               "] on the device path, got ", a.r.num_experts);
+  MC_CHECK_ARG(a.r.num_experts % layout_.ranks == 0, "dispatch: num_experts (", a.r.num_experts,
+               ") must be divisible by the number of ranks (", layout_.ranks, ")");
+  MC_CHECK_ARG(a.r.num_experts / layout_.ranks <= ht::kMaxLocalExperts, "dispatch: at most ",
+               ht::kMaxLocalExperts, " local experts on the device path");
+  OnDevice on(device_);
+  ht::launch_layout(a, blocks, stream);
+}
+
+void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
+                          int blocks, cudaStream_t stream) {
+  a.h = common(seq, timeout_ns, active, 1, "dispatch");
+  OnDevice on(device_);
+  ht::launch_dispatch(a, blocks, stream);
+}
+
+void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
+                         int blocks, cudaStream_t stream) {
+  // (The combine kernel has no last block: its counter is unused.)
+  a.h = common(seq, timeout_ns, active, 1, "combine");
+  OnDevice on(device_);
+  ht::launch_combine(a, blocks, stream);
+}
+
+}  // namespace mooncake

@@ -1,0 +1,523 @@
+// High-throughput combine (api.h: CombineArgs, launch_combine), along a
+// dispatch's plan.
+//
+// Replier blocks hand back, channel by channel, the rows this rank received
+// from each source's channel (the dispatch recorded which): its expert output
+// row, with do_expand the fp32 sum of the token's expanded rows rounded once
+// (or, without multiple reductions, each expanded row), staged in a ring per
+// (source, channel) that the source pulls from. Reducer blocks take this
+// rank's tokens a batch at a time, wait until every rank holding one of
+// their experts has staged the batch's rows, and sum each token's rows in
+// fp32, slot by slot in top-k order (its own rows straight from x), rounding
+// once: the portable path's order, so the results are bit for bit its.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/common/convert.cuh"
+#include "kernels/common/copy.cuh"
+#include "kernels/ep_ht/common.cuh"
+
+namespace mooncake::kernels::ep_ht {
+namespace {
+
+// 16 bytes of an element type as fp32 and back (round to nearest even).
+template <typename T>
+struct Vec {
+  static constexpr int kN = 8;
+  static __device__ __forceinline__ void load(const int4& v, float (&f)[8]) { to_float8<T>(v, f); }
+  static __device__ __forceinline__ int4 store(const float (&f)[8]) { return from_float8<T>(f); }
+};
+template <>
+struct Vec<float> {
+  static constexpr int kN = 4;
+  static __device__ __forceinline__ void load(const int4& v, float (&f)[8]) {
+    f[0] = __int_as_float(v.x);
+    f[1] = __int_as_float(v.y);
+    f[2] = __int_as_float(v.z);
+    f[3] = __int_as_float(v.w);
+  }
+  static __device__ __forceinline__ int4 store(const float (&f)[8]) {
+    return int4{__float_as_int(f[0]), __float_as_int(f[1]), __float_as_int(f[2]),
+                __float_as_int(f[3])};
+  }
+};
+
+// The streams of a channel, one per peer rank.
+struct Peers {
+  uint32_t staged[kMaxRanks];              // replier: rows staged for a source
+  uint32_t head[kMaxRanks];                // replier: how far the source read them
+  uint32_t cons[kMaxRanks];                // reducer: rows read from a replier
+  uint32_t need[kMaxRanks];                // reducer: rows this batch needs from it
+  int32_t cur[kMaxRanks], end[kMaxRanks];  // replier: the source's rows left to stage
+  uint64_t deadline[kMaxRanks];
+  int8_t state[kMaxRanks];  // 1 while serving / reading
+  bool done_sent[kMaxRanks];
+};
+
+// What a reducer adds for a token, in top-k order.
+enum Kind : int8_t { kNone = 0, kOwnRow = 1, kOwnSum = 2, kPeerRow = 3 };
+
+struct Shared {
+  Peers p;
+  // replier: a batch of items (a row, and its slot when rows go one by one)
+  int32_t item_row[kBatch], item_slot[kBatch];
+  int nitems, nrows;
+  // reducer: per token of a batch and slot
+  const uint8_t* ptr[kBatch][kMaxTopk];  // the row (kOwnSum: its metadata row)
+  const float* wptr[kBatch][kMaxTopk];   // the weight slot k takes (null: 0)
+  int8_t kind[kBatch][kMaxTopk];
+  int8_t dest[kBatch][kMaxTopk];  // the rank it comes from
+  int8_t nent[kBatch];
+  int pick, rr;
+  bool any;
+};
+
+struct View {
+  int R, me, K, C;
+  int64_t epr, N, db;
+  HtPlan P;
+  const int32_t* plan;
+  uint8_t* own;
+  uint32_t tag;
+  int warp, lane;
+};
+
+__device__ __forceinline__ View view_of(const CombineArgs& a) {
+  const int R = static_cast<int>(a.h.ws.ranks);
+  const int64_t epr = a.r.num_experts / R;
+  return View{R,
+              a.h.c.rank,
+              a.r.topk,
+              static_cast<int>(a.h.ws.channels),
+              epr,
+              a.r.num_tokens,
+              a.slots.data_bytes,
+              HtPlan(R, epr, a.h.ws.channels),
+              a.r.plan,
+              a.h.c.peers[a.h.c.rank],
+              tag_of(a.h.c.seq),
+              static_cast<int>(threadIdx.x) / 32,
+              static_cast<int>(threadIdx.x) % 32};
+}
+
+// Bytes [off, off + 16) of the fp32 sum of x's rows at a metadata row's
+// expanded columns (slot by slot), rounded once to T.
+template <typename T>
+__device__ int4 sum_expanded(const CombineArgs& a, const View& v, const int32_t* meta,
+                             int64_t off) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int k = 0; k < v.K; ++k) {
+    const int32_t q = meta[2 + k];
+    if (q < 0) continue;
+    float f[8];
+    Vec<T>::load(__ldg(reinterpret_cast<const int4*>(a.x + q * v.db + off)), f);
+#pragma unroll
+    for (int i = 0; i < Vec<T>::kN; ++i) acc[i] += f[i];
+  }
+  return Vec<T>::store(acc);
+}
+
+// --- the replier --------------------------------------------------------------------
+
+template <typename T>
+__device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared& sh) {
+  const Common& cm = a.h.c;
+  const int tid = threadIdx.x;
+  const int64_t S = a.slots.count;
+  const bool expand_sum = a.expand && !a.single;
+  const int room_needed = a.single ? static_cast<int>(imin<int64_t>(v.K, v.epr)) : 1;
+  Peers& p = sh.p;
+  if (tid < v.R) {
+    const int s = tid;
+    p.state[s] = s != v.me && v.plan[v.P.mutual(s)] != 0 && live(cm, s);
+    p.cur[s] = v.plan[v.P.src_off(s)] + v.plan[v.P.chan_first(s, c)];
+    p.end[s] = p.cur[s] + v.plan[v.P.chan_count(s, c)];
+    p.staged[s] = p.head[s] = 0;
+    p.done_sent[s] = false;
+    p.deadline[s] = deadline_of(cm.timeout_ns);
+  }
+  if (tid == 0) sh.rr = 0;
+  __syncthreads();
+  for (uint32_t round = 0;; ++round) {
+    if (tid < v.R && p.state[tid] != 0) {
+      const int s = tid;
+      auto* w = word_at(v.own, a.h.ws.combine_head(s, c));
+      const uint64_t x = ld_acquire_sys(w);
+      if (tag_in(x) == v.tag) {
+        if (count_in(x) > p.head[s]) {
+          p.head[s] = count_in(x);
+          p.deadline[s] = deadline_of(cm.timeout_ns);
+        }
+        if (done_in(x) && p.done_sent[s]) {  // acknowledged: its last word in this call
+          *reinterpret_cast<volatile uint64_t*>(w) = 0;
+          p.state[s] = 0;
+        }
+      }
+      if (p.state[s] != 0 && !p.done_sent[s] && p.cur[s] == p.end[s]) {
+        st_release_sys(word_at(cm.peers[s], a.h.ws.combine_tail(v.me, c)),
+                       signal(v.tag, p.staged[s] | kDone));
+        p.done_sent[s] = true;
+        p.deadline[s] = deadline_of(cm.timeout_ns);
+      }
+      const bool stuck = p.done_sent[s] || S - (p.staged[s] - p.head[s]) < room_needed;
+      if (p.state[s] != 0 && stuck) {
+        if (ld_volatile(cm.active_ranks + s) == 0) {
+          p.state[s] = 0;
+        } else if ((round & 15) == 15 && host_lost(cm, s)) {
+          mask_peer(cm, s, kSend, kMaskedLost);
+          p.state[s] = 0;
+        } else if (now_ns() > p.deadline[s]) {
+          mask_peer(cm, s, kSend, kMaskedSilent);
+          p.state[s] = 0;
+        }
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int pick = -1;
+      bool any = false;
+      for (int i = 0; i < v.R; ++i) {
+        const int s = (sh.rr + i) % v.R;
+        if (p.state[s] == 0) continue;
+        any = true;
+        if (pick < 0 && !p.done_sent[s] && p.cur[s] < p.end[s] &&
+            S - (p.staged[s] - p.head[s]) >= room_needed)
+          pick = s;
+      }
+      sh.pick = pick;
+      sh.any = any;
+      if (pick >= 0) sh.rr = pick + 1;
+    }
+    __syncthreads();
+    const int s = sh.pick;
+    if (s < 0) {
+      if (!sh.any) break;
+      __nanosleep(128);
+      continue;
+    }
+    const uint32_t staged = p.staged[s];
+    const int budget = static_cast<int>(imin<int64_t>(kBatch, S - (staged - p.head[s])));
+    if (v.warp == 0) {
+      // A lane per row; rows whose items all fit, in order.
+      const int32_t row = p.cur[s] + v.lane;
+      const int32_t* meta = a.metadata + static_cast<int64_t>(row) * (v.K + 2);
+      int items = 0;
+      if (row < p.end[s]) {
+        items = 1;
+        if (a.single) {
+          items = 0;
+          for (int k = 0; k < v.K; ++k) items += meta[2 + k] >= 0;
+        }
+      }
+      int incl = items;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (v.lane >= o) incl += y;
+      }
+      const bool take = row < p.end[s] && incl <= budget;
+      const unsigned taken = __ballot_sync(0xffffffffu, take);
+      if (take) {
+        int at = incl - items;
+        if (a.single) {
+          for (int k = 0; k < v.K; ++k)
+            if (meta[2 + k] >= 0) {
+              sh.item_row[at] = row;
+              sh.item_slot[at++] = k;
+            }
+        } else {
+          sh.item_row[at] = row;
+          sh.item_slot[at] = -1;
+        }
+      }
+      const int nrows = __popc(taken);
+      const int nitems = nrows > 0 ? __shfl_sync(0xffffffffu, incl, nrows - 1) : 0;
+      if (v.lane == 0) {
+        sh.nrows = nrows;
+        sh.nitems = nitems;
+      }
+    }
+    __syncthreads();
+    const int n = sh.nitems;
+    uint8_t* ring = v.own + a.h.ws.rings + (static_cast<int64_t>(s) * v.C + c) * S * a.slots.bytes;
+    if (v.warp == 0 && v.lane < n && a.slots.weights) {
+      const int32_t row = sh.item_row[v.lane], k1 = sh.item_slot[v.lane];
+      const int32_t* meta = a.metadata + static_cast<int64_t>(row) * (v.K + 2);
+      auto* w =
+          reinterpret_cast<float*>(ring + ((staged + v.lane) % S) * a.slots.bytes + a.slots.wts);
+      for (int k = 0; k < v.K; ++k) {
+        float x = 0.0f;
+        if (!a.expand) {
+          x = a.weights[static_cast<int64_t>(row) * v.K + k];
+        } else if (meta[2 + k] >= 0 && (!a.single || k == k1)) {
+          x = a.weights[meta[2 + k]];
+        }
+        w[k] = x;
+      }
+    }
+    if (expand_sum) {
+      const int64_t groups = (v.db + 511) / 512;
+      for (int64_t u = v.warp; u < n * groups; u += kWarps) {
+        const int i = static_cast<int>(u / groups);
+        const int64_t off = (u % groups) * 512 + v.lane * 16;
+        if (off >= v.db) continue;
+        const int32_t* meta = a.metadata + static_cast<int64_t>(sh.item_row[i]) * (v.K + 2);
+        uint8_t* slot = ring + ((staged + i) % S) * a.slots.bytes + a.slots.data;
+        *reinterpret_cast<int4*>(slot + off) = sum_expanded<T>(a, v, meta, off);
+      }
+    } else {
+      const int64_t per_row = chunks_of(v.db);
+      for (int64_t u = v.warp; u < n * per_row; u += kWarps) {
+        const int i = static_cast<int>(u / per_row);
+        const int32_t row = sh.item_row[i];
+        const int64_t src_row =
+            a.single ? a.metadata[static_cast<int64_t>(row) * (v.K + 2) + 2 + sh.item_slot[i]]
+                     : row;
+        uint8_t* slot = ring + ((staged + i) % S) * a.slots.bytes + a.slots.data;
+        copy_chunk<false>(slot, a.x + src_row * v.db, v.db, u % per_row, v.lane);
+      }
+    }
+    __syncthreads();
+    if (tid == 0) {
+      p.staged[s] = staged + n;
+      p.cur[s] += sh.nrows;
+      st_release_sys(word_at(cm.peers[s], a.h.ws.combine_tail(v.me, c)), signal(v.tag, staged + n));
+    }
+    __syncthreads();
+  }
+}
+
+// --- the reducer --------------------------------------------------------------------
+
+// Warp 0, a lane per token of the batch: what each slot adds, and how many rows
+// the batch needs from each rank.
+__device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t tb, int nb,
+                           Shared& sh) {
+  const int j = v.lane;
+  const int64_t t = tb + j;
+  const int64_t S = a.slots.count;
+  const bool mine = j < nb;
+  // this token's own row here (its rows, expanded)
+  int32_t own_row = -1;
+  if (mine) {
+    for (int k = 0; k < v.K && own_row < 0; ++k) {
+      const int64_t e = expert_at(a.r, t, k);
+      if (e >= 0 && e / v.epr == v.me)
+        own_row = v.plan[v.P.src_off(v.me)] + place_of(a.r, t, k, v.me);
+    }
+    for (int k = 0; k < v.K; ++k) {
+      const int64_t e = expert_at(a.r, t, k);
+      int d = e >= 0 ? static_cast<int>(e / v.epr) : -1;
+      bool entry = d >= 0;
+      if (entry && !a.single)
+        for (int k2 = 0; k2 < k; ++k2) {
+          const int64_t e2 = expert_at(a.r, t, k2);
+          if (e2 >= 0 && e2 / v.epr == d) entry = false;
+        }
+      if (d >= 0 && d != v.me && sh.p.state[d] == 0) d = -1;  // a rank not taking part
+      sh.dest[j][k] = static_cast<int8_t>(d);
+      sh.kind[j][k] = entry && d >= 0 ? (d == v.me ? kOwnRow : kPeerRow) : kNone;
+      sh.ptr[j][k] = nullptr;
+      sh.wptr[j][k] = nullptr;
+    }
+  }
+  // Per rank, the batch's rows from it in order: tokens in order, slots in order.
+  for (int d = 0; d < v.R; ++d) {
+    if (d == v.me || sh.p.state[d] == 0) continue;
+    int cnt = 0;
+    if (mine)
+      for (int k = 0; k < v.K; ++k) cnt += sh.kind[j][k] == kPeerRow && sh.dest[j][k] == d;
+    int incl = cnt;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (j >= o) incl += y;
+    }
+    if (j == 31) sh.p.need[d] = incl;
+    if (mine) {
+      uint32_t at = sh.p.cons[d] + (incl - cnt);
+      const uint8_t* ring = a.h.c.peers[d] + a.h.ws.rings +
+                            (static_cast<int64_t>(v.me) * v.C + c) * S * a.slots.bytes;
+      for (int k = 0; k < v.K; ++k)
+        if (sh.kind[j][k] == kPeerRow && sh.dest[j][k] == d)
+          sh.ptr[j][k] = ring + (at++ % S) * a.slots.bytes;
+    }
+  }
+  if (!mine) return;
+  // Own rows, and where each slot's weight comes from.
+  const int32_t* own_meta =
+      own_row >= 0 ? a.metadata + static_cast<int64_t>(own_row) * (v.K + 2) : nullptr;
+  for (int k = 0; k < v.K; ++k) {
+    const int d = sh.dest[j][k];
+    if (d < 0) continue;
+    if (sh.kind[j][k] == kOwnRow) {
+      if (!a.expand) {
+        sh.ptr[j][k] = a.x + own_row * v.db;
+      } else if (a.single) {
+        sh.ptr[j][k] = a.x + own_meta[2 + k] * v.db;
+      } else {
+        sh.kind[j][k] = kOwnSum;
+        sh.ptr[j][k] = reinterpret_cast<const uint8_t*>(own_meta);
+      }
+    }
+    if (a.weights == nullptr) continue;
+    if (d == v.me) {
+      sh.wptr[j][k] = !a.expand ? a.weights + static_cast<int64_t>(own_row) * v.K + k
+                                : a.weights + own_meta[2 + k];
+    } else {
+      // the row of slot k's rank: its first slot's (its own, one by one)
+      int k1 = k;
+      if (!a.single)
+        for (int k2 = 0; k2 < k; ++k2)
+          if (sh.dest[j][k2] == d) {
+            k1 = k2;
+            break;
+          }
+      sh.wptr[j][k] = reinterpret_cast<const float*>(sh.ptr[j][k1] + a.slots.wts) + k;
+    }
+  }
+}
+
+template <typename T>
+__device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Shared& sh) {
+  const Common& cm = a.h.c;
+  const int tid = threadIdx.x;
+  const int64_t S = a.slots.count;
+  Peers& p = sh.p;
+  if (tid < v.R) {
+    const int d = tid;
+    p.state[d] = d != v.me && v.plan[v.P.mutual(d)] != 0 && live(cm, d);
+    p.cons[d] = p.need[d] = 0;
+  }
+  __syncthreads();
+  // Tokens a batch: the rows it needs from one rank must fit in its ring.
+  const int64_t per_token = a.single ? imin<int64_t>(v.K, v.epr) : 1;
+  const int64_t B = v.R > 1 ? imax<int64_t>(1, imin<int64_t>(kBatch, S / per_token)) : kBatch;
+  const Span sp = channel_span(v.N, v.C, c);
+  const int64_t groups = (v.db + 511) / 512;
+  for (int64_t tb = sp.first; tb < sp.end; tb += B) {
+    const int nb = static_cast<int>(imin<int64_t>(B, sp.end - tb));
+    if (v.warp == 0) plan_batch(a, v, c, tb, nb, sh);
+    __syncthreads();
+    if (tid < v.R && p.state[tid] != 0 && p.need[tid] > 0) {
+      const int d = tid;
+      const uint32_t want = p.cons[d] + p.need[d];
+      uint64_t x = 0;
+      if (!wait_for(
+              cm, word_at(v.own, a.h.ws.combine_tail(d, c)),
+              [tag = v.tag, want](uint64_t y) { return tag_in(y) == tag && count_in(y) >= want; },
+              deadline_of(cm.timeout_ns), d, kRecv, &x))
+        p.state[d] = 0;  // masked: what it holds counts as nothing, from here on
+    }
+    __syncthreads();
+    if (v.warp == 0 && v.lane < nb) {
+      // The slots that count, in order; and the weights each slot's rank sent back.
+      const int j = v.lane;
+      const int64_t t = tb + j;
+      int n = 0;
+      for (int k = 0; k < v.K; ++k) {
+        const int d = sh.dest[j][k];
+        const bool ok = d >= 0 && (d == v.me || p.state[d] != 0);
+        if (a.out_w != nullptr)
+          a.out_w[t * v.K + k] = ok && sh.wptr[j][k] != nullptr
+                                     ? *reinterpret_cast<const volatile float*>(sh.wptr[j][k])
+                                     : 0.0f;
+        if (ok && sh.kind[j][k] != kNone) {
+          sh.kind[j][n] = sh.kind[j][k];
+          sh.ptr[j][n++] = sh.ptr[j][k];
+        }
+      }
+      sh.nent[j] = static_cast<int8_t>(n);
+    }
+    __syncthreads();
+    for (int64_t u = v.warp; u < nb * groups; u += kWarps) {
+      const int j = static_cast<int>(u / groups);
+      const int64_t off = (u % groups) * 512 + v.lane * 16;
+      if (off >= v.db) continue;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      const int n = sh.nent[j];
+      for (int e0 = 0; e0 < n; e0 += 4) {
+        // up to four rows' loads in flight, then added in order
+        int4 raw[4];
+        float own[4][8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (e0 + q >= n) break;
+          const int8_t kind = sh.kind[j][e0 + q];
+          const uint8_t* ptr = sh.ptr[j][e0 + q];
+          if (kind == kPeerRow)  // plain loads: written by a peer during this launch
+            raw[q] = *reinterpret_cast<const int4*>(ptr + a.slots.data + off);
+          else if (kind == kOwnRow)
+            raw[q] = __ldg(reinterpret_cast<const int4*>(ptr + off));
+          else  // kOwnSum: rounded once here, as the replier rounds its sums
+            raw[q] = sum_expanded<T>(a, v, reinterpret_cast<const int32_t*>(ptr), off);
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (e0 + q >= n) break;
+          Vec<T>::load(raw[q], own[q]);
+#pragma unroll
+          for (int i = 0; i < Vec<T>::kN; ++i) acc[i] += own[q][i];
+        }
+      }
+      *reinterpret_cast<int4*>(a.out + (tb + j) * v.db + off) = Vec<T>::store(acc);
+    }
+    __syncthreads();
+    if (tid < v.R && p.state[tid] != 0 && p.need[tid] > 0) {
+      // The rows are read (the barrier above): the replier may reuse them.
+      const int d = tid;
+      p.cons[d] += p.need[d];
+      st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)), signal(v.tag, p.cons[d]));
+    }
+    __syncthreads();
+  }
+  // The end: each replier's total, cleared and acknowledged.
+  if (tid < v.R && p.state[tid] != 0) {
+    const int d = tid;
+    auto* w = word_at(v.own, a.h.ws.combine_tail(d, c));
+    uint64_t x = 0;
+    if (wait_for(
+            cm, w, [tag = v.tag](uint64_t y) { return tag_in(y) == tag && done_in(y); },
+            deadline_of(cm.timeout_ns), d, kRecv, &x)) {
+      if (count_in(x) != p.cons[d]) report(cm.status, kHtBadRow, d, static_cast<int>(count_in(x)));
+      *reinterpret_cast<volatile uint64_t*>(w) = 0;
+      st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)),
+                     signal(v.tag, p.cons[d] | kDone));
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs a) {
+  __shared__ Shared sh;
+  const View v = view_of(a);
+  const Roles roles = roles_of(v.R);
+  if (roles.sends()) {
+    for (int c = roles.index(); c < v.C; c += roles.count()) reply_channel<T>(a, v, c, sh);
+  } else {
+    for (int c = roles.index(); c < v.C; c += roles.count()) reduce_channel<T>(a, v, c, sh);
+  }
+}
+
+}  // namespace
+
+void launch_combine(const CombineArgs& a, int blocks, CUstream_st* stream) {
+  const int64_t R = a.h.ws.ranks;
+  MC_CHECK_ARG(R >= 1 && R <= kMaxRanks, "combine: ", R, " ranks; the device path takes at most ",
+               kMaxRanks);
+  MC_CHECK_ARG(a.slots.data_bytes % 16 == 0, "combine: rows of ", a.slots.data_bytes,
+               " bytes must be a multiple of 16");
+  MC_CHECK_ARG(R == 1 || (blocks >= 2 && a.slots.count >= kMinSlots), "combine: ", blocks,
+               " blocks and ", a.slots.count, " ring slots; with peers at least 2 and ", kMinSlots);
+  const auto grid = static_cast<unsigned>(blocks);
+  switch (a.elem) {
+    case Elem::kBf16: combine_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(a); break;
+    case Elem::kFp16: combine_kernel<__half><<<grid, kThreads, 0, stream>>>(a); break;
+    case Elem::kFp32: combine_kernel<float><<<grid, kThreads, 0, stream>>>(a); break;
+  }
+  check_launch("combine");
+}
+
+}  // namespace mooncake::kernels::ep_ht

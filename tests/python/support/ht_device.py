@@ -1,0 +1,401 @@
+"""Rank-side code of the ElasticBuffer device-path tests (``test_elastic_buffer_device.py``).
+
+Every rank shares the one GPU of the test machine (``cuda:0``); the group is
+``mooncake-cpu``, so the same buffer runs the portable path on CPU tensors and the device
+path on CUDA ones. A round here is ``ht_round.HRound`` on CUDA tensors
+(:class:`DeviceRound`): inputs are built on the CPU from seeds (every rank builds every
+rank's), moved to the GPU with their strides and offsets, and the outputs come back to the
+CPU to be checked against ``ht_model`` bit for bit; then the same round runs on the
+portable path (CPU tensors, same buffer) and the two must agree bit for bit as well.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+import ht_cases
+from ep_cases import Checks
+from ep_cases import _round_record as record_round
+from ht_round import HRound, HSpec, fit, make_inputs
+from launcher import Case
+
+#: The buffer's sizing (the device path's rings are made for the larger of it and the
+#: first call): wide enough for every round below.
+MAKE = {"hidden": 7168, "num_topk": 32, "num_cpu_timeout_secs": 60, "num_gpu_timeout_secs": 60}
+
+
+def has_device_path() -> bool:
+    """Whether this machine has a CUDA GPU and this build the ElasticBuffer device path."""
+    if not torch.cuda.is_available():
+        return False
+    from mooncake.ep import throughput_device
+
+    return throughput_device.available()
+
+
+def cuda() -> torch.device:
+    torch.cuda.set_device(0)
+    return torch.device("cuda", 0)
+
+
+def to_device(t, device):
+    """``t`` (a tensor, a pair of them, or None) on ``device`` with the same sizes, strides
+    and storage offset: strided and misaligned inputs stay so."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(to_device(u, device) for u in t)
+    if t.is_contiguous() and t.storage_offset() == 0:
+        return t.to(device)
+    n = t.untyped_storage().nbytes() // t.element_size()
+    view = torch.zeros(n, dtype=t.dtype, device=device).as_strided(
+        t.size(), t.stride(), t.storage_offset()
+    )
+    view.copy_(t)
+    return view
+
+
+def to_cpu(t):
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(u.cpu() for u in t)
+    return t.cpu()
+
+
+class CpuHandle:
+    """An EPHandle's fields on the CPU, for the checks; ``real`` is the handle."""
+
+    def __init__(self, handle):
+        self.real = handle
+
+    def __getattr__(self, name):
+        v = getattr(self.real, name)
+        return v.cpu() if isinstance(v, torch.Tensor) else v
+
+
+def device_ok(spec: HSpec) -> bool:
+    """Whether a round of ``spec`` runs on the device path: rows the kernels copy in
+    16-byte pieces (the others run on the portable path, the same results)."""
+    item = 1 if spec.fp8 else spec.dtype.itemsize
+    return (spec.H * item) % 16 == 0 and spec.H % 8 == 0
+
+
+class DeviceRound(HRound):
+    """``HRound`` on CUDA tensors (see the module docstring); ``path``: the path every
+    call must run on."""
+
+    def __init__(self, ctx, buf, spec: HSpec, tag: str = "", may_drop=(), path: str = "device"):
+        super().__init__(ctx, buf, spec, tag, may_drop)
+        self.device = cuda()
+        self.want_path = path
+
+    def _on_path(self, what: str) -> None:
+        self.ctx.expect(
+            self.buf.path == self.want_path,
+            f"{what}: ran on the {self.buf.path} path, not the {self.want_path} path",
+        )
+        want = "cuda_ipc" if self.want_path == "device" else "pg"
+        self.ctx.expect(self.buf.transport == want, f"{what}: transport {self.buf.transport!r}")
+
+    def dispatch(self, handle=None, ins=None):
+        spec, dev = self.spec, self.device
+        ins = ins or self.ins
+        mine = ins[self.me]
+        x, w = to_device(mine.x_in, dev), to_device(mine.w, dev)
+        t0 = time.monotonic()
+        if handle is None:
+            out = self.buf.dispatch(
+                x, to_device(mine.idx, dev), w, num_experts=self.E,
+                num_max_tokens_per_rank=spec.T, expert_alignment=spec.align,
+                do_expand=spec.expand, do_cpu_sync=spec.sync,
+            )  # fmt: skip
+        else:
+            out = self.buf.dispatch(x, topk_weights=w, handle=handle.real)
+        torch.cuda.synchronize()
+        self.dispatch_s = time.monotonic() - t0
+        recv, recv_idx, recv_w, h, event = out
+        self._on_path(f"{self.what}: dispatch")
+        self.ctx.expect(
+            handle is None or h is handle.real, "a cached dispatch returned another handle"
+        )
+        self.recv, self.recv_idx, self.recv_w = to_cpu(recv), recv_idx.cpu(), to_cpu(recv_w)
+        self.handle = CpuHandle(h)
+        event.current_stream_wait()
+        self._after(f"{self.what}: dispatch")
+        return out
+
+    def combine(self):
+        y, cw = self.expert_outputs()
+        t0 = time.monotonic()
+        combined, combined_w, event = self.buf.combine(
+            y.to(self.device), self.handle.real, topk_weights=to_device(cw, self.device)
+        )
+        torch.cuda.synchronize()
+        self.combine_s = time.monotonic() - t0
+        self._on_path(f"{self.what}: combine")
+        self.combined, self.combined_w = combined.cpu(), to_cpu(combined_w)
+        event.current_stream_wait()
+        self._after(f"{self.what}: combine")
+
+
+def _same(ctx, a, b, what: str) -> None:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        ok = isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b)
+        ctx.expect(ok, f"{what}: one path gave a pair, the other not")
+        if ok:
+            for i, (u, v) in enumerate(zip(a, b, strict=True)):
+                _same(ctx, u, v, f"{what}[{i}]")
+        return
+    if a is None or b is None:
+        ctx.expect(a is None and b is None, f"{what}: None on one path only")
+        return
+    if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    ctx.expect_equal(a, b, what)
+
+
+def against_portable(ctx, buf, spec: HSpec, tag: str) -> None:
+    """A device round of ``spec`` (checked against the model), then the same round on the
+    portable path; every output of the two must be the same bits."""
+    spec = fit(spec, ctx.world_size)
+    path = "device" if device_ok(spec) else "portable"
+    d = DeviceRound(ctx, buf, spec, tag, path=path).run()
+    p = HRound(ctx, buf, spec, tag).run()
+    what = f"{tag}: device against portable"
+    for name in ("recv", "recv_idx", "recv_w", "combined", "combined_w"):
+        _same(ctx, getattr(d, name), getattr(p, name), f"{what}: {name}")
+    for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                 "num_unaligned_recv_tokens_per_expert", "recv_src_metadata",
+                 "dst_buffer_slot_idx"):  # fmt: skip
+        _same(ctx, getattr(d.handle, name), getattr(p.handle, name), f"{what}: handle.{name}")
+    for name in ("num_recv_tokens_per_expert_list", "num_recv_tokens", "num_expanded_tokens"):
+        ctx.expect(
+            getattr(d.handle, name) == getattr(p.handle, name),
+            f"{what}: handle.{name} {getattr(d.handle, name)} != {getattr(p.handle, name)}",
+        )
+
+
+# --- the cases ------------------------------------------------------------------------------
+
+_state: dict = {}
+
+
+def get_buf(ctx, **kw):
+    key = tuple(sorted(kw.items()))
+    if key not in _state:
+        from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+        cuda()
+        _state[key] = ElasticBuffer(dist.group.WORLD, **{**MAKE, **kw})
+    return _state[key]
+
+
+def c_round(ctx, spec: HSpec, name: str, single: bool = False):
+    against_portable(ctx, get_buf(ctx, allow_multiple_reduction=not single), spec, name)
+
+
+def c_num_sms(ctx):
+    """``num_sms`` sets the grid (the fewest it takes, and one past the GPU's share):
+    the results do not change."""
+    buf = get_buf(ctx)
+    spec = fit(HSpec(T=64, H=256, K=4, epr=4, ns=(64, 33), cached=1), ctx.world_size)
+    for sms in (1, 2, 3, 10_000):
+        r = DeviceRound(ctx, buf, spec, f"sms{sms}")
+
+        def with_sms(*args, _sms=sms, _orig=buf.dispatch, **kwargs):
+            return _orig(*args, num_sms=_sms, **kwargs)
+
+        buf.dispatch = with_sms
+        try:
+            r.run()
+        finally:
+            del buf.dispatch
+
+
+def c_workspace(ctx):
+    """The device path's workspace does not grow with T, and it is reported."""
+    buf = get_buf(ctx)
+    before = buf.device_workspace_bytes
+    DeviceRound(ctx, buf, fit(HSpec(T=512, H=128, ns=(512, 300)), ctx.world_size), "big-T").run()
+    ctx.expect(before > 0 and buf.device_workspace_bytes == before,
+               f"workspace {before} -> {buf.device_workspace_bytes}")  # fmt: skip
+
+
+def c_bad_ids(ctx):
+    """An expert id out of range on one rank: that rank's synced dispatch raises ValueError
+    naming it, every rank's results are the others' exact rows, and the buffer works."""
+    buf = get_buf(ctx)
+    spec = fit(HSpec(T=4, H=128, K=2, epr=2, ns=(3,)), ctx.world_size)
+    ins = make_inputs(3, ctx.rank, spec, ctx.world_size, "bad")
+    idx = ins.idx.clone()
+    if ctx.rank == 0:
+        idx[0, 0] = 10_000
+    dev = cuda()
+    try:
+        buf.dispatch(ins.x_in.to(dev), idx.to(dev), ins.w.to(dev), num_experts=spec.epr * ctx.world_size,
+                     num_max_tokens_per_rank=spec.T)  # fmt: skip
+        ctx.expect(ctx.rank != 0, "rank 0's dispatch with expert 10000 did not raise")
+    except ValueError as e:
+        ctx.expect(ctx.rank == 0 and "10000" in str(e), f"rank {ctx.rank}: {e}")
+    torch.cuda.synchronize()
+    DeviceRound(ctx, buf, spec, "after-bad").run()
+
+
+def device_cases(world: int) -> list[Case]:
+    P = functools.partial
+    specs = dict(ht_cases._grid())
+    specs.update(ht_cases._extra(world))
+    specs["fp32-large"] = HSpec(dtype=torch.float32, H=1024, T=16, ns=(16, 9), cached=1)
+    specs["k8-e256"] = HSpec(H=7168, T=24, K=8, epr=256 // world, ns=(24, 17), cached=1)
+    specs["k8-e256-fp8-expand"] = HSpec(H=7168, T=24, K=8, epr=256 // world, ns=(24, 17),
+                                        fp8="f32", expand=True, align=16)  # fmt: skip
+    cases = [Case(f"dev/{n}", P(c_round, spec=s, name=n)) for n, s in specs.items()]
+    cases += [
+        Case("dev/single-reduction/sync",
+             P(c_round, spec=HSpec(expand=True, align=4, K=4, epr=3), name="single-sync",
+               single=True)),
+        Case("dev/single-reduction/nosync",
+             P(c_round, spec=HSpec(expand=True, sync=False, align=4, K=4, epr=3),
+               name="single-nosync", single=True)),
+        Case("dev/num-sms", c_num_sms),
+        Case("dev/workspace", c_workspace),
+        Case("dev/bad-ids", c_bad_ids),
+    ]  # fmt: skip
+    return cases
+
+
+# --- a rank killed mid-dispatch, then a replacement -----------------------------------------
+
+SPEC = HSpec(T=6, H=256, K=3, epr=2, ns=(6, 4, 5, 3), cached=1, fp8="odd")
+
+
+class _DieBeforeRows:
+    """The victim's device path: its next dispatch launch kills it, after its layout pass
+    has told the others what it sends (its kernels finished) and before any row moves."""
+
+    def __init__(self, ext):
+        self._ext = ext
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+    def dispatch(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        os.kill(os.getpid(), signal.SIGKILL)
+        return self._ext.dispatch(*args, **kwargs)
+
+
+def _error_of(call) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - reported
+        return type(e).__name__, str(e)[:400]
+    return "ok", ""
+
+
+def fault_rank(rank, world_size, port, plan):
+    """A device round on all; the victim dies inside its next fresh dispatch (between the
+    layout pass and the rows); the survivors' dispatch masks it and drops its rows; a round
+    with it masked and a cached dispatch along a handle from before; a replacement joins
+    (recover_ranks, update_ep_member / ElasticBuffer); stale handles are refused; rounds at
+    full strength. Returns the rounds' records."""
+    from ft_ranks import admit, start_rank
+    from mooncake import pg
+    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+    victim, joiner = plan["victim"], plan["role"] == "joiner"
+    chk = Checks(rank, world_size, "ht-device-fault")
+    out = {"rounds": [], "role": plan["role"]}
+    cuda()
+    if joiner:
+        _, store = start_rank(rank, world_size, port, barrier=False, timeout_s=plan["timeout_s"],
+                              max_world_size=world_size, is_extension=True)  # fmt: skip
+        W = dist.group.WORLD
+        pg.join_group(W)
+        buf = ElasticBuffer(W, **MAKE)
+    else:
+        _, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"],
+                              max_world_size=world_size)  # fmt: skip
+        W = dist.group.WORLD
+        buf = ElasticBuffer(W, **MAKE)
+        first = DeviceRound(chk, buf, SPEC, "before").run()
+        out["rounds"].append(record_round(chk, first, "before", active=buf.active_ranks.tolist()))
+        if rank == victim:
+            buf._device.ext = _DieBeforeRows(buf._device.ext)
+            store.set("armed", "1")
+            DeviceRound(chk, buf, SPEC, "dying", may_drop=range(world_size)).run()
+            raise RuntimeError("the victim outlived its dispatch")
+        r = DeviceRound(chk, buf, SPEC, "during", may_drop=(victim,)).run()
+        out["rounds"].append(record_round(chk, r, "during", active=buf.active_ranks.tolist(),
+                                          masked_in=r.masked_in, events=buf._members.mask_events()))  # fmt: skip
+        r = DeviceRound(
+            chk, buf, replace(SPEC, expand=True, align=4, cached=0), "after_death"
+        ).run()
+        out["rounds"].append(record_round(chk, r, "after_death", active=buf.active_ranks.tolist()))
+        first.may_drop = {victim}
+        ins = [make_inputs(first.seed, q, first.spec, world_size, "old") for q in range(world_size)]
+        for new, old in zip(ins, first.ins, strict=True):
+            new.idx, new.idx_list = old.idx, old.idx_list
+        first.dispatch(handle=first.handle, ins=ins)
+        first.check_dispatch(ins, cached=True)
+        first.combine()
+        first.check_combine(ins)
+        out["rounds"].append(
+            record_round(chk, first, "cached_old", active=buf.active_ranks.tolist())
+        )
+        admit(W, [victim])
+        buf.update_ep_member()
+        dev = cuda()
+        x = to_device(ins[rank].x_in, dev)
+        out["stale_dispatch"] = _error_of(
+            lambda: buf.dispatch(x, topk_weights=ins[rank].w.to(dev), handle=first.handle.real)
+        )
+        y, _ = first.expert_outputs()
+        out["stale_combine"] = _error_of(lambda: buf.combine(y.to(dev), first.handle.real))
+    out["generation"] = buf.generation
+    for spec, tag in ((SPEC, "rejoined"),
+                      (replace(SPEC, expand=True, align=8, sync=False, cached=0), "rejoined_expand")):  # fmt: skip
+        r = DeviceRound(chk, buf, spec, tag).run()
+        out["rounds"].append(record_round(chk, r, tag, active=buf.active_ranks.tolist()))
+    store.set(f"done/{rank}", "1")
+    return out
+
+
+# --- a short round for compute-sanitizer (ht_device_round.py) -------------------------------
+
+
+def sanitizer_rank(rank: int, world: int, port: int) -> list[str]:
+    """BF16 tokens with a cached dispatch, pre-quantised FP8 expanded without CPU sync,
+    and a single-reduction combine: every kernel of the device path runs. Returns the
+    failed expectations."""
+    import traceback
+
+    from mooncake.launch import init_rank
+    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+    # Deadlines are generous: kernels run many times slower under the sanitizer.
+    make = {"hidden": 512, "num_topk": 4, "num_cpu_timeout_secs": 600, "num_gpu_timeout_secs": 600}
+    cuda()
+    init_rank(rank, world, port, timeout_s=600)
+    chk = Checks(rank, world, "ht-device-round")
+    try:
+        buf = ElasticBuffer(dist.group.WORLD, **make)
+        DeviceRound(chk, buf, HSpec(T=40, H=512, K=4, epr=2, ns=(40, 23), cached=1), "bf16").run()
+        DeviceRound(chk, buf, HSpec(T=24, H=256, K=3, epr=3, ns=(24, 5), fp8="odd", expand=True,
+                                    align=4, sync=False), "fp8-expand").run()  # fmt: skip
+        single = ElasticBuffer(dist.group.WORLD, allow_multiple_reduction=False, **make)
+        DeviceRound(chk, single, HSpec(T=16, H=128, K=4, epr=3, expand=True, align=2),
+                    "single").run()  # fmt: skip
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - reported as a failure
+        chk.fail(traceback.format_exc())
+    dist.destroy_process_group()
+    return chk.failures
