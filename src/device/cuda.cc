@@ -10,6 +10,22 @@ void cuda_check(cudaError_t err, const char* what, ErrorKind kind) {
   if (err != cudaSuccess) throw_error(kind, -1, "CUDA: ", what, ": ", cudaGetErrorString(err));
 }
 
+int32_t* mapped_words(int64_t n, int32_t** dev, const char* what) {
+  void* host = nullptr;
+  cuda_check(cudaHostAlloc(&host, static_cast<size_t>(n) * sizeof(int32_t), cudaHostAllocMapped),
+             what);
+  auto* words = static_cast<int32_t*>(host);
+  for (int64_t i = 0; i < n; ++i) words[i] = 0;
+  void* d = nullptr;
+  const cudaError_t err = cudaHostGetDevicePointer(&d, host, 0);
+  if (err != cudaSuccess) {
+    cudaFreeHost(host);
+    cuda_check(err, "cudaHostGetDevicePointer");
+  }
+  *dev = static_cast<int32_t*>(d);
+  return words;
+}
+
 OnDevice::OnDevice(int device) {
   cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
   if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");

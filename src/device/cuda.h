@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,11 @@ namespace mooncake {
 
 // Throws an Error of `kind` naming `what` and the CUDA error unless `err` is cudaSuccess.
 void cuda_check(cudaError_t err, const char* what, ErrorKind kind = ErrorKind::kSystem);
+
+// `n` zeroed int32 words of host memory the device maps (cudaFreeHost frees
+// them): the host's pointer, and the device's in `dev`. Throws as cuda_check,
+// naming `what` when the allocation fails.
+int32_t* mapped_words(int64_t n, int32_t** dev, const char* what);
 
 // Makes `device` current for the scope and puts the caller's back afterwards.
 class OnDevice {

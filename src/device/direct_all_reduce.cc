@@ -11,19 +11,6 @@ namespace k = kernels;
 
 namespace {
 
-// `n` zeroed int32 words of host memory the device maps; the device's pointer in `dev`.
-int32_t* mapped_words(int n, int32_t** dev, const char* what) {
-  void* host = nullptr;
-  cuda_check(cudaHostAlloc(&host, static_cast<size_t>(n) * sizeof(int32_t), cudaHostAllocMapped),
-             what);
-  auto* words = static_cast<int32_t*>(host);
-  for (int i = 0; i < n; ++i) words[i] = 0;
-  void* d = nullptr;
-  cuda_check(cudaHostGetDevicePointer(&d, host, 0), "cudaHostGetDevicePointer");
-  *dev = static_cast<int32_t*>(d);
-  return words;
-}
-
 // A field of the device state, by address (the state is device memory).
 template <typename T>
 T* field(k::DirectState* state, size_t offset) {

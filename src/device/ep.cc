@@ -11,24 +11,8 @@ namespace mooncake {
 
 namespace k = kernels;
 
-namespace {
-
-// A host-mapped array of `n` zeroed int32 words: the host's pointer, and the device's in `dev`.
-int32_t* host_words(int64_t n, int32_t** dev, const char* what) {
-  void* host = nullptr;
-  cuda_check(cudaHostAlloc(&host, n * sizeof(int32_t), cudaHostAllocMapped), what);
-  auto* words = static_cast<int32_t*>(host);
-  for (int64_t i = 0; i < n; ++i) words[i] = 0;
-  void* d = nullptr;
-  cuda_check(cudaHostGetDevicePointer(&d, host, 0), "cudaHostGetDevicePointer");
-  *dev = static_cast<int32_t*>(d);
-  return words;
-}
-
-}  // namespace
-
 LostWords::LostWords(int64_t n) : n_(n) {
-  host_ = host_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the lost-rank words");
+  host_ = mapped_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the lost-rank words");
 }
 
 LostWords::~LostWords() {
@@ -78,7 +62,7 @@ EpBuffer::EpBuffer(size_t bytes, int device)
   OnDevice on(device_);
   mine_ = PeerCard::of(workspace_);
   card_ = mine_.encode();
-  status_host_ = host_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
+  status_host_ = mapped_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
   cuda_check(cudaMalloc(&grid_sync_, 2 * sizeof(uint32_t)), "cudaMalloc of the grid barrier");
   cuda_check(cudaMemset(grid_sync_, 0, 2 * sizeof(uint32_t)), "clearing the grid barrier");
   sm_count_ = device_sm_count(device_);
@@ -125,7 +109,7 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank, uint32_t key) {
   cuda_check(cudaMalloc(&keys_, capacity * sizeof(uint32_t)), "cudaMalloc of the fence keys");
   if (silent_ != nullptr) cudaFreeHost(silent_);
   silent_ = nullptr;
-  silent_ = host_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
+  silent_ = mapped_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
   lost_ = std::make_shared<LostWords>(capacity);
   num_ranks_ = capacity;
   rank_ = rank;

@@ -12,18 +12,7 @@ namespace mooncake {
 namespace ht = kernels::ep_ht;
 
 HostWords::HostWords(int64_t n) {
-  void* host = nullptr;
-  cuda_check(cudaHostAlloc(&host, std::max<int64_t>(n, 1) * sizeof(int32_t), cudaHostAllocMapped),
-             "cudaHostAlloc of the EP report words");
-  host_ = static_cast<int32_t*>(host);
-  for (int64_t i = 0; i < n; ++i) host_[i] = 0;
-  void* d = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(&d, host, 0);
-  if (err != cudaSuccess) {
-    cudaFreeHost(host_);
-    cuda_check(err, "cudaHostGetDevicePointer");
-  }
-  dev_ = static_cast<int32_t*>(d);
+  host_ = mapped_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the EP report words");
 }
 
 HostWords::~HostWords() {

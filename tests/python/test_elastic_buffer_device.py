@@ -31,6 +31,7 @@ import pytest
 
 import ht_device
 from ft_parent import env, launch, mark_dead, wait_key
+from ht_fault import rejoin_problems
 from launcher import Launch, check, parametrize
 
 pytestmark = pytest.mark.skipif(
@@ -67,25 +68,11 @@ def fault_problems(plan, results) -> list[str]:
     problems = []
     after_death = [0 if r == victim else 1 for r in range(world)]
     for key, res in sorted(results.items()):
-        masks = {rec["tag"]: rec["active"] for rec in res["rounds"]}
-        for rec in res["rounds"]:
-            problems += [f"process {key}, round {rec['tag']}: {f}" for f in rec["failures"]]
+        problems += rejoin_problems(key, res, victim, world)
         if res["role"] == "member":
             during = next(rec for rec in res["rounds"] if rec["tag"] == "during")
             if during["active"] != after_death or not during.get("masked_in"):
                 problems.append(f"process {key}: the dying round left active_ranks {during}")
-            for tag in ("after_death", "cached_old"):
-                if masks.get(tag) != after_death:
-                    problems.append(f"process {key}: active_ranks in {tag}: {masks.get(tag)}")
-            for what in ("stale_dispatch", "stale_combine"):
-                kind, text = res[what]
-                if kind != "ValueError" or "generation" not in text:
-                    problems.append(f"process {key}: {what} gave {kind}: {text!r}")
-        if res["generation"] != 2:
-            problems.append(f"process {key}: generation {res['generation']} after the rejoin")
-        for tag in ("rejoined", "rejoined_expand"):
-            if masks.get(tag) != [1] * world:
-                problems.append(f"process {key}: active_ranks in {tag}: {masks.get(tag)}")
     return problems
 
 

@@ -41,6 +41,7 @@ import torch
 from .. import _checks, pg
 from ..errors import LeftOutError
 from .throughput_handle import EPHandle
+from .throughput_portable import fresh_defaults, padded_rows
 from .types import NO_WAIT, tensor_key
 
 #: Ring slots the workspace is sized for at the first call's hidden size (a call of
@@ -73,12 +74,6 @@ def ring_bytes(R: int, C: int, H: int, K: int) -> int:
     stage = 16 + 4 * _align16(4 * K) + _align16(2 * H) + _align16(4 * -(-H // 128))
     reply = _align16(4 * K) + _align16(2 * H)
     return max(C * SLOTS * stage, R * C * SLOTS * reply)
-
-
-def _padded_rows(num_rows: int, topk: int, local_experts: int, alignment: int) -> int:
-    """The most rows an expanded receive can need (the portable path's formula)."""
-    rows = num_rows * min(topk, local_experts) + (alignment - 1) * local_experts
-    return -(-rows // alignment) * alignment
 
 
 @dataclass(slots=True, eq=False)
@@ -333,19 +328,9 @@ class ThroughputDevice:
                 raise ValueError(f"dispatch: {error}")
             return self._cached(buf, data, scales, topk_weights, handle, num_sms, seq)
         if error is None:
-            if (
-                num_experts is None
-                and isinstance(topk_idx, torch.Tensor)
-                and topk_idx.dtype in _checks.INDEX_DTYPES
-                and topk_idx.device == data.device
-                and topk_idx.numel()
-            ):  # upstream's default (a host read; the ranks must still agree on it)
-                top = int(topk_idx.max())
-                num_experts = top + 1 if top >= 0 else None
-            if max_tokens is None:
-                max_tokens = buf.num_max_tokens_per_rank or data.shape[0] or None
-            alignment = 1 if alignment is None else alignment
-            do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+            num_experts, max_tokens, alignment, do_cpu_sync = fresh_defaults(
+                buf, data, topk_idx, num_experts, max_tokens, alignment, do_cpu_sync
+            )
             key = (
                 tensor_key(data), tensor_key(scales), tensor_key(topk_idx),
                 tensor_key(topk_weights), num_experts, max_tokens, alignment, do_expand,
@@ -403,7 +388,7 @@ class ThroughputDevice:
         if do_expand:
             # exact with a CPU sync (the layout pass's count: the only sync before the
             # data moves), else the worst case
-            expanded = int(plan.words[1]) if do_cpu_sync else _padded_rows(rows, K, epr, alignment)
+            expanded = int(plan.words[1]) if do_cpu_sync else padded_rows(rows, K, epr, alignment)
         recv_x, recv_sf, recv_idx, recv_w = self.ext.dispatch(
             plan, data, scales, weights, active, rows, expanded, False, bool(do_cpu_sync), seq,
             self._ns(buf._gpu_timeout_us), blocks,

@@ -28,10 +28,35 @@ from .types import NO_WAIT
 _DEVICE_CODES = {"cpu": 1, "cuda": 2}
 
 
-def _padded_rows(num_rows: int, topk: int, local_experts: int, alignment: int) -> int:
+def padded_rows(num_rows: int, topk: int, local_experts: int, alignment: int) -> int:
     """The most rows an expanded receive can need for ``num_rows`` received tokens."""
     rows = num_rows * min(topk, local_experts) + (alignment - 1) * local_experts
     return -(-rows // alignment) * alignment
+
+
+def fresh_defaults(buf, data, topk_idx, num_experts, max_tokens, alignment, do_cpu_sync):
+    """A fresh dispatch's arguments left None, filled in (both paths alike):
+    ``num_experts`` as upstream's, ``topk_idx.max() + 1`` (a host read; the ranks must
+    still agree on it), ``max_tokens`` the buffer's or ``N``, ``alignment`` 1,
+    ``do_cpu_sync`` True.
+
+    Returns:
+        ``(num_experts, max_tokens, alignment, do_cpu_sync)``.
+    """
+    if (
+        num_experts is None
+        and isinstance(topk_idx, torch.Tensor)
+        and topk_idx.dtype in _checks.INDEX_DTYPES
+        and topk_idx.device == data.device
+        and topk_idx.numel()
+    ):
+        top = int(topk_idx.max())
+        num_experts = top + 1 if top >= 0 else None
+    if max_tokens is None:
+        max_tokens = buf.num_max_tokens_per_rank or data.shape[0] or None
+    alignment = 1 if alignment is None else alignment
+    do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+    return num_experts, max_tokens, alignment, do_cpu_sync
 
 
 def _check_counts(rank: int, theirs: torch.Tensor, present: torch.Tensor, mine: list) -> None:
@@ -113,19 +138,9 @@ class ThroughputPortable:
                 )  # fmt: skip
             return self._cached(buf, data, scales, topk_weights, handle, error)
         if error is None:
-            if (
-                num_experts is None
-                and isinstance(topk_idx, torch.Tensor)
-                and topk_idx.dtype in _checks.INDEX_DTYPES
-                and topk_idx.device == data.device
-                and topk_idx.numel()
-            ):  # upstream's default (the ranks' calls must still agree on it)
-                top = int(topk_idx.max())
-                num_experts = top + 1 if top >= 0 else None
-            if max_tokens is None:
-                max_tokens = buf.num_max_tokens_per_rank or data.shape[0] or None
-            alignment = 1 if alignment is None else alignment
-            do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+            num_experts, max_tokens, alignment, do_cpu_sync = fresh_defaults(
+                buf, data, topk_idx, num_experts, max_tokens, alignment, do_cpu_sync
+            )
             error = _checks.throughput_dispatch_error(
                 R, data, scales, topk_idx, topk_weights, num_experts, max_tokens, alignment,
                 None, do_expand, do_cpu_sync, num_sms, async_with_compute_stream, buf._id,
@@ -227,7 +242,7 @@ class ThroughputPortable:
         expanded = 0
         if do_expand:
             expanded = (
-                int(ex.padded.sum()) if do_cpu_sync else _padded_rows(R * T, K, epr, alignment)
+                int(ex.padded.sum()) if do_cpu_sync else padded_rows(R * T, K, epr, alignment)
             )
         plan = Plan(
             buf._id, buf._generation, buf._seq, device, ex_dev, R, E, K, T, data.shape[0],

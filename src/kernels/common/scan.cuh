@@ -5,22 +5,36 @@
 
 namespace mooncake::kernels {
 
-// Exclusive prefix sums of v[0, n) into out[0, n], out[n] = the total, by
-// one warp (the lanes take 32 values at a time).
-__device__ inline void warp_exclusive_scan(const int32_t* v, int32_t* out, int n, int lane) {
-  int carry = 0;
-  for (int b = 0; b < n; b += 32) {
-    const int x = b + lane < n ? v[b + lane] : 0;
-    int incl = x;
+// The inclusive prefix sum of x over the warp's lanes (all of them call it).
+__device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
+  int incl = x;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += y;
-    }
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  return incl;
+}
+
+// Exclusive prefix sums of v[0, n) into out[0, n) (out may be v), by one warp
+// (the lanes take 32 values at a time). Returns the total to every lane.
+// Index: int or int64_t, n's type.
+template <typename Index>
+__device__ inline int warp_scan(const int32_t* v, int32_t* out, Index n, int lane) {
+  int carry = 0;
+  for (Index b = 0; b < n; b += 32) {
+    const int x = b + lane < n ? v[b + lane] : 0;
+    const int incl = warp_inclusive_sum(x, lane);
     if (b + lane < n) out[b + lane] = carry + incl - x;
     carry += __shfl_sync(0xffffffffu, incl, 31);
   }
-  if (lane == 0) out[n] = carry;
+  return carry;
+}
+
+// The same, and out[n] = the total.
+__device__ inline void warp_exclusive_scan(const int32_t* v, int32_t* out, int n, int lane) {
+  const int total = warp_scan(v, out, n, lane);
+  if (lane == 0) out[n] = total;
 }
 
 // The last i with offsets[i] <= g, for offsets[0] == 0 <= g < offsets[n].

@@ -51,31 +51,37 @@ __device__ __forceinline__ bool host_lost(const Common& c, int source, bool gone
   return gone_only ? word == 1 : word != 0;
 }
 
-// Waits until `*signal` satisfies `ready`, the source is masked, the host
-// says it is lost, or the deadline passes (then masks the source). True when
-// the signal arrived.
+// Whether to stop waiting on `source` in round `round` of a wait: it is
+// masked (active_ranks, or slot_mask when given), or the host says it is
+// lost, or `deadline` passed; the last two mask it.
+__device__ __forceinline__ bool gives_up(const Common& c, int source, uint32_t round,
+                                         uint64_t deadline, int phase) {
+  if (ld_volatile(c.active_ranks + source) == 0) return true;
+  if (c.slot_mask != nullptr && ld_volatile(c.slot_mask + source) == 0) return true;
+  // The lost word crosses the bus: every 16th round (a few microseconds).
+  if ((round & 15) == 15 && host_lost(c, source)) {
+    mask_peer(c, source, phase, kMaskedLost);
+    return true;
+  }
+  if (now_ns() > deadline) {
+    mask_peer(c, source, phase, kMaskedSilent);
+    return true;
+  }
+  return false;
+}
+
+// Waits until `*signal` satisfies `ready`, or gives_up. True when the signal
+// arrived.
 template <typename Ready>
 __device__ bool wait_for(const Common& c, const uint64_t* signal, Ready ready, uint64_t deadline,
                          int source, int phase, uint64_t* value) {
-  int32_t* active = c.active_ranks;
-  int32_t* slots = c.slot_mask;
   for (uint32_t round = 0;; ++round) {
     const uint64_t v = ld_acquire_sys(signal);
     if (ready(v)) {
       *value = v;
       return true;
     }
-    if (ld_volatile(active + source) == 0) return false;
-    if (slots != nullptr && ld_volatile(slots + source) == 0) return false;
-    // The lost word crosses the bus: every 16th round (a few microseconds).
-    if ((round & 15) == 15 && host_lost(c, source)) {
-      mask_peer(c, source, phase, kMaskedLost);
-      return false;
-    }
-    if (now_ns() > deadline) {
-      mask_peer(c, source, phase, kMaskedSilent);
-      return false;
-    }
+    if (gives_up(c, source, round, deadline, phase)) return false;
     __nanosleep(100);
   }
 }

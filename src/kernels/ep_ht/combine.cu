@@ -16,6 +16,7 @@
 
 #include "kernels/common/convert.cuh"
 #include "kernels/common/copy.cuh"
+#include "kernels/common/scan.cuh"
 #include "kernels/ep_ht/common.cuh"
 
 namespace mooncake::kernels::ep_ht {
@@ -73,34 +74,6 @@ struct Shared {
   bool any;
 };
 
-struct View {
-  int R, me, K, C;
-  int64_t epr, N, db;
-  HtPlan P;
-  const int32_t* plan;
-  uint8_t* own;
-  uint32_t tag;
-  int warp, lane;
-};
-
-__device__ __forceinline__ View view_of(const CombineArgs& a) {
-  const int R = static_cast<int>(a.h.ws.ranks);
-  const int64_t epr = a.r.num_experts / R;
-  return View{R,
-              a.h.c.rank,
-              a.r.topk,
-              static_cast<int>(a.h.ws.channels),
-              epr,
-              a.r.num_tokens,
-              a.slots.data_bytes,
-              HtPlan(R, epr, a.h.ws.channels),
-              a.r.plan,
-              a.h.c.peers[a.h.c.rank],
-              tag_of(a.h.c.seq),
-              static_cast<int>(threadIdx.x) / 32,
-              static_cast<int>(threadIdx.x) % 32};
-}
-
 // Bytes [off, off + 16) of the fp32 sum of x's rows at a metadata row's
 // expanded columns (slot by slot), rounded once to T.
 template <typename T>
@@ -130,7 +103,7 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
   Peers& p = sh.p;
   if (tid < v.R) {
     const int s = tid;
-    p.state[s] = s != v.me && v.plan[v.P.mutual(s)] != 0 && live(cm, s);
+    p.state[s] = takes_part(cm, v, s);
     p.cur[s] = v.plan[v.P.src_off(s)] + v.plan[v.P.chan_first(s, c)];
     p.end[s] = p.cur[s] + v.plan[v.P.chan_count(s, c)];
     p.staged[s] = p.head[s] = 0;
@@ -143,16 +116,10 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
     if (tid < v.R && p.state[tid] != 0) {
       const int s = tid;
       auto* w = word_at(v.own, a.h.ws.combine_head(s, c));
-      const uint64_t x = ld_acquire_sys(w);
-      if (tag_in(x) == v.tag) {
-        if (count_in(x) > p.head[s]) {
-          p.head[s] = count_in(x);
-          p.deadline[s] = deadline_of(cm.timeout_ns);
-        }
-        if (done_in(x) && p.done_sent[s]) {  // acknowledged: its last word in this call
-          *reinterpret_cast<volatile uint64_t*>(w) = 0;
-          p.state[s] = 0;
-        }
+      uint64_t x = 0;
+      if (heard(cm, w, v.tag, p.head[s], p.deadline[s], &x) && done_in(x) && p.done_sent[s]) {
+        clear_word(w);  // acknowledged: its last word in this call
+        p.state[s] = 0;
       }
       if (p.state[s] != 0 && !p.done_sent[s] && p.cur[s] == p.end[s]) {
         st_release_sys(word_at(cm.peers[s], a.h.ws.combine_tail(v.me, c)),
@@ -161,33 +128,15 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
         p.deadline[s] = deadline_of(cm.timeout_ns);
       }
       const bool stuck = p.done_sent[s] || S - (p.staged[s] - p.head[s]) < room_needed;
-      if (p.state[s] != 0 && stuck) {
-        if (ld_volatile(cm.active_ranks + s) == 0) {
-          p.state[s] = 0;
-        } else if ((round & 15) == 15 && host_lost(cm, s)) {
-          mask_peer(cm, s, kSend, kMaskedLost);
-          p.state[s] = 0;
-        } else if (now_ns() > p.deadline[s]) {
-          mask_peer(cm, s, kSend, kMaskedSilent);
-          p.state[s] = 0;
-        }
-      }
+      if (p.state[s] != 0 && stuck && gives_up(cm, s, round, p.deadline[s], kSend)) p.state[s] = 0;
     }
     __syncthreads();
     if (tid == 0) {
-      int pick = -1;
-      bool any = false;
-      for (int i = 0; i < v.R; ++i) {
-        const int s = (sh.rr + i) % v.R;
-        if (p.state[s] == 0) continue;
-        any = true;
-        if (pick < 0 && !p.done_sent[s] && p.cur[s] < p.end[s] &&
-            S - (p.staged[s] - p.head[s]) >= room_needed)
-          pick = s;
-      }
-      sh.pick = pick;
-      sh.any = any;
-      if (pick >= 0) sh.rr = pick + 1;
+      const auto ready = [&](int s) {
+        return !p.done_sent[s] && p.cur[s] < p.end[s] &&
+               S - (p.staged[s] - p.head[s]) >= room_needed;
+      };
+      pick_peer(p.state, v.R, ready, sh.rr, sh.pick, sh.any);
     }
     __syncthreads();
     const int s = sh.pick;
@@ -210,12 +159,7 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
           for (int k = 0; k < v.K; ++k) items += meta[2 + k] >= 0;
         }
       }
-      int incl = items;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (v.lane >= o) incl += y;
-      }
+      const int incl = warp_inclusive_sum(items, v.lane);
       const bool take = row < p.end[s] && incl <= budget;
       const unsigned taken = __ballot_sync(0xffffffffu, take);
       if (take) {
@@ -328,12 +272,7 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
     int cnt = 0;
     if (mine)
       for (int k = 0; k < v.K; ++k) cnt += sh.kind[j][k] == kPeerRow && sh.dest[j][k] == d;
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, o);
-      if (j >= o) incl += y;
-    }
+    const int incl = warp_inclusive_sum(cnt, j);
     if (j == 31) sh.p.need[d] = incl;
     if (mine) {
       uint32_t at = sh.p.cons[d] + (incl - cnt);
@@ -387,7 +326,7 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
   Peers& p = sh.p;
   if (tid < v.R) {
     const int d = tid;
-    p.state[d] = d != v.me && v.plan[v.P.mutual(d)] != 0 && live(cm, d);
+    p.state[d] = takes_part(cm, v, d);
     p.cons[d] = p.need[d] = 0;
   }
   __syncthreads();
@@ -477,11 +416,9 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
     const int d = tid;
     auto* w = word_at(v.own, a.h.ws.combine_tail(d, c));
     uint64_t x = 0;
-    if (wait_for(
-            cm, w, [tag = v.tag](uint64_t y) { return tag_in(y) == tag && done_in(y); },
-            deadline_of(cm.timeout_ns), d, kRecv, &x)) {
+    if (wait_done(cm, w, v.tag, d, kRecv, &x)) {
       if (count_in(x) != p.cons[d]) report(cm.status, kHtBadRow, d, static_cast<int>(count_in(x)));
-      *reinterpret_cast<volatile uint64_t*>(w) = 0;
+      clear_word(w);
       st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)),
                      signal(v.tag, p.cons[d] | kDone));
     }

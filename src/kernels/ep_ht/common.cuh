@@ -38,9 +38,93 @@ __device__ __forceinline__ bool done_in(uint64_t v) {
   return (static_cast<uint32_t>(v) & kDone) != 0;
 }
 
+// A signal's reader clears it after its last read of a call (api.h).
+__device__ __forceinline__ void clear_word(uint64_t* w) {
+  *reinterpret_cast<volatile uint64_t*>(w) = 0;
+}
+
 // Whether rank r takes part now: unmasked, mapped, and not seen gone by the host.
 __device__ __forceinline__ bool live(const Common& c, int r) {
   return ld_volatile(c.active_ranks + r) != 0 && c.peers[r] != nullptr && !host_lost(c, r, true);
+}
+
+// A dispatch or combine as every function of it reads it.
+struct View {
+  int R, me, K, C;
+  int64_t epr, T, N, db;  // local experts, max tokens, this rank's tokens, a row's bytes
+  HtPlan P;
+  int32_t* plan;
+  uint8_t* own;  // this rank's workspace
+  uint32_t tag;
+  int warp, lane;
+};
+
+template <typename Args>  // DispatchArgs or CombineArgs
+__device__ __forceinline__ View view_of(const Args& a) {
+  const int R = static_cast<int>(a.h.ws.ranks);
+  const int64_t epr = a.r.num_experts / R;
+  return View{R,
+              a.h.c.rank,
+              a.r.topk,
+              static_cast<int>(a.h.ws.channels),
+              epr,
+              a.r.max_tokens,
+              a.r.num_tokens,
+              a.slots.data_bytes,
+              HtPlan(R, epr, a.h.ws.channels),
+              a.r.plan,
+              a.h.c.peers[a.h.c.rank],
+              tag_of(a.h.c.seq),
+              static_cast<int>(threadIdx.x) / 32,
+              static_cast<int>(threadIdx.x) % 32};
+}
+
+// Whether peer s takes part in this call: another rank, counted in both ways
+// by the layout pass, and live.
+__device__ __forceinline__ bool takes_part(const Common& c, const View& v, int s) {
+  return s != v.me && v.plan[v.P.mutual(s)] != 0 && live(c, s);
+}
+
+// Reads peer s's signal word `w`. True when it carries this call's tag: then
+// a count past `seen` is taken, and the peer, showing life, gets a new
+// deadline. The word goes in *value.
+__device__ __forceinline__ bool heard(const Common& c, const uint64_t* w, uint32_t tag,
+                                      uint32_t& seen, uint64_t& deadline, uint64_t* value) {
+  const uint64_t x = ld_acquire_sys(w);
+  *value = x;
+  if (tag_in(x) != tag) return false;
+  if (count_in(x) > seen) {
+    seen = count_in(x);
+    deadline = deadline_of(c.timeout_ns);
+  }
+  return true;
+}
+
+// Thread 0's turn of a channel's round-robin over peers: from `rr` on, the
+// first still served (state != 0) that `ready(s)` says has work goes in
+// `pick` (-1: none), and `any` says whether any is still served.
+template <typename Ready>
+__device__ __forceinline__ void pick_peer(const int8_t* state, int R, Ready ready, int& rr,
+                                          int& pick, bool& any) {
+  int p = -1;
+  bool a = false;
+  for (int i = 0; i < R; ++i) {
+    const int s = (rr + i) % R;
+    if (state[s] == 0) continue;
+    a = true;
+    if (p < 0 && ready(s)) p = s;
+  }
+  pick = p;
+  any = a;
+  if (p >= 0) rr = p + 1;
+}
+
+// Waits until `w` says peer s is done with this call (as wait_for).
+__device__ __forceinline__ bool wait_done(const Common& c, const uint64_t* w, uint32_t tag, int s,
+                                          int phase, uint64_t* value) {
+  return wait_for(
+      c, w, [tag](uint64_t y) { return tag_in(y) == tag && done_in(y); }, deadline_of(c.timeout_ns),
+      s, phase, value);
 }
 
 // The expert of slot k of token t, or -1 (none, or out of range: the layout

@@ -62,35 +62,6 @@ struct Shared {
   bool any, last;
 };
 
-// The call as every function reads it.
-struct View {
-  int R, me, K, C;
-  int64_t epr, T, N;
-  HtPlan P;
-  int32_t* plan;
-  uint8_t* own;
-  uint32_t tag;
-  int warp, lane;
-};
-
-__device__ __forceinline__ View view_of(const DispatchArgs& a) {
-  const int R = static_cast<int>(a.h.ws.ranks);
-  const int64_t epr = a.r.num_experts / R;
-  return View{R,
-              a.h.c.rank,
-              a.r.topk,
-              static_cast<int>(a.h.ws.channels),
-              epr,
-              a.r.max_tokens,
-              a.r.num_tokens,
-              HtPlan(R, epr, a.h.ws.channels),
-              a.r.plan,
-              a.h.c.peers[a.h.c.rank],
-              tag_of(a.h.c.seq),
-              static_cast<int>(threadIdx.x) / 32,
-              static_cast<int>(threadIdx.x) % 32};
-}
-
 __device__ __forceinline__ void store_idx(void* p, int64_t i, int64_t v, bool is64) {
   if (is64)
     static_cast<int64_t*>(p)[i] = v;
@@ -181,23 +152,11 @@ __device__ int32_t place_row(const DispatchArgs& a, const View& v, const Row& sr
 template <bool kFresh>
 __device__ void fan_chunk(uint8_t* recv_x, const int32_t* rows, int K, const uint8_t* src,
                           int64_t bytes, int64_t c, int lane) {
-  const int64_t n = bytes / 16, first = c * (kChunkBytes / 16) + lane;
-  const auto* s = reinterpret_cast<const int4*>(src);
   int4 v[kVecs];
-#pragma unroll
-  for (int j = 0; j < kVecs; ++j) {
-    const int64_t i = first + 32 * j;
-    if (i < n) v[j] = kFresh ? s[i] : __ldg(s + i);
-  }
+  load_chunk<kFresh>(v, src, bytes, c, lane);
   for (int k = 0; k < K; ++k) {
     const int32_t q = rows[k];
-    if (q < 0) continue;
-    auto* d = reinterpret_cast<int4*>(recv_x + q * bytes);
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const int64_t i = first + 32 * j;
-      if (i < n) d[i] = v[j];
-    }
+    if (q >= 0) store_chunk(recv_x + q * bytes, v, bytes, c, lane);
   }
 }
 
@@ -285,7 +244,7 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
   Peers& p = sh.p;
   if (tid < v.R) {
     const int s = tid;
-    p.state[s] = s != v.me && v.plan[v.P.mutual(s)] != 0 && live(cm, s);
+    p.state[s] = takes_part(cm, v, s);
     p.cons[s] = p.tail[s] = 0;
     p.done[s] = false;
     p.deadline[s] = deadline_of(cm.timeout_ns);
@@ -296,46 +255,24 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     if (tid < v.R && p.state[tid] != 0) {
       const int s = tid;
       auto* w = word_at(v.own, a.h.ws.dispatch_tail(s, c));
-      const uint64_t x = ld_acquire_sys(w);
-      if (tag_in(x) == v.tag) {
-        if (count_in(x) > p.tail[s]) {
-          p.tail[s] = count_in(x);
-          p.deadline[s] = deadline_of(cm.timeout_ns);  // it shows life: a new budget
-        }
-        p.done[s] = done_in(x);
-      }
+      uint64_t x = 0;
+      if (heard(cm, w, v.tag, p.tail[s], p.deadline[s], &x)) p.done[s] = done_in(x);
       if (p.tail[s] == p.cons[s]) {
         if (p.done[s]) {
           // Its last word in this call: cleared, then acknowledged.
-          *reinterpret_cast<volatile uint64_t*>(w) = 0;
+          clear_word(w);
           st_release_sys(word_at(cm.peers[s], a.h.ws.dispatch_head(v.me, c)),
                          signal(v.tag, p.cons[s] | kDone));
           p.state[s] = 0;
-        } else if (ld_volatile(cm.active_ranks + s) == 0) {
-          p.state[s] = 0;
-        } else if ((round & 15) == 15 && host_lost(cm, s)) {
-          mask_peer(cm, s, kRecv, kMaskedLost);
-          p.state[s] = 0;
-        } else if (now_ns() > p.deadline[s]) {
-          mask_peer(cm, s, kRecv, kMaskedSilent);
+        } else if (gives_up(cm, s, round, p.deadline[s], kRecv)) {
           p.state[s] = 0;
         }
       }
     }
     __syncthreads();
-    if (tid == 0) {
-      int pick = -1;
-      bool any = false;
-      for (int i = 0; i < v.R; ++i) {
-        const int s = (sh.rr + i) % v.R;
-        if (p.state[s] == 0) continue;
-        any = true;
-        if (pick < 0 && p.tail[s] > p.cons[s]) pick = s;
-      }
-      sh.pick = pick;
-      sh.any = any;
-      if (pick >= 0) sh.rr = pick + 1;
-    }
+    if (tid == 0)
+      pick_peer(
+          p.state, v.R, [&p](int s) { return p.tail[s] > p.cons[s]; }, sh.rr, sh.pick, sh.any);
     __syncthreads();
     const int s = sh.pick;
     if (s < 0) {
@@ -428,7 +365,7 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
   if (tid == 0) {
     uint64_t m = 0;
     for (int d = 0; d < v.R; ++d)
-      if (d != v.me && v.plan[v.P.mutual(d)] != 0 && live(cm, d)) m |= 1ull << d;
+      if (takes_part(cm, v, d)) m |= 1ull << d;
     sh.dests = m;
     sh.staged = 0;
   }
@@ -509,10 +446,8 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
                    signal(v.tag, total | kDone));
     auto* w = word_at(v.own, a.h.ws.dispatch_head(d, c));
     uint64_t x = 0;
-    wait_for(
-        cm, w, [tag = v.tag](uint64_t y) { return tag_in(y) == tag && done_in(y); },
-        deadline_of(cm.timeout_ns), d, kSend, &x);
-    *reinterpret_cast<volatile uint64_t*>(w) = 0;
+    wait_done(cm, w, v.tag, d, kSend, &x);
+    clear_word(w);
   }
   __syncthreads();
 }

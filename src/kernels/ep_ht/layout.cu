@@ -128,19 +128,8 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
   const int64_t cols = R + (a.expand ? E : 0), n = r.num_chunks;
   for (int64_t col = warp; col < cols; col += kWarps) {
     int32_t* v = r.chunk_tab + col * n;
-    int carry = 0;
-    for (int64_t b = 0; b < n; b += 32) {
-      const int x = b + lane < n ? v[b + lane] : 0;
-      int incl = x;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      if (b + lane < n) v[b + lane] = carry + incl - x;
-      carry += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    if (lane == 0 && col < R) sh.sends[col] = carry;
+    const int total = warp_scan(v, v, n, lane);
+    if (lane == 0 && col < R) sh.sends[col] = total;
   }
   __syncthreads();
 
@@ -188,8 +177,7 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
           return t == tag || (t != 0 && static_cast<int32_t>(t - tag) > 0);
         };
         arrived = wait_for(c, w0, ready, deadline, s, kRecv, &flag) && tag_in(flag) == tag;
-        if (arrived)
-          *reinterpret_cast<volatile uint64_t*>(word_at(own, a.h.ws.notify_word(s, 0))) = 0;
+        if (arrived) clear_word(word_at(own, a.h.ws.notify_word(s, 0)));
       }
       // The barrier orders lane 0's acquire before the other lanes' loads of the record.
       __syncwarp();

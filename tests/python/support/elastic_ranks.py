@@ -163,6 +163,18 @@ class Rank:
         for i in range(start, start + n):
             self.round(buf, i, plan, **kw)
 
+    def connected_rounds(self, buf, plan, activate: bool = False) -> None:
+        """The current phase: ``buf`` connects to the other slots of ``plan``, every
+        one of them is checked connected, and the rounds run among them."""
+        peers = others(plan, self.slot)
+        buf.connect_ranks(peers, activate=activate)
+        self.publish(buf, peers)
+        self.expect_slots(buf, plan, "connected")
+        self.check("connected")
+        self.sync(self.phase, plan)
+        self.rounds(buf, self.p["rounds"], plan)
+        self.end_phase()
+
 
 def others(slots, me):
     return [s for s in slots if s != me]
@@ -602,16 +614,9 @@ def silent(rk: Rank) -> None:
     other's tokens and combine exactly. Then rounds among {0, 1}; slot 3 (which masked
     nobody) and the two reconnect, and full rounds pass."""
     p, me, trio, pair = rk.p, rk.slot, [0, 1, 3], [0, 1]
-    n = p["rounds"]
     buf = rk.make_buffer()
     rk.phase = "trio"
-    buf.connect_ranks(others(trio, me), activate=me == 3)
-    rk.publish(buf, others(trio, me))
-    rk.expect_slots(buf, trio, "connected")
-    rk.check("connected")
-    rk.sync(rk.phase, trio)
-    rk.rounds(buf, n, trio)
-    rk.end_phase()
+    rk.connected_rounds(buf, trio, activate=me == 3)
 
     rk.phase = "silent"
     rk.sync(rk.phase, trio)
@@ -657,13 +662,7 @@ def stopped(rk: Rank) -> None:
         rk.publish(buf, pair)
     else:
         rk.phase = "full"
-        buf.connect_ranks(others(trio, me), activate=False)
-        rk.publish(buf, others(trio, me))
-        rk.expect_slots(buf, trio, "connected")
-        rk.check("connected")
-        rk.sync(rk.phase, trio)
-        rk.rounds(buf, n, trio)
-        rk.end_phase()
+        rk.connected_rounds(buf, trio)
 
         rk.phase = "stop"
         rk.sync(rk.phase, trio)

@@ -420,49 +420,73 @@ def rank_exit(rank: int, world: int, port: int, when: str, victim: int, timeout_
 REPLACE = Case("replace", T=32, H=1024, experts_per_rank=8, K=4, fp8=False)
 
 
+class _Replacing:
+    """A process of a replacement test: its group, store and Buffer (sized for
+    REPLACE), a member's or (``role="joiner"``) the replacement's, which joins the
+    running group; ``out["rounds"]``: its rounds' records."""
+
+    def __init__(self, rank: int, world: int, port: int, role: str, timeout_us: int, **init):
+        import torch.distributed as dist
+
+        from mooncake import pg
+        from mooncake.launch import init_rank
+        from mooncake.mooncake_ep_buffer import Buffer
+
+        torch.cuda.set_device(0)
+        self.rank, self.world, self.timeout_us = rank, world, timeout_us
+        self.joiner = role == "joiner"
+        hint = Buffer.get_ep_buffer_size_hint(REPLACE.T, REPLACE.H, world, _experts(REPLACE, world))
+        init_rank(rank, world, port, max_world_size=world, is_extension=self.joiner,
+                  timeout_s=20.0, **init)  # fmt: skip
+        self.W = dist.group.WORLD
+        self.store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        if self.joiner:
+            pg.join_group(self.W)
+        self.buf = Buffer(self.W, hint, device="cuda")
+        self.out: dict = {"rounds": []}
+
+    def round(self, step: int, dead=()) -> None:
+        self.out["rounds"].append(
+            _model_round(self.buf, REPLACE, self.rank, self.world, step, set(dead), self.timeout_us)
+        )
+
+    def full_strength(self, victim: int, steps) -> None:
+        """A member admits ``victim``'s replacement (update_ep_member); then, every rank
+        mapped, rounds ``steps`` at full strength."""
+        import torch.distributed as dist
+
+        buf = self.buf
+        if not self.joiner:
+            from ft_ranks import admit
+
+            admit(self.W, [victim])
+            buf.update_ep_member()
+        if not all(buf._device.reachable):
+            raise AssertionError(
+                f"rank {self.rank}: not every peer is mapped: {buf._device.reachable}"
+            )
+        dist.barrier(self.W)  # the group at full strength (the first call's deadline is short)
+        for step in steps:
+            self.round(step)
+
+
 def rank_replace(rank: int, world: int, port: int, backend: str, victim: int, role: str) -> dict:
     """A round with everyone; ``victim`` exits; a round among the survivors (it is
     masked at the deadline); a replacement joins (``role="joiner"``: pg.join_group and
     a new Buffer, while the survivors call recover_ranks and update_ep_member); then
     rounds at full strength on the device path, the replacement's first included."""
-    import torch.distributed as dist
-
-    from mooncake import pg
-    from mooncake.launch import init_rank
-    from mooncake.mooncake_ep_buffer import Buffer
-
-    torch.cuda.set_device(0)
-    timeout_us = 1_500_000
-    T, H, E = REPLACE.T, REPLACE.H, _experts(REPLACE, world)
-    hint = Buffer.get_ep_buffer_size_hint(T, H, world, E)
-    joiner = role == "joiner"
-    init_rank(rank, world, port, backend, max_world_size=world, is_extension=joiner, timeout_s=20.0)
-    W = dist.group.WORLD
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    out: dict = {"rounds": []}
-    if joiner:
-        pg.join_group(W)
-        buf = Buffer(W, hint, device="cuda")
-    else:
-        buf = Buffer(W, hint, device="cuda")
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 0, set(), timeout_us))
+    p = _Replacing(rank, world, port, role, 1_500_000, backend=backend)
+    if not p.joiner:
+        p.round(0)
         if rank == victim:
-            store.set("dying", "1")
+            p.store.set("dying", "1")
             os._exit(0)
-        while not store.check(["dead"]):
+        while not p.store.check(["dead"]):
             time.sleep(0.005)
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 1, {victim}, timeout_us))
-        from ft_ranks import admit
-
-        admit(W, [victim])
-        buf.update_ep_member()
-    if not all(buf._device.reachable):
-        raise AssertionError(f"rank {rank}: not every peer is mapped: {buf._device.reachable}")
-    dist.barrier(W)  # the group at full strength (the first call's deadline is short)
-    for step in (2, 3):
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, step, set(), timeout_us))
-    out["events"] = buf.mask_events()
-    return out
+        p.round(1, dead={victim})
+    p.full_strength(victim, (2, 3))
+    p.out["events"] = p.buf.mask_events()
+    return p.out
 
 
 def late_launch(buf, T: int, H: int, K: int, E: int, R: int) -> dict:
@@ -504,61 +528,39 @@ def rank_stop(rank: int, world: int, port: int, victim: int, role: str) -> dict:
     survivors and the replacement are exact."""
     import signal
 
-    import torch.distributed as dist
+    from mooncake import LeftOutError
 
-    from mooncake import LeftOutError, pg
-    from mooncake.launch import init_rank
-    from mooncake.mooncake_ep_buffer import Buffer
-
-    torch.cuda.set_device(0)
-    timeout_us = 20_000_000  # the stopped rank must be masked for its heartbeat, not this
+    # The stopped rank must be masked for its heartbeat, not timeout_us.
+    p = _Replacing(rank, world, port, role, 20_000_000)
     T, H, E = REPLACE.T, REPLACE.H, _experts(REPLACE, world)
-    hint = Buffer.get_ep_buffer_size_hint(T, H, world, E)
-    joiner = role == "joiner"
-    init_rank(rank, world, port, max_world_size=world, is_extension=joiner, timeout_s=20.0)
-    W = dist.group.WORLD
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
-    out: dict = {"rounds": []}
-    if joiner:
-        pg.join_group(W)
-        buf = Buffer(W, hint, device="cuda")
-    else:
-        buf = Buffer(W, hint, device="cuda")
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 0, set(), timeout_us))
+    if not p.joiner:
+        p.round(0)
         if rank == victim:
-            store.set("stopping", "1")
+            p.store.set("stopping", "1")
             os.kill(os.getpid(), signal.SIGSTOP)
             # Resumed, after the replacement joined.
             x, idx, _ = _inputs(REPLACE, rank, world, 9, torch.device("cuda", 0))
             try:
-                buf.dispatch(x, idx, None, T, E, timeout_us, use_fp8=False)
-                out["told"] = "returned normally"
+                p.buf.dispatch(x, idx, None, T, E, p.timeout_us, use_fp8=False)
+                p.out["told"] = "returned normally"
             except LeftOutError as e:
                 ok = e.ranks == [rank] and "left out" in str(e)
-                out["told"] = "LeftOutError" if ok else f"LeftOutError {e.ranks}: {e}"
-            out["late"] = late_launch(buf, T, H, REPLACE.K, E, world)
-            store.set("resumed_done", "1")
-            return out
-        while not store.check(["stopping"]):
+                p.out["told"] = "LeftOutError" if ok else f"LeftOutError {e.ranks}: {e}"
+            p.out["late"] = late_launch(p.buf, T, H, REPLACE.K, E, world)
+            p.store.set("resumed_done", "1")
+            return p.out
+        while not p.store.check(["stopping"]):
             time.sleep(0.005)
         time.sleep(0.2)  # it is stopped now
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, 1, {victim}, timeout_us))
-        from ft_ranks import admit
-
-        admit(W, [victim])
-        buf.update_ep_member()
-    if not all(buf._device.reachable):
-        raise AssertionError(f"rank {rank}: not every peer is mapped: {buf._device.reachable}")
-    dist.barrier(W)
-    for step in (2, 3):
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, step, set(), timeout_us))
-    store.set(f"joined/{rank}", "1")
-    while not store.check(["resumed_done"]):  # the stopped rank's late calls
+        p.round(1, dead={victim})
+    p.full_strength(victim, (2, 3))
+    p.store.set(f"joined/{rank}", "1")
+    while not p.store.check(["resumed_done"]):  # the stopped rank's late calls
         time.sleep(0.005)
     for step in (4, 5):
-        out["rounds"].append(_model_round(buf, REPLACE, rank, world, step, set(), timeout_us))
-    out["events"] = buf.mask_events()
-    return out
+        p.round(step)
+    p.out["events"] = p.buf.mask_events()
+    return p.out
 
 
 def main() -> int:

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import ht_cases
+import ht_fault
 from ep_cases import Checks
-from ep_cases import _round_record as record_round
 from ht_round import HRound, HSpec, fit, make_inputs
 from launcher import Case
 
@@ -293,78 +293,48 @@ class _DieBeforeRows:
         return self._ext.dispatch(*args, **kwargs)
 
 
-def _error_of(call) -> tuple[str, str]:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - reported
-        return type(e).__name__, str(e)[:400]
-    return "ok", ""
-
-
 def fault_rank(rank, world_size, port, plan):
     """A device round on all; the victim dies inside its next fresh dispatch (between the
     layout pass and the rows); the survivors' dispatch masks it and drops its rows; a round
     with it masked and a cached dispatch along a handle from before; a replacement joins
     (recover_ranks, update_ep_member / ElasticBuffer); stale handles are refused; rounds at
     full strength. Returns the rounds' records."""
-    from ft_ranks import admit, start_rank
-    from mooncake import pg
-    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+    from ft_ranks import admit
 
-    victim, joiner = plan["victim"], plan["role"] == "joiner"
+    victim = plan["victim"]
     chk = Checks(rank, world_size, "ht-device-fault")
     out = {"rounds": [], "role": plan["role"]}
     cuda()
-    if joiner:
-        _, store = start_rank(rank, world_size, port, barrier=False, timeout_s=plan["timeout_s"],
-                              max_world_size=world_size, is_extension=True)  # fmt: skip
-        W = dist.group.WORLD
-        pg.join_group(W)
-        buf = ElasticBuffer(W, **MAKE)
-    else:
-        _, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"],
-                              max_world_size=world_size)  # fmt: skip
-        W = dist.group.WORLD
-        buf = ElasticBuffer(W, **MAKE)
+    W, store, buf = ht_fault.start(rank, world_size, port, plan, MAKE)
+    if plan["role"] != "joiner":
         first = DeviceRound(chk, buf, SPEC, "before").run()
-        out["rounds"].append(record_round(chk, first, "before", active=buf.active_ranks.tolist()))
+        ht_fault.keep(out, chk, buf, first, "before")
         if rank == victim:
             buf._device.ext = _DieBeforeRows(buf._device.ext)
             store.set("armed", "1")
             DeviceRound(chk, buf, SPEC, "dying", may_drop=range(world_size)).run()
             raise RuntimeError("the victim outlived its dispatch")
         r = DeviceRound(chk, buf, SPEC, "during", may_drop=(victim,)).run()
-        out["rounds"].append(record_round(chk, r, "during", active=buf.active_ranks.tolist(),
-                                          masked_in=r.masked_in, events=buf._members.mask_events()))  # fmt: skip
+        ht_fault.keep(out, chk, buf, r, "during", masked_in=r.masked_in,
+                      events=buf._members.mask_events())  # fmt: skip
         r = DeviceRound(
             chk, buf, replace(SPEC, expand=True, align=4, cached=0), "after_death"
         ).run()
-        out["rounds"].append(record_round(chk, r, "after_death", active=buf.active_ranks.tolist()))
+        ht_fault.keep(out, chk, buf, r, "after_death")
         first.may_drop = {victim}
-        ins = [make_inputs(first.seed, q, first.spec, world_size, "old") for q in range(world_size)]
-        for new, old in zip(ins, first.ins, strict=True):
-            new.idx, new.idx_list = old.idx, old.idx_list
-        first.dispatch(handle=first.handle, ins=ins)
-        first.check_dispatch(ins, cached=True)
-        first.combine()
-        first.check_combine(ins)
-        out["rounds"].append(
-            record_round(chk, first, "cached_old", active=buf.active_ranks.tolist())
-        )
+        ins = first.cached("old")
+        ht_fault.keep(out, chk, buf, first, "cached_old")
         admit(W, [victim])
         buf.update_ep_member()
         dev = cuda()
         x = to_device(ins[rank].x_in, dev)
-        out["stale_dispatch"] = _error_of(
+        out["stale_dispatch"] = ht_fault.error_of(
             lambda: buf.dispatch(x, topk_weights=ins[rank].w.to(dev), handle=first.handle.real)
         )
         y, _ = first.expert_outputs()
-        out["stale_combine"] = _error_of(lambda: buf.combine(y.to(dev), first.handle.real))
+        out["stale_combine"] = ht_fault.error_of(lambda: buf.combine(y.to(dev), first.handle.real))
     out["generation"] = buf.generation
-    for spec, tag in ((SPEC, "rejoined"),
-                      (replace(SPEC, expand=True, align=8, sync=False, cached=0), "rejoined_expand")):  # fmt: skip
-        r = DeviceRound(chk, buf, spec, tag).run()
-        out["rounds"].append(record_round(chk, r, tag, active=buf.active_ranks.tolist()))
+    ht_fault.rejoined(DeviceRound, chk, buf, SPEC, out)
     store.set(f"done/{rank}", "1")
     return out
 

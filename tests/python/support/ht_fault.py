@@ -37,7 +37,8 @@ SPEC = HSpec(T=6, H=128, K=3, epr=2, ns=(6, 4, 5, 3), cached=1, fp8="odd")
 TIMEOUT_SECS = 3
 
 
-def _error_of(call) -> tuple[str, str]:
+def error_of(call) -> tuple[str, str]:
+    """``(type name, message)`` of what ``call()`` raised, or ``("ok", "")``."""
     try:
         call()
     except Exception as e:  # noqa: BLE001 - reported
@@ -45,36 +46,82 @@ def _error_of(call) -> tuple[str, str]:
     return "ok", ""
 
 
-def ht_fault_rank(rank, world_size, port, plan):
-    """Returns ``{"rounds": [...], ...}``; each round record lists its failed
-    expectations (empty: correct). See the module docstring for the sequence."""
-    from ft_ranks import kill_self_after, start_rank
+def start(rank, world_size, port, plan, make: dict):
+    """Starts a process of a fault launch with its ElasticBuffer (``make``: its
+    arguments): a member, or (``plan["role"] == "joiner"``) the replacement, which joins
+    the running group. Returns ``(group, store, buffer)``."""
+    from ft_ranks import start_rank
     from mooncake import pg
     from mooncake.mooncake_elastic_buffer import ElasticBuffer
 
-    victim = plan["victim"]
     joiner = plan["role"] == "joiner"
+    _, store = start_rank(rank, world_size, port, barrier=not joiner, timeout_s=plan["timeout_s"],
+                          max_world_size=world_size, is_extension=joiner)  # fmt: skip
+    W = dist.group.WORLD
+    if joiner:
+        pg.join_group(W)
+    return W, store, ElasticBuffer(W, **make)
+
+
+def keep(out: dict, chk, buf, r, tag: str, **extra) -> None:
+    """Adds round ``r``'s record (its failed expectations, and ``buf``'s active_ranks
+    after it) to ``out["rounds"]``."""
+    out["rounds"].append(_record(chk, r, tag, active=buf.active_ranks.tolist(), **extra))
+
+
+def rejoined(round_cls, chk, buf, spec: HSpec, out: dict) -> None:
+    """Rounds at full strength after the rejoin (``spec``'s, then expanded without CPU
+    sync), kept in ``out``."""
+    expand = replace(spec, expand=True, align=8, sync=False, cached=0)
+    for s, tag in ((spec, "rejoined"), (expand, "rejoined_expand")):
+        keep(out, chk, buf, round_cls(chk, buf, s, tag).run(), tag)
+
+
+def rejoin_problems(key: str, res: dict, victim: int, world: int) -> list[str]:
+    """What process ``key`` of a fault launch (:func:`ht_fault_rank` or
+    ``ht_device.fault_rank``) recorded wrong up to the rejoin: a round's failed
+    expectations; a member's active_ranks after the death, and its stale handles
+    (refused, naming the generation); the generation and active_ranks after the rejoin."""
+    problems = [
+        f"process {key}, round {rec['tag']}: {f}" for rec in res["rounds"] for f in rec["failures"]
+    ]
+    masks = {rec["tag"]: rec["active"] for rec in res["rounds"]}
+    if res["role"] == "member":
+        after_death = [0 if r == victim else 1 for r in range(world)]
+        for tag in ("after_death", "cached_old"):
+            if masks.get(tag) != after_death:
+                problems.append(f"process {key}: active_ranks in {tag}: {masks.get(tag)}")
+        for what in ("stale_dispatch", "stale_combine"):
+            kind, text = res[what]
+            if kind != "ValueError" or "generation" not in text:
+                problems.append(f"process {key}: {what} gave {kind}: {text!r}")
+    if res["generation"] != 2:
+        problems.append(f"process {key}: generation {res['generation']} after the rejoin")
+    for tag in ("rejoined", "rejoined_expand"):
+        if masks.get(tag) != [1] * world:
+            problems.append(f"process {key}: active_ranks in {tag}: {masks.get(tag)}")
+    return problems
+
+
+def ht_fault_rank(rank, world_size, port, plan):
+    """Returns ``{"rounds": [...], ...}``; each round record lists its failed
+    expectations (empty: correct). See the module docstring for the sequence."""
+    from ft_ranks import kill_self_after
+    from mooncake import pg
+
+    victim = plan["victim"]
     chk = Checks(rank, world_size, "ht-fault")
     out = {"rounds": [], "role": plan["role"]}
     make = {"num_cpu_timeout_secs": TIMEOUT_SECS, "num_gpu_timeout_secs": TIMEOUT_SECS}
-    W = None
-    if joiner:
-        _, store = start_rank(rank, world_size, port, barrier=False, timeout_s=plan["timeout_s"],
-                              max_world_size=world_size, is_extension=True)  # fmt: skip
-        W = dist.group.WORLD
-        pg.join_group(W)
-        buf = ElasticBuffer(W, **make)
+    W, store, buf = start(rank, world_size, port, plan, make)
+    if plan["role"] == "joiner":
         out["generation"] = buf.generation
         args = _fresh_args(chk, world_size)
-        out["stale_dispatch"] = _error_of(lambda: buf.dispatch(**args))
-        out["stale_combine"] = _error_of(lambda: buf.dispatch(**args))
+        out["stale_dispatch"] = error_of(lambda: buf.dispatch(**args))
+        out["stale_combine"] = error_of(lambda: buf.dispatch(**args))
     else:
-        _, store = start_rank(rank, world_size, port, timeout_s=plan["timeout_s"],
-                              max_world_size=world_size)  # fmt: skip
-        W = dist.group.WORLD
-        buf = ElasticBuffer(W, **make)
         first = HRound(chk, buf, SPEC, "before").run()
-        out["rounds"].append(_record(chk, first, "before", active=buf.active_ranks.tolist()))
+        keep(out, chk, buf, first, "before")
 
         # Part 2: the victim dies between the exchanges of a dispatch, or at a random
         # moment of its rounds.
@@ -90,45 +137,35 @@ def ht_fault_rank(rank, world_size, port, plan):
         i = 0
         while buf.active_ranks[victim]:
             r = HRound(chk, buf, SPEC, f"during{i}", may_drop=(victim,)).run()
-            out["rounds"].append(_record(chk, r, f"during{i}", active=buf.active_ranks.tolist(),
-                                         masked_in=r.masked_in))  # fmt: skip
+            keep(out, chk, buf, r, f"during{i}", masked_in=r.masked_in)
             i += 1
             if i > 2000:
                 raise RuntimeError("the victim was never masked")
         r = HRound(chk, buf, replace(SPEC, expand=True, align=4, cached=0), "after_death").run()
-        out["rounds"].append(_record(chk, r, "after_death", active=buf.active_ranks.tolist()))
+        keep(out, chk, buf, r, "after_death")
         # A cached dispatch along the handle from before the death.
         first.may_drop = {victim}
-        ins = [make_inputs(first.seed, q, first.spec, world_size, "old") for q in range(world_size)]
-        for new, old in zip(ins, first.ins, strict=True):
-            new.idx, new.idx_list = old.idx, old.idx_list
-        first.dispatch(handle=first.handle, ins=ins)
-        first.check_dispatch(ins, cached=True)
-        first.combine()
-        first.check_combine(ins)
-        out["rounds"].append(_record(chk, first, "cached_old", active=buf.active_ranks.tolist()))
+        ins = first.cached("old")
+        keep(out, chk, buf, first, "cached_old")
 
         # Part 3: a replacement joins.
         admit(W, [victim])
         buf.update_ep_member()
         out["generation"] = buf.generation
-        out["stale_dispatch"] = _error_of(
+        out["stale_dispatch"] = error_of(
             lambda: buf.dispatch(ins[rank].x_in, topk_weights=ins[rank].w, handle=first.handle)
         )
         y, _ = first.expert_outputs()
-        out["stale_combine"] = _error_of(lambda: buf.combine(y, first.handle))
+        out["stale_combine"] = error_of(lambda: buf.combine(y, first.handle))
     out["pg_after_rejoin"] = [int(v) for v in pg.get_active_ranks(W)[:world_size].tolist()]
-    for spec, tag in ((SPEC, "rejoined"), (replace(SPEC, expand=True, align=8, sync=False, cached=0),
-                                             "rejoined_expand")):  # fmt: skip
-        r = HRound(chk, buf, spec, tag).run()
-        out["rounds"].append(_record(chk, r, tag, active=buf.active_ranks.tolist()))
+    rejoined(HRound, chk, buf, SPEC, out)
 
     # Part 4: the parent stops rank 3; the others mask it within the exchange timeout.
     store.set(f"p4ready/{rank}", "1")
     if rank == world_size - 1:
         _wait_store(store, "p4done")
         t0 = time.monotonic()
-        status, detail = _error_of(lambda: HRound(chk, buf, SPEC, "stopped_self").run())
+        status, detail = error_of(lambda: HRound(chk, buf, SPEC, "stopped_self").run())
         out["stopped"] = (status, detail, time.monotonic() - t0)
         return out
     _wait_store(store, "stopped")
@@ -137,7 +174,7 @@ def ht_fault_rank(rank, world_size, port, plan):
     r.check_dispatch()
     r.combine()
     r.check_combine()
-    out["rounds"].append(_record(chk, r, "stopped_peer", active=buf.active_ranks.tolist()))
+    keep(out, chk, buf, r, "stopped_peer")
     store.set("p4done", "1")
     return out
 

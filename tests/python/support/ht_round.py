@@ -381,18 +381,23 @@ class HRound:
         else:
             ctx.expect(self.combined_w is None, f"{what}: combined_topk_weights without weights")
 
+    def cached(self, tag: str) -> list[Inputs]:
+        """A cached dispatch along this round's handle (new inputs of ``tag``, the
+        handle's routing) and its combine, checked; returns every rank's inputs."""
+        ins = [make_inputs(self.seed, r, self.spec, self.R, tag) for r in range(self.R)]
+        for i, old in zip(ins, self.ins, strict=True):
+            i.idx, i.idx_list = old.idx, old.idx_list
+        self.dispatch(handle=self.handle, ins=ins)
+        self.check_dispatch(ins, cached=True)
+        self.combine()
+        self.check_combine(ins)
+        return ins
+
     def run(self):
         self.dispatch()
         self.check_dispatch()
         self.combine()
         self.check_combine()
         for c in range(self.spec.cached):
-            tag = f"cached{c}"
-            ins = [make_inputs(self.seed, r, self.spec, self.R, tag) for r in range(self.R)]
-            for i, old in zip(ins, self.ins, strict=True):  # the handle's routing
-                i.idx, i.idx_list = old.idx, old.idx_list
-            self.dispatch(handle=self.handle, ins=ins)
-            self.check_dispatch(ins, cached=True)
-            self.combine()
-            self.check_combine(ins)
+            self.cached(f"cached{c}")
         return self
