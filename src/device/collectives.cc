@@ -83,8 +83,15 @@ bool DeviceCollectives::serves(std::optional<size_t> bytes, int64_t timeout_ms) 
   if (comm_.size() > kernels::kMaxReduceSources) return false;
   if (bytes && *bytes < options_.min_bytes) return false;
   if (options_.segment_bytes < static_cast<size_t>(comm_.size()) * kMinRegion) return false;
-  if (same_host_ < 0) same_host_ = directory_.all_on_this_host(comm_.size(), timeout_ms) ? 1 : 0;
-  return same_host_ == 1;
+  if (mappable_ < 0) {
+    const Reach reach = directory_.reach(comm_.size(), comm_.rank(), timeout_ms);
+    if (!reach.no_peer_access.empty())
+      MC_LOG(kWarn, "device: ", reach.no_peer_access,
+             ": this group's ops on CUDA tensors are staged through host memory");
+    gpu_sharers_ = reach.gpu_sharers;
+    mappable_ = reach.mappable() ? 1 : 0;
+  }
+  return mappable_ == 1;
 }
 
 size_t DeviceCollectives::per_piece(size_t parts, size_t esize) const {
@@ -467,9 +474,12 @@ void DeviceCollectives::direct_all_reduce(const void* in, void* out, size_t coun
   const bool two_shot =
       world >= 2 && (options_.direct == Direct::kTwoShot ||
                      (options_.direct == Direct::kAuto && world > 2 && bytes > kOneShotBytes));
-  // Every rank of the group may run on this GPU: each takes its share of it.
+  // The group's ranks on this GPU (every rank, where serves() was not asked)
+  // each take their share of it: every block of each launch must be resident.
   if (direct_blocks_ == 0)
-    direct_blocks_ = std::clamp(device_sm_count(device_) / world, 1, kernels::kDirectMaxBlocks);
+    direct_blocks_ =
+        std::clamp(device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : world), 1,
+                   kernels::kDirectMaxBlocks);
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
   const int blocks =
       static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));

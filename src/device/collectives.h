@@ -76,8 +76,9 @@ class DeviceCollectives {
   size_t capacity() const { return options_.segment_bytes; }
 
   // Whether an op whose every rank moves `bytes` (nullopt: sizes that differ
-  // between ranks) runs here: every rank of the world on this host, at most
-  // kernels::kMaxReduceSources ranks, at least min_bytes, and a segment with
+  // between ranks) runs here: every rank of the world on this host, on GPUs
+  // with peer access to each other's (a warning names a pair without it, once),
+  // at most kernels::kMaxReduceSources ranks, at least min_bytes, and a segment with
   // room for a piece of every rank (kMinRegion bytes each). Any larger size
   // moves through the segment in pieces. Every rank gets the same answer for
   // the same op, so all take the same path.
@@ -190,7 +191,8 @@ class DeviceCollectives {
   const Options options_;
   std::unique_ptr<DeviceSegment> segment_;
   std::unique_ptr<CudaEvent> done_;          // finish's (made on its first call)
-  int same_host_ = -1;                       // -1: not asked yet
+  int mappable_ = -1;                        // whether every segment maps here (-1: not asked yet)
+  int gpu_sharers_ = 0;                      // the world's ranks on this GPU (0: not asked yet)
   std::unique_ptr<DirectAllReduce> direct_;  // made by the first setup
   int32_t* report_to_ = nullptr;
   // The epoch whose view the device-driven all_reduce cannot serve (a member

@@ -6,10 +6,12 @@
 // whom); the copies belong to the kernels (src/kernels).
 //
 // Legacy cudaIpc* handles are used: on the GPU machine they work between
-// processes on one GPU and between GPUs of a host, and a mapping stays valid
-// after its owner dies (the driver reference-counts the allocation), so a
-// survivor's kernel never faults on a dead peer's memory; what it must not do
-// is trust that memory's contents, which the sequence-numbered signals see to.
+// processes on one GPU and between GPUs of a host with peer access to each
+// other (opening one enables it; the collectives check it first, peers.h),
+// and a mapping stays valid after its owner dies (the driver reference-counts
+// the allocation), so a survivor's kernel never faults on a dead peer's
+// memory; what it must not do is trust that memory's contents, which the
+// sequence-numbered signals see to.
 //
 // Who may open a handle: any process of the host that learns its 64 bytes.
 // The handles travel through the group's own exchange (the store is the trust

@@ -73,18 +73,87 @@ int gpu_sharers(const PeerCard& mine, const std::vector<std::optional<PeerCard>>
   return self ? n : n + 1;
 }
 
+GpuRecord GpuRecord::of(int device) {
+  GpuRecord r{host_identity(), device_bus_id(device), {}};
+  int n = 0;
+  cuda_check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+  for (int d = 0; d < n; ++d) {
+    if (d == device) continue;
+    int can = 0;
+    cuda_check(cudaDeviceCanAccessPeer(&can, device, d), "cudaDeviceCanAccessPeer");
+    if (can != 0) r.reaches.push_back(device_bus_id(d));
+  }
+  return r;
+}
+
+// | host | \n | bus id | \n | the bus ids it reaches, comma-separated |: none of
+// them holds either separator.
+std::string GpuRecord::encode() const {
+  std::string out = host + "\n" + bus_id + "\n";
+  for (size_t i = 0; i < reaches.size(); ++i) out += (i > 0 ? "," : "") + reaches[i];
+  return out;
+}
+
+std::optional<GpuRecord> GpuRecord::decode(std::string_view in) {
+  const size_t a = in.find('\n');
+  const size_t b = a == std::string_view::npos ? a : in.find('\n', a + 1);
+  if (b == std::string_view::npos || in.find('\n', b + 1) != std::string_view::npos)
+    return std::nullopt;
+  GpuRecord r{std::string(in.substr(0, a)), std::string(in.substr(a + 1, b - a - 1)), {}};
+  for (std::string_view rest = in.substr(b + 1); !rest.empty();) {
+    const size_t comma = std::min(rest.find(','), rest.size());
+    r.reaches.emplace_back(rest.substr(0, comma));
+    rest.remove_prefix(std::min(comma + 1, rest.size()));
+  }
+  return r;
+}
+
+Reach judge_reach(const std::vector<std::optional<GpuRecord>>& records, int me) {
+  Reach out;
+  MC_ASSERT(me >= 0 && static_cast<size_t>(me) < records.size(), "rank ", me, " of ",
+            records.size());
+  const auto& mine = records[static_cast<size_t>(me)];
+  out.same_host = mine && std::all_of(records.begin(), records.end(),
+                                      [&](const auto& r) { return r && r->host == mine->host; });
+  if (!out.same_host) return out;
+  out.gpu_sharers = static_cast<int>(std::count_if(
+      records.begin(), records.end(), [&](const auto& r) { return r->bus_id == mine->bus_id; }));
+  auto reaches = [](const GpuRecord& from, const GpuRecord& to) {
+    return std::find(from.reaches.begin(), from.reaches.end(), to.bus_id) != from.reaches.end();
+  };
+  // The first pair in rank order, so that every rank names the same one.
+  for (size_t a = 0; a < records.size(); ++a)
+    for (size_t b = a + 1; b < records.size(); ++b) {
+      const GpuRecord &ra = *records[a], &rb = *records[b];
+      if (ra.bus_id == rb.bus_id || (reaches(ra, rb) && reaches(rb, ra))) continue;
+      const bool ab = reaches(ra, rb);
+      out.no_peer_access =
+          str("rank ", ab ? b : a, "'s GPU (", ab ? rb.bus_id : ra.bus_id,
+              ") has no peer access to rank ", ab ? a : b, "'s GPU (", ab ? ra.bus_id : rb.bus_id,
+              ") or does not see it (CUDA_VISIBLE_DEVICES), so it cannot map "
+              "that rank's device memory");
+      return out;
+    }
+  return out;
+}
+
 PeerDirectory::PeerDirectory(Store& store, std::string prefix, int device)
     : store_(store), prefix_(std::move(prefix)), device_(device) {}
 
 void PeerDirectory::publish_host(int slot) {
-  store_.set(prefix_ + "cuda/host/" + std::to_string(slot), host_identity());
+  store_.set(prefix_ + "cuda/host/" + std::to_string(slot), GpuRecord::of(device_).encode());
 }
 
-bool PeerDirectory::all_on_this_host(int n, int64_t timeout_ms) {
-  const std::string mine = host_identity();
-  for (int r = 0; r < n; ++r)
-    if (store_.get(prefix_ + "cuda/host/" + std::to_string(r), timeout_ms) != mine) return false;
-  return true;
+Reach PeerDirectory::reach(int n, int slot, int64_t timeout_ms) {
+  const std::string host = host_identity();
+  std::vector<std::optional<GpuRecord>> records;
+  for (int r = 0; r < n; ++r) {
+    auto record =
+        GpuRecord::decode(store_.get(prefix_ + "cuda/host/" + std::to_string(r), timeout_ms));
+    if (!record || record->host != host) return Reach{};  // no need to wait for the rest
+    records.push_back(std::move(record));
+  }
+  return judge_reach(records, slot);
 }
 
 std::string PeerDirectory::key(int slot, uint32_t incarnation) const {

@@ -10,6 +10,12 @@
 // every transport alike. Same GPU means the same machine (boot id) and PCI
 // bus id, whatever the namespace: what shares multiprocessors is hardware.
 //
+// Ranks on different GPUs of one host map each other's segments through peer
+// access (ipc.h), which not every pair of GPUs has: each rank of the
+// collectives records which of the host's GPUs its own reaches (GpuRecord),
+// and the group takes the device plane only where every pair reaches the
+// other both ways (judge_reach), else stages through host memory.
+//
 // The collectives' segments are published in the store under their slot and
 // incarnation (PeerDirectory): a replacement process publishes its own, and
 // the others map it when the view names it. The EP buffers exchange the same
@@ -59,18 +65,49 @@ struct PeerCard {
 // (`mine` itself, whether or not it is among them).
 int gpu_sharers(const PeerCard& mine, const std::vector<std::optional<PeerCard>>& cards);
 
+// A process's GPU as its peers judge whether they can map its memory.
+struct GpuRecord {
+  std::string host;    // host_identity()
+  std::string bus_id;  // its GPU's PCI bus id
+  // The bus ids of the host's other GPUs that its GPU has peer access to
+  // (cudaDeviceCanAccessPeer). A GPU that CUDA_VISIBLE_DEVICES hides from the
+  // process cannot be asked, so it is not among them.
+  std::vector<std::string> reaches;
+
+  // This process's, on `device`.
+  static GpuRecord of(int device);
+  std::string encode() const;
+  // nullopt for anything but an encoded record.
+  static std::optional<GpuRecord> decode(std::string_view bytes);
+};
+
+// Whether the ranks of `records` (by rank; nullopt: unknown) can map each
+// other's segments, from the records alone: every rank that judges from the
+// same records gets the same answer.
+struct Reach {
+  bool same_host = false;  // every rank on `me`'s host
+  // Where two of those ranks are on GPUs that do not reach each other both
+  // ways, which ones, in words (the plane is then off); else empty.
+  std::string no_peer_access;
+  int gpu_sharers = 1;  // ranks on `me`'s GPU, `me` included
+
+  bool mappable() const { return same_host && no_peer_access.empty(); }
+};
+Reach judge_reach(const std::vector<std::optional<GpuRecord>>& records, int me);
+
 // Cards in the store, by slot and incarnation, and the peers' segments mapped
 // from them (once per incarnation).
 class PeerDirectory {
  public:
   PeerDirectory(Store& store, std::string prefix, int device);
 
-  // Records this process's host for `slot` (before it has a segment), so that
-  // everyone can tell whether the group runs on one host.
+  // Records this process's host and GPU (GpuRecord) for `slot`, before it
+  // has a segment, so that everyone can tell whether the group's segments
+  // can be mapped among its ranks.
   void publish_host(int slot);
-  // Whether slots [0, n) all run on this host (waiting up to timeout_ms for
-  // each to record its host).
-  bool all_on_this_host(int n, int64_t timeout_ms);
+  // judge_reach over slots [0, n) (waiting up to timeout_ms for each to
+  // record itself), `slot` being this process's.
+  Reach reach(int n, int slot, int64_t timeout_ms);
   void publish(int slot, uint32_t incarnation, const PeerCard& card);
   // `slot`'s segment as published under `incarnation` (waiting up to
   // timeout_ms for it), mapped here. Throws kPeerFailed when it cannot be

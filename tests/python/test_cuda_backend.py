@@ -17,10 +17,13 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
   replays: the survivors' replays finish at once and cover the others;
 * bad input (CPU and CUDA tensors mixed, split sizes that disagree between ranks, an op
   under CUDA graph capture that cannot be captured) raises ValueError naming the argument
-  on every rank, and the group goes on.
+  on every rank, and the group goes on;
+* ranks on different GPUs of one host (``test_cuda_backend_multi_gpu``, marked
+  ``multi_gpu``: it needs 2 GPUs): the op matrix and the plane's cases again, every op on
+  the plane, and a tensor on another GPU than its rank's rejected.
 
 Runs only with a GPU and a CUDA build (``make gpu-check``); several processes
-share the one GPU.
+share the one GPU, except in the ``multi_gpu`` launches.
 """
 
 from __future__ import annotations
@@ -256,7 +259,7 @@ def _usable(ctx, what):
 def bad_input(ctx):
     """Mixed CPU/CUDA tensors raise ValueError naming the argument on every rank; so does
     one rank's bad call (the others' errors name that rank). The group goes on. (A tensor on
-    another GPU than the rank's is rejected the same way; one GPU cannot show it.)"""
+    another GPU than the rank's is rejected the same way: ``other_gpu``, with 2 GPUs.)"""
     world = ctx.world_size
     x = torch.ones(4, device="cuda")
     with ctx.expect_raises(ValueError, "all_gather_into_tensor", "input_tensor", "cpu"):
@@ -561,6 +564,73 @@ def beyond_segment(ctx):
     ctx.expect(torch.equal(out, want), "all_gather_into_tensor of 80 MiB per rank")
 
 
+def placement(ctx):
+    """Rank r runs on cuda:(r % GPUs), and so does its group (its CUDA active_ranks lie
+    there); the ranks' devices, all-gathered on the plane, span more than one GPU."""
+    from mooncake import pg
+
+    gpus = torch.cuda.device_count()
+    mine = ctx.rank % gpus
+    ctx.expect(torch.cuda.current_device() == mine, f"on cuda:{torch.cuda.current_device()}")
+    device = pg.get_active_ranks().device
+    ctx.expect(device == torch.device("cuda", mine), f"the group serves {device}, want cuda:{mine}")
+    x = torch.tensor([mine], dtype=torch.int64, device="cuda")
+    out = torch.empty(ctx.world_size, dtype=torch.int64, device="cuda")
+    got = _paths(lambda: dist.all_gather_into_tensor(out, x))
+    ctx.expect(got == (1, 0), f"all_gather_into_tensor: (device, staged) {got}")
+    want = [r % gpus for r in range(ctx.world_size)]
+    ctx.expect(out.cpu().tolist() == want, f"the ranks' devices {out.cpu().tolist()}, want {want}")
+
+
+def other_gpu(ctx):
+    """Rank 0's input on another GPU than its rank's: ValueError on every rank (rank 0's
+    names the argument and the device, the others' rank 0), and the group goes on."""
+    gpus = torch.cuda.device_count()
+    mine = ctx.rank % gpus
+    x = torch.ones(4, device="cuda")
+    if ctx.rank == 0:
+        x = x.to(f"cuda:{(mine + 1) % gpus}")
+    out = torch.empty(4 * ctx.world_size, device="cuda")
+    with ctx.expect_raises(ValueError, ("input_tensor", "rank 0")):
+        dist.all_gather_into_tensor(out, x)
+    _usable(ctx, "a tensor on another GPU")
+
+
+def _none_staged(fn, ctx) -> None:
+    """Case ``fn``, none of whose ops on the world group may be staged through host memory."""
+    from mooncake import pg
+
+    before = pg.get_op_paths()["staged"]
+    fn(ctx)
+    staged = pg.get_op_paths()["staged"] - before
+    ctx.expect(staged == 0, f"{staged} op(s) staged through host memory, not on the plane")
+
+
+def multi_gpu_cases(world: int) -> list[Case]:
+    """Ranks on different GPUs of one host: where they run; test_collectives.py's matrix on
+    CUDA tensors (sampled dtypes, 0 to 70 000 elements), no op of any case staged; then
+    this file's cases that assert the plane, the device-driven all_reduce among them (eager,
+    and captured in a CUDA graph and replayed), and a tensor on another GPU."""
+    from test_collectives import SAMPLE_DTYPES, on_device
+
+    matrix = on_device(world, plane="all", sizes=(0, 7, 5000, 70_000), dtypes=SAMPLE_DTYPES)
+    plane = (
+        ("op_paths", op_paths),
+        ("subgroup", subgroup),
+        ("direct_matches_host", direct_matches_host),
+        ("graph_capture", graph_capture),
+        ("graph_replay", graph_replay),
+        ("big", big),
+        ("beyond_segment", beyond_segment),
+        ("other_gpu", other_gpu),
+    )
+    return [
+        Case("placement", placement),
+        *(Case(c.name, functools.partial(_none_staged, c.fn)) for c in matrix),
+        *(Case(name, fn) for name, fn in plane),
+    ]
+
+
 def cases(world: int) -> list[Case]:
     return [
         Case("stream_order", stream_order),
@@ -596,6 +666,33 @@ LAUNCHES = [
 
 @pytest.mark.parametrize(("launch", "case"), parametrize(LAUNCHES))
 def test_cuda_backend(launch, case):
+    check(launch, case)
+
+
+#: Rank r on cuda:(r % GPUs), every op that fits on the plane.
+MULTI_GPU_LAUNCHES = [
+    Launch(
+        multi_gpu_cases,
+        w,
+        f"cuda-gpus-w{w}",
+        env=PLANE_ALL,
+        backend="mooncake",
+        spread_gpus=True,
+        timeout_s=450.0,
+    )
+    for w in (2, 4)
+]
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"needs 2 GPUs (ranks on different GPUs of one host); torch sees "
+    f"{torch.cuda.device_count()} (gpu-check deselects multi_gpu there)",
+)
+@pytest.mark.parametrize(("launch", "case"), parametrize(MULTI_GPU_LAUNCHES))
+def test_cuda_backend_multi_gpu(launch, case):
+    """The case passed on every rank, the ranks spread over the host's GPUs."""
     check(launch, case)
 
 

@@ -105,6 +105,9 @@ class Launch:
     init_pg: bool = True
     #: The backend of the default group (``mooncake`` also takes CUDA tensors).
     backend: str = "mooncake-cpu"
+    #: Rank r runs on ``cuda:(r % device_count)`` (made current before any group), as
+    #: ``mooncake.launch.init_rank`` places ranks; False: every rank on the first GPU.
+    spread_gpus: bool = False
     #: Default deadline of one collective (``init_process_group(timeout=...)``).
     op_timeout_s: float = 60.0
     #: Deadline of the whole launch.

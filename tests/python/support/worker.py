@@ -188,6 +188,8 @@ def rank_main(rank: int, world: int, port: int, config_path: str) -> None:
     )
     harness = dist.PrefixStore("harness", store)
     ctx = RankContext(rank, world, store, op_timeout_s, launch.backend)
+    if launch.spread_gpus:  # before any group: a CUDA group serves the current device
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     if launch.init_pg:
         ctx.init_pg()
 
