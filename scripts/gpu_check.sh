@@ -11,6 +11,7 @@
 #   tests   (the default, make gpu-check): doctor cpp device py elastic pgcuda epdev epelastic
 #           ephtdev chaos, about 22 minutes on one H200 (the Python step 4 files at a time);
 #   benches (make gpu-bench): bench pgbench epelasticbench epprof epbench epfail epht.
+#   smoke:   (not in the default) the code built but not yet run on a GPU, a few minutes: see below;
 #   compare: (not in the default) an older commit against this tree, side by side: a
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
 #            `git archive REV | tar -x -C .baseline`) is built as this tree is, then the EP
@@ -207,6 +208,26 @@ gpu_wants() {
   status=1
   return 1
 }
+
+# smoke: (not in the default) a few minutes over what was built but never run on a GPU, so a
+# session learns first whether the long steps are worth their time: the device-driven
+# all_reduce eager and captured, the ElasticBuffer device path at 1 and 2 processes, the
+# EP fencing canaries. Each part bounded; a skip fails, as in the other GPU steps.
+if gpu_wants smoke; then
+  step "smoke: device-driven all_reduce (eager, graph capture and replay)"
+  mapfile -t SEL_SMOKE < <(sel "(direct_matches_host or graph_replay or graph_capture) and not multi_gpu")
+  MOONCAKE_NO_SKIP=1 timeout 300 "$PY" -m pytest tests/python/test_cuda_backend.py "${SEL_SMOKE[@]}" -q -x \
+    -p no:cacheprovider 2>&1 | tee "$OUT/pytest_smoke_direct.log" | tail -8 || status=1
+  step "smoke: ElasticBuffer device path, 1 and 2 processes"
+  for w in 1 2; do
+    timeout 150 "$PY" tests/python/support/ht_device_round.py $w 2>&1 | tee "$OUT/smoke_ht_w$w.log" | tail -4 \
+      || status=1
+  done
+  step "smoke: EP fencing canaries"
+  mapfile -t SEL_SMOKE < <(sel "fenced")
+  MOONCAKE_NO_SKIP=1 timeout 300 "$PY" -m pytest tests/python/test_ep_device.py tests/python/test_ep_elastic_device.py \
+    "${SEL_SMOKE[@]}" -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_smoke_fence.log" | tail -8 || status=1
+fi
 
 wants doctor && step "doctor" && { "$PY" -m mooncake doctor 2>&1 | tee "$OUT/doctor.txt" || status=1; }
 
