@@ -444,31 +444,7 @@ def worker(args: argparse.Namespace) -> None:
         "python": sys.version.split()[0],
     }
 
-    def stage(text: str) -> None:
-        rec["stage"] = text
-        print(f"[stage] {text}", flush=True)
-        write_json(out_path, rec, indent=2)
-
-    try:
-        set_parent_death_signal()
-        stage("import torch")
-        import torch
-        import torch.distributed as dist
-
-        rec["torch"] = torch.__version__
-        stage("check CUDA")
-        if not torch.cuda.is_available():
-            raise RuntimeError("CUDA is not available to torch")
-        torch.cuda.set_device(0)
-        rec["gpu"] = torch.cuda.get_device_name(0)
-        torch.manual_seed(0)
-
-        stage("import upstream mooncake")
-        up = Upstream(args, rec)
-
-        stage("init process group")
-        keep_alive = init_group(torch, dist, up, args, rec)
-
+    def run_cases(torch, dist, up, stage) -> None:
         cases = selected_cases(args)
         if not cases:
             raise RuntimeError(f"--cases {args.cases!r} selects no case")
@@ -501,6 +477,42 @@ def worker(args: argparse.Namespace) -> None:
             rec["cases"].append(result)
             torch.cuda.empty_cache()
             write_json(out_path, rec, indent=2)
+
+    run_worker(args, out_path, rec, run_cases)
+
+
+def run_worker(args: argparse.Namespace, out_path: Path, rec: dict, run_cases) -> None:
+    """A worker's frame (bench_ep_upstream_elastic.py's too): torch on a GPU, upstream's
+    package and a process group of one, then ``run_cases(torch, dist, up, stage)``, which adds
+    to ``rec["cases"]``; whatever happens, ``rec`` is left in ``out_path``, saying how far
+    the worker got (``stage``) and why it stopped."""
+
+    def stage(text: str) -> None:
+        rec["stage"] = text
+        print(f"[stage] {text}", flush=True)
+        write_json(out_path, rec, indent=2)
+
+    try:
+        set_parent_death_signal()
+        stage("import torch")
+        import torch
+        import torch.distributed as dist
+
+        rec["torch"] = torch.__version__
+        stage("check CUDA")
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA is not available to torch")
+        torch.cuda.set_device(0)
+        rec["gpu"] = torch.cuda.get_device_name(0)
+        torch.manual_seed(0)
+
+        stage("import upstream mooncake")
+        up = Upstream(args, rec)
+
+        stage("init process group")
+        keep_alive = init_group(torch, dist, up, args, rec)
+
+        run_cases(torch, dist, up, stage)
 
         failed = [c for c in rec["cases"] if c.get("error")]
         if len(failed) == len(rec["cases"]):

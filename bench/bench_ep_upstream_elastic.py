@@ -156,32 +156,11 @@ def worker(args: argparse.Namespace) -> None:
                  "complete": False, "stage": "start", "iters": args.iters,
                  "warmup": args.warmup, "python": sys.version.split()[0]}  # fmt: skip
 
-    def stage(text: str) -> None:
-        rec["stage"] = text
-        print(f"[stage] {text}", flush=True)
-        harness.write_json(out_path, rec, indent=2)
-
-    try:
-        base.set_parent_death_signal()
-        stage("import torch")
-        import torch
-        import torch.distributed as dist
-
-        rec["torch"] = torch.__version__
-        stage("check CUDA")
-        if not torch.cuda.is_available():
-            raise RuntimeError("CUDA is not available to torch")
-        torch.cuda.set_device(0)
-        rec["gpu"] = torch.cuda.get_device_name(0)
-        torch.manual_seed(0)
+    def run_cases(torch, dist, up, stage) -> None:
         fp8_mod = our_fp8()
-        stage("import upstream mooncake")
-        up = base.Upstream(args, rec)
         eb_mod = importlib.import_module("mooncake.mooncake_elastic_buffer")
         if Path(eb_mod.__file__).resolve().parent != up.pkg_dir:
             raise RuntimeError(f"mooncake_elastic_buffer came from {eb_mod.__file__}")
-        stage("init process group")
-        keep_alive = base.init_group(torch, dist, up, args, rec)
         rec["buffers"] = {}
         for fp8 in args.fp8:
             name = "FP8" if fp8 else "BF16"
@@ -207,17 +186,8 @@ def worker(args: argparse.Namespace) -> None:
                 torch.cuda.empty_cache()
                 harness.write_json(out_path, rec, indent=2)
             buf.destroy()
-        failed = [c for c in rec["cases"] if c.get("error")]
-        if len(failed) == len(rec["cases"]):
-            rec["error"] = f"every case failed; first: {failed[0]['error']}"
-        else:
-            rec.pop("error", None)
-        rec["complete"], rec["stage"] = True, "done"
-        del keep_alive
-    except (Exception, KeyboardInterrupt) as exc:
-        traceback.print_exc()
-        rec["error"] = f"{rec['stage']}: {type(exc).__name__}: {exc}"
-    harness.write_json(out_path, rec, indent=2)
+
+    base.run_worker(args, out_path, rec, run_cases)
 
 
 def print_table(data: dict) -> None:
