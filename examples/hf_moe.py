@@ -94,11 +94,12 @@ def tokens_of(rank: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, HIDDEN, generator=g).to(dtype)
 
 
-class ExpertParallelMoE(torch.nn.Module):
+class SpreadExperts(torch.nn.Module):
     """A transformers sparse MoE block whose experts are spread over ``buffer``'s
-    ranks: this rank keeps experts ``[rank * E/R, (rank + 1) * E/R)``."""
+    ranks: this rank keeps experts ``[rank * E/R, (rank + 1) * E/R)``; a subclass's
+    forward moves the tokens to them and back (hf_moe_prefill.py has another)."""
 
-    def __init__(self, block, buffer, rank: int, world_size: int, max_tokens: int):
+    def __init__(self, block, buffer, rank: int, world_size: int):
         super().__init__()
         # The block's own router: the same softmax, top-k, renormalisation and
         # weight dtype as the block, so the two route every token alike.
@@ -113,7 +114,23 @@ class ExpertParallelMoE(torch.nn.Module):
         self.act_fn = block.experts.act_fn
         self.shared_expert = getattr(block, "shared_expert", None)
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
-        self.buffer, self.max_tokens = buffer, max_tokens
+        self.buffer = buffer
+
+    def with_shared(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the block's shared expert on ``x``, where it has one (dense: every
+        rank, its own tokens)."""
+        if self.shared_expert is None:
+            return y
+        return y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class ExpertParallelMoE(SpreadExperts):
+    """SpreadExperts through the low-latency ``Buffer``: at most ``max_tokens`` tokens
+    per rank and call."""
+
+    def __init__(self, block, buffer, rank: int, world_size: int, max_tokens: int):
+        super().__init__(block, buffer, rank, world_size)
+        self.max_tokens = max_tokens
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -146,9 +163,7 @@ class ExpertParallelMoE(torch.nn.Module):
         y, _, _ = self.buffer.combine(
             out, idx, weights, active_ranks=None, timeout_us=-1, handle=handle
         )
-        if self.shared_expert is not None:  # dense: every rank, its own tokens
-            y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y.reshape(shape)
+        return self.with_shared(x, y).reshape(shape)
 
 
 def rank_main(rank: int, world_size: int, port: int) -> dict:

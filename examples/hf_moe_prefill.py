@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 # The blocks, their weights and the error bounds are hf_moe.py's (this directory is on
 # sys.path when the example runs, and in its ranks).
-from hf_moe import BOUNDS, HIDDEN, MODELS, SEED, check_against_blocks, make_block
+from hf_moe import BOUNDS, HIDDEN, MODELS, SEED, SpreadExperts, check_against_blocks, make_block
 
 BATCH, SEQ = 4, 256
 TOKENS = BATCH * SEQ  # per rank and forward: 1,024, the ElasticBuffer's T
@@ -52,24 +52,9 @@ def tokens_of(rank: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return torch.randn(BATCH, SEQ, HIDDEN, generator=g).to(dtype).to(device)
 
 
-class PrefillMoE(torch.nn.Module):
-    """A transformers sparse MoE block whose experts are spread over ``buffer``'s ranks:
-    this rank keeps experts ``[rank * E/R, (rank + 1) * E/R)``."""
-
-    def __init__(self, block, buffer, rank: int, world_size: int):
-        super().__init__()
-        self.gate = block.gate  # the block's router: its softmax, top-k and weight dtype
-        self.num_experts = block.experts.num_experts
-        self.num_local = self.num_experts // world_size
-        mine = slice(rank * self.num_local, (rank + 1) * self.num_local)
-        # transformers keeps all experts in two 3-D weights, [E, 2F, H] (gate and up) and
-        # [E, H, F]; an engine loads only its slice.
-        self.gate_up_proj = block.experts.gate_up_proj[mine].detach().clone()
-        self.down_proj = block.experts.down_proj[mine].detach().clone()
-        self.act_fn = block.experts.act_fn
-        self.shared_expert = getattr(block, "shared_expert", None)
-        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
-        self.buffer = buffer
+class PrefillMoE(SpreadExperts):
+    """SpreadExperts through ``ElasticBuffer``: one row per token and destination rank
+    (the prefill layout)."""
 
     def experts(self, recv_x, recv_idx, recv_w) -> torch.Tensor:
         """This rank's experts on the rows it received. ``recv_x`` ``[M, H]``, ``recv_idx``
@@ -98,9 +83,7 @@ class PrefillMoE(torch.nn.Module):
             x, idx, weights.float(), num_experts=self.num_experts
         )
         y, _, _ = self.buffer.combine(self.experts(recv_x, recv_idx, recv_w), handle)
-        if self.shared_expert is not None:  # dense: every rank, its own tokens
-            y = y + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y.reshape(shape)
+        return self.with_shared(x, y).reshape(shape)
 
 
 def rank_main(rank: int, world_size: int, port: int, device: str) -> dict:
