@@ -249,6 +249,21 @@ def set_fault_reconciliation_window_us(us: int) -> None:
     )
 
 
+def _iter_backends(group: dist.ProcessGroup):
+    """The group's mooncake backends, the CPU one first (a group made with both a
+    ``mooncake-cpu`` and a ``mooncake`` backend has two; one serving both devices is
+    given once)."""
+    seen = None
+    for device in ("cpu", "cuda"):
+        try:
+            b = group._get_backend(torch.device(device))
+        except (RuntimeError, ValueError):
+            continue
+        if isinstance(b, MooncakeBackend) and b is not seen:
+            seen = b
+            yield b
+
+
 def _backend_of(backend) -> MooncakeBackend:
     """Accepts a ProcessGroup (e.g. ``dist.group.WORLD``) or a mooncake backend."""
     if isinstance(backend, MooncakeBackend):
@@ -256,13 +271,8 @@ def _backend_of(backend) -> MooncakeBackend:
     if backend is None:
         backend = dist.group.WORLD
     if isinstance(backend, dist.ProcessGroup):
-        for device in ("cpu", "cuda"):
-            try:
-                b = backend._get_backend(torch.device(device))
-            except (RuntimeError, ValueError):
-                continue
-            if isinstance(b, MooncakeBackend):
-                return b
+        for b in _iter_backends(backend):
+            return b
         raise ValueError("backend: this process group has no mooncake backend")
     raise ValueError(
         f"backend must be a ProcessGroup or a mooncake backend, got {type(backend).__name__}"

@@ -35,7 +35,7 @@ class GroupMembers:
         # The device path's fence key: the generation of the EP membership this process
         # agreed on last (agree); a process left out keeps an older one.
         self.fence_key = 0
-        self._guarded: tuple | None = None  # the group's mooncake backends (device_guard)
+        self._backends: tuple | None = None  # the group's mooncake backends (backends())
         self._guard_version = -1  # the view_version device_guard fenced for
         self._fenced: set[int] = set()  # ranks whose workspaces device_guard fenced
 
@@ -167,13 +167,20 @@ class GroupMembers:
 
     # --- the device path (mooncake/ep/device.py), which maps every member at once -------
 
+    def backends(self) -> tuple:
+        """The group's mooncake backends (``pg._iter_backends``), looked up once: the
+        device path reads them before every launch."""
+        if self._backends is None:
+            self._backends = tuple(pg._iter_backends(self.group))
+        return self._backends
+
     def device_masks(self, active_ranks, R: int, device) -> tuple[torch.Tensor, None]:
         """The kernels' masks for a call: ``active_ranks``, or the group's view kept on
         the device (copied again only when the view changes: reading it costs several
         torch ops, more than the launch); no slot mask."""
         if active_ranks is not None:
             return active_ranks, None
-        version = pg._backend_of(self.group).view_version()
+        version = self.backends()[0].view_version()
         if version != self._mask_version or self._mask_dev.device != device:
             now = self.present(R).to(torch.int32)
             self._mask_version, self._mask_dev = version, now.to(device)
@@ -189,9 +196,7 @@ class GroupMembers:
         the group's view changed, fences the device workspaces of the mapped ranks it
         no longer holds (``DevicePath.fence_slot``): they were left out, and a kernel of
         theirs still running stops storing into this one's."""
-        backends = self._guarded
-        if backends is None:
-            backends = self._guarded = _mooncake_backends(self.group)
+        backends = self.backends()
         for b in backends:
             if b.left_out():
                 raise LeftOutError(
@@ -242,20 +247,6 @@ def members_of(group: dist.ProcessGroup, owner: str, stall: str) -> GroupMembers
         stacklevel=3,
     )
     return ForeignMembers(group)
-
-
-def _mooncake_backends(group: dist.ProcessGroup) -> tuple:
-    """The group's mooncake backends (CPU and CUDA may be two, each with its own view of
-    who is left out)."""
-    out = []
-    for device in ("cpu", "cuda"):
-        try:
-            b = group._get_backend(torch.device(device))
-        except (RuntimeError, ValueError):
-            continue
-        if isinstance(b, pg.MooncakeBackend) and b not in out:
-            out.append(b)
-    return tuple(out)
 
 
 def has_mooncake_backend(group: dist.ProcessGroup) -> bool:
