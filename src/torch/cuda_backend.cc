@@ -272,7 +272,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
                 " (the device that was current when the group was created), got ",
                 t.device().str());
   const int slots = static_cast<int>(MooncakeBackend::active_ranks().numel());
-  if (capture != cudaStreamCaptureStatusNone) {
+  const bool captured = capture != cudaStreamCaptureStatusNone;
+  if (captured) {
     MC_CHECK_ARG(reject.empty(), reject);
     MC_CHECK_ARG(!staging_coalesced_,
                  "all_reduce: cannot run under CUDA graph capture inside a coalescing block");
@@ -281,23 +282,18 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
                  "not set up for its current members; call all_reduce once outside the "
                  "captured region first (after creating the group, and after any change of "
                  "its ranks), and wait for the group's earlier ops");
-    // (The queued op's copies are done: capture begins after a device synchronize.)
-    last_stages_.clear();
-    last_request_.reset();
-    const at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
-    coll_->direct_all_reduce(buf.data_ptr(), buf.data_ptr(), elems(t), dt, op, caller.stream(),
-                             timeout);
-    if (!buf.is_same(t)) t.copy_(buf);
-    ++device_ops_;
-    ++direct_ops_;
-    return c10::make_intrusive<DeviceWork>(
-        rank_, c10d::OpType::ALLREDUCE, std::vector<at::Tensor>{t}, device_, caller, true, slots);
   }
-  if (!staging_coalesced_ && host_idle() && coll_->direct_ready()) {
-    join_queued(caller.stream());  // after what the op queue put on the backend's stream
+  if (captured || (!staging_coalesced_ && host_idle() && coll_->direct_ready())) {
+    if (captured) {
+      // The queued op's copies are done: capture begins after a device synchronize.
+      last_stages_.clear();
+      last_request_.reset();
+    } else {
+      join_queued(caller.stream());  // after what the op queue put on the backend's stream
+    }
     ++device_ops_;
     ++direct_ops_;
-    if (!reject.empty()) {
+    if (!reject.empty()) {  // (eager only: a captured call raised above)
       coll_->direct_all_reduce(nullptr, nullptr, elems(t), dt, op, caller.stream(), timeout,
                                reject.c_str());
       throw_error(ErrorKind::kInvalidArgument, -1, reject);
@@ -306,8 +302,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
     coll_->direct_all_reduce(buf.data_ptr(), buf.data_ptr(), elems(t), dt, op, caller.stream(),
                              timeout);
     if (!buf.is_same(t)) t.copy_(buf);
-    return c10::make_intrusive<DeviceWork>(
-        rank_, c10d::OpType::ALLREDUCE, std::vector<at::Tensor>{t}, device_, caller, false, slots);
+    return c10::make_intrusive<DeviceWork>(rank_, c10d::OpType::ALLREDUCE,
+                                           std::vector<at::Tensor>{t}, device_, caller, captured,
+                                           slots);
   }
   // In the op queue's order: its first call sets it up, with a host op.
   Staging s(*this, "all_reduce", Kind::kCollective);
