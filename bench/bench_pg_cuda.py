@@ -1,17 +1,17 @@
 """The process-group backends on CUDA tensors: ``mooncake`` against gloo and NCCL.
 
-``mooncake`` runs in up to three columns: as it comes (same-host groups take the device plane
-for all_reduce, all_gather, reduce_scatter and all_to_all, tensor and list
-forms; all_reduce up to 8 MiB the device-driven kernel), with
-``MOONCAKE_CUDA_ALLREDUCE=host`` (all_reduce on the host-driven plane, or staged
-below 64 KiB, as before the device-driven kernel): column "host" (on request:
-``--backends mooncake,host``), and with
+``mooncake`` runs in up to three columns: as it comes (same-host groups take the
+device-driven kernels for all_reduce, all_gather_into_tensor, reduce_scatter_tensor
+and all_to_all_single up to 8 MiB, and the device plane above that and for the
+rooted ops and list forms), with ``MOONCAKE_CUDA_DIRECT=off`` (every
+op on the host-driven plane, or staged below 64 KiB, as before the device-driven
+kernels): column "plane" (on request: ``--backends mooncake,plane``), and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
 
-``all_reduce_graph`` is an all_reduce captured in a CUDA graph once (after an
+An op named ``<op>_graph`` is ``<op>`` captured in a CUDA graph once (after an
 eager warm-up) and replayed: a point is back-to-back replays (gloo is left out:
-it cannot be captured; the host and staged columns record the ValueError).
+it cannot be captured; the plane and staged columns record the ValueError).
 
 Each (backend, world size) is launched once with ``mooncake.launch`` (this
 process hosts the TCPStore, every rank is a spawned process) on the one GPU
@@ -45,8 +45,11 @@ import harness
 OPS = (
     "all_reduce",
     "all_reduce_graph",
+    "broadcast",
     "all_gather_into_tensor",
+    "all_gather_into_tensor_graph",
     "reduce_scatter_tensor",
+    "reduce_scatter_tensor_graph",
     "all_to_all_single",
     # the list forms (one tensor per rank), with the same bytes as the tensor forms
     "all_gather",
@@ -54,7 +57,7 @@ OPS = (
     "all_to_all",
 )
 SIZES = (8, 4 << 10, 1 << 20, 64 << 20)
-#: the default columns ("host" on request: --backends mooncake,host)
+#: the default columns ("plane" on request: --backends mooncake,plane)
 BACKENDS = ("mooncake", "staged", "gloo", "nccl")
 #: every rank copying its bytes at once (timed like an op): the floor of an op on
 #: one shared GPU, where each input must be read and each output written once
@@ -62,7 +65,7 @@ FLOOR = "copy"
 #: backend name given to torch, and environment, of each column
 COLUMNS = {
     "mooncake": ("mooncake", {}),
-    "host": ("mooncake", {"MOONCAKE_CUDA_ALLREDUCE": "host"}),
+    "plane": ("mooncake", {"MOONCAKE_CUDA_DIRECT": "off"}),
     "staged": ("mooncake", {"MOONCAKE_CUDA_SEGMENT_BYTES": "0"}),
     "gloo": ("gloo", {}),
     "nccl": ("nccl", {}),
@@ -80,20 +83,23 @@ def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
     if op == FLOOR:
         y = torch.empty_like(x)
         return lambda: y.copy_(x)
-    if op == "all_reduce":
-        return lambda: dist.all_reduce(x)
-    if op == "all_reduce_graph":
+    if op.endswith("_graph"):
         if backend == "gloo":
             raise RuntimeError("gloo cannot be captured in a CUDA graph")
+        fn = make_op(dist, torch, op.removesuffix("_graph"), nbytes, world, backend)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the eager warm-up (mooncake: sets the path up)
-            dist.all_reduce(x)
+        with torch.cuda.stream(side):  # the eager warm-up (mooncake: sets the kernels up)
+            fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            dist.all_reduce(x)
+            fn()
         return graph.replay
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    if op == "broadcast":
+        return lambda: dist.broadcast(x, 0)
     if op == "all_gather_into_tensor":
         shard = torch.ones(n // world, device="cuda")  # bytes = the gathered output
         out = torch.empty(n, device="cuda")
@@ -205,7 +211,7 @@ def main(argv=None) -> int:
             results[f"{backend}/w{world}"] = launch(backend, world, ops)
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
     harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
-    header = ["op", "bytes", "world", "mooncake µs", "host µs", "staged µs", "gloo µs", "nccl µs"]
+    header = ["op", "bytes", "world", "mooncake µs", "plane µs", "staged µs", "gloo µs", "nccl µs"]
     header += ["mooncake / gloo", "mooncake busbw / copy rate", "floor µs", "floor / mooncake"]
     rows = []
     for world in harness.csv_ints(args.worlds):
@@ -218,7 +224,7 @@ def main(argv=None) -> int:
                             return row["us"]
                     return None
 
-                m, h, st = get("mooncake"), get("host"), get("staged")
+                m, h, st = get("mooncake"), get("plane"), get("staged")
                 g, n = get("gloo"), get("nccl")
                 floor = get("mooncake", op=FLOOR)
                 rate = results.get(f"mooncake/w{world}", {}).get("copy_rate")

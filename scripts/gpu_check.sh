@@ -211,10 +211,10 @@ gpu_wants() {
 
 # smoke: (not in the default) a few minutes over what was built but never run on a GPU, so a
 # session learns first whether the long steps are worth their time: the device-driven
-# all_reduce eager and captured, the ElasticBuffer device path at 1 and 2 processes, the
+# collectives eager and captured, the ElasticBuffer device path at 1 and 2 processes, the
 # EP fencing canaries. Each part bounded; a skip fails, as in the other GPU steps.
 if gpu_wants smoke; then
-  step "smoke: device-driven all_reduce (eager, graph capture and replay)"
+  step "smoke: device-driven collectives (eager, graph capture and replay)"
   mapfile -t SEL_SMOKE < <(sel "(direct_matches_host or graph_replay or graph_capture) and not multi_gpu")
   MOONCAKE_NO_SKIP=1 timeout 300 "$PY" -m pytest tests/python/test_cuda_backend.py "${SEL_SMOKE[@]}" -q -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/pytest_smoke_direct.log" | tail -8 || status=1

@@ -351,9 +351,10 @@ def get_op_paths(backend=None) -> dict[str, int]:
     """How the group's ops on CUDA tensors ran so far: ``{"device": n, "staged": m,
     "direct": k}``, ops on the device plane (kernels over the members' mapped GPU memory)
     and ops staged through host memory (a size or op the plane does not serve, or a peer
-    it cannot reach); ``direct`` counts the device plane's ops that were the device-driven
-    all_reduce (no host round; a captured one counts once, when captured). Counted as the
-    ops are issued, on this rank. Zeros for a ``mooncake-cpu`` group."""
+    it cannot reach); ``direct`` counts the device plane's ops that ran on the
+    device-driven kernels (no host round; a captured one counts once, when captured; a
+    coalesced call counts one device op and one direct op per tensor). Counted as the ops
+    are issued, on this rank. Zeros for a ``mooncake-cpu`` group."""
     b = _backend_of(backend)
     if hasattr(b, "op_paths"):
         return b.op_paths()

@@ -81,6 +81,7 @@ class Communicator {
   Channels& collective_channels() { return *coll_; }
   // The current view (a copy: it changes on the op thread).
   View view() const { return runner_->view_copy(); }
+  uint64_t epoch() const { return runner_->view_epoch(); }
   // Called on the op thread after every membership change.
   void set_view_listener(std::function<void(const View&)> listener) {
     runner_->set_view_listener(std::move(listener));

@@ -138,6 +138,11 @@ View OpRunner::view_copy() const {
   return view_;
 }
 
+uint64_t OpRunner::view_epoch() const {
+  std::lock_guard<std::mutex> lock(view_mu_);
+  return view_.epoch;
+}
+
 void OpRunner::set_view_listener(std::function<void(const View&)> listener) {
   on_view_ = std::move(listener);
   shown_epoch_ = view_.epoch;  // the caller shows the current view itself

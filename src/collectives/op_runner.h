@@ -159,6 +159,8 @@ class OpRunner {
   const View& view() const { return view_; }
   const std::vector<int>& members() const { return members_; }
   View view_copy() const;
+  // The current view's epoch (without copying its tables: per-op callers).
+  uint64_t view_epoch() const;
   // Makes `view` current: drops links to ranks it leaves out, restarts the
   // channels to its members, shows it to the listener (`show`; a recovery
   // inside an op leaves that to the op's end, see shown()).

@@ -68,16 +68,18 @@ const std::vector<EnvVar>& env_registry() {
        "Backend mooncake: ops with smaller inputs are staged through host memory even where "
        "the device segment could take them (for small messages the staged path's two copies "
        "cost less than the device plane's waits for the GPU)."},
-      {"MOONCAKE_CUDA_ALLREDUCE", "auto",
-       "Backend mooncake: the path of a same-host CUDA all_reduce up to "
-       "MOONCAKE_CUDA_ALLREDUCE_BYTES. auto: the device-driven kernel (no host round; CUDA "
-       "graph capturable), one-shot at world <= 2 or up to 256 KiB, else two-shot; oneshot / "
-       "twoshot: that algorithm at every size; host: the host-driven device plane (or the "
-       "staged path) as before, and all_reduce under CUDA graph capture raises."},
-      {"MOONCAKE_CUDA_ALLREDUCE_BYTES", "8388608",
-       "Backend mooncake: the largest all_reduce the device-driven kernel serves (at most "
+      {"MOONCAKE_CUDA_DIRECT", "auto",
+       "Backend mooncake: the device-driven kernels (one launch per op, no host round, CUDA "
+       "graph capturable), which serve same-host CUDA collectives whose input is at most "
+       "MOONCAKE_CUDA_DIRECT_BYTES. auto: on; all_reduce one-shot at world <= 2 or up to "
+       "256 KiB, else two-shot; oneshot / twoshot: all_reduce takes that algorithm at every "
+       "size; off: every op takes the host-driven device plane (or the staged path) as before, "
+       "and a collective under CUDA graph capture raises."},
+      {"MOONCAKE_CUDA_DIRECT_BYTES", "8388608",
+       "Backend mooncake: the largest input the device-driven kernels serve (a rank's whole "
+       "input: every part of a reduce_scatter's or all_to_all's; at most "
        "MOONCAKE_CUDA_SEGMENT_BYTES); each rank's device segment grows by about 3x this. "
-       "Larger ones take the host-driven device plane. 0: none (as MOONCAKE_CUDA_ALLREDUCE=host)."},
+       "Larger ones take the host-driven device plane. 0: none (as MOONCAKE_CUDA_DIRECT=off)."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

@@ -51,21 +51,21 @@ std::optional<DeviceCollectives::Options> DeviceCollectives::Options::from_env()
   Options o;
   o.segment_bytes = static_cast<size_t>(bytes);
   o.min_bytes = static_cast<size_t>(std::max<int64_t>(0, env_int("MOONCAKE_CUDA_PLANE_MIN_BYTES")));
-  const int64_t direct_bytes = env_int("MOONCAKE_CUDA_ALLREDUCE_BYTES");
-  MC_CHECK_ARG(direct_bytes >= 0, "MOONCAKE_CUDA_ALLREDUCE_BYTES must be >= 0, got ", direct_bytes);
+  const int64_t direct_bytes = env_int("MOONCAKE_CUDA_DIRECT_BYTES");
+  MC_CHECK_ARG(direct_bytes >= 0, "MOONCAKE_CUDA_DIRECT_BYTES must be >= 0, got ", direct_bytes);
   o.direct_bytes = static_cast<size_t>(direct_bytes);
-  const std::string mode = env_string("MOONCAKE_CUDA_ALLREDUCE");
+  const std::string mode = env_string("MOONCAKE_CUDA_DIRECT");
   if (mode == "auto")
     o.direct = Direct::kAuto;
   else if (mode == "oneshot")
     o.direct = Direct::kOneShot;
   else if (mode == "twoshot")
     o.direct = Direct::kTwoShot;
-  else if (mode == "host")
+  else if (mode == "off")
     o.direct = Direct::kOff;
   else
     throw_error(ErrorKind::kInvalidArgument, -1,
-                "MOONCAKE_CUDA_ALLREDUCE must be auto, oneshot, twoshot or host, got '", mode, "'");
+                "MOONCAKE_CUDA_DIRECT must be auto, oneshot, twoshot or off, got '", mode, "'");
   if (o.direct_bytes == 0) o.direct = Direct::kOff;
   return o;
 }
@@ -134,7 +134,7 @@ std::vector<const uint8_t*> DeviceCollectives::segments(const std::vector<int>& 
     const uint32_t inc = view.incarnation[static_cast<size_t>(p)];
     // A new process in slot p: its last one's mapping goes, and no launch of
     // the device-driven all_reduce (a graph replay) may read through it.
-    if (direct_ && p != comm_.rank() && direct_->incarnation(p) != DirectAllReduce::kNone &&
+    if (direct_ && p != comm_.rank() && direct_->incarnation(p) != DirectOps::kNone &&
         direct_->incarnation(p) != inc)
       direct_->retire_now(p);
     out.push_back(p == comm_.rank() ? mine() : directory_.map(p, inc, timeout_ms));
@@ -390,38 +390,76 @@ void DeviceCollectives::all_to_all(const void* const* ins, const size_t* in_coun
       });
 }
 
-// --- the device-driven all_reduce ---------------------------------------------------------
+// --- the device-driven ops ------------------------------------------------------------------
 
-bool DeviceCollectives::direct_serves(size_t bytes, int64_t timeout_ms) {
+namespace {
+
+using kernels::DirectKind;
+
+OpType op_type(DirectKind kind) {
+  switch (kind) {
+    case DirectKind::kAllReduce: return OpType::kAllReduce;
+    case DirectKind::kReduce: return OpType::kReduce;
+    case DirectKind::kBroadcast: return OpType::kBroadcast;
+    case DirectKind::kAllGather: return OpType::kAllGather;
+    case DirectKind::kGather: return OpType::kGather;
+    case DirectKind::kReduceScatter: return OpType::kReduceScatter;
+    case DirectKind::kScatter: return OpType::kScatter;
+    case DirectKind::kAllToAll: return OpType::kAllToAll;
+  }
+  return OpType::kAllReduce;
+}
+
+// The `parts` pointers `bytes` apart from `base` (a null base, as a count of 0
+// may have: nulls).
+template <typename P>
+std::vector<P> parts_of(P base, size_t bytes, int parts) {
+  std::vector<P> out;
+  for (int p = 0; p < parts; ++p)
+    out.push_back(base == nullptr
+                      ? nullptr
+                      : reinterpret_cast<P>(reinterpret_cast<uintptr_t>(base) + p * bytes));
+  return out;
+}
+
+}  // namespace
+
+bool DeviceCollectives::direct_serves(const DirectOp& op, int64_t timeout_ms) {
+  // The root's input, the largest any rank has: the same answer everywhere.
+  const size_t bytes =
+      kernels::direct_in_parts(op.kind, comm_.size(), true) * op.count * dtype_size(op.dtype);
   if (direct_max_bytes() == 0 || bytes > direct_max_bytes()) return false;
+  if (op.count >= kernels::kDirectMaxCount) return false;
   if (comm_.size() > kernels::kDirectMaxRanks) return false;
   return serves(std::nullopt, timeout_ms);
 }
 
 bool DeviceCollectives::direct_ready() {
   if (!direct_ || !direct_->installed() || direct_->left_behind()) return false;
-  const uint64_t epoch = comm_.view().epoch;
+  const uint64_t epoch = comm_.epoch();
   return direct_->epoch() == epoch && !told_left_out(comm_.endpoint(), epoch);
 }
 
-void DeviceCollectives::direct_setup(DType dtype, RedOp op, size_t count, cudaStream_t stream,
-                                     int64_t timeout_ms) {
+void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms) {
   // This rank's launches are over before the members meet: none of the last
   // generation meets a signal of the next, and none reads the table while it
   // changes.
-  cuda_check(cudaStreamSynchronize(stream), "waiting for the earlier all_reduce launches");
+  cuda_check(cudaStreamSynchronize(stream), "waiting for the earlier device-driven launches");
   const int world = comm_.size();
   if (!direct_) {
-    direct_ = std::make_unique<DirectAllReduce>(device_, comm_.rank(), world, direct_layout());
+    direct_ = std::make_unique<DirectOps>(device_, comm_.rank(), world, direct_layout());
     watch_lost(comm_.endpoint(), direct_->lost_words(), comm_.config().hang_ms);
   }
   direct_->set_report(report_to_);
   mine();  // published before the members meet, so that each can map the others'
   std::vector<uint8_t*> areas(static_cast<size_t>(world), nullptr);
-  std::vector<uint32_t> incarnations(static_cast<size_t>(world), DirectAllReduce::kNone);
+  std::vector<uint32_t> incarnations(static_cast<size_t>(world), DirectOps::kNone);
   uint64_t gen = 0;
   bool fits = true;
-  comm_.run_external(OpType::kAllReduce, dtype, op, -1, count, timeout_ms,
+  // The round names no root (one that died would fail it, where a launch
+  // zero-fills its part) and no kind (calls that disagree leave each other
+  // out at the launch, as they do without a setup).
+  comm_.run_external(OpType::kAllReduce, op.dtype, RedOp::kSum, -1, op.count, timeout_ms,
                      [&](const std::vector<int>& members, const Communicator::ExternalSync& sync) {
                        fits = std::all_of(members.begin(), members.end(),
                                           [&](int p) { return p < world; });
@@ -440,7 +478,7 @@ void DeviceCollectives::direct_setup(DType dtype, RedOp op, size_t count, cudaSt
                          incarnations[p] = view.incarnation[p];
                        }
                      });
-  const uint64_t epoch = comm_.view().epoch;
+  const uint64_t epoch = comm_.epoch();
   if (!fits) {
     direct_unfit_epoch_ = epoch;
     return;
@@ -448,29 +486,81 @@ void DeviceCollectives::direct_setup(DType dtype, RedOp op, size_t count, cudaSt
   direct_->install(areas, incarnations, static_cast<uint32_t>(gen), epoch, stream);
 }
 
-void DeviceCollectives::direct_all_reduce(const void* in, void* out, size_t count, DType dtype,
-                                          RedOp op, cudaStream_t stream, int64_t timeout_ms,
-                                          const char* reject) {
+void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,
+                                        int64_t timeout_ms) {
+  const int world = comm_.size();
+  const size_t part = op.count * dtype_size(op.dtype);
+  const auto ins = parts_of(op.in, part, world);
+  const auto outs = parts_of(op.out, part, world);
+  const bool root = comm_.rank() == op.root;
+  switch (op.kind) {
+    case DirectKind::kAllReduce:
+      return all_reduce(op.in, op.out, op.count, op.dtype, op.op, stream, timeout_ms);
+    case DirectKind::kReduce:
+      return reduce(op.in, op.out, op.count, op.dtype, op.op, op.root, stream, timeout_ms);
+    case DirectKind::kBroadcast:
+      broadcast(op.in, op.out, op.count, op.dtype, op.root, stream, timeout_ms);
+      // The plane's root writes nothing; the kernel's copies its input to `out`.
+      if (comm_.rank() == op.root && op.in != op.out && part > 0)
+        cuda_check(cudaMemcpyAsync(op.out, op.in, part, cudaMemcpyDeviceToDevice, stream),
+                   "broadcast: the root's output");
+      return;
+    case DirectKind::kAllGather:
+      return all_gather(op.in, op.count, op.dtype, outs.data(), stream, timeout_ms);
+    case DirectKind::kGather:
+      return gather(op.in, op.count, op.dtype, root ? outs.data() : nullptr, op.root, stream,
+                    timeout_ms);
+    case DirectKind::kReduceScatter:
+      return reduce_scatter(ins.data(), op.out, op.count, op.dtype, op.op, stream, timeout_ms);
+    case DirectKind::kScatter:
+      return scatter(root ? ins.data() : nullptr, op.out, op.count, op.dtype, op.root, stream,
+                     timeout_ms);
+    case DirectKind::kAllToAll: {
+      const std::vector<size_t> counts(static_cast<size_t>(world), op.count);
+      return all_to_all(ins.data(), counts.data(), outs.data(), counts.data(), op.dtype, stream,
+                        timeout_ms);
+    }
+  }
+}
+
+bool DeviceCollectives::direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms) {
+  if (direct_ready()) return true;
+  const uint64_t epoch = comm_.epoch();
+  const bool left = (direct_ && direct_->left_behind()) || told_left_out(comm_.endpoint(), epoch);
+  if (!left && direct_unfit_epoch_ != epoch) direct_setup(op, stream, timeout_ms);
+  return direct_ready();
+}
+
+void DeviceCollectives::direct_prepare(const DirectOp& op, cudaStream_t stream,
+                                       int64_t timeout_ms) {
+  if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
+  if (!direct_serves(op, timeout_ms)) return;
+  OnDevice on(device_);
+  direct_set_up(op, stream, timeout_ms);
+}
+
+void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms,
+                               const char* reject) {
   OnDevice on(device_);
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
   if (direct_)
     for (const std::string& line : direct_->take_reports())
-      MC_LOG(kWarn, "all_reduce (device-driven) on rank ", comm_.rank(), ": ", line);
-  if (!direct_ready()) {
-    const uint64_t epoch = comm_.view().epoch;
-    const bool left = (direct_ && direct_->left_behind()) || told_left_out(comm_.endpoint(), epoch);
-    if (!left && direct_unfit_epoch_ != epoch) direct_setup(dtype, op, count, stream, timeout_ms);
-    if (!direct_ready()) {
-      // The host-driven plane: it tells a rank left out so, and serves any view.
-      if (reject != nullptr)
-        comm_.reject(reject, timeout_ms);
-      else
-        all_reduce(in, out, count, dtype, op, stream, timeout_ms);
-      return;
-    }
+      MC_LOG(kWarn, op_name(op_type(op.kind)), " (device-driven) on rank ", comm_.rank(), ": ",
+             line);
+  if (!direct_set_up(op, stream, timeout_ms)) {
+    // The host-driven plane: it tells a rank left out so, and serves any view.
+    if (reject != nullptr)
+      comm_.reject(reject, timeout_ms);
+    else
+      direct_on_plane(op, stream, timeout_ms);
+    return;
   }
   const int world = comm_.size();
-  const size_t bytes = count * dtype_size(dtype);
+  const size_t esize = dtype_size(op.dtype);
+  const bool root = comm_.rank() == op.root;
+  const size_t bytes = std::max(kernels::direct_in_parts(op.kind, world, root),
+                                kernels::direct_out_parts(op.kind, world, root)) *
+                       op.count * esize;
   const bool two_shot =
       world >= 2 && (options_.direct == Direct::kTwoShot ||
                      (options_.direct == Direct::kAuto && world > 2 && bytes > kOneShotBytes));
@@ -483,8 +573,7 @@ void DeviceCollectives::direct_all_reduce(const void* in, void* out, size_t coun
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
   const int blocks =
       static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
-  direct_->launch(in, out, count, dtype, op, two_shot, reject != nullptr, timeout_ms, blocks,
-                  stream);
+  direct_->launch(op, two_shot, reject != nullptr, timeout_ms, blocks, stream);
 }
 
 void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,
@@ -493,7 +582,7 @@ void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,
   OnDevice on(device_);
   const size_t n = std::min(active.size(), static_cast<size_t>(comm_.size()));
   for (size_t p = 0; p < n; ++p)
-    if (active[p] == 0 && direct_->incarnation(static_cast<int>(p)) != DirectAllReduce::kNone)
+    if (active[p] == 0 && direct_->incarnation(static_cast<int>(p)) != DirectOps::kNone)
       direct_->retire(static_cast<int>(p), stream);
 }
 

@@ -18,15 +18,15 @@
 // outputs are contiguous. timeout_ms as the Communicator's (< 0: its
 // default).
 //
-// all_reduce has a second, device-driven form (direct_all_reduce,
-// direct_all_reduce.h): one launch that reads the members' areas (a part of
-// each segment of its own) with no host round, no host wait and no
-// allocation, so that it can be captured in a CUDA graph. Its failure
-// semantics are the device's: a peer that dies or stays silent is masked by
-// the launch (the survivors of a crash agree on who took part, see
-// kernels/coll/direct.h) rather than the op re-run; the next op that runs on
-// the host finds the failure and has the survivors agree on a view, after
-// which the next direct_all_reduce sets itself up again among them.
+// Every op also has a device-driven form (direct(), direct_ops.h): one launch
+// that reads the members' areas (a part of each segment of its own) with no
+// host round, no host wait and no allocation, so that it can be captured in
+// a CUDA graph. Its failure semantics are the device's: a peer that dies or
+// stays silent is masked by the launch (the survivors of a crash agree on
+// who took part, see kernels/coll/direct.h) rather than the op re-run; the
+// next op that runs on the host finds the failure and has the survivors
+// agree on a view, after which the next device-driven op sets itself up
+// again among them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,28 +41,29 @@
 #include "collectives/communicator.h"
 #include "core/dtype.h"
 #include "device/cuda.h"
-#include "device/direct_all_reduce.h"
+#include "device/direct_ops.h"
 #include "device/peers.h"
 
 namespace mooncake {
 
 class DeviceCollectives {
  public:
-  // Which algorithm the device-driven all_reduce takes (kOff: none; kAuto:
-  // one-shot at world <= 2 or up to kOneShotBytes, else two-shot).
+  // Whether the device-driven ops run (kOff: none), and all_reduce's
+  // algorithm there (kAuto: one-shot at world <= 2 or up to kOneShotBytes,
+  // else two-shot).
   enum class Direct { kAuto, kOneShot, kTwoShot, kOff };
   static constexpr size_t kOneShotBytes = 256 << 10;
 
   struct Options {
     size_t segment_bytes = 64 << 20;  // each rank's segment: the largest op it serves
     size_t min_bytes = 0;             // smaller ops are left to the host path
-    // The device-driven all_reduce: its largest input (at most segment_bytes;
-    // the segment grows by about 3x this) and its algorithm.
+    // The device-driven ops: their largest input (at most segment_bytes; the
+    // segment grows by about 3x this) and all_reduce's algorithm.
     size_t direct_bytes = 8 << 20;
     Direct direct = Direct::kAuto;
     // MOONCAKE_CUDA_SEGMENT_BYTES (0 or MOONCAKE_TRANSPORT=tcp: no device
-    // collectives), MOONCAKE_CUDA_PLANE_MIN_BYTES, MOONCAKE_CUDA_ALLREDUCE and
-    // MOONCAKE_CUDA_ALLREDUCE_BYTES; nullopt when off.
+    // collectives), MOONCAKE_CUDA_PLANE_MIN_BYTES, MOONCAKE_CUDA_DIRECT and
+    // MOONCAKE_CUDA_DIRECT_BYTES; nullopt when off.
     static std::optional<Options> from_env();
   };
 
@@ -120,27 +121,38 @@ class DeviceCollectives {
   static void check_own_counts(int rank, const size_t* in_counts, const size_t* out_counts,
                                const char* what);
 
-  // --- the device-driven all_reduce -----------------------------------------
-  // Whether an all_reduce of `bytes` takes it: the options, the world (every
-  // rank on this host, at most kernels::kDirectMaxRanks). The same answer on
-  // every rank, so all of them take the same path (it waits for the ranks'
-  // hosts in the store the first time only).
-  bool direct_serves(size_t bytes, int64_t timeout_ms);
+  // --- the device-driven ops ------------------------------------------------
+  using DirectOp = DirectOps::Op;
+  // Whether `op` takes them: the options (its input at this rank at most the
+  // largest they serve; a rank's input is the same size at every rank, or
+  // none), the world (every rank on this host, at most
+  // kernels::kDirectMaxRanks). The same answer on every rank for the same op,
+  // so all of them take the same path (it waits for the ranks' hosts in the
+  // store the first time only).
+  bool direct_serves(const DirectOp& op, int64_t timeout_ms);
   // Whether a launch needs no host op first: set up for the current view,
   // and this rank not left out. Under capture a caller must check it.
   bool direct_ready();
-  // The device-driven all_reduce of `count` elements, queued on `stream`
-  // (`in` may be `out`); returns without waiting for the device. Where
-  // direct_ready() is false it first sets itself up: a host op among the
-  // members (each waits for its earlier launches, then they agree on a new
-  // generation, which every signal carries, and map each other's areas);
-  // where the view does not allow it (a member past the world size) or this
-  // rank was left out, the host-driven all_reduce runs instead (blocking).
-  // `reject` (not null): this rank rejected its arguments (the caller raises
-  // `reject`); it takes part without data, so that the ranks stay in step.
-  void direct_all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
-                         cudaStream_t stream, int64_t timeout_ms = -1,
-                         const char* reject = nullptr);
+  // Whether the group re-runs an op among the survivors of a failure (the
+  // default, kRecoverRerun): then the device-driven ops' results where a rank
+  // fails are the host-driven plane's.
+  bool recovers() const { return comm_.config().recover == kRecoverRerun; }
+  // `op` queued on `stream` as one device-driven launch; returns without
+  // waiting for the device. Where direct_ready() is false it first sets
+  // itself up: a host op among the members (each waits for its earlier
+  // launches, then they agree on a new generation, which every signal
+  // carries, and map each other's areas); where the view does not allow it
+  // (a member past the world size) or this rank was left out, the op runs on
+  // the host-driven plane instead (blocking). `reject` (not null): this rank
+  // rejected its arguments (the caller raises `reject`); it takes part
+  // without data, so that the ranks stay in step.
+  void direct(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms = -1,
+              const char* reject = nullptr);
+  // Sets the device-driven ops up where direct_serves(op) and they are not
+  // ready (as direct() would before its launch), for an op that then runs
+  // on the host-driven plane: its eager warm-up readies its capture. Every
+  // rank of the op must call it at the same point (it may be a host op).
+  void direct_prepare(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms = -1);
   // The ranks `active` (per slot, 1 = member) leaves out are taken out of
   // later launches at once, graph replays included (for a view listener;
   // queued on `stream`).
@@ -171,14 +183,19 @@ class DeviceCollectives {
   // where that leaves room).
   size_t per_piece(size_t parts, size_t esize) const;
   // This rank's segment (allocated and published on the first call), the
-  // device-driven all_reduce's area past the first segment_bytes.
+  // device-driven ops' area past the first segment_bytes.
   uint8_t* mine();
   // Where that area starts in every segment, and its layout.
   size_t direct_offset() const;
   kernels::DirectLayout direct_layout() const;
   size_t direct_max_bytes() const;
-  // The setup of direct_all_reduce (its arguments: the op that sets it up).
-  void direct_setup(DType dtype, RedOp op, size_t count, cudaStream_t stream, int64_t timeout_ms);
+  // The setup of the device-driven ops (its argument: the op that sets it up).
+  void direct_setup(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
+  // Whether the device-driven ops are ready, after a setup where they were
+  // not and this rank can take part in one (not left out, the view fits).
+  bool direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
+  // `op` on the host-driven plane (blocking), where direct() cannot launch.
+  void direct_on_plane(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
   // The segments of `members`, in order (this rank's own among them).
   std::vector<const uint8_t*> segments(const std::vector<int>& members, int64_t timeout_ms);
   // Waits until `stream` has run what is queued on it.
@@ -190,13 +207,13 @@ class DeviceCollectives {
   const int device_;
   const Options options_;
   std::unique_ptr<DeviceSegment> segment_;
-  std::unique_ptr<CudaEvent> done_;          // finish's (made on its first call)
-  int mappable_ = -1;                        // whether every segment maps here (-1: not asked yet)
-  int gpu_sharers_ = 0;                      // the world's ranks on this GPU (0: not asked yet)
-  std::unique_ptr<DirectAllReduce> direct_;  // made by the first setup
+  std::unique_ptr<CudaEvent> done_;    // finish's (made on its first call)
+  int mappable_ = -1;                  // whether every segment maps here (-1: not asked yet)
+  int gpu_sharers_ = 0;                // the world's ranks on this GPU (0: not asked yet)
+  std::unique_ptr<DirectOps> direct_;  // made by the first setup
   int32_t* report_to_ = nullptr;
-  // The epoch whose view the device-driven all_reduce cannot serve (a member
-  // past the world size): its ops run on the host-driven plane.
+  // The epoch whose view the device-driven ops cannot serve (a member past
+  // the world size): its ops run on the host-driven plane.
   uint64_t direct_unfit_epoch_ = UINT64_MAX;
   int direct_blocks_ = 0;  // the most blocks a launch takes (0: not asked yet)
 };

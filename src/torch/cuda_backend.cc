@@ -1,11 +1,12 @@
-// MooncakeCudaBackend (cuda_backend.h): each op on the device collectives
-// (device/collectives.h) where they serve it, else staged through host
-// memory around mooncake-cpu's op (cuda_staging.h); all_reduce on the
-// device-driven kernel where it serves it.
+// MooncakeCudaBackend (cuda_backend.h): each collective on the device-driven
+// kernels (device/direct_ops.h) where they serve it, else on the device
+// collectives (device/collectives.h) where they serve it, else staged through
+// host memory around mooncake-cpu's op (cuda_staging.h).
 #if MOONCAKE_WITH_CUDA
 
 #include "torch/cuda_backend.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -66,6 +67,15 @@ at::Tensor input_of(const DeviceCollectives& c, const at::Tensor& t) {
   return c.in_place_ok(t.nbytes()) ? t.contiguous() : t.clone(at::MemoryFormat::Contiguous);
 }
 
+// The size an op's plane branch is decided on: none (any size takes the
+// plane) for an op the device-driven kernels serve but that takes them under
+// capture only (`warm`): its eager call then sets them up, on the plane,
+// whatever its size (the staged path below MOONCAKE_CUDA_PLANE_MIN_BYTES
+// could not).
+std::optional<size_t> plane_bytes(const std::optional<DirectOps::Op>& warm, size_t bytes) {
+  return warm ? std::nullopt : std::optional<size_t>(bytes);
+}
+
 // `n` pointers `bytes` apart from `base`: one tensor's per-rank slices.
 std::vector<void*> slices(void* base, size_t bytes, size_t n) {
   std::vector<void*> out;
@@ -101,7 +111,7 @@ MooncakeCudaBackend::MooncakeCudaBackend(const c10::intrusive_ptr<c10d::Store>& 
                              at::TensorOptions().dtype(at::kInt).device(
                                  c10::kCUDA, static_cast<c10::DeviceIndex>(device_)));
   }
-  // A rank the device-driven all_reduce masks shows as 0 there at once.
+  // A rank the device-driven kernels mask shows as 0 there at once.
   if (coll_ && user_active_.defined() && user_active_.is_cuda())
     coll_->direct_report_to(user_active_.data_ptr<int32_t>());
   view_changed(MooncakeBackend::active_ranks());
@@ -199,34 +209,147 @@ bool MooncakeCudaBackend::on_plane_list(const at::Tensor& one, const std::vector
 
 bool MooncakeCudaBackend::on_plane_rooted(const at::Tensor& one,
                                           const std::vector<std::vector<at::Tensor>>& lists,
-                                          int root) {
+                                          int root, bool any_size) {
   if (root < 0 || root >= size_ || !one.defined()) return false;
-  if (rank_ != root) return on_plane({one}, one.nbytes());
-  return lists.size() == 1 && on_plane_list(one, lists[0], one.nbytes());
+  const std::optional<size_t> bytes = any_size ? std::nullopt : std::optional<size_t>(one.nbytes());
+  if (rank_ != root) return on_plane({one}, bytes);
+  return lists.size() == 1 && on_plane_list(one, lists[0], bytes);
 }
 
 template <typename Move>
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::OpType type,
                                                               std::vector<at::Tensor> results,
-                                                              Move move) {
+                                                              Move move,
+                                                              std::optional<DirectOps::Op> warm) {
   ++device_ops_;
-  return s.run_device(type, std::move(results), [this, move = std::move(move)] {
+  return s.run_device(type, std::move(results), [this, move = std::move(move), warm] {
     c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
     c10::cuda::CUDAStreamGuard stream_guard(*stream_);
+    if (warm) coll_->direct_prepare(*warm, stream_->stream());
     move(*coll_, stream_->stream());
   });
 }
 
-// --- the device-driven all_reduce ----------------------------------------------------
+// --- the device-driven ops ----------------------------------------------------------
+//
+// all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+// all_to_all_single without split sizes, and their coalesced forms take them
+// whenever they serve the op: their results where a rank fails are the host
+// path's (the survivors' reduction, zeros in a lost rank's parts). The rooted
+// ops (broadcast, reduce, gather, scatter), the list forms and
+// all_to_all_single with equal split sizes take them under CUDA graph capture
+// only. Eagerly they take the device plane: a root that fails there raises
+// PeerFailedError (a launch could only zero-fill what the root would have
+// sent), and one rank's bad list raises on every rank (a launch could only
+// leave that rank out); their eager call sets the kernels up first, so that
+// it readies their capture.
 
-bool MooncakeCudaBackend::direct_branch(const at::Tensor& t) {
+namespace {
+
+using kernels::DirectKind;
+
+// The call's output tensor, or a list form's outputs (one per part): every
+// part of it, contiguous (a copy where the user's is not, or for a list).
+at::Tensor contiguous_out(const DirectCall& call) {
+  if (call.out.defined())
+    return call.out.is_contiguous() ? call.out : at::empty(call.out.sizes(), call.out.options());
+  if (call.outs.empty()) return {};
+  return at::empty({static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()},
+                   call.outs[0].options());
+}
+
+// Queues `call` on `stream` (the current one) and, on it, the copies of its
+// results into the user's tensors where they were not the kernel's output.
+void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream,
+                int64_t timeout) {
+  DirectOps::Op op = call.op;
+  if (!call.reject.empty()) {
+    c.direct(op, stream, timeout, call.reject.c_str());
+    return;
+  }
+  const at::Tensor out = contiguous_out(call);
+  // In place (all_reduce, a root's broadcast or reduce): one buffer is both.
+  const bool same = call.in.defined() && call.out.defined() && call.in.is_same(call.out);
+  if (same && !out.is_same(call.out)) out.copy_(call.in);
+  const at::Tensor in = !call.in.defined() ? at::Tensor() : same ? out : call.in.contiguous();
+  op.in = in.defined() ? in.data_ptr() : nullptr;
+  op.out = out.defined() ? out.data_ptr() : nullptr;
+  c.direct(op, stream, timeout);
+  if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
+  for (size_t p = 0; p < call.outs.size(); ++p) {
+    const int64_t n = call.outs[p].numel();
+    call.outs[p].copy_(out.narrow(0, static_cast<int64_t>(p) * n, n).view(call.outs[p].sizes()));
+  }
+}
+
+// The rejection of an op some of whose CUDA tensors are not on `device`.
+std::string wrong_device(const char* name, const char* arg, int device,
+                         const std::vector<at::Tensor>& ts) {
+  for (const at::Tensor& t : ts)
+    if (t.defined() && (!t.is_cuda() || t.device().index() != device))
+      return str(name, ": ", arg, " must be on cuda:", device,
+                 " (the device that was current when the group was created), got ",
+                 t.device().str());
+  return {};
+}
+
+// Whether all_to_all_single's `splits` (rows of `t`) are `world` equal parts
+// of t, or none.
+bool equal_splits(const at::Tensor& t, const std::vector<int64_t>& splits, int world) {
+  if (splits.empty()) return true;
+  if (splits.size() != static_cast<size_t>(world) || t.dim() == 0) return false;
+  return std::all_of(splits.begin(), splits.end(),
+                     [&](int64_t rows) { return rows * world == t.size(0); });
+}
+
+// Every tensor of `list` flattened into one, in order (a list form's input).
+at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : list) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
+
+// Whether `list` holds `n` tensors of `numel` elements each, of `like`'s dtype.
+bool list_fits(const std::vector<at::Tensor>& list, size_t n, const at::Tensor& like) {
+  if (list.size() != n) return false;
+  for (const at::Tensor& t : list)
+    if (!t.defined() || t.layout() != at::kStrided || t.numel() != like.numel() ||
+        t.scalar_type() != like.scalar_type())
+      return false;
+  return true;
+}
+
+DirectOps::Op direct_op(DirectKind kind, size_t count, int root = 0, RedOp red = RedOp::kSum) {
+  DirectOps::Op op;
+  op.kind = kind;
+  op.count = count;
+  op.root = root;
+  op.op = red;
+  return op;
+}
+
+}  // namespace
+
+bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) {
   if (!coll_ || !t.defined() || !t.is_cuda() || t.layout() != at::kStrided) return false;
   try {
-    to_dtype(t.scalar_type(), "", "");
+    op.dtype = to_dtype(t.scalar_type(), "", "");
   } catch (const Error&) {
     return false;
   }
-  return coll_->direct_serves(t.nbytes(), timeout_ms());
+  return coll_->direct_serves(op, timeout_ms());
+}
+
+bool MooncakeCudaBackend::direct_now() const {
+  return capturing() || coll_->recovers();
+}
+
+bool MooncakeCudaBackend::capturing() const {
+  if (device_ < 0) return false;
+  const auto caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(caller.stream(), &capture), "cudaStreamIsCapturing");
+  return capture != cudaStreamCaptureStatusNone;
 }
 
 void MooncakeCudaBackend::queued(const c10::intrusive_ptr<c10d::Work>& work) {
@@ -253,35 +376,27 @@ void MooncakeCudaBackend::join_queued(cudaStream_t stream) {
   last_request_.reset();
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
-    const at::Tensor& t, const c10d::AllreduceOptions& opts) {
-  const DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
-  const RedOp op = to_redop(opts.reduceOp, t, "all_reduce");  // checks that dt defines it
-  const int64_t timeout = op_timeout_ms(opts.timeout);
+c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name, c10d::OpType type,
+                                                               std::vector<DirectCall> calls,
+                                                               std::vector<at::Tensor> results,
+                                                               int64_t timeout) {
   const auto device = static_cast<c10::DeviceIndex>(device_);
   c10::cuda::CUDAGuard device_guard(device);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cuda_check(cudaStreamIsCapturing(caller.stream(), &capture), "cudaStreamIsCapturing");
-  // A tensor on another GPU is this rank's mistake: it still takes part
-  // (without data), so that every rank's launches stay in step, then raises.
-  const std::string reject =
-      t.device().index() == device_
-          ? std::string()
-          : str("all_reduce: tensor must be on cuda:", device_,
-                " (the device that was current when the group was created), got ",
-                t.device().str());
+  const bool captured = capturing();
+  std::string reject;  // the first call's rejection, raised once every call took part
+  for (const DirectCall& c : calls)
+    if (reject.empty()) reject = c.reject;
   const int slots = static_cast<int>(MooncakeBackend::active_ranks().numel());
-  const bool captured = capture != cudaStreamCaptureStatusNone;
   if (captured) {
     MC_CHECK_ARG(reject.empty(), reject);
-    MC_CHECK_ARG(!staging_coalesced_,
-                 "all_reduce: cannot run under CUDA graph capture inside a coalescing block");
-    MC_CHECK_ARG(host_idle() && coll_->direct_ready(),
-                 "all_reduce under CUDA graph capture: the group's device-driven all_reduce is "
-                 "not set up for its current members; call all_reduce once outside the "
-                 "captured region first (after creating the group, and after any change of "
-                 "its ranks), and wait for the group's earlier ops");
+    MC_CHECK_ARG(!staging_coalesced_, name,
+                 ": cannot run under CUDA graph capture inside a coalescing block");
+    MC_CHECK_ARG(host_idle() && coll_->direct_ready(), name,
+                 " under CUDA graph capture: the group's device-driven kernels are not set up "
+                 "for its current members; run one collective on the group (e.g. all_reduce) "
+                 "outside the captured region first (after creating the group, and after any "
+                 "change of its ranks), and wait for the group's earlier ops");
   }
   if (captured || (!staging_coalesced_ && host_idle() && coll_->direct_ready())) {
     if (captured) {
@@ -292,34 +407,26 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
       join_queued(caller.stream());  // after what the op queue put on the backend's stream
     }
     ++device_ops_;
-    ++direct_ops_;
-    if (!reject.empty()) {  // (eager only: a captured call raised above)
-      coll_->direct_all_reduce(nullptr, nullptr, elems(t), dt, op, caller.stream(), timeout,
-                               reject.c_str());
-      throw_error(ErrorKind::kInvalidArgument, -1, reject);
-    }
-    const at::Tensor buf = t.is_contiguous() ? t : t.contiguous();
-    coll_->direct_all_reduce(buf.data_ptr(), buf.data_ptr(), elems(t), dt, op, caller.stream(),
-                             timeout);
-    if (!buf.is_same(t)) t.copy_(buf);
-    return c10::make_intrusive<DeviceWork>(rank_, c10d::OpType::ALLREDUCE,
-                                           std::vector<at::Tensor>{t}, device_, caller, captured,
-                                           slots);
+    direct_ops_ += static_cast<int64_t>(calls.size());
+    for (const DirectCall& c : calls) run_direct(*coll_, c, caller.stream(), timeout);
+    MC_CHECK_ARG(reject.empty(), reject);
+    return c10::make_intrusive<DeviceWork>(rank_, type, std::move(results), device_, caller,
+                                           captured, slots);
   }
-  // In the op queue's order: its first call sets it up, with a host op.
-  Staging s(*this, "all_reduce", Kind::kCollective);
-  const at::Tensor out = reject.empty() ? s.device_out(t) : at::Tensor();
-  auto work = on_device(
-      s, c10d::OpType::ALLREDUCE, {t},
-      [t, out, dt, op, timeout, reject](DeviceCollectives& c, cudaStream_t st) {
-        if (!reject.empty()) {
-          c.direct_all_reduce(nullptr, nullptr, elems(t), dt, op, st, timeout, reject.c_str());
-          return;
-        }
-        const at::Tensor in = t.contiguous();
-        c.direct_all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
-      });
-  ++direct_ops_;
+  // In the op queue's order: its first call sets the kernels up, with a host op.
+  Staging s(*this, name, Kind::kCollective);
+  for (DirectCall& c : calls) {
+    if (!c.reject.empty()) continue;  // its tensors are not touched
+    if (c.in.defined()) s.keep(c.in);
+    if (c.out.defined()) c.out = s.device_out(c.out);
+    for (at::Tensor& t : c.outs) t = s.device_out(t);
+  }
+  const auto n = static_cast<int64_t>(calls.size());
+  auto work = on_device(s, type, std::move(results),
+                        [calls = std::move(calls), timeout](DeviceCollectives& c, cudaStream_t st) {
+                          for (const DirectCall& call : calls) run_direct(c, call, st, timeout);
+                        });
+  direct_ops_ += n;
   queued(work);
   MC_CHECK_ARG(reject.empty(), reject);
   return work;
@@ -330,8 +437,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_allreduce(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                               const c10d::BroadcastOptions& opts) {
   const int root = static_cast<int>(opts.rootRank);
+  std::optional<DirectOps::Op> warm;
+  if (tensors.size() == 1 && root >= 0 && root < size_) {
+    const at::Tensor& t = tensors[0];
+    DirectOps::Op op = direct_op(DirectKind::kBroadcast, elems(t), root);
+    if (direct_branch(op, t)) warm = op;
+    if (warm && capturing()) {
+      DirectCall call{op,
+                      rank_ == root ? t : at::Tensor(),
+                      t,
+                      {},
+                      wrong_device("broadcast", "tensor", device_, {t})};
+      return direct_run("broadcast", c10d::OpType::BROADCAST, {std::move(call)}, {t},
+                        op_timeout_ms(opts.timeout));
+    }
+  }
   if (tensors.size() == 1 && root >= 0 && root < size_ &&
-      on_plane({tensors[0]}, tensors[0].nbytes())) {
+      on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
     return staged("broadcast", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
@@ -340,11 +462,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
       const at::Tensor out = rank_ == root ? t : s.device_out(t);
       if (rank_ == root) s.keep(t);
       const bool is_root = rank_ == root;
-      return on_device(s, c10d::OpType::BROADCAST, {t},
-                       [t, out, dt, root, timeout, is_root](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor in = is_root ? t.contiguous() : t;
-                         c.broadcast(cptr(in), out.data_ptr(), elems(t), dt, root, st, timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::BROADCAST, {t},
+          [t, out, dt, root, timeout, is_root](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor in = is_root ? t.contiguous() : t;
+            c.broadcast(cptr(in), out.data_ptr(), elems(t), dt, root, st, timeout);
+          },
+          warm);
     });
   }
   return host_inout("broadcast", c10d::OpType::BROADCAST, tensors, "tensor",
@@ -353,19 +477,32 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
-  if (tensors.size() == 1 && direct_branch(tensors[0])) return direct_allreduce(tensors[0], opts);
-  if (tensors.size() == 1 && on_plane({tensors[0]}, tensors[0].nbytes())) {
+  std::optional<DirectOps::Op> warm;
+  if (tensors.size() == 1) {
+    const at::Tensor& t = tensors[0];
+    DirectOps::Op op = direct_op(DirectKind::kAllReduce, elems(t));
+    if (direct_branch(op, t)) warm = op;
+    if (warm && direct_now()) {
+      op.op = to_redop(opts.reduceOp, t, "all_reduce");
+      DirectCall call{op, t, t, {}, wrong_device("all_reduce", "tensor", device_, {t})};
+      return direct_run("all_reduce", c10d::OpType::ALLREDUCE, {std::move(call)}, {t},
+                        op_timeout_ms(opts.timeout));
+    }
+  }
+  if (tensors.size() == 1 && on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
     return staged("all_reduce", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
       const RedOp op = to_redop(opts.reduceOp, t, "all_reduce");
       const int64_t timeout = op_timeout_ms(opts.timeout);
       const at::Tensor out = s.device_out(t);
-      return on_device(s, c10d::OpType::ALLREDUCE, {t},
-                       [t, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor in = input_of(c, t);
-                         c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::ALLREDUCE, {t},
+          [t, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor in = input_of(c, t);
+            c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
+          },
+          warm);
     });
   }
   return host_inout("all_reduce", c10d::OpType::ALLREDUCE, tensors, "tensor",
@@ -374,6 +511,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  std::vector<DirectCall> calls;
+  for (const at::Tensor& t : tensors) {
+    DirectOps::Op op = direct_op(DirectKind::kAllReduce, elems(t));
+    if (!direct_branch(op, t) || !direct_now()) break;
+    op.op = to_redop(opts.reduceOp, t, "all_reduce_coalesced");
+    calls.push_back({op, t, t, {}, wrong_device("all_reduce_coalesced", "tensors", device_, {t})});
+  }
+  if (!tensors.empty() && calls.size() == tensors.size())
+    return direct_run("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, std::move(calls),
+                      tensors, op_timeout_ms(opts.timeout));
   size_t bytes = 0;
   for (const at::Tensor& t : tensors) bytes += t.defined() ? t.nbytes() : 0;
   if (!tensors.empty() && on_plane(tensors, bytes)) {
@@ -401,8 +548,24 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::ReduceOptions& opts) {
   const int root = static_cast<int>(opts.rootRank);
+  std::optional<DirectOps::Op> warm;
+  if (tensors.size() == 1 && root >= 0 && root < size_) {
+    const at::Tensor& t = tensors[0];
+    DirectOps::Op op = direct_op(DirectKind::kReduce, elems(t), root);
+    if (direct_branch(op, t)) warm = op;
+    if (warm && capturing()) {
+      op.op = to_redop(opts.reduceOp, t, "reduce");
+      DirectCall call{op,
+                      t,
+                      rank_ == root ? t : at::Tensor(),
+                      {},
+                      wrong_device("reduce", "tensor", device_, {t})};
+      return direct_run("reduce", c10d::OpType::REDUCE, {std::move(call)}, {t},
+                        op_timeout_ms(opts.timeout));
+    }
+  }
   if (tensors.size() == 1 && root >= 0 && root < size_ &&
-      on_plane({tensors[0]}, tensors[0].nbytes())) {
+      on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
     return staged("reduce", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
@@ -418,7 +581,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
             const at::Tensor in = is_root ? input_of(c, t) : t.contiguous();
             c.reduce(cptr(in), is_root ? out.data_ptr() : nullptr, elems(t), dt, op, root, st,
                      timeout);
-          });
+          },
+          warm);
     });
   }
   return host_inout("reduce", c10d::OpType::REDUCE, tensors, "tensor",
@@ -428,8 +592,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  std::optional<DirectOps::Op> warm;
+  if (inputs.size() == 1 && outputs.size() == 1 && list_fits(outputs[0], size_, inputs[0])) {
+    const at::Tensor& in = inputs[0];
+    DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
+    if (direct_branch(op, in)) warm = op;
+    if (warm && capturing()) {
+      std::vector<at::Tensor> all = outputs[0];
+      all.push_back(in);
+      DirectCall call{op, in, {}, outputs[0], wrong_device("all_gather", "tensor", device_, all)};
+      return direct_run("all_gather", c10d::OpType::ALLGATHER, {std::move(call)}, outputs[0],
+                        op_timeout_ms(opts.timeout));
+    }
+  }
   if (inputs.size() == 1 && outputs.size() == 1 &&
-      on_plane_list(inputs[0], outputs[0], inputs[0].nbytes())) {
+      on_plane_list(inputs[0], outputs[0], plane_bytes(warm, inputs[0].nbytes()))) {
     return staged("all_gather", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = inputs[0];
       const DType dt = to_dtype(in.scalar_type(), "all_gather", "tensor");
@@ -437,11 +614,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
       s.keep(in);
       std::vector<at::Tensor> outs;
       for (const at::Tensor& t : outputs[0]) outs.push_back(s.device_out(t));
-      return on_device(s, c10d::OpType::ALLGATHER, flat(outputs),
-                       [in, outs, dt, timeout](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor src = in.contiguous();
-                         c.all_gather(cptr(src), elems(in), dt, ptrs(outs).data(), st, timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::ALLGATHER, flat(outputs),
+          [in, outs, dt, timeout](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor src = in.contiguous();
+            c.all_gather(cptr(src), elems(in), dt, ptrs(outs).data(), st, timeout);
+          },
+          warm);
     });
   }
   return host_op("all_gather", c10d::OpType::ALLGATHER, flat(outputs), inputs, "tensor", outputs,
@@ -452,8 +631,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  std::optional<DirectOps::Op> warm;
   if (output.defined() && input.defined() && output.numel() == input.numel() * size_ &&
-      on_plane({input, output}, input.nbytes())) {
+      output.scalar_type() == input.scalar_type()) {
+    DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(input));
+    if (direct_branch(op, input)) warm = op;
+    if (warm && direct_now()) {
+      DirectCall call{op,
+                      input,
+                      output,
+                      {},
+                      wrong_device("all_gather_into_tensor", "tensors", device_, {input, output})};
+      return direct_run("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {std::move(call)},
+                        {output}, op_timeout_ms(opts.timeout));
+    }
+  }
+  if (output.defined() && input.defined() && output.numel() == input.numel() * size_ &&
+      on_plane({input, output}, plane_bytes(warm, input.nbytes()))) {
     return staged("all_gather_into_tensor", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = input;
       const DType dt = to_dtype(in.scalar_type(), "all_gather_into_tensor", "input_tensor");
@@ -461,12 +655,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
       s.keep(in);
       const at::Tensor out = s.device_out(output);
       const auto world = static_cast<size_t>(size_);
-      return on_device(s, c10d::OpType::_ALLGATHER_BASE, {output},
-                       [in, out, dt, timeout, world](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor src = in.contiguous();
-                         const auto outs = slices(out.data_ptr(), in.nbytes(), world);
-                         c.all_gather(cptr(src), elems(in), dt, outs.data(), st, timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::_ALLGATHER_BASE, {output},
+          [in, out, dt, timeout, world](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor src = in.contiguous();
+            const auto outs = slices(out.data_ptr(), in.nbytes(), world);
+            c.all_gather(cptr(src), elems(in), dt, outs.data(), st, timeout);
+          },
+          warm);
     });
   }
   return host_op("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output}, input,
@@ -478,9 +674,29 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  std::optional<DirectOps::Op> warm;
+  if (!inputs.empty() && outputs.size() == inputs.size()) {
+    std::vector<DirectCall> calls;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(inputs[i]));
+      if (!list_fits(outputs[i], size_, inputs[i]) || !direct_branch(op, inputs[i])) break;
+      if (!warm) warm = op;
+      std::vector<at::Tensor> all = outputs[i];
+      all.push_back(inputs[i]);
+      calls.push_back({op,
+                       inputs[i],
+                       {},
+                       outputs[i],
+                       wrong_device("all_gather_coalesced", "tensors", device_, all)});
+    }
+    if (calls.size() != inputs.size()) warm.reset();
+    if (warm && capturing())
+      return direct_run("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, std::move(calls),
+                        flat(outputs), op_timeout_ms(opts.timeout));
+  }
   bool plane = !inputs.empty() && outputs.size() == inputs.size();
   for (size_t i = 0; plane && i < inputs.size(); ++i)
-    plane = on_plane_list(inputs[i], outputs[i], inputs[i].nbytes());
+    plane = on_plane_list(inputs[i], outputs[i], plane_bytes(warm, inputs[i].nbytes()));
   if (plane) {
     // One device op per input, in order, on every rank: one Work.
     return staged("all_gather_coalesced", Kind::kCollective, [&](Staging& s) {
@@ -492,15 +708,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
         s.keep(inputs[i]);
         for (const at::Tensor& t : outputs[i]) outs[i].push_back(s.device_out(t));
       }
-      return on_device(s, c10d::OpType::ALLGATHER_COALESCED, flat(outputs),
-                       [ins = inputs, outs, dts, timeout = op_timeout_ms(opts.timeout)](
-                           DeviceCollectives& c, cudaStream_t st) {
-                         for (size_t i = 0; i < ins.size(); ++i) {
-                           const at::Tensor src = ins[i].contiguous();
-                           c.all_gather(cptr(src), elems(ins[i]), dts[i], ptrs(outs[i]).data(), st,
-                                        timeout);
-                         }
-                       });
+      return on_device(
+          s, c10d::OpType::ALLGATHER_COALESCED, flat(outputs),
+          [ins = inputs, outs, dts, timeout = op_timeout_ms(opts.timeout)](DeviceCollectives& c,
+                                                                           cudaStream_t st) {
+            for (size_t i = 0; i < ins.size(); ++i) {
+              const at::Tensor src = ins[i].contiguous();
+              c.all_gather(cptr(src), elems(ins[i]), dts[i], ptrs(outs[i]).data(), st, timeout);
+            }
+          },
+          warm);
     });
   }
   return host_op("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, flat(outputs), inputs,
@@ -512,6 +729,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (!inputs.empty() && outputs.size() == inputs.size()) {
+    std::vector<DirectCall> calls;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor &in = inputs[i], &out = outputs[i];
+      DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
+      if (!out.defined() || !in.defined() || out.numel() != in.numel() * size_ ||
+          out.scalar_type() != in.scalar_type() || !direct_branch(op, in) || !direct_now())
+        break;
+      calls.push_back(
+          {op, in, out, {}, wrong_device("all_gather_into_tensor", "tensors", device_, {in, out})});
+    }
+    if (calls.size() == inputs.size())
+      return direct_run("all_gather_into_tensor", c10d::OpType::COALESCED, std::move(calls),
+                        outputs, op_timeout_ms(opts.timeout));
+  }
   bool plane = !inputs.empty() && outputs.size() == inputs.size();
   for (size_t i = 0; plane && i < inputs.size(); ++i)
     plane = outputs[i].defined() && inputs[i].defined() &&
@@ -550,7 +782,31 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
   // not fit it is a bad call, which the staged path rejects on every rank.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  if (inputs.size() == 1 && on_plane_rooted(inputs[0], outputs, root)) {
+  std::optional<DirectOps::Op> warm;
+  if (inputs.size() == 1 && root >= 0 && root < size_) {
+    const at::Tensor& in = inputs[0];
+    DirectOps::Op op = direct_op(DirectKind::kGather, elems(in), root);
+    if (direct_branch(op, in)) warm = op;
+    if (warm && capturing()) {
+      // The root's list is its own: a bad one is rejected there, in step with the others.
+      std::vector<at::Tensor> all{in};
+      std::string reject;
+      if (is_root) {
+        if (outputs.size() != 1 || !list_fits(outputs[0], size_, in))
+          reject = str("gather: gather_list must hold ", size_, " tensors (the world size) of ",
+                       in.numel(), " elements of ", dtype_str(in.scalar_type()),
+                       " each (as the input tensor)");
+        else
+          all.insert(all.end(), outputs[0].begin(), outputs[0].end());
+      }
+      if (reject.empty()) reject = wrong_device("gather", "tensors", device_, all);
+      DirectCall call{
+          op, in, {}, reject.empty() && is_root ? outputs[0] : std::vector<at::Tensor>{}, reject};
+      return direct_run("gather", c10d::OpType::GATHER, {std::move(call)}, flat(outputs),
+                        op_timeout_ms(opts.timeout));
+    }
+  }
+  if (inputs.size() == 1 && on_plane_rooted(inputs[0], outputs, root, warm.has_value())) {
     return staged("gather", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = inputs[0];
       const DType dt = to_dtype(in.scalar_type(), "gather", "tensor");
@@ -559,13 +815,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
       std::vector<at::Tensor> outs;
       if (is_root)
         for (const at::Tensor& t : outputs[0]) outs.push_back(s.device_out(t));
-      return on_device(s, c10d::OpType::GATHER, flat(outputs),
-                       [in, outs, dt, root, timeout](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor src = in.contiguous();
-                         const auto to = ptrs(outs);
-                         c.gather(cptr(src), elems(in), dt, to.empty() ? nullptr : to.data(), root,
-                                  st, timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::GATHER, flat(outputs),
+          [in, outs, dt, root, timeout](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor src = in.contiguous();
+            const auto to = ptrs(outs);
+            c.gather(cptr(src), elems(in), dt, to.empty() ? nullptr : to.data(), root, st, timeout);
+          },
+          warm);
     });
   }
   return host_op("gather", c10d::OpType::GATHER, flat(outputs), inputs, "tensor", outputs,
@@ -579,7 +836,30 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
   // As gather: the path depends on the output alone.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  if (outputs.size() == 1 && on_plane_rooted(outputs[0], inputs, root)) {
+  std::optional<DirectOps::Op> warm;
+  if (outputs.size() == 1 && root >= 0 && root < size_) {
+    const at::Tensor& out = outputs[0];
+    DirectOps::Op op = direct_op(DirectKind::kScatter, elems(out), root);
+    if (direct_branch(op, out)) warm = op;
+    if (warm && capturing()) {
+      std::vector<at::Tensor> all{out};
+      std::string reject;
+      if (is_root) {
+        if (inputs.size() != 1 || !list_fits(inputs[0], size_, out))
+          reject = str("scatter: scatter_list must hold ", size_, " tensors (the world size) of ",
+                       out.numel(), " elements of ", dtype_str(out.scalar_type()),
+                       " each (as the output tensor)");
+        else
+          all.insert(all.end(), inputs[0].begin(), inputs[0].end());
+      }
+      if (reject.empty()) reject = wrong_device("scatter", "tensors", device_, all);
+      DirectCall call{
+          op, reject.empty() && is_root ? cat_flat(inputs[0]) : at::Tensor(), out, {}, reject};
+      return direct_run("scatter", c10d::OpType::SCATTER, {std::move(call)}, {out},
+                        op_timeout_ms(opts.timeout));
+    }
+  }
+  if (outputs.size() == 1 && on_plane_rooted(outputs[0], inputs, root, warm.has_value())) {
     return staged("scatter", Kind::kCollective, [&](Staging& s) {
       const at::Tensor user_out = outputs[0];
       const DType dt = to_dtype(user_out.scalar_type(), "scatter", "tensor");
@@ -591,17 +871,19 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
           ins.push_back(t);
         }
       const at::Tensor out = s.device_out(user_out);
-      return on_device(s, c10d::OpType::SCATTER, {user_out},
-                       [ins, out, dt, root, timeout](DeviceCollectives& c, cudaStream_t st) {
-                         std::vector<at::Tensor> srcs;  // kept until the op is done
-                         std::vector<const void*> from;
-                         for (const at::Tensor& t : ins) {
-                           srcs.push_back(t.contiguous());
-                           from.push_back(cptr(srcs.back()));
-                         }
-                         c.scatter(from.empty() ? nullptr : from.data(), out.data_ptr(), elems(out),
-                                   dt, root, st, timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::SCATTER, {user_out},
+          [ins, out, dt, root, timeout](DeviceCollectives& c, cudaStream_t st) {
+            std::vector<at::Tensor> srcs;  // kept until the op is done
+            std::vector<const void*> from;
+            for (const at::Tensor& t : ins) {
+              srcs.push_back(t.contiguous());
+              from.push_back(cptr(srcs.back()));
+            }
+            c.scatter(from.empty() ? nullptr : from.data(), out.data_ptr(), elems(out), dt, root,
+                      st, timeout);
+          },
+          warm);
     });
   }
   return host_op("scatter", c10d::OpType::SCATTER, outputs, inputs, "scatter_list", outputs,
@@ -612,8 +894,24 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  std::optional<DirectOps::Op> warm;
+  if (inputs.size() == 1 && outputs.size() == 1 && list_fits(inputs[0], size_, outputs[0])) {
+    const at::Tensor& out = outputs[0];
+    DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
+    if (direct_branch(op, out)) warm = op;
+    if (warm && capturing()) {
+      op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
+      std::vector<at::Tensor> all = inputs[0];
+      all.push_back(out);
+      std::string reject = wrong_device("reduce_scatter", "tensors", device_, all);
+      DirectCall call{op, reject.empty() ? cat_flat(inputs[0]) : at::Tensor(), out, {}, reject};
+      return direct_run("reduce_scatter", c10d::OpType::REDUCE_SCATTER, {std::move(call)}, {out},
+                        op_timeout_ms(opts.timeout));
+    }
+  }
   if (inputs.size() == 1 && outputs.size() == 1 &&
-      on_plane_list(outputs[0], inputs[0], outputs[0].nbytes() * inputs[0].size())) {
+      on_plane_list(outputs[0], inputs[0],
+                    plane_bytes(warm, outputs[0].nbytes() * inputs[0].size()))) {
     return staged("reduce_scatter", Kind::kCollective, [&](Staging& s) {
       std::vector<at::Tensor> ins = inputs[0];
       const at::Tensor user_out = outputs[0];
@@ -622,15 +920,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
       const int64_t timeout = op_timeout_ms(opts.timeout);
       for (const at::Tensor& t : ins) s.keep(t);
       const at::Tensor out = s.device_out(user_out);
-      return on_device(s, c10d::OpType::REDUCE_SCATTER, {user_out},
-                       [ins, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
-                         std::vector<at::Tensor> srcs;
-                         for (const at::Tensor& t : ins) srcs.push_back(t.contiguous());
-                         std::vector<const void*> from;
-                         for (const at::Tensor& t : srcs) from.push_back(cptr(t));
-                         c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st,
-                                          timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::REDUCE_SCATTER, {user_out},
+          [ins, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
+            std::vector<at::Tensor> srcs;
+            for (const at::Tensor& t : ins) srcs.push_back(t.contiguous());
+            std::vector<const void*> from;
+            for (const at::Tensor& t : srcs) from.push_back(cptr(t));
+            c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st, timeout);
+          },
+          warm);
     });
   }
   return host_op("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, inputs, "input_list",
@@ -641,8 +940,24 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  std::optional<DirectOps::Op> warm;
   if (output.defined() && input.defined() && input.numel() == output.numel() * size_ &&
-      on_plane({input, output}, input.nbytes())) {
+      output.scalar_type() == input.scalar_type()) {
+    DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(output));
+    if (direct_branch(op, output)) warm = op;
+    if (warm && direct_now()) {
+      op.op = to_redop(opts.reduceOp, output, "reduce_scatter_tensor");
+      DirectCall call{op,
+                      input,
+                      output,
+                      {},
+                      wrong_device("reduce_scatter_tensor", "tensors", device_, {input, output})};
+      return direct_run("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE,
+                        {std::move(call)}, {output}, op_timeout_ms(opts.timeout));
+    }
+  }
+  if (output.defined() && input.defined() && input.numel() == output.numel() * size_ &&
+      on_plane({input, output}, plane_bytes(warm, input.nbytes()))) {
     return staged("reduce_scatter_tensor", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = input;
       const DType dt = to_dtype(in.scalar_type(), "reduce_scatter_tensor", "input");
@@ -651,14 +966,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
       s.keep(in);
       const at::Tensor out = s.device_out(output);
       const auto world = static_cast<size_t>(size_);
-      return on_device(s, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                       [in, out, dt, op, timeout, world](DeviceCollectives& c, cudaStream_t st) {
-                         const at::Tensor src = in.contiguous();
-                         const auto parts = slices(src.data_ptr(), out.nbytes(), world);
-                         std::vector<const void*> from(parts.begin(), parts.end());
-                         c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st,
-                                          timeout);
-                       });
+      return on_device(
+          s, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+          [in, out, dt, op, timeout, world](DeviceCollectives& c, cudaStream_t st) {
+            const at::Tensor src = in.contiguous();
+            const auto parts = slices(src.data_ptr(), out.nbytes(), world);
+            std::vector<const void*> from(parts.begin(), parts.end());
+            c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st, timeout);
+          },
+          warm);
     });
   }
   return host_op("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output}, input,
@@ -670,6 +986,22 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (!inputs.empty() && outputs.size() == inputs.size()) {
+    std::vector<DirectCall> calls;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const at::Tensor &in = inputs[i], &out = outputs[i];
+      DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
+      if (!out.defined() || !in.defined() || in.numel() != out.numel() * size_ ||
+          out.scalar_type() != in.scalar_type() || !direct_branch(op, out) || !direct_now())
+        break;
+      op.op = to_redop(opts.reduceOp, out, "reduce_scatter_tensor");
+      calls.push_back(
+          {op, in, out, {}, wrong_device("reduce_scatter_tensor", "tensors", device_, {in, out})});
+    }
+    if (calls.size() == inputs.size())
+      return direct_run("reduce_scatter_tensor", c10d::OpType::COALESCED, std::move(calls), outputs,
+                        op_timeout_ms(opts.timeout));
+  }
   bool plane = !inputs.empty() && outputs.size() == inputs.size();
   for (size_t i = 0; plane && i < inputs.size(); ++i)
     plane = outputs[i].defined() && inputs[i].defined() &&
@@ -743,6 +1075,33 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
   // plane must not depend on sizes: it does whenever the plane serves the
   // group, for split lists of the world size (longer ones, which reach ranks
   // that joined past it, are staged).
+  // Without split sizes every rank's parts are equal, so every rank agrees on
+  // the device-driven kernels; with them, parts may differ between ranks, so
+  // they take the kernels only under CUDA graph capture and when they are
+  // equal (as functional collectives pass them), and otherwise the device
+  // plane (or staging).
+  const bool no_splits = input_split_sizes.empty() && output_split_sizes.empty();
+  if (input.defined() && output.defined() && input.numel() == output.numel() &&
+      input.numel() % size_ == 0 && input.scalar_type() == output.scalar_type() &&
+      (no_splits || (capturing() && equal_splits(input, input_split_sizes, size_) &&
+                     equal_splits(output, output_split_sizes, size_)))) {
+    DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(input) / static_cast<size_t>(size_));
+    if (direct_branch(op, input) && direct_now()) {
+      DirectCall call{op,
+                      input,
+                      output,
+                      {},
+                      wrong_device("all_to_all_single", "tensors", device_, {input, output})};
+      return direct_run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {std::move(call)},
+                        {output}, op_timeout_ms(opts.timeout));
+    }
+  }
+  MC_CHECK_ARG(!capturing() || no_splits ||
+                   (equal_splits(input, input_split_sizes, size_) &&
+                    equal_splits(output, output_split_sizes, size_)),
+               "all_to_all_single under CUDA graph capture: split sizes must be equal (or "
+               "none: equal parts, the input's numel divisible by the world size); parts of "
+               "other sizes are not capturable");
   const auto world = static_cast<size_t>(size_);
   if (input_split_sizes.size() <= world && output_split_sizes.size() <= world &&
       on_plane({input, output}, std::nullopt)) {
@@ -764,7 +1123,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllToAllOptions& opts) {
-  // As all_to_all_single: sizes differ between ranks, so any size takes the plane.
+  // Parts may differ in size between ranks, so eager calls take the device
+  // plane at any size. Under CUDA graph capture, equal parts take the
+  // device-driven kernels (every rank must pass parts of one size).
+  if (capturing() && !inputs.empty() && inputs.size() == static_cast<size_t>(size_) &&
+      list_fits(inputs, inputs.size(), inputs[0]) && list_fits(outputs, inputs.size(), inputs[0])) {
+    DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(inputs[0]));
+    if (direct_branch(op, inputs[0])) {
+      std::vector<at::Tensor> all = inputs;
+      all.insert(all.end(), outputs.begin(), outputs.end());
+      std::string reject = wrong_device("all_to_all", "tensors", device_, all);
+      DirectCall call{op, reject.empty() ? cat_flat(inputs) : at::Tensor(), {}, outputs, reject};
+      return direct_run("all_to_all", c10d::OpType::ALLTOALL, {std::move(call)}, outputs,
+                        op_timeout_ms(opts.timeout));
+    }
+  }
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
   if (inputs.size() == static_cast<size_t>(size_) && outputs.size() == inputs.size() &&

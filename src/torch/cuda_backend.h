@@ -2,24 +2,28 @@
 // handling and membership for CUDA tensors (and, unchanged, for CPU tensors,
 // so one group serves both).
 //
-// Data path: when every rank runs on this host, all_reduce of one tensor up
-// to MOONCAKE_CUDA_ALLREDUCE_BYTES takes the device-driven kernel
-// (device/direct_all_reduce.h): launched on the caller's current stream, with
-// no host round and no host wait, so that it can be captured in a CUDA graph
-// (the only op that can: the others raise ValueError under capture). Its
-// first call, and the first after a membership change, sets it up with a
-// host op among the members (through the op queue); after that a call goes
-// straight to the GPU, unless an op of this backend queued before it has not
-// finished its host part yet (then it waits its turn in the op queue, on the
-// backend's stream, as every other op does). Otherwise, all_reduce, broadcast,
-// all_gather and reduce_scatter (tensor and list forms) whose bytes the
-// device collectives serve (device/collectives.h: between
-// MOONCAKE_CUDA_PLANE_MIN_BYTES and MOONCAKE_CUDA_SEGMENT_BYTES), and every
-// all_to_all_single and all_to_all, run there: GPU to GPU through mapped
-// segments, with the same failure handling. List forms take it with one
-// tensor per rank of the world (longer lists reach ranks that joined past
-// it and are staged), so every rank of such an op must pass lists of the
-// same length.
+// Data path: when every rank runs on this host, a collective whose input
+// at the root (every part of it) is at most MOONCAKE_CUDA_DIRECT_BYTES can
+// take the device-driven kernels (device/direct_ops.h): launched on the
+// caller's current stream, with no host round and no host wait, so that it
+// can be captured in a CUDA graph. all_reduce, all_gather_into_tensor,
+// reduce_scatter_tensor, all_to_all_single without split sizes and their
+// coalesced forms take them eagerly too; the rooted ops, the list forms and
+// all_to_all_single with equal split sizes only under capture (see
+// cuda_backend.cc for why). Under capture an op they cannot serve raises
+// ValueError: point-to-point ops, barrier, uneven all_to_all, ops larger than
+// that or in a group that spans hosts. Their first call, and the first after
+// a membership change, sets them up with a host op among the members
+// (through the op queue); after that a call goes straight to the GPU, unless
+// an op of this backend queued before it has not finished its host part yet
+// (then it waits its turn in the op queue, on the backend's stream, as every
+// other op does). The other collectives run on the device collectives
+// (device/collectives.h: from MOONCAKE_CUDA_PLANE_MIN_BYTES up, or any size
+// where the kernels could serve them, through the segment in pieces): GPU to
+// GPU through mapped segments, with the host's failure handling. List forms
+// take either with one tensor per rank of the world (longer lists reach
+// ranks that joined past it and are staged), so every rank of such an op
+// must pass lists of the same length.
 //
 // Every other op is staged through pinned host memory on a stream of the
 // backend's own, around the host op (cuda_staging.h):
@@ -41,6 +45,7 @@
 #include <atomic>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -52,6 +57,19 @@ namespace mooncake {
 
 class Staging;
 struct StagedOp;
+
+// One op on the device-driven kernels: its kind, count, reduce op and root
+// (`op`; in and out are filled in when it runs); this rank's input, every
+// part (undefined: none); its output, every part, or a list form's `outs`,
+// one tensor per part (neither: none); and `reject` (not empty: this rank's
+// call is bad: it takes part without data, so that the ranks stay in step,
+// then raises ValueError with it).
+struct DirectCall {
+  DirectOps::Op op;
+  at::Tensor in, out;
+  std::vector<at::Tensor> outs;
+  std::string reject;
+};
 
 class MooncakeCudaBackend final : public MooncakeBackend {
  public:
@@ -117,7 +135,7 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // CUDA-tensor ops so far that ran on the device plane and that were staged
   // through host memory: tests assert which path served them.
   std::pair<int64_t, int64_t> op_paths() const { return {device_ops_.load(), staged_ops_.load()}; }
-  // Of the device plane's ops, those that ran as the device-driven all_reduce
+  // Of the device plane's ops, those that ran on the device-driven kernels
   // (a captured one is counted once, when captured).
   int64_t direct_ops() const { return direct_ops_.load(); }
 
@@ -160,23 +178,44 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // The same for gather/scatter: `one` (the input, or the output) decides on every rank;
   // the root's `lists` (one list of a tensor per rank) must fit it too, or the root's
   // call is a bad one, which the staged path rejects on every rank.
+  // any_size: as on_plane's `bytes` nullopt.
   bool on_plane_rooted(const at::Tensor& one, const std::vector<std::vector<at::Tensor>>& lists,
-                       int root);
+                       int root, bool any_size = false);
   // Counts a staged op when it moves CUDA tensors (CPU tensors are not staged).
   void count_staged(bool cuda) {
     if (cuda) ++staged_ops_;
   }
   // Runs `move(collectives, stream)` on the op thread, on the staging stream
   // (after the caller's stream has reached the op), and returns its Work.
+  // `warm`: an op the device-driven kernels serve (a list form, which takes
+  // them under capture only): they are set up first where they are not, so
+  // that the op's eager warm-up readies its capture.
   template <typename Move>
   c10::intrusive_ptr<c10d::Work> on_device(Staging& s, c10d::OpType type,
-                                           std::vector<at::Tensor> results, Move move);
-  // Whether all_reduce of `t` takes the device-driven kernel: the same answer
-  // on every rank of the op (dtype, size, the group), whatever t's device is
-  // (a CUDA tensor on another device is rejected there, in step with the others).
-  bool direct_branch(const at::Tensor& t);
-  c10::intrusive_ptr<c10d::Work> direct_allreduce(const at::Tensor& t,
-                                                  const c10d::AllreduceOptions& opts);
+                                           std::vector<at::Tensor> results, Move move,
+                                           std::optional<DirectOps::Op> warm = std::nullopt);
+  // Whether `op` takes the device-driven kernels, decided from `t` (a tensor
+  // of the op every rank holds with the same dtype and element count), and
+  // `op`'s dtype set from it: the same answer on every rank of the op,
+  // whatever t's device is (a CUDA tensor on another device is rejected when
+  // the op runs, in step with the others).
+  bool direct_branch(DirectOps::Op& op, const at::Tensor& t);
+  // Runs `calls` in order as one op `name` of `type` whose Work reports
+  // `results`: on the caller's stream at once where the kernels are set up
+  // (and always under CUDA graph capture), else through the op queue (where
+  // the first call sets them up with a host op).
+  c10::intrusive_ptr<c10d::Work> direct_run(const char* name, c10d::OpType type,
+                                            std::vector<DirectCall> calls,
+                                            std::vector<at::Tensor> results, int64_t timeout);
+  // Whether the caller's current stream is capturing a CUDA graph.
+  bool capturing() const;
+  // Whether an op the kernels serve takes them now, where it may also take
+  // the device plane: under capture, and eagerly when the group re-runs its
+  // ops among the survivors of a failure (the default), whose results the
+  // kernels give. A group whose ops fail instead (auto_deactivate_on_failure
+  // or auto_sync_on_failure False, MOONCAKE_RECOVER=0) takes the plane
+  // eagerly, which raises PeerFailedError.
+  bool direct_now() const;
   // Whether the collective this backend queued last has finished its host
   // part, its results' copies queued (then a launch on the caller's stream
   // goes in order with it, once the stream waits for those: join_queued).

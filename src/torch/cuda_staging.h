@@ -175,8 +175,8 @@ class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// The Work of an op launched on the caller's current stream (the
-// device-driven all_reduce, outside the op queue): the host's part is done
+// The Work of an op launched on the caller's current stream (on the
+// device-driven kernels, outside the op queue): the host's part is done
 // when it is returned; the device's is ordered on that stream like any kernel
 // the caller queued there. Under CUDA graph capture it is part of the graph:
 // wait() does nothing then, and the future is completed on the host.
@@ -367,9 +367,11 @@ class Staging {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cuda_check(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
     MC_CHECK_ARG(capture == cudaStreamCaptureStatusNone, op_,
-                 ": cannot run under CUDA graph capture: of backend mooncake's ops only "
-                 "all_reduce (one CUDA tensor, on the device-driven path) can be captured; "
-                 "call it outside the captured region");
+                 ": cannot run under CUDA graph capture: of backend mooncake's ops, the "
+                 "collectives its device-driven kernels serve can be captured (every rank on "
+                 "one host, inputs up to MOONCAKE_CUDA_DIRECT_BYTES, all_to_all with parts of "
+                 "one size); point-to-point ops, barrier and larger collectives cannot; call it "
+                 "outside the captured region");
     auto ready = make_event(false);
     ready->record(caller);
     ready->block(*b_.stream_);

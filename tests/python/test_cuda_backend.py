@@ -9,15 +9,22 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
 * coalescing blocks, ``batch_isend_irecv``, functional collectives, p2p (also
   from any source) on CUDA tensors;
 * one group serves CPU tensors too; ``active_ranks`` is a CUDA int32 tensor;
-* which path served an op (``pg.get_op_paths``): the device plane where it should;
-* the device-driven all_reduce: one-shot and two-shot equal to the host-driven paths bit
-  for bit; captured in a CUDA graph and replayed with new inputs, equal to eager calls;
-  which ops can be captured, and that capture needs one eager call first; and, in a
-  launch of its own (``test_graph_replay_masks_a_killed_rank``), a rank killed between
-  replays: the survivors' replays finish at once and cover the others;
+* which path served an op (``pg.get_op_paths``): the device-driven kernels, the device
+  plane or the staged path, each where it should;
+* the device-driven kernels (up to ``MOONCAKE_CUDA_DIRECT_BYTES``: eagerly all_reduce,
+  all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes
+  and their coalesced forms; under CUDA graph capture the rooted ops, the list forms and
+  all_to_all_single with equal split sizes too, which eagerly take the device plane at
+  any size): all_reduce one-shot and two-shot, and every other op, equal to the
+  host-driven paths (a ``MOONCAKE_CUDA_DIRECT=off`` group) and the reference bit for bit;
+  one graph of every capturable op replayed with new inputs; which ops cannot be
+  captured, and that capture needs one eager call first; and, in a launch of its own
+  (``test_graph_replay_masks_a_killed_rank``), a rank killed between replays: the
+  survivors' replays finish at once and cover the others;
 * bad input (CPU and CUDA tensors mixed, split sizes that disagree between ranks, an op
   under CUDA graph capture that cannot be captured) raises ValueError naming the argument
-  on every rank, and the group goes on;
+  on every rank (on the device-driven kernels, on the rank that made the bad call, whose
+  part the others find zero-filled), and the group goes on;
 * ranks on different GPUs of one host (``test_cuda_backend_multi_gpu``, marked
   ``multi_gpu``: it needs 2 GPUs): the op matrix and the plane's cases again, every op on
   the plane, and a tensor on another GPU than its rank's rejected.
@@ -141,10 +148,9 @@ def coalesced(ctx, async_ops):
 
 
 def _garbage(shape, dtype) -> torch.Tensor:
-    """An output that no right answer equals: NaN, or -77 for integers."""
-    return torch.full(
-        shape, float("nan") if dtype.is_floating_point else -77, dtype=dtype, device="cuda"
-    )
+    """An output that no right answer equals: NaN, or -77 for integers (177 unsigned)."""
+    value = float("nan") if dtype.is_floating_point else -77 if dtype.is_signed else 177
+    return torch.full(shape, value, dtype=dtype, device="cuda")
 
 
 def _coalesced_rest(ctx):
@@ -258,19 +264,35 @@ def _usable(ctx, what):
 
 def bad_input(ctx):
     """Mixed CPU/CUDA tensors raise ValueError naming the argument on every rank; so does
-    one rank's bad call (the others' errors name that rank). The group goes on. (A tensor on
-    another GPU than the rank's is rejected the same way: ``other_gpu``, with 2 GPUs.)"""
-    world = ctx.world_size
+    one rank's bad call of a list form (its host round checks every rank's call: the
+    others' errors name that rank). One rank's bad call of a tensor form, which the
+    device-driven kernels serve (no host round): that rank raises, naming the argument, after
+    taking part without data; the others' op completes with its part zero-filled. The group
+    goes on. (A tensor on another GPU than the rank's is rejected the same way:
+    ``other_gpu``, with 2 GPUs.)"""
+    world, me = ctx.world_size, ctx.rank
     x = torch.ones(4, device="cuda")
     with ctx.expect_raises(ValueError, "all_gather_into_tensor", "input_tensor", "cpu"):
         dist.all_gather_into_tensor(torch.empty(4 * world, device="cuda"), torch.ones(4))
     _usable(ctx, "mixed devices")
     if world > 1:
-        bad = ctx.rank == 0
+        bad = me == 0
         out = [torch.empty(4) if bad else torch.empty(4, device="cuda") for _ in range(world)]
         with ctx.expect_raises(ValueError, ("tensor_list", "rank 0")):
             dist.all_gather(out, x)
         _usable(ctx, "one rank's bad call")
+    # Rank 0's output on the CPU: the op is decided from the input (on the GPU everywhere).
+    y = torch.full((4,), float(me + 1), device="cuda")
+    if me == 0:
+        with ctx.expect_raises(ValueError, "all_gather_into_tensor", "tensors", "cpu"):
+            dist.all_gather_into_tensor(torch.empty(4 * world), y)
+    else:
+        out = _garbage((4 * world,), torch.float32)
+        got = _paths(lambda: dist.all_gather_into_tensor(out, y), direct=True)
+        ctx.expect(got == DIRECT, f"all_gather_into_tensor beside a bad call: {got}")
+        want = torch.cat([torch.zeros(4), *(torch.full((4,), r + 1.0) for r in range(1, world))])
+        ctx.expect_equal(out.cpu(), want, "all_gather_into_tensor beside rank 0's bad call")
+    _usable(ctx, "one rank's bad call on the device-driven kernels")
 
 
 def split_mismatch(ctx):
@@ -289,28 +311,44 @@ def split_mismatch(ctx):
 
 def subgroup(ctx):
     """A subgroup of the even ranks (its own device segments, mapped among its members) and
-    the world group, used in turn; 128 KiB tensors, which take the device plane."""
+    the world group, used in turn; 128 KiB all_reduce, on the device-driven kernels of each
+    (set up per group); and a 128 KiB gather on the subgroup's device plane."""
     world, n = ctx.world_size, 1 << 15
     ranks = list(range(0, world, 2))
     g = dist.new_group(ranks)
     for i in range(2):
         x = torch.full((n,), float(ctx.rank + 1), device="cuda")
         if ctx.rank in ranks:
-            got = _paths(lambda x=x: dist.all_reduce(x, group=g), g)
-            ctx.expect(got == (1, 0), f"subgroup all_reduce {i}: (device, staged) {got}")
+            got = _paths(lambda x=x: dist.all_reduce(x, group=g), g, direct=True)
+            ctx.expect(got == DIRECT, f"subgroup all_reduce {i}: (device, staged, direct) {got}")
             want = float(sum(r + 1 for r in ranks))
             ctx.expect(bool((x == want).all()), f"subgroup all_reduce {i}: {x[0].item()}")
+            parts = [_garbage((n,), torch.float32) for _ in ranks] if ctx.rank == 0 else None
+            got = _paths(lambda x=x, p=parts: dist.gather(x, p, dst=0, group=g), g, direct=True)
+            ctx.expect(got == PLANE, f"subgroup gather {i}: (device, staged, direct) {got}")
+            for j, p in enumerate(parts or []):
+                ctx.expect(bool((p == want).all()), f"subgroup gather {i} [{j}]: {p[0].item()}")
         y = torch.full((n,), float(ctx.rank + 1), device="cuda")
-        got = _paths(lambda y=y: dist.all_reduce(y))
-        ctx.expect(got == (1, 0), f"world all_reduce {i}: (device, staged) {got}")
+        got = _paths(lambda y=y: dist.all_reduce(y), direct=True)
+        ctx.expect(got == DIRECT, f"world all_reduce {i}: (device, staged, direct) {got}")
         want = world * (world + 1) / 2
         ctx.expect(bool((y == want).all()), f"world all_reduce {i}: {y[0].item()}")
     dist.destroy_process_group(g)
 
 
+#: What ``_paths(..., direct=True)`` gives for one op on CUDA tensors: (device, staged,
+#: direct) on the device-driven kernels (a coalesced call of N tensors: (1, 0, N)), on the
+#: host-driven device plane, and staged through host memory.
+DIRECT, PLANE, STAGED = (1, 0, 1), (1, 0, 0), (0, 1, 0)
+#: The default MOONCAKE_CUDA_DIRECT_BYTES: the largest input (at the root, every part of it)
+#: the device-driven kernels serve.
+DIRECT_BYTES = 8 << 20
+
+
 def _paths(fn, group=None, direct: bool = False) -> tuple[int, ...]:
     """(device, staged) ops that ``fn`` issued on ``group``, from pg.get_op_paths; with
-    ``direct``, (device, staged, direct): direct counts the device-driven all_reduce."""
+    ``direct``, (device, staged, direct): direct counts the device plane's ops that ran on
+    the device-driven kernels (each tensor of a coalesced call)."""
     from mooncake import pg
 
     before = pg.get_op_paths(group)
@@ -322,29 +360,72 @@ def _paths(fn, group=None, direct: bool = False) -> tuple[int, ...]:
 
 
 def op_paths(ctx):
-    """Which path served each op, asserted (the plane must not be bypassed silently):
-    128 KiB and 4 KiB all_reduce on the device-driven kernel and all_gather_into_tensor
-    on the device plane at every launch; gather, scatter and reduce on the plane too; CPU
-    tensors in the same group counted as neither."""
-    world, n = ctx.world_size, 1 << 15
+    """Which path served each op, asserted (no path may be bypassed silently). On the
+    device-driven kernels, at any size up to MOONCAKE_CUDA_DIRECT_BYTES (4 KiB, below
+    MOONCAKE_CUDA_PLANE_MIN_BYTES, and 128 KiB): all_reduce, all_gather_into_tensor,
+    reduce_scatter_tensor, all_to_all_single without split sizes, all_reduce_coalesced
+    (one device op, a direct op per tensor), and a reduce_scatter_tensor whose whole input
+    is 8 MiB. On the device plane at any size, also below MOONCAKE_CUDA_PLANE_MIN_BYTES
+    (the kernels serve them under capture only; the eager call sets them up): broadcast,
+    reduce, gather, scatter (4 KiB and 128 KiB), all_gather, all_gather_coalesced,
+    reduce_scatter at 4 KiB; all_to_all_single with split sizes and all_to_all at any size;
+    a reduce_scatter_tensor whose whole input is 4 bytes per rank past 8 MiB (the bound
+    counts every part). CPU tensors in the same group counted as none."""
+    world, me, last, n = ctx.world_size, ctx.rank, ctx.world_size - 1, 1 << 15
+
+    def expect(what, fn, want):
+        got = _paths(fn, direct=True)
+        ctx.expect(got == want, f"{what}: (device, staged, direct) {got}, want {want}")
+
     x = torch.ones(n, device="cuda")
     out = torch.empty(world * n, device="cuda")
-    got = _paths(lambda: dist.all_reduce(x), direct=True)
-    ctx.expect(got == (1, 0, 1), f"128 KiB all_reduce: (device, staged, direct) {got}")
-    got = _paths(lambda: dist.all_gather_into_tensor(out, x), direct=True)
-    ctx.expect(got == (1, 0, 0), f"128 KiB all_gather_into_tensor: {got}")
+    expect("128 KiB all_reduce", lambda: dist.all_reduce(x), DIRECT)
+    expect("128 KiB all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, x), DIRECT)
+    expect("128 KiB reduce", lambda: dist.reduce(x, dst=last), PLANE)
+    expect("128 KiB broadcast", lambda: dist.broadcast(x, 0), PLANE)
     small = torch.ones(1024, device="cuda")
-    got = _paths(lambda: dist.all_reduce(small), direct=True)
-    ctx.expect(got == (1, 0, 1), f"4 KiB all_reduce: {got}")
-    parts = [torch.empty(n, device="cuda") for _ in range(world)] if ctx.rank == 0 else None
-    got = _paths(lambda: dist.gather(x, parts, dst=0))
-    ctx.expect(got == (1, 0), f"gather: {got}")
-    got = _paths(lambda: dist.scatter(x, [p.clone() for p in parts] if parts else None, src=0))
-    ctx.expect(got == (1, 0), f"scatter: {got}")
-    got = _paths(lambda: dist.reduce(x, dst=world - 1))
-    ctx.expect(got == (1, 0), f"reduce: {got}")
-    got = _paths(lambda: dist.all_reduce(torch.ones(n)))
-    ctx.expect(got == (0, 0), f"CPU all_reduce: {got}")
+    expect("4 KiB all_reduce", lambda: dist.all_reduce(small), DIRECT)
+    expect("4 KiB broadcast", lambda: dist.broadcast(small, last), PLANE)
+    expect("4 KiB reduce", lambda: dist.reduce(small, dst=0), PLANE)
+    m = 1024 // world
+    rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
+    expect("4 KiB reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, rs_in), DIRECT)
+    a2a_out = torch.empty(world * m, device="cuda")
+    expect("4 KiB all_to_all_single", lambda: dist.all_to_all_single(a2a_out, rs_in), DIRECT)
+    splits = [m] * world
+    expect(
+        "4 KiB all_to_all_single with split sizes",
+        lambda: dist.all_to_all_single(a2a_out, rs_in, splits, splits),
+        PLANE,
+    )
+    three = [torch.ones(256, device="cuda") for _ in range(3)]
+    expect("all_reduce_coalesced of 3", lambda: dist.all_reduce_coalesced(three), (1, 0, 3))
+    for label, t in (("128 KiB", x), ("4 KiB", small)):
+        parts = [torch.empty_like(t) for _ in range(world)] if me == 0 else None
+        expect(f"{label} gather", lambda t=t, p=parts: dist.gather(t, p, dst=0), PLANE)
+        chunks = [p.clone() for p in parts] if parts else None
+        expect(f"{label} scatter", lambda t=t, c=chunks: dist.scatter(t, c, src=0), PLANE)
+    listed = [torch.empty(1024, device="cuda") for _ in range(world)]
+    expect("4 KiB all_gather", lambda: dist.all_gather(listed, small), PLANE)
+    lists = [[torch.empty(1024, device="cuda") for _ in range(world)]]
+    expect("4 KiB all_gather_coalesced", lambda: dist.all_gather_coalesced(lists, [small]), PLANE)
+    expect("4 KiB reduce_scatter", lambda: dist.reduce_scatter(small, listed), PLANE)
+    parts = [torch.ones(m, device="cuda") for _ in range(world)]
+    got_parts = [torch.empty(m, device="cuda") for _ in range(world)]
+    expect("4 KiB all_to_all", lambda: dist.all_to_all(got_parts, parts), PLANE)
+    for label, k, want in (("8 MiB", 0, DIRECT), ("8 MiB + 4 bytes per rank", 1, PLANE)):
+        m = DIRECT_BYTES // 4 // world + k
+        big_in = torch.full((world * m,), float(me + 1), device="cuda")
+        big_out = _garbage((m,), torch.float32)
+        expect(
+            f"reduce_scatter_tensor of {label} of input",
+            lambda i=big_in, o=big_out: dist.reduce_scatter_tensor(o, i),
+            want,
+        )
+        total = world * (world + 1) / 2
+        ctx.expect(bool((big_out == total).all()), f"reduce_scatter_tensor of {label}")
+        del big_in, big_out
+    expect("CPU all_reduce", lambda: dist.all_reduce(torch.ones(n)), (0, 0, 0))
 
 
 def _capture_raises(ctx, fn, *match) -> None:
@@ -377,32 +458,152 @@ def _group_with(env: dict[str, str]):
                 os.environ[k] = v
 
 
+#: Words of the staged path's refusal under CUDA graph capture (cuda_staging.h).
+NOT_CAPTURABLE = "cannot run under cuda graph capture"
+
+
 def graph_capture(ctx):
-    """Under CUDA graph capture: an op other than all_reduce raises ValueError naming the
-    ops that can be captured; so does all_reduce on a group whose device-driven path was
-    never set up (one eager call first sets it up, and capture then works), and on a group
-    where MOONCAKE_CUDA_ALLREDUCE=host turns that path off. The groups go on."""
+    """Under CUDA graph capture, what cannot be captured raises ValueError saying why, and
+    the group goes on: barrier, send and recv (point-to-point); all_to_all_single with
+    split sizes that are not all equal; all_to_all whose parts differ in size; on a group
+    made with MOONCAKE_CUDA_DIRECT_BYTES=4096, an all_reduce of 4 KiB + 4 bytes, and a
+    reduce_scatter_tensor whose output part is far smaller but whose whole input is past
+    4 KiB (the bound counts every part; eagerly both take the host-driven paths, and a 4 KiB
+    all_reduce is captured and replayed there); any collective on a group made with
+    MOONCAKE_CUDA_DIRECT=off; and a collective on a group whose device-driven kernels were
+    never set up (an eager all_to_all_single with split sizes, on the device plane, does
+    not set them up; one eager broadcast, on the device plane too, does, and a captured
+    broadcast then replays; on another group a 4 KiB eager all_gather on the device plane
+    does, and a captured all_gather replays). all_to_all_single with equal split sizes (as
+    torch's functional collectives pass them) is captured and replays. Every collective the
+    kernels serve is capturable: ``graph_replay`` captures them all."""
+    world, me, last = ctx.world_size, ctx.rank, ctx.world_size - 1
+    _usable(ctx, "nothing")  # sets the world group's kernels up (this case may run first)
     x = torch.ones(4, device="cuda")
-    _capture_raises(ctx, lambda: dist.broadcast(x, 0), "graph capture", "all_reduce")
-    _usable(ctx, "a broadcast under graph capture")
-    fresh = _group_with({})
-    _capture_raises(
-        ctx, lambda: dist.all_reduce(x, group=fresh), "graph capture", "outside the captured"
-    )
-    y = torch.ones(4, device="cuda")
-    dist.all_reduce(y, group=fresh)  # sets it up
+    _capture_raises(ctx, dist.barrier, "barrier", NOT_CAPTURABLE, "point-to-point ops, barrier")
+    _usable(ctx, "a barrier under graph capture")
+    if world > 1:
+        nxt, prv = (me + 1) % world, (me - 1) % world
+        for name, fn in (("send", lambda: dist.send(x, nxt)), ("recv", lambda: dist.recv(x, prv))):
+            _capture_raises(ctx, fn, name, NOT_CAPTURABLE, "point-to-point")
+        _usable(ctx, "send and recv under graph capture")
+    ins, out = torch.ones(world * 2, device="cuda"), torch.empty(world * 2, device="cuda")
+    if world > 1:  # every rank sends rank 0 one element, rank 1 three, the others two
+        splits = [1 if d == 0 else 3 if d == 1 else 2 for d in range(world)]
+        _capture_raises(
+            ctx,
+            lambda: dist.all_to_all_single(out, ins, splits, splits),
+            "all_to_all_single",
+            "split sizes must be equal",
+        )
+        _usable(ctx, "all_to_all_single with unequal split sizes under graph capture")
+    mine = torch.full((world * 2,), float(me + 1), device="cuda")
+    got_a2a = _garbage((world * 2,), torch.float32)
+    g = torch.cuda.CUDAGraph()
+
+    def capture_a2a():
+        with torch.cuda.graph(g):
+            dist.all_to_all_single(got_a2a, mine, [2] * world, [2] * world)
+
+    try:
+        got = _paths(capture_a2a, direct=True)
+    except (ValueError, RuntimeError) as e:
+        ctx.fail(f"all_to_all_single with equal split sizes under capture: {e}")
+    else:
+        ctx.expect(got == DIRECT, f"capture of all_to_all_single with equal splits: {got}")
+        mine.fill_(float(-me - 1))
+        got_a2a.fill_(0.0)
+        g.replay()
+        want = torch.cat([torch.full((2,), float(-s - 1)) for s in range(world)])
+        ctx.expect_equal(got_a2a.cpu(), want, "replayed all_to_all_single with equal splits")
+    if world > 1:  # every rank sends rank d d + 1 elements
+        uneven = [torch.ones(d + 1, device="cuda") for d in range(world)]
+        received = [torch.empty(me + 1, device="cuda") for _ in range(world)]
+        _capture_raises(
+            ctx,
+            lambda: dist.all_to_all(received, uneven),
+            "all_to_all",
+            NOT_CAPTURABLE,
+            "one size",
+        )
+        _usable(ctx, "all_to_all of parts of several sizes under graph capture")
+
+    small = _group_with({"MOONCAKE_CUDA_DIRECT_BYTES": "4096"})
+    y = torch.ones(1024, device="cuda")  # 4 KiB: the most it serves
+    got = _paths(lambda: dist.all_reduce(y, group=small), small, direct=True)
+    ctx.expect(got == DIRECT, f"4 KiB all_reduce at a 4 KiB bound: {got}")
+    over = torch.ones(1025, device="cuda")
+    got = _paths(lambda: dist.all_reduce(over, group=small), small, direct=True)
+    ctx.expect(got in (PLANE, STAGED), f"4 KiB + 4 bytes all_reduce at a 4 KiB bound: {got}")
+    m = 1024 // world + 1  # the whole input: world * m floats, past 4 KiB
+    rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
+    got = _paths(lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small), small, True)
+    ctx.expect(got in (PLANE, STAGED), f"reduce_scatter_tensor past a 4 KiB bound: {got}")
+    for name, fn in (
+        ("all_reduce", lambda: dist.all_reduce(over, group=small)),
+        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small)),
+    ):
+        _capture_raises(ctx, fn, name, NOT_CAPTURABLE, "MOONCAKE_CUDA_DIRECT_BYTES")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        dist.all_reduce(y, group=fresh)
+        dist.all_reduce(y, group=small)
     y.fill_(1.0)
     g.replay()
-    ctx.expect_equal(y.cpu(), torch.full((4,), float(ctx.world_size)), "replay after set-up")
-    host = _group_with({"MOONCAKE_CUDA_ALLREDUCE": "host"})
-    _capture_raises(ctx, lambda: dist.all_reduce(x, group=host), "graph capture")
+    ctx.expect_equal(y.cpu(), torch.full((1024,), float(world)), "4 KiB replay at a 4 KiB bound")
+
+    off = _group_with({"MOONCAKE_CUDA_DIRECT": "off"})
+    for name, fn in (
+        ("all_reduce", lambda: dist.all_reduce(x, group=off)),
+        ("broadcast", lambda: dist.broadcast(x, 0, group=off)),
+        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, x[:2], group=off)),
+    ):
+        _capture_raises(ctx, fn, name, NOT_CAPTURABLE)
     z = torch.ones(4, device="cuda")
-    dist.all_reduce(z, group=host)
-    ctx.expect_equal(z.cpu(), torch.full((4,), float(ctx.world_size)), "host group after capture")
-    for grp in (fresh, host):
+    dist.all_reduce(z, group=off)
+    ctx.expect_equal(z.cpu(), torch.full((4,), float(world)), "off group after capture")
+
+    fresh = _group_with({})
+    not_set_up = ("broadcast", "graph capture", "not set up", "outside the captured")
+    _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
+    # Its parts may differ between ranks eagerly: it takes the plane and sets nothing up.
+    got = _paths(
+        lambda: dist.all_to_all_single(out, ins, [2] * world, [2] * world, group=fresh),
+        fresh,
+        direct=True,
+    )
+    ctx.expect(got == PLANE, f"eager all_to_all_single with split sizes: {got}")
+    _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
+    b = torch.full((4,), float(me + 1), device="cuda")
+    got = _paths(lambda: dist.broadcast(b, last, group=fresh), fresh, direct=True)
+    ctx.expect(got == PLANE, f"16-byte eager broadcast that sets up: {got}")
+    ctx.expect_equal(b.cpu(), torch.full((4,), float(world)), "the broadcast that set up")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        dist.broadcast(b, last, group=fresh)
+    b.fill_(float(-me - 1))
+    g.replay()
+    ctx.expect_equal(b.cpu(), torch.full((4,), float(-world)), "replay after set-up")
+    # A list form's eager call on the device plane sets them up too.
+    listed = _group_with({})
+    n = 1024  # 4 KiB: on the plane all the same (the kernels could serve it)
+    parts = [_garbage((n,), torch.float32) for _ in range(world)]
+    mine = torch.full((n,), float(me + 1), device="cuda")
+    got = _paths(lambda: dist.all_gather(parts, mine, group=listed), listed, direct=True)
+    ctx.expect(got == PLANE, f"4 KiB all_gather that sets up: {got}")
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            dist.all_gather(parts, mine, group=listed)
+    except (ValueError, RuntimeError) as e:
+        ctx.fail(f"all_gather under capture after an eager all_gather: {type(e).__name__}: {e}")
+    else:
+        mine.fill_(float(-me - 1))
+        for p in parts:
+            p.fill_(0.0)
+        g.replay()
+        want = torch.cat([torch.full((n,), float(-r - 1)) for r in range(world)])
+        ctx.expect_equal(torch.cat(parts).cpu(), want, "all_gather replay after set-up")
+    for grp in (small, off, fresh, listed):
         dist.destroy_process_group(grp)
     _usable(ctx, "graph capture")
 
@@ -427,16 +628,17 @@ DIRECT_SIZES = (7, 4093, 70_001, 300_000)
 
 def direct_matches_host(ctx):
     """The device-driven all_reduce, forced one-shot and two-shot (groups made with
-    MOONCAKE_CUDA_ALLREDUCE=oneshot / twoshot) and as it comes (auto, the world group),
-    equals the host-driven paths (a group with MOONCAKE_CUDA_ALLREDUCE=host: the device
+    MOONCAKE_CUDA_DIRECT=oneshot / twoshot) and as it comes (auto, the world group),
+    equals the host-driven paths (a group with MOONCAKE_CUDA_DIRECT=off: the device
     plane, or staged below 64 KiB) and the reference bit for bit, over dtypes, ops and
     sizes; also in place on a non-contiguous tensor and on a view 4 bytes off alignment
     (the scalar paths). The paths are asserted: every call of the first three took the
-    device-driven kernel, none of the host group's."""
+    device-driven kernel, none of the host group's. (The other ops:
+    ``direct_matches_host_ops`` and ``direct_matches_host_captured``.)"""
     groups = {
-        "host": _group_with({"MOONCAKE_CUDA_ALLREDUCE": "host"}),
-        "oneshot": _group_with({"MOONCAKE_CUDA_ALLREDUCE": "oneshot"}),
-        "twoshot": _group_with({"MOONCAKE_CUDA_ALLREDUCE": "twoshot"}),
+        "host": _group_with({"MOONCAKE_CUDA_DIRECT": "off"}),
+        "oneshot": _group_with({"MOONCAKE_CUDA_DIRECT": "oneshot"}),
+        "twoshot": _group_with({"MOONCAKE_CUDA_DIRECT": "twoshot"}),
         "auto": None,
     }
     R = dist.ReduceOp
@@ -470,15 +672,334 @@ def direct_matches_host(ctx):
             dist.destroy_process_group(grp)
 
 
+#: (dtype, reduce op) of the sweep over the other ops (``direct_matches_host_ops`` and
+#: ``_captured``): the reductions in each dtype's op, the moves of every dtype (uint8 stands for
+#: the 1-byte types, fp8's among them: a move is a copy of bytes).
+OPS_SWEEP = (
+    (torch.float32, "SUM"),
+    (torch.bfloat16, "AVG"),
+    (torch.int64, "SUM"),
+    (torch.uint8, "BOR"),
+)
+#: Elements of one part: a tail only (no whole 16-byte vector); several blocks, not a
+#: multiple of a vector (the parts of a multi-part input or output then start unaligned).
+OPS_SIZES = (7, 70_001)
+
+
+def _on_both(ctx, off, what: str, call, want: list[torch.Tensor], calls: int = 1) -> None:
+    """``call(group)`` runs one op on fresh tensors and returns the outputs to check (none
+    where this rank has none): on the world group, which must serve it on the device-driven
+    kernels (``calls`` direct ops: one per tensor of a coalesced call), and on ``off`` (made
+    with MOONCAKE_CUDA_DIRECT=off: the device plane, or staged), which must not; each
+    output equals ``want`` (CPU tensors) bit for bit on both."""
+    for label, grp in (("direct", None), ("off", off)):
+        outs: list[torch.Tensor] = []
+        got = _paths(lambda g=grp, o=outs: o.extend(call(g)), grp, direct=True)
+        if grp is None:
+            ctx.expect(got == (1, 0, calls), f"{what}: (device, staged, direct) {got}")
+        else:
+            ctx.expect(got in (PLANE, STAGED), f"{what} on the off group: {got}")
+        _expect_outputs(ctx, f"{label} {what}", outs, want)
+
+
+def _expect_outputs(ctx, what: str, outs: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each of ``outs`` equals its ``want`` (CPU) bit for bit, and there are as many."""
+    ctx.expect(len(outs) == len(want), f"{what}: {len(outs)} outputs, want {len(want)}")
+    for i, (o, w) in enumerate(zip(outs, want, strict=False)):
+        ctx.expect_equal(o.cpu(), w, f"{what} [{i}]")
+
+
+def _tensor_forms(ctx, off, dtype, op: str, n: int) -> None:
+    """``direct_matches_host_ops`` at one dtype, op and part size."""
+    world, me = ctx.world_size, ctx.rank
+    red = getattr(dist.ReduceOp, op)
+    tag = f"{dtype}{n}"
+
+    def every(key, m=n):  # every rank's input ``key``, on the CPU
+        return ctx.inputs((m,), dtype, tag=f"{key}{tag}")
+
+    def mine(key, m=n):
+        return cuda(every(key, m)[me])
+
+    def part(t, p, m=n):
+        return t[p * m : (p + 1) * m]
+
+    def all_gather_into_tensor(g):
+        out = _garbage((world * n,), dtype)
+        dist.all_gather_into_tensor(out, mine("ag"), group=g)
+        return [out]
+
+    want = [torch.cat(every("ag"))]
+    _on_both(ctx, off, f"all_gather_into_tensor {tag}", all_gather_into_tensor, want)
+
+    def reduce_scatter_tensor(g):
+        out = _garbage((n,), dtype)
+        dist.reduce_scatter_tensor(out, mine("rs", world * n), op=red, group=g)
+        return [out]
+
+    want = [reduce_ref([part(x, me) for x in every("rs", world * n)], op)]
+    _on_both(ctx, off, f"reduce_scatter_tensor {op} {tag}", reduce_scatter_tensor, want)
+
+    def all_to_all_single(g):
+        out = _garbage((world * n,), dtype)
+        dist.all_to_all_single(out, mine("a2a", world * n), group=g)
+        return [out]
+
+    want = [torch.cat([part(x, me) for x in every("a2a", world * n)])]
+    _on_both(ctx, off, f"all_to_all_single {tag}", all_to_all_single, want)
+
+    sizes = (n, 5)  # the coalesced forms: two tensors each
+
+    def all_reduce_coalesced(g):
+        ts = [mine(f"arc{i}", m) for i, m in enumerate(sizes)]
+        dist.all_reduce_coalesced(ts, op=red, group=g)
+        return ts
+
+    want = [reduce_ref(every(f"arc{i}", m), op) for i, m in enumerate(sizes)]
+    _on_both(ctx, off, f"all_reduce_coalesced {op} {tag}", all_reduce_coalesced, want, 2)
+
+    def all_gather_into_tensor_coalesced(g):
+        outs = [_garbage((world * m,), dtype) for m in sizes]
+        with dist._coalescing_manager(group=g):
+            for i, (o, m) in enumerate(zip(outs, sizes, strict=True)):
+                dist.all_gather_into_tensor(o, mine(f"agc{i}", m), group=g)
+        return outs
+
+    want = [torch.cat(every(f"agc{i}", m)) for i, m in enumerate(sizes)]
+    what = f"coalesced all_gather_into_tensor {tag}"
+    _on_both(ctx, off, what, all_gather_into_tensor_coalesced, want, 2)
+
+    def reduce_scatter_tensor_coalesced(g):
+        outs = [_garbage((m,), dtype) for m in sizes]
+        with dist._coalescing_manager(group=g):
+            for i, (o, m) in enumerate(zip(outs, sizes, strict=True)):
+                dist.reduce_scatter_tensor(o, mine(f"rsc{i}", world * m), op=red, group=g)
+        return outs
+
+    want = [
+        reduce_ref([part(x, me, m) for x in every(f"rsc{i}", world * m)], op)
+        for i, m in enumerate(sizes)
+    ]
+    what = f"coalesced reduce_scatter_tensor {op} {tag}"
+    _on_both(ctx, off, what, reduce_scatter_tensor_coalesced, want, 2)
+
+
+def _tensor_layouts(ctx, off) -> None:
+    """Tensor forms on tensors the kernels cannot take as they are: an all_to_all_single
+    from a transposed (non-contiguous) input; a reduce_scatter_tensor from a view 4 bytes
+    off its allocation's alignment into another; an all_gather_into_tensor into a
+    transposed output. (all_reduce in place on such tensors: ``direct_matches_host``.)"""
+    world, me, n = ctx.world_size, ctx.rank, 5000
+    xs = ctx.inputs((2, n), torch.float32, tag="layouts")
+    zs = ctx.inputs((2, world * n), torch.float32, tag="a2a-layouts")
+
+    def all_to_all_single(g):
+        out = _garbage((world * n, 2), torch.float32)
+        dist.all_to_all_single(out, cuda(zs[me]).t(), group=g)  # [world * n, 2] rows
+        return [out]
+
+    want = torch.cat([z.t()[me * n : (me + 1) * n] for z in zs])
+    _on_both(ctx, off, "all_to_all_single of a transposed input", all_to_all_single, [want])
+    ys = ctx.inputs((world * n,), torch.float32, tag="misaligned")
+
+    def reduce_scatter_tensor(g):
+        base_in = torch.zeros(world * n + 1, device="cuda")
+        base_in[1:].copy_(cuda(ys[me]))
+        base_out = torch.zeros(n + 1, device="cuda")
+        dist.reduce_scatter_tensor(base_out[1:], base_in[1:], group=g)
+        return [base_out]
+
+    want = torch.cat([torch.zeros(1), reduce_ref([y[me * n : (me + 1) * n] for y in ys], "SUM")])
+    _on_both(ctx, off, "reduce_scatter_tensor of misaligned views", reduce_scatter_tensor, [want])
+
+    def all_gather_into_tensor(g):
+        out = _garbage((2, world * n), torch.float32).t()  # [world * n, 2], not contiguous
+        dist.all_gather_into_tensor(out, cuda(xs[me]).t().contiguous(), group=g)
+        return [out]
+
+    want = torch.cat([x.t() for x in xs])
+    _on_both(
+        ctx, off, "all_gather_into_tensor into a transposed output", all_gather_into_tensor, [want]
+    )
+
+
+def direct_matches_host_ops(ctx):
+    """Every op but all_reduce (``direct_matches_host``) that takes the device-driven
+    kernels eagerly (the world group: each call asserted to take them) equals the same call
+    on a group made with MOONCAKE_CUDA_DIRECT=off (the device plane, or staged below 64 KiB)
+    and the reference bit for bit: all_gather_into_tensor, reduce_scatter_tensor,
+    all_to_all_single without split sizes, all_reduce_coalesced and the coalesced
+    all_gather_into_tensor and reduce_scatter_tensor (two tensors: one direct op each), over
+    OPS_SWEEP's dtypes and ops and OPS_SIZES; then the tensors the kernels cannot take as
+    they are (``_tensor_layouts``). (The ops they take under capture only:
+    ``direct_matches_host_captured``.)"""
+    off = _group_with({"MOONCAKE_CUDA_DIRECT": "off"})
+    for dtype, op in OPS_SWEEP:
+        for n in OPS_SIZES:
+            _tensor_forms(ctx, off, dtype, op, n)
+    _tensor_layouts(ctx, off)
+    dist.destroy_process_group(off)
+
+
+def _capture_only_forms(ctx, dtype, op: str, n: int) -> list[tuple]:
+    """The ops the device-driven kernels take under capture only, at one dtype, op and part
+    size, as (what, call, want, direct ops): ``call(group)`` calls the op on inputs made
+    here (so that it can run under capture; an op that writes its input in place works on
+    a copy) and garbage outputs it makes, and returns the outputs to check; ``want``:
+    theirs (CPU)."""
+    world, me = ctx.world_size, ctx.rank
+    red = getattr(dist.ReduceOp, op)
+    tag = f"{dtype}{n}"
+
+    def inp(key, rank=None, m=n):  # rank ``rank``'s (default: this rank's) input, CPU
+        return ctx.input((m,), dtype, rank, f"{key}{tag}")
+
+    def garbage(m=n):
+        return _garbage((m,), dtype)
+
+    forms = []
+    for root in sorted({0, world - 1}):
+        bc = cuda(inp(f"bc{root}", root)) if me == root else None
+
+        def broadcast(g, root=root, bc=bc):
+            t = bc.clone() if me == root else garbage()
+            dist.broadcast(t, root, group=g)
+            return [t]
+
+        forms.append((f"broadcast from {root}", broadcast, [inp(f"bc{root}", root)], 1))
+        rd = cuda(inp(f"rd{root}"))
+
+        def reduce(g, root=root, rd=rd):
+            t = rd.clone()
+            dist.reduce(t, root, op=red, group=g)
+            return [t] if me == root else []
+
+        want = [reduce_ref([inp(f"rd{root}", r) for r in range(world)], op)] if me == root else []
+        forms.append((f"reduce {op} to {root}", reduce, want, 1))
+    ag = cuda(inp("ag"))
+
+    def all_gather(g):
+        outs = [garbage() for _ in range(world)]
+        dist.all_gather(outs, ag, group=g)
+        return outs
+
+    forms.append(("all_gather", all_gather, [inp("ag", r) for r in range(world)], 1))
+    sizes = (n, 5)
+    agc = [cuda(inp(f"agc{i}", m=m)) for i, m in enumerate(sizes)]
+
+    def all_gather_coalesced(g):
+        outs = [[garbage(m) for _ in range(world)] for m in sizes]
+        dist.all_gather_coalesced(outs, agc, group=g)
+        return [o for lst in outs for o in lst]
+
+    want = [inp(f"agc{i}", r, m) for i, m in enumerate(sizes) for r in range(world)]
+    forms.append(("all_gather_coalesced", all_gather_coalesced, want, 2))
+    for root in sorted({0, world - 1}):
+        ga = cuda(inp(f"ga{root}"))
+
+        def gather(g, root=root, ga=ga):
+            outs = [garbage() for _ in range(world)] if me == root else None
+            dist.gather(ga, outs, dst=root, group=g)
+            return outs or []
+
+        want = [inp(f"ga{root}", r) for r in range(world)] if me == root else []
+        forms.append((f"gather to {root}", gather, want, 1))
+        chunks = [cuda(inp(f"sc{root}/{j}", root)) for j in range(world)] if me == root else None
+
+        def scatter(g, root=root, chunks=chunks):
+            out = garbage()
+            dist.scatter(out, chunks, src=root, group=g)
+            return [out]
+
+        forms.append((f"scatter from {root}", scatter, [inp(f"sc{root}/{me}", root)], 1))
+    rsl = [cuda(inp(f"rs/{d}")) for d in range(world)]
+
+    def reduce_scatter(g):
+        out = garbage()
+        dist.reduce_scatter(out, rsl, op=red, group=g)
+        return [out]
+
+    want = [reduce_ref([inp(f"rs/{me}", s) for s in range(world)], op)]
+    forms.append((f"reduce_scatter {op}", reduce_scatter, want, 1))
+    a2a = [cuda(inp(f"a2a/{d}")) for d in range(world)]
+
+    def all_to_all(g):
+        outs = [garbage() for _ in range(world)]
+        dist.all_to_all(outs, a2a, group=g)
+        return outs
+
+    forms.append(("all_to_all", all_to_all, [inp(f"a2a/{me}", s) for s in range(world)], 1))
+    a2s = cuda(inp("a2s", m=world * n))
+
+    def all_to_all_single(g):
+        out = garbage(world * n)
+        dist.all_to_all_single(out, a2s, [n] * world, [n] * world, group=g)
+        return [out]
+
+    want = [torch.cat([inp("a2s", s, world * n)[me * n : (me + 1) * n] for s in range(world)])]
+    forms.append(("all_to_all_single with equal split sizes", all_to_all_single, want, 1))
+    return forms
+
+
+def direct_matches_host_captured(ctx):
+    """The ops the device-driven kernels take under CUDA graph capture only: per dtype and
+    op of OPS_SWEEP and size of OPS_SIZES, broadcast and reduce (roots 0 and last),
+    all_gather, all_gather_coalesced (two tensors), gather and scatter (roots 0 and last),
+    reduce_scatter, all_to_all with parts of one size and all_to_all_single with equal
+    split sizes. Each is called eagerly on a MOONCAKE_CUDA_DIRECT=off group (the device
+    plane, or staged below 64 KiB) and on the world group (the device plane, at any size);
+    then all are captured in one graph on the world group (the capture counts each on the
+    device-driven kernels) and replayed once. Every output equals the reference bit for
+    bit."""
+    off = _group_with({"MOONCAKE_CUDA_DIRECT": "off"})
+    _usable(ctx, "nothing")  # sets the world group's kernels up
+    for dtype, op in OPS_SWEEP:
+        for n in OPS_SIZES:
+            what = f"{dtype} {op} n{n}"
+            forms = _capture_only_forms(ctx, dtype, op, n)
+            for name, call, want, _ in forms:
+                for label, grp, paths in (("off", off, (PLANE, STAGED)), ("eager", None, (PLANE,))):
+                    outs: list[torch.Tensor] = []
+                    got = _paths(lambda c=call, g=grp, o=outs: o.extend(c(g)), grp, direct=True)
+                    ctx.expect(got in paths, f"{label} {name} {what}: {got}, want one of {paths}")
+                    _expect_outputs(ctx, f"{label} {name} {what}", outs, want)
+            graph = torch.cuda.CUDAGraph()
+            captured: list[list[torch.Tensor]] = []
+            try:
+                got = _paths(
+                    lambda g=graph, f=forms, c=captured: _capture_forms(g, f, c), None, True
+                )
+            except (ValueError, RuntimeError) as e:
+                ctx.fail(f"capturing the forms {what}: {type(e).__name__}: {e}")
+                continue
+            want = (len(forms), 0, sum(f[3] for f in forms))
+            ctx.expect(got == want, f"capture of the forms {what}: {got}, want {want}")
+            graph.replay()
+            torch.cuda.synchronize()
+            for (name, _, want_outs, _), outs in zip(forms, captured, strict=True):
+                _expect_outputs(ctx, f"replayed {name} {what}", outs, want_outs)
+            del graph, captured
+    dist.destroy_process_group(off)
+
+
+def _capture_forms(graph, forms, captured) -> None:
+    """Captures every form's call on the world group in ``graph``, its outputs into
+    ``captured``."""
+    with torch.cuda.graph(graph):
+        for _, call, _, _ in forms:
+            captured.append(call(None))
+
+
 def graph_replay(ctx):
     """all_reduce captured in a CUDA graph (4 KiB one-shot on the world group; 1 MiB on
     the world group, and two-shot on a group forced to it), replayed 5 times with new
     inputs, an eager all_reduce between replays: each replay equals an eager all_reduce of
     the same inputs (and the reference) bit for bit. Capture counts one direct op; the
-    replays count none (they are the GPU's alone)."""
+    replays count none (they are the GPU's alone). Then one graph of every capturable op
+    (``_every_op_graph``)."""
     from mooncake import pg
 
-    two = _group_with({"MOONCAKE_CUDA_ALLREDUCE": "twoshot"})
+    two = _group_with({"MOONCAKE_CUDA_DIRECT": "twoshot"})
     for label, grp, n in (("4 KiB", None, 1024), ("1 MiB", None, 1 << 18), ("two-shot", two, 1 << 18)):  # fmt: skip
         static = torch.zeros(n, device="cuda")
         side = torch.cuda.Stream()
@@ -507,6 +1028,207 @@ def graph_replay(ctx):
         after = pg.get_op_paths(grp)
         ctx.expect(after["direct"] - before["direct"] == 1, f"{label}: replays counted")
     dist.destroy_process_group(two)
+    _every_op_graph(ctx)
+
+
+class _Statics:
+    """A captured graph's static inputs: this rank's, refilled before each replay with that
+    round's (``ctx.input`` under the tag ``key/round``); every rank's for the references."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def new(self, key: str, shape, dtype, here: bool = True) -> torch.Tensor | None:
+        """Input ``key``: known on every rank, a static tensor where ``here``."""
+        self.specs[key] = (tuple(shape), dtype)
+        if not here:
+            return None
+        self.tensors[key] = torch.empty(shape, dtype=dtype, device="cuda")
+        return self.tensors[key]
+
+    def of(self, key: str, k: int, rank: int | None = None) -> torch.Tensor:
+        """Rank ``rank``'s (default: this rank's) input ``key`` of round ``k``, on the CPU."""
+        shape, dtype = self.specs[key]
+        return self.ctx.input(shape, dtype, rank, f"{key}/{k}")
+
+    def every(self, key: str, k: int) -> list[torch.Tensor]:
+        return [self.of(key, k, r) for r in range(self.ctx.world_size)]
+
+    def fill(self, k: int) -> None:
+        for key, t in self.tensors.items():
+            t.copy_(cuda(self.of(key, k)))
+
+
+def _every_op_graph(ctx) -> None:
+    """One CUDA graph on the world group holding, in turn, every op the device-driven
+    kernels serve under capture: all_reduce, broadcast from 0, reduce (MAX) to the last
+    rank, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split
+    sizes and with equal ones (rows of 2), all_reduce_coalesced, the coalesced
+    all_gather_into_tensor and reduce_scatter_tensor (two tensors each), all_gather,
+    all_gather_coalesced, gather to the last rank, scatter from 0, reduce_scatter (MIN)
+    and all_to_all, over float32, bfloat16, int64 and uint8.
+    The capture counts every op once on the device plane and each tensor once as direct;
+    the graph is replayed twice with new inputs copied into its static inputs, garbage in
+    its outputs: every output equals the reference bit for bit, and the replays count
+    nothing."""
+    from mooncake import pg
+
+    world, me, last, n = ctx.world_size, ctx.rank, ctx.world_size - 1, 1001
+    f32, bf16, i64, u8 = torch.float32, torch.bfloat16, torch.int64, torch.uint8
+    S = _Statics(ctx)
+    steps = []  # (direct ops, the call)
+    checks = []  # (what, output, its reference at round k)
+    outs: list[torch.Tensor] = []  # refilled with garbage before each replay
+
+    def out(shape, dtype) -> torch.Tensor:
+        outs.append(torch.empty(shape, dtype=dtype, device="cuda"))
+        return outs[-1]
+
+    def part(t, p, m=n):
+        return t[p * m : (p + 1) * m]
+
+    ar = S.new("ar", (n,), f32)
+    steps.append((1, lambda: dist.all_reduce(ar)))
+    checks.append(("all_reduce", ar, lambda k: reduce_ref(S.every("ar", k), "SUM")))
+    bc = S.new("bc", (n,), i64)
+    steps.append((1, lambda: dist.broadcast(bc, 0)))
+    checks.append(("broadcast from 0", bc, lambda k: S.of("bc", k, 0)))
+    rd = S.new("rd", (n,), bf16)
+    steps.append((1, lambda: dist.reduce(rd, last, op=dist.ReduceOp.MAX)))
+    if me == last:
+        checks.append((f"reduce to {last}", rd, lambda k: reduce_ref(S.every("rd", k), "MAX")))
+    agi, ago = S.new("agi", (n,), u8), out((world * n,), u8)
+    steps.append((1, lambda: dist.all_gather_into_tensor(ago, agi)))
+    checks.append(("all_gather_into_tensor", ago, lambda k: torch.cat(S.every("agi", k))))
+    rsi, rso = S.new("rsi", (world * n,), i64), out((n,), i64)
+    steps.append((1, lambda: dist.reduce_scatter_tensor(rso, rsi)))
+    checks.append(
+        (
+            "reduce_scatter_tensor",
+            rso,
+            lambda k: reduce_ref([part(x, me) for x in S.every("rsi", k)], "SUM"),
+        )
+    )
+    a2i, a2o = S.new("a2i", (world * n,), bf16), out((world * n,), bf16)
+    steps.append((1, lambda: dist.all_to_all_single(a2o, a2i)))
+    checks.append(
+        ("all_to_all_single", a2o, lambda k: torch.cat([part(x, me) for x in S.every("a2i", k)]))
+    )
+    a2s, a2so = S.new("a2s", (world * n, 2), i64), out((world * n, 2), i64)
+    steps.append((1, lambda: dist.all_to_all_single(a2so, a2s, [n] * world, [n] * world)))
+    checks.append(
+        (
+            "all_to_all_single with equal split sizes",
+            a2so,
+            lambda k: torch.cat([part(x, me) for x in S.every("a2s", k)]),
+        )
+    )
+    arc = [S.new(f"arc{i}", (m,), f32) for i, m in enumerate((n, 13))]
+    steps.append((2, lambda: dist.all_reduce_coalesced(arc)))
+    for i, t in enumerate(arc):
+        checks.append(
+            (
+                f"all_reduce_coalesced [{i}]",
+                t,
+                lambda k, i=i: reduce_ref(S.every(f"arc{i}", k), "SUM"),
+            )
+        )
+    cag = [
+        (S.new(f"cag{i}", (m,), dt), out((world * m,), dt))
+        for i, (m, dt) in enumerate(((n, f32), (13, u8)))
+    ]
+    steps.append((2, lambda: _coalesced(cag, dist.all_gather_into_tensor)))
+    for i, (_, o) in enumerate(cag):
+        checks.append(
+            (
+                f"coalesced all_gather_into_tensor [{i}]",
+                o,
+                lambda k, i=i: torch.cat(S.every(f"cag{i}", k)),
+            )
+        )
+    crs = [
+        (S.new(f"crs{i}", (world * m,), dt), out((m,), dt))
+        for i, (m, dt) in enumerate(((n, f32), (13, i64)))
+    ]
+    steps.append((2, lambda: _coalesced(crs, dist.reduce_scatter_tensor)))
+    for i, (m, (_, o)) in enumerate(zip((n, 13), crs, strict=True)):
+        checks.append(
+            (
+                f"coalesced reduce_scatter_tensor [{i}]",
+                o,
+                lambda k, i=i, m=m: reduce_ref(
+                    [part(x, me, m) for x in S.every(f"crs{i}", k)], "SUM"
+                ),
+            )
+        )
+    agl = S.new("agl", (n,), i64)
+    aglo = [out((n,), i64) for _ in range(world)]
+    steps.append((1, lambda: dist.all_gather(aglo, agl)))
+    for r, o in enumerate(aglo):
+        checks.append((f"all_gather [{r}]", o, lambda k, r=r: S.of("agl", k, r)))
+    agc = [S.new(f"agc{i}", (m,), u8) for i, m in enumerate((n, 13))]
+    agco = [[out((m,), u8) for _ in range(world)] for m in (n, 13)]
+    steps.append((2, lambda: dist.all_gather_coalesced(agco, agc)))
+    for i, lst in enumerate(agco):
+        for r, o in enumerate(lst):
+            checks.append(
+                (f"all_gather_coalesced [{i}][{r}]", o, lambda k, i=i, r=r: S.of(f"agc{i}", k, r))
+            )
+    ga = S.new("ga", (n,), f32)
+    gal = [out((n,), f32) for _ in range(world)] if me == last else None
+    steps.append((1, lambda: dist.gather(ga, gal, dst=last)))
+    for r, o in enumerate(gal or []):
+        checks.append((f"gather to {last} [{r}]", o, lambda k, r=r: S.of("ga", k, r)))
+    scl = [S.new(f"sc{j}", (n,), bf16, here=me == 0) for j in range(world)]
+    sco = out((n,), bf16)
+    steps.append((1, lambda: dist.scatter(sco, scl if me == 0 else None, src=0)))
+    checks.append(("scatter from 0", sco, lambda k: S.of(f"sc{me}", k, 0)))
+    rsl = [S.new(f"rsl{d}", (n,), f32) for d in range(world)]
+    rslo = out((n,), f32)
+    steps.append((1, lambda: dist.reduce_scatter(rslo, rsl, op=dist.ReduceOp.MIN)))
+    checks.append(("reduce_scatter", rslo, lambda k: reduce_ref(S.every(f"rsl{me}", k), "MIN")))
+    a2l = [S.new(f"a2l{d}", (n,), u8) for d in range(world)]
+    a2lo = [out((n,), u8) for _ in range(world)]
+    steps.append((1, lambda: dist.all_to_all(a2lo, a2l)))
+    for s, o in enumerate(a2lo):
+        checks.append((f"all_to_all [{s}]", o, lambda k, s=s: S.of(f"a2l{me}", k, s)))
+
+    _usable(ctx, "nothing")  # the kernels are set up
+    graph = torch.cuda.CUDAGraph()
+
+    def capture():
+        with torch.cuda.graph(graph):
+            for _, step in steps:
+                step()
+
+    try:
+        got = _paths(capture, direct=True)
+    except (ValueError, RuntimeError) as e:
+        ctx.fail(f"capturing every op: {type(e).__name__}: {e}")
+        return
+    want = (len(steps), 0, sum(c for c, _ in steps))
+    ctx.expect(got == want, f"capture of every op: (device, staged, direct) {got}, want {want}")
+    before = pg.get_op_paths()
+    for k in range(2):
+        S.fill(k)
+        for t in outs:
+            t.copy_(_garbage(t.shape, t.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        for what, t, ref in checks:
+            ctx.expect_equal(t.cpu(), ref(k), f"replay {k}: {what}")
+    after = pg.get_op_paths()
+    ctx.expect(after == before, f"replays counted: {before} -> {after}")
+
+
+def _coalesced(pairs, op) -> None:
+    """``op(output, input)`` for each (input, output) of ``pairs`` in one coalescing block
+    (torch issues them as one coalesced call)."""
+    with dist._coalescing_manager():
+        for i, o in pairs:
+            op(o, i)
 
 
 def _capture(g, static, grp) -> None:
@@ -515,18 +1237,20 @@ def _capture(g, static, grp) -> None:
 
 
 def big(ctx):
-    """16 MiB of bf16 and 64 MiB of float32 all_reduce; a 16 MiB all_to_all_single."""
+    """16 MiB of bf16 and 64 MiB of float32 all_reduce; a 16 MiB all_to_all_single: past
+    MOONCAKE_CUDA_DIRECT_BYTES, all on the host-driven device plane."""
     for dtype, n in ((torch.bfloat16, 8 << 20), (torch.float32, 16 << 20)):
         xs = ctx.inputs((n,), dtype)
         x = cuda(xs[ctx.rank])
-        got = _paths(lambda x=x: dist.all_reduce(x))
-        ctx.expect(got == (1, 0), f"{dtype} all_reduce of {x.nbytes >> 20} MiB: {got}")
+        got = _paths(lambda x=x: dist.all_reduce(x), direct=True)
+        ctx.expect(got == PLANE, f"{dtype} all_reduce of {x.nbytes >> 20} MiB: {got}")
         ctx.expect_equal(x.cpu(), reduce_ref(xs, "SUM"), f"{dtype}")
     world = ctx.world_size
     n = (4 << 20) // world * world
     xs = ctx.inputs((n,), torch.float32, tag="a2a")
     out = torch.empty(n, device="cuda")
-    dist.all_to_all_single(out, cuda(xs[ctx.rank]))
+    got = _paths(lambda: dist.all_to_all_single(out, cuda(xs[ctx.rank])), direct=True)
+    ctx.expect(got == PLANE, f"all_to_all_single of 16 MiB: {got}")
     k = n // world
     want = torch.cat([xs[s][ctx.rank * k : (ctx.rank + 1) * k] for s in range(world)])
     ctx.expect_equal(out.cpu(), want, "all_to_all_single")
@@ -545,28 +1269,29 @@ def beyond_segment(ctx):
 
     n = 24 << 20
     x = (pattern(0, n) + me).float()
-    got = _paths(lambda: dist.all_reduce(x))
-    ctx.expect(got == (1, 0), f"96 MiB all_reduce: (device, staged) {got}")
+    got = _paths(lambda: dist.all_reduce(x), direct=True)
+    ctx.expect(got == PLANE, f"96 MiB all_reduce: (device, staged, direct) {got}")
     ctx.expect(torch.equal(x, (pattern(0, n) * world + ranks_sum).float()), "96 MiB all_reduce")
     m = 16 << 20
     inp = (pattern(0, world * m) + me).float()
     out = torch.full((m,), float("nan"), device="cuda")
-    got = _paths(lambda: dist.reduce_scatter_tensor(out, inp))
-    ctx.expect(got == (1, 0), f"reduce_scatter_tensor of 64 MiB per rank: {got}")
+    got = _paths(lambda: dist.reduce_scatter_tensor(out, inp), direct=True)
+    ctx.expect(got == PLANE, f"reduce_scatter_tensor of 64 MiB per rank: {got}")
     want = (pattern(me * m, m) * world + ranks_sum).float()
     ctx.expect(torch.equal(out, want), "reduce_scatter_tensor of 64 MiB per rank")
     k = 20 << 20
     mine = (pattern(0, k) + me).float()
     out = torch.full((world * k,), float("nan"), device="cuda")
-    got = _paths(lambda: dist.all_gather_into_tensor(out, mine))
-    ctx.expect(got == (1, 0), f"all_gather_into_tensor of 80 MiB per rank: {got}")
+    got = _paths(lambda: dist.all_gather_into_tensor(out, mine), direct=True)
+    ctx.expect(got == PLANE, f"all_gather_into_tensor of 80 MiB per rank: {got}")
     want = torch.cat([(pattern(0, k) + r).float() for r in range(world)])
     ctx.expect(torch.equal(out, want), "all_gather_into_tensor of 80 MiB per rank")
 
 
 def placement(ctx):
     """Rank r runs on cuda:(r % GPUs), and so does its group (its CUDA active_ranks lie
-    there); the ranks' devices, all-gathered on the plane, span more than one GPU."""
+    there); the ranks' devices, all-gathered on the device-driven kernels, span more than
+    one GPU."""
     from mooncake import pg
 
     gpus = torch.cuda.device_count()
@@ -576,24 +1301,38 @@ def placement(ctx):
     ctx.expect(device == torch.device("cuda", mine), f"the group serves {device}, want cuda:{mine}")
     x = torch.tensor([mine], dtype=torch.int64, device="cuda")
     out = torch.empty(ctx.world_size, dtype=torch.int64, device="cuda")
-    got = _paths(lambda: dist.all_gather_into_tensor(out, x))
-    ctx.expect(got == (1, 0), f"all_gather_into_tensor: (device, staged) {got}")
+    got = _paths(lambda: dist.all_gather_into_tensor(out, x), direct=True)
+    ctx.expect(got == DIRECT, f"all_gather_into_tensor: (device, staged, direct) {got}")
     want = [r % gpus for r in range(ctx.world_size)]
     ctx.expect(out.cpu().tolist() == want, f"the ranks' devices {out.cpu().tolist()}, want {want}")
 
 
 def other_gpu(ctx):
-    """Rank 0's input on another GPU than its rank's: ValueError on every rank (rank 0's
-    names the argument and the device, the others' rank 0), and the group goes on."""
-    gpus = torch.cuda.device_count()
-    mine = ctx.rank % gpus
-    x = torch.ones(4, device="cuda")
-    if ctx.rank == 0:
-        x = x.to(f"cuda:{(mine + 1) % gpus}")
-    out = torch.empty(4 * ctx.world_size, device="cuda")
-    with ctx.expect_raises(ValueError, ("input_tensor", "rank 0")):
-        dist.all_gather_into_tensor(out, x)
+    """Rank 0's input on another GPU than its rank's. all_gather (a list form: its host
+    round checks every rank's call): ValueError on every rank (rank 0's names the argument
+    and the device, the others' rank 0). all_gather_into_tensor (on the device-driven
+    kernels, no host round): rank 0 raises ValueError naming the device, having taken part
+    without data; the others' op completes with rank 0's part zero-filled. The group goes
+    on."""
+    gpus, world, me = torch.cuda.device_count(), ctx.world_size, ctx.rank
+    other = f"cuda:{(me % gpus + 1) % gpus}"
+    x = torch.full((4,), float(me + 1), device="cuda")
+    if me == 0:
+        x = x.to(other)
+    outs = [torch.empty(4, device="cuda") for _ in range(world)]
+    with ctx.expect_raises(ValueError, ("tensor must be on cuda", "rank 0")):
+        dist.all_gather(outs, x)
     _usable(ctx, "a tensor on another GPU")
+    out = _garbage((4 * world,), torch.float32)
+    if me == 0:
+        with ctx.expect_raises(ValueError, "all_gather_into_tensor", "tensors", other):
+            dist.all_gather_into_tensor(out, x)
+    else:
+        got = _paths(lambda: dist.all_gather_into_tensor(out, x), direct=True)
+        ctx.expect(got == DIRECT, f"all_gather_into_tensor beside a bad call: {got}")
+        want = torch.cat([torch.zeros(4), *(torch.full((4,), r + 1.0) for r in range(1, world))])
+        ctx.expect_equal(out.cpu(), want, "all_gather_into_tensor beside rank 0's bad call")
+    _usable(ctx, "a tensor on another GPU on the device-driven kernels")
 
 
 def _none_staged(fn, ctx) -> None:
@@ -609,7 +1348,7 @@ def _none_staged(fn, ctx) -> None:
 def multi_gpu_cases(world: int) -> list[Case]:
     """Ranks on different GPUs of one host: where they run; test_collectives.py's matrix on
     CUDA tensors (sampled dtypes, 0 to 70 000 elements), no op of any case staged; then
-    this file's cases that assert the plane, the device-driven all_reduce among them (eager,
+    this file's cases that assert the paths, the device-driven kernels among them (eager,
     and captured in a CUDA graph and replayed), and a tensor on another GPU."""
     from test_collectives import SAMPLE_DTYPES, on_device
 
@@ -618,6 +1357,8 @@ def multi_gpu_cases(world: int) -> list[Case]:
         ("op_paths", op_paths),
         ("subgroup", subgroup),
         ("direct_matches_host", direct_matches_host),
+        ("direct_matches_host_ops", direct_matches_host_ops),
+        ("direct_matches_host_captured", direct_matches_host_captured),
         ("graph_capture", graph_capture),
         ("graph_replay", graph_replay),
         ("big", big),
@@ -649,18 +1390,26 @@ def cases(world: int) -> list[Case]:
         Case("op_paths", op_paths),
         Case("graph_capture", graph_capture),
         Case("direct_matches_host", direct_matches_host),
+        Case("direct_matches_host_ops", direct_matches_host_ops),
+        Case("direct_matches_host_captured", direct_matches_host_captured),
         Case("graph_replay", graph_replay),
         Case("big", big),
         Case("beyond_segment", beyond_segment),
     ]
 
 
-#: Default launches (ops under 64 KiB staged through host memory, larger ones on the device
-#: plane) and launches where every op that fits takes the plane.
+#: Default launches (up to 8 MiB, the ops the device-driven kernels take eagerly on them,
+#: the rooted ops and list forms they could serve on the device plane at any size; other
+#: ops under 64 KiB staged through host memory, larger ones on the device plane) and
+#: launches where every op that fits and that the kernels do not take runs on the plane.
 PLANE_ALL = (("MOONCAKE_CUDA_PLANE_MIN_BYTES", "0"),)
+LAUNCH_S = 450.0  # the cases of a launch together (several processes share the one GPU)
 LAUNCHES = [
-    *(Launch(cases, w, f"cuda-w{w}", backend="mooncake") for w in (1, 2, 4)),
-    *(Launch(cases, w, f"cuda-w{w}-plane", env=PLANE_ALL, backend="mooncake") for w in (2, 4)),
+    *(Launch(cases, w, f"cuda-w{w}", backend="mooncake", timeout_s=LAUNCH_S) for w in (1, 2, 4)),
+    *(
+        Launch(cases, w, f"cuda-w{w}-plane", env=PLANE_ALL, backend="mooncake", timeout_s=LAUNCH_S)
+        for w in (2, 4)
+    ),
 ]
 
 
@@ -696,13 +1445,16 @@ def test_cuda_backend_multi_gpu(launch, case):
     check(launch, case)
 
 
-def plane_cases(world: int) -> list[Case]:
-    return [Case(n, fn) for n, fn in (("op_paths", op_paths), ("subgroup", subgroup), ("big", big))]
+def plane_cases(world: int, names=("op_paths", "subgroup", "big")) -> list[Case]:
+    """The cases that assert the paths (of them, those in ``names``): the negative controls'."""
+    fns = {"op_paths": op_paths, "subgroup": subgroup, "big": big}
+    return [Case(n, fns[n]) for n in names]
 
 
 def test_bypassed_plane_is_caught():
-    """The negative control of the path assertions: with the device plane off (no segment),
-    every case that asserts the plane fails, naming the staged path, and the group ends
+    """The negative control of the path assertions: with the device plane off (no segment:
+    no device-driven kernels either), every case that asserts the plane or the kernels
+    fails, naming the staged path ((device, staged, direct) = (0, 1, 0)), and the group ends
     cleanly. (If the assertions could not fail, this would.)"""
     off = Launch(
         plane_cases,
@@ -714,7 +1466,27 @@ def test_bypassed_plane_is_caught():
     result = run(off)
     for case in ("op_paths", "subgroup", "big"):
         passed, why = result.verdict(case)
-        assert not passed and "(0, 1)" in why, f"{case} with the plane off: {why or 'passed'}"
+        assert not passed and str(STAGED) in why, f"{case} with the plane off: {why or 'passed'}"
+    passed, why = result.verdict(TEARDOWN)
+    assert passed, why
+
+
+def test_bypassed_kernels_are_caught():
+    """The same for the device-driven kernels: with them off (MOONCAKE_CUDA_DIRECT=off, the
+    plane on), op_paths and subgroup fail, naming the plane where the kernels were due
+    ((device, staged, direct) = (1, 0, 0)), and the group ends cleanly."""
+    off = Launch(
+        plane_cases,
+        2,
+        "cuda-w2-no-direct",
+        env=(("MOONCAKE_CUDA_DIRECT", "off"),),
+        backend="mooncake",
+        params=(("names", ("op_paths", "subgroup")),),
+    )
+    result = run(off)
+    for case, words in (("op_paths", f"{PLANE}, want {DIRECT}"), ("subgroup", str(PLANE))):
+        passed, why = result.verdict(case)
+        assert not passed and words in why, f"{case} with the kernels off: {why or 'passed'}"
     passed, why = result.verdict(TEARDOWN)
     assert passed, why
 

@@ -1,34 +1,41 @@
-// The device-driven all_reduce (coll/all_reduce.cu): one launch per op, with
-// no host involvement, so that it can be captured in a CUDA graph. Host and
+// The device-driven collectives (coll/direct.cu): one launch per op, with no
+// host involvement, so that an op can be captured in a CUDA graph. Host and
 // device share this header: the layout of each rank's area, the per-group
 // state in device memory, the launch arguments and the signal words.
 //
-// Every rank has an area in its device segment, which the others map:
+// Every op is the same meeting: each rank puts its input in its own area,
+// says so, and reads what it needs from the others' areas (DirectKind says
+// what). Every rank has an area in its device segment, which the others map:
 //
 //   | control (256 B) | parity 0: input, share | parity 1: input, share |
 //
 // The control block holds two signals, each `gen << 32 | seq` of the last op
 // that reached that point (inputs in place; this rank's two-shot share
 // reduced), and per parity the shape word of the op that wrote that parity
-// (count, dtype and op, or kShapeRejected). An op numbered `seq` uses parity
-// seq & 1. A rank writes a parity again two ops later, and by then it has
-// seen every live peer's signal of the op in between, which that peer stored
-// only after its launch of this one had ended: no peer still reads it. So no
-// launch waits at its end.
+// (kind, root, count, dtype and op, or kShapeRejected). An op numbered `seq`
+// uses parity seq & 1. A rank writes a parity again two ops later, and by
+// then it has seen every live peer's signal of the op in between, which that
+// peer stored only after its launch of this one had ended: no peer still
+// reads it. So no launch waits at its end. Every rank of every op publishes
+// and waits (a broadcast's receivers too): that is what makes the reuse safe.
 //
 // A launch (every block resident at once, as the EP kernels' launches):
-//  1. copies this rank's input into its area's input;
+//  1. copies this rank's input into its area's input (none for a broadcast
+//     or scatter at a rank other than the root);
 //  2. block 0 publishes (shape, then the input signal, system-scope release)
 //     and waits for each live peer's input signal of this op (bounded by the
 //     deadline; a peer the host has seen lost ends the wait at once); a peer
 //     whose signal came takes part; the decision goes to every block;
-//  3. one-shot: every block reduces its part of the elements from the
-//     sources that take part, in rank order, into the output;
-//     two-shot: every rank reduces its share (1/R of the elements) into its
-//     area's share and the output, publishes the share signal, then copies
-//     each other rank's share from that rank's area, or reduces it itself
-//     where the share signal does not come (the sources are all still in
-//     place: the result is the same bits either way).
+//  3. the op's reads, every block its part of each: a reduction sums the
+//     sources that take part in rank order; a move copies each part from the
+//     area it comes from, or zero-fills it when that rank is out (the
+//     host-driven plane's rule for the slices of ranks outside the op).
+//     all_reduce, one-shot: every element from every source; two-shot: every
+//     rank reduces its share (1/R of the elements) into its area's share and
+//     the output, publishes the share signal, then copies each other rank's
+//     share from that rank's area, or reduces it itself where the share
+//     signal does not come (the sources are all still in place: the result
+//     is the same bits either way).
 //
 // Numbering: a launch takes the next op number from the state in device
 // memory and stores it back itself, so graph replays count like eager calls;
@@ -68,6 +75,54 @@ constexpr int kDirectMaxBlocks = 32;
 // The largest group the state holds (as the host-driven reduction's).
 constexpr int kDirectMaxRanks = kMaxReduceSources;
 
+// What an op reads. `count` (DirectArgs) is the elements of one rank's part:
+// of the input and the output of all_reduce, reduce and broadcast; of the
+// input of all_gather and gather (whose output holds R parts, rank p's at
+// p * count); of the output of reduce_scatter and scatter (whose input holds
+// R parts, the one for rank p at p * count); of each of the R parts of
+// all_to_all's input and output (part p of the input goes to rank p; part p
+// of the output comes from rank p).
+enum class DirectKind : uint8_t {
+  kAllReduce = 0,
+  kReduce = 1,  // the root writes the reduction; the others only give theirs
+  kBroadcast = 2,
+  kAllGather = 3,
+  kGather = 4,  // all_gather whose output only the root writes
+  kReduceScatter = 5,
+  kScatter = 6,  // the root's input parts, one to each rank
+  kAllToAll = 7,
+};
+constexpr int kDirectKinds = 8;
+
+MC_HD constexpr bool direct_reduces(DirectKind k) {
+  return k == DirectKind::kAllReduce || k == DirectKind::kReduce || k == DirectKind::kReduceScatter;
+}
+// Parts of `count` elements in this rank's input and output (R ranks); the
+// rank's role (root or not) matters for broadcast, reduce, gather, scatter.
+MC_HD constexpr size_t direct_in_parts(DirectKind k, int ranks, bool root) {
+  switch (k) {
+    case DirectKind::kBroadcast: return root ? 1 : 0;
+    case DirectKind::kReduceScatter:
+    case DirectKind::kAllToAll: return static_cast<size_t>(ranks);
+    case DirectKind::kScatter: return root ? static_cast<size_t>(ranks) : 0;
+    default: return 1;
+  }
+}
+MC_HD constexpr size_t direct_out_parts(DirectKind k, int ranks, bool root) {
+  switch (k) {
+    case DirectKind::kReduce: return root ? 1 : 0;
+    case DirectKind::kAllGather:
+    case DirectKind::kAllToAll: return static_cast<size_t>(ranks);
+    case DirectKind::kGather: return root ? static_cast<size_t>(ranks) : 0;
+    default: return 1;
+  }
+}
+// Whether the kind has a root (its shape word names it; others carry 0).
+MC_HD constexpr bool direct_rooted(DirectKind k) {
+  return k == DirectKind::kReduce || k == DirectKind::kBroadcast || k == DirectKind::kGather ||
+         k == DirectKind::kScatter;
+}
+
 // Status codes of this kernel's own status words (beside the wait helpers'
 // kStatusSilentPeer and kStatusNotResident); details: the rank, then a value.
 enum DirectStatus : int32_t {
@@ -75,7 +130,8 @@ enum DirectStatus : int32_t {
   // others went on without this rank (it was left out). Detail: the peer,
   // its generation.
   kStatusDirectStale = 32,
-  // A peer's op has another count, dtype or op: it was left out of this one.
+  // A peer's op has another kind, root, count, dtype or op: it was left out
+  // of this one.
   kStatusDirectMismatch = 33,
   // A peer rejected its arguments (it raised ValueError) and took part
   // without data: it was left out of this one.
@@ -102,10 +158,17 @@ MC_HD inline bool tag_settled(uint64_t tag, uint32_t gen, uint64_t seq) {
   return g > gen || (g == gen && tag_ahead(tag, seq) < 0x80000000u);
 }
 
-// The shape word of an op; the peers' must equal it.
-MC_HD inline uint64_t direct_shape(size_t count, DType dtype, RedOp op) {
-  return (static_cast<uint64_t>(count) << 16) | (static_cast<uint64_t>(dtype) << 8) |
-         static_cast<uint64_t>(op);
+// The shape word of an op; the peers' must equal it. Counts below 2^36 (a
+// part's bytes fit the area, DirectOps checks).
+constexpr size_t kDirectMaxCount = size_t{1} << 36;
+// `two_shot` (all_reduce's algorithm) is in it too: ranks that chose
+// differently leave each other out at once, rather than wait for a share
+// that never comes.
+MC_HD inline uint64_t direct_shape(DirectKind kind, int root, size_t count, DType dtype, RedOp op,
+                                   bool two_shot = false) {
+  return (static_cast<uint64_t>(count) << 28) | (static_cast<uint64_t>(root & 0xff) << 20) |
+         (static_cast<uint64_t>(two_shot) << 19) | (static_cast<uint64_t>(kind) << 16) |
+         (static_cast<uint64_t>(dtype) << 8) | static_cast<uint64_t>(op);
 }
 constexpr uint64_t kShapeRejected = ~uint64_t{0};
 
@@ -115,7 +178,8 @@ struct DirectLayout {
   static constexpr size_t kShareSignal = 8;  // uint64
   static constexpr size_t kShapes = 16;      // uint64 [2], by parity
 
-  // The area of a path serving inputs of up to `max_bytes`.
+  // The area of a path serving inputs of up to `max_bytes` (a whole input:
+  // every part of a reduce_scatter's, all_to_all's or scatter's).
   static DirectLayout of(size_t max_bytes) {
     DirectLayout l;
     l.max_bytes = max_bytes;
@@ -163,25 +227,33 @@ struct DirectState {
 };
 
 struct DirectArgs {
+  DirectKind kind;
+  int root;  // of a rooted kind (0 otherwise)
   // The wait helpers' view of this launch: peers = state->areas, active_ranks
   // = state->live, the host's lost words, the silent and status words, the
   // per-phase budget and the grid barrier's words.
   Common c;
   DirectState* state;
   DirectLayout layout;
-  const void* in;  // this rank's input (may be null when count is 0)
-  void* out;       // may be `in`
-  size_t count;    // elements
+  // This rank's input and output (direct_in_parts / direct_out_parts parts;
+  // null where there are none or count is 0). all_reduce's may be the same;
+  // the others' may overlap (inputs are read from the areas).
+  const void* in;
+  void* out;
+  size_t count;  // elements of one part (DirectKind)
+  size_t esize;  // bytes of an element of `dtype`
   DType dtype;
   RedOp op;
-  // direct_shape(count, dtype, op); kShapeRejected: this rank rejected its
-  // arguments and takes part without data (in and out unused).
+  // direct_shape(kind, root, count, dtype, op, two_shot); kShapeRejected: this rank
+  // rejected its arguments and takes part without data (in and out unused).
   uint64_t shape;
-  bool two_shot;
-  bool vec;  // in and out are 16-byte aligned
+  bool two_shot;  // all_reduce only
+  // in and out are 16-byte aligned, and so is a part's size where an input
+  // or output holds several
+  bool vec;
 };
 
 // Queues one launch of `blocks` blocks on `stream`; returns its cudaError_t.
-int launch_direct_all_reduce(const DirectArgs& args, int blocks, CUstream_st* stream);
+int launch_direct(const DirectArgs& args, int blocks, CUstream_st* stream);
 
 }  // namespace mooncake::kernels

@@ -4,12 +4,17 @@
 
 Every op the device plane serves, on inputs that take it (``MOONCAKE_CUDA_PLANE_MIN_BYTES=0``)
 through a 64 KiB segment (``MOONCAKE_CUDA_SEGMENT_BYTES``), so that the larger ones move
-through it in pieces, and isend/irecv (staged) beside them. Each
-output starts as garbage (NaN, or a sentinel for integers) and is checked against a reference
+through it in pieces, and isend/irecv (staged) beside them. all_reduce,
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes and
+all_reduce_coalesced whose input (every part of it) is at most 16 KiB
+(``MOONCAKE_CUDA_DIRECT_BYTES``) run on the device-driven kernels, the larger ones, the
+rooted ops, the list forms and all_to_all_single with split sizes on the host-driven plane;
+then the ops the kernels take under CUDA graph capture only are captured in a graph and
+replayed, so that both paths of every op are exercised. Each output starts as garbage (NaN, or a sentinel for integers) and is checked against a reference
 computed here from every rank's inputs, which each rank can regenerate (small integers, so
 that any summation order is exact). Each op's path is checked too (``pg.get_op_paths``: the
-plane ops on the plane, the rest staged), so a bypassed plane fails the round. Exits non-zero
-on a wrong result, a wrong path, or a rank that fails or does not finish.
+device-driven kernels, the plane, or staged), so a bypassed plane or kernel fails the round.
+Exits non-zero on a wrong result, a wrong path, or a rank that fails or does not finish.
 scripts/gpu_check.sh runs it under memcheck and racecheck (compute-sanitizer follows the
 ranks, which are its child processes).
 """
@@ -36,6 +41,16 @@ SWEEP = (
 )
 SIZES = (1, 7, 1001, 70_000)
 ROUND_TIMEOUT_S = 200
+#: MOONCAKE_CUDA_DIRECT_BYTES of the round: the largest input (every part of it) the
+#: device-driven kernels take.
+DIRECT_BYTES = 16 << 10
+
+
+def kernel(nbytes: int) -> str:
+    """The eager path of an op the device-driven kernels take eagerly (all_reduce,
+    all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes,
+    the coalesced forms) whose input (every part of it) is ``nbytes``."""
+    return "direct" if nbytes <= DIRECT_BYTES else "plane"
 
 
 def data(rank: int, tag: str, shape, dtype, world: int) -> torch.Tensor:
@@ -81,15 +96,22 @@ class Round:
             self.bad.append(what)
 
     def path(self, what: str, want: str, fn, /, *args, **kwargs) -> None:
-        """Runs ``fn(*args, **kwargs)`` (one collective) and checks which path served it."""
+        """Runs ``fn(*args, **kwargs)`` (one collective) and checks which path served it:
+        ``want`` is "direct" (the device-driven kernels: one device op, a direct op per
+        tensor), "plane" (the host-driven device plane) or "staged"."""
         from mooncake import pg
 
         before = pg.get_op_paths()
         fn(*args, **kwargs)
         torch.cuda.synchronize()
         after = pg.get_op_paths()
-        got = {k: after[k] - before[k] for k in ("device", "staged")}
-        if got != {"device": int(want == "device"), "staged": int(want == "staged")}:
+        got = {k: after[k] - before[k] for k in ("device", "staged", "direct")}
+        ok = {
+            "direct": got["device"] == 1 and got["staged"] == 0 and got["direct"] > 0,
+            "plane": got == {"device": 1, "staged": 0, "direct": 0},
+            "staged": got == {"device": 0, "staged": 1, "direct": 0},
+        }[want]
+        if not ok:
             self.bad.append(f"{what}: served {got}, wanted {want}")
 
     def plane_ops(self) -> None:
@@ -98,26 +120,27 @@ class Round:
             for n in SIZES:
                 xs = self.inputs(f"ar{dtype}{n}", (n,), dtype)
                 x = xs[me].cuda()
-                self.path(f"all_reduce {dtype} {op} n{n}", "device", dist.all_reduce, x, op)
+                want = kernel(x.nbytes)
+                self.path(f"all_reduce {dtype} {op} n{n}", want, dist.all_reduce, x, op)
                 self.same(f"all_reduce {dtype} {op} n{n}", x, reduce_all(xs, op))
         for src in range(world):
             xs = self.inputs(f"bc{src}", (3001,))
             x = xs[me].cuda() if me == src else garbage((3001,), torch.float32)
-            self.path(f"broadcast from {src}", "device", dist.broadcast, x, src)
+            self.path(f"broadcast from {src}", "plane", dist.broadcast, x, src)
             self.same(f"broadcast from {src}", x, xs[src])
         n = 2003
         xs = self.inputs("ag", (n,), torch.bfloat16)
         out = garbage((world * n,), torch.bfloat16)
         self.path(
             "all_gather_into_tensor",
-            "device",
+            kernel(n * 2),
             dist.all_gather_into_tensor,
             out,
             xs[me].cuda(),
         )
         self.same("all_gather_into_tensor", out, torch.cat(xs))
         outs = [garbage((n,), torch.bfloat16) for _ in range(world)]
-        self.path("all_gather", "device", dist.all_gather, outs, xs[me].cuda())
+        self.path("all_gather", "plane", dist.all_gather, outs, xs[me].cuda())
         for r in range(world):
             self.same(f"all_gather [{r}]", outs[r], xs[r])
         for op in (R.SUM, R.MAX):
@@ -125,7 +148,7 @@ class Round:
             out = garbage((n,), torch.float32)
             self.path(
                 f"reduce_scatter_tensor {op}",
-                "device",
+                kernel(world * n * 4),
                 dist.reduce_scatter_tensor,
                 out,
                 xs[me].cuda(),
@@ -140,7 +163,7 @@ class Round:
         out = garbage((n,), torch.int64)
         self.path(
             "reduce_scatter",
-            "device",
+            "plane",
             dist.reduce_scatter,
             out,
             [lists[r][me].cuda() for r in range(world)],
@@ -158,7 +181,7 @@ class Round:
         out = garbage((sum(recv), 5), torch.float32)
         self.path(
             "all_to_all_single uneven",
-            "device",
+            "plane",
             dist.all_to_all_single,
             out,
             xs[me].cuda(),
@@ -170,11 +193,12 @@ class Round:
         k = 64
         xs = self.inputs("a2a_even", (world * k,), torch.float16)
         out = garbage((world * k,), torch.float16)
-        self.path("all_to_all_single even", "device", dist.all_to_all_single, out, xs[me].cuda())
+        want = kernel(out.nbytes)
+        self.path("all_to_all_single even", want, dist.all_to_all_single, out, xs[me].cuda())
         self.same("all_to_all_single even", out, torch.cat([x[me * k : (me + 1) * k] for x in xs]))
         ins = [data(me, f"a2al{d}", (d + 3,), torch.int32, world).cuda() for d in range(world)]
         outs = [garbage((me + 3,), torch.int32) for _ in range(world)]
-        self.path("all_to_all", "device", dist.all_to_all, outs, ins)
+        self.path("all_to_all", "plane", dist.all_to_all, outs, ins)
         for s in range(world):
             self.same(
                 f"all_to_all from {s}", outs[s], data(s, f"a2al{me}", (me + 3,), torch.int32, world)
@@ -184,19 +208,19 @@ class Round:
         me, world = self.rank, self.world
         xs = self.inputs("red", (999,))
         x = xs[me].cuda()
-        self.path("reduce", "device", dist.reduce, x, dst=world - 1)
+        self.path("reduce", "plane", dist.reduce, x, dst=world - 1)
         if me == world - 1:
             self.same("reduce", x, reduce_all(xs, R.SUM))
         xs = self.inputs("ga", (500,))
         parts = [garbage((500,), torch.float32) for _ in range(world)] if me == 0 else None
-        self.path("gather", "device", dist.gather, xs[me].cuda(), parts, dst=0)
+        self.path("gather", "plane", dist.gather, xs[me].cuda(), parts, dst=0)
         if me == 0:
             for r in range(world):
                 self.same(f"gather [{r}]", parts[r], xs[r])
         chunks = self.inputs("sc", (300,))
         out = garbage((300,), torch.float32)
         src_list = [c.cuda() for c in chunks] if me == 0 else None
-        self.path("scatter", "device", dist.scatter, out, src_list, src=0)
+        self.path("scatter", "plane", dist.scatter, out, src_list, src=0)
         self.same("scatter", out, chunks[me])
         nxt, prv = (me + 1) % world, (me - 1) % world
         mine = data(me, "p2p", (4097,), torch.int64, world).cuda()
@@ -207,9 +231,78 @@ class Round:
         self.same("isend/irecv", buf, data(prv, "p2p", (4097,), torch.int64, world))
         xs = [self.inputs(f"co{i}", (64 + i,), torch.float64) for i in range(3)]
         ys = [x[me].cuda() for x in xs]
-        self.path("all_reduce_coalesced", "device", dist.all_reduce_coalesced, ys, op=R.MAX)
+        want = kernel(max(y.nbytes for y in ys))
+        self.path("all_reduce_coalesced", want, dist.all_reduce_coalesced, ys, op=R.MAX)
         for i, y in enumerate(ys):
             self.same(f"all_reduce_coalesced [{i}]", y, reduce_all(xs[i], R.MAX))
+
+    def captured_ops(self) -> None:
+        """The ops the device-driven kernels take under CUDA graph capture only (eagerly
+        they took the plane above): broadcast from 0, reduce to the last rank, gather to 0,
+        scatter from the last rank, all_gather, reduce_scatter, all_to_all and
+        all_to_all_single with equal split sizes, captured in one graph (each counted once
+        on the kernels) and replayed once into outputs refilled with garbage."""
+        from mooncake import pg
+
+        me, world, last, n = self.rank, self.world, self.world - 1, 300
+        f32 = torch.float32
+        xs = {k: self.inputs(f"cap_{k}", (n,)) for k in ("bc", "rd", "ga", "ag")}
+        sc = [self.inputs(f"cap_sc{j}", (n,)) for j in range(world)]  # [dst][src]
+        rs = [self.inputs(f"cap_rs{d}", (n,)) for d in range(world)]  # [dst][src]
+        a2 = [self.inputs(f"cap_a2{d}", (n,)) for d in range(world)]  # [dst][src]
+        a2s = self.inputs("cap_a2s", (world * n,))
+        bc = xs["bc"][me].cuda()
+        rd, ga, ag = (xs[k][me].cuda() for k in ("rd", "ga", "ag"))
+        sc_in = [sc[j][me].cuda() for j in range(world)] if me == last else None
+        rs_in = [rs[d][me].cuda() for d in range(world)]
+        a2_in = [a2[d][me].cuda() for d in range(world)]
+        a2s_in = a2s[me].cuda()
+        outs = {
+            "ga": [garbage((n,), f32) for _ in range(world)] if me == 0 else None,
+            "sc": garbage((n,), f32),
+            "ag": [garbage((n,), f32) for _ in range(world)],
+            "rs": garbage((n,), f32),
+            "a2": [garbage((n,), f32) for _ in range(world)],
+            "a2s": garbage((world * n,), f32),
+        }
+        written = [
+            t for v in outs.values() if v is not None for t in (v if isinstance(v, list) else [v])
+        ]
+        graph = torch.cuda.CUDAGraph()
+        before = pg.get_op_paths()
+        with torch.cuda.graph(graph):
+            b = bc.clone() if me == 0 else garbage((n,), f32)
+            dist.broadcast(b, 0)
+            r = rd.clone()
+            dist.reduce(r, dst=last)
+            dist.gather(ga, outs["ga"], dst=0)
+            dist.scatter(outs["sc"], sc_in, src=last)
+            dist.all_gather(outs["ag"], ag)
+            dist.reduce_scatter(outs["rs"], rs_in)
+            dist.all_to_all(outs["a2"], a2_in)
+            dist.all_to_all_single(outs["a2s"], a2s_in, [n] * world, [n] * world)
+        torch.cuda.synchronize()
+        after = pg.get_op_paths()
+        got = {k: after[k] - before[k] for k in ("device", "staged", "direct")}
+        if got != {"device": 8, "staged": 0, "direct": 8}:
+            self.bad.append(f"captured ops: served {got}, wanted 8 on the kernels")
+        for t in written:
+            t.copy_(garbage(t.shape, t.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        self.same("captured broadcast", b, xs["bc"][0])
+        if me == last:
+            self.same("captured reduce", r, reduce_all(xs["rd"], R.SUM))
+        for q, t in enumerate(outs["ga"] or []):
+            self.same(f"captured gather [{q}]", t, xs["ga"][q])
+        self.same("captured scatter", outs["sc"], sc[me][last])
+        for q, t in enumerate(outs["ag"]):
+            self.same(f"captured all_gather [{q}]", t, xs["ag"][q])
+        self.same("captured reduce_scatter", outs["rs"], reduce_all(rs[me], R.SUM))
+        for q, t in enumerate(outs["a2"]):
+            self.same(f"captured all_to_all [{q}]", t, a2[me][q])
+        want = torch.cat([x[me * n : (me + 1) * n] for x in a2s])
+        self.same("captured all_to_all_single", outs["a2s"], want)
 
 
 def replay_through_a_kill(rank: int, world: int, port: int, victim: int) -> dict:
@@ -274,6 +367,8 @@ def replay_through_a_kill(rank: int, world: int, port: int, victim: int) -> dict
 def rank_main(rank: int, world: int, port: int) -> int:
     os.environ["MOONCAKE_CUDA_PLANE_MIN_BYTES"] = "0"
     os.environ["MOONCAKE_CUDA_SEGMENT_BYTES"] = str(64 << 10)
+    os.environ["MOONCAKE_CUDA_DIRECT"] = "auto"
+    os.environ["MOONCAKE_CUDA_DIRECT_BYTES"] = str(DIRECT_BYTES)
     from mooncake import pg
 
     torch.cuda.set_device(0)
@@ -289,6 +384,7 @@ def rank_main(rank: int, world: int, port: int) -> int:
     r = Round(rank, world)
     r.plane_ops()
     r.rooted_ops()
+    r.captured_ops()
     torch.cuda.synchronize()
     dist.barrier()
     dist.destroy_process_group()

@@ -55,8 +55,8 @@ CONTROLLED_ENV = (
     "MOONCAKE_EP_FORCE_FALLBACK",
     "MOONCAKE_CUDA_SEGMENT_BYTES",
     "MOONCAKE_CUDA_PLANE_MIN_BYTES",
-    "MOONCAKE_CUDA_ALLREDUCE",
-    "MOONCAKE_CUDA_ALLREDUCE_BYTES",
+    "MOONCAKE_CUDA_DIRECT",
+    "MOONCAKE_CUDA_DIRECT_BYTES",
 )
 #: Environment of the chunked launches: 4 KiB slots make "larger than the
 #: internal buffer" cheap, and a 2 KiB threshold sends mid-size all_reduce,

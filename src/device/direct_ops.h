@@ -1,4 +1,4 @@
-// The device-driven all_reduce's host half (the kernel and its protocol:
+// The device-driven collectives' host half (the kernel and its protocol:
 // kernels/coll/direct.h): the group's state in device memory, the words its
 // launches report into, and the launch itself, which needs no host op, no
 // allocation and no host wait, so that it can be captured in a CUDA graph.
@@ -26,17 +26,17 @@
 
 namespace mooncake {
 
-class DirectAllReduce {
+class DirectOps {
  public:
   // No incarnation: a slot no install mapped.
   static constexpr uint32_t kNone = UINT32_MAX;
 
   // For a world of `ranks` processes (this one `rank`, at most
   // kernels::kDirectMaxRanks) whose areas are laid out as `layout`.
-  DirectAllReduce(int device, int rank, int ranks, const kernels::DirectLayout& layout);
-  ~DirectAllReduce();
-  DirectAllReduce(const DirectAllReduce&) = delete;
-  DirectAllReduce& operator=(const DirectAllReduce&) = delete;
+  DirectOps(int device, int rank, int ranks, const kernels::DirectLayout& layout);
+  ~DirectOps();
+  DirectOps(const DirectOps&) = delete;
+  DirectOps& operator=(const DirectOps&) = delete;
 
   const kernels::DirectLayout& layout() const { return layout_; }
   // Whoever learns that a peer is lost sets its word (watch_lost).
@@ -63,10 +63,24 @@ class DirectAllReduce {
   // The same, done before it returns (its mapping is about to go).
   void retire_now(int slot);
 
-  // Queues one op (kernels/coll/direct.h) of `blocks` blocks on `stream`;
-  // `reject`: this rank takes part without data. timeout_ms > 0.
-  void launch(const void* in, void* out, size_t count, DType dtype, RedOp op, bool two_shot,
-              bool reject, int64_t timeout_ms, int blocks, cudaStream_t stream);
+  // One op: what kernels::DirectArgs says of the same fields.
+  struct Op {
+    kernels::DirectKind kind = kernels::DirectKind::kAllReduce;
+    const void* in = nullptr;
+    void* out = nullptr;
+    size_t count = 0;  // elements of one part
+    DType dtype = DType::kFloat32;
+    RedOp op = RedOp::kSum;  // reductions only
+    int root = 0;            // rooted kinds only
+  };
+  // Bytes of `op`'s input at this rank (every rank's input fits the area).
+  size_t input_bytes(const Op& op) const;
+
+  // Queues `op` (kernels/coll/direct.h) as one launch of `blocks` blocks on
+  // `stream`; `reject`: this rank takes part without data; two_shot:
+  // all_reduce's algorithm. timeout_ms > 0.
+  void launch(const Op& op, bool two_shot, bool reject, int64_t timeout_ms, int blocks,
+              cudaStream_t stream);
 
   // What launches reported since the last call (masked ranks, peers whose
   // calls did not match), one line each; clears the words. Reads host memory

@@ -1,7 +1,8 @@
-// launch_direct_all_reduce (coll/direct.h, which says what a launch does and
-// why each rank's area can be reused without a wait at the end). The
-// arithmetic is coll/reduce.cuh's, sources in rank order: the host-driven
-// plane's and the host's results, bit for bit.
+// launch_direct (coll/direct.h, which says what a launch does and why each
+// rank's area can be reused without a wait at the end). The arithmetic is
+// coll/reduce.cuh's, sources in rank order: the host-driven plane's and the
+// host's results, bit for bit. The kinds that only move data run as bytes
+// (one instantiation for every dtype); the reductions per dtype and op.
 //
 // Memory order: the copies of step 1 (every block) reach block 0 through the
 // grid barrier, which block 0 follows with a system-scope fence and the
@@ -103,6 +104,31 @@ __device__ void copy_span(const uint8_t* from, size_t first, Span s, T* out, boo
   for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) out[i] = f[i - first];
 }
 
+// Elements [s.lo, s.hi) of out zeroed: the part of a rank outside the op.
+template <typename T>
+__device__ void zero_span(Span s, T* out, bool vec) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  size_t done = s.lo;
+  if (vec) {
+    const size_t lo = s.lo / V, hi = s.hi / V;
+    for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+      reinterpret_cast<uint4*>(out)[i] = make_uint4(0, 0, 0, 0);
+    done = hi * V > s.lo ? hi * V : s.lo;
+  }
+  for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) out[i] = T{};
+}
+
+// This block's part of one output part: from `from` (that part's first
+// element) where its rank took part, else zeros.
+template <typename T>
+__device__ void move_part(const uint8_t* from, T* out, size_t n, size_t unit, bool vec) {
+  const Span p = block_part(0, n, unit);
+  if (from != nullptr)
+    copy_span<T>(from, 0, p, out, vec);
+  else
+    zero_span<T>(p, out, vec);
+}
+
 // A peer masked during this launch: the caller's active_ranks say so too.
 __device__ __forceinline__ void report_masked(DirectState* st, int j) {
   if (st->report != nullptr) *reinterpret_cast<volatile int32_t*>(st->report + j) = 0;
@@ -156,8 +182,10 @@ __device__ bool share_arrived(const DirectArgs& a, DirectState* st, int j, uint6
   return tag_gen(v) == gen && tag_ahead(v, seq) <= 1;
 }
 
-template <typename T, RedOp Op>
-__global__ void __launch_bounds__(kDirectThreads) direct_all_reduce(DirectArgs a) {
+// kMove: the kinds that only move data, with T = uint8_t (counts in bytes);
+// else the reductions, T the dtype's element.
+template <typename T, RedOp Op, bool kMove>
+__global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   constexpr size_t V = sizeof(uint4) / sizeof(T);
   DirectState* st = a.state;
   __shared__ uint64_t s_seq;
@@ -180,10 +208,15 @@ __global__ void __launch_bounds__(kDirectThreads) direct_all_reduce(DirectArgs a
   const size_t unit = a.vec ? V : 1;
 
   const bool data = a.shape != kShapeRejected;
+  const bool root = me == a.root;
+  // One part: its bytes, and its elements as this instantiation counts them.
+  const size_t part_bytes = a.count * a.esize;
+  const size_t part = part_bytes / sizeof(T);
 
   // 1. The input into this rank's area.
-  if (data)
-    copy_in(own + L.input(seq), static_cast<const uint8_t*>(a.in), a.count * sizeof(T), a.vec);
+  if (data && a.in != nullptr)
+    copy_in(own + L.input(seq), static_cast<const uint8_t*>(a.in),
+            direct_in_parts(a.kind, R, root) * part_bytes, a.vec);
   __syncthreads();
   uint32_t bar = 0;
   if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
@@ -222,53 +255,97 @@ __global__ void __launch_bounds__(kDirectThreads) direct_all_reduce(DirectArgs a
   const int n = s_n;
   if (!data || n == 0) return;  // a rejected call only takes part
   T* out = static_cast<T*>(a.out);
+  const uint8_t* const* areas = st->areas;
+  // Where rank j's input starts in its area, when j takes part (else null).
+  auto input_of = [&](int j) -> const uint8_t* {
+    return s_in[j] != 0 ? areas[j] + L.input(seq) : nullptr;
+  };
 
-  // 3. One-shot: every element from every source.
-  if (!a.two_shot) {
-    reduce_span<T, Op>(s_src, n, L.input(seq), block_part(0, a.count, unit), out, nullptr, 0,
-                       a.vec);
-    return;
-  }
-
-  // 3. Two-shot: this rank's share, into its area and the output...
-  const size_t per = direct_share_elems(a.count, R, sizeof(T));
-  const Span mine = share_of(me, a.count, per);
-  reduce_span<T, Op>(s_src, n, L.input(seq), block_part(mine.lo, mine.hi, unit), out,
-                     reinterpret_cast<T*>(own + L.share(seq)), mine.lo, a.vec);
-  __syncthreads();
-  uint32_t bar3 = 0;
-  if (multi && threadIdx.x == 0) bar3 = grid_arrive(st->grid_sync);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (multi) grid_wait(st->grid_sync, bar3, a.c.timeout_ns, a.c.status);
-    __threadfence_system();
-    st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kShareSignal),
-                   direct_tag(gen, seq));
-  }
-  // ...then every other share: from its owner's area where it came, else
-  // reduced here from the sources, which are all still in place.
-  __shared__ uint64_t s_deadline;
-  if (threadIdx.x == 0) s_deadline = deadline_of(a.c.timeout_ns);
-  for (int j = 0; j < R; ++j) {
-    if (j == me) continue;
-    const Span share = share_of(j, a.count, per);
-    const Span part = block_part(share.lo, share.hi, unit);
-    if (part.lo >= part.hi) continue;  // the same for every thread of the block
-    __syncthreads();                   // s_ok's last use is over
-    if (threadIdx.x == 0) s_ok = s_in[j] != 0 && share_arrived(a, st, j, seq, gen, s_deadline);
+  // 3. The moves: each output part from the area it comes from.
+  if constexpr (kMove) {
+    switch (a.kind) {
+      case DirectKind::kBroadcast:
+        if (root && a.in == a.out) return;  // in place: nothing moves here
+        move_part<T>(input_of(a.root), out, part, unit, a.vec);
+        return;
+      case DirectKind::kScatter: {
+        const uint8_t* from = input_of(a.root);
+        move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr, out,
+                     part, unit, a.vec);
+        return;
+      }
+      case DirectKind::kGather:
+        if (!root) return;
+        [[fallthrough]];
+      case DirectKind::kAllGather:
+        for (int j = 0; j < R; ++j)
+          move_part<T>(input_of(j), out + static_cast<size_t>(j) * part, part, unit, a.vec);
+        return;
+      case DirectKind::kAllToAll:
+        for (int j = 0; j < R; ++j) {
+          const uint8_t* from = input_of(j);
+          move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr,
+                       out + static_cast<size_t>(j) * part, part, unit, a.vec);
+        }
+        return;
+      default: return;
+    }
+  } else {
+    // 3. The reductions of one part: reduce's at the root, reduce_scatter's
+    // from this rank's part of each input, all_reduce's one-shot.
+    if (a.kind == DirectKind::kReduce && !root) return;
+    if (a.kind != DirectKind::kAllReduce || !a.two_shot) {
+      const size_t at =
+          L.input(seq) +
+          (a.kind == DirectKind::kReduceScatter ? static_cast<size_t>(me) * part_bytes : 0);
+      reduce_span<T, Op>(s_src, n, at, block_part(0, part, unit), out, nullptr, 0, a.vec);
+      return;
+    }
+    // all_reduce two-shot: this rank's share, into its area and the output...
+    const size_t per = direct_share_elems(part, R, sizeof(T));
+    const Span mine = share_of(me, part, per);
+    reduce_span<T, Op>(s_src, n, L.input(seq), block_part(mine.lo, mine.hi, unit), out,
+                       reinterpret_cast<T*>(own + L.share(seq)), mine.lo, a.vec);
     __syncthreads();
-    if (s_ok)
-      copy_span<T>(st->areas[j] + L.share(seq), share.lo, part, out, a.vec);
-    else
-      reduce_span<T, Op>(s_src, n, L.input(seq), part, out, nullptr, 0, a.vec);
+    uint32_t bar3 = 0;
+    if (multi && threadIdx.x == 0) bar3 = grid_arrive(st->grid_sync);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (multi) grid_wait(st->grid_sync, bar3, a.c.timeout_ns, a.c.status);
+      __threadfence_system();
+      st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kShareSignal),
+                     direct_tag(gen, seq));
+    }
+    // ...then every other share: from its owner's area where it came, else
+    // reduced here from the sources, which are all still in place.
+    __shared__ uint64_t s_deadline;
+    if (threadIdx.x == 0) s_deadline = deadline_of(a.c.timeout_ns);
+    for (int j = 0; j < R; ++j) {
+      if (j == me) continue;
+      const Span share = share_of(j, part, per);
+      const Span piece = block_part(share.lo, share.hi, unit);
+      if (piece.lo >= piece.hi) continue;  // the same for every thread of the block
+      __syncthreads();                     // s_ok's last use is over
+      if (threadIdx.x == 0) s_ok = s_in[j] != 0 && share_arrived(a, st, j, seq, gen, s_deadline);
+      __syncthreads();
+      if (s_ok)
+        copy_span<T>(st->areas[j] + L.share(seq), share.lo, piece, out, a.vec);
+      else
+        reduce_span<T, Op>(s_src, n, L.input(seq), piece, out, nullptr, 0, a.vec);
+    }
   }
 }
 
 }  // namespace
 
-int launch_direct_all_reduce(const DirectArgs& a, int blocks, CUstream_st* stream) {
+int launch_direct(const DirectArgs& a, int blocks, CUstream_st* stream) {
   if (blocks < 1 || blocks > kDirectMaxBlocks) return static_cast<int>(cudaErrorInvalidValue);
+  const auto grid = static_cast<unsigned>(blocks);
+  if (!direct_reduces(a.kind)) {
+    direct_op<uint8_t, RedOp::kSum, true><<<grid, kDirectThreads, 0, stream>>>(a);
+    return static_cast<int>(cudaGetLastError());
+  }
   return with_dtype_op(a.dtype, a.op, [&]<typename T, RedOp Op>() {
-    direct_all_reduce<T, Op><<<static_cast<unsigned>(blocks), kDirectThreads, 0, stream>>>(a);
+    direct_op<T, Op, false><<<grid, kDirectThreads, 0, stream>>>(a);
     return static_cast<int>(cudaGetLastError());
   });
 }

@@ -1,4 +1,4 @@
-#include "device/direct_all_reduce.h"
+#include "device/direct_ops.h"
 
 #include <cstddef>
 
@@ -23,19 +23,20 @@ int32_t load(const int32_t* p) {
 
 }  // namespace
 
-DirectAllReduce::DirectAllReduce(int device, int rank, int ranks, const k::DirectLayout& layout)
+DirectOps::DirectOps(int device, int rank, int ranks, const k::DirectLayout& layout)
     : device_(device),
       rank_(rank),
       ranks_(ranks),
       layout_(layout),
       incarnations_(static_cast<size_t>(ranks), kNone) {
   MC_CHECK_ARG(ranks >= 1 && ranks <= k::kDirectMaxRanks && rank >= 0 && rank < ranks,
-               "DirectAllReduce: rank ", rank, " of ", ranks, " ranks (at most ",
-               k::kDirectMaxRanks, ")");
+               "DirectOps: rank ", rank, " of ", ranks, " ranks (at most ", k::kDirectMaxRanks,
+               ")");
   OnDevice on(device_);
   try {
     // Written whole by install(), before any launch reads it.
-    cuda_check(cudaMalloc(&state_, sizeof(k::DirectState)), "cudaMalloc of the all_reduce state");
+    cuda_check(cudaMalloc(&state_, sizeof(k::DirectState)),
+               "cudaMalloc of the device-driven collectives' state");
     status_host_ = mapped_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
     silent_host_ = mapped_words(ranks, &silent_dev_, "cudaHostAlloc of the silent-rank words");
     lost_ = std::make_shared<LostWords>(ranks);
@@ -45,13 +46,13 @@ DirectAllReduce::DirectAllReduce(int device, int rank, int ranks, const k::Direc
   }
 }
 
-DirectAllReduce::~DirectAllReduce() {
+DirectOps::~DirectOps() {
   OnDevice on(device_);
   cudaDeviceSynchronize();  // a launch (a graph replay) may still read the state
   release();
 }
 
-void DirectAllReduce::release() {
+void DirectOps::release() {
   if (state_ != nullptr) cudaFree(state_);
   if (status_host_ != nullptr) cudaFreeHost(status_host_);
   if (silent_host_ != nullptr) cudaFreeHost(silent_host_);
@@ -59,9 +60,9 @@ void DirectAllReduce::release() {
   status_host_ = silent_host_ = nullptr;
 }
 
-void DirectAllReduce::install(const std::vector<uint8_t*>& areas,
-                              const std::vector<uint32_t>& incarnations, uint32_t gen,
-                              uint64_t epoch, cudaStream_t stream) {
+void DirectOps::install(const std::vector<uint8_t*>& areas,
+                        const std::vector<uint32_t>& incarnations, uint32_t gen, uint64_t epoch,
+                        cudaStream_t stream) {
   MC_ASSERT(areas.size() == static_cast<size_t>(ranks_) && incarnations.size() == areas.size());
   OnDevice on(device_);
   k::DirectState h{};
@@ -75,8 +76,8 @@ void DirectAllReduce::install(const std::vector<uint8_t*>& areas,
     h.live[p] = h.areas[p] != nullptr ? 1 : 0;
   }
   cuda_check(cudaMemcpyAsync(state_, &h, sizeof(h), cudaMemcpyHostToDevice, stream),
-             "writing the all_reduce state");
-  cuda_check(cudaStreamSynchronize(stream), "writing the all_reduce state");
+             "writing the device-driven collectives' state");
+  cuda_check(cudaStreamSynchronize(stream), "writing the device-driven collectives' state");
   for (int p = 0; p < ranks_; ++p) {
     const uint32_t inc = incarnations[static_cast<size_t>(p)];
     // A new process in the slot: what the transport said of the last one is void.
@@ -91,11 +92,11 @@ void DirectAllReduce::install(const std::vector<uint8_t*>& areas,
   installed_ = true;
 }
 
-uint32_t DirectAllReduce::incarnation(int slot) const {
+uint32_t DirectOps::incarnation(int slot) const {
   return slot >= 0 && slot < ranks_ ? incarnations_[static_cast<size_t>(slot)] : kNone;
 }
 
-void DirectAllReduce::retire(int slot, cudaStream_t stream) {
+void DirectOps::retire(int slot, cudaStream_t stream) {
   if (slot < 0 || slot >= ranks_) return;
   OnDevice on(device_);
   int32_t* live = field<int32_t>(state_, offsetof(k::DirectState, live)) + slot;
@@ -103,16 +104,25 @@ void DirectAllReduce::retire(int slot, cudaStream_t stream) {
   incarnations_[static_cast<size_t>(slot)] = kNone;
 }
 
-void DirectAllReduce::retire_now(int slot) {
+void DirectOps::retire_now(int slot) {
   retire(slot, nullptr);
   cuda_check(cudaStreamSynchronize(nullptr), "retiring a rank");
 }
 
-void DirectAllReduce::launch(const void* in, void* out, size_t count, DType dtype, RedOp op,
-                             bool two_shot, bool reject, int64_t timeout_ms, int blocks,
-                             cudaStream_t stream) {
-  MC_ASSERT(installed_ && timeout_ms > 0);
+size_t DirectOps::input_bytes(const Op& op) const {
+  return k::direct_in_parts(op.kind, ranks_, rank_ == op.root) * op.count * dtype_size(op.dtype);
+}
+
+void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout_ms, int blocks,
+                       cudaStream_t stream) {
+  MC_ASSERT(installed_ && timeout_ms > 0 && op.count < k::kDirectMaxCount &&
+            input_bytes(op) <= layout_.max_bytes);
+  MC_ASSERT(!k::direct_rooted(op.kind) || (op.root >= 0 && op.root < ranks_));
+  const int root = k::direct_rooted(op.kind) ? op.root : 0;
+  const RedOp red = k::direct_reduces(op.kind) ? op.op : RedOp::kSum;
   k::DirectArgs a{};
+  a.kind = op.kind;
+  a.root = root;
   a.c.peers = field<uint8_t*>(state_, offsetof(k::DirectState, areas));
   a.c.rank = rank_;
   a.c.active_ranks = field<int32_t>(state_, offsetof(k::DirectState, live));
@@ -123,20 +133,25 @@ void DirectAllReduce::launch(const void* in, void* out, size_t count, DType dtyp
   a.c.grid_sync = field<uint32_t>(state_, offsetof(k::DirectState, grid_sync));
   a.state = state_;
   a.layout = layout_;
-  a.in = in;
-  a.out = out;
-  a.count = count;
-  a.dtype = dtype;
-  a.op = op;
-  a.shape = reject ? k::kShapeRejected : k::direct_shape(count, dtype, op);
-  a.two_shot = two_shot;
+  a.in = op.in;
+  a.out = op.out;
+  a.count = op.count;
+  a.esize = dtype_size(op.dtype);
+  a.dtype = op.dtype;
+  a.op = red;
+  a.two_shot = two_shot && op.kind == k::DirectKind::kAllReduce;
+  a.shape = reject ? k::kShapeRejected
+                   : k::direct_shape(op.kind, root, op.count, op.dtype, red, a.two_shot);
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  a.vec = aligned(in) && aligned(out);
-  cuda_check(static_cast<cudaError_t>(k::launch_direct_all_reduce(a, blocks, stream)),
-             "the device-driven all_reduce kernel");
+  // Parts after the first start at whole vectors only when a part is whole vectors.
+  const bool one_part = k::direct_in_parts(op.kind, ranks_, true) <= 1 &&
+                        k::direct_out_parts(op.kind, ranks_, true) <= 1;
+  a.vec = aligned(op.in) && aligned(op.out) && (one_part || (op.count * a.esize) % 16 == 0);
+  cuda_check(static_cast<cudaError_t>(k::launch_direct(a, blocks, stream)),
+             "the device-driven collective kernel");
 }
 
-std::vector<std::string> DirectAllReduce::take_reports() {
+std::vector<std::string> DirectOps::take_reports() {
   std::vector<std::string> out;
   const int32_t code = load(status_host_);
   if (code != k::kStatusOk) {
@@ -157,8 +172,8 @@ std::vector<std::string> DirectAllReduce::take_reports() {
         break;
       case k::kStatusDirectMismatch:
         out.push_back(str("rank ", d0,
-                          " called all_reduce with another count, dtype or op: each rank's "
-                          "result left the other out"));
+                          " called another op, or the same with another root, count, dtype or "
+                          "reduce op: each rank's result left the other out"));
         break;
       case k::kStatusDirectRejected:
         out.push_back(str("rank ", d0,
