@@ -99,7 +99,10 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
   const int tid = threadIdx.x;
   const int64_t S = a.slots.count;
   const bool expand_sum = a.expand && !a.single;
-  const int room_needed = a.single ? static_cast<int>(imin<int64_t>(v.K, v.epr)) : 1;
+  // A row's items (one by one: its local slots) never exceed K, even with an expert
+  // selected twice (reported, not refused): so a picked row always fits, and a pick
+  // always moves on (one that staged nothing would spin without a deadline).
+  const int room_needed = a.single ? v.K : 1;
   Peers& p = sh.p;
   if (tid < v.R) {
     const int s = tid;
@@ -331,7 +334,7 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
   }
   __syncthreads();
   // Tokens a batch: the rows it needs from one rank must fit in its ring.
-  const int64_t per_token = a.single ? imin<int64_t>(v.K, v.epr) : 1;
+  const int64_t per_token = a.single ? v.K : 1;  // the replier's room_needed
   const int64_t B = v.R > 1 ? imax<int64_t>(1, imin<int64_t>(kBatch, S / per_token)) : kBatch;
   const Span sp = channel_span(v.N, v.C, c);
   const int64_t groups = (v.db + 511) / 512;
