@@ -215,7 +215,8 @@ gpu_wants() {
 # EP fencing canaries. Each part bounded; a skip fails, as in the other GPU steps.
 if gpu_wants smoke; then
   step "smoke: device-driven collectives (eager, graph capture and replay)"
-  mapfile -t SEL_SMOKE < <(sel "(direct_matches_host or graph_replay or graph_capture) and not multi_gpu")
+  # Worlds 1 and 2 only (the pgcuda step runs world 4 and the plane launches).
+  mapfile -t SEL_SMOKE < <(sel "(direct_matches_host or graph_replay or graph_capture) and not multi_gpu and not plane and not w4")
   MOONCAKE_NO_SKIP=1 timeout 300 "$PY" -m pytest tests/python/test_cuda_backend.py "${SEL_SMOKE[@]}" -q -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/pytest_smoke_direct.log" | tail -8 || status=1
   step "smoke: ElasticBuffer device path, 1 and 2 processes"

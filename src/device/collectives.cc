@@ -396,20 +396,6 @@ namespace {
 
 using kernels::DirectKind;
 
-OpType op_type(DirectKind kind) {
-  switch (kind) {
-    case DirectKind::kAllReduce: return OpType::kAllReduce;
-    case DirectKind::kReduce: return OpType::kReduce;
-    case DirectKind::kBroadcast: return OpType::kBroadcast;
-    case DirectKind::kAllGather: return OpType::kAllGather;
-    case DirectKind::kGather: return OpType::kGather;
-    case DirectKind::kReduceScatter: return OpType::kReduceScatter;
-    case DirectKind::kScatter: return OpType::kScatter;
-    case DirectKind::kAllToAll: return OpType::kAllToAll;
-  }
-  return OpType::kAllReduce;
-}
-
 // The `parts` pointers `bytes` apart from `base` (a null base, as a count of 0
 // may have: nulls).
 template <typename P>
@@ -441,13 +427,15 @@ bool DeviceCollectives::direct_ready() {
 }
 
 void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms) {
-  // This rank's launches are over before the members meet: none of the last
-  // generation meets a signal of the next, and none reads the table while it
-  // changes.
-  cuda_check(cudaStreamSynchronize(stream), "waiting for the earlier device-driven launches");
+  // This rank's launches, and replays, on every stream (torch's streams do
+  // not wait for each other) are over before the members meet: none of the
+  // last generation meets a signal of the next, and none reads the table
+  // while it changes.
+  cuda_check(cudaDeviceSynchronize(), "waiting for the earlier device-driven launches");
   const int world = comm_.size();
   if (!direct_) {
     direct_ = std::make_unique<DirectOps>(device_, comm_.rank(), world, direct_layout());
+    last_launch_ = std::make_unique<CudaEvent>(false);  // here, never under capture
     watch_lost(comm_.endpoint(), direct_->lost_words(), comm_.config().hang_ms);
   }
   direct_->set_report(report_to_);
@@ -526,7 +514,9 @@ void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,
 bool DeviceCollectives::direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms) {
   if (direct_ready()) return true;
   const uint64_t epoch = comm_.epoch();
-  const bool left = (direct_ && direct_->left_behind()) || told_left_out(comm_.endpoint(), epoch);
+  // Left behind in this view: until the view changes (a later setup may take it in again).
+  const bool left = (direct_ && direct_->left_behind() && direct_->epoch() == epoch) ||
+                    told_left_out(comm_.endpoint(), epoch);
   if (!left && direct_unfit_epoch_ != epoch) direct_setup(op, stream, timeout_ms);
   return direct_ready();
 }
@@ -539,15 +529,23 @@ void DeviceCollectives::direct_prepare(const DirectOp& op, cudaStream_t stream,
   direct_set_up(op, stream, timeout_ms);
 }
 
-void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms,
-                               const char* reject) {
-  OnDevice on(device_);
-  if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
+void DeviceCollectives::direct_poll() {
   if (direct_)
     for (const std::string& line : direct_->take_reports())
-      MC_LOG(kWarn, op_name(op_type(op.kind)), " (device-driven) on rank ", comm_.rank(), ": ",
-             line);
-  if (!direct_set_up(op, stream, timeout_ms)) {
+      MC_LOG(kWarn, "device-driven collectives on rank ", comm_.rank(), ": ", line);
+}
+
+void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms,
+                               const char* reject, bool queued) {
+  OnDevice on(device_);
+  if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
+  if (!queued) {
+    // The caller polled and found the path ready, on this thread: a launch alone.
+    MC_ASSERT(direct_ready(), "a device-driven launch outside the op queue when not ready");
+  } else {
+    direct_poll();
+  }
+  if (queued && !direct_set_up(op, stream, timeout_ms)) {
     // The host-driven plane: it tells a rank left out so, and serves any view.
     if (reject != nullptr)
       comm_.reject(reject, timeout_ms);
@@ -573,7 +571,26 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
   const int blocks =
       static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
+  order_after_last_launch(stream);
   direct_->launch(op, two_shot, reject != nullptr, timeout_ms, blocks, stream);
+  last_launch_->record(stream);
+  last_launch_stream_ = stream;
+}
+
+void DeviceCollectives::order_after_last_launch(cudaStream_t stream) {
+  // Launches share the op count, the grid barrier and the areas' parities, so
+  // they must run one after another, whatever stream each caller queues on
+  // (FSDP-style use gathers on one stream and reduces on another). Within one
+  // capture the wait is a dependency of the graph; across a capture's edge
+  // none can be expressed (replays are ordered by the caller, as for NCCL).
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
+  const unsigned long long capture = status == cudaStreamCaptureStatusActive ? id : 0;
+  if (last_launch_stream_ != nullptr && last_launch_stream_ != stream &&
+      last_launch_capture_ == capture)
+    last_launch_->block(stream);
+  last_launch_capture_ = capture;
 }
 
 void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,

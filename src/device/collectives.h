@@ -146,8 +146,15 @@ class DeviceCollectives {
   // the host-driven plane instead (blocking). `reject` (not null): this rank
   // rejected its arguments (the caller raises `reject`); it takes part
   // without data, so that the ranks stay in step.
+  // `queued` false: the caller is not the op queue (a launch on the caller's
+  // stream, maybe under capture), and found direct_ready() after
+  // direct_poll(): the launch alone, never a host op.
   void direct(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms = -1,
-              const char* reject = nullptr);
+              const char* reject = nullptr, bool queued = true);
+  // Logs what the launches that finished reported (masked ranks, calls that
+  // disagreed), and takes it into account: a launch that found the others
+  // set up again without this rank makes direct_ready() false.
+  void direct_poll();
   // Sets the device-driven ops up where direct_serves(op) and they are not
   // ready (as direct() would before its launch), for an op that then runs
   // on the host-driven plane: its eager warm-up readies its capture. Every
@@ -191,6 +198,9 @@ class DeviceCollectives {
   size_t direct_max_bytes() const;
   // The setup of the device-driven ops (its argument: the op that sets it up).
   void direct_setup(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
+  // Makes `stream` wait for the last device-driven launch where that ran on
+  // another stream (in the same capture, or both eager).
+  void order_after_last_launch(cudaStream_t stream);
   // Whether the device-driven ops are ready, after a setup where they were
   // not and this rank can take part in one (not left out, the view fits).
   bool direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
@@ -216,6 +226,11 @@ class DeviceCollectives {
   // the world size): its ops run on the host-driven plane.
   uint64_t direct_unfit_epoch_ = UINT64_MAX;
   int direct_blocks_ = 0;  // the most blocks a launch takes (0: not asked yet)
+  // The last device-driven launch: recorded after it on its stream, and the
+  // capture it was part of (0: eager).
+  std::unique_ptr<CudaEvent> last_launch_;
+  cudaStream_t last_launch_stream_ = nullptr;
+  unsigned long long last_launch_capture_ = 0;
 };
 
 }  // namespace mooncake

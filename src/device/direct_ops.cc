@@ -90,6 +90,7 @@ void DirectOps::install(const std::vector<uint8_t*>& areas,
   gen_ = gen;
   epoch_ = epoch;
   installed_ = true;
+  left_behind_ = false;  // this setup took this rank in
 }
 
 uint32_t DirectOps::incarnation(int slot) const {
@@ -106,7 +107,9 @@ void DirectOps::retire(int slot, cudaStream_t stream) {
 
 void DirectOps::retire_now(int slot) {
   retire(slot, nullptr);
-  cuda_check(cudaStreamSynchronize(nullptr), "retiring a rank");
+  // Launches and replays on any stream (torch's are non-blocking) are over
+  // before the slot's mapping goes.
+  cuda_check(cudaDeviceSynchronize(), "retiring a rank");
 }
 
 size_t DirectOps::input_bytes(const Op& op) const {
@@ -166,9 +169,16 @@ std::vector<std::string> DirectOps::take_reports() {
                           "its result may be wrong"));
         break;
       case k::kStatusDirectStale:
-        left_behind_ = true;
-        out.push_back(str("rank ", d0, " went on to setup ", d1, " (this rank's: ", gen_,
-                          ") without this rank: the others left it out"));
+        if (static_cast<uint32_t>(d1) > gen_) {
+          left_behind_ = true;
+          out.push_back(str("rank ", d0, " went on to setup ", d1, " (this rank's: ", gen_,
+                            ") without this rank: the others left it out"));
+        } else {
+          out.push_back(str("rank ", d0,
+                            " is two ops ahead: it masked this rank (silent past its timeout) "
+                            "and went on; the two leave each other out until the group's "
+                            "ranks next change"));
+        }
         break;
       case k::kStatusDirectMismatch:
         out.push_back(str("rank ", d0,

@@ -235,7 +235,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::
 // all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
 // all_to_all_single without split sizes, and their coalesced forms take them
 // whenever they serve the op: their results where a rank fails are the host
-// path's (the survivors' reduction, zeros in a lost rank's parts). The rooted
+// path's (the survivors' reduction, zeros in a lost rank's parts), except
+// that a rank whose input was in place before it died is counted in. The rooted
 // ops (broadcast, reduce, gather, scatter), the list forms and
 // all_to_all_single with equal split sizes take them under CUDA graph capture
 // only. Eagerly they take the device plane: a root that fails there raises
@@ -260,11 +261,12 @@ at::Tensor contiguous_out(const DirectCall& call) {
 
 // Queues `call` on `stream` (the current one) and, on it, the copies of its
 // results into the user's tensors where they were not the kernel's output.
-void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream,
-                int64_t timeout) {
+// `queued`: by the op queue (DeviceCollectives::direct's `queued`).
+void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
+                bool queued) {
   DirectOps::Op op = call.op;
   if (!call.reject.empty()) {
-    c.direct(op, stream, timeout, call.reject.c_str());
+    c.direct(op, stream, timeout, call.reject.c_str(), queued);
     return;
   }
   const at::Tensor out = contiguous_out(call);
@@ -274,7 +276,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   const at::Tensor in = !call.in.defined() ? at::Tensor() : same ? out : call.in.contiguous();
   op.in = in.defined() ? in.data_ptr() : nullptr;
   op.out = out.defined() ? out.data_ptr() : nullptr;
-  c.direct(op, stream, timeout);
+  c.direct(op, stream, timeout, nullptr, queued);
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
   for (size_t p = 0; p < call.outs.size(); ++p) {
     const int64_t n = call.outs[p].numel();
@@ -291,6 +293,21 @@ std::string wrong_device(const char* name, const char* arg, int device,
                  " (the device that was current when the group was created), got ",
                  t.device().str());
   return {};
+}
+
+// The rejection of a call whose `arg` (the tensor only this rank holds) does
+// not hold `want` elements of `like`'s dtype (the tensor every rank holds,
+// which chose the path): "" where it does. Every rank takes the path the
+// shared tensor chose, so a bad call takes part without data and raises,
+// rather than take another path and leave the others waiting.
+std::string misfit(const char* name, const char* arg, const at::Tensor& t, int64_t want,
+                   const at::Tensor& like) {
+  if (t.defined() && t.layout() == at::kStrided && t.numel() == want &&
+      t.scalar_type() == like.scalar_type())
+    return {};
+  if (!t.defined()) return str(name, ": ", arg, " is undefined");
+  return str(name, ": ", arg, " must hold ", want, " elements of ", dtype_str(like.scalar_type()),
+             ", got ", t.numel(), " of ", dtype_str(t.scalar_type()));
 }
 
 // Whether all_to_all_single's `splits` (rows of `t`) are `world` equal parts
@@ -388,17 +405,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   for (const DirectCall& c : calls)
     if (reject.empty()) reject = c.reject;
   const int slots = static_cast<int>(MooncakeBackend::active_ranks().numel());
+  // The op queue is idle (else it may be polling itself): what finished
+  // launches reported counts before deciding, so that a launch here needs no
+  // host op.
+  const bool idle = host_idle();
+  if (idle) coll_->direct_poll();
+  const bool ready = idle && coll_->direct_ready();
   if (captured) {
     MC_CHECK_ARG(reject.empty(), reject);
     MC_CHECK_ARG(!staging_coalesced_, name,
                  ": cannot run under CUDA graph capture inside a coalescing block");
-    MC_CHECK_ARG(host_idle() && coll_->direct_ready(), name,
+    MC_CHECK_ARG(ready, name,
                  " under CUDA graph capture: the group's device-driven kernels are not set up "
                  "for its current members; run one collective on the group (e.g. all_reduce) "
                  "outside the captured region first (after creating the group, and after any "
                  "change of its ranks), and wait for the group's earlier ops");
   }
-  if (captured || (!staging_coalesced_ && host_idle() && coll_->direct_ready())) {
+  if (captured || (!staging_coalesced_ && ready)) {
     if (captured) {
       // The queued op's copies are done: capture begins after a device synchronize.
       last_stages_.clear();
@@ -408,7 +431,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     }
     ++device_ops_;
     direct_ops_ += static_cast<int64_t>(calls.size());
-    for (const DirectCall& c : calls) run_direct(*coll_, c, caller.stream(), timeout);
+    for (const DirectCall& c : calls) run_direct(*coll_, c, caller.stream(), timeout, false);
     MC_CHECK_ARG(reject.empty(), reject);
     return c10::make_intrusive<DeviceWork>(rank_, type, std::move(results), device_, caller,
                                            captured, slots);
@@ -424,7 +447,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   const auto n = static_cast<int64_t>(calls.size());
   auto work = on_device(s, type, std::move(results),
                         [calls = std::move(calls), timeout](DeviceCollectives& c, cudaStream_t st) {
-                          for (const DirectCall& call : calls) run_direct(c, call, st, timeout);
+                          for (const DirectCall& call : calls)
+                            run_direct(c, call, st, timeout, true);
                         });
   direct_ops_ += n;
   queued(work);
@@ -632,16 +656,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   std::optional<DirectOps::Op> warm;
-  if (output.defined() && input.defined() && output.numel() == input.numel() * size_ &&
-      output.scalar_type() == input.scalar_type()) {
+  if (input.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(input));
     if (direct_branch(op, input)) warm = op;
     if (warm && direct_now()) {
-      DirectCall call{op,
-                      input,
-                      output,
-                      {},
-                      wrong_device("all_gather_into_tensor", "tensors", device_, {input, output})};
+      std::string reject = misfit("all_gather_into_tensor", "output_tensor (world_size x input)",
+                                  output, input.numel() * size_, input);
+      if (reject.empty())
+        reject = wrong_device("all_gather_into_tensor", "tensors", device_, {input, output});
+      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject};
       return direct_run("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {std::move(call)},
                         {output}, op_timeout_ms(opts.timeout));
     }
@@ -734,11 +757,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_into_tensor_coales
     for (size_t i = 0; i < inputs.size(); ++i) {
       const at::Tensor &in = inputs[i], &out = outputs[i];
       DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
-      if (!out.defined() || !in.defined() || out.numel() != in.numel() * size_ ||
-          out.scalar_type() != in.scalar_type() || !direct_branch(op, in) || !direct_now())
-        break;
-      calls.push_back(
-          {op, in, out, {}, wrong_device("all_gather_into_tensor", "tensors", device_, {in, out})});
+      if (!in.defined() || !direct_branch(op, in) || !direct_now()) break;
+      std::string reject = misfit("all_gather_into_tensor", "output_tensor (world_size x input)",
+                                  out, in.numel() * size_, in);
+      if (reject.empty())
+        reject = wrong_device("all_gather_into_tensor", "tensors", device_, {in, out});
+      calls.push_back({op, in, reject.empty() ? out : at::Tensor(), {}, reject});
     }
     if (calls.size() == inputs.size())
       return direct_run("all_gather_into_tensor", c10d::OpType::COALESCED, std::move(calls),
@@ -941,17 +965,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   std::optional<DirectOps::Op> warm;
-  if (output.defined() && input.defined() && input.numel() == output.numel() * size_ &&
-      output.scalar_type() == input.scalar_type()) {
+  if (output.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(output));
     if (direct_branch(op, output)) warm = op;
     if (warm && direct_now()) {
       op.op = to_redop(opts.reduceOp, output, "reduce_scatter_tensor");
-      DirectCall call{op,
-                      input,
-                      output,
-                      {},
-                      wrong_device("reduce_scatter_tensor", "tensors", device_, {input, output})};
+      std::string reject = misfit("reduce_scatter_tensor", "input (world_size x output)", input,
+                                  output.numel() * size_, output);
+      if (reject.empty())
+        reject = wrong_device("reduce_scatter_tensor", "tensors", device_, {input, output});
+      DirectCall call{op, reject.empty() ? input : at::Tensor(), output, {}, reject};
       return direct_run("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE,
                         {std::move(call)}, {output}, op_timeout_ms(opts.timeout));
     }
@@ -991,12 +1014,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter_tensor_coales
     for (size_t i = 0; i < inputs.size(); ++i) {
       const at::Tensor &in = inputs[i], &out = outputs[i];
       DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
-      if (!out.defined() || !in.defined() || in.numel() != out.numel() * size_ ||
-          out.scalar_type() != in.scalar_type() || !direct_branch(op, out) || !direct_now())
-        break;
+      if (!out.defined() || !direct_branch(op, out) || !direct_now()) break;
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter_tensor");
-      calls.push_back(
-          {op, in, out, {}, wrong_device("reduce_scatter_tensor", "tensors", device_, {in, out})});
+      std::string reject = misfit("reduce_scatter_tensor", "input (world_size x output)", in,
+                                  out.numel() * size_, out);
+      if (reject.empty())
+        reject = wrong_device("reduce_scatter_tensor", "tensors", device_, {in, out});
+      calls.push_back({op, reject.empty() ? in : at::Tensor(), out, {}, reject});
     }
     if (calls.size() == inputs.size())
       return direct_run("reduce_scatter_tensor", c10d::OpType::COALESCED, std::move(calls), outputs,
@@ -1081,17 +1105,19 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
   // equal (as functional collectives pass them), and otherwise the device
   // plane (or staging).
   const bool no_splits = input_split_sizes.empty() && output_split_sizes.empty();
-  if (input.defined() && output.defined() && input.numel() == output.numel() &&
-      input.numel() % size_ == 0 && input.scalar_type() == output.scalar_type() &&
+  if (input.defined() &&
       (no_splits || (capturing() && equal_splits(input, input_split_sizes, size_) &&
                      equal_splits(output, output_split_sizes, size_)))) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(input) / static_cast<size_t>(size_));
     if (direct_branch(op, input) && direct_now()) {
-      DirectCall call{op,
-                      input,
-                      output,
-                      {},
-                      wrong_device("all_to_all_single", "tensors", device_, {input, output})};
+      std::string reject =
+          input.numel() % size_ != 0
+              ? str("all_to_all_single: input must split into world_size (", size_,
+                    ") equal parts without split sizes, got ", input.numel(), " elements")
+              : misfit("all_to_all_single", "output", output, input.numel(), input);
+      if (reject.empty())
+        reject = wrong_device("all_to_all_single", "tensors", device_, {input, output});
+      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject};
       return direct_run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {std::move(call)},
                         {output}, op_timeout_ms(opts.timeout));
     }

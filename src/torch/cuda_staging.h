@@ -194,6 +194,10 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
 
   bool isCompleted() override {
     if (captured_) return true;
+    // A query of a stream that is capturing would end the capture in error.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(stream_.stream(), &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone) return false;
     const cudaError_t err = cudaStreamQuery(stream_.stream());
     if (err == cudaErrorNotReady) return false;
     cuda_check(err, "cudaStreamQuery");

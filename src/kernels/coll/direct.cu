@@ -146,17 +146,19 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
   const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
   uint64_t v = 0;
   if (!wait_for(a.c, signal, settled, deadline, j, kPhaseInput, &v)) {
-    // Masked now (lost, or past the deadline): its input is in place all the
-    // same when its signal came just before (a dead process's area stays
-    // readable), and then every survivor takes it, as this look shows.
+    // Masked now (lost, or past the deadline), and out of later launches
+    // (the caller's active_ranks say so either way). Its input is in place
+    // all the same when its signal came just before (a dead process's area
+    // stays readable), and then every survivor takes it, as this look shows.
+    report_masked(st, j);
     v = ld_acquire_sys(signal);
-    if (!settled(v)) {
-      report_masked(st, j);
-      return 0;
-    }
+    if (!settled(v)) return 0;
   }
   if (a.shape == kShapeRejected) return 0;  // this rank only takes part
   if (tag_gen(v) != gen || tag_ahead(v, seq) > 1) {
+    // A newer generation: the others set up again without this rank. The
+    // same one, two ops ahead: they masked this rank (silent past their
+    // deadline) and went on. take_reports tells the two apart.
     report(a.c.status, kStatusDirectStale, j, static_cast<int>(tag_gen(v)));
     return 0;
   }

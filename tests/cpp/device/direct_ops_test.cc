@@ -788,6 +788,52 @@ TEST_P(DirectOpsTest, MixedKindsCapturedAndReplayedEqualEager) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DirectOpsTest, ::testing::Values(1, 2, 3));
 
+// Launches queued on two streams of a rank with no order between them (as
+// FSDP gathers on one stream and reduces on another) still run one after
+// another, in the order they were made: they share the op count, the grid
+// barrier and the areas. Every result is checked once both streams are done.
+TEST(DirectOps, LaunchesOnTwoStreamsRunInTheOrderMade) {
+  MC_REQUIRE_GPU();
+  run_ranks(2,
+            [](Rank& r) {
+              GpuRank g(r);
+              DeviceCollectives c(g.comm, r.store, "s/", g.device, options(Direct::kAuto));
+              cudaStream_t s[2];
+              for (cudaStream_t& st : s)
+                mooncake::cuda_check(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking),
+                                     "stream");
+              const size_t n = 4096, rounds = 24;
+              std::vector<std::unique_ptr<DeviceArray<float>>> in, out;
+              for (size_t i = 0; i < rounds; ++i) {
+                in.push_back(std::make_unique<DeviceArray<float>>(
+                    std::vector<float>(n, static_cast<float>(r.rank * 100 + i))));
+                out.push_back(std::make_unique<DeviceArray<float>>(2 * n));
+              }
+              for (size_t i = 0; i < rounds; ++i) {
+                const bool gather = i % 2 == 0;
+                c.direct(make_op(gather ? DirectKind::kAllGather : DirectKind::kAllReduce,
+                                 in[i]->get(), out[i]->get(), n, DType::kFloat32),
+                         s[i % 2]);
+              }
+              for (cudaStream_t st : s) sync(st);
+              for (size_t i = 0; i < rounds; ++i) {
+                const std::vector<float> got = out[i]->take();
+                const auto f = static_cast<float>(i);
+                for (size_t k = 0; k < n; ++k) {
+                  if (i % 2 == 0) {
+                    ASSERT_EQ(got[k], f) << "all_gather " << i << " at " << k;
+                    ASSERT_EQ(got[n + k], 100 + f) << "all_gather " << i << " at " << n + k;
+                  } else {
+                    ASSERT_EQ(got[k], 100 + 2 * f) << "all_reduce " << i << " at " << k;
+                  }
+                }
+              }
+              EXPECT_TRUE(c.direct_ready());
+              for (cudaStream_t st : s) cudaStreamDestroy(st);
+            },
+            {60000});
+}
+
 // Ranks that call with different counts each leave the other out of that op,
 // and the next matching call covers both: they stay in step.
 TEST(DirectOps, CallsThatDisagreeLeaveEachOtherOut) {
