@@ -337,8 +337,14 @@ void EpBuffer::write_table(int64_t first, int64_t n) {
 }
 
 void EpBuffer::write_keys(int64_t first, int64_t n) {
-  cuda_check(cudaMemcpy(keys_ + first, keys_host_.data() + first, n * sizeof(uint32_t),
-                        cudaMemcpyHostToDevice),
+  // What the kernels tag with: 8 bits of key, never 0 (1 + key mod 255, so a
+  // key and the next still differ). A tag is those bits over 24 of the call
+  // number; with 0 there, the call of every 2^24th number would tag 0, which
+  // is what a cleared (or never written) signal reads: a count of 0 and a
+  // combine flag at row 0 taken at once, before any peer stored them.
+  std::vector<uint32_t> tags(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) tags[i] = keys_host_[first + i] % 255 + 1;
+  cuda_check(cudaMemcpy(keys_ + first, tags.data(), n * sizeof(uint32_t), cudaMemcpyHostToDevice),
              "copying the fence keys");
 }
 

@@ -44,8 +44,9 @@
 //    never wrong. Peers set the word when they leave a process out, seconds
 //    before its replacement can run a call, so this needs a kernel held up
 //    between a look and its stores for that long;
-//  * keys are 8 bits: only 256 changes of key in one slot while a stale kernel
-//    of it still runs could make its tag current again.
+//  * keys are 8 bits (1 + key mod 255 on the device, never 0: write_keys):
+//    only 255 changes of key in one slot while a stale kernel of it still
+//    runs could make its tag current again.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -243,7 +244,8 @@ class EpBuffer {
   // The layout of a call's shape, checked against this workspace.
   EpLayout layout(int64_t T, int64_t H, int64_t E, int64_t R, const char* what) const;
   [[noreturn]] void throw_left_out(const char* what) const;
-  // Copies keys_host_[first, first + n) to the device's keys.
+  // Copies keys_host_[first, first + n) to the device's keys, as the 8
+  // nonzero bits that tags carry.
   void write_keys(int64_t first, int64_t n);
   kernels::Common common(const EpCall& call, const char* what) const;
   void check_peer_slot(int64_t slot, const char* what) const;

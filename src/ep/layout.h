@@ -65,8 +65,9 @@
 // that of its incarnation in its slot (an elastic buffer's), or the
 // generation of the group's EP membership it joined (a process group's), and
 // each receiver knows the key of the process it maps in every slot. Tags are
-// 8 bits of key and 24 of sequence number: a stale writer's tag matches only
-// after 256 changes of key in its slot while it still runs, or 2^24 calls.
+// 8 bits of key (1 + key mod 255 on the device: never 0, so no tag is a
+// cleared word) and 24 of sequence number: a stale writer's tag matches only
+// after 255 changes of key in its slot while it still runs, or 2^24 calls.
 #pragma once
 
 #include <cstddef>

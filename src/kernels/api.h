@@ -21,9 +21,9 @@
 // stores into peers (headers, counts, combine flags). A kernel that looked
 // before the word was set may still store until its next look; the tags keep
 // whatever it stores from being taken for a newer process's.
-// A call runs in phases: kSend stores this rank's rows into the peers'
-// workspaces and publishes them; kRecv waits for the peers' rows and unpacks
-// them. Both phases in one launch is the usual call; split, the send half
+// A call runs in phases: kSend stages this rank's rows in its own workspace
+// and publishes them (signals stored into the peers' workspaces); kRecv
+// waits for the peers' signals and pulls their rows from their workspaces. Both phases in one launch is the usual call; split, the send half
 // returns at once and the receive half runs later (return_recv_hook).
 //
 // Health: a source whose active_ranks entry (or slot_mask entry) is 0 when a
@@ -85,8 +85,9 @@ struct Common {
   // instead of at the deadline, and a launch masks a gone one at its start;
   // the silent word then says kMaskedLost.
   const int32_t* lost;
-  // Device uint32 [R]: the fence key of the process mapped at each rank (this
-  // one's own at `rank`): its signals' and headers' tags carry it.
+  // Device uint32 [R]: the tag byte of the process mapped at each rank (this
+  // one's own at `rank`; 1..255, from its fence key: EpBuffer::write_keys):
+  // its signals' and headers' tags carry it.
   const uint32_t* keys;
   // Device, in this process's workspace's control block: nonzero once its
   // peers left it out (see Fence above).
