@@ -186,9 +186,10 @@ def partition_rank(rank: int, world: int, port: int, marker: str, fault: str = "
     for i in range(3):
         round_(i)
     store.set(f"ready/{rank}", "1")
-    store.wait([f"ready/{r}" for r in range(world)], timedelta(seconds=30))
+    # Bounded as the parent's wait for the same keys (2 cores may be busy with other work).
+    store.wait([f"ready/{r}" for r in range(world)], timedelta(seconds=120))
     if rank != CUT_RANK:
-        store.wait(["cut"], timedelta(seconds=30))
+        store.wait(["cut"], timedelta(seconds=120))
         cut_at = float(store.get("cut").decode())
         i = 3
         while True:
