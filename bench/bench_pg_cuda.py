@@ -134,7 +134,7 @@ def copy_rate(torch) -> float:
     return 20 * a.numel() * 4 / (harness.cuda_span_ms(lambda: b.copy_(a), 20) / 1e3)
 
 
-def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
+def worker(rank: int, world: int, port: int, backend: str, ops, sizes=SIZES) -> dict | None:
     """One rank (mooncake.launch runs it): every op of ``ops`` and size, then the
     concurrent copy floor; rank 0 returns the rows."""
     import torch
@@ -147,7 +147,7 @@ def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     rows = []
     for op in (*ops, FLOOR):
-        for nbytes in SIZES:
+        for nbytes in sizes:
             try:
                 fn = make_op(dist, torch, op, nbytes, world, backend)
                 for _ in range(3):
@@ -172,12 +172,12 @@ def worker(rank: int, world: int, port: int, backend: str, ops) -> dict | None:
     return result
 
 
-def launch(column: str, world: int, ops) -> dict:
+def launch(column: str, world: int, ops, sizes=SIZES) -> dict:
     from mooncake.launch import run_local
 
     backend, env = COLUMNS[column]
     try:
-        return run_local(worker, world, args=(backend, ops), env=env, timeout_s=600)[0]
+        return run_local(worker, world, args=(backend, ops, sizes), env=env, timeout_s=600)[0]
     except RuntimeError as e:
         return {"rows": [], "failed": str(e)[-2000:]}
 
@@ -187,10 +187,16 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"of {','.join(COLUMNS)}")
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument(
+        "--sizes",
+        default=",".join(str(b) for b in SIZES),
+        help="bytes per point (the issue's set adds 268435456: 256 MiB)",
+    )
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     harness.add_if_gpu(p)
     args = p.parse_args(argv)
     ops = tuple(args.ops.split(","))
+    sizes = tuple(harness.csv_ints(args.sizes))
     unknown = set(ops) - set(OPS)
     if unknown:
         p.error(f"--ops: unknown {sorted(unknown)}; choose from {','.join(OPS)}")
@@ -208,7 +214,7 @@ def main(argv=None) -> int:
             if backend == "nccl" and world > 1:
                 continue  # NCCL refuses two ranks on one GPU
             t0 = time.monotonic()
-            results[f"{backend}/w{world}"] = launch(backend, world, ops)
+            results[f"{backend}/w{world}"] = launch(backend, world, ops, sizes)
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
     harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
     header = ["op", "bytes", "world", "mooncake µs", "plane µs", "staged µs", "gloo µs", "nccl µs"]
@@ -216,7 +222,7 @@ def main(argv=None) -> int:
     rows = []
     for world in harness.csv_ints(args.worlds):
         for op in ops:
-            for nbytes in SIZES:
+            for nbytes in sizes:
 
                 def get(backend, op=op, nbytes=nbytes, world=world):
                     for row in results.get(f"{backend}/w{world}", {}).get("rows", []):
