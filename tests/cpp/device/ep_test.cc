@@ -136,7 +136,11 @@ TEST_P(EpBufferTest, DispatchAndCombineMatchTheModel) {
   run_ranks(GetParam(),
             [](Rank& r) {
               EpRank e(r);
-              for (uint64_t seq = 1; seq <= 3; ++seq) {  // both halves, then the first again
+              // Both halves, then the first again; then the calls whose 24 bits of
+              // number are 0 and 1, with the buffer's fence key 0: a tag is never
+              // what a cleared signal word reads.
+              for (const uint64_t seq : {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1} << 24,
+                                         (uint64_t{1} << 24) + 1}) {
                 std::vector<int32_t> live(static_cast<size_t>(r.size), 1);
                 const Step s = step(*e.ep, r.rank, r.size, seq, live, 5'000'000'000, e.g.stream);
                 check(s, r.rank, r.size, live);
