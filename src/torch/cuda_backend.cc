@@ -336,6 +336,20 @@ bool list_fits(const std::vector<at::Tensor>& list, size_t n, const at::Tensor& 
   return true;
 }
 
+// A rooted op's list at its root (gather's outputs, scatter's inputs): the
+// rejection where it is not one list of `world` tensors shaped as `one` (the
+// tensor every rank holds, named `one_arg`), else "" with its tensors added
+// to `all`.
+std::string root_list(const char* name, const char* arg,
+                      const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& one,
+                      const char* one_arg, int world, std::vector<at::Tensor>& all) {
+  if (lists.size() != 1 || !list_fits(lists[0], static_cast<size_t>(world), one))
+    return str(name, ": ", arg, " must hold ", world, " tensors (the world size) of ", one.numel(),
+               " elements of ", dtype_str(one.scalar_type()), " each (as the ", one_arg, ")");
+  all.insert(all.end(), lists[0].begin(), lists[0].end());
+  return {};
+}
+
 DirectOps::Op direct_op(DirectKind kind, size_t count, int root = 0, RedOp red = RedOp::kSum) {
   DirectOps::Op op;
   op.kind = kind;
@@ -814,15 +828,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
     if (warm && capturing()) {
       // The root's list is its own: a bad one is rejected there, in step with the others.
       std::vector<at::Tensor> all{in};
-      std::string reject;
-      if (is_root) {
-        if (outputs.size() != 1 || !list_fits(outputs[0], size_, in))
-          reject = str("gather: gather_list must hold ", size_, " tensors (the world size) of ",
-                       in.numel(), " elements of ", dtype_str(in.scalar_type()),
-                       " each (as the input tensor)");
-        else
-          all.insert(all.end(), outputs[0].begin(), outputs[0].end());
-      }
+      std::string reject =
+          is_root ? root_list("gather", "gather_list", outputs, in, "input tensor", size_, all)
+                  : "";
       if (reject.empty()) reject = wrong_device("gather", "tensors", device_, all);
       DirectCall call{
           op, in, {}, reject.empty() && is_root ? outputs[0] : std::vector<at::Tensor>{}, reject};
@@ -867,15 +875,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
     if (direct_branch(op, out)) warm = op;
     if (warm && capturing()) {
       std::vector<at::Tensor> all{out};
-      std::string reject;
-      if (is_root) {
-        if (inputs.size() != 1 || !list_fits(inputs[0], size_, out))
-          reject = str("scatter: scatter_list must hold ", size_, " tensors (the world size) of ",
-                       out.numel(), " elements of ", dtype_str(out.scalar_type()),
-                       " each (as the output tensor)");
-        else
-          all.insert(all.end(), inputs[0].begin(), inputs[0].end());
-      }
+      std::string reject =
+          is_root ? root_list("scatter", "scatter_list", inputs, out, "output tensor", size_, all)
+                  : "";
       if (reject.empty()) reject = wrong_device("scatter", "tensors", device_, all);
       DirectCall call{
           op, reject.empty() && is_root ? cat_flat(inputs[0]) : at::Tensor(), out, {}, reject};
