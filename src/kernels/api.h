@@ -23,8 +23,9 @@
 // whatever it stores from being taken for a newer process's.
 // A call runs in phases: kSend stages this rank's rows in its own workspace
 // and publishes them (signals stored into the peers' workspaces); kRecv
-// waits for the peers' signals and pulls their rows from their workspaces. Both phases in one launch is the usual call; split, the send half
-// returns at once and the receive half runs later (return_recv_hook).
+// waits for the peers' signals and pulls their rows from their workspaces. Both phases in one
+// launch is the usual call; split, the send half returns at once and the receive half runs later
+// (return_recv_hook).
 //
 // Health: a source whose active_ranks entry (or slot_mask entry) is 0 when a
 // wait starts is skipped at once; one that stays silent past the phase's
