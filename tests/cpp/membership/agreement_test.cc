@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -570,6 +571,15 @@ TEST(Agreement, AMalformedReportThatArrivesAfterTheDecisionDoesNotSplitTheSurviv
   std::atomic<bool> held{false};
   std::vector<Participant> ps = plain({0, 1});
   ps[0].responsive = [](int q) { return q != 2; };
+  // Rank 0 writes its decision only once rank 1 is looking at rank 2's slot,
+  // so that the order this test is about happens on every run (under load,
+  // rank 1 could otherwise find the decision before it looks).
+  ps[0].hook = [&](Call call, const std::string& key, const std::string&) {
+    if ((call != Call::kCompareSet && call != Call::kSet) || key != decision_key(current)) return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(kWaitMs);
+    while (!held.load() && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
   ps[1].responsive = [](int) { return true; };
   ps[1].hook = [&](Call call, const std::string& key, const std::string&) {
     if (call != Call::kCheck || key != report_key(current, 2) || held.exchange(true)) return;
