@@ -196,12 +196,15 @@ def test_kill_random_stress(world, transport):
 @needs_cuda
 @pytest.mark.timeout(200)
 def test_kill_world4_cuda():
-    """World 4 on CUDA tensors (backend ``mooncake``, ``active_ranks`` on the GPU, the device
-    plane for every op it takes): rank 2 killed inside a big all_reduce, rank 0 right after an op, rank 3 inside a p2p
+    """World 4 on CUDA tensors (backend ``mooncake``, ``active_ranks`` on the GPU; all_reduce,
+    all_gather_into_tensor, reduce_scatter_tensor and all_to_all_single without split sizes
+    on the device-driven kernels up to 8 MiB, every other op that fits on the device plane):
+    rank 2 killed inside a big all_reduce, rank 0 right after an op, rank 3 inside a p2p
     ring; the survivors agree op by op, as on the CPU."""
     plan = chaos_plan(4, [([2], "in_big"), ([0], "between"), ([3], "in_p2p")])
     plan["device"] = "cuda"
-    # Every op that fits takes the device plane (the others are staged through host memory).
+    # Every op the kernels do not take runs on the device plane when it fits (the others are
+    # staged through host memory).
     run_chaos(4, plan, env(CHUNKED, MOONCAKE_CUDA_PLANE_MIN_BYTES="0"))
 
 
