@@ -372,7 +372,9 @@ bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) 
 }
 
 bool MooncakeCudaBackend::direct_now() const {
-  return capturing() || coll_->recovers();
+  // recovers() first: in the default mode no stream query on the hot path
+  // (direct_run asks capturing() itself).
+  return coll_->recovers() || capturing();
 }
 
 bool MooncakeCudaBackend::capturing() const {
