@@ -240,8 +240,9 @@ def dispatch_error(
     return _workspace_error(workspace_bytes, max_tokens, h, R, num_experts)
 
 
-def handle_error(handle, buffer_id: int) -> str | None:
-    """Whether ``handle`` is a finished dispatch's handle of the Buffer ``buffer_id``."""
+def handle_error(handle, buffer_id: int, members: int) -> str | None:
+    """Whether ``handle`` is a finished dispatch's handle of the Buffer ``buffer_id``
+    whose membership is still ``members`` (its count of ``update_ep_member`` calls)."""
     state = handle.state if isinstance(handle, DispatchHandle) else None
     if state is None:
         return (
@@ -251,6 +252,9 @@ def handle_error(handle, buffer_id: int) -> str | None:
         )
     if state.buffer != buffer_id:
         return "handle comes from another Buffer's dispatch"
+    if state.members != members:
+        # Its rows came from, and would go back to, the members before the change.
+        return "handle's dispatch ran before update_ep_member changed the members: dispatch again"
     if not state.finished:
         return (
             "handle's dispatch has not finished: call its hook() or "
@@ -293,15 +297,17 @@ def combine_error(
     return_recv_hook,
     out,
     *,
+    members: int,
     values: bool,
 ) -> str | None:
     """The first rule a combine's arguments break, or None.
 
     ``buffer_id``, ``seq`` and ``combine_buffers``: the Buffer's id, its latest
-    dispatch's number and its zero-copy buffers. ``values=False`` skips comparing
+    dispatch's number and its zero-copy buffers; ``members``: its membership, as
+    :func:`handle_error`. ``values=False`` skips comparing
     ``topk_idx`` with the dispatch's.
     """
-    err = handle_error(handle, buffer_id)
+    err = handle_error(handle, buffer_id, members)
     if err:
         return err
     state = handle.state

@@ -185,6 +185,12 @@ def combine_stale_zero_copy(ctx):
     ep_buffer(ctx).combine(y, ins.idx, ins.w, None, -1, r.handle, zero_copy=True)
 
 
+def members_changed(args, ctx):
+    """update_ep_member between the dispatch and its combine (collective)."""
+    ep_buffer(ctx).update_ep_member()
+    return {}
+
+
 def over_capacity(ctx):
     """T tokens that each select expert 0 twice: 2T rows for one expert's T slots."""
     T, R = SMALL.T, ctx.world_size
@@ -795,6 +801,9 @@ def _ep_rows() -> list[Row]:
         Row("ep/combine/handle-stale-zero_copy", R, C, "handle",
             "with zero_copy, its half must not have been reused by two later dispatches", V,
             ("handle", "reused"), combine_stale_zero_copy),
+        Row("ep/combine/handle-before-update", R, C, "handle",
+            "must come from a dispatch after the latest update_ep_member", V,
+            ("handle", "update_ep_member"), combine_with(members_changed)),
         Row("ep/combine/zero_copy-type", R, C, "zero_copy", "must be a bool", V,
             ("zero_copy", "bool"), combine_with(lambda a, c: {"zero_copy": 1})),
         Row("ep/combine/zero_copy-x", R, C, "x",

@@ -196,6 +196,7 @@ class Buffer(ElasticMethods):
         self.path = "portable"
         self._id = next(_buffer_ids)
         self._seq = 0  # the latest dispatch's number (either path); its half is _seq % 2
+        self._members_epoch = 0  # update_ep_member calls: older handles are refused
         self._combine_buffers: list[torch.Tensor | None] = [None, None]
         # Per half, the latest dispatch's (src_info, layout_range) weakly, its state, (T, H, E).
         self._handles: list[tuple | None] = [None, None]
@@ -292,7 +293,9 @@ class Buffer(ElasticMethods):
         ``active_ranks=None``) runs at full strength. A rank that died is
         masked by dispatch and combine themselves; no call is needed for that.
         The replacement takes over the others' call count, which the device
-        path's signals carry, so its first dispatch is theirs.
+        path's signals carry, so its first dispatch is theirs. A handle from a
+        dispatch before this call no longer combines (ValueError): its rows
+        belong to the old members.
 
         Raises:
             ValueError: the members disagree on ``num_ep_buffer_bytes``.
@@ -300,6 +303,7 @@ class Buffer(ElasticMethods):
                 :meth:`connect_ranks` and the other slot methods).
         """
         self._seq = self._members.refresh(self.num_ep_buffer_bytes, self._seq)
+        self._members_epoch += 1
         if self._device is not None:
             self._device.connect_group()
 
@@ -494,7 +498,9 @@ class Buffer(ElasticMethods):
                 dispatches have reused its half.
         """
         handle = self._handle_of(handle)
-        error = _checks.handle_error(handle, self._id) or _checks.half_error(handle, self._seq)
+        error = _checks.handle_error(handle, self._id, self._members_epoch) or _checks.half_error(
+            handle, self._seq
+        )
         if error:
             raise ValueError(f"get_next_combine_buffer: {error}")
         state = handle.state

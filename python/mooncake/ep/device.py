@@ -331,6 +331,7 @@ class DevicePath:
         buf._seq, buf.path = seq, "device"
         dtype = torch.bfloat16 if use_fp8 else x.dtype
         state = HandleState(buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, event)
+        state.members = buf._members_epoch
         handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
         overlap = stream_waiter(event)
         if not hook:
@@ -357,14 +358,15 @@ class DevicePath:
         if key != self._checked_combine:
             error = _checks.combine_error(
                 buf._id, buf._seq, buf._combine_buffers, x, topk_idx, topk_weights, active_ranks,
-                timeout_us, handle, zero_copy, af, hook, out, values=False,
+                timeout_us, handle, zero_copy, af, hook, out, members=buf._members_epoch, values=False,
             )  # fmt: skip
             if error:
                 raise ValueError(f"combine: {error}")
             self._checked_combine = key
         else:  # what depends on this handle and this call, not on the shapes
-            if state.buffer != buf._id or not state.finished:
-                raise ValueError(f"combine: {_checks.handle_error(handle, buf._id)}")
+            epoch = buf._members_epoch
+            if state.buffer != buf._id or not state.finished or state.members != epoch:
+                raise ValueError(f"combine: {_checks.handle_error(handle, buf._id, epoch)}")
             if zero_copy:
                 error = _checks.half_error(handle, buf._seq) or _checks.zero_copy_error(
                     x, handle, buf._combine_buffers

@@ -213,6 +213,7 @@ class PortablePath:
             topk_idx.clone(),
             finished=False,
             exchange=exchange,
+            members=buf._members_epoch,
         )
         handle = DispatchHandle(
             torch.full((epr, R * T), -1, dtype=torch.int32, device=device),
@@ -257,7 +258,8 @@ class PortablePath:
         R = handle.layout_range.shape[1] if valid else members.call_ranks(None, "combine")
         error = _checks.combine_error(
             buf._id, buf._seq, buf._combine_buffers, x, topk_idx, topk_weights, active_ranks,
-            timeout_us, handle, zero_copy, async_finish, return_recv_hook, out, values=True,
+            timeout_us, handle, zero_copy, async_finish, return_recv_hook, out,
+            members=buf._members_epoch, values=True,
         )  # fmt: skip
         if error:
             # Still take part in the exchange (sending and expecting nothing), so

@@ -56,6 +56,7 @@ class HandleState:
     on_device: bool = False  # the device path ran it, so its combine runs there
     event: Any = None  # device path: the dispatch's CUDA event when it ran on its own stream
     exchange: Any = None  # portable path: what went where (``portable.Exchange``)
+    members: int = 0  # the Buffer's membership (update_ep_member calls) at the dispatch
 
 
 class DispatchHandle(NamedTuple):
