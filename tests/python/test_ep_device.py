@@ -17,6 +17,8 @@ slower, hence the generous deadlines).
   dispatch and combine; the others finish with exactly that rank masked and
   every other row exact, told by the group's transport (masked as lost, far
   inside a 60 s ``timeout_us``: the kernels did not wait for the deadline).
+* ``test_a_rejected_call_keeps_the_ranks_in_step``: one rank's dispatch is rejected while
+  the other's runs; the next rounds are exact at full strength with one call number.
 * ``test_a_replaced_rank``: a rank exits, a replacement joins, full rounds.
 * ``test_a_stopped_rank_is_fenced`` (the canary of device fencing): a rank stopped with
   SIGSTOP is masked past MOONCAKE_HANG_MS, left out and replaced; resumed, its next
@@ -75,6 +77,18 @@ def test_a_rank_that_exits(when):
         # Not the deadline: half of it is far more than a launch and the host's notice take.
         masked_in = res["dispatch_s"] if when == "dispatch" else res["combine_s"]
         assert masked_in < timeout_s / 2, res
+
+
+def test_a_rejected_call_keeps_the_ranks_in_step():
+    """One rank's dispatch is rejected while the other's runs (and masks it at a short
+    deadline); the rounds after are exact at full strength on both, with one call number
+    (``ep_device_ranks.rank_rejected``), each in one 60 s deadline."""
+    from mooncake.launch import run_local
+
+    results = run_local(edr.rank_rejected, 2, env=ENV, timeout_s=240)
+    assert results[0]["seqs"] == results[1]["seqs"], results
+    assert len(results[1]["events"]) == 0, results
+    assert any("rank 1 masked" in e for e in results[0]["events"]), results
 
 
 @pytest.mark.parametrize("backend", ["mooncake-cpu", "mooncake"])

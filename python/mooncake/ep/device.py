@@ -39,6 +39,7 @@ import os
 import torch
 
 from .. import _checks, pg
+from ..errors import LeftOutError
 from .types import NO_HOOK, DispatchHandle, HandleState, stream_waiter, tensor_key
 
 MAX_TOPK = pg._ext.EP_MAX_TOPK  # index entries per token (src/ep/layout.h)
@@ -301,6 +302,22 @@ class DevicePath:
         size and call numbers)."""
         members = self.members
         members.device_guard(self, "dispatch")  # a process left out launches nothing
+        try:
+            return self._dispatch_call(
+                buf, x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, async_finish, hook,
+                stats,
+            )  # fmt: skip
+        except (ValueError, RuntimeError) as e:
+            if not isinstance(e, LeftOutError):
+                # The others' call goes on without this rank (they mask it): its next
+                # call must carry their next number, or every later one would miss.
+                buf._seq += 1
+            raise
+
+    def _dispatch_call(
+        self, buf, x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, async_finish, hook, stats
+    ):
+        members = self.members
         if self.ext.status_code():  # first: it may mask slots, which R depends on
             self.raise_reported("dispatch")
         R = members.call_ranks(E)

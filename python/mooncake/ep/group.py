@@ -187,8 +187,14 @@ class GroupMembers:
         return self._mask_dev, None
 
     def device_masked(self, rank: int, why: str) -> None:
-        """A kernel masked ``rank`` (silent past a deadline, or lost)."""
+        """A kernel masked ``rank`` (silent past a deadline, or lost). The mask it wrote
+        into the kept view holds for that call only: the next one takes the group's view
+        again, as the portable path does (a rank alive but slow once is not dropped for
+        good while it still counts the others in, each side losing the other's tokens;
+        one that is gone or hung leaves the group's view soon, and its lost word masks it
+        at once meanwhile)."""
         self._events.append(why)
+        self._mask_version = -1
 
     def device_guard(self, path, what: str) -> None:
         """Before a device launch: raises LeftOutError when the group left this rank out
@@ -224,6 +230,7 @@ class GroupMembers:
         """The device path mapped the members again (``connect`` fenced those that left)."""
         self._fenced.clear()
         self._guard_version = -1
+        self._mask_version = -1
 
     def watch_lost(self, ext) -> None:
         """Has the group's transport set the device path's lost words (``ext``, an

@@ -143,6 +143,21 @@ __device__ __forceinline__ void combine_recv(const CombineArgs& a, const Combine
   // per token: with several ranks on a GPU a block holds several tokens,
   // and their waits and sorts run side by side.
   const uint64_t deadline = deadline_of(a.c.timeout_ns);
+  // Every live peer's flag, whether or not this rank's tokens chose its
+  // experts: a peer raises its flags after it read this call's dispatch rows,
+  // so once this launch ends no peer still reads this half. Without it a rank
+  // whose tokens skip a slow peer could run two calls ahead (hooks) and
+  // overwrite the rows and counts that peer has yet to read. The flags were
+  // cleared by this call's dispatch, so a graph replay waits for new ones.
+  for (int d = static_cast<int>(blockIdx.x) * kThreads + static_cast<int>(threadIdx.x); d < R;
+       d += G * kThreads) {
+    if (d == a.c.rank || !s_live(a.c, d)) continue;
+    uint64_t v = 0;
+    const auto* flag =
+        reinterpret_cast<const uint64_t*>(own + L.combine_flag(seq, static_cast<int64_t>(d) * epr));
+    const uint32_t want = tag_from(a.c, d);
+    wait_for(a.c, flag, [want](uint64_t x) { return (x >> 32) == want; }, deadline, d, kRecv, &v);
+  }
   const int nt = dealt(static_cast<int>(a.num_tokens));
   const int64_t vecs = H / 8;
   for (int b0 = 0; b0 < nt; b0 += kBatch) {

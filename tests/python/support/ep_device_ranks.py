@@ -417,6 +417,48 @@ def rank_exit(rank: int, world: int, port: int, when: str, victim: int, timeout_
     }
 
 
+def rank_rejected(rank: int, world: int, port: int) -> dict:
+    """Rank 1's dispatch is rejected (float32 x) while rank 0's runs and masks it at a
+    short deadline; then full rounds over the group's view (``active_ranks=None``) must
+    be exact at full strength on both: the rejected rank's call number stays in step
+    with rank 0's, and rank 0 takes rank 1 in again (a kernel's mask of a live rank
+    holds for its call only)."""
+    T, H, E, K = 32, 1024, 8 * world, 4
+    buf = _setup(rank, world, port, T, H, E)
+    case = Case("rejected", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
+    cuda = torch.device("cuda", 0)
+    xs = [_inputs(case, s, world, 0, "cpu") for s in range(world)]
+    x, idx, w = xs[rank]
+    short = 300_000  # µs: rank 0 masks rank 1 after this
+    if rank == 1:
+        try:
+            buf.dispatch(x.float().to(cuda), idx.to(cuda), None, T, E, short, use_fp8=False)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a float32 x was not rejected on the device path")
+    else:
+        recv_x, _, handle, _, _ = buf.dispatch(
+            x.to(cuda), idx.to(cuda), None, T, E, short, use_fp8=False
+        )
+        y = (recv_x.float() * 0.5).to(torch.bfloat16)
+        buf.combine(y, idx.to(cuda), w.to(cuda), None, short, handle)
+        torch.cuda.synchronize()
+    seqs = []
+    for _ in range(2):
+        recv_x, cnt, handle, _, _ = buf.dispatch(
+            x.to(cuda), idx.to(cuda), None, T, E, 60_000_000, use_fp8=False
+        )
+        torch.cuda.synchronize()
+        _check_recv(recv_x, cnt, rank, E, K, xs, range(world))
+        y = (recv_x.float() * 0.5).to(torch.bfloat16)
+        out, _, _ = buf.combine(y, idx.to(cuda), w.to(cuda), None, 60_000_000, handle)
+        torch.cuda.synchronize()
+        _check_combine(out, x, idx, w, E // world, set())
+        seqs.append(buf._seq)
+    return {"seqs": seqs, "events": buf.mask_events()}
+
+
 REPLACE = Case("replace", T=32, H=1024, experts_per_rank=8, K=4, fp8=False)
 
 
