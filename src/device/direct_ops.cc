@@ -1,5 +1,6 @@
 #include "device/direct_ops.h"
 
+#include <algorithm>
 #include <cstddef>
 
 #include "core/error.h"
@@ -131,7 +132,9 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.c.active_ranks = field<int32_t>(state_, offsetof(k::DirectState, live));
   a.c.silent = silent_dev_;
   a.c.lost = lost_->device();
-  a.c.timeout_ns = timeout_ms * 1000000;
+  // Bounded (about 11 days), so that the kernels' deadlines (twice this, past
+  // the clock's reading) never wrap: a group's timeout may be "forever".
+  a.c.timeout_ns = std::min<int64_t>(timeout_ms, int64_t{1} << 30) * 1000000;
   a.c.status = status_dev_;
   a.c.grid_sync = field<uint32_t>(state_, offsetof(k::DirectState, grid_sync));
   a.state = state_;
