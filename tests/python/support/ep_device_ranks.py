@@ -380,15 +380,21 @@ def _model_round(buf, case: Case, rank: int, world: int, step: int, dead, timeou
     }
 
 
+def _small(rank: int, world: int, port: int, name: str):
+    """A Buffer over the group for T=32, H=1024, 8 experts per rank, top-4, and every
+    rank's inputs on the CPU: (buf, xs, T, E, K)."""
+    T, H, E, K = 32, 1024, 8 * world, 4
+    buf = _setup(rank, world, port, T, H, E)
+    case = Case(name, T=T, H=H, experts_per_rank=8, K=K, fp8=False)
+    return buf, [_inputs(case, s, world, 0, "cpu") for s in range(world)], T, E, K
+
+
 def rank_exit(rank: int, world: int, port: int, when: str, victim: int, timeout_us: int) -> dict:
     """``victim`` exits before the dispatch (``when="dispatch"``) or between dispatch
     and combine (``"combine"``); the others must finish with exactly the victim masked
     and every other row exact."""
-    T, H, E, K = 32, 1024, 8 * world, 4
-    buf = _setup(rank, world, port, T, H, E)
-    case = Case("exit", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
+    buf, xs, T, E, K = _small(rank, world, port, "exit")
     cuda = torch.device("cuda", 0)
-    xs = [_inputs(case, s, world, 0, "cpu") for s in range(world)]
     x, idx, w = xs[rank]
     if rank == victim and when == "dispatch":
         os._exit(0)
@@ -423,11 +429,8 @@ def rank_rejected(rank: int, world: int, port: int) -> dict:
     be exact at full strength on both: the rejected rank's call number stays in step
     with rank 0's, and rank 0 takes rank 1 in again (a kernel's mask of a live rank
     holds for its call only)."""
-    T, H, E, K = 32, 1024, 8 * world, 4
-    buf = _setup(rank, world, port, T, H, E)
-    case = Case("rejected", T=T, H=H, experts_per_rank=8, K=K, fp8=False)
+    buf, xs, T, E, K = _small(rank, world, port, "rejected")
     cuda = torch.device("cuda", 0)
-    xs = [_inputs(case, s, world, 0, "cpu") for s in range(world)]
     x, idx, w = xs[rank]
     short = 300_000  # µs: rank 0 masks rank 1 after this
     if rank == 1:
