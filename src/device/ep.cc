@@ -100,17 +100,24 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank, uint32_t key) {
   cards_.assign(static_cast<size_t>(capacity), std::string());
   table_.assign(static_cast<size_t>(capacity), nullptr);
   table_[static_cast<size_t>(rank)] = workspace();
-  if (peers_ != nullptr) cudaFree(peers_);
-  peers_ = nullptr;
-  cuda_check(cudaMalloc(&peers_, capacity * sizeof(uint8_t*)), "cudaMalloc of the peer table");
   keys_host_.assign(static_cast<size_t>(capacity), key);
-  if (keys_ != nullptr) cudaFree(keys_);
-  keys_ = nullptr;
-  cuda_check(cudaMalloc(&keys_, capacity * sizeof(uint32_t)), "cudaMalloc of the fence keys");
-  if (silent_ != nullptr) cudaFreeHost(silent_);
-  silent_ = nullptr;
-  silent_ = mapped_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
-  lost_ = std::make_shared<LostWords>(capacity);
+  if (peers_ != nullptr && capacity == num_ranks_) {
+    // The same size (a group's members changed): the same device words, so that a
+    // CUDA graph captured before, whose launches hold their addresses, stays valid.
+    std::fill(silent_, silent_ + capacity, 0);
+    for (int64_t r = 0; r < capacity; ++r) lost_->clear(r);
+  } else {
+    if (peers_ != nullptr) cudaFree(peers_);
+    peers_ = nullptr;
+    cuda_check(cudaMalloc(&peers_, capacity * sizeof(uint8_t*)), "cudaMalloc of the peer table");
+    if (keys_ != nullptr) cudaFree(keys_);
+    keys_ = nullptr;
+    cuda_check(cudaMalloc(&keys_, capacity * sizeof(uint32_t)), "cudaMalloc of the fence keys");
+    if (silent_ != nullptr) cudaFreeHost(silent_);
+    silent_ = nullptr;
+    silent_ = mapped_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
+    lost_ = std::make_shared<LostWords>(capacity);
+  }
   num_ranks_ = capacity;
   rank_ = rank;
   write_table(0, capacity);

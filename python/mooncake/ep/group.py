@@ -181,9 +181,14 @@ class GroupMembers:
         if active_ranks is not None:
             return active_ranks, None
         version = self.backends()[0].view_version()
-        if version != self._mask_version or self._mask_dev.device != device:
+        kept = self._mask_dev.device == device and self._mask_dev.numel() == R
+        if version != self._mask_version or not kept:
             now = self.present(R).to(torch.int32)
-            self._mask_version, self._mask_dev = version, now.to(device)
+            if kept:  # in place: a captured graph's launches read this tensor
+                self._mask_dev.copy_(now)
+            else:
+                self._mask_dev = now.to(device)
+            self._mask_version = version
         return self._mask_dev, None
 
     def device_masked(self, rank: int, why: str) -> None:
