@@ -33,15 +33,22 @@ void LostWords::clear(int64_t rank, Word only) {
     word.compare_exchange_strong(expected, kClear);
 }
 
+void LostWords::renew() {
+  generation_.fetch_add(1, std::memory_order_acq_rel);
+  for (int64_t r = 0; r < n_; ++r) clear(r);
+}
+
 LostWords::Word LostWords::get(int64_t rank) const {
   if (rank < 0 || rank >= n_) return kClear;
   return static_cast<Word>(std::atomic_ref<int32_t>(host_[rank]).load());
 }
 
 Endpoint::LossListener set_lost(std::weak_ptr<LostWords> lost) {
-  return [lost = std::move(lost)](int peer, Endpoint::PeerLoss why) {
+  const auto now = lost.lock();
+  const uint64_t gen = now ? now->generation() : 0;
+  return [lost = std::move(lost), gen](int peer, Endpoint::PeerLoss why) {
     const auto words = lost.lock();
-    if (!words) return false;
+    if (!words || words->generation() != gen) return false;
     switch (why) {
       case Endpoint::PeerLoss::kGone: words->set(peer, LostWords::kGone); break;
       case Endpoint::PeerLoss::kSilent:
@@ -105,7 +112,7 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank, uint32_t key) {
     // The same size (a group's members changed): the same device words, so that a
     // CUDA graph captured before, whose launches hold their addresses, stays valid.
     std::fill(silent_, silent_ + capacity, 0);
-    for (int64_t r = 0; r < capacity; ++r) lost_->clear(r);
+    lost_->renew();  // the caller watches again, told of the peers lost so far
   } else {
     if (peers_ != nullptr) cudaFree(peers_);
     peers_ = nullptr;

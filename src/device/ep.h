@@ -51,6 +51,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -87,16 +88,21 @@ class LostWords {
   // Clears the word if it holds `only` (kClear: whatever it holds).
   void clear(int64_t rank, Word only = kClear);
   Word get(int64_t rank) const;
+  // Clears every word for a new peer table in the same words (their device
+  // address stays, for captured graphs): listeners made before stop.
+  void renew();
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
  private:
   int32_t* host_ = nullptr;
   int32_t* dev_ = nullptr;
   int64_t n_ = 0;
+  std::atomic<uint64_t> generation_{0};
 };
 
 // A listener for Endpoint::watch_peers that sets the word in `lost` of every
 // peer it hears of (the endpoint's slots are the buffer's ranks), for as long
-// as the words live.
+// as the words live and are not renewed.
 Endpoint::LossListener set_lost(std::weak_ptr<LostWords> lost);
 
 // endpoint.watch_peers(set_lost(lost), hang_ms): its id.

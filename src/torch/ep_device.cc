@@ -405,7 +405,7 @@ void register_ep_device(py::module_& m) {
       .def("lost_listener",
            // For whoever watches the peers (MooncakeBackend/ElasticPeers.watch_peers): sets
            // the kernels' lost words of the current peer table (a connect or reserve
-           // replaces them: watch again then).
+           // renews them, and the listeners made before stop: watch again then).
            [](EpDevice& d) { return LossListenerBox{set_lost(d.ep().lost_words())}; })
       .def("dispatch", &EpDevice::dispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("active_ranks"), py::arg("slot_mask"), py::arg("stats"), py::arg("outputs"),

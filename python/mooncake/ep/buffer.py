@@ -555,7 +555,9 @@ class Buffer(ElasticMethods):
             timeout_us: as in :meth:`dispatch`; a combine is one exchange phase,
                 so it waits at most ``timeout_us``.
             handle: the dispatch's :class:`DispatchHandle`, or a copy of its items (the
-                elastic form's 4-tuple too) while no later dispatch reused its half.
+                elastic form's 4-tuple too) while no later dispatch reused its half; on
+                the device path, from one of the two latest dispatches (a later one
+                rewrote the half where its routing lies).
             zero_copy: (bool) ``x`` is :meth:`get_next_combine_buffer` (handle).
             async_finish, return_recv_hook: as in :meth:`dispatch`.
             out: optional ``[N, H]`` of ``x``'s dtype, filled in place.

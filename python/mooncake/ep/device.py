@@ -158,7 +158,7 @@ class DevicePath:
         )
         members.connected()
         # The group's transport tells the kernels of a peer it sees lost (they stop waiting
-        # for it at once); connect made new words, so it is told of them again.
+        # for it at once); connect renewed the words, so it is told of them again.
         members.watch_lost(self.ext)
         self.num_blocks = self.ext.num_blocks  # connect counted the processes on this GPU
         self.usable = all(m for m, p in zip(self.reachable, present, strict=True) if p)
@@ -171,7 +171,7 @@ class DevicePath:
         this slot alone active."""
         slots = self.members
         self.ext.reserve(slots.num_ranks, slots.rank, slots.device_key(slots.rank))
-        slots.watch_lost(self.ext)  # reserve made new lost words
+        slots.watch_lost(self.ext)  # reserve renewed the lost words
         # This process's GPU, as the store records it: its card, which says the host and GPU.
         slots.store.set(
             _gpu_key(slots.store_prefix, slots.rank), f"{self.card().hex()} {os.getpid()}"
@@ -302,6 +302,7 @@ class DevicePath:
         size and call numbers)."""
         members = self.members
         members.device_guard(self, "dispatch")  # a process left out launches nothing
+        self._call_seq = None  # the number this call takes, once known
         try:
             return self._dispatch_call(
                 buf, x, topk_idx, active_ranks, T, E, timeout_us, use_fp8, async_finish, hook,
@@ -311,7 +312,7 @@ class DevicePath:
             if not isinstance(e, LeftOutError):
                 # The others' call goes on without this rank (they mask it): its next
                 # call must carry their next number, or every later one would miss.
-                buf._seq += 1
+                buf._seq = max(buf._seq, self._call_seq or buf._seq + 1)
             raise
 
     def _dispatch_call(
@@ -339,7 +340,7 @@ class DevicePath:
             self._checked_dispatch = key
         if members.count_pending:  # an elastic buffer published peers: join their count
             buf._seq = max(buf._seq, members.told_count(timeout_us))
-        seq = buf._seq + 1
+        seq = self._call_seq = buf._seq + 1
         active, slots = members.device_masks(active_ranks, R, x.device)
         recv_x, recv_count, src_info, layout_range, event, recv_hook = self.dispatch(
             x, topk_idx, active, slots, T, E, R, seq, timeout_us, use_fp8, async_finish, hook,
@@ -390,6 +391,8 @@ class DevicePath:
                 )
                 if error:
                     raise ValueError(f"combine: {error}")
+        if buf._seq - state.seq >= 2:  # its routing in the workspace half was overwritten
+            raise ValueError(f"combine: {_checks.half_error(handle, buf._seq)}")
         self.members.device_guard(self, "combine")
         if self.ext.status_code():
             self.raise_reported("combine")

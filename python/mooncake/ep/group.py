@@ -32,6 +32,7 @@ class GroupMembers:
         self._events: list[str] = []  # ranks the device path's kernels masked
         self._mask_version = -1  # the group's view_version that _mask_dev shows
         self._mask_dev = torch.zeros(0, dtype=torch.int32)
+        self._old_masks: list[torch.Tensor] = []  # _mask_dev's before: graphs may read them
         # The device path's fence key: the generation of the EP membership this process
         # agreed on last (agree); a process left out keeps an older one.
         self.fence_key = 0
@@ -176,19 +177,19 @@ class GroupMembers:
 
     def device_masks(self, active_ranks, R: int, device) -> tuple[torch.Tensor, None]:
         """The kernels' masks for a call: ``active_ranks``, or the group's view kept on
-        the device (copied again only when the view changes: reading it costs several
-        torch ops, more than the launch); no slot mask."""
+        the device (copied again only when the view changes or a kernel masked a rank:
+        reading it costs several torch ops, more than the launch; never inside a CUDA
+        graph capture, which keeps the last); no slot mask."""
         if active_ranks is not None:
             return active_ranks, None
         version = self.backends()[0].view_version()
-        kept = self._mask_dev.device == device and self._mask_dev.numel() == R
-        if version != self._mask_version or not kept:
+        if version != self._mask_version or self._mask_dev.device != device:
+            if self._mask_dev.device == device and torch.cuda.is_current_stream_capturing():
+                return self._mask_dev, None  # no host copy in a capture: the last view
+            # The one before stays alive: a graph captured with it replays it.
+            self._old_masks.append(self._mask_dev)
             now = self.present(R).to(torch.int32)
-            if kept:  # in place: a captured graph's launches read this tensor
-                self._mask_dev.copy_(now)
-            else:
-                self._mask_dev = now.to(device)
-            self._mask_version = version
+            self._mask_version, self._mask_dev = version, now.to(device)
         return self._mask_dev, None
 
     def device_masked(self, rank: int, why: str) -> None:
@@ -291,7 +292,8 @@ class ForeignMembers(GroupMembers):
     takes part unless the caller's ``active_ranks`` says otherwise, exchanges run under
     the group's own timeout, and a rank that dies stalls the portable path's exchanges
     until that timeout (NCCL's watchdog, gloo's). The device path's kernels still mask
-    a silent peer after ``timeout_us``."""
+    a silent peer after ``timeout_us``, for that call (nothing tells a slow rank from a
+    dead one here: the next call waits for it again)."""
 
     def device_error(self, device: torch.device) -> str | None:
         if backend_serves(self.group, device.type):
@@ -351,4 +353,7 @@ class ForeignMembers(GroupMembers):
             return active_ranks, None
         if self._mask_dev.device != device or self._mask_dev.numel() != R:
             self._mask_dev = torch.ones(R, dtype=torch.int32, device=device)
+        elif self._mask_version == -1:  # a kernel masked a rank: for that call only
+            self._mask_dev.fill_(1)
+        self._mask_version = 0
         return self._mask_dev, None
