@@ -35,6 +35,14 @@ OnDevice::~OnDevice() {
   cudaSetDevice(previous_);
 }
 
+RelaxedCapture::RelaxedCapture() : previous_(cudaStreamCaptureModeRelaxed) {
+  cudaThreadExchangeStreamCaptureMode(&previous_);
+}
+
+RelaxedCapture::~RelaxedCapture() {
+  cudaThreadExchangeStreamCaptureMode(&previous_);
+}
+
 CudaEvent::CudaEvent(bool blocking) {
   cuda_check(cudaEventCreateWithFlags(
                  &event_, cudaEventDisableTiming | (blocking ? cudaEventBlockingSync : 0)),

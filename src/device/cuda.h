@@ -35,6 +35,22 @@ class OnDevice {
   int previous_ = 0;
 };
 
+// For the scope, this thread's CUDA calls may run while another thread
+// captures a CUDA graph. For the library's own threads (the op queue, the view
+// listener, completions): torch captures in "global" mode by default, where a
+// sync, copy or allocation from any other thread invalidates the caller's
+// capture (NCCL's threads do the same).
+class RelaxedCapture {
+ public:
+  RelaxedCapture();
+  ~RelaxedCapture();
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode previous_;
+};
+
 // A CUDA event of the device current when it is made (no timing: ordering
 // does not need it).
 class CudaEvent {

@@ -123,6 +123,7 @@ at::Tensor MooncakeCudaBackend::active_ranks() const {
 
 void MooncakeCudaBackend::view_changed(const at::Tensor& active) {
   if (device_ < 0) return;
+  const RelaxedCapture relaxed;  // the view listener's thread, while the caller may capture
   c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
   if (coll_) {
     // Ranks that left stop taking part in device-driven launches (graph
@@ -223,6 +224,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::
                                                               std::optional<DirectOps::Op> warm) {
   ++device_ops_;
   return s.run_device(type, std::move(results), [this, move = std::move(move), warm] {
+    const RelaxedCapture relaxed;  // on the op queue: the caller may be capturing
     c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
     c10::cuda::CUDAStreamGuard stream_guard(*stream_);
     if (warm) coll_->direct_prepare(*warm, stream_->stream());

@@ -37,6 +37,7 @@ struct StagedOp {
 
   void copy_back(std::exception_ptr error) noexcept {
     try {
+      const RelaxedCapture relaxed;  // the completing thread, while the caller may capture
       c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
       c10::cuda::CUDAStreamGuard stream_guard(stream);
       if (!error)
@@ -112,6 +113,7 @@ class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
           for (auto& s : stages_copy)
             if (!e) e = s->error();
           try {
+            const RelaxedCapture relaxed;  // as copy_back
             c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
             c10::cuda::CUDAStreamGuard stream_guard(stream);
             if (e)
