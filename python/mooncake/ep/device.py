@@ -348,8 +348,10 @@ class DevicePath:
         )  # fmt: skip
         buf._seq, buf.path = seq, "device"
         dtype = torch.bfloat16 if use_fp8 else x.dtype
-        state = HandleState(buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, event)
-        state.members = buf._members_epoch
+        state = HandleState(
+            buf._id, seq, dtype, x.shape[0], topk_idx, not hook, True, event,
+            members=buf._members_epoch,
+        )  # fmt: skip
         handle = DispatchHandle(src_info, layout_range, T, x.shape[1], E, state)
         overlap = stream_waiter(event)
         if not hook:
@@ -385,14 +387,12 @@ class DevicePath:
             epoch = buf._members_epoch
             if state.buffer != buf._id or not state.finished or state.members != epoch:
                 raise ValueError(f"combine: {_checks.handle_error(handle, buf._id, epoch)}")
-            if zero_copy:
-                error = _checks.half_error(handle, buf._seq) or _checks.zero_copy_error(
-                    x, handle, buf._combine_buffers
-                )
-                if error:
-                    raise ValueError(f"combine: {error}")
-        if buf._seq - state.seq >= 2:  # its routing in the workspace half was overwritten
-            raise ValueError(f"combine: {_checks.half_error(handle, buf._seq)}")
+        # Zero-copy or not: the dispatch's routing lies in its workspace half.
+        error = _checks.half_error(handle, buf._seq)
+        if error is None and zero_copy:
+            error = _checks.zero_copy_error(x, handle, buf._combine_buffers)
+        if error:
+            raise ValueError(f"combine: {error}")
         self.members.device_guard(self, "combine")
         if self.ext.status_code():
             self.raise_reported("combine")
