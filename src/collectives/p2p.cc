@@ -5,6 +5,7 @@
 
 #include "core/env.h"
 #include "core/log.h"
+#include "core/thread.h"
 
 namespace mooncake {
 
@@ -66,7 +67,10 @@ P2P::P2P(Channels& channels, int rank, int size, int64_t default_timeout_ms)
       unclaimed_cap_(unclaimed_cap_from_env()),
       in_flight_(static_cast<size_t>(size)),
       unclaimed_(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(size))) {
-  progress_ = std::thread([this] { progress_loop(); });
+  progress_ = std::thread([this] {
+    name_this_thread("mc-p2p");
+    progress_loop();
+  });
 }
 
 P2P::~P2P() {

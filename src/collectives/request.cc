@@ -6,6 +6,7 @@
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/thread.h"
 
 namespace mooncake {
 
@@ -116,7 +117,10 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
   auto request = push_locked(std::move(task));
   if (stopping_) return request;
   if (!thread_.joinable())
-    thread_ = std::thread([this] { run(); });
+    thread_ = std::thread([this] {
+      name_this_thread("mc-ops");
+      run();
+    });
   else if (thread_asleep_)
     cv_.notify_all();
   return request;

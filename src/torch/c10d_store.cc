@@ -9,6 +9,7 @@
 #include "core/clock.h"
 #include "core/env.h"
 #include "core/error.h"
+#include "core/thread.h"
 
 namespace mooncake {
 
@@ -81,7 +82,10 @@ void C10dStore::run(const char* what, const std::string& key, int64_t wait_ms,
     // The thread holds the worker (and the store, through the jobs) while a
     // request runs, so a stuck one may outlive this object.
     w.running = true;
-    std::thread([worker = worker_] { worker->loop(); }).detach();
+    std::thread([worker = worker_] {
+      name_this_thread("mc-store");
+      worker->loop();
+    }).detach();
   }
   w.cv.notify_all();
   const int64_t limit_ms =

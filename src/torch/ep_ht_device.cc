@@ -303,10 +303,15 @@ void register_ep_ht_device(py::module_& m) {
       .def(
           "connect",
           [](EpHtDevice& d, const std::vector<std::string>& cards) {
-            auto c = d.buf().connect(cards);
+            EpHtBuffer::Connection c;
+            {
+              // Mapping waits for the device; the tuple below needs the GIL back.
+              py::gil_scoped_release nogil;
+              c = d.buf().connect(cards);
+            }
             return py::make_tuple(c.reachable, c.present, c.sharers);
           },
-          py::arg("cards"), R())
+          py::arg("cards"))
       .def("lost_listener",
            [](EpHtDevice& d) { return LossListenerBox{set_lost(d.buf().lost_words())}; })
       .def("take_masked", [](EpHtDevice& d) { return d.buf().take_masked(); })

@@ -15,6 +15,7 @@
 #include "core/host.h"
 #include "core/limits.h"
 #include "core/record.h"
+#include "core/thread.h"
 #include "core/wait.h"
 #include "transport/shm.h"
 #include "transport/ucx.h"
@@ -132,7 +133,10 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
         std::make_unique<UcxWorker>(segment_, capacity, secret_, options_.device_filter, &alarms_);
   stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   links_[rank] = self_link(segment_);
-  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  heartbeat_ = std::thread([this] {
+    name_this_thread("mc-heartbeat");
+    heartbeat_loop();
+  });
   PeerAddress me;
   me.rank = rank;
   me.incarnation = incarnation;

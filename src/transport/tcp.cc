@@ -17,6 +17,7 @@
 #include "core/clock.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/thread.h"
 #include "core/unique_fd.h"
 
 namespace mooncake {
@@ -85,7 +86,10 @@ TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, int rank, uint32_
   port_ = ntohs(sa.sin_port);
   set_nonblocking(listen_fd_);
   wake_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  thread_ = std::thread([this] { run(); });
+  thread_ = std::thread([this] {
+    name_this_thread("mc-tcp");
+    run();
+  });
 }
 
 TcpReceiver::~TcpReceiver() {

@@ -78,6 +78,7 @@ std::unique_ptr<PeerLink> UcxWorker::connect(const PeerAddress&, int, uint32_t) 
 #include "core/clock.h"
 #include "core/hex.h"
 #include "core/log.h"
+#include "core/thread.h"
 #include "core/wait.h"
 #include "transport/tcp_wire.h"
 
@@ -427,7 +428,10 @@ UcxWorker::UcxWorker(Segment& segment, int capacity, std::string secret,
   if (st != UCS_OK) ucx_fail("ucp_worker_get_efd", st);
   c.eager_writes = rdma_devices().empty() || !rdma_allowed(std::getenv("UCX_TLS"));
   c.wake_fd = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  c.progress = std::thread([&c] { c.progress_loop(); });
+  c.progress = std::thread([&c] {
+    name_this_thread("mc-ucx");
+    c.progress_loop();
+  });
 }
 
 UcxWorker::~UcxWorker() {

@@ -435,7 +435,7 @@ def _capture_raises(ctx, fn, *match) -> None:
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         try:
-            with ctx.expect_raises(ValueError, *match):
+            with ctx.expect_raises(ValueError, *match, what=f"{match[0]} under capture"):
                 with torch.cuda.graph(g, stream=s):
                     fn()
         except RuntimeError as e:  # the capture itself failing on the way out

@@ -201,3 +201,26 @@ def test_the_checks_catch_what_they_must():
 
     for fn in (disagree, wrong_mask, early, untold, failed):
         assert broken(fn), fn.__name__
+
+
+def test_thread_growth_names_what_grew():
+    """thread_growth on made-up samples: a thread kind first started after the third
+    sample passes; a kind that piles up, or three new threads at once, is growth."""
+    from chaos_parent import thread_growth
+
+    def samples(*counts):
+        return [{"threads": sum(c.values()), "thread_names": dict(c)} for c in counts]
+
+    base = {"python3": 2, "mc-tcp": 1, "mc-heartbeat": 1}
+    lazy = {**base, "mc-ops": 1}
+    assert thread_growth(samples(base, base, base, lazy, lazy, lazy)) == []
+    piled = {**base, "mc-tcp": 2}
+    assert thread_growth(samples(base, base, base, piled, piled, piled)) == [
+        "threads named 'mc-tcp' grew from 1 to 2"
+    ]
+    # gone again in one of the last three samples: it comes and goes
+    assert thread_growth(samples(base, base, base, piled, base, piled)) == []
+    many = {**base, "a": 1, "b": 1, "c": 1}
+    assert thread_growth(samples(base, base, base, many, many, many)) == [
+        "threads grew from 4 to 7"
+    ]

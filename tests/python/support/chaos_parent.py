@@ -372,11 +372,31 @@ def fault_times(o: Outcome) -> list[dict]:
     return out
 
 
+def thread_growth(samples: list[dict]) -> list[str]:
+    """Threads that grew (the last three samples' least against the third), by name: a
+    kind of thread present at the third sample that is more at the end (threads that pile
+    up), or more than two threads in all. One new kind of thread is no growth: the library
+    starts some on first use (a group's op queue on its first async op, the store's worker
+    while requests come, the CUDA driver's own), and a leak of them shows as a second."""
+    ref, tail = samples[2], samples[-3:]
+    out = []
+    names = ref.get("thread_names")
+    if names is not None:
+        for name, n in sorted(names.items()):
+            end = min(s.get("thread_names", {}).get(name, 0) for s in tail)
+            if end > n:
+                out.append(f"threads named {name!r} grew from {n} to {end}")
+    end = min(s["threads"] for s in tail)
+    if end > ref["threads"] + (2 if names is not None else 0):
+        out.append(f"threads grew from {ref['threads']} to {end}")
+    return out
+
+
 def growth_problems(o: Outcome, slack_mib: float = 256.0) -> list[str]:
-    """Resource growth: per process with at least five samples (one per cycle), fds and
-    threads past its third sample, RSS by more than 24 MiB, and on CUDA its allocated
-    bytes by more than 8 MiB and the GPU's used bytes by more than ``slack_mib``
-    (each measure's least over the last three samples against the third)."""
+    """Resource growth: per process with at least five samples (one per cycle), fds past
+    its third sample, threads as ``thread_growth`` says, RSS by more than 24 MiB, and on
+    CUDA its allocated bytes by more than 8 MiB and the GPU's used bytes by more than
+    ``slack_mib`` (each measure's least over the last three samples against the third)."""
     from ft_parent import resource_growth
 
     out = []
@@ -384,8 +404,10 @@ def growth_problems(o: Outcome, slack_mib: float = 256.0) -> list[str]:
         samples = p.get("info", {}).get("samples", [])
         if len(samples) < 5:
             continue
-        host = [{k: s[k] for k in ("fds", "threads", "rss_kib")} for s in samples]
+        # threads stand still here (thread_growth judges them)
+        host = [{"fds": s["fds"], "threads": 0, "rss_kib": s["rss_kib"]} for s in samples]
         out += [f"process {pk}: {q}" for q in resource_growth(host, 2, settle=3)]
+        out += [f"process {pk}: {q}" for q in thread_growth(samples)]
         if "cuda_used" in samples[0]:
             ref, tail = samples[2], samples[-3:]
             for k, slack in (("cuda_allocated", 8 << 20), ("cuda_used", int(slack_mib * 2**20))):

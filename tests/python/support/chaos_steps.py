@@ -69,10 +69,25 @@ def busy(ms: float, device: torch.device) -> None:
         pass
 
 
+def thread_names() -> dict[str, int]:
+    """This process's threads by name (the library names its own "mc-..."; Python's
+    carry the interpreter's name, the CUDA driver's its own)."""
+    names: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
 def resources(device: torch.device) -> dict:
     """This process's fds, threads and RSS, and on CUDA its allocated bytes and the GPU's
     used bytes (every process's: what a leak of device memory would grow)."""
     out = dict(process_resources())
+    out["thread_names"] = thread_names()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         out["cuda_allocated"] = int(torch.cuda.memory_allocated(device))

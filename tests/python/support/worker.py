@@ -96,10 +96,13 @@ class RankContext:
         exc_type: type[BaseException],
         *words: str | tuple[str, ...],
         ranks: list[int] | None = None,
+        what: str = "",
     ):
         """Records a failure unless the block raises ``exc_type`` whose message contains
         every one of ``words`` (case-insensitive; a tuple means any one of its strings)
-        and, with ``ranks``, whose ``.ranks`` (a PeerFailedError's) equals it."""
+        and, with ``ranks``, whose ``.ranks`` (a PeerFailedError's) equals it. ``what``
+        names the call in the failure (where the words do not)."""
+        prefix = f"{what}: " if what else ""
         try:
             yield
         except exc_type as e:
@@ -110,15 +113,18 @@ class RankContext:
                 if not any(a.lower() in text for a in (w if isinstance(w, tuple) else (w,)))
             ]
             if missing:
-                self.fail(f"{exc_type.__name__} does not mention {missing}: {e}")
+                self.fail(f"{prefix}{exc_type.__name__} does not mention {missing}: {e}")
             if ranks is not None and getattr(e, "ranks", None) != ranks:
                 self.fail(
-                    f"{type(e).__name__}.ranks is {getattr(e, 'ranks', None)}, want {ranks}: {e}"
+                    f"{prefix}{type(e).__name__}.ranks is {getattr(e, 'ranks', None)}, want {ranks}: {e}"
                 )
         except Exception as e:  # reported as the wrong kind of error
-            self.fail(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}")
+            # raised while another was handled (a context manager's exit): that one too
+            was = e.__context__
+            during = f" (raised while handling {type(was).__name__}: {was})" if was else ""
+            self.fail(f"{prefix}expected {exc_type.__name__}, got {type(e).__name__}: {e}{during}")
         else:
-            self.fail(f"expected {exc_type.__name__} ({words}), nothing was raised")
+            self.fail(f"{prefix}expected {exc_type.__name__} ({words}), nothing was raised")
 
     # --- groups and out-of-band sync ---------------------------------------
 
