@@ -455,7 +455,9 @@ class ElasticBuffer:
         data, scales = (x[0], x[1]) if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
         if not (isinstance(data, torch.Tensor) and data.is_cuda):
             return self._portable
-        if self._device is None and not self._device_tried:
+        # (x of another shape: the portable path's checks name it; the device path stays
+        # to be tried by a valid call)
+        if self._device is None and not self._device_tried and data.dim() == 2:
             self._device_tried = True
             K = (
                 topk_idx.shape[1]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 import zlib
 from dataclasses import dataclass
 
@@ -99,6 +100,17 @@ class DevicePlan:
         return self.device
 
 
+def _not_served(rank: int, step: str, e: Exception) -> None:
+    """Says why this rank cannot serve the device path (every member then takes the
+    portable one)."""
+    warnings.warn(
+        f"mooncake ElasticBuffer: rank {rank}: the device path failed {step} "
+        f"({type(e).__name__}: {e}); dispatch and combine take the portable path",
+        RuntimeWarning,
+        3,
+    )
+
+
 def connect(buf, data: torch.Tensor, num_topk: int, host_key: int) -> ThroughputDevice | None:
     """The device path of ``buf`` for tensors on ``data``'s device, or None where it cannot
     serve every member (a build or member without it, another host, a mapping that fails).
@@ -113,19 +125,33 @@ def connect(buf, data: torch.Tensor, num_topk: int, host_key: int) -> Throughput
     members = buf._members
     R, me = members.num_ranks, members.rank
     device = data.device
+    live: list[int] = []
+
+    def agree(ok: bool) -> bool:  # every live member's ok, each taking part
+        oks = members.all_gather(torch.tensor([int(ok)], dtype=torch.int64)).tolist()
+        return all(oks[r] for r in live)
+
+    # A failure on this rank alone (the GPU query, the workspace's allocation, a mapping)
+    # is told to the others in the next exchange, never by leaving it: every member takes
+    # part in each, and all fall back to the portable path together.
     willing = (
         available()
         and _env_int("MOONCAKE_EP_FORCE_FALLBACK") == 0
         and R <= pg._ext.EP_HT_MAX_RANKS
         and device.type == "cuda"
+        and data.dim() == 2  # (the argument checks refuse other shapes)
     )
     row = [0] * 5
     if willing:
-        bus, sms = pg._ext.ep_ht_gpu(device.index)
-        gpu = hashlib.blake2b(f"{host_key}|{bus}".encode(), digest_size=7).digest()
-        # rings for the constructor's hidden size and top-k, or this first call's if larger
-        H, K = max(data.shape[1], buf.hidden), max(num_topk, buf.num_topk)
-        row = [1, sms, int.from_bytes(gpu, "little"), H, K]
+        try:
+            bus, sms = pg._ext.ep_ht_gpu(device.index)
+        except Exception as e:
+            _not_served(me, "reading the GPU's properties", e)
+        else:
+            gpu = hashlib.blake2b(f"{host_key}|{bus}".encode(), digest_size=7).digest()
+            # rings for the constructor's hidden size and top-k, or this first call's if larger
+            H, K = max(data.shape[1], buf.hidden), max(num_topk, buf.num_topk)
+            row = [1, sms, int.from_bytes(gpu, "little"), H, K]
     rows = members.all_gather(torch.tensor(row, dtype=torch.int64)).reshape(R, 5).tolist()
     present = members.present(R).tolist()
     live = [r for r in range(R) if present[r]]
@@ -140,14 +166,23 @@ def connect(buf, data: torch.Tensor, num_topk: int, host_key: int) -> Throughput
     channels = min(channels, pg._ext.EP_HT_MAX_CHANNELS)
     # Every member's rings the same size (slots are found by their number): the largest.
     H, K = max(rows[r][3] for r in live), max(rows[r][4] for r in live)
-    ext = pg._ext.EpHtDevice(R, me, channels, ring_bytes(R, channels, H, K), device.index)
+    ext = None
+    try:
+        ext = pg._ext.EpHtDevice(R, me, channels, ring_bytes(R, channels, H, K), device.index)
+    except Exception as e:
+        _not_served(me, "making the workspace", e)
+    if not agree(ext is not None):
+        return None
     own = ext.card()
     card = torch.frombuffer(bytearray(own), dtype=torch.uint8).clone()
     cards = members.all_gather(card).reshape(R, card.numel())
-    reachable, _, _ = ext.connect([bytes(c.tolist()) for c in cards])
-    mapped = int(all(reachable[r] for r in live))
-    oks = members.all_gather(torch.tensor([mapped], dtype=torch.int64)).tolist()
-    if not all(oks[r] for r in live):
+    mapped = False
+    try:
+        reachable, _, _ = ext.connect([bytes(c.tolist()) for c in cards])
+        mapped = all(reachable[r] for r in live)
+    except Exception as e:
+        _not_served(me, "mapping the peers' workspaces", e)
+    if not agree(mapped):
         return None
     # The group's transport tells the kernels of a peer it sees lost (they stop waiting).
     members.watch_lost(ext)
@@ -383,12 +418,15 @@ class ThroughputDevice:
         sig = self._signature(T, E, K, data, scales, weights, do_expand, alignment)
         plan = self.ext.layout(topk, active, T, E, alignment, bool(do_expand), sig, seq,
                                self._ns(buf._cpu_timeout_us), blocks)  # fmt: skip
-        rows = R * T
-        expanded = 0
-        if do_expand:
-            # exact with a CPU sync (the layout pass's count: the only sync before the
-            # data moves), else the worst case
-            expanded = int(plan.words[1]) if do_cpu_sync else padded_rows(rows, K, epr, alignment)
+        rows, expanded = R * T, 0
+        if do_cpu_sync:
+            # Exact sizes from the layout pass's counts (the one sync before the data
+            # moves): the worst case, R * T rows, is R times the memory at prefill sizes.
+            head = plan.words[:2].cpu()
+            rows = int(head[0])
+            expanded = int(head[1]) if do_expand else 0
+        elif do_expand:
+            expanded = padded_rows(rows, K, epr, alignment)
         recv_x, recv_sf, recv_idx, recv_w = self.ext.dispatch(
             plan, data, scales, weights, active, rows, expanded, False, bool(do_cpu_sync), seq,
             self._ns(buf._gpu_timeout_us), blocks,
