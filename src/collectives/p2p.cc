@@ -68,7 +68,7 @@ P2P::P2P(Channels& channels, int rank, int size, int64_t default_timeout_ms)
       in_flight_(static_cast<size_t>(size)),
       unclaimed_(std::make_unique<std::atomic<uint64_t>[]>(static_cast<size_t>(size))) {
   progress_ = std::thread([this] {
-    name_this_thread("mc-p2p");
+    begin_library_thread("mc-p2p");
     progress_loop();
   });
 }

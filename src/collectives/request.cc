@@ -118,7 +118,7 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
   if (stopping_) return request;
   if (!thread_.joinable())
     thread_ = std::thread([this] {
-      name_this_thread("mc-ops");
+      begin_library_thread("mc-ops");
       run();
     });
   else if (thread_asleep_)

@@ -76,6 +76,7 @@ DeviceCollectives::DeviceCollectives(Communicator& comm, Store& store, std::stri
       directory_(store, std::move(prefix), device),
       device_(device),
       options_(options) {
+  relax_library_threads();  // the op queue's thread, which starts later, runs our launches
   directory_.publish_host(comm_.rank());
 }
 

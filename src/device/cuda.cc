@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "core/clock.h"
+#include "core/thread.h"
 
 namespace mooncake {
 
@@ -41,6 +42,15 @@ RelaxedCapture::RelaxedCapture() : previous_(cudaStreamCaptureModeRelaxed) {
 
 RelaxedCapture::~RelaxedCapture() {
   cudaThreadExchangeStreamCaptureMode(&previous_);
+}
+
+void relax_library_threads() {
+  thread_start_hook().store(
+      [] {
+        cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+        cudaThreadExchangeStreamCaptureMode(&mode);
+      },
+      std::memory_order_release);
 }
 
 CudaEvent::CudaEvent(bool blocking) {

@@ -51,6 +51,13 @@ class RelaxedCapture {
   cudaStreamCaptureMode previous_;
 };
 
+// From now on, every library thread that starts (core/thread.h) runs in
+// relaxed capture mode for its whole life: none of them captures, and any
+// CUDA call they make (an event query, a copy, a free) must not break a
+// capture of the caller's. Threads already running keep their mode (those that
+// make CUDA calls take RelaxedCapture around them).
+void relax_library_threads();
+
 // A CUDA event of the device current when it is made (no timing: ordering
 // does not need it).
 class CudaEvent {

@@ -83,7 +83,7 @@ void C10dStore::run(const char* what, const std::string& key, int64_t wait_ms,
     // request runs, so a stuck one may outlive this object.
     w.running = true;
     std::thread([worker = worker_] {
-      name_this_thread("mc-store");
+      begin_library_thread("mc-store");
       worker->loop();
     }).detach();
   }

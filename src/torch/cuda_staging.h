@@ -36,8 +36,10 @@ struct StagedOp {
   StagedOp(int device, c10::cuda::CUDAStream stream) : device(device), stream(stream) {}
 
   void copy_back(std::exception_ptr error) noexcept {
+    // The completing thread, while the caller may capture: the copies, and the
+    // pinned host copies' return to torch's pool (which records events).
+    const RelaxedCapture relaxed;
     try {
-      const RelaxedCapture relaxed;  // the completing thread, while the caller may capture
       c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
       c10::cuda::CUDAStreamGuard stream_guard(stream);
       if (!error)
@@ -46,8 +48,7 @@ struct StagedOp {
     } catch (...) {
       if (!error) error = std::current_exception();
     }
-    // The pinned host copies go back to torch's pool, which reuses them only
-    // after the copies recorded on the stream have run.
+    // The pool reuses them only after the copies recorded on the stream have run.
     results.clear();
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -127,6 +128,8 @@ class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
 
   bool isCompleted() override {
     if (!host_->isCompleted()) return false;
+    // Any thread may ask, one that captures too: these events are never captured.
+    const RelaxedCapture relaxed;
     for (auto& s : stages_)
       if (!s->is_finished() || !s->done->query()) return false;
     return true;
@@ -200,6 +203,7 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cuda_check(cudaStreamIsCapturing(stream_.stream(), &capture), "cudaStreamIsCapturing");
     if (capture != cudaStreamCaptureStatusNone) return false;
+    const RelaxedCapture relaxed;  // a query of this stream, which is not capturing
     const cudaError_t err = cudaStreamQuery(stream_.stream());
     if (err == cudaErrorNotReady) return false;
     cuda_check(err, "cudaStreamQuery");
@@ -331,7 +335,12 @@ class Staging {
     if (kind_ == MooncakeCudaBackend::Kind::kSend) {
       staged->wait();
     } else if (kind_ == MooncakeCudaBackend::Kind::kCollective) {
-      b_.submit([staged] { staged->wait(); });
+      b_.submit([staged] {
+        // On the op queue's thread, while the caller may be capturing: an event
+        // query in global mode there would end the capture in error.
+        const RelaxedCapture relaxed;
+        staged->wait();
+      });
     }
     stream_guard_.reset();
     device_guard_.reset();

@@ -134,7 +134,7 @@ Endpoint::Endpoint(const TransferEngine& engine, Store& store, std::string prefi
   stop_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   links_[rank] = self_link(segment_);
   heartbeat_ = std::thread([this] {
-    name_this_thread("mc-heartbeat");
+    begin_library_thread("mc-heartbeat");
     heartbeat_loop();
   });
   PeerAddress me;

@@ -87,7 +87,7 @@ TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, int rank, uint32_
   set_nonblocking(listen_fd_);
   wake_fd_ = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   thread_ = std::thread([this] {
-    name_this_thread("mc-tcp");
+    begin_library_thread("mc-tcp");
     run();
   });
 }

@@ -429,7 +429,7 @@ UcxWorker::UcxWorker(Segment& segment, int capacity, std::string secret,
   c.eager_writes = rdma_devices().empty() || !rdma_allowed(std::getenv("UCX_TLS"));
   c.wake_fd = MC_SYSCHECK(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   c.progress = std::thread([&c] {
-    name_this_thread("mc-ucx");
+    begin_library_thread("mc-ucx");
     c.progress_loop();
   });
 }
