@@ -278,6 +278,9 @@ def summarize(rows_by_rank: list[list[dict]]) -> list[dict]:
 def upstream_rows(path: str | None) -> dict:
     data = harness.read_json(path) if path else None
     if data is None:
+        if path:
+            print(f"upstream: no JSON at {path} (its wheel not carried, or its run failed): "
+                  "its columns are empty")  # fmt: skip
         return {}
     if data.get("error") and not data.get("cases"):
         return {"error": data["error"]}
@@ -370,9 +373,19 @@ def main(argv: list[str] | None = None) -> int:
     }
     up = upstream_rows(a.upstream)
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "worlds": {}}
+    results["elastic_capacity"] = a.elastic
+    name = f"ep_device_elastic{a.elastic}.json" if a.elastic else "ep_device.json"
+    failed = []
     for world in harness.csv_ints(a.worlds):
         t0 = time.monotonic()
-        rows = summarize(run_local(member, world, args=(cfg,), timeout_s=560))
+        try:
+            rows = summarize(run_local(member, world, args=(cfg,), timeout_s=560))
+        except RuntimeError as e:  # this world's launch failed: the others still count
+            failed.append(world)
+            results.setdefault("failed", {})[world] = str(e)[-2000:]
+            print(f"world {world}: FAILED: {str(e)[-600:]}\n", flush=True)
+            harness.write_outputs(a.out_dir, {name: results})
+            continue
         results["worlds"][world] = rows
         if a.elastic:
             print(f"elastic buffer, capacity {a.elastic}, {world} slots active:")
@@ -383,10 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{fmt(r['dispatch_host_us'])} us, in combine {fmt(r['combine_host_us'])} us"
             )
         print(f"(world {world}: {time.monotonic() - t0:.0f} s)\n")
-    results["elastic_capacity"] = a.elastic
-    name = f"ep_device_elastic{a.elastic}.json" if a.elastic else "ep_device.json"
+        harness.write_outputs(a.out_dir, {name: results})  # kept if a later world hangs
     harness.write_outputs(a.out_dir, {name: results})
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -92,6 +92,10 @@ def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
         with torch.cuda.stream(side):  # the eager warm-up (mooncake: sets the kernels up)
             fn()
         torch.cuda.current_stream().wait_stream(side)
+        # Every rank's warm-up over, on the device and the host's op queue, before any
+        # captures (a capture refuses an op while the group's queue is busy).
+        torch.cuda.synchronize()
+        dist.barrier()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
@@ -146,38 +150,50 @@ def worker(rank: int, world: int, port: int, backend: str, ops, sizes=SIZES) -> 
     init_rank(rank, world, port, backend, timeout_s=120)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     rows = []
+
+    def agreed(name: str, value: list) -> list:  # every rank's value, the same on each
+        harness.publish(store, f"{name}/{rank}", value)
+        return [json.loads(store.get(f"{name}/{r}")) for r in range(world)]
+
+    def error_of(e: Exception) -> str:
+        return f"{type(e).__name__}: {e}"[:200]
+
     for op in (*ops, FLOOR):
         for nbytes in sizes:
+            key, seconds, err = f"{op}/{nbytes}", float("nan"), ""
             try:
                 fn = make_op(dist, torch, op, nbytes, world, backend)
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
-                dist.barrier()
-                seconds = harness.mean_seconds(fn, iters_for(nbytes), torch.cuda.synchronize)
-                err = ""
             except Exception as e:  # noqa: BLE001 - a backend without the op: recorded
-                seconds, err = float("nan"), f"{type(e).__name__}: {e}"[:200]
-            key = f"{op}/{nbytes}"
-            harness.publish(store, f"t/{key}/{rank}", [seconds, err])
+                err = error_of(e)
+            # Timed only where every rank's warm-up worked (a rank that times alone
+            # would wait out its peers' deadline in each call).
+            if not any(g[0] for g in agreed(f"ok/{key}", [err])):
+                dist.barrier()
+                try:
+                    seconds = harness.mean_seconds(fn, iters_for(nbytes), torch.cuda.synchronize)
+                except Exception as e:  # noqa: BLE001 - recorded
+                    err = error_of(e)
+            got = agreed(f"t/{key}", [seconds, err])
+            errs = [g[1] for g in got if g[1]]
             if rank == 0:
-                got = [json.loads(store.get(f"t/{key}/{r}")) for r in range(world)]
-                errs = [g[1] for g in got if g[1]]
                 slowest = max(g[0] for g in got)
                 rows.append({"op": op, "bytes": nbytes, "us": slowest * 1e6, "error": errs[:1]})
-            if err:
-                break  # the rest of this op's sizes: unsupported (or failing) alike
+            if errs:  # every rank alike: the rest of this op's sizes fail the same way
+                break
     result = {"rows": rows, "copy_rate": copy_rate(torch)} if rank == 0 else None
     dist.destroy_process_group()
     return result
 
 
-def launch(column: str, world: int, ops, sizes=SIZES) -> dict:
+def launch(column: str, world: int, ops, sizes=SIZES, timeout_s: float = 600) -> dict:
     from mooncake.launch import run_local
 
     backend, env = COLUMNS[column]
     try:
-        return run_local(worker, world, args=(backend, ops, sizes), env=env, timeout_s=600)[0]
+        return run_local(worker, world, args=(backend, ops, sizes), env=env, timeout_s=timeout_s)[0]
     except RuntimeError as e:
         return {"rows": [], "failed": str(e)[-2000:]}
 
@@ -193,6 +209,12 @@ def main(argv=None) -> int:
         help="bytes per point (the issue's set adds 268435456: 256 MiB)",
     )
     p.add_argument("--out-dir", default=str(harness.RESULTS))
+    p.add_argument(
+        "--launch-timeout",
+        type=float,
+        default=600,
+        help="seconds one launch (world, column) may take",
+    )
     harness.add_if_gpu(p)
     args = p.parse_args(argv)
     ops = tuple(args.ops.split(","))
@@ -214,8 +236,17 @@ def main(argv=None) -> int:
             if backend == "nccl" and world > 1:
                 continue  # NCCL refuses two ranks on one GPU
             t0 = time.monotonic()
-            results[f"{backend}/w{world}"] = launch(backend, world, ops, sizes)
+            got = launch(backend, world, ops, sizes, args.launch_timeout)
+            results[f"{backend}/w{world}"] = got
             print(f"{backend} world {world}: {time.monotonic() - t0:.0f} s", flush=True)
+            # after each launch: a run cut short keeps what it measured
+            write_table(args, ops, sizes, results)
+    print(write_table(args, ops, sizes, results))
+    return 0
+
+
+def write_table(args, ops, sizes, results: dict) -> str:
+    """Writes the JSON and the table of ``results`` so far; returns the table."""
     harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
     header = ["op", "bytes", "world", "mooncake µs", "plane µs", "staged µs", "gloo µs", "nccl µs"]
     header += ["mooncake / gloo", "mooncake busbw / copy rate", "floor µs", "floor / mooncake"]
@@ -251,8 +282,7 @@ def main(argv=None) -> int:
         lines.append(f"\nDevice-to-device copy rate, same run: {rate / 1e9:.0f} GB/s.")
     table = "\n".join(lines)
     harness.write_outputs(args.out_dir, {"pg_cuda_table.md": table + "\n"})
-    print(table)
-    return 0
+    return table
 
 
 if __name__ == "__main__":

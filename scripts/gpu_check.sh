@@ -54,17 +54,18 @@
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS);
-#   epfail:  bench/bench_ep_failover.py at EPFAIL_WORLDS (4,8) processes: kills between EP
+#   epfail:  bench/bench_ep_failover.py at EPFAIL_WORLDS (4) processes: kills between EP
 #            steps, SIGSTOPs and a busy rank under MPS, then kills inside a dispatch and
 #            inside a 64 MiB all_reduce without it (MPS fails every client when a process
 #            dies inside a kernel); EPFAIL_KILLS (3) kills per mode, world and timeout,
-#            EPFAIL_STOPS (1), EPFAIL_HEALTHY_STEPS (200), EPFAIL_ARGS: more arguments
+#            EPFAIL_STOPS (1), EPFAIL_HEALTHY_STEPS (60), EPFAIL_ARGS: more arguments
 #            (both halves; e.g. --timeouts-us 10000000); each half ends itself after
 #            EPFAIL_TIME_S (150) seconds; JSON under $OUT/bench/epfail_mps/ and $OUT/bench/epfail/;
 #   epht:    the high-throughput ElasticBuffer: upstream's at world 1 (its wheel from .whl/, when
 #            carried; UPSTREAM_EB_DEADLINE_S, 300) and bench/bench_elastic_buffer.py --quick at
 #            EB_WORLDS (1,2,4) processes under MPS, T=512/1024/4096, BF16 and FP8, against the
-#            copy floor and the Buffer, bounded to 240 s; JSON in $OUT/bench/elastic_buffer*.json.
+#            copy floor and the Buffer, each world bounded to EB_LAUNCH_S (100), all to 330 s;
+#            JSON in $OUT/bench/elastic_buffer*.json.
 # PYTEST_PATHS: what the Python step runs (default tests/python bench/tests, less the tests the
 # GPU steps run: the CUDA backend's, the EP device path's, the elastic device tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
@@ -72,7 +73,7 @@
 # without a GPU visible to torch, or with a build without CUDA, every GPU step fails unrun.
 # The run ends with a summary of what each step ran ($OUT/summary.txt).
 # BENCH_PG_CUDA_ARGS / BENCH_PG_CUDA_MPS_ARGS: arguments of bench_pg_cuda.py without and
-# with MPS (default: every world, backend and op; under MPS worlds 2 and 4).
+# with MPS (default: world 1, every backend and op; under MPS worlds 2 and 4 without NCCL).
 # BENCH_EP_ARGS: arguments of bench_ep.py (default --quick); BENCH_ELASTIC_ARGS of
 # bench_elastic.py (default: none, the full run, about a minute).
 set -uo pipefail
@@ -342,10 +343,14 @@ fi
 if gpu_wants pgbench; then
   step "CUDA backend: benchmark (no MPS, then MPS at 2 and 4 processes)"
   mkdir -p "$OUT/bench/mps"
-  timeout 400 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_ARGS:-} --out-dir "$OUT/bench" 2>&1 \
-    | tee "$OUT/bench_pg_cuda.log" | tail -60 || status=1
+  # Each launch bounded, and the JSON and table written after each: a step cut short
+  # keeps what it measured. Without MPS world 1 only (NCCL's column: it refuses two
+  # ranks on one GPU); processes share the GPU under MPS.
+  timeout 240 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_ARGS:---worlds 1 --launch-timeout 100} \
+    --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_pg_cuda.log" | tail -30 || status=1
   start_mps
-  timeout 300 "$PY" bench/bench_pg_cuda.py ${BENCH_PG_CUDA_MPS_ARGS:---worlds 2,4 --backends mooncake,staged,gloo} \
+  timeout 300 "$PY" bench/bench_pg_cuda.py \
+    ${BENCH_PG_CUDA_MPS_ARGS:---worlds 2,4 --backends mooncake,staged,gloo --launch-timeout 100} \
     --out-dir "$OUT/bench/mps" 2>&1 | tee "$OUT/bench_pg_cuda_mps.log" | tail -40 || status=1
   stop_mps
 fi
@@ -404,9 +409,9 @@ if gpu_wants epelasticbench; then
   start_mps
   step "elastic EP buffer, device path: against a process group's buffer (2 processes, MPS)"
   mkdir -p "$OUT/bench"
-  for cap in 0 8; do
+  for cap in 0 8; do  # in a folder of their own: epbench writes ep_device.json too
     timeout 300 "$PY" bench/bench_ep_device.py --worlds 2 --experts 256 --quick --elastic $cap \
-      --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_elastic.log" | tail -8 || status=1
+      --out-dir "$OUT/bench/elastic" 2>&1 | tee -a "$OUT/bench_ep_elastic.log" | tail -8 || status=1
   done
   stop_mps
 fi
@@ -478,15 +483,18 @@ if gpu_wants epbench; then
   run_upstream "EP: upstream Mooncake's kernels (world 1)" bench_ep_upstream 12 bench/bench_ep_upstream.py \
     --deadline-s ${UPSTREAM_DEADLINE_S:-240} ${BENCH_UPSTREAM_ARGS:-} --out "$UP_JSON"
   step "EP device path: benchmark, world 1"
+  # Each run's JSON under its own name (ep_device.json is removed first: a run that
+  # wrote none leaves none, rather than an older run's under the new name).
+  rm -f "$OUT/bench/ep_device.json"
   "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds 1 --upstream "$UP_JSON" \
     --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep_device.log" | tail -12 || status=1
-  cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_w1.json" 2>/dev/null
+  mv "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_w1.json" 2>/dev/null
   if [ -n "${EP_WORLDS-2,4,8}" ]; then
     step "EP device path: benchmark, ${EP_WORLDS-2,4,8} processes (MPS)"
     start_mps
     "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds "${EP_WORLDS-2,4,8}" \
       --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -40 || status=1
-    cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_mps.json" 2>/dev/null
+    mv "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_mps.json" 2>/dev/null
     stop_mps
   fi
   # Without MPS the processes' kernels take turns on the GPU: a short run, to
@@ -495,17 +503,19 @@ if gpu_wants epbench; then
     step "EP device path: benchmark, ${EP_WORLDS_NO_MPS-2} processes (no MPS)"
     "$PY" bench/bench_ep_device.py --experts 256 --iters 30 --warmup 3 --worlds "${EP_WORLDS_NO_MPS-2}" \
       --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
-    cp "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_no_mps.json" 2>/dev/null
+    mv "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_no_mps.json" 2>/dev/null
   fi
 fi
 if gpu_wants epfail; then
   mkdir -p "$OUT/bench/epfail_mps" "$OUT/bench/epfail"
   EPFAIL_S=${EPFAIL_TIME_S:-150}  # each half's bound; the bench ends itself at it, with stacks
-  EPFAIL=(--device cuda --worlds "${EPFAIL_WORLDS:-4,8}" --kills "${EPFAIL_KILLS:-3}" --time-limit "$EPFAIL_S")
+  # World 4 by default (EPFAIL_WORLDS=4,8 adds 8): each half's launches past its time
+  # limit are not run, which the JSON says.
+  EPFAIL=(--device cuda --worlds "${EPFAIL_WORLDS:-4}" --kills "${EPFAIL_KILLS:-3}" --time-limit "$EPFAIL_S")
   step "EP failover: kills between steps, stops, a busy rank (MPS)"
   start_mps
   timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --stop \
-    --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-200}" ${EPFAIL_ARGS:-} \
+    --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-60}" ${EPFAIL_ARGS:-} \
     --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
   stop_mps
   # Without MPS: a process killed inside its kernel would make MPS fail every client.
@@ -523,8 +533,9 @@ if gpu_wants epht; then
     --out "$UP_EB_JSON"
   step "ElasticBuffer: benchmark, ${EB_WORLDS:-1,2,4} processes (MPS)"
   start_mps
-  timeout 240 "$PY" bench/bench_elastic_buffer.py --device cuda --quick --worlds "${EB_WORLDS:-1,2,4}" \
-    --launch-timeout 200 --upstream "$UP_EB_JSON" --out-dir "$OUT/bench" 2>&1 \
+  # Each world bounded below the whole (results are written after each world).
+  timeout 330 "$PY" bench/bench_elastic_buffer.py --device cuda --quick --worlds "${EB_WORLDS:-1,2,4}" \
+    --launch-timeout "${EB_LAUNCH_S:-100}" --upstream "$UP_EB_JSON" --out-dir "$OUT/bench" 2>&1 \
     | tee "$OUT/bench_elastic_buffer.log" | tail -70 || status=1
   stop_mps
 fi

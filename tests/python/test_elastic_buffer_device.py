@@ -39,13 +39,16 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and a CUDA build of mooncake (the ElasticBuffer device path)",
 )
 
-# Generous deadlines: four processes on one GPU time-slice without MPS.
+# Generous deadlines: four processes on one GPU time-slice without MPS. The launch's own
+# bound comes before pytest's (the first case pays for the launch): it names the case that
+# hung, where pytest's would only stop the test.
 LAUNCHES = [
-    Launch(ht_device.device_cases, w, f"htdev-w{w}", op_timeout_s=60.0, timeout_s=600.0)
+    Launch(ht_device.device_cases, w, f"htdev-w{w}", op_timeout_s=60.0, timeout_s=500.0)
     for w in (1, 2, 4)
 ]
 
 
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("launch", "case"), parametrize(LAUNCHES))
 def test_device_rounds(launch, case):
     """One case of a device-path launch, on every rank (see support/ht_device.py)."""
@@ -70,9 +73,14 @@ def fault_problems(plan, results) -> list[str]:
     for key, res in sorted(results.items()):
         problems += rejoin_problems(key, res, victim, world)
         if res["role"] == "member":
-            during = next(rec for rec in res["rounds"] if rec["tag"] == "during")
-            if during["active"] != after_death or not during.get("masked_in"):
+            during = next((rec for rec in res["rounds"] if rec["tag"] == "during"), None)
+            if during is None or during["active"] != after_death or not during.get("masked_in"):
                 problems.append(f"process {key}: the dying round left active_ranks {during}")
+        else:
+            for what in ("stale_dispatch", "stale_combine"):
+                kind, text = res[what]
+                if kind != "ValueError" or "rejected" not in text:
+                    problems.append(f"process {key} (replacement): {what} gave {kind}: {text!r}")
     return problems
 
 

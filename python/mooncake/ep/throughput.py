@@ -464,7 +464,11 @@ class ElasticBuffer:
                 if isinstance(topk_idx, torch.Tensor) and topk_idx.dim() == 2
                 else 8
             )
-            self._device = throughput_device.connect(self, data, K, _host_key())
+            try:
+                self._device = throughput_device.connect(self, data, K, _host_key())
+            except BaseException:
+                self._device_tried = False  # an exchange failed (a peer lost): a later call retries
+                raise
         if self._device is not None and self._device.takes(
             data, scales, topk_idx, topk_weights, num_experts, do_expand
         ):

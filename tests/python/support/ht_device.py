@@ -306,7 +306,14 @@ def fault_rank(rank, world_size, port, plan):
     out = {"rounds": [], "role": plan["role"]}
     cuda()
     W, store, buf = ht_fault.start(rank, world_size, port, plan, MAKE)
-    if plan["role"] != "joiner":
+    if plan["role"] == "joiner":
+        # The survivors' two stale calls are refused in exchanges that the replacement's
+        # first two calls meet (each raises, naming the rejection): fresh dispatches of
+        # CPU tensors, which leave the device path's setup to the rounds after.
+        args = ht_fault._fresh_args(chk, world_size)
+        out["stale_dispatch"] = ht_fault.error_of(lambda: buf.dispatch(**args))
+        out["stale_combine"] = ht_fault.error_of(lambda: buf.dispatch(**args))
+    else:
         first = DeviceRound(chk, buf, SPEC, "before").run()
         ht_fault.keep(out, chk, buf, first, "before")
         if rank == victim:
