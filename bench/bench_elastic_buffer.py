@@ -279,7 +279,9 @@ def tensor_bytes(obj, seen=None) -> int:
 
 def peak_bytes(cuda: bool, run) -> int:
     """CUDA: the most allocated above the start while ``run()`` ran (what it returns is
-    held until then). CPU: the bytes of what it returned."""
+    held until then), or the bytes of what it returned where more: outputs from a pool
+    allocated before the start (the Buffer's device path keeps one) count too. CPU: the
+    bytes of what it returned."""
     if not cuda:
         return tensor_bytes(run())
     torch.cuda.synchronize()
@@ -288,8 +290,9 @@ def peak_bytes(cuda: bool, run) -> int:
     kept = run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    held = tensor_bytes(kept)
     del kept
-    return peak
+    return max(peak, held)
 
 
 # --- one rank ---------------------------------------------------------------------------
@@ -394,17 +397,25 @@ def segment_bytes() -> int:
     return int(os.environ.get(name, default))
 
 
+def buffer_recv_bytes(cfg, T: int, R: int, fp8: bool) -> int:
+    """The low-latency Buffer's ``recv_x`` ``[E/R, R*T, H]`` at ``T`` (with FP8 its scales)."""
+    H, E = cfg["H"], cfg["E"]
+    return (E // R) * R * T * (H + 4 * (H // 128) if fp8 else 2 * H)
+
+
 def buffer_need(cfg, T: int, R: int, fp8: bool) -> int:
-    """What the low-latency Buffer takes at ``T``: its workspace, ``recv_x`` ``[E/R, R*T,
-    H]``, with FP8 the BF16 expert rows, the combined tokens, and 1 GiB to spare."""
+    """What the low-latency Buffer takes at ``T``: its workspace, ``recv_x``, with FP8 the
+    BF16 expert rows, the combined tokens, the outputs its pool still holds from the
+    dtypes measured before this one at ``T`` (the same Buffer), and 1 GiB to spare."""
     from mooncake.mooncake_ep_buffer import Buffer
 
     H, E = cfg["H"], cfg["E"]
     rows = (E // R) * R * T
-    recv = rows * (H + 4 * (H // 128) if fp8 else 2 * H)
+    before = cfg["fp8"][: cfg["fp8"].index(fp8)]
     return (
         Buffer.get_ep_buffer_size_hint(T, H, R, E)
-        + recv
+        + buffer_recv_bytes(cfg, T, R, fp8)
+        + sum(buffer_recv_bytes(cfg, T, R, f) for f in before)
         + (rows * 2 * H if fp8 else 0)
         + 2 * T * H * 2
         + (1 << 30)
