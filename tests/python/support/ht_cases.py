@@ -356,12 +356,81 @@ def c_destroyed(ctx):
     good_round(ctx)
 
 
+class _StandInExt:
+    """The extension as the device path's setup sees it (``throughput_device.connect``),
+    on a machine without CUDA: the real module for everything else; a workspace that
+    ``fail`` says fails on the last rank, in its making ("make"), its mapping ("map") or
+    by a peer it cannot reach ("unreachable")."""
+
+    EP_HT_MAX_RANKS, EP_HT_MAX_CHANNELS = 64, 32
+
+    def __init__(self, real, rank: int, last: int, fail: str):
+        self._real, self._fails = real, rank == last
+        ext = self
+
+        class EpHtDevice:
+            def __init__(self, R, me, channels, ring_bytes, device):
+                if ext._fails and fail == "make":
+                    raise RuntimeError("CUDA: cudaMalloc of a device segment: out of memory")
+                self.R = R
+
+            def card(self) -> bytes:
+                return bytes(256)
+
+            def connect(self, cards):
+                if ext._fails and fail == "map":
+                    raise RuntimeError("CUDA: cudaIpcOpenMemHandle: invalid argument")
+                reachable = [not (ext._fails and fail == "unreachable")] * self.R
+                return reachable, [True] * self.R, 1
+
+        self.EpHtDevice = EpHtDevice
+
+    def ep_ht_gpu(self, index: int):
+        return "0000:00:06.0", 132
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def c_device_setup_falls_back_together(ctx):
+    """The device path's setup (``throughput_device.connect``, with a stand-in extension)
+    failing on one rank only, in each of its steps: every member answers None (the
+    portable path) in step, none waits for another, the failing rank warns naming the
+    step, and the buffer goes on."""
+    import types
+
+    from mooncake import pg
+    from mooncake.ep import throughput_device as td
+
+    buf, last = get_ebuf(ctx), ctx.world_size - 1
+    data = types.SimpleNamespace(device=torch.device("cuda", 0), shape=(4, buf.hidden))
+    data.dim = lambda: 2
+    words = {"make": "making the workspace", "map": "mapping", "unreachable": None}
+    for fail, word in words.items():
+        shim = types.SimpleNamespace(_ext=_StandInExt(pg._ext, ctx.rank, last, fail))
+        saved, td.pg = td.pg, shim
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = td.connect(buf, data, buf.num_topk, 1)
+        finally:
+            td.pg = saved
+        ctx.expect(got is None, f"{fail} failing on rank {last}: connect gave {got!r}")
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        if ctx.rank == last and word:
+            ctx.expect(any(word in m for m in said), f"{fail}: warnings {said}")
+        elif said:
+            ctx.fail(f"{fail}: rank {ctx.rank} warned {said}")
+    good_round(ctx, "after-setup-failures")
+
+
 def rule_cases(world: int) -> list[Case]:
     P = functools.partial
     cases = [
         Case("rules/stale-generation", c_stale_generation),
         Case("rules/other-buffers-handle", c_other_buffers_handle),
         Case("rules/destroyed", c_destroyed),
+        Case("device-setup/falls-back-together", c_device_setup_falls_back_together),
     ]
     if world > 1:
         cases += [
