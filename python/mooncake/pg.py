@@ -583,6 +583,10 @@ def _create(dist_backend_opts, backend_options, cuda: bool):
             auto_deactivate_on_failure=parent.auto_deactivate_on_failure,
             auto_sync_on_failure=parent.auto_sync_on_failure,
         )
+    if cuda and hasattr(_ext, "relax_library_threads"):
+        # Before the engine's threads start (the first group makes it): none of the
+        # library's threads may break a CUDA graph capture on the caller's thread.
+        _ext.relax_library_threads()
     return _ext.create_backend(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,

@@ -192,6 +192,9 @@ void register_backend(py::module_& m) {
       .def_property_readonly("engine", &MooncakeBackend::engine);
 
 #if MOONCAKE_WITH_CUDA
+  m.def("relax_library_threads", &relax_library_threads,
+        "Library threads started from now on run in relaxed CUDA graph capture mode "
+        "(device/cuda.h); mooncake/pg.py calls it before a CUDA group's engine starts.");
   py::class_<MooncakeCudaBackend, MooncakeBackend, c10::intrusive_ptr<MooncakeCudaBackend>>(
       m, "MooncakeCudaBackend")
       .def_property_readonly("device", &MooncakeCudaBackend::device)
