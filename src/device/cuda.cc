@@ -29,11 +29,14 @@ int32_t* mapped_words(int64_t n, int32_t** dev, const char* what) {
 
 OnDevice::OnDevice(int device) {
   cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+  if (previous_ != device) {
+    cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    changed_ = true;
+  }
 }
 
 OnDevice::~OnDevice() {
-  cudaSetDevice(previous_);
+  if (changed_) cudaSetDevice(previous_);  // (a call per op saved where it was current)
 }
 
 RelaxedCapture::RelaxedCapture() : previous_(cudaStreamCaptureModeRelaxed) {

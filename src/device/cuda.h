@@ -33,6 +33,7 @@ class OnDevice {
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 // For the scope, this thread's CUDA calls may run while another thread

@@ -263,12 +263,15 @@ at::Tensor contiguous_out(const DirectCall& call) {
 
 // Queues `call` on `stream` (the current one) and, on it, the copies of its
 // results into the user's tensors where they were not the kernel's output.
-// `queued`: by the op queue (DeviceCollectives::direct's `queued`).
+// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
+// the group has one rank, where every op is the identity: no kernel (as NCCL
+// does there), a copy where the output is not the input; the op queue's calls
+// still launch, since the first sets the kernels up.
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
-                bool queued) {
+                bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
   if (!call.reject.empty()) {
-    c.direct(op, stream, timeout, call.reject.c_str(), queued);
+    if (!(alone && !queued)) c.direct(op, stream, timeout, call.reject.c_str(), queued);
     return;
   }
   const at::Tensor out = contiguous_out(call);
@@ -278,7 +281,15 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   const at::Tensor in = !call.in.defined() ? at::Tensor() : same ? out : call.in.contiguous();
   op.in = in.defined() ? in.data_ptr() : nullptr;
   op.out = out.defined() ? out.data_ptr() : nullptr;
-  c.direct(op, stream, timeout, nullptr, queued);
+  if (alone && !queued) {
+    if (op.in != nullptr && op.out != nullptr && op.in != op.out)
+      cuda_check(
+          cudaMemcpyAsync(op.out, op.in, static_cast<size_t>(op.count) * dtype_size(op.dtype),
+                          cudaMemcpyDeviceToDevice, stream),
+          "copying a one-rank collective's input");
+  } else {
+    c.direct(op, stream, timeout, nullptr, queued);
+  }
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
   for (size_t p = 0; p < call.outs.size(); ++p) {
     const int64_t n = call.outs[p].numel();
@@ -449,7 +460,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     }
     ++device_ops_;
     direct_ops_ += static_cast<int64_t>(calls.size());
-    for (const DirectCall& c : calls) run_direct(*coll_, c, caller.stream(), timeout, false);
+    for (const DirectCall& c : calls)
+      run_direct(*coll_, c, caller.stream(), timeout, false, size_ == 1);
     MC_CHECK_ARG(reject.empty(), reject);
     return c10::make_intrusive<DeviceWork>(rank_, type, std::move(results), device_, caller,
                                            captured, slots);
