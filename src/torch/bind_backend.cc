@@ -33,12 +33,9 @@ c10::intrusive_ptr<MooncakeBackend> create_backend(
                "backend 'mooncake' needs CUDA, but this build of mooncake has none; use "
                "'mooncake-cpu' for CPU tensors");
 #if MOONCAKE_WITH_CUDA
-  if (cuda) {
-    // Before the group's threads start: none may break a caller's graph capture.
-    relax_library_threads();
+  if (cuda)
     return c10::make_intrusive<MooncakeCudaBackend>(store, rank, size, timeout,
                                                     options.value_or(nullptr), std::move(engine));
-  }
 #endif
   return c10::make_intrusive<MooncakeBackend>(store, rank, size, timeout, options.value_or(nullptr),
                                               std::move(engine));

@@ -263,15 +263,15 @@ at::Tensor contiguous_out(const DirectCall& call) {
 
 // Queues `call` on `stream` (the current one) and, on it, the copies of its
 // results into the user's tensors where they were not the kernel's output.
-// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
-// the group has one rank, where every op is the identity: no kernel (as NCCL
-// does there), a copy where the output is not the input; the op queue's calls
-// still launch, since the first sets the kernels up.
+// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`
+// (never with `queued`: the op queue's first call sets the kernels up): the
+// group has one rank, where every op is the identity: no kernel (as NCCL does
+// there), a copy where the output is not the input.
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
   if (!call.reject.empty()) {
-    if (!(alone && !queued)) c.direct(op, stream, timeout, call.reject.c_str(), queued);
+    if (!alone) c.direct(op, stream, timeout, call.reject.c_str(), queued);
     return;
   }
   const at::Tensor out = contiguous_out(call);
@@ -281,7 +281,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   const at::Tensor in = !call.in.defined() ? at::Tensor() : same ? out : call.in.contiguous();
   op.in = in.defined() ? in.data_ptr() : nullptr;
   op.out = out.defined() ? out.data_ptr() : nullptr;
-  if (alone && !queued) {
+  if (alone) {
     if (op.in != nullptr && op.out != nullptr && op.in != op.out)
       cuda_check(
           cudaMemcpyAsync(op.out, op.in, static_cast<size_t>(op.count) * dtype_size(op.dtype),

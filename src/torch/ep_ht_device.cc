@@ -17,6 +17,7 @@
 
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -303,15 +304,11 @@ void register_ep_ht_device(py::module_& m) {
       .def(
           "connect",
           [](EpHtDevice& d, const std::vector<std::string>& cards) {
-            EpHtBuffer::Connection c;
-            {
-              // Mapping waits for the device; the tuple below needs the GIL back.
-              py::gil_scoped_release nogil;
-              c = d.buf().connect(cards);
-            }
-            return py::make_tuple(c.reachable, c.present, c.sharers);
+            // A C++ tuple: pybind converts it after the guard, with the GIL held again.
+            auto c = d.buf().connect(cards);
+            return std::make_tuple(c.reachable, c.present, c.sharers);
           },
-          py::arg("cards"))
+          py::arg("cards"), R())
       .def("lost_listener",
            [](EpHtDevice& d) { return LossListenerBox{set_lost(d.buf().lost_words())}; })
       .def("take_masked", [](EpHtDevice& d) { return d.buf().take_masked(); })

@@ -125,12 +125,6 @@ def connect(buf, data: torch.Tensor, num_topk: int, host_key: int) -> Throughput
     members = buf._members
     R, me = members.num_ranks, members.rank
     device = data.device
-    live: list[int] = []
-
-    def agree(ok: bool) -> bool:  # every live member's ok, each taking part
-        oks = members.all_gather(torch.tensor([int(ok)], dtype=torch.int64)).tolist()
-        return all(oks[r] for r in live)
-
     # A failure on this rank alone (the GPU query, the workspace's allocation, a mapping)
     # is told to the others in the next exchange, never by leaving it: every member takes
     # part in each, and all fall back to the portable path together.
@@ -157,6 +151,10 @@ def connect(buf, data: torch.Tensor, num_topk: int, host_key: int) -> Throughput
     live = [r for r in range(R) if present[r]]
     if not all(rows[r][0] for r in live):
         return None
+
+    def agree(ok: bool) -> bool:  # every live member's ok, each taking part
+        oks = members.all_gather(torch.tensor([int(ok)], dtype=torch.int64)).tolist()
+        return all(oks[r] for r in live)
 
     def share(r: int) -> int:  # rank r's share of its GPU's multiprocessors
         sharers = sum(1 for q in live if rows[q][2] == rows[r][2])
