@@ -94,11 +94,6 @@ def fault_problems(plan, results) -> list[str]:
                     f"process {key}: the victim died between the exchanges of round during1's "
                     f"dispatch, but {died[0]['masked_in']!r} masked it"
                 )
-        else:
-            for what in ("stale_dispatch", "stale_combine"):
-                kind, text = res[what]
-                if kind != "ValueError" or "rejected" not in text:
-                    problems.append(f"process {key} (replacement): {what} gave {kind}: {text!r}")
         if res["pg_after_rejoin"] != [1, 1, 1, 1]:
             problems.append(f"process {key}: pg view after the rejoin {res['pg_after_rejoin']}")
         if key == "3":

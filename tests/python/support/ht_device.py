@@ -310,12 +310,7 @@ def fault_rank(rank, world_size, port, plan):
     cuda()
     W, store, buf = ht_fault.start(rank, world_size, port, plan, MAKE)
     if plan["role"] == "joiner":
-        # The survivors' two stale calls are refused in exchanges that the replacement's
-        # first two calls meet (each raises, naming the rejection): fresh dispatches of
-        # CPU tensors, which leave the device path's setup to the rounds after.
-        args = ht_fault._fresh_args(chk, world_size)
-        out["stale_dispatch"] = ht_fault.error_of(lambda: buf.dispatch(**args))
-        out["stale_combine"] = ht_fault.error_of(lambda: buf.dispatch(**args))
+        ht_fault.meet_stale_calls(chk, world_size, buf, out)
     else:
         first = DeviceRound(chk, buf, SPEC, "before").run()
         ht_fault.keep(out, chk, buf, first, "before")

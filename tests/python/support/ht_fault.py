@@ -81,20 +81,24 @@ def rejoin_problems(key: str, res: dict, victim: int, world: int) -> list[str]:
     """What process ``key`` of a fault launch (:func:`ht_fault_rank` or
     ``ht_device.fault_rank``) recorded wrong up to the rejoin: a round's failed
     expectations; a member's active_ranks after the death, and its stale handles
-    (refused, naming the generation); the generation and active_ranks after the rejoin."""
+    (refused, naming the generation), or the replacement's calls that met them (refused,
+    naming the rejection: :func:`meet_stale_calls`); the generation and active_ranks
+    after the rejoin."""
     problems = [
         f"process {key}, round {rec['tag']}: {f}" for rec in res["rounds"] for f in rec["failures"]
     ]
     masks = {rec["tag"]: rec["active"] for rec in res["rounds"]}
-    if res["role"] == "member":
+    member = res["role"] == "member"
+    if member:
         after_death = [0 if r == victim else 1 for r in range(world)]
         for tag in ("after_death", "cached_old"):
             if masks.get(tag) != after_death:
                 problems.append(f"process {key}: active_ranks in {tag}: {masks.get(tag)}")
-        for what in ("stale_dispatch", "stale_combine"):
-            kind, text = res[what]
-            if kind != "ValueError" or "generation" not in text:
-                problems.append(f"process {key}: {what} gave {kind}: {text!r}")
+    word, who = ("generation", "") if member else ("rejected", " (replacement)")
+    for what in ("stale_dispatch", "stale_combine"):
+        kind, text = res[what]
+        if kind != "ValueError" or word not in text:
+            problems.append(f"process {key}{who}: {what} gave {kind}: {text!r}")
     if res["generation"] != 2:
         problems.append(f"process {key}: generation {res['generation']} after the rejoin")
     for tag in ("rejoined", "rejoined_expand"):
@@ -116,9 +120,7 @@ def ht_fault_rank(rank, world_size, port, plan):
     W, store, buf = start(rank, world_size, port, plan, make)
     if plan["role"] == "joiner":
         out["generation"] = buf.generation
-        args = _fresh_args(chk, world_size)
-        out["stale_dispatch"] = error_of(lambda: buf.dispatch(**args))
-        out["stale_combine"] = error_of(lambda: buf.dispatch(**args))
+        meet_stale_calls(chk, world_size, buf, out)
     else:
         first = HRound(chk, buf, SPEC, "before").run()
         keep(out, chk, buf, first, "before")
@@ -194,6 +196,16 @@ def _die_at_pack(n: int) -> None:
         return pack(*args, **kwargs)
 
     throughput_rows.pack = dying_pack
+
+
+def meet_stale_calls(chk, world_size: int, buf, out: dict) -> None:
+    """A replacement's first two calls: the survivors' stale dispatch and combine are
+    refused in exchanges these meet (each raises, naming the rejection). Fresh
+    dispatches of CPU tensors (on the device path's launch too: its setup is left to the
+    rounds after)."""
+    args = _fresh_args(chk, world_size)
+    out["stale_dispatch"] = error_of(lambda: buf.dispatch(**args))
+    out["stale_combine"] = error_of(lambda: buf.dispatch(**args))
 
 
 def _fresh_args(chk, world_size: int) -> dict:
