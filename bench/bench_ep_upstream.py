@@ -531,12 +531,12 @@ def run_worker(args: argparse.Namespace, out_path: Path, rec: dict, run_cases) -
 # --- the watchdog parent ---------------------------------------------------------------
 
 
-def supervise(
-    args: argparse.Namespace, impl: str = IMPL, script: str = __file__, show=None
-) -> None:
+def supervise(args: argparse.Namespace, impl: str = IMPL, script: str = __file__, show=None) -> int:
     """Run the worker (``script --worker``, this one's by default) in a child process;
     whatever happens, leave a JSON file behind, and print it with ``show`` (this
-    module's print_table by default). bench_ep_upstream_elastic.py uses it too."""
+    module's print_table by default). bench_ep_upstream_elastic.py uses it too.
+    Returns the exit status: 1 when the run as a whole failed (no GPU, no wheel, every
+    case failed, the worker died), which the JSON's "error" says."""
     show = show or print_table
     out_path = Path(args.out)
     write_json(
@@ -582,6 +582,7 @@ def supervise(
         write_json(out_path, data, indent=2)
     show(data)
     print(f"results: {out_path}", flush=True)
+    return 1 if data.get("error") else 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -648,8 +649,7 @@ def main() -> None:
         sys.stderr.flush()
         # Skip interpreter teardown: native destructors at exit are not worth a crash here.
         os._exit(0)
-    supervise(args)
-    sys.exit(0)
+    sys.exit(supervise(args))
 
 
 if __name__ == "__main__":

@@ -243,8 +243,7 @@ def main() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # no native destructors at exit
-    base.supervise(args, IMPL, __file__, print_table)
-    sys.exit(0)
+    sys.exit(base.supervise(args, IMPL, __file__, print_table))
 
 
 if __name__ == "__main__":

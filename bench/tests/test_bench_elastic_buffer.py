@@ -123,14 +123,14 @@ def test_cuda_without_a_gpu_fails_unless_if_gpu(tmp_path):
 
 def test_upstream_script_leaves_its_reason_in_the_json(tmp_path):
     """Without upstream's wheel first on the path (or without a GPU) the upstream column's
-    program still exits 0 and its JSON says why nothing was measured."""
+    program exits 1 and its JSON says why nothing was measured."""
     out = tmp_path / "up.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "bench_ep_upstream_elastic.py"), "--out", str(out),
          "--deadline-s", "120"],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
     assert data["cases"] == [] and data["error"], data
     assert "error" in bench.upstream_cases(str(out))
