@@ -436,7 +436,7 @@ void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, in
   const int world = comm_.size();
   if (!direct_) {
     direct_ = std::make_unique<DirectOps>(device_, comm_.rank(), world, direct_layout());
-    last_launch_ = std::make_unique<CudaEvent>(false);  // here, never under capture
+    direct_order_ = std::make_unique<LaunchOrder>();  // here, never under capture
     watch_lost(comm_.endpoint(), direct_->lost_words(), comm_.config().hang_ms);
   }
   direct_->set_report(report_to_);
@@ -572,26 +572,9 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
   const int blocks =
       static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
-  order_after_last_launch(stream);
+  direct_order_->before(stream);
   direct_->launch(op, two_shot, reject != nullptr, timeout_ms, blocks, stream);
-  last_launch_->record(stream);
-  last_launch_stream_ = stream;
-}
-
-void DeviceCollectives::order_after_last_launch(cudaStream_t stream) {
-  // Launches share the op count, the grid barrier and the areas' parities, so
-  // they must run one after another, whatever stream each caller queues on
-  // (FSDP-style use gathers on one stream and reduces on another). Within one
-  // capture the wait is a dependency of the graph; across a capture's edge
-  // none can be expressed (replays are ordered by the caller, as for NCCL).
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  unsigned long long id = 0;
-  cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
-  const unsigned long long capture = status == cudaStreamCaptureStatusActive ? id : 0;
-  if (last_launch_stream_ != nullptr && last_launch_stream_ != stream &&
-      last_launch_capture_ == capture)
-    last_launch_->block(stream);
-  last_launch_capture_ = capture;
+  direct_order_->after(stream);
 }
 
 void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,

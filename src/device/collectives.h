@@ -198,9 +198,6 @@ class DeviceCollectives {
   size_t direct_max_bytes() const;
   // The setup of the device-driven ops (its argument: the op that sets it up).
   void direct_setup(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
-  // Makes `stream` wait for the last device-driven launch where that ran on
-  // another stream (in the same capture, or both eager).
-  void order_after_last_launch(cudaStream_t stream);
   // Whether the device-driven ops are ready, after a setup where they were
   // not and this rank can take part in one (not left out, the view fits).
   bool direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
@@ -226,11 +223,10 @@ class DeviceCollectives {
   // the world size): its ops run on the host-driven plane.
   uint64_t direct_unfit_epoch_ = UINT64_MAX;
   int direct_blocks_ = 0;  // the most blocks a launch takes (0: not asked yet)
-  // The last device-driven launch: recorded after it on its stream, and the
-  // capture it was part of (0: eager).
-  std::unique_ptr<CudaEvent> last_launch_;
-  cudaStream_t last_launch_stream_ = nullptr;
-  unsigned long long last_launch_capture_ = 0;
+  // The device-driven launches one after another, on whatever streams (FSDP-style
+  // use gathers on one and reduces on another): they share the op count, the grid
+  // barrier and the areas' parities.
+  std::unique_ptr<LaunchOrder> direct_order_;
 };
 
 }  // namespace mooncake

@@ -96,6 +96,21 @@ void CudaEvent::wait() {
   }
 }
 
+void LaunchOrder::before(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
+  next_capture_ = status == cudaStreamCaptureStatusActive ? id : 0;
+  if (launched_ && stream != stream_ && capture_ == next_capture_) last_.block(stream);
+}
+
+void LaunchOrder::after(cudaStream_t stream) {
+  last_.record(stream);
+  stream_ = stream;
+  capture_ = next_capture_;
+  launched_ = true;
+}
+
 std::string device_bus_id(int device) {
   char id[32] = {};
   cuda_check(cudaDeviceGetPCIBusId(id, sizeof(id), device), "cudaDeviceGetPCIBusId");

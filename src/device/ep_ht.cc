@@ -74,6 +74,7 @@ EpHtBuffer::EpHtBuffer(int64_t ranks, int64_t rank, int64_t channels, size_t rin
   counters_ = device_zeros<uint32_t>(2, "cudaMalloc of the EP counters");
   etotal_ = device_zeros<int32_t>(ht::kMaxExperts, "cudaMalloc of the EP scratch");
   sm_count_ = device_sm_count(device_);
+  order_ = std::make_unique<LaunchOrder>();
 }
 
 EpHtBuffer::~EpHtBuffer() {
@@ -213,14 +214,18 @@ void EpHtBuffer::layout(ht::LayoutArgs a, uint64_t seq, int64_t timeout_ns, int3
   MC_CHECK_ARG(a.r.num_experts / layout_.ranks <= ht::kMaxLocalExperts, "dispatch: at most ",
                ht::kMaxLocalExperts, " local experts on the device path");
   OnDevice on(device_);
+  order_->before(stream);
   ht::launch_layout(a, blocks, stream);
+  order_->after(stream);
 }
 
 void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
                           int blocks, cudaStream_t stream) {
   a.h = common(seq, timeout_ns, active, 1, "dispatch");
   OnDevice on(device_);
+  order_->before(stream);
   ht::launch_dispatch(a, blocks, stream);
+  order_->after(stream);
 }
 
 void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
@@ -228,7 +233,9 @@ void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, in
   // (The combine kernel has no last block: its counter is unused.)
   a.h = common(seq, timeout_ns, active, 1, "combine");
   OnDevice on(device_);
+  order_->before(stream);
   ht::launch_combine(a, blocks, stream);
+  order_->after(stream);
 }
 
 }  // namespace mooncake

@@ -111,6 +111,9 @@ class EpHtBuffer {
   HostWords silent_;
   HostWords status_;
   std::shared_ptr<LostWords> lost_;
+  // Calls share the rings, the counters and the scratch: one after another
+  // whatever stream each is queued on.
+  std::unique_ptr<LaunchOrder> order_;
   uint32_t* counters_ = nullptr;  // device [2]: the layout's and the dispatch's last-block tickets
   int32_t* etotal_ = nullptr;
   int sm_count_ = 0;
