@@ -78,7 +78,9 @@ def payload_bytes(H: int, fp8: bool) -> int:
     return H + 4 * (H // 128) if fp8 else 2 * H
 
 
-def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None, elastic=False) -> dict:
+def measure_case(
+    buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None, elastic=False, agree=None
+) -> dict:
     sets = make_inputs(T, H, E, K, 4, seed=1234 + rank)
     # A mask tensor, as engines pass one (and as the upstream benchmark does); an
     # elastic buffer's calls use its own slot mask (already on the device).
@@ -167,27 +169,37 @@ def measure_case(buf, T, H, E, K, fp8, iters, warmup, rank, barrier=None, elasti
             send += s
             recv += r
     res["combine_send_half_us"], res["combine_recv_half_us"] = send, recv
-    res.update(graph_times(buf, T, E, fp8, sets[0], y, active, iters, barrier))
+    res.update(graph_times(buf, T, E, fp8, sets[0], y, active, iters, barrier, agree))
     return res
 
 
-def graph_times(buf, T, E, fp8, inputs, y, active, iters, barrier=None) -> dict:
+def graph_times(buf, T, E, fp8, inputs, y, active, iters, barrier=None, agree=None) -> dict:
     """Kernel time: one dispatch (and at world 1 one combine) captured and replayed.
 
     With peers every replay follows a barrier (a dispatch replay waits for its
     peers' counts, which each consumes and clears); a replayed combine would
     find its flags still raised by the replay before, so it is timed at world
-    1 only."""
+    1 only. With peers the processes first agree (``agree``) that each captured:
+    one replaying alone would wait out its kernels' deadline."""
     x, idx, w = inputs
     out = {}
     warm = 0 if barrier is not None else 5
+    error = None
     try:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             _, _, handle, _, _ = buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8)
-        out["dispatch_kernel_us"] = timed(g.replay, iters, warm, barrier)
-        if barrier is not None:
-            return out
+    except (RuntimeError, ValueError) as e:  # capture can fail on the portable path
+        error = str(e)
+    if agree is not None and not agree(error is None):
+        error = error or "the capture failed on another process"
+    if error is not None:
+        out["graph_error"] = error
+        return out
+    out["dispatch_kernel_us"] = timed(g.replay, iters, warm, barrier)
+    if barrier is not None:
+        return out
+    try:
         gs = torch.cuda.CUDAGraph()  # the send phase alone (its counts are never consumed)
         with torch.cuda.graph(gs):
             buf.dispatch(x, idx, active, T, E, -1, use_fp8=fp8, return_recv_hook=True)
@@ -196,7 +208,7 @@ def graph_times(buf, T, E, fp8, inputs, y, active, iters, barrier=None) -> dict:
         with torch.cuda.graph(g2):
             buf.combine(y, idx, w, active, -1, handle)
         out["combine_kernel_us"] = timed(g2.replay, iters, 5)
-    except RuntimeError as e:  # capture can fail on the portable path
+    except (RuntimeError, ValueError) as e:
         out["graph_error"] = str(e)
     return out
 
@@ -229,12 +241,19 @@ def member(rank: int, world: int, port: int, cfg: dict) -> list[dict]:
         hint = max(Buffer.get_ep_buffer_size_hint(T, H, world, E) for E in cfg["experts"])
         buf = Buffer(group, hint, device="cuda")
     barrier = (lambda: dist.barrier(group)) if world > 1 else None
+
+    def agree(ok: bool) -> bool:  # whether every process is ok
+        flag = torch.tensor([int(ok)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
     rows = []
     for E in cfg["experts"][:1] if cap else cfg["experts"]:
         for fp8 in cfg["fp8"]:
             r = measure_case(
-                buf, T, H, E, K, fp8, cfg["iters"], cfg["warmup"], rank, barrier, bool(cap)
-            )
+                buf, T, H, E, K, fp8, cfg["iters"], cfg["warmup"], rank, barrier, bool(cap),
+                agree if world > 1 else None,
+            )  # fmt: skip
             moved = T * K * payload_bytes(H, fp8)
             r["dispatch_floor_us"] = floor_us(moved, cfg["iters"], barrier)
             r["combine_floor_us"] = floor_us(T * K * 2 * H, cfg["iters"], barrier)
@@ -268,9 +287,10 @@ def summarize(rows_by_rank: list[list[dict]]) -> list[dict]:
     out = []
     for cases in zip(*rows_by_rank, strict=True):
         row = {k: v for k, v in cases[0].items() if not isinstance(v, list)}
-        for k, v in cases[0].items():
-            if isinstance(v, list):
-                row[k] = max(harness.median(c[k], empty=float("nan")) for c in cases)
+        keys = {k for c in cases for k, v in c.items() if isinstance(v, list)}
+        for k in sorted(keys):  # a key some process lacks (an error): no time
+            per = [harness.median(c.get(k, []), empty=float("nan")) for c in cases]
+            row[k] = float("nan") if any(v != v for v in per) else max(per)
         out.append(row)
     return out
 
@@ -353,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         help="CAP: an elastic buffer of CAP slots (Buffer.create_elastic) instead of a "
         "process group's, its calls covering the processes' slots; the first of --experts",
     )
+    p.add_argument(
+        "--launch-timeout", type=float, default=560, help="seconds each world's launch may take"
+    )
     p.add_argument("--out-dir", default=str(harness.RESULTS))
     harness.add_if_gpu(p)
     a = p.parse_args(argv)
@@ -379,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     for world in harness.csv_ints(a.worlds):
         t0 = time.monotonic()
         try:
-            rows = summarize(run_local(member, world, args=(cfg,), timeout_s=560))
+            rows = summarize(run_local(member, world, args=(cfg,), timeout_s=a.launch_timeout))
         except RuntimeError as e:  # this world's launch failed: the others still count
             failed.append(world)
             results.setdefault("failed", {})[world] = str(e)[-2000:]

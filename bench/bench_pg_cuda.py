@@ -24,10 +24,13 @@ to copy its bytes at once (column "floor"): on one GPU shared by every rank,
 an op must at least read each input and write each output once, so "floor /
 mooncake" is the share of that floor-bound rate the op reaches.
 
-Bus bandwidth as nccl-tests defines it: algbw x 2(n-1)/n for all_reduce,
-x (n-1)/n for the others (bytes = the per-rank input of all_reduce and
-all_to_all, the gathered output of all_gather, the input of reduce_scatter;
-the list forms move the same bytes as the tensor forms).
+Bus bandwidth as nccl-tests defines it: algbw x 2(n-1)/n for all_reduce, x 1
+for broadcast, x (n-1)/n for the others (bytes = the per-rank input of
+all_reduce, broadcast and all_to_all, the gathered output of all_gather, the
+input of reduce_scatter; the list forms move the same bytes as the tensor forms).
+
+Exits 1 when a launch failed or an op of the ``mooncake`` column raised (the
+plane and staged columns' refusals under capture are expected).
 
     python bench/bench_pg_cuda.py --out-dir /tmp/out     # worlds 1, 2, 4; a few minutes
 """
@@ -124,7 +127,7 @@ def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
 
 
 def bus_factor(op: str, world: int) -> float:
-    if world == 1:
+    if world == 1 or op.startswith("broadcast"):
         return 1.0
     return 2 * (world - 1) / world if op.startswith("all_reduce") else (world - 1) / world
 
@@ -180,7 +183,8 @@ def worker(rank: int, world: int, port: int, backend: str, ops, sizes=SIZES) -> 
             errs = [g[1] for g in got if g[1]]
             if rank == 0:
                 slowest = max(g[0] for g in got)
-                rows.append({"op": op, "bytes": nbytes, "us": slowest * 1e6, "error": errs[:1]})
+                us = slowest * 1e6 if slowest == slowest else None  # no NaN in the JSON
+                rows.append({"op": op, "bytes": nbytes, "us": us, "error": errs[:1]})
             if errs:  # every rank alike: the rest of this op's sizes fail the same way
                 break
     result = {"rows": rows, "copy_rate": copy_rate(torch)} if rank == 0 else None
@@ -242,7 +246,28 @@ def main(argv=None) -> int:
             # after each launch: a run cut short keeps what it measured
             write_table(args, ops, sizes, results)
     print(write_table(args, ops, sizes, results))
-    return 0
+    problems = problems_of(results)
+    for line in problems:
+        print(f"problem: {line}")
+    return 1 if problems else 0
+
+
+def problems_of(results: dict) -> list[str]:
+    """What makes the run fail: a launch that failed, an op of the ``mooncake`` column
+    that raised, a launch that measured nothing."""
+    out = []
+    for key, got in results.items():
+        if got.get("failed"):
+            out.append(f"{key}: the launch failed: {got['failed'].splitlines()[-1][:200]}")
+        elif not got.get("rows"):
+            out.append(f"{key}: nothing measured")
+        elif key.startswith("mooncake/"):
+            out += [
+                f"{key}: {r['op']} {r['bytes']} B: {r['error'][0]}"
+                for r in got["rows"]
+                if r["error"]
+            ]
+    return out
 
 
 def write_table(args, ops, sizes, results: dict) -> str:

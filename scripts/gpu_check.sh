@@ -410,7 +410,7 @@ if gpu_wants epelasticbench; then
   step "elastic EP buffer, device path: against a process group's buffer (2 processes, MPS)"
   mkdir -p "$OUT/bench"
   for cap in 0 8; do  # in a folder of their own: epbench writes ep_device.json too
-    timeout 300 "$PY" bench/bench_ep_device.py --worlds 2 --experts 256 --quick --elastic $cap \
+    timeout 300 "$PY" bench/bench_ep_device.py --worlds 2 --experts 256 --quick --elastic $cap --launch-timeout 240 \
       --out-dir "$OUT/bench/elastic" 2>&1 | tee -a "$OUT/bench_ep_elastic.log" | tail -8 || status=1
   done
   stop_mps
@@ -486,14 +486,20 @@ if gpu_wants epbench; then
   # Each run's JSON under its own name (ep_device.json is removed first: a run that
   # wrote none leaves none, rather than an older run's under the new name).
   rm -f "$OUT/bench/ep_device.json"
-  "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds 1 --upstream "$UP_JSON" \
-    --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_ep_device.log" | tail -12 || status=1
+  # Each world's launch bounded (EP_LAUNCH_S, 300), and each run as a whole: a hang costs
+  # that world, not the step (the JSON is written after each world).
+  EPL=${EP_LAUNCH_S:-300}
+  timeout $(( EPL + 60 )) "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds 1 \
+    --upstream "$UP_JSON" --launch-timeout "$EPL" --out-dir "$OUT/bench" 2>&1 \
+    | tee "$OUT/bench_ep_device.log" | tail -12 || status=1
   mv "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_w1.json" 2>/dev/null
   if [ -n "${EP_WORLDS-2,4,8}" ]; then
     step "EP device path: benchmark, ${EP_WORLDS-2,4,8} processes (MPS)"
     start_mps
-    "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} --worlds "${EP_WORLDS-2,4,8}" \
-      --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -40 || status=1
+    n=$(echo "${EP_WORLDS-2,4,8}" | tr ',' ' ' | wc -w)
+    timeout $(( n * EPL + 60 )) "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} \
+      --worlds "${EP_WORLDS-2,4,8}" --launch-timeout "$EPL" --out-dir "$OUT/bench" 2>&1 \
+      | tee -a "$OUT/bench_ep_device.log" | tail -40 || status=1
     mv "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_mps.json" 2>/dev/null
     stop_mps
   fi
@@ -501,8 +507,10 @@ if gpu_wants epbench; then
   # show the cost (EP_WORLDS_NO_MPS="" skips it).
   if [ -n "${EP_WORLDS_NO_MPS-2}" ]; then
     step "EP device path: benchmark, ${EP_WORLDS_NO_MPS-2} processes (no MPS)"
-    "$PY" bench/bench_ep_device.py --experts 256 --iters 30 --warmup 3 --worlds "${EP_WORLDS_NO_MPS-2}" \
-      --out-dir "$OUT/bench" 2>&1 | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
+    n=$(echo "${EP_WORLDS_NO_MPS-2}" | tr ',' ' ' | wc -w)
+    timeout $(( n * EPL + 60 )) "$PY" bench/bench_ep_device.py --experts 256 --iters 30 --warmup 3 \
+      --worlds "${EP_WORLDS_NO_MPS-2}" --launch-timeout "$EPL" --out-dir "$OUT/bench" 2>&1 \
+      | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
     mv "$OUT/bench/ep_device.json" "$OUT/bench/ep_device_no_mps.json" 2>/dev/null
   fi
 fi

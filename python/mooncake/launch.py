@@ -33,6 +33,7 @@ import os
 import pickle
 import queue as queue_mod
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -133,7 +134,10 @@ def _entry(fn, key, rank, world_size, port, args, env, log_dir, queue, place):
         queue.put((key, False, f"exited with code {e.code}"))
         raise
     except BaseException:  # noqa: BLE001  (reported to the parent)
-        queue.put((key, False, traceback.format_exc()))
+        text = traceback.format_exc()
+        # In the rank's output too: the parent may give up on a peer first.
+        print(f"[rank process {key}] {text}", file=sys.stderr, flush=True)
+        queue.put((key, False, text))
 
 
 def _apply_thread_count() -> None:
@@ -240,8 +244,9 @@ class LocalGroup:
     def __enter__(self) -> LocalGroup:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        # Leaving on an error (a rank failed, or a deadline): what still runs is stuck.
+        self.close(0.0 if exc_type is not None else 5.0)
 
     def start(
         self,
@@ -365,15 +370,19 @@ class LocalGroup:
         that dies): :meth:`results` does not wait for it."""
         self._killed.add(str(key))
 
-    def results(self, timeout_s: float = 120.0) -> dict[str, Any]:
+    def results(self, timeout_s: float = 120.0, grace_s: float | None = None) -> dict[str, Any]:
         """Waits for every process not killed to finish; returns ``{key: fn's result}``.
+
+        ``grace_s``: once a process has failed, wait at most this long for the others
+        (they may be blocked on it); None waits the whole ``timeout_s``.
 
         Raises:
             RuntimeError: a process raised (its traceback is included), exited
-                without a result, or the wait took longer than ``timeout_s``.
+                without a result, or the wait took longer than ``timeout_s`` (or
+                ``grace_s`` past a failure); the message has every failure seen.
         """
         waiting = set(self._procs) - self._killed
-        self._collect(waiting, timeout_s)
+        self._collect(waiting, timeout_s, grace_s)
         if self._errors:
             raise RuntimeError(
                 "LocalGroup: " + "\n".join(f"process {k}:\n{v}" for k, v in self._errors.items())
@@ -392,15 +401,22 @@ class LocalGroup:
             raise RuntimeError(f"LocalGroup: process {key}:\n{self._errors[key]}")
         return self._results[key]
 
-    def _collect(self, keys: set[str], timeout_s: float) -> None:
+    def _collect(self, keys: set[str], timeout_s: float, grace_s: float | None = None) -> None:
         """Takes results off the queue (any process's) until each of ``keys`` has a
-        result or an error; a process that exits without one gets an error."""
+        result or an error; a process that exits without one gets an error. Past
+        ``timeout_s``, or ``grace_s`` after the first error among ``keys``, raises."""
         deadline = time.monotonic() + timeout_s
+        failed_at = None
         while keys - set(self._results) - set(self._errors):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                late = sorted(keys - set(self._results) - set(self._errors))
-                raise RuntimeError(f"LocalGroup: processes {late} did not finish in {timeout_s} s")
+            now = time.monotonic()
+            if failed_at is None and keys & set(self._errors):
+                failed_at = now
+            late = sorted(keys - set(self._results) - set(self._errors))
+            if now >= deadline:
+                raise RuntimeError(self._late(late, f"did not finish in {timeout_s} s"))
+            if failed_at is not None and grace_s is not None and now - failed_at > grace_s:
+                raise RuntimeError(self._late(late, f"still ran {grace_s} s after a failure"))
+            left = deadline - now
             try:
                 key, ok, value = self._queue.get(timeout=min(left, 0.5))
             except queue_mod.Empty:
@@ -423,22 +439,33 @@ class LocalGroup:
                 continue
             self._keep(key, ok, value)
 
+    def _late(self, late: list[str], what: str) -> str:
+        """The message for processes ``late`` that ``what``, with every failure seen."""
+        text = f"LocalGroup: processes {late} {what}"
+        for k, v in self._errors.items():
+            text += f"\nprocess {k}:\n{v}"
+        return text
+
     def _keep(self, key: str, ok: bool, value) -> None:
         if ok:
             self._results[key] = pickle.loads(value)
         else:
             self._errors[key] = value
 
-    def close(self) -> None:
-        """Kills what still runs and releases the store."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Kills what still runs (after ``wait_s`` in all for those finishing) and
+        releases the store."""
+        end = time.monotonic() + wait_s
         for p in self._procs.values():
-            p.join(timeout=0 if p.exitcode is not None else 5)
+            p.join(timeout=max(0.0, end - time.monotonic()) if p.exitcode is None else 0)
+        for p in self._procs.values():
             if p.is_alive():
                 try:
                     p.kill()
                 except ProcessLookupError:
                     pass  # it exited meanwhile
-                p.join()
+        for p in self._procs.values():
+            p.join()
         for fd in self._pidfds.values():
             if fd is not None:
                 os.close(fd)
@@ -451,6 +478,7 @@ def run_local(
     args: tuple = (),
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
+    grace_s: float | None = 30.0,
 ) -> list[Any]:
     """Runs ``fn`` on ``world_size`` local ranks and returns their results by rank.
 
@@ -461,12 +489,15 @@ def run_local(
         args: extra arguments for ``fn``.
         env: environment variables set in every rank before ``fn`` runs.
         timeout_s: a bound on the whole run; ranks still running then are killed.
+        grace_s: once a rank has failed, how long the others may still run (they
+            may be waiting on it); None: the whole ``timeout_s``.
 
     Raises:
-        RuntimeError: a rank raised (its traceback is included), or exited
-            without a result, or the run took longer than ``timeout_s``.
+        RuntimeError: a rank raised (every failed rank's traceback is included),
+            or exited without a result, or the run took longer than ``timeout_s``
+            (or ``grace_s`` past a failure).
     """
     with LocalGroup(world_size, env) as group:
         group.start(fn, args=args)
-        results = group.results(timeout_s)
+        results = group.results(timeout_s, grace_s)
     return [results[str(r)] for r in range(world_size)]

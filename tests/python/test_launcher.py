@@ -102,6 +102,29 @@ def _raise(rank, world_size, port):
     raise ValueError(f"deliberate on rank {rank}")
 
 
+def _raise_on_rank1_else_sleep(rank, world_size, port):
+    if rank == 1:
+        raise ValueError("deliberate on rank 1")
+    time.sleep(120)  # a peer blocked on rank 1
+
+
+def test_run_local_gives_up_on_blocked_peers_after_a_failure():
+    """One rank raises while the others stay blocked: run_local raises after ``grace_s``,
+    not at ``timeout_s``, and its message has the failed rank's traceback as well as
+    the names of those still running."""
+    import pytest
+
+    from mooncake.launch import run_local
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as err:
+        run_local(_raise_on_rank1_else_sleep, 3, timeout_s=100, grace_s=1)
+    text = str(err.value)
+    assert "['0', '2'] still ran 1 s after a failure" in text, text
+    assert "ValueError: deliberate on rank 1" in text, text
+    assert time.monotonic() - t0 < 60
+
+
 def test_local_group_result_waits_for_one_process():
     """``LocalGroup.result(key)`` returns one process's result while the others run on;
     ``results()`` then has every one; a process that raised is reported with its
