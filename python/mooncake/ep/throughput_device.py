@@ -495,6 +495,16 @@ class ThroughputDevice:
                 f"x's rows ({x.shape[1]} x {x.element_size()} bytes) must be a multiple of 16 "
                 f"bytes on the device path"
             )
+        if error is None and self.R > 1:
+            # The rings were sized for the dispatch's rows up to fp32 (takes()): wider
+            # rows, or weights the dispatch did not have, may not fit them.
+            K, wide = handle.native_handle.num_topk, x.shape[1] * x.element_size()
+            if self.ext.combine_slots(K, topk_weights is not None, wide) < self._min_slots:
+                error = (
+                    f"x's rows ({x.shape[1]} x {x.element_size()} bytes"
+                    f"{', with topk_weights' if topk_weights is not None else ''}) do not fit "
+                    f"the device path's rings, made for the dispatch's rows up to float32"
+                )
         seq = self._next_seq(buf)
         if error:
             raise ValueError(f"combine: {error}")

@@ -66,11 +66,11 @@ enum HtStatus : int32_t {
   kHtMismatch = 34,   // detail: the source, 0 (its call's shape is not this rank's)
 };
 
-// The tag a call's signals carry: its sequence number's low word (never 0,
-// which a cleared word holds).
+// The tag a call's signals carry: 1 .. 2^32 - 1 in turn, never 0 (which a
+// cleared word holds), and never the same for consecutive calls (a plain
+// truncation would tag calls 2^32 and 2^32 + 1 both 1).
 MC_HD inline uint32_t tag_of(uint64_t seq) {
-  const auto t = static_cast<uint32_t>(seq);
-  return t != 0 ? t : 1u;
+  return static_cast<uint32_t>(seq % 0xffffffffull) + 1u;
 }
 MC_HD inline uint64_t signal(uint32_t tag, uint32_t value) {
   return (static_cast<uint64_t>(tag) << 32) | value;

@@ -232,6 +232,41 @@ def c_workspace(ctx):
                f"workspace {before} -> {buf.device_workspace_bytes}")  # fmt: skip
 
 
+# Many tokens of few bytes on a buffer made for them (small rings): each channel sends
+# several batches and both rings wrap round, waiting for room (the other cases fit one
+# batch per channel).
+WRAP_MAKE = {"hidden": 128, "num_topk": 4}
+WRAP_SPEC = HSpec(T=4096, H=128, K=4, epr=2, ns=(4096, 3001), cached=1)
+
+
+def c_rings_wrap(ctx, single: bool = False):
+    buf = get_buf(ctx, allow_multiple_reduction=not single, **WRAP_MAKE)
+    spec = fit(WRAP_SPEC, ctx.world_size)
+    DeviceRound(ctx, buf, spec, "wrap-single" if single else "wrap").run()
+
+
+def c_combine_too_wide(ctx):
+    """A combine whose rows are wider than the rings were made for (16 KiB against 512 B)
+    raises ValueError naming x on every rank alike (at world 1 there are no rings), and
+    the buffer goes on."""
+    buf = get_buf(ctx, allow_multiple_reduction=True, **WRAP_MAKE)
+    spec = fit(HSpec(T=8, H=128, K=4, epr=2, ns=(8, 5)), ctx.world_size)
+    ins = make_inputs(7, ctx.rank, spec, ctx.world_size, "wide")
+    dev = cuda()
+    recv_x, _, _, handle, _ = buf.dispatch(
+        ins.x_in.to(dev), ins.idx.to(dev), ins.w.to(dev),
+        num_experts=spec.epr * ctx.world_size, num_max_tokens_per_rank=spec.T,
+    )  # fmt: skip
+    wide = torch.zeros(recv_x.shape[0], 4096, dtype=torch.float32, device=dev)
+    try:
+        buf.combine(wide, handle)
+        ctx.expect(ctx.world_size == 1, "a combine of 16 KiB rows on 512-byte rings ran")
+    except ValueError as e:
+        ctx.expect(ctx.world_size > 1 and "x's rows" in str(e), f"rank {ctx.rank}: {e}")
+    torch.cuda.synchronize()
+    DeviceRound(ctx, buf, spec, "after-wide").run()
+
+
 def c_bad_ids(ctx):
     """An expert id out of range on one rank: that rank's synced dispatch raises ValueError
     naming it, every rank's results are the others' exact rows, and the buffer works."""
@@ -268,6 +303,9 @@ def device_cases(world: int) -> list[Case]:
         Case("dev/single-reduction/nosync",
              P(c_round, spec=HSpec(expand=True, sync=False, align=4, K=4, epr=3),
                name="single-nosync", single=True)),
+        Case("dev/rings-wrap", c_rings_wrap),
+        Case("dev/rings-wrap/single-reduction", P(c_rings_wrap, single=True)),
+        Case("dev/combine-too-wide", c_combine_too_wide),
         Case("dev/num-sms", c_num_sms),
         Case("dev/workspace", c_workspace),
         Case("dev/bad-ids", c_bad_ids),
@@ -347,19 +385,23 @@ def fault_rank(rank, world_size, port, plan):
 # --- a short round for compute-sanitizer (ht_device_round.py) -------------------------------
 
 
-def sanitizer_rank(rank: int, world: int, port: int) -> list[str]:
+def sanitizer_rank(rank: int, world: int, port: int, deadline_s: int = 600,
+                   wrap: bool = False) -> list[str]:  # fmt: skip
     """BF16 tokens with a cached dispatch, pre-quantised FP8 expanded without CPU sync,
-    and a single-reduction combine: every kernel of the device path runs. Returns the
-    failed expectations."""
+    and a single-reduction combine: every kernel of the device path runs; with ``wrap``
+    a round whose rings wrap too (WRAP_SPEC). ``deadline_s``: the kernels' and the
+    group's (generous by default: kernels run many times slower under the sanitizer;
+    short in a smoke run, so that a hang comes back as a masked peer and a report
+    rather than a killed process). Returns the failed expectations."""
     import traceback
 
     from mooncake.launch import init_rank
     from mooncake.mooncake_elastic_buffer import ElasticBuffer
 
-    # Deadlines are generous: kernels run many times slower under the sanitizer.
-    make = {"hidden": 512, "num_topk": 4, "num_cpu_timeout_secs": 600, "num_gpu_timeout_secs": 600}
+    make = {"hidden": 512, "num_topk": 4, "num_cpu_timeout_secs": deadline_s,
+            "num_gpu_timeout_secs": deadline_s}  # fmt: skip
     cuda()
-    init_rank(rank, world, port, timeout_s=600)
+    init_rank(rank, world, port, timeout_s=deadline_s)
     chk = Checks(rank, world, "ht-device-round")
     try:
         buf = ElasticBuffer(dist.group.WORLD, **make)
@@ -369,6 +411,10 @@ def sanitizer_rank(rank: int, world: int, port: int) -> list[str]:
         single = ElasticBuffer(dist.group.WORLD, allow_multiple_reduction=False, **make)
         DeviceRound(chk, single, HSpec(T=16, H=128, K=4, epr=3, expand=True, align=2),
                     "single").run()  # fmt: skip
+        if wrap:
+            timeouts = {k: v for k, v in make.items() if "timeout" in k}
+            wrapping = ElasticBuffer(dist.group.WORLD, **WRAP_MAKE, **timeouts)
+            DeviceRound(chk, wrapping, fit(WRAP_SPEC, world), "wrap").run()
         torch.cuda.synchronize()
     except Exception:  # noqa: BLE001 - reported as a failure
         chk.fail(traceback.format_exc())

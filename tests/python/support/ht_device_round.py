@@ -1,12 +1,14 @@
 """ElasticBuffer device-path rounds, short, for compute-sanitizer.
 
-    ht_device_round.py [world]
+    ht_device_round.py [world [deadline_s]] [--wrap]
 
 ``world`` processes (default 2) on this GPU run a few verified rounds of the device path
 (``ht_device.DeviceRound``: checked against ``ht_model`` bit for bit): BF16 tokens with a
 cached dispatch, pre-quantised FP8 expanded with an alignment and no CPU sync, and a
 single-reduction combine; so every kernel of ``src/kernels/ep_ht`` (layout, dispatch with
-its rings, combine's replies and sums) runs. Exits non-zero on any failed expectation.
+its rings, combine's replies and sums) runs; ``--wrap`` adds 4,096 tokens on small rings,
+which wrap. ``deadline_s`` (600) bounds the kernels' and the group's waits. Exits non-zero
+on any failed expectation.
 scripts/gpu_check.sh runs it under memcheck and racecheck (compute-sanitizer follows the
 ranks, its children).
 """
@@ -23,8 +25,11 @@ def main() -> int:
     from ht_device import sanitizer_rank
     from mooncake.launch import run_local
 
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    results = run_local(sanitizer_rank, world, timeout_s=1200)
+    wrap = "--wrap" in sys.argv
+    args = [int(a) for a in sys.argv[1:] if a != "--wrap"]
+    world = args[0] if args else 2
+    deadline_s = args[1] if len(args) > 1 else 600
+    results = run_local(sanitizer_rank, world, args=(deadline_s, wrap), timeout_s=2 * deadline_s)
     problems = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res]
     print("ht_device_round:", "ok" if not problems else "\n".join(problems[:20]))
     return 1 if problems else 0
