@@ -52,7 +52,7 @@ test-cpp: build
 	else echo "C++ tests not built (GoogleTest missing)"; exit 1; fi
 	@if [ -x $(BUILD)/mooncake_device_tests ]; then $(BUILD)/mooncake_device_tests --gtest_brief=1; fi
 
-# The C++ tests (core only, no torch) built with AddressSanitizer and
+# The C++ tests (core only: no torch, no CUDA) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer: any report fails the run. The ucx variants of
 # the transport tests are left out here: under ASan's timing, Debian's UCX
 # 1.13 has aborted on assertions inside its own wireup (ucp_request.c:684 in
@@ -61,7 +61,8 @@ test-cpp: build
 ASAN_BUILD := build-asan
 SANITIZE := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 test-asan: | deps
-	cmake -S . -B $(ASAN_BUILD) -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DMOONCAKE_CUDA=OFF \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
 	  -DCMAKE_CXX_FLAGS="$(SANITIZE)" -DCMAKE_EXE_LINKER_FLAGS="$(SANITIZE)" \
 	  -DMOONCAKE_TEST_COMPILE_OPTIONS=-O0 >/dev/null
@@ -91,7 +92,7 @@ fuzz-deps:
 
 fuzz-build: fuzz-deps
 	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=$(FUZZ_CXX) -DMOONCAKE_BUILD_TORCH=OFF \
-	  -DMOONCAKE_BUILD_TESTS=OFF -DMOONCAKE_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DMOONCAKE_CUDA=OFF -DMOONCAKE_BUILD_TESTS=OFF -DMOONCAKE_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_CXX_FLAGS="$(FUZZ_FLAGS)" >/dev/null
 	cmake --build $(FUZZ_BUILD)
 
