@@ -152,13 +152,19 @@ def rows_of(launch: dict) -> list[dict]:
     groups = []
     if launch["scenario"] == "allreduce":
         mib = launch["ar_mib"]
-        measures = [
-            (f"kill inside {mib} MiB all_reduce → survivors' all_reduce returned", "next_ms",
-             TARGETS_MS["allreduce"]),
-            (f"{mib} MiB all_reduce at full strength", "step_ms", None),
-            ("kill → replacement joined → first full all_reduce", "full_ms", None),
+        # A kill that landed after the victim's part was in leaves nothing to recover
+        # from (the survivors' sum counts it): not a sample of the target, shown apart.
+        late = [f for f in faults if f.get("victim_counted")]
+        inside = [f for f in faults if not f.get("victim_counted")]
+        groups += [
+            ("allreduce", inside, [(f"kill inside {mib} MiB all_reduce → survivors' "
+                                    "all_reduce returned", "next_ms", TARGETS_MS["allreduce"])]),
+            ("allreduce", late, [(f"kill after the victim's part of the {mib} MiB all_reduce "
+                                  "was in → survivors' all_reduce returned", "next_ms", None)]),
+            ("allreduce", faults, [(f"{mib} MiB all_reduce at full strength", "step_ms", None),
+                                   ("kill → replacement joined → first full all_reduce",
+                                    "full_ms", None)]),
         ]  # fmt: skip
-        groups.append(("allreduce", faults, measures))
     else:
         for mode in ("between", "inside"):
             sel = [f for f in faults if f["fault"] == "kill" and f["where"] == mode]

@@ -354,6 +354,12 @@ def fault_times(o: Outcome) -> list[dict]:
         row = {"c": c, **cy, "t": t}
         ends = [rec["t1"] for _, rec in o.records() if rec["tag"] == f"c{c}/fault"]
         row["next_ms"] = (max(ends) - t) * 1e3 if ends else None
+        # Whether a survivor's step counted the victim (its part was in before it died):
+        # then the step did not recover from anything.
+        counted = [rec["ranks"] for _, rec in o.records()
+                   if rec["tag"] == f"c{c}/fault" and rec.get("ranks")]  # fmt: skip
+        if counted:
+            row["victim_counted"] = any(r[cy["victim"]] for r in counted)
         fulls = [rec["t1"] - rec["t0"] for _, rec in o.records() if rec["tag"] == f"c{c}/full0"]
         row["step_ms"] = sorted(fulls)[len(fulls) // 2] * 1e3 if fulls else None
         rejoin = [rec["t1"] for _, rec in o.records() if rec["tag"] == f"c{c}/rejoin"]
