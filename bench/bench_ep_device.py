@@ -288,9 +288,9 @@ def summarize(rows_by_rank: list[list[dict]]) -> list[dict]:
     for cases in zip(*rows_by_rank, strict=True):
         row = {k: v for k, v in cases[0].items() if not isinstance(v, list)}
         keys = {k for c in cases for k, v in c.items() if isinstance(v, list)}
-        for k in sorted(keys):  # a key some process lacks (an error): no time
-            per = [harness.median(c.get(k, []), empty=float("nan")) for c in cases]
-            row[k] = float("nan") if any(v != v for v in per) else max(per)
+        for k in sorted(keys):  # a key some process lacks (an error): no time (None)
+            per = [harness.median(c.get(k, [])) for c in cases]
+            row[k] = None if None in per else max(per)
         out.append(row)
     return out
 

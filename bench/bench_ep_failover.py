@@ -141,6 +141,13 @@ def healthy_steps(outcome) -> dict:
     return {"steps": len(times), "step": stats(times), "masked_steps": masked, "events": events}
 
 
+def landed_late(fault: dict) -> bool:
+    """Whether a kill meant to land inside an all_reduce landed after it: the survivors'
+    sum counted the victim and they finished before it died (a kill after its part was
+    in, but before the op's end, still leaves them something to notice)."""
+    return bool(fault.get("victim_counted")) and (fault.get("next_ms") or 0.0) <= 0.0
+
+
 def rows_of(launch: dict) -> list[dict]:
     """The table's rows of one launch: per scenario, ``(measure, the fault times' key,
     target)``; a row's statistics are over the scenario's faults."""
@@ -154,13 +161,13 @@ def rows_of(launch: dict) -> list[dict]:
         mib = launch["ar_mib"]
         # A kill that landed after the victim's part was in leaves nothing to recover
         # from (the survivors' sum counts it): not a sample of the target, shown apart.
-        late = [f for f in faults if f.get("victim_counted")]
-        inside = [f for f in faults if not f.get("victim_counted")]
+        late = [f for f in faults if landed_late(f)]
+        inside = [f for f in faults if not landed_late(f)]
         groups += [
             ("allreduce", inside, [(f"kill inside {mib} MiB all_reduce → survivors' "
                                     "all_reduce returned", "next_ms", TARGETS_MS["allreduce"])]),
-            ("allreduce", late, [(f"kill after the victim's part of the {mib} MiB all_reduce "
-                                  "was in → survivors' all_reduce returned", "next_ms", None)]),
+            ("allreduce", late, [(f"kill after the {mib} MiB all_reduce had ended on the "
+                                  "survivors → its return (before the kill)", "next_ms", None)]),
             ("allreduce", faults, [(f"{mib} MiB all_reduce at full strength", "step_ms", None),
                                    ("kill → replacement joined → first full all_reduce",
                                     "full_ms", None)]),
@@ -352,6 +359,10 @@ def run_launch(scenario: str, plan: dict, env: dict, args) -> dict:
         "wall_s": round(time.monotonic() - t0, 1),
         "problems": problems,
     }
+    late = [f for f in launch["faults"] if landed_late(f)]
+    if scenario == "allreduce" and launch["faults"] and len(late) == len(launch["faults"]):
+        problems.append(f"{label}: every kill landed after the all_reduce had the victim's "
+                        "part (the survivors finished first): nothing measured the target")  # fmt: skip
     if plan.get("healthy"):
         launch["healthy"] = healthy_steps(o)
         launch.update(busy_rank=plan["healthy"]["busy_rank"], busy_ms=plan["healthy"]["busy_ms"])

@@ -135,9 +135,11 @@ def _entry(fn, key, rank, world_size, port, args, env, log_dir, queue, place):
         raise
     except BaseException:  # noqa: BLE001  (reported to the parent)
         text = traceback.format_exc()
-        # In the rank's output too: the parent may give up on a peer first.
-        print(f"[rank process {key}] {text}", file=sys.stderr, flush=True)
         queue.put((key, False, text))
+        try:  # in the rank's output too: the parent may give up on a peer first
+            print(f"[rank process {key}] {text}", file=sys.stderr, flush=True)
+        except OSError:
+            pass  # no output to write to
 
 
 def _apply_thread_count() -> None:
@@ -411,11 +413,18 @@ class LocalGroup:
             now = time.monotonic()
             if failed_at is None and keys & set(self._errors):
                 failed_at = now
-            late = sorted(keys - set(self._results) - set(self._errors))
+            why = None
             if now >= deadline:
-                raise RuntimeError(self._late(late, f"did not finish in {timeout_s} s"))
-            if failed_at is not None and grace_s is not None and now - failed_at > grace_s:
-                raise RuntimeError(self._late(late, f"still ran {grace_s} s after a failure"))
+                why = f"did not finish in {timeout_s} s"
+            elif failed_at is not None and grace_s is not None and now - failed_at > grace_s:
+                why = f"still ran {grace_s} s after a failure"
+            if why:
+                while not self._queue.empty():  # what arrived meanwhile is not late
+                    self._keep(*self._queue.get())
+                late = sorted(keys - set(self._results) - set(self._errors))
+                if late:
+                    raise RuntimeError(self._late(late, why))
+                continue
             left = deadline - now
             try:
                 key, ok, value = self._queue.get(timeout=min(left, 0.5))
@@ -478,7 +487,7 @@ def run_local(
     args: tuple = (),
     env: dict[str, str] | None = None,
     timeout_s: float = 120.0,
-    grace_s: float | None = 30.0,
+    grace_s: float | None = 60.0,
 ) -> list[Any]:
     """Runs ``fn`` on ``world_size`` local ranks and returns their results by rank.
 

@@ -100,15 +100,17 @@ void LaunchOrder::before(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
   cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
-  next_capture_ = status == cudaStreamCaptureStatusActive ? id : 0;
-  if (launched_ && stream != stream_ && capture_ == next_capture_) last_.block(stream);
+  capture_ = status == cudaStreamCaptureStatusActive ? id : 0;
+  Last& last = capture_ == 0 ? eager_ : captured_;
+  if (last.any && last.stream != stream && last.capture == capture_) last.done.block(stream);
 }
 
 void LaunchOrder::after(cudaStream_t stream) {
-  last_.record(stream);
-  stream_ = stream;
-  capture_ = next_capture_;
-  launched_ = true;
+  Last& last = capture_ == 0 ? eager_ : captured_;
+  last.done.record(stream);
+  last.any = true;
+  last.stream = stream;
+  last.capture = capture_;
 }
 
 std::string device_bus_id(int device) {

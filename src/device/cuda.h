@@ -83,25 +83,31 @@ class CudaEvent {
 };
 
 // Runs one object's launches one after another, whatever stream each caller
-// queues them on, as they share its state (op numbers, rings, barriers): a
-// launch on another stream than the last one's waits for that one. Within one
-// capture the wait becomes a dependency of the graph; across a capture's edge
-// none can be expressed, and the caller orders replays (as for NCCL). Costs an
-// event record and a capture query per launch. Made with the device current.
+// queues them on, as they share its state (op numbers, rings, barriers): an
+// eager launch on another stream than the last eager one's waits for it, and
+// a captured launch for the last one of its capture on another stream (a
+// dependency of the graph). Across a capture's edge none can be expressed: the
+// caller orders replays (as for NCCL). Streams are told apart by handle (one
+// destroyed and made again may come back with its handle). Costs an event
+// record and a capture query per launch. Made with the device current.
 class LaunchOrder {
  public:
-  LaunchOrder() : last_(false) {}
+  LaunchOrder() : eager_(false), captured_(false) {}
   // Before a launch on `stream`.
   void before(cudaStream_t stream);
   // After it (not called when the launch threw: the last one stays the last).
   void after(cudaStream_t stream);
 
  private:
-  CudaEvent last_;
-  bool launched_ = false;
-  cudaStream_t stream_ = nullptr;        // the last launch's (the legacy stream is nullptr too)
-  unsigned long long capture_ = 0;       // the last launch's capture (0: eager)
-  unsigned long long next_capture_ = 0;  // before()'s, for after()
+  struct Last {
+    explicit Last(bool blocking) : done(blocking) {}
+    CudaEvent done;  // recorded after the launch
+    bool any = false;
+    cudaStream_t stream = nullptr;   // the legacy stream is nullptr too
+    unsigned long long capture = 0;  // a captured one's capture
+  };
+  Last eager_, captured_;
+  unsigned long long capture_ = 0;  // before()'s query, for after() (0: eager)
 };
 
 // `n` T's of device memory on the current device, zeroed, with host copies in

@@ -401,7 +401,9 @@ def sanitizer_rank(rank: int, world: int, port: int, deadline_s: int = 600,
     make = {"hidden": 512, "num_topk": 4, "num_cpu_timeout_secs": deadline_s,
             "num_gpu_timeout_secs": deadline_s}  # fmt: skip
     cuda()
-    init_rank(rank, world, port, timeout_s=deadline_s)
+    # The group's own deadline is not the kernels': host work (CUDA's start, the checks
+    # of the large round) may keep a rank from its next op for longer than 20 s.
+    init_rank(rank, world, port, timeout_s=max(120, deadline_s))
     chk = Checks(rank, world, "ht-device-round")
     try:
         buf = ElasticBuffer(dist.group.WORLD, **make)
