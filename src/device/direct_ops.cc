@@ -107,7 +107,14 @@ void DirectOps::retire(int slot, cudaStream_t stream) {
 }
 
 void DirectOps::retire_now(int slot) {
+  OnDevice on(device_);
   retire(slot, nullptr);
+  if (slot >= 0 && slot < ranks_) {
+    // Its area too: a launch may look at a retired peer's signal (one the
+    // host saw gone), never through a mapping that goes.
+    uint8_t** area = field<uint8_t*>(state_, offsetof(k::DirectState, areas)) + slot;
+    cuda_check(cudaMemsetAsync(area, 0, sizeof(uint8_t*), nullptr), "retiring a rank");
+  }
   // Launches and replays on any stream (torch's are non-blocking) are over
   // before the slot's mapping goes.
   cuda_check(cudaDeviceSynchronize(), "retiring a rank");

@@ -138,14 +138,21 @@ __device__ __forceinline__ void report_masked(DirectState* st, int j) {
 __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t seq, uint32_t gen,
                           uint64_t deadline) {
   if (j == st->rank) return a.shape != kShapeRejected ? 1 : 0;
-  // Masked by an earlier launch (or retired by the host): out until the next setup.
-  if (ld_volatile(st->live + j) == 0) return 0;
   const uint8_t* area = st->areas[j];
   if (area == nullptr) return 0;
   const auto* signal = reinterpret_cast<const uint64_t*>(area + DirectLayout::kInputSignal);
   const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
   uint64_t v = 0;
-  if (!wait_for(a.c, signal, settled, deadline, j, kPhaseInput, &v)) {
+  if (ld_volatile(st->live + j) == 0) {
+    // Masked by an earlier launch, or retired by the host: out until the next
+    // setup; except a peer the host saw gone whose signal of this op came
+    // before it died, which every survivor takes (as after a wait, below):
+    // the host may retire it before this launch looks, at one survivor and
+    // not another.
+    if (!host_lost(a.c, j, true)) return 0;
+    v = ld_acquire_sys(signal);
+    if (!settled(v)) return 0;
+  } else if (!wait_for(a.c, signal, settled, deadline, j, kPhaseInput, &v)) {
     // Masked now (lost, or past the deadline), and out of later launches
     // (the caller's active_ranks say so either way). Its input is in place
     // all the same when its signal came just before (a dead process's area
