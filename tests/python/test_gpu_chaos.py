@@ -220,6 +220,13 @@ def test_thread_growth_names_what_grew():
     ]
     # gone again in one of the last three samples: it comes and goes
     assert thread_growth(samples(base, base, base, piled, base, piled)) == []
+    # a store's worker runs while its requests do: one per store, so one more is no leak
+    stores = {**base, "mc-store": 1}
+    busy, piled_up = {**stores, "mc-store": 2}, {**stores, "mc-store": 3}
+    assert thread_growth(samples(stores, stores, stores, busy, busy, busy)) == []
+    assert thread_growth(samples(stores, stores, stores, piled_up, piled_up, piled_up)) == [
+        "threads named 'mc-store' grew from 1 to 3"
+    ]
     many = {**base, "a": 1, "b": 1, "c": 1}
     assert thread_growth(samples(base, base, base, many, many, many)) == [
         "threads grew from 4 to 7"
