@@ -419,8 +419,7 @@ class LocalGroup:
             elif failed_at is not None and grace_s is not None and now - failed_at > grace_s:
                 why = f"still ran {grace_s} s after a failure"
             if why:
-                while not self._queue.empty():  # what arrived meanwhile is not late
-                    self._keep(*self._queue.get())
+                self._drain()  # what arrived meanwhile is not late
                 late = sorted(keys - set(self._results) - set(self._errors))
                 if late:
                     raise RuntimeError(self._late(late, why))
@@ -438,8 +437,7 @@ class LocalGroup:
                 ]
                 if dead:
                     time.sleep(0.5)  # its result may still be in the queue
-                    while not self._queue.empty():
-                        self._keep(*self._queue.get())
+                    self._drain()
                     for k in dead:
                         if k not in self._results and k not in self._errors:
                             self._errors[k] = (
@@ -454,6 +452,11 @@ class LocalGroup:
         for k, v in self._errors.items():
             text += f"\nprocess {k}:\n{v}"
         return text
+
+    def _drain(self) -> None:
+        """Keeps what is on the queue now."""
+        while not self._queue.empty():
+            self._keep(*self._queue.get())
 
     def _keep(self, key: str, ok: bool, value) -> None:
         if ok:
