@@ -122,7 +122,12 @@ class RankContext:
             # raised while another was handled (a context manager's exit): that one too
             was = e.__context__
             during = f" (raised while handling {type(was).__name__}: {was})" if was else ""
-            self.fail(f"{prefix}expected {exc_type.__name__}, got {type(e).__name__}: {e}{during}")
+            # where it was raised: the wrong error's own frames say which call it was
+            frames = traceback.extract_tb(e.__traceback__)[-3:]
+            where = "; ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.line}" for f in frames)
+            self.fail(
+                f"{prefix}expected {exc_type.__name__}, got {type(e).__name__}: {e}{during} [at {where}]"
+            )
         else:
             self.fail(f"{prefix}expected {exc_type.__name__} ({words}), nothing was raised")
 
