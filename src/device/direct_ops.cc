@@ -102,6 +102,11 @@ void DirectOps::retire(int slot, cudaStream_t stream) {
   if (slot < 0 || slot >= ranks_) return;
   OnDevice on(device_);
   int32_t* live = field<int32_t>(state_, offsetof(k::DirectState, live)) + slot;
+  // Gone to the launches before they see it retired: one that finds it
+  // retired looks at its signal once, as a wait on it that gives up does. The
+  // view may drop it here before this host's own watcher hears of it, and a
+  // survivor whose launch waited took its input when the signal came.
+  lost_->set(slot, LostWords::kGone);
   cuda_check(cudaMemsetAsync(live, 0, sizeof(int32_t), stream), "retiring a rank");
   incarnations_[static_cast<size_t>(slot)] = kNone;
 }

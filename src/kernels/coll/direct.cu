@@ -145,10 +145,10 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
   uint64_t v = 0;
   if (ld_volatile(st->live + j) == 0) {
     // Masked by an earlier launch, or retired by the host: out until the next
-    // setup; except a peer the host saw gone whose signal of this op came
-    // before it died, which every survivor takes (as after a wait, below):
-    // the host may retire it before this launch looks, at one survivor and
-    // not another.
+    // setup; except a peer the host saw gone (a retire marks it so) whose
+    // signal of this op came before it died, which every survivor takes (as
+    // after a wait, below): the host may retire it before this launch looks,
+    // at one survivor and not another.
     if (!host_lost(a.c, j, true)) return 0;
     v = ld_acquire_sys(signal);
     if (!settled(v)) return 0;

@@ -51,12 +51,12 @@
 // Who takes part is decided once per launch and per peer: a peer is in when
 // its input signal of this op came, including when it came just before the
 // host saw the peer gone (the wait looks once more after the lost word, and
-// a launch that finds the peer already retired by its host looks once): its
-// input is complete before the signal, and a dead process's memory stays
-// readable. So survivors of a crash agree on who took part. A peer masked
-// for silence (the deadline passed, or the host saw its heartbeat stand
-// still) that is in fact alive may be in at one rank and out at another;
-// that is reported (kStatusSilentPeer), not prevented.
+// a launch that finds the peer already retired by its host, which marks it
+// gone first, looks once): its input is complete before the signal, and a
+// dead process's memory stays readable. So survivors of a crash agree on
+// who took part. A peer masked for silence (the deadline passed, or the host
+// saw its heartbeat stand still) that is in fact alive may be in at one rank
+// and out at another; that is reported (kStatusSilentPeer), not prevented.
 #pragma once
 
 #include <cstddef>
