@@ -47,6 +47,17 @@ RelaxedCapture::~RelaxedCapture() {
   cudaThreadExchangeStreamCaptureMode(&previous_);
 }
 
+void check_capture_intact(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  MC_CHECK_ARG(capture != cudaStreamCaptureStatusInvalidated, op,
+               ": the CUDA graph capture of the current stream was already invalidated before "
+               "this call, by an earlier CUDA call made while it captured (a synchronize, an "
+               "allocation or a copy with pageable host memory, from this thread or, in the "
+               "default global capture mode, any other); the capture ends in error whatever "
+               "this op does");
+}
+
 void relax_library_threads() {
   thread_start_hook().store(
       [] {

@@ -35,6 +35,7 @@ share the one GPU, except in the ``multi_gpu`` launches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -475,13 +476,26 @@ def graph_capture(ctx):
     not set them up; one eager broadcast, on the device plane too, does, and a captured
     broadcast then replays; on another group a 4 KiB eager all_gather on the device plane
     does, and a captured all_gather replays). all_to_all_single with equal split sizes (as
-    torch's functional collectives pass them) is captured and replays. Every collective the
-    kernels serve is capturable: ``graph_replay`` captures them all."""
+    torch's functional collectives pass them) is captured and replays. An op under a capture
+    that an earlier call broke (a synchronize) raises ValueError saying so. Every collective
+    the kernels serve is capturable: ``graph_replay`` captures them all."""
     world, me, last = ctx.world_size, ctx.rank, ctx.world_size - 1
     _usable(ctx, "nothing")  # sets the world group's kernels up (this case may run first)
     x = torch.ones(4, device="cuda")
     _capture_raises(ctx, dist.barrier, "barrier", NOT_CAPTURABLE, "point-to-point ops, barrier")
     _usable(ctx, "a barrier under graph capture")
+    # A capture that an earlier call broke (a synchronize): the op says so, not its own rule.
+    g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        try:
+            with torch.cuda.graph(g, stream=s):
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.synchronize()
+                with ctx.expect_raises(ValueError, "all_reduce", "already invalidated"):
+                    dist.all_reduce(x)
+        except RuntimeError:
+            pass  # the capture ends in error, as it must
+    _usable(ctx, "an all_reduce under a broken capture")
     if world > 1:
         nxt, prv = (me + 1) % world, (me - 1) % world
         for name, fn in (("send", lambda: dist.send(x, nxt)), ("recv", lambda: dist.recv(x, prv))):
