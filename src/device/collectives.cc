@@ -421,6 +421,12 @@ bool DeviceCollectives::direct_serves(const DirectOp& op, int64_t timeout_ms) {
   return serves(std::nullopt, timeout_ms);
 }
 
+bool DeviceCollectives::direct_alone(int64_t timeout_ms) {
+  // No slot to spare either: a rank that joined past the world size takes part.
+  return comm_.size() == 1 && comm_.capacity() == 1 && direct_max_bytes() > 0 &&
+         serves(std::nullopt, timeout_ms);
+}
+
 bool DeviceCollectives::direct_ready() {
   if (!direct_ || !direct_->installed() || direct_->left_behind()) return false;
   const uint64_t epoch = comm_.epoch();
@@ -525,9 +531,13 @@ bool DeviceCollectives::direct_set_up(const DirectOp& op, cudaStream_t stream, i
 void DeviceCollectives::direct_prepare(const DirectOp& op, cudaStream_t stream,
                                        int64_t timeout_ms) {
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
-  if (!direct_serves(op, timeout_ms)) return;
+  DirectOp probe = op;
+  // Alone, any size is served; the setup round (no peer to agree with) takes
+  // an op the kernels would.
+  if (direct_alone(timeout_ms)) probe.count = std::min<size_t>(probe.count, 1);
+  if (!direct_serves(probe, timeout_ms)) return;
   OnDevice on(device_);
-  direct_set_up(op, stream, timeout_ms);
+  direct_set_up(probe, stream, timeout_ms);
 }
 
 void DeviceCollectives::direct_poll() {

@@ -130,6 +130,11 @@ class DeviceCollectives {
   // so all of them take the same path (it waits for the ranks' hosts in the
   // store the first time only).
   bool direct_serves(const DirectOp& op, int64_t timeout_ms);
+  // Whether a one-rank group takes an op of any size the way it takes theirs
+  // (a local copy on the caller's stream, or nothing in place: the caller's
+  // job): the device-driven ops are on and the group is this rank alone, with
+  // no slot for another to join.
+  bool direct_alone(int64_t timeout_ms);
   // Whether a launch needs no host op first: set up for the current view,
   // and this rank not left out. Under capture a caller must check it.
   bool direct_ready();
@@ -155,10 +160,11 @@ class DeviceCollectives {
   // disagreed), and takes it into account: a launch that found the others
   // set up again without this rank makes direct_ready() false.
   void direct_poll();
-  // Sets the device-driven ops up where direct_serves(op) and they are not
-  // ready (as direct() would before its launch), for an op that then runs
-  // on the host-driven plane: its eager warm-up readies its capture. Every
-  // rank of the op must call it at the same point (it may be a host op).
+  // Sets the device-driven ops up where direct_serves(op) (or direct_alone)
+  // and they are not ready (as direct() would before its launch), for an op
+  // that then runs on the host-driven plane or alone: its eager warm-up
+  // readies its capture. Every rank of the op must call it at the same point
+  // (it may be a host op).
   void direct_prepare(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms = -1);
   // The ranks `active` (per slot, 1 = member) leaves out are taken out of
   // later launches at once, graph replays included (for a view listener;

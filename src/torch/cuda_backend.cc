@@ -245,7 +245,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::
 // PeerFailedError (a launch could only zero-fill what the root would have
 // sent), and one rank's bad list raises on every rank (a launch could only
 // leave that rank out); their eager call sets the kernels up first, so that
-// it readies their capture.
+// it readies their capture. A group of one rank takes every op the kernels
+// could serve through them, eagerly too and at any size: a local copy on the
+// caller's stream (nothing at all in place).
 
 namespace {
 
@@ -381,13 +383,20 @@ bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) 
   } catch (const Error&) {
     return false;
   }
-  return coll_->direct_serves(op, timeout_ms());
+  if (coll_->direct_serves(op, timeout_ms())) return true;
+  // Alone, an op of any size is a local copy (run_direct's `alone`).
+  return size_ == 1 && coll_->direct_alone(timeout_ms());
 }
 
 bool MooncakeCudaBackend::direct_now() const {
   // recovers() first: in the default mode no stream query on the hot path
-  // (direct_run asks capturing() itself).
-  return coll_->recovers() || capturing();
+  // (direct_run asks capturing() itself). Alone, no failure to recover from.
+  return size_ == 1 || coll_->recovers() || capturing();
+}
+
+bool MooncakeCudaBackend::rooted_now() const {
+  // Alone, no root can fail and no other rank's list differs: eagerly too.
+  return size_ == 1 || capturing();
 }
 
 bool MooncakeCudaBackend::capturing() const {
@@ -476,11 +485,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     for (at::Tensor& t : c.outs) t = s.device_out(t);
   }
   const auto n = static_cast<int64_t>(calls.size());
-  auto work = on_device(s, type, std::move(results),
-                        [calls = std::move(calls), timeout](DeviceCollectives& c, cudaStream_t st) {
-                          for (const DirectCall& call : calls)
-                            run_direct(c, call, st, timeout, true);
-                        });
+  const bool one = size_ == 1;
+  auto work = on_device(
+      s, type, std::move(results),
+      [calls = std::move(calls), timeout, one](DeviceCollectives& c, cudaStream_t st) {
+        for (const DirectCall& call : calls) {
+          // Alone past the kernels' bound: set up for the next calls, then a local copy.
+          const bool alone = one && !c.direct_serves(call.op, timeout) && c.direct_alone(timeout);
+          if (alone) c.direct_prepare(call.op, st, timeout);
+          run_direct(c, call, st, timeout, true, alone);
+        }
+      });
   direct_ops_ += n;
   queued(work);
   MC_CHECK_ARG(reject.empty(), reject);
@@ -497,7 +512,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kBroadcast, elems(t), root);
     if (direct_branch(op, t)) warm = op;
-    if (warm && capturing()) {
+    if (warm && rooted_now()) {
       DirectCall call{op,
                       rank_ == root ? t : at::Tensor(),
                       t,
@@ -608,7 +623,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kReduce, elems(t), root);
     if (direct_branch(op, t)) warm = op;
-    if (warm && capturing()) {
+    if (warm && rooted_now()) {
       op.op = to_redop(opts.reduceOp, t, "reduce");
       DirectCall call{op,
                       t,
@@ -652,7 +667,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
     if (direct_branch(op, in)) warm = op;
-    if (warm && capturing()) {
+    if (warm && rooted_now()) {
       std::vector<at::Tensor> all = outputs[0];
       all.push_back(in);
       DirectCall call{op, in, {}, outputs[0], wrong_device("all_gather", "tensor", device_, all)};
@@ -744,7 +759,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
                        wrong_device("all_gather_coalesced", "tensors", device_, all)});
     }
     if (calls.size() != inputs.size()) warm.reset();
-    if (warm && capturing())
+    if (warm && rooted_now())
       return direct_run("all_gather_coalesced", c10d::OpType::ALLGATHER_COALESCED, std::move(calls),
                         flat(outputs), op_timeout_ms(opts.timeout));
   }
@@ -842,7 +857,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kGather, elems(in), root);
     if (direct_branch(op, in)) warm = op;
-    if (warm && capturing()) {
+    if (warm && rooted_now()) {
       // The root's list is its own: a bad one is rejected there, in step with the others.
       std::vector<at::Tensor> all{in};
       std::string reject =
@@ -890,7 +905,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kScatter, elems(out), root);
     if (direct_branch(op, out)) warm = op;
-    if (warm && capturing()) {
+    if (warm && rooted_now()) {
       std::vector<at::Tensor> all{out};
       std::string reject =
           is_root ? root_list("scatter", "scatter_list", inputs, out, "output tensor", size_, all)
@@ -942,7 +957,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
     if (direct_branch(op, out)) warm = op;
-    if (warm && capturing()) {
+    if (warm && rooted_now()) {
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
       std::vector<at::Tensor> all = inputs[0];
       all.push_back(out);
@@ -1125,7 +1140,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
   // plane (or staging).
   const bool no_splits = input_split_sizes.empty() && output_split_sizes.empty();
   if (input.defined() &&
-      (no_splits || (capturing() && equal_splits(input, input_split_sizes, size_) &&
+      (no_splits || (rooted_now() && equal_splits(input, input_split_sizes, size_) &&
                      equal_splits(output, output_split_sizes, size_)))) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(input) / static_cast<size_t>(size_));
     if (direct_branch(op, input) && direct_now()) {
@@ -1171,7 +1186,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Ten
   // Parts may differ in size between ranks, so eager calls take the device
   // plane at any size. Under CUDA graph capture, equal parts take the
   // device-driven kernels (every rank must pass parts of one size).
-  if (capturing() && !inputs.empty() && inputs.size() == static_cast<size_t>(size_) &&
+  if (rooted_now() && !inputs.empty() && inputs.size() == static_cast<size_t>(size_) &&
       list_fits(inputs, inputs.size(), inputs[0]) && list_fits(outputs, inputs.size(), inputs[0])) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(inputs[0]));
     if (direct_branch(op, inputs[0])) {

@@ -209,6 +209,9 @@ class MooncakeCudaBackend final : public MooncakeBackend {
                                             std::vector<at::Tensor> results, int64_t timeout);
   // Whether the caller's current stream is capturing a CUDA graph.
   bool capturing() const;
+  // Whether the ops the kernels take under capture only (the rooted ops, the
+  // list forms, split sizes) take them now: under capture, and always alone.
+  bool rooted_now() const;
   // Whether an op the kernels serve takes them now, where it may also take
   // the device plane: under capture, and eagerly when the group re-runs its
   // ops among the survivors of a failure (the default), whose results the

@@ -326,7 +326,8 @@ def subgroup(ctx):
             ctx.expect(bool((x == want).all()), f"subgroup all_reduce {i}: {x[0].item()}")
             parts = [_garbage((n,), torch.float32) for _ in ranks] if ctx.rank == 0 else None
             got = _paths(lambda x=x, p=parts: dist.gather(x, p, dst=0, group=g), g, direct=True)
-            ctx.expect(got == PLANE, f"subgroup gather {i}: (device, staged, direct) {got}")
+            want_paths = _plane_or_alone(len(ranks))
+            ctx.expect(got == want_paths, f"subgroup gather {i}: (device, staged, direct) {got}")
             for j, p in enumerate(parts or []):
                 ctx.expect(bool((p == want).all()), f"subgroup gather {i} [{j}]: {p[0].item()}")
         y = torch.full((n,), float(ctx.rank + 1), device="cuda")
@@ -344,6 +345,13 @@ DIRECT, PLANE, STAGED = (1, 0, 1), (1, 0, 0), (0, 1, 0)
 #: The default MOONCAKE_CUDA_DIRECT_BYTES: the largest input (at the root, every part of it)
 #: the device-driven kernels serve.
 DIRECT_BYTES = 8 << 20
+
+
+def _plane_or_alone(world: int, direct_ops: int = 1) -> tuple[int, int, int]:
+    """The paths of an op that takes the device plane eagerly on a group of ``world`` ranks
+    (the rooted ops, the list forms, split sizes, any op past the kernels' bound): at one
+    rank the kernels' path instead (a local copy), ``direct_ops`` of them."""
+    return (1, 0, direct_ops) if world == 1 else PLANE
 
 
 def _paths(fn, group=None, direct: bool = False) -> tuple[int, ...]:
@@ -371,23 +379,25 @@ def op_paths(ctx):
     reduce, gather, scatter (4 KiB and 128 KiB), all_gather, all_gather_coalesced,
     reduce_scatter at 4 KiB; all_to_all_single with split sizes and all_to_all at any size;
     a reduce_scatter_tensor whose whole input is 4 bytes per rank past 8 MiB (the bound
-    counts every part). CPU tensors in the same group counted as none."""
+    counts every part). At one rank all of those take the kernels' path (a local copy).
+    CPU tensors in the same group counted as none."""
     world, me, last, n = ctx.world_size, ctx.rank, ctx.world_size - 1, 1 << 15
 
     def expect(what, fn, want):
         got = _paths(fn, direct=True)
         ctx.expect(got == want, f"{what}: (device, staged, direct) {got}, want {want}")
 
+    ROOTED = _plane_or_alone(world)
     x = torch.ones(n, device="cuda")
     out = torch.empty(world * n, device="cuda")
     expect("128 KiB all_reduce", lambda: dist.all_reduce(x), DIRECT)
     expect("128 KiB all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, x), DIRECT)
-    expect("128 KiB reduce", lambda: dist.reduce(x, dst=last), PLANE)
-    expect("128 KiB broadcast", lambda: dist.broadcast(x, 0), PLANE)
+    expect("128 KiB reduce", lambda: dist.reduce(x, dst=last), ROOTED)
+    expect("128 KiB broadcast", lambda: dist.broadcast(x, 0), ROOTED)
     small = torch.ones(1024, device="cuda")
     expect("4 KiB all_reduce", lambda: dist.all_reduce(small), DIRECT)
-    expect("4 KiB broadcast", lambda: dist.broadcast(small, last), PLANE)
-    expect("4 KiB reduce", lambda: dist.reduce(small, dst=0), PLANE)
+    expect("4 KiB broadcast", lambda: dist.broadcast(small, last), ROOTED)
+    expect("4 KiB reduce", lambda: dist.reduce(small, dst=0), ROOTED)
     m = 1024 // world
     rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
     expect("4 KiB reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, rs_in), DIRECT)
@@ -397,24 +407,24 @@ def op_paths(ctx):
     expect(
         "4 KiB all_to_all_single with split sizes",
         lambda: dist.all_to_all_single(a2a_out, rs_in, splits, splits),
-        PLANE,
+        ROOTED,
     )
     three = [torch.ones(256, device="cuda") for _ in range(3)]
     expect("all_reduce_coalesced of 3", lambda: dist.all_reduce_coalesced(three), (1, 0, 3))
     for label, t in (("128 KiB", x), ("4 KiB", small)):
         parts = [torch.empty_like(t) for _ in range(world)] if me == 0 else None
-        expect(f"{label} gather", lambda t=t, p=parts: dist.gather(t, p, dst=0), PLANE)
+        expect(f"{label} gather", lambda t=t, p=parts: dist.gather(t, p, dst=0), ROOTED)
         chunks = [p.clone() for p in parts] if parts else None
-        expect(f"{label} scatter", lambda t=t, c=chunks: dist.scatter(t, c, src=0), PLANE)
+        expect(f"{label} scatter", lambda t=t, c=chunks: dist.scatter(t, c, src=0), ROOTED)
     listed = [torch.empty(1024, device="cuda") for _ in range(world)]
-    expect("4 KiB all_gather", lambda: dist.all_gather(listed, small), PLANE)
+    expect("4 KiB all_gather", lambda: dist.all_gather(listed, small), ROOTED)
     lists = [[torch.empty(1024, device="cuda") for _ in range(world)]]
-    expect("4 KiB all_gather_coalesced", lambda: dist.all_gather_coalesced(lists, [small]), PLANE)
-    expect("4 KiB reduce_scatter", lambda: dist.reduce_scatter(small, listed), PLANE)
+    expect("4 KiB all_gather_coalesced", lambda: dist.all_gather_coalesced(lists, [small]), ROOTED)
+    expect("4 KiB reduce_scatter", lambda: dist.reduce_scatter(small, listed), ROOTED)
     parts = [torch.ones(m, device="cuda") for _ in range(world)]
     got_parts = [torch.empty(m, device="cuda") for _ in range(world)]
-    expect("4 KiB all_to_all", lambda: dist.all_to_all(got_parts, parts), PLANE)
-    for label, k, want in (("8 MiB", 0, DIRECT), ("8 MiB + 4 bytes per rank", 1, PLANE)):
+    expect("4 KiB all_to_all", lambda: dist.all_to_all(got_parts, parts), ROOTED)
+    for label, k, want in (("8 MiB", 0, DIRECT), ("8 MiB + 4 bytes per rank", 1, ROOTED)):
         m = DIRECT_BYTES // 4 // world + k
         big_in = torch.full((world * m,), float(me + 1), device="cuda")
         big_out = _garbage((m,), torch.float32)
@@ -477,7 +487,9 @@ def graph_capture(ctx):
     broadcast then replays; on another group a 4 KiB eager all_gather on the device plane
     does, and a captured all_gather replays). all_to_all_single with equal split sizes (as
     torch's functional collectives pass them) is captured and replays. An op under a capture
-    that an earlier call broke (a synchronize) raises ValueError saying so. Every collective
+    that an earlier call broke (a synchronize) raises ValueError saying so. At one rank the
+    ops past the bound, and the eager calls above, take the kernels' path (a local copy),
+    which captures and replays. Every collective
     the kernels serve is capturable: ``graph_replay`` captures them all."""
     world, me, last = ctx.world_size, ctx.rank, ctx.world_size - 1
     _usable(ctx, "nothing")  # sets the world group's kernels up (this case may run first)
@@ -547,17 +559,31 @@ def graph_capture(ctx):
     got = _paths(lambda: dist.all_reduce(y, group=small), small, direct=True)
     ctx.expect(got == DIRECT, f"4 KiB all_reduce at a 4 KiB bound: {got}")
     over = torch.ones(1025, device="cuda")
+    # Past the bound: the plane (or staged), and not capturable; alone, a local copy.
+    past = (PLANE, STAGED) if world > 1 else (DIRECT,)
     got = _paths(lambda: dist.all_reduce(over, group=small), small, direct=True)
-    ctx.expect(got in (PLANE, STAGED), f"4 KiB + 4 bytes all_reduce at a 4 KiB bound: {got}")
+    ctx.expect(got in past, f"4 KiB + 4 bytes all_reduce at a 4 KiB bound: {got}")
     m = 1024 // world + 1  # the whole input: world * m floats, past 4 KiB
     rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
     got = _paths(lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small), small, True)
-    ctx.expect(got in (PLANE, STAGED), f"reduce_scatter_tensor past a 4 KiB bound: {got}")
-    for name, fn in (
+    ctx.expect(got in past, f"reduce_scatter_tensor past a 4 KiB bound: {got}")
+    past_bound = (
         ("all_reduce", lambda: dist.all_reduce(over, group=small)),
         ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small)),
-    ):
+    )
+    for name, fn in past_bound if world > 1 else ():
         _capture_raises(ctx, fn, name, NOT_CAPTURABLE, "MOONCAKE_CUDA_DIRECT_BYTES")
+    if world == 1:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _, fn in past_bound:
+                fn()
+        over.fill_(3.0)
+        rs_in.fill_(5.0)
+        rs_out.zero_()
+        g.replay()
+        ctx.expect_equal(over.cpu(), torch.full((1025,), 3.0), "alone: all_reduce past the bound")
+        ctx.expect_equal(rs_out.cpu(), torch.full((m,), 5.0), "alone: reduce_scatter past it")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         dist.all_reduce(y, group=small)
@@ -579,17 +605,19 @@ def graph_capture(ctx):
     fresh = _group_with({})
     not_set_up = ("broadcast", "graph capture", "not set up", "outside the captured")
     _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
-    # Its parts may differ between ranks eagerly: it takes the plane and sets nothing up.
+    # Its parts may differ between ranks eagerly: it takes the plane and sets nothing up
+    # (alone it takes the kernels, which sets them up).
     got = _paths(
         lambda: dist.all_to_all_single(out, ins, [2] * world, [2] * world, group=fresh),
         fresh,
         direct=True,
     )
-    ctx.expect(got == PLANE, f"eager all_to_all_single with split sizes: {got}")
-    _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
+    ctx.expect(got == _plane_or_alone(world), f"eager all_to_all_single with split sizes: {got}")
+    if world > 1:
+        _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
     b = torch.full((4,), float(me + 1), device="cuda")
     got = _paths(lambda: dist.broadcast(b, last, group=fresh), fresh, direct=True)
-    ctx.expect(got == PLANE, f"16-byte eager broadcast that sets up: {got}")
+    ctx.expect(got == _plane_or_alone(world), f"16-byte eager broadcast that sets up: {got}")
     ctx.expect_equal(b.cpu(), torch.full((4,), float(world)), "the broadcast that set up")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -603,7 +631,7 @@ def graph_capture(ctx):
     parts = [_garbage((n,), torch.float32) for _ in range(world)]
     mine = torch.full((n,), float(me + 1), device="cuda")
     got = _paths(lambda: dist.all_gather(parts, mine, group=listed), listed, direct=True)
-    ctx.expect(got == PLANE, f"4 KiB all_gather that sets up: {got}")
+    ctx.expect(got == _plane_or_alone(world), f"4 KiB all_gather that sets up: {got}")
     g = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(g):
@@ -961,7 +989,8 @@ def direct_matches_host_captured(ctx):
     all_gather, all_gather_coalesced (two tensors), gather and scatter (roots 0 and last),
     reduce_scatter, all_to_all with parts of one size and all_to_all_single with equal
     split sizes. Each is called eagerly on a MOONCAKE_CUDA_DIRECT=off group (the device
-    plane, or staged below 64 KiB) and on the world group (the device plane, at any size);
+    plane, or staged below 64 KiB) and on the world group (the device plane, at any size;
+    at one rank the kernels' path, a local copy);
     then all are captured in one graph on the world group (the capture counts each on the
     device-driven kernels) and replayed once. Every output equals the reference bit for
     bit."""
@@ -971,8 +1000,9 @@ def direct_matches_host_captured(ctx):
         for n in OPS_SIZES:
             what = f"{dtype} {op} n{n}"
             forms = _capture_only_forms(ctx, dtype, op, n)
-            for name, call, want, _ in forms:
-                for label, grp, paths in (("off", off, (PLANE, STAGED)), ("eager", None, (PLANE,))):
+            for name, call, want, k in forms:
+                eager = (_plane_or_alone(ctx.world_size, k),)
+                for label, grp, paths in (("off", off, (PLANE, STAGED)), ("eager", None, eager)):
                     outs: list[torch.Tensor] = []
                     got = _paths(lambda c=call, g=grp, o=outs: o.extend(c(g)), grp, direct=True)
                     ctx.expect(got in paths, f"{label} {name} {what}: {got}, want one of {paths}")
@@ -1252,19 +1282,20 @@ def _capture(g, static, grp) -> None:
 
 def big(ctx):
     """16 MiB of bf16 and 64 MiB of float32 all_reduce; a 16 MiB all_to_all_single: past
-    MOONCAKE_CUDA_DIRECT_BYTES, all on the host-driven device plane."""
+    MOONCAKE_CUDA_DIRECT_BYTES, all on the host-driven device plane (alone, a local copy)."""
+    past = _plane_or_alone(ctx.world_size)
     for dtype, n in ((torch.bfloat16, 8 << 20), (torch.float32, 16 << 20)):
         xs = ctx.inputs((n,), dtype)
         x = cuda(xs[ctx.rank])
         got = _paths(lambda x=x: dist.all_reduce(x), direct=True)
-        ctx.expect(got == PLANE, f"{dtype} all_reduce of {x.nbytes >> 20} MiB: {got}")
+        ctx.expect(got == past, f"{dtype} all_reduce of {x.nbytes >> 20} MiB: {got}")
         ctx.expect_equal(x.cpu(), reduce_ref(xs, "SUM"), f"{dtype}")
     world = ctx.world_size
     n = (4 << 20) // world * world
     xs = ctx.inputs((n,), torch.float32, tag="a2a")
     out = torch.empty(n, device="cuda")
     got = _paths(lambda: dist.all_to_all_single(out, cuda(xs[ctx.rank])), direct=True)
-    ctx.expect(got == PLANE, f"all_to_all_single of 16 MiB: {got}")
+    ctx.expect(got == past, f"all_to_all_single of 16 MiB: {got}")
     k = n // world
     want = torch.cat([xs[s][ctx.rank * k : (ctx.rank + 1) * k] for s in range(world)])
     ctx.expect_equal(out.cpu(), want, "all_to_all_single")
@@ -1274,8 +1305,10 @@ def beyond_segment(ctx):
     """Ops larger than the device segment (64 MiB) move through it in pieces, on the plane:
     a 96 MiB all_reduce in place (the op reads a copy of its input, which a re-run after a
     failure needs), a reduce_scatter_tensor of 64 MiB per rank and an all_gather_into_tensor
-    of 80 MiB per rank; outputs start as NaN. Values are small integers (exact sums)."""
+    of 80 MiB per rank; outputs start as NaN (alone: a local copy, at any size). Values are
+    small integers (exact sums)."""
     world, me = ctx.world_size, ctx.rank
+    past = _plane_or_alone(world)
     ranks_sum = world * (world - 1) // 2
 
     def pattern(first, n):
@@ -1284,20 +1317,20 @@ def beyond_segment(ctx):
     n = 24 << 20
     x = (pattern(0, n) + me).float()
     got = _paths(lambda: dist.all_reduce(x), direct=True)
-    ctx.expect(got == PLANE, f"96 MiB all_reduce: (device, staged, direct) {got}")
+    ctx.expect(got == past, f"96 MiB all_reduce: (device, staged, direct) {got}")
     ctx.expect(torch.equal(x, (pattern(0, n) * world + ranks_sum).float()), "96 MiB all_reduce")
     m = 16 << 20
     inp = (pattern(0, world * m) + me).float()
     out = torch.full((m,), float("nan"), device="cuda")
     got = _paths(lambda: dist.reduce_scatter_tensor(out, inp), direct=True)
-    ctx.expect(got == PLANE, f"reduce_scatter_tensor of 64 MiB per rank: {got}")
+    ctx.expect(got == past, f"reduce_scatter_tensor of 64 MiB per rank: {got}")
     want = (pattern(me * m, m) * world + ranks_sum).float()
     ctx.expect(torch.equal(out, want), "reduce_scatter_tensor of 64 MiB per rank")
     k = 20 << 20
     mine = (pattern(0, k) + me).float()
     out = torch.full((world * k,), float("nan"), device="cuda")
     got = _paths(lambda: dist.all_gather_into_tensor(out, mine), direct=True)
-    ctx.expect(got == PLANE, f"all_gather_into_tensor of 80 MiB per rank: {got}")
+    ctx.expect(got == past, f"all_gather_into_tensor of 80 MiB per rank: {got}")
     want = torch.cat([(pattern(0, k) + r).float() for r in range(world)])
     ctx.expect(torch.equal(out, want), "all_gather_into_tensor of 80 MiB per rank")
 
