@@ -10,7 +10,7 @@
 # device calls; "tests" stands for the test steps, "benches" for the benchmark steps:
 #   tests   (the default, make gpu-check): doctor cpp device py elastic pgcuda epdev epelastic
 #           ephtdev chaos, about 22 minutes on one H200 (the Python step 4 files at a time);
-#   benches (make gpu-bench): bench pgbench epelasticbench epprof epbench epfail epht.
+#   benches (make gpu-bench): bench pgbench epelasticbench epprof ebprof epbench epfail epht.
 #   smoke:   (not in the default) the code built but not yet run on a GPU, a few minutes: see below;
 #   compare: (not in the default) an older commit against this tree, side by side: a
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
@@ -50,6 +50,8 @@
 #   epelasticbench: bench_ep_device.py at 2 processes with a process group's buffer and
 #            with an elastic one of capacity 8 (MPS);
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
+#   ebprof:  bench/profile_elastic_buffer.py: the same for the ElasticBuffer's device path at
+#            world 1 (T=512 and 4096), with the Python functions its host time goes to;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
@@ -85,7 +87,7 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 status=0
 GPU_TESTS="doctor cpp device py elastic pgcuda epdev epelastic ephtdev chaos"
-GPU_BENCHES="bench pgbench epelasticbench epprof epbench epfail epht"
+GPU_BENCHES="bench pgbench epelasticbench epprof ebprof epbench epfail epht"
 STEPS=" ${GPU_STEPS:-tests} "
 STEPS=${STEPS/ tests / $GPU_TESTS }
 STEPS=" ${STEPS/ benches / $GPU_BENCHES } "
@@ -422,6 +424,13 @@ if gpu_wants epprof; then
   step "EP device path: profile"
   mkdir -p "$OUT/bench"
   timeout 300 "$PY" bench/profile_ep_device.py --out "$OUT/bench/ep_profile.json" 2>&1 | tee "$OUT/ep_profile.log" | tail -60 || status=1
+fi
+
+if gpu_wants ebprof; then
+  step "ElasticBuffer device path: profile"
+  mkdir -p "$OUT/bench"
+  timeout 300 "$PY" bench/profile_elastic_buffer.py --out "$OUT/bench/eb_profile.json" 2>&1 |
+    tee "$OUT/eb_profile.log" | tail -80 || status=1
 fi
 
 # Not in the default steps: Nsight Compute over a few warm dispatch and combine

@@ -57,3 +57,13 @@ def test_ep_device_summary_takes_the_slowest_and_survives_missing_keys():
 def test_without_a_gpu_they_fail_unless_if_gpu(bench, tmp_path):
     assert bench.main(["--worlds", "1", "--out-dir", str(tmp_path)]) == 1
     assert bench.main(["--worlds", "1", "--if-gpu", "--out-dir", str(tmp_path)]) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the answer without a GPU")
+def test_elastic_buffer_profile_without_a_gpu(tmp_path):
+    import profile_elastic_buffer
+
+    out = tmp_path / "p.json"
+    assert profile_elastic_buffer.main(["--out", str(out)]) == 1
+    assert profile_elastic_buffer.main(["--if-gpu", "--out", str(out)]) == 0
+    assert not out.exists()  # nothing measured, nothing written

@@ -1,0 +1,155 @@
+"""Where an ElasticBuffer device-path call spends its time, on one GPU (world 1).
+
+For the people cutting the host cost of ``mooncake/ep/throughput_device.py`` and the
+binding (``src/torch/ep_ht_device.cc``): ``bench_elastic_buffer.py`` times a call on an
+idle GPU (host work, launches and kernels together), and at world 1 that is several
+times the copy floor. Three views split it:
+
+- host: microseconds per call of each layer, from a bare torch op and the binding's
+  ``layout`` and ``dispatch`` alone to the whole ``ElasticBuffer.dispatch`` (CPU sync,
+  no sync, cached) and ``combine`` (calls back to back, the device synchronised every few
+  calls so its queue never fills); and the same calls back to back as the device sees them
+  (max(host, device) per call);
+- device: every kernel's own duration, from the CUDA profiler;
+- Python: the functions and binding calls a CPU-sync dispatch and a combine spend their
+  host time in (cProfile, by own time: a binding call or a ``.cpu()`` that waits for the
+  device shows as a builtin method).
+
+    python3 bench/profile_elastic_buffer.py [--tokens 512,4096] [--hidden 7168]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+
+import torch
+
+import harness
+from profile_ep_device import back_to_back_us, host_us, kernel_table
+
+
+def python_profile(fn, calls: int = 200, top: int = 14) -> list[str]:
+    """The ``top`` entries by own time over ``calls`` calls of ``fn`` (microseconds per
+    call), one line each."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(calls):
+        fn()
+        if i % 10 == 9:
+            torch.cuda.synchronize()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = []
+    for (path, line, name), (_, ncalls, own, cum, _) in stats.stats.items():
+        where = f"{path.rsplit('/', 1)[-1]}:{line}({name})" if line else name
+        rows.append((own, cum, ncalls, where))
+    rows.sort(reverse=True)
+    return [
+        f"{own / calls * 1e6:8.1f} own {cum / calls * 1e6:8.1f} cum us/call  {n / calls:5.1f}x  {w}"
+        for own, cum, n, w in rows[:top]
+    ]
+
+
+def member(rank: int, world: int, port: int, cfg: dict) -> dict:
+    import torch.distributed as dist
+
+    from mooncake.launch import init_rank
+    from mooncake.mooncake_elastic_buffer import ElasticBuffer
+
+    torch.cuda.set_device(0)
+    init_rank(rank, world, port)
+    H, E, K = cfg["H"], cfg["E"], cfg["K"]
+    res: dict = {"gpu": torch.cuda.get_device_name(0), "H": H, "E": E, "K": K}
+    small = torch.zeros(16, device="cuda")
+    res["torch op (zero_ on 16 floats) us"] = host_us(lambda: small.zero_())
+    res["torch.empty x10 (layout's tensors) us"] = host_us(
+        lambda: [torch.empty(512, 10, dtype=torch.int32, device="cuda") for _ in range(10)]
+    )
+    eb = ElasticBuffer(
+        dist.group.WORLD, num_max_tokens_per_rank=max(cfg["tokens"]), hidden=H, num_topk=K
+    )
+    for T in cfg["tokens"]:
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.cuda()
+        w = torch.softmax(torch.rand(T, K, generator=g), dim=1).cuda()
+        recv, _, _, handle, _ = eb.dispatch(x, idx, w, num_experts=E)
+        dev = eb._device
+        if eb.path != "device" or dev is None:
+            return {**res, "error": f"the dispatch took the {eb.path} path, not the device path"}
+        row = res[f"T={T}"] = {}
+        y = recv if isinstance(recv, torch.Tensor) else recv[0]
+
+        def layout(T=T, idx=idx, dev=dev):
+            seq = dev._next_seq(eb)
+            return dev.ext.layout(
+                idx, dev._mask(eb), T, E, 1, False, 0, seq, dev._ns(eb._cpu_timeout_us),
+                dev.max_blocks,
+            )  # fmt: skip
+
+        def layout_dispatch(T=T, x=x, idx=idx, w=w, dev=dev):
+            seq = dev._next_seq(eb)
+            active = dev._mask(eb)
+            plan = dev.ext.layout(
+                idx, active, T, E, 1, False, 0, seq, dev._ns(eb._cpu_timeout_us), dev.max_blocks
+            )
+            return dev.ext.dispatch(
+                plan, x, None, w, active, T, 0, False, False, seq, dev._ns(eb._gpu_timeout_us),
+                dev.max_blocks,
+            )  # fmt: skip
+
+        calls = {
+            "ext.layout": layout,
+            "ext.layout + ext.dispatch": layout_dispatch,
+            "dispatch, CPU sync": lambda x=x, idx=idx, w=w: eb.dispatch(x, idx, w, num_experts=E),
+            "dispatch, no sync": lambda x=x, idx=idx, w=w: eb.dispatch(
+                x, idx, w, num_experts=E, do_cpu_sync=False
+            ),
+            "dispatch, cached": lambda x=x, w=w, h=handle: eb.dispatch(x, topk_weights=w, handle=h),
+            "combine": lambda y=y, h=handle: eb.combine(y, h),
+        }
+        row["host us"] = {name: round(host_us(fn), 1) for name, fn in calls.items()}
+        row["back-to-back us"] = {name: round(back_to_back_us(fn), 1) for name, fn in calls.items()}
+        for name in ("dispatch, CPU sync", "dispatch, no sync", "dispatch, cached", "combine"):
+            row[f"kernels: {name}"] = kernel_table(calls[name])
+        row["python: dispatch, CPU sync"] = python_profile(calls["dispatch, CPU sync"])
+        row["python: combine"] = python_profile(calls["combine"])
+        eb.dispatch(x, idx, w, num_experts=E)  # back in step after the bare binding calls
+    eb.destroy()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="512,4096", help="tokens per call, comma-separated")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    harness.add_if_gpu(p)
+    a = p.parse_args(argv)
+    status = harness.no_gpu_status("profile_elastic_buffer", a.if_gpu)
+    if status is not None:
+        return status
+    from mooncake.launch import run_local
+
+    tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
+    cfg = {"tokens": tokens, "H": a.hidden, "E": a.experts, "K": a.topk}
+    res = run_local(member, 1, args=(cfg,), timeout_s=240)[0]  # within the step's 300 s
+    print(json.dumps(res, indent=1))
+    if a.out:
+        harness.write_json(a.out, res)
+    return 1 if "error" in res else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
