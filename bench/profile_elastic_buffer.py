@@ -30,7 +30,7 @@ import sys
 import torch
 
 import harness
-from profile_ep_device import back_to_back_us, host_us, kernel_table
+from profile_ep_device import add_shape_args, back_to_back_us, host_us, kernel_table
 
 
 def python_profile(fn, calls: int = 200, top: int = 14) -> list[str]:
@@ -131,11 +131,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="512,4096", help="tokens per call, comma-separated")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--out", default=None, help="JSON file for the results")
-    harness.add_if_gpu(p)
+    add_shape_args(p)
     a = p.parse_args(argv)
     status = harness.no_gpu_status("profile_elastic_buffer", a.if_gpu)
     if status is not None:

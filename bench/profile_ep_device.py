@@ -183,14 +183,19 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=128)
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The options both profiles take besides their tokens: the shape, --out, --if-gpu."""
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--out", default=None, help="JSON file for the results")
     harness.add_if_gpu(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=128)
+    add_shape_args(p)
     a = p.parse_args(argv)
     status = harness.no_gpu_status("profile_ep_device", a.if_gpu)
     if status is not None:
