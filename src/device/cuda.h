@@ -93,9 +93,9 @@ class CudaEvent {
 // eager launch on another stream than the last eager one's waits for it, and
 // a captured launch for the last one of its capture on another stream (a
 // dependency of the graph). Across a capture's edge none can be expressed: the
-// caller orders replays (as for NCCL). Streams are told apart by handle (one
-// destroyed and made again may come back with its handle). Costs an event
-// record and a capture query per launch. Made with the device current.
+// caller orders replays (as for NCCL). Streams are told apart by their ids
+// (cudaStreamGetId), never reused as handles may be. Costs an event record and
+// two stream queries per launch. Made with the device current.
 class LaunchOrder {
  public:
   LaunchOrder() : eager_(false), captured_(false) {}
@@ -109,11 +109,12 @@ class LaunchOrder {
     explicit Last(bool blocking) : done(blocking) {}
     CudaEvent done;  // recorded after the launch
     bool any = false;
-    cudaStream_t stream = nullptr;   // the legacy stream is nullptr too
-    unsigned long long capture = 0;  // a captured one's capture
+    unsigned long long stream_id = 0;  // cudaStreamGetId of its stream
+    unsigned long long capture = 0;    // a captured one's capture
   };
   Last eager_, captured_;
-  unsigned long long capture_ = 0;  // before()'s query, for after() (0: eager)
+  unsigned long long capture_ = 0;    // before()'s query, for after() (0: eager)
+  unsigned long long stream_id_ = 0;  // before()'s stream, for after()
 };
 
 // `n` T's of device memory on the current device, zeroed, with host copies in
