@@ -213,29 +213,20 @@ void EpHtBuffer::layout(ht::LayoutArgs a, uint64_t seq, int64_t timeout_ns, int3
                ") must be divisible by the number of ranks (", layout_.ranks, ")");
   MC_CHECK_ARG(a.r.num_experts / layout_.ranks <= ht::kMaxLocalExperts, "dispatch: at most ",
                ht::kMaxLocalExperts, " local experts on the device path");
-  OnDevice on(device_);
-  order_->before(stream);
-  ht::launch_layout(a, blocks, stream);
-  order_->after(stream);
+  ordered(stream, [&] { ht::launch_layout(a, blocks, stream); });
 }
 
 void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
                           int blocks, cudaStream_t stream) {
   a.h = common(seq, timeout_ns, active, 1, "dispatch");
-  OnDevice on(device_);
-  order_->before(stream);
-  ht::launch_dispatch(a, blocks, stream);
-  order_->after(stream);
+  ordered(stream, [&] { ht::launch_dispatch(a, blocks, stream); });
 }
 
 void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
                          int blocks, cudaStream_t stream) {
   // (The combine kernel has no last block: its counter is unused.)
   a.h = common(seq, timeout_ns, active, 1, "combine");
-  OnDevice on(device_);
-  order_->before(stream);
-  ht::launch_combine(a, blocks, stream);
-  order_->after(stream);
+  ordered(stream, [&] { ht::launch_combine(a, blocks, stream); });
 }
 
 }  // namespace mooncake

@@ -99,6 +99,14 @@ class EpHtBuffer {
  private:
   kernels::ep_ht::HtCommon common(uint64_t seq, int64_t timeout_ns, int32_t* active, int counter,
                                   const char* what) const;
+  // `launch()` on `stream` after the last call, on this device.
+  template <typename Launch>
+  void ordered(cudaStream_t stream, Launch&& launch) {
+    OnDevice on(device_);
+    order_->before(stream);
+    launch();
+    order_->after(stream);
+  }
 
   const int device_;
   const int64_t rank_;
