@@ -417,12 +417,15 @@ class ThroughputDevice:
         plan = self.ext.layout(topk, active, T, E, alignment, bool(do_expand), sig, seq,
                                self._ns(buf._cpu_timeout_us), blocks)  # fmt: skip
         rows, expanded = R * T, 0
+        padded_list: list[int] = []
         if do_cpu_sync:
             # Exact sizes from the layout pass's counts (the one sync before the data
             # moves): the worst case, R * T rows, is R times the memory at prefill sizes.
-            head = plan.words[:2].cpu()
+            # Alone, they are final (no source to drop while rows stream in).
+            head = plan.words[: 4 + epr if R == 1 else 2].cpu()
             rows = int(head[0])
             expanded = int(head[1]) if do_expand else 0
+            padded_list = head[4:].tolist()
         elif do_expand:
             expanded = padded_rows(rows, K, epr, alignment)
         recv_x, recv_sf, recv_idx, recv_w = self.ext.dispatch(
@@ -430,19 +433,20 @@ class ThroughputDevice:
             self._ns(buf._gpu_timeout_us), blocks,
         )  # fmt: skip
         metadata = plan.metadata
-        padded_list: list[int] = []
         if do_cpu_sync:
-            # The counts as the kernels left them (a receiver may have dropped a source
-            # that failed while its rows streamed in): outputs trimmed to them.
-            head = plan.words[: 4 + epr].cpu()
-            rows, padded_list = int(head[0]), head[4:].tolist()
+            if R > 1:
+                # The counts as the kernels left them (a receiver may have dropped a source
+                # that failed while its rows streamed in): outputs trimmed to them.
+                head = plan.words[: 4 + epr].cpu()
+                rows, padded_list = int(head[0]), head[4:].tolist()
+                expanded = int(head[1]) if do_expand else 0
+            # (Alone, the layout pass's reports are in: its counts were read after it.)
             self._settle(buf)
             code = self.ext.status_code()
             if code and code != pg._ext.EP_STATUS_SILENT_PEER:
                 self.ext.raise_reported("dispatch")
             recv_idx, metadata = recv_idx[:rows], metadata[:rows]
             if do_expand:
-                expanded = int(head[1])
                 recv_x, recv_sf, recv_w = recv_x[:expanded], recv_sf[:expanded], recv_w[:expanded]
             else:
                 recv_x, recv_sf, recv_w = recv_x[:rows], recv_sf[:rows], recv_w[:rows]
