@@ -1,4 +1,4 @@
-"""Where an ElasticBuffer device-path call spends its time, on one GPU (world 1).
+"""Where an ElasticBuffer device-path call spends its time, on one GPU.
 
 For the people cutting the host cost of ``mooncake/ep/throughput_device.py`` and the
 binding (``src/torch/ep_ht_device.cc``): ``bench_elastic_buffer.py`` times a call on an
@@ -9,13 +9,14 @@ times the copy floor. Three views split it:
   ``layout`` and ``dispatch`` alone to the whole ``ElasticBuffer.dispatch`` (CPU sync,
   no sync, cached) and ``combine`` (calls back to back, the device synchronised every few
   calls so its queue never fills); and the same calls back to back as the device sees them
-  (max(host, device) per call);
+  (max(host, device) per call); with ``--world`` above 1 (processes sharing the GPU,
+  under MPS) the whole calls only, each rank's figures (every rank calls alike);
 - device: every kernel's own duration, from the CUDA profiler;
 - Python: the functions and binding calls a CPU-sync dispatch and a combine spend their
   host time in (cProfile, by own time: a binding call or a ``.cpu()`` that waits for the
   device shows as a builtin method).
 
-    python3 bench/profile_elastic_buffer.py [--tokens 512,4096] [--hidden 7168]
+    python3 bench/profile_elastic_buffer.py [--world 1] [--tokens 512,4096] [--hidden 7168]
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
                 dev.max_blocks,
             )  # fmt: skip
 
+        # The binding's calls alone at world 1 only: with peers a layout pass without its
+        # dispatch would leave theirs waiting.
+        bare = {"ext.layout": layout, "ext.layout + ext.dispatch": layout_dispatch}
         calls = {
-            "ext.layout": layout,
-            "ext.layout + ext.dispatch": layout_dispatch,
+            **(bare if world == 1 else {}),
             "dispatch, CPU sync": lambda x=x, idx=idx, w=w: eb.dispatch(x, idx, w, num_experts=E),
             "dispatch, no sync": lambda x=x, idx=idx, w=w: eb.dispatch(
                 x, idx, w, num_experts=E, do_cpu_sync=False
@@ -131,6 +134,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="512,4096", help="tokens per call, comma-separated")
+    p.add_argument("--world", type=int, default=1, help="processes on the GPU (MPS above 1)")
     add_shape_args(p)
     a = p.parse_args(argv)
     status = harness.no_gpu_status("profile_elastic_buffer", a.if_gpu)
@@ -140,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
 
     tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     cfg = {"tokens": tokens, "H": a.hidden, "E": a.experts, "K": a.topk}
-    res = run_local(member, 1, args=(cfg,), timeout_s=240)[0]  # within the step's 300 s
+    ranks = run_local(member, a.world, args=(cfg,), timeout_s=240)  # within the step's 300 s
+    res = ranks[0] if a.world == 1 else {"world": a.world, "ranks": ranks}
     print(json.dumps(res, indent=1))
     if a.out:
         harness.write_json(a.out, res)
-    return 1 if "error" in res else 0
+    return 1 if any("error" in r for r in ranks) else 0
 
 
 if __name__ == "__main__":

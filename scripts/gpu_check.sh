@@ -51,7 +51,8 @@
 #            with an elastic one of capacity 8 (MPS);
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   ebprof:  bench/profile_elastic_buffer.py: the same for the ElasticBuffer's device path at
-#            world 1 (T=512 and 4096), with the Python functions its host time goes to;
+#            world 1 (T=512 and 4096), with the Python functions its host time goes to, then
+#            at 2 processes under MPS (whole calls);
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
@@ -431,6 +432,10 @@ if gpu_wants ebprof; then
   mkdir -p "$OUT/bench"
   timeout 300 "$PY" bench/profile_elastic_buffer.py --out "$OUT/bench/eb_profile.json" 2>&1 |
     tee "$OUT/eb_profile.log" | tail -80 || status=1
+  start_mps
+  timeout 300 "$PY" bench/profile_elastic_buffer.py --world 2 --out "$OUT/bench/eb_profile_w2.json" \
+    >"$OUT/eb_profile_w2.log" 2>&1 || status=1
+  stop_mps
 fi
 
 # Not in the default steps: Nsight Compute over a few warm dispatch and combine
