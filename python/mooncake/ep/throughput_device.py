@@ -446,10 +446,13 @@ class ThroughputDevice:
             if code and code != pg._ext.EP_STATUS_SILENT_PEER:
                 self.ext.raise_reported("dispatch")
             recv_idx, metadata = recv_idx[:rows], metadata[:rows]
-            if do_expand:
-                recv_x, recv_sf, recv_w = recv_x[:expanded], recv_sf[:expanded], recv_w[:expanded]
-            else:
-                recv_x, recv_sf, recv_w = recv_x[:rows], recv_sf[:rows], recv_w[:rows]
+            # (each slice is a torch op: the absent outputs, empty, are left as they are)
+            end = expanded if do_expand else rows
+            recv_x = recv_x[:end]
+            if scales is not None:
+                recv_sf = recv_sf[:end]
+            if weights is not None:
+                recv_w = recv_w[:end]
         else:
             self._settle(buf)
         dplan = DevicePlan(
