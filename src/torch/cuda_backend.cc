@@ -265,10 +265,10 @@ at::Tensor contiguous_out(const DirectCall& call) {
 
 // Queues `call` on `stream` (the current one) and, on it, the copies of its
 // results into the user's tensors where they were not the kernel's output.
-// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`
-// (never with `queued`: the op queue's first call sets the kernels up): the
-// group has one rank, where every op is the identity: no kernel (as NCCL does
-// there), a copy where the output is not the input.
+// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
+// the group has one rank, where every op is the identity: no kernel, a copy
+// where the output is not the input (by the op queue only past the kernels'
+// bound, after direct_prepare; below it the queue's call sets them up).
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
@@ -383,20 +383,25 @@ bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) 
   } catch (const Error&) {
     return false;
   }
-  if (coll_->direct_serves(op, timeout_ms())) return true;
   // Alone, an op of any size is a local copy (run_direct's `alone`).
-  return size_ == 1 && coll_->direct_alone(timeout_ms());
+  return coll_->direct_serves(op, timeout_ms()) || alone();
 }
 
-bool MooncakeCudaBackend::direct_now() const {
+bool MooncakeCudaBackend::alone() {
+  // (A world of one with spare slots is not: a rank that joins past the world
+  // size takes part in its ops, through the plane or staging.)
+  return size_ == 1 && coll_ && coll_->direct_alone(timeout_ms());
+}
+
+bool MooncakeCudaBackend::direct_now() {
   // recovers() first: in the default mode no stream query on the hot path
   // (direct_run asks capturing() itself). Alone, no failure to recover from.
-  return size_ == 1 || coll_->recovers() || capturing();
+  return coll_->recovers() || alone() || capturing();
 }
 
-bool MooncakeCudaBackend::rooted_now() const {
+bool MooncakeCudaBackend::rooted_now() {
   // Alone, no root can fail and no other rank's list differs: eagerly too.
-  return size_ == 1 || capturing();
+  return alone() || capturing();
 }
 
 bool MooncakeCudaBackend::capturing() const {

@@ -209,16 +209,19 @@ class MooncakeCudaBackend final : public MooncakeBackend {
                                             std::vector<at::Tensor> results, int64_t timeout);
   // Whether the caller's current stream is capturing a CUDA graph.
   bool capturing() const;
+  // Whether the group is this rank alone, with no slot for another to join
+  // and the kernels on (DeviceCollectives::direct_alone).
+  bool alone();
   // Whether the ops the kernels take under capture only (the rooted ops, the
   // list forms, split sizes) take them now: under capture, and always alone.
-  bool rooted_now() const;
+  bool rooted_now();
   // Whether an op the kernels serve takes them now, where it may also take
   // the device plane: under capture, and eagerly when the group re-runs its
   // ops among the survivors of a failure (the default), whose results the
   // kernels give. A group whose ops fail instead (auto_deactivate_on_failure
   // or auto_sync_on_failure False, MOONCAKE_RECOVER=0) takes the plane
-  // eagerly, which raises PeerFailedError.
-  bool direct_now() const;
+  // eagerly, which raises PeerFailedError (alone: no failure to meet).
+  bool direct_now();
   // Whether the collective this backend queued last has finished its host
   // part, its results' copies queued (then a launch on the caller's stream
   // goes in order with it, once the stream waits for those: join_queued).
