@@ -440,7 +440,9 @@ class ThroughputDevice:
                 head = plan.words[: 4 + epr].cpu()
                 rows, padded_list = int(head[0]), head[4:].tolist()
                 expanded = int(head[1]) if do_expand else 0
-            # (Alone, the layout pass's reports are in: its counts were read after it.)
+            # (Alone, the layout pass's reports are in, as its counts were read after it;
+            # the dispatch kernel's own, which alone would mean corrupt state, come with
+            # the next call.)
             self._settle(buf)
             code = self.ext.status_code()
             if code and code != pg._ext.EP_STATUS_SILENT_PEER:
