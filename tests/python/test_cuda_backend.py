@@ -439,6 +439,28 @@ def op_paths(ctx):
     expect("CPU all_reduce", lambda: dist.all_reduce(torch.ones(n)), (0, 0, 0))
 
 
+def spare_slots(ctx):
+    """A group with a slot to spare (max_group_size one past the world size) is never alone,
+    at world 1 either: a rank may join past the world size and take part. Eagerly its 4 KiB
+    all_reduce takes the kernels, its 4 KiB broadcast and 16 MiB all_reduce the device
+    plane, as at any world."""
+    from mooncake import pg
+
+    world = ctx.world_size
+    opts = pg.MooncakeBackendOptions(torch.ones(world + 1, dtype=torch.int32), False, world + 1)
+    g = dist.new_group(list(range(world)), pg_options=opts)
+    small = torch.ones(1024, device="cuda")
+    got = _paths(lambda: dist.all_reduce(small, group=g), g, direct=True)
+    ctx.expect(got == DIRECT, f"4 KiB all_reduce with a spare slot: {got}")
+    got = _paths(lambda: dist.broadcast(small, 0, group=g), g, direct=True)
+    ctx.expect(got == PLANE, f"4 KiB broadcast with a spare slot: {got}")
+    big = torch.ones(4 << 20, device="cuda")
+    got = _paths(lambda: dist.all_reduce(big, group=g), g, direct=True)
+    ctx.expect(got == PLANE, f"16 MiB all_reduce with a spare slot: {got}")
+    ctx.expect(bool((big == world).all()), "16 MiB all_reduce with a spare slot: its result")
+    dist.destroy_process_group(g)
+
+
 def _capture_raises(ctx, fn, *match) -> None:
     """``fn()`` under CUDA graph capture raises ValueError matching ``match``, and the
     capture ends cleanly."""
@@ -1440,6 +1462,7 @@ def cases(world: int) -> list[Case]:
         Case("direct_matches_host_ops", direct_matches_host_ops),
         Case("direct_matches_host_captured", direct_matches_host_captured),
         Case("graph_replay", graph_replay),
+        Case("spare_slots", spare_slots),
         Case("big", big),
         Case("beyond_segment", beyond_segment),
     ]
