@@ -11,7 +11,7 @@ ranks a step covered, a stopped rank masked before the hang limit or at the dead
 or any masking in the healthy run makes the program exit non-zero.
 
 Scenarios (all of them unless some are named: ``--kill``, ``--stop``, ``--healthy``,
-``--allreduce``):
+``--allreduce``, ``--graph``):
 
 * ``kill``: per world size and ``timeout_us``, ``--kills`` kill -9 of a random rank
   (rank 0 included) per mode of ``--modes``: ``between`` two EP steps (after a barrier,
@@ -36,11 +36,17 @@ Scenarios (all of them unless some are named: ``--kill``, ``--stop``, ``--health
   ``--ar-mib`` MiB float32 all_reduce (the victim issues it, waits a random share of
   the op's usual time, then dies): **kill -> all_reduce returned** on the slowest
   survivor; the result must cover all ranks or the survivors, alike on every survivor.
+* ``graph`` (CUDA only): ``--ar-world`` processes, ``--kills`` kill -9 of a random rank
+  between replays of a ``--graph-kib`` KiB all_reduce captured in a CUDA graph (the
+  device-driven kernels): the survivors replay at once, with no eager call first, and
+  their replay meets the lost rank: **kill -> replay returned** on the slowest survivor;
+  the result must cover exactly the survivors. Then an eager call sets the kernels up
+  among them, the old graph serves again, and a replacement captures its own.
 
 Every step's time is also shown at full strength (``step``), for comparison. A row
 gives the median and p99 (nearest rank: with fewer than 100 values, the maximum) over
 the faults. Targets (issue 39, the GPU): kill -> next EP step <= 20 ms p99, kill inside
-a 64 MiB all_reduce <= 50 ms p99; shown, not fatal. JSON and a Markdown table go to
+a 64 MiB all_reduce or before a captured one's replay <= 50 ms p99; shown, not fatal. JSON and a Markdown table go to
 ``--out-dir`` (``ep_failover.json``, ``ep_failover_table.md``).
 
 Under MPS a process killed while its kernel runs makes the MPS server fail every client
@@ -69,8 +75,8 @@ HERE = Path(__file__).resolve().parent
 # The rank code and the model live with the tests (shared, not copied).
 sys.path.insert(0, str(HERE.parent / "tests" / "python" / "support"))
 
-SCENARIOS = ("kill", "stop", "healthy", "allreduce")
-TARGETS_MS = {"kill": 20.0, "allreduce": 50.0}  # p99, issue 39 (the GPU)
+SCENARIOS = ("kill", "stop", "healthy", "allreduce", "graph")
+TARGETS_MS = {"kill": 20.0, "allreduce": 50.0, "graph": 50.0}  # p99, issue 39 (the GPU)
 
 
 # --- plans ---------------------------------------------------------------------------------
@@ -103,6 +109,16 @@ def ar_cycles(seed: int, world: int, kills: int) -> list[dict]:
         }
         for k in range(kills)
     ]
+
+
+def graph_cycles(seed: int, world: int, kills: int) -> list[dict]:
+    """Kills between replays of the captured all_reduce, rank 0 first."""
+    rng = random.Random(seed)
+    return [
+        {"victim": 0 if k == 0 else rng.randrange(world), "fault": "kill", "where": "between",
+         "frac": 0.5}
+        for k in range(kills)
+    ]  # fmt: skip
 
 
 def launch_budget(plan: dict, device: str) -> float:
@@ -157,7 +173,16 @@ def rows_of(launch: dict) -> list[dict]:
     if not faults and not launch.get("healthy"):
         return []  # not run, or ended before its first fault (its problems say why)
     groups = []
-    if launch["scenario"] == "allreduce":
+    if launch["scenario"] == "graph":
+        kib = launch["ar_bytes"] >> 10
+        groups += [
+            ("graph", faults, [(f"kill → survivors' replay of a captured {kib} KiB all_reduce "
+                                "returned", "next_ms", TARGETS_MS["graph"]),
+                               (f"{kib} KiB all_reduce replay at full strength", "step_ms", None),
+                               ("kill → replacement joined → first full replay", "full_ms",
+                                None)]),
+        ]  # fmt: skip
+    elif launch["scenario"] == "allreduce":
         mib = launch["ar_mib"]
         # A kill that landed after the victim's part was in leaves nothing to recover
         # from (the survivors' sum counts it): not a sample of the target, shown apart.
@@ -295,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ar-world", type=int, default=4)
     p.add_argument("--ar-mib", type=int, default=64)
     p.add_argument("--ar-kills", type=int, default=None, help="(default: --kills; 0: none)")
+    p.add_argument("--graph-kib", type=int, default=4, help="the captured all_reduce's KiB")
     p.add_argument("--tokens", type=int, default=0, help="T per rank (0: 64 on cuda, 16 on cpu)")
     p.add_argument(
         "--hidden", type=int, default=0, help="H, a multiple of 128 (0: 2048 on cuda, 512 on cpu)"
@@ -353,6 +379,7 @@ def run_launch(scenario: str, plan: dict, env: dict, args) -> dict:
         "timeout_us": plan["timeout_us"],
         "hang_ms": plan["hang_ms"],
         "ar_mib": plan["ar_bytes"] >> 20,
+        "ar_bytes": plan["ar_bytes"],
         "cycles": plan["cycles"],
         "faults": fault_times(o),
         "error": o.error,
@@ -386,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     args.t_start = time.monotonic()
     # `timeout` sends SIGTERM: leave through the launch's cleanup, which kills its ranks.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    chosen = [s for s in SCENARIOS if getattr(args, s)] or list(SCENARIOS)
+    named = [s for s in SCENARIOS if getattr(args, s)]
+    chosen = named or [s for s in SCENARIOS if s != "graph" or args.device == "cuda"]
+    if "graph" in chosen and args.device != "cuda":
+        parser.error("--graph: CUDA graphs need --device cuda")
     modes = [m for m in args.modes.split(",") if m]
     if any(m not in ("between", "inside") for m in modes):
         parser.error(f"--modes: between and/or inside, not {args.modes!r}")
@@ -434,6 +464,19 @@ def main(argv: list[str] | None = None) -> int:
             **common,
         )
         todo.append(("allreduce", plan))
+    if "graph" in chosen and kills > 0:
+        plan = make_plan(
+            args.device,
+            args.ar_world,
+            graph_cycles(args.seed + 1, args.ar_world, kills),
+            measure="graph",
+            ar_bytes=args.graph_kib << 10,
+            timeout_us=-1,
+            seed=args.seed,
+            label="failover-graph",
+            **common,
+        )
+        todo.append(("graph", plan))
     for world in worlds:
         for tmo in harness.csv_ints(args.timeouts_us):
             kills = args.kills if "kill" in chosen else 0

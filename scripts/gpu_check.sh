@@ -58,7 +58,8 @@
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS);
 #   epfail:  bench/bench_ep_failover.py at EPFAIL_WORLDS (4) processes: kills between EP
-#            steps, SIGSTOPs and a busy rank under MPS, then kills inside a dispatch and
+#            steps and between replays of a captured all_reduce, SIGSTOPs and a busy rank
+#            under MPS, then kills inside a dispatch and
 #            inside a 64 MiB all_reduce without it (MPS fails every client when a process
 #            dies inside a kernel); EPFAIL_KILLS (3) kills per mode, world and timeout,
 #            EPFAIL_STOPS (1), EPFAIL_HEALTHY_STEPS (60), EPFAIL_ARGS: more arguments
@@ -536,9 +537,9 @@ if gpu_wants epfail; then
   # World 4 by default (EPFAIL_WORLDS=4,8 adds 8): each half's launches past its time
   # limit are not run, which the JSON says.
   EPFAIL=(--device cuda --worlds "${EPFAIL_WORLDS:-4}" --kills "${EPFAIL_KILLS:-3}" --time-limit "$EPFAIL_S")
-  step "EP failover: kills between steps, stops, a busy rank (MPS)"
+  step "EP failover: kills between steps and between graph replays, stops, a busy rank (MPS)"
   start_mps
-  timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --stop \
+  timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --graph --stop \
     --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-60}" ${EPFAIL_ARGS:-} \
     --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
   stop_mps

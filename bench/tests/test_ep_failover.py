@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_ep_failover as bench  # noqa: E402
@@ -28,6 +30,28 @@ def test_ar_cycles_kill_inside_at_a_share_of_the_op():
     assert len(cycles) == 5 and cycles[0]["victim"] == 0
     assert all(c["fault"] == "kill" and c["where"] == "inside" for c in cycles)
     assert all(0.05 <= c["frac"] <= 0.9 for c in cycles)
+
+
+def test_graph_cycles_kill_between_replays_and_need_cuda():
+    cycles = bench.graph_cycles(3, 4, 4)
+    assert len(cycles) == 4 and cycles[0]["victim"] == 0
+    assert all(c["fault"] == "kill" and c["where"] == "between" for c in cycles)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--graph"])
+
+
+def test_graph_rows_name_the_replay_and_its_target():
+    faults = [
+        _fault(0, "kill", "between", 0, 4.0, full_ms=300.0, step_ms=0.02),
+        _fault(1, "kill", "between", 3, 80.0, full_ms=320.0, step_ms=0.02),
+    ]
+    launch = {"scenario": "graph", "world": 4, "timeout_us": -1, "hang_ms": 2000,
+              "ar_bytes": 4096, "faults": faults}  # fmt: skip
+    rows = {r["measure"]: r for r in bench.rows_of(launch)}
+    kill = rows["kill → survivors' replay of a captured 4 KiB all_reduce returned"]
+    assert (kill["n"], kill["p99_ms"], kill["rank0"]) == (2, 80.0, 1)
+    assert kill["target_ms"] == bench.TARGETS_MS["graph"] and kill["met"] is False
+    assert rows["kill → replacement joined → first full replay"]["median_ms"] == 310.0
 
 
 def _fault(c, fault, where, victim, next_ms, **kw):

@@ -188,12 +188,16 @@ class Process:
         if self.device.type == "cuda":  # one GPU per process where there are enough
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
 
-    def measured(self, tag: str, alive, must_drop=None, may_drop=(), old=None, fp8=None) -> dict:
+    def measured(self, tag: str, alive, must_drop=None, may_drop=(), old=None, fp8=None,
+                 warm=True) -> dict:  # fmt: skip
         """The plan's measured op: an EP dispatch + combine (``fp8``: its dtype, default
-        the plan's) or a 64 MiB all_reduce, timed and checked."""
+        the plan's), a 64 MiB all_reduce, or a replay of a captured all_reduce (``warm``:
+        after an eager one), timed and checked."""
         plan = self.plan
         if plan["measure"] == "ar":
             return self.steps.big_all_reduce(tag, plan["ar_bytes"], alive, old=old)
+        if plan["measure"] == "graph":
+            return self.steps.graph_all_reduce(tag, plan["ar_bytes"], alive, warm=warm)
         fp8 = plan["fp8"] if fp8 is None else fp8
         return self.steps.ep(tag, fp8, may_drop=may_drop, must_drop=must_drop)
 
@@ -253,8 +257,8 @@ class Process:
             rec = self.measured(f"c{c}/fault", alive)
         elif where == "inside":
             rec = self.measured(f"c{c}/fault", alive, may_drop=(v,), old=everyone)
-        else:
-            rec = self.measured(f"c{c}/fault", alive, must_drop=(v,))
+        else:  # (a replay meets the lost rank itself: no eager call first)
+            rec = self.measured(f"c{c}/fault", alive, must_drop=(v,), warm=False)
         self.add(rec, c=c, phase="fault")
         if replaced and rec.get("ranks") is not None and plan["measure"] == "ep":
             # The combine, at the latest, masks the victim (an inside kill may let its

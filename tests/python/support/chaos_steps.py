@@ -117,6 +117,8 @@ class Steps:
         self.ops = Ops(rank, world, active, device=self.device.type)
         self.buf = None
         self.eep = None
+        self._graph = None  # graph_all_reduce's CUDA graph and its tensor
+        self._graph_x = None
         ElasticRound.device = self.device.type  # the elastic rounds' tensors
 
     # --- the buffers ---------------------------------------------------------------------
@@ -318,6 +320,43 @@ class Steps:
             )
         ranks = [int(mask >> q & 1) for q in range(self.world)] if mask is not None else None
         return self._record(tag, "ar_64m", t0, t1, ranks=ranks)
+
+    def graph_all_reduce(self, tag: str, nbytes: int, alive, warm: bool = True) -> dict:
+        """A float32 all_reduce of ``nbytes`` (at most the device-driven kernels' bound)
+        captured in a CUDA graph on this process's first call and replayed, rank ``r``
+        contributing ``2**r``: the sum must be uniform and cover exactly ``alive``.
+        ``warm``: an eager all_reduce of the graph's tensor first, on every rank alike (it
+        sets the kernels up again after the group's ranks changed, as a replay needs);
+        without it (the step right after a kill) the replay itself meets the lost rank."""
+        n = nbytes // 4
+        first = self._graph is None
+        if first:
+            self._graph_x = torch.zeros(n, dtype=torch.float32, device=self.device)
+        x = self._graph_x
+        if warm or first:
+            dist.all_reduce(x)
+            sync(self.device)
+        if first:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                dist.all_reduce(x)
+            self._graph = graph
+        x.fill_(float(1 << self.rank))
+        sync(self.device)
+        t0 = now()
+        self._graph.replay()
+        sync(self.device)
+        t1 = now()
+        lo, hi = float(x.min()), float(x.max())
+        mask = int(lo) if lo == hi and lo == int(lo) else None
+        if mask is None:
+            self.chk.fail(f"{tag}: replayed all_reduce not uniform ({lo} .. {hi})")
+        elif mask != bits(alive):
+            self.chk.fail(
+                f"{tag}: replayed all_reduce covered {ranks_of(mask)}, want {sorted(alive)}"
+            )
+        ranks = [int(mask >> q & 1) for q in range(self.world)] if mask is not None else None
+        return self._record(tag, "graph_ar", t0, t1, ranks=ranks)
 
     # --- records -------------------------------------------------------------------------
 
