@@ -450,33 +450,25 @@ def main(argv: list[str] | None = None) -> int:
     # which a --time-limit spent on the EP launches would leave unmeasured.
     todo = []
     kills = args.kills if args.ar_kills is None else args.ar_kills
-    if "allreduce" in chosen and kills > 0:
-        cycles = ar_cycles(args.seed, args.ar_world, kills)
-        plan = make_plan(
-            args.device,
-            args.ar_world,
-            cycles,
-            measure="ar",
-            ar_bytes=args.ar_mib << 20,
-            timeout_us=-1,
-            seed=args.seed,
-            label="failover-ar",
-            **common,
-        )
-        todo.append(("allreduce", plan))
-    if "graph" in chosen and kills > 0:
-        plan = make_plan(
-            args.device,
-            args.ar_world,
-            graph_cycles(args.seed + 1, args.ar_world, kills),
-            measure="graph",
-            ar_bytes=args.graph_kib << 10,
-            timeout_us=-1,
-            seed=args.seed,
-            label="failover-graph",
-            **common,
-        )
-        todo.append(("graph", plan))
+    # (scenario, measure, its cycles, the all_reduce's bytes)
+    ar_like = (
+        ("allreduce", "ar", ar_cycles(args.seed, args.ar_world, kills), args.ar_mib << 20),
+        ("graph", "graph", graph_cycles(args.seed + 1, args.ar_world, kills), args.graph_kib << 10),
+    )
+    for scenario, measure, cycles, nbytes in ar_like:
+        if scenario in chosen and kills > 0:
+            plan = make_plan(
+                args.device,
+                args.ar_world,
+                cycles,
+                measure=measure,
+                ar_bytes=nbytes,
+                timeout_us=-1,
+                seed=args.seed,
+                label=f"failover-{measure}",
+                **common,
+            )
+            todo.append((scenario, plan))
     for world in worlds:
         for tmo in harness.csv_ints(args.timeouts_us):
             kills = args.kills if "kill" in chosen else 0
