@@ -421,6 +421,13 @@ bool DeviceCollectives::direct_serves(const DirectOp& op, int64_t timeout_ms) {
   return serves(std::nullopt, timeout_ms);
 }
 
+size_t DeviceCollectives::direct_chunk(const DirectOp& op) const {
+  const size_t parts = kernels::direct_in_parts(op.kind, comm_.size(), true);
+  const size_t n = std::min(direct_max_bytes() / (parts * dtype_size(op.dtype)),
+                            static_cast<size_t>(kernels::kDirectMaxCount - 1));
+  return n / 16 * 16;  // each chunk's pointers as aligned as the first's
+}
+
 bool DeviceCollectives::direct_alone(int64_t timeout_ms) {
   // No slot to spare either: a rank that joined past the world size takes part.
   return comm_.size() == 1 && comm_.capacity() == 1 && direct_max_bytes() > 0 &&

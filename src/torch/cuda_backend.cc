@@ -269,11 +269,30 @@ at::Tensor contiguous_out(const DirectCall& call) {
 // the group has one rank, where every op is the identity: no kernel, a copy
 // where the output is not the input (by the op queue only past the kernels'
 // bound, after direct_prepare; below it the queue's call sets them up).
+// `op` as launches of at most `chunk` elements (0: one launch), each the same
+// offset into the input and the output (single-part kinds), every rank
+// cutting alike; a rejected call takes part in each without data.
+void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, cudaStream_t stream,
+                   int64_t timeout, const char* reject, bool queued) {
+  if (chunk == 0 || op.count <= chunk) {
+    c.direct(op, stream, timeout, reject, queued);
+    return;
+  }
+  const size_t esize = dtype_size(op.dtype);
+  for (size_t first = 0; first < op.count; first += chunk) {
+    DirectOps::Op piece = op;
+    piece.count = std::min(chunk, op.count - first);
+    if (op.in != nullptr) piece.in = static_cast<const uint8_t*>(op.in) + first * esize;
+    if (op.out != nullptr) piece.out = static_cast<uint8_t*>(op.out) + first * esize;
+    c.direct(piece, stream, timeout, reject, queued);
+  }
+}
+
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
   if (!call.reject.empty()) {
-    if (!alone) c.direct(op, stream, timeout, call.reject.c_str(), queued);
+    if (!alone) launch_pieces(c, op, call.chunk, stream, timeout, call.reject.c_str(), queued);
     return;
   }
   const at::Tensor out = contiguous_out(call);
@@ -290,7 +309,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
                           cudaMemcpyDeviceToDevice, stream),
           "copying a one-rank collective's input");
   } else {
-    c.direct(op, stream, timeout, nullptr, queued);
+    launch_pieces(c, op, call.chunk, stream, timeout, nullptr, queued);
   }
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
   for (size_t p = 0; p < call.outs.size(); ++p) {
@@ -385,6 +404,15 @@ bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) 
   }
   // Alone, an op of any size is a local copy (run_direct's `alone`).
   return coll_->direct_serves(op, timeout_ms()) || alone();
+}
+
+size_t MooncakeCudaBackend::capture_chunk(DirectOps::Op& op, const at::Tensor& t) {
+  if (size_ == 1 || !capturing()) return 0;  // (alone any size is served whole)
+  DirectOps::Op one = op;
+  one.count = 1;
+  if (!direct_branch(one, t)) return 0;
+  op.dtype = one.dtype;
+  return coll_->direct_chunk(op);
 }
 
 bool MooncakeCudaBackend::alone() {
@@ -517,12 +545,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kBroadcast, elems(t), root);
     if (direct_branch(op, t)) warm = op;
-    if (warm && rooted_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, t);
+    if ((warm && rooted_now()) || chunk > 0) {
       DirectCall call{op,
                       rank_ == root ? t : at::Tensor(),
                       t,
                       {},
-                      wrong_device("broadcast", "tensor", device_, {t})};
+                      wrong_device("broadcast", "tensor", device_, {t}),
+                      chunk};
       return direct_run("broadcast", c10d::OpType::BROADCAST, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }
@@ -557,9 +587,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kAllReduce, elems(t));
     if (direct_branch(op, t)) warm = op;
-    if (warm && direct_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, t);
+    if ((warm && direct_now()) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, t, "all_reduce");
-      DirectCall call{op, t, t, {}, wrong_device("all_reduce", "tensor", device_, {t})};
+      DirectCall call{op, t, t, {}, wrong_device("all_reduce", "tensor", device_, {t}), chunk};
       return direct_run("all_reduce", c10d::OpType::ALLREDUCE, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }
@@ -628,13 +659,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kReduce, elems(t), root);
     if (direct_branch(op, t)) warm = op;
-    if (warm && rooted_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, t);
+    if ((warm && rooted_now()) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, t, "reduce");
       DirectCall call{op,
                       t,
                       rank_ == root ? t : at::Tensor(),
                       {},
-                      wrong_device("reduce", "tensor", device_, {t})};
+                      wrong_device("reduce", "tensor", device_, {t}),
+                      chunk};
       return direct_run("reduce", c10d::OpType::REDUCE, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }

@@ -385,9 +385,10 @@ class Staging {
     MC_CHECK_ARG(capture == cudaStreamCaptureStatusNone, op_,
                  ": cannot run under CUDA graph capture: of backend mooncake's ops, the "
                  "collectives its device-driven kernels serve can be captured (every rank on "
-                 "one host, inputs up to MOONCAKE_CUDA_DIRECT_BYTES, all_to_all with parts of "
-                 "one size); point-to-point ops, barrier and larger collectives cannot; call it "
-                 "outside the captured region");
+                 "one host: inputs up to MOONCAKE_CUDA_DIRECT_BYTES, all_reduce, reduce and "
+                 "broadcast of any size, all_to_all with parts of one size); point-to-point "
+                 "ops, barrier and other larger collectives cannot; call it outside the "
+                 "captured region");
     auto ready = make_event(false);
     ready->record(caller);
     ready->block(*b_.stream_);

@@ -461,6 +461,13 @@ def spare_slots(ctx):
     dist.destroy_process_group(g)
 
 
+def _capture_all(graph, calls) -> None:
+    """Each of ``calls`` captured, in order, in ``graph``."""
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+
+
 def _capture_raises(ctx, fn, *match) -> None:
     """``fn()`` under CUDA graph capture raises ValueError matching ``match``, and the
     capture ends cleanly."""
@@ -589,22 +596,28 @@ def graph_capture(ctx):
     rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
     got = _paths(lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small), small, True)
     ctx.expect(got in past, f"reduce_scatter_tensor past a 4 KiB bound: {got}")
-    past_bound = (
-        ("all_reduce", lambda: dist.all_reduce(over, group=small)),
-        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small)),
-    )
-    for name, fn in past_bound if world > 1 else ():
-        _capture_raises(ctx, fn, name, NOT_CAPTURABLE, "MOONCAKE_CUDA_DIRECT_BYTES")
+    rs_past = lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small)  # noqa: E731
+    if world > 1:  # a part of several: not capturable past the bound
+        _capture_raises(
+            ctx, rs_past, "reduce_scatter_tensor", NOT_CAPTURABLE, "MOONCAKE_CUDA_DIRECT_BYTES"
+        )
+    # A single part (all_reduce) past the bound is captured as one launch per chunk of it
+    # (here 1,024 elements and 1); alone, everything past it is (a local copy).
+    g = torch.cuda.CUDAGraph()
+    got = _paths(
+        lambda: _capture_all(g, [lambda: dist.all_reduce(over, group=small)]
+                             + ([rs_past] if world == 1 else [])),
+        small,
+        direct=True,
+    )  # fmt: skip
+    ctx.expect(got == (1 + (world == 1), 0, 1 + (world == 1)), f"capture past the bound: {got}")
+    over.fill_(3.0)
+    rs_in.fill_(5.0)
+    rs_out.zero_()
+    g.replay()
+    want = torch.full((1025,), 3.0 * world)
+    ctx.expect_equal(over.cpu(), want, "replayed all_reduce past the bound, in chunks")
     if world == 1:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _, fn in past_bound:
-                fn()
-        over.fill_(3.0)
-        rs_in.fill_(5.0)
-        rs_out.zero_()
-        g.replay()
-        ctx.expect_equal(over.cpu(), torch.full((1025,), 3.0), "alone: all_reduce past the bound")
         ctx.expect_equal(rs_out.cpu(), torch.full((m,), 5.0), "alone: reduce_scatter past it")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -1304,7 +1317,8 @@ def _capture(g, static, grp) -> None:
 
 def big(ctx):
     """16 MiB of bf16 and 64 MiB of float32 all_reduce; a 16 MiB all_to_all_single: past
-    MOONCAKE_CUDA_DIRECT_BYTES, all on the host-driven device plane (alone, a local copy)."""
+    MOONCAKE_CUDA_DIRECT_BYTES, all on the host-driven device plane (alone, a local copy);
+    a 16 MiB all_reduce captured in a CUDA graph (one launch per chunk) and replayed."""
     past = _plane_or_alone(ctx.world_size)
     for dtype, n in ((torch.bfloat16, 8 << 20), (torch.float32, 16 << 20)):
         xs = ctx.inputs((n,), dtype)
@@ -1321,6 +1335,15 @@ def big(ctx):
     k = n // world
     want = torch.cat([xs[s][ctx.rank * k : (ctx.rank + 1) * k] for s in range(world)])
     ctx.expect_equal(out.cpu(), want, "all_to_all_single")
+    # Under capture a 16 MiB all_reduce goes as one launch per 8 MiB of it (one op counted).
+    xs = ctx.inputs((4 << 20,), torch.float32, tag="captured")
+    x = cuda(xs[ctx.rank])
+    g = torch.cuda.CUDAGraph()
+    got = _paths(lambda: _capture_all(g, [lambda: dist.all_reduce(x)]), direct=True)
+    ctx.expect(got == DIRECT, f"captured 16 MiB all_reduce: {got}")
+    x.copy_(cuda(xs[ctx.rank]))
+    g.replay()
+    ctx.expect_equal(x.cpu(), reduce_ref(xs, "SUM"), "replayed 16 MiB all_reduce")
 
 
 def beyond_segment(ctx):
