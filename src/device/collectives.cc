@@ -558,8 +558,15 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   OnDevice on(device_);
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
   if (!queued) {
-    // The caller polled and found the path ready, on this thread: a launch alone.
-    MC_ASSERT(direct_ready(), "a device-driven launch outside the op queue when not ready");
+    // The caller polled and found the path ready, on this thread: a launch
+    // alone. The view may change since (a peer's hint, another thread's
+    // setup), more likely between the launches of an op in pieces: an error
+    // of the call, not of the library.
+    if (!direct_ready())
+      throw_error(ErrorKind::kSystem, -1,
+                  "device-driven collectives: the group's ranks changed while an op was being "
+                  "launched on the caller's stream; call it again (under capture: capture "
+                  "again, after one eager call)");
   } else {
     direct_poll();
   }

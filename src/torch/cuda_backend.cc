@@ -271,7 +271,8 @@ at::Tensor contiguous_out(const DirectCall& call) {
 // bound, after direct_prepare; below it the queue's call sets them up).
 // `op` as launches of at most `chunk` elements (0: one launch), each the same
 // offset into the input and the output (single-part kinds), every rank
-// cutting alike; a rejected call takes part in each without data.
+// cutting alike. (Chunks come under capture only, where a rejected call
+// raises before it launches anything, as an unchunked one does.)
 void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, cudaStream_t stream,
                    int64_t timeout, const char* reject, bool queued) {
   if (chunk == 0 || op.count <= chunk) {
@@ -407,7 +408,7 @@ bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) 
 }
 
 size_t MooncakeCudaBackend::capture_chunk(DirectOps::Op& op, const at::Tensor& t) {
-  if (size_ == 1 || !capturing()) return 0;  // (alone any size is served whole)
+  if (!capturing() || alone()) return 0;  // (alone any size is served whole)
   DirectOps::Op one = op;
   one.count = 1;
   if (!direct_branch(one, t)) return 0;
