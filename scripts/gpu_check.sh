@@ -136,6 +136,8 @@ sanitize() {
   done
 }
 wants() { [[ "$STEPS" == *" $1 "* ]]; }
+# csv_count LIST: how many comma-separated items LIST has (launches to bound).
+csv_count() { echo "$1" | tr ',' ' ' | wc -w; }
 # run_upstream TITLE LOG_STEM TAIL SCRIPT ARGS...: SCRIPT with upstream Mooncake's package
 # (its wheel from .whl/, installed once into /tmp/upstream-site; its own PYTHONPATH, as both
 # packages are named mooncake), its log in $OUT/LOG_STEM.log; without the wheel, says so.
@@ -513,7 +515,7 @@ if gpu_wants epbench; then
   if [ -n "${EP_WORLDS-2,4,8}" ]; then
     step "EP device path: benchmark, ${EP_WORLDS-2,4,8} processes (MPS)"
     start_mps
-    n=$(echo "${EP_WORLDS-2,4,8}" | tr ',' ' ' | wc -w)
+    n=$(csv_count "${EP_WORLDS-2,4,8}")
     timeout $(( n * EPL + 60 )) "$PY" bench/bench_ep_device.py ${BENCH_EP_DEVICE_ARGS:-} \
       --worlds "${EP_WORLDS-2,4,8}" --launch-timeout "$EPL" --out-dir "$OUT/bench" 2>&1 \
       | tee -a "$OUT/bench_ep_device.log" | tail -40 || status=1
@@ -524,7 +526,7 @@ if gpu_wants epbench; then
   # show the cost (EP_WORLDS_NO_MPS="" skips it).
   if [ -n "${EP_WORLDS_NO_MPS-2}" ]; then
     step "EP device path: benchmark, ${EP_WORLDS_NO_MPS-2} processes (no MPS)"
-    n=$(echo "${EP_WORLDS_NO_MPS-2}" | tr ',' ' ' | wc -w)
+    n=$(csv_count "${EP_WORLDS_NO_MPS-2}")
     timeout $(( n * EPL + 60 )) "$PY" bench/bench_ep_device.py --experts 256 --iters 30 --warmup 3 \
       --worlds "${EP_WORLDS_NO_MPS-2}" --launch-timeout "$EPL" --out-dir "$OUT/bench" 2>&1 \
       | tee -a "$OUT/bench_ep_device.log" | tail -12 || status=1
