@@ -47,9 +47,7 @@ RelaxedCapture::~RelaxedCapture() {
   cudaThreadExchangeStreamCaptureMode(&previous_);
 }
 
-void check_capture_intact(cudaStream_t stream, const char* op) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cuda_check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+void check_capture_intact(cudaStreamCaptureStatus capture, const char* op) {
   MC_CHECK_ARG(capture != cudaStreamCaptureStatusInvalidated, op,
                ": the CUDA graph capture of the current stream was already invalidated before "
                "this call, by an earlier CUDA call made while it captured (a synchronize, an "

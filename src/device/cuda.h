@@ -52,11 +52,12 @@ class RelaxedCapture {
   cudaStreamCaptureMode previous_;
 };
 
-// `op` called on a stream whose capture was invalidated before the call (by a
-// sync, an allocation or a pageable copy made during it, from this thread or,
-// in global capture mode, another one): throws an argument error that says so,
-// as whatever the op did the capture ends in error.
-void check_capture_intact(cudaStream_t stream, const char* op);
+// `op` called on a stream whose capture status is `capture`: where the
+// capture was invalidated before the call (by a sync, an allocation or a
+// pageable copy made during it, from this thread or, in global capture mode,
+// another one), throws an argument error that says so, as whatever the op did
+// the capture ends in error.
+void check_capture_intact(cudaStreamCaptureStatus capture, const char* op);
 
 // From now on, every library thread that starts (core/thread.h) runs in
 // relaxed capture mode for its whole life: none of them captures, and any

@@ -263,12 +263,6 @@ at::Tensor contiguous_out(const DirectCall& call) {
                    call.outs[0].options());
 }
 
-// Queues `call` on `stream` (the current one) and, on it, the copies of its
-// results into the user's tensors where they were not the kernel's output.
-// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
-// the group has one rank, where every op is the identity: no kernel, a copy
-// where the output is not the input (by the op queue only past the kernels'
-// bound, after direct_prepare; below it the queue's call sets them up).
 // `op` as launches of at most `chunk` elements (0: one launch), each the same
 // offset into the input and the output (single-part kinds), every rank
 // cutting alike. (Chunks come under capture only, where a rejected call
@@ -289,6 +283,12 @@ void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, 
   }
 }
 
+// Queues `call` on `stream` (the current one) and, on it, the copies of its
+// results into the user's tensors where they were not the kernel's output.
+// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
+// the group has one rank, where every op is the identity: no kernel, a copy
+// where the output is not the input (by the op queue only past the kernels'
+// bound, after direct_prepare; below it the queue's call sets them up).
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
@@ -434,11 +434,15 @@ bool MooncakeCudaBackend::rooted_now() {
 }
 
 bool MooncakeCudaBackend::capturing() const {
-  if (device_ < 0) return false;
+  return capture_status() != cudaStreamCaptureStatusNone;
+}
+
+cudaStreamCaptureStatus MooncakeCudaBackend::capture_status() const {
+  if (device_ < 0) return cudaStreamCaptureStatusNone;
   const auto caller = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_));
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cuda_check(cudaStreamIsCapturing(caller.stream(), &capture), "cudaStreamIsCapturing");
-  return capture != cudaStreamCaptureStatusNone;
+  return capture;
 }
 
 void MooncakeCudaBackend::queued(const c10::intrusive_ptr<c10d::Work>& work) {
@@ -472,7 +476,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   const auto device = static_cast<c10::DeviceIndex>(device_);
   c10::cuda::CUDAGuard device_guard(device);
   const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(device);
-  const bool captured = capturing();
+  const cudaStreamCaptureStatus capture = capture_status();
+  const bool captured = capture != cudaStreamCaptureStatusNone;
   std::string reject;  // the first call's rejection, raised once every call took part
   for (const DirectCall& c : calls)
     if (reject.empty()) reject = c.reject;
@@ -484,7 +489,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   if (idle) coll_->direct_poll();
   const bool ready = idle && coll_->direct_ready();
   if (captured) {
-    check_capture_intact(caller.stream(), name);
+    check_capture_intact(capture, name);
     MC_CHECK_ARG(reject.empty(), reject);
     MC_CHECK_ARG(!staging_coalesced_, name,
                  ": cannot run under CUDA graph capture inside a coalescing block");
@@ -519,17 +524,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     for (at::Tensor& t : c.outs) t = s.device_out(t);
   }
   const auto n = static_cast<int64_t>(calls.size());
-  const bool one = size_ == 1;
-  auto work = on_device(
-      s, type, std::move(results),
-      [calls = std::move(calls), timeout, one](DeviceCollectives& c, cudaStream_t st) {
-        for (const DirectCall& call : calls) {
-          // Alone past the kernels' bound: set up for the next calls, then a local copy.
-          const bool alone = one && !c.direct_serves(call.op, timeout) && c.direct_alone(timeout);
-          if (alone) c.direct_prepare(call.op, st, timeout);
-          run_direct(c, call, st, timeout, true, alone);
-        }
-      });
+  auto work = on_device(s, type, std::move(results),
+                        [calls = std::move(calls), timeout](DeviceCollectives& c, cudaStream_t st) {
+                          for (const DirectCall& call : calls) {
+                            // Alone past the kernels' bound: set up for the next calls, then a
+                            // local copy.
+                            const bool alone =
+                                c.direct_alone(timeout) && !c.direct_serves(call.op, timeout);
+                            if (alone) c.direct_prepare(call.op, st, timeout);
+                            run_direct(c, call, st, timeout, true, alone);
+                          }
+                        });
   direct_ops_ += n;
   queued(work);
   MC_CHECK_ARG(reject.empty(), reject);

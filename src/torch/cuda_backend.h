@@ -13,19 +13,19 @@
 // cuda_backend.cc for why). Under capture all_reduce, reduce and broadcast
 // larger than that take them as one launch per chunk; an op they cannot
 // serve raises ValueError: point-to-point ops, barrier, uneven all_to_all,
-// larger ops of several parts, ops in a group that spans hosts. A group of one
-// rank serves every op locally, at any size, eagerly too. Their first call, and the first after
-// a membership change, sets them up with a host op among the members
-// (through the op queue); after that a call goes straight to the GPU, unless
-// an op of this backend queued before it has not finished its host part yet
-// (then it waits its turn in the op queue, on the backend's stream, as every
-// other op does). The other collectives run on the device collectives
-// (device/collectives.h: from MOONCAKE_CUDA_PLANE_MIN_BYTES up, or any size
-// where the kernels could serve them, through the segment in pieces): GPU to
-// GPU through mapped segments, with the host's failure handling. List forms
-// take either with one tensor per rank of the world (longer lists reach
-// ranks that joined past it and are staged), so every rank of such an op
-// must pass lists of the same length.
+// larger ops of several parts, ops in a group that spans hosts. A group of
+// one rank serves every op locally, at any size, eagerly too. The kernels'
+// first call, and the first after a membership change, sets them up with a host
+// op among the members (through the op queue); after that a call goes
+// straight to the GPU, unless an op of this backend queued before it has not
+// finished its host part yet (then it waits its turn in the op queue, on the
+// backend's stream, as every other op does). The other collectives run on
+// the device collectives (device/collectives.h: from
+// MOONCAKE_CUDA_PLANE_MIN_BYTES up, or any size where the kernels could serve
+// them, through the segment in pieces): GPU to GPU through mapped segments,
+// with the host's failure handling. List forms take either with one tensor
+// per rank of the world (longer lists reach ranks that joined past it and
+// are staged), so every rank of such an op must pass lists of the same length.
 //
 // Every other op is staged through pinned host memory on a stream of the
 // backend's own, around the host op (cuda_staging.h):
@@ -217,8 +217,10 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   c10::intrusive_ptr<c10d::Work> direct_run(const char* name, c10d::OpType type,
                                             std::vector<DirectCall> calls,
                                             std::vector<at::Tensor> results, int64_t timeout);
-  // Whether the caller's current stream is capturing a CUDA graph.
+  // Whether the caller's current stream is capturing a CUDA graph (or was,
+  // and the capture was invalidated): capture_status() is not None.
   bool capturing() const;
+  cudaStreamCaptureStatus capture_status() const;
   // Whether the group is this rank alone, with no slot for another to join
   // and the kernels on (DeviceCollectives::direct_alone).
   bool alone();

@@ -381,7 +381,7 @@ class Staging {
     const auto caller = c10::cuda::getCurrentCUDAStream(device);
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cuda_check(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
-    if (capture == cudaStreamCaptureStatusInvalidated) check_capture_intact(caller, op_);
+    check_capture_intact(capture, op_);
     MC_CHECK_ARG(capture == cudaStreamCaptureStatusNone, op_,
                  ": cannot run under CUDA graph capture: of backend mooncake's ops, the "
                  "collectives its device-driven kernels serve can be captured (every rank on "
