@@ -46,8 +46,9 @@ Scenarios (all of them unless some are named: ``--kill``, ``--stop``, ``--health
 Every step's time is also shown at full strength (``step``), for comparison. A row
 gives the median and p99 (nearest rank: with fewer than 100 values, the maximum) over
 the faults. Targets (issue 39, the GPU): kill -> next EP step <= 20 ms p99, kill inside
-a 64 MiB all_reduce or before a captured one's replay <= 50 ms p99; shown, not fatal. JSON and a Markdown table go to
-``--out-dir`` (``ep_failover.json``, ``ep_failover_table.md``).
+a 64 MiB all_reduce or before a captured one's replay <= 50 ms p99; shown, not fatal.
+JSON and a Markdown table go to ``--out-dir`` (``ep_failover.json``,
+``ep_failover_table.md``).
 
 Under MPS a process killed while its kernel runs makes the MPS server fail every client
 on the GPU (docs/failures.md): run ``inside`` kills and ``allreduce`` without MPS, and

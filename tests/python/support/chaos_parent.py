@@ -65,8 +65,8 @@ def make_plan(device: str, world: int, cycles: list[dict], **kw) -> dict:
     """The plan every process of a launch follows (see chaos_ranks). ``kw`` overrides:
     ``spec`` (the EP calls' shape), ``timeout_us``, ``fp8`` (the measured EP step's),
     ``hang_ms`` (the launch's MOONCAKE_HANG_MS, for the checks), ``measure`` (``"ep"``,
-    ``"ar"`` or ``"graph"``: chaos_ranks.measured), ``ar_bytes`` (of the last two), ``settle`` (full steps per cycle),
-    ``battery`` (of ``"ep"``, ``"eep"`` and ``chaos_steps.COLLECTIVES``), ``healthy``
+    ``"ar"`` or ``"graph"``: chaos_ranks.measured), ``ar_bytes`` (of the last two),
+    ``settle`` (full steps per cycle), ``battery`` (of ``"ep"``, ``"eep"`` and ``chaos_steps.COLLECTIVES``), ``healthy``
     (``{"steps", "busy_rank", "busy_ms"}``), ``seed``, ``label``, ``pg_s`` (the group's op
     timeout), ``wait_s`` (any wait for another process), ``eep_timeout_ms``."""
     plan = {

@@ -291,8 +291,7 @@ class Steps:
             self.chk.fail(f"{tag}: {kind} {status}: {detail}")
         elif mask != bits(alive):
             self.chk.fail(f"{tag}: {kind} covered {ranks_of(mask)}, want {sorted(alive)}")
-        ranks = [int(mask >> q & 1) for q in range(self.world)] if mask is not None else None
-        return self._record(f"{tag}/{kind}", kind, t0, t1, ranks=ranks)
+        return self._record(f"{tag}/{kind}", kind, t0, t1, ranks=self._ranks(mask))
 
     def big_all_reduce(self, tag: str, nbytes: int, alive, old=None, victim=False) -> dict:
         """A float32 all_reduce of ``nbytes``, rank ``r`` contributing ``2**r``: the sum
@@ -308,17 +307,7 @@ class Steps:
         dist.all_reduce(x)
         sync(self.device)
         t1 = now()
-        lo, hi = float(x.min()), float(x.max())
-        mask = int(lo) if lo == hi and lo == int(lo) else None
-        allowed = {bits(alive)} | ({bits(old)} if old is not None else set())
-        if mask is None:
-            self.chk.fail(f"{tag}: all_reduce not uniform ({lo} .. {hi})")
-        elif mask not in allowed:
-            self.chk.fail(
-                f"{tag}: all_reduce covered {ranks_of(mask)}, want {sorted(alive)}"
-                + (f" or {sorted(old)}" if old is not None else "")
-            )
-        ranks = [int(mask >> q & 1) for q in range(self.world)] if mask is not None else None
+        ranks = self._sum_covers(tag, "all_reduce", x, alive, old)
         return self._record(tag, "ar_64m", t0, t1, ranks=ranks)
 
     def graph_all_reduce(self, tag: str, nbytes: int, alive, warm: bool = True) -> dict:
@@ -347,16 +336,27 @@ class Steps:
         self._graph.replay()
         sync(self.device)
         t1 = now()
+        ranks = self._sum_covers(tag, "replayed all_reduce", x, alive)
+        return self._record(tag, "graph_ar", t0, t1, ranks=ranks)
+
+    def _sum_covers(self, tag: str, what: str, x, alive, old=None) -> list[int] | None:
+        """The ranks an all_reduce of ``2**r`` from each rank ``r`` (``x``) covered, checked:
+        uniform, and exactly ``alive`` or (the op a rank died in) ``old``."""
         lo, hi = float(x.min()), float(x.max())
         mask = int(lo) if lo == hi and lo == int(lo) else None
+        allowed = {bits(alive)} | ({bits(old)} if old is not None else set())
         if mask is None:
-            self.chk.fail(f"{tag}: replayed all_reduce not uniform ({lo} .. {hi})")
-        elif mask != bits(alive):
+            self.chk.fail(f"{tag}: {what} not uniform ({lo} .. {hi})")
+        elif mask not in allowed:
             self.chk.fail(
-                f"{tag}: replayed all_reduce covered {ranks_of(mask)}, want {sorted(alive)}"
+                f"{tag}: {what} covered {ranks_of(mask)}, want {sorted(alive)}"
+                + (f" or {sorted(old)}" if old is not None else "")
             )
-        ranks = [int(mask >> q & 1) for q in range(self.world)] if mask is not None else None
-        return self._record(tag, "graph_ar", t0, t1, ranks=ranks)
+        return self._ranks(mask)
+
+    def _ranks(self, mask: int | None) -> list[int] | None:
+        """``mask`` (bit r: rank r) as a 0/1 list per rank; None for none."""
+        return [int(mask >> q & 1) for q in range(self.world)] if mask is not None else None
 
     # --- records -------------------------------------------------------------------------
 
