@@ -506,10 +506,11 @@ def graph_capture(ctx):
     """Under CUDA graph capture, what cannot be captured raises ValueError saying why, and
     the group goes on: barrier, send and recv (point-to-point); all_to_all_single with
     split sizes that are not all equal; all_to_all whose parts differ in size; on a group
-    made with MOONCAKE_CUDA_DIRECT_BYTES=4096, an all_reduce of 4 KiB + 4 bytes, and a
-    reduce_scatter_tensor whose output part is far smaller but whose whole input is past
-    4 KiB (the bound counts every part; eagerly both take the host-driven paths, and a 4 KiB
-    all_reduce is captured and replayed there); any collective on a group made with
+    made with MOONCAKE_CUDA_DIRECT_BYTES=4096, a reduce_scatter_tensor whose output part is
+    far smaller but whose whole input is past 4 KiB (the bound counts every part; eagerly it
+    takes the host-driven paths, as an all_reduce of 4 KiB + 4 bytes does, which under
+    capture goes as one launch per chunk of it and replays, and a 4 KiB all_reduce is
+    captured and replayed there); any collective on a group made with
     MOONCAKE_CUDA_DIRECT=off; and a collective on a group whose device-driven kernels were
     never set up (an eager all_to_all_single with split sizes, on the device plane, does
     not set them up; one eager broadcast, on the device plane too, does, and a captured
@@ -518,8 +519,8 @@ def graph_capture(ctx):
     torch's functional collectives pass them) is captured and replays. An op under a capture
     that an earlier call broke (a synchronize) raises ValueError saying so. At one rank the
     ops past the bound, and the eager calls above, take the kernels' path (a local copy),
-    which captures and replays. Every collective
-    the kernels serve is capturable: ``graph_replay`` captures them all."""
+    which captures and replays. Every collective the kernels serve is capturable:
+    ``graph_replay`` captures them all."""
     world, me, last = ctx.world_size, ctx.rank, ctx.world_size - 1
     _usable(ctx, "nothing")  # sets the world group's kernels up (this case may run first)
     x = torch.ones(4, device="cuda")
@@ -588,7 +589,7 @@ def graph_capture(ctx):
     got = _paths(lambda: dist.all_reduce(y, group=small), small, direct=True)
     ctx.expect(got == DIRECT, f"4 KiB all_reduce at a 4 KiB bound: {got}")
     over = torch.ones(1025, device="cuda")
-    # Past the bound: the plane (or staged), and not capturable; alone, a local copy.
+    # Past the bound eagerly: the plane (or staged); alone, a local copy.
     past = (PLANE, STAGED) if world > 1 else (DIRECT,)
     got = _paths(lambda: dist.all_reduce(over, group=small), small, direct=True)
     ctx.expect(got in past, f"4 KiB + 4 bytes all_reduce at a 4 KiB bound: {got}")
@@ -1341,7 +1342,7 @@ def big(ctx):
     xs = ctx.inputs((4 << 20,), torch.float32, tag="captured")
     x = cuda(xs[ctx.rank])
     g = torch.cuda.CUDAGraph()
-    got = _paths(lambda: _capture_all(g, [lambda: dist.all_reduce(x)]), direct=True)
+    got = _paths(lambda: _capture(g, x, None), direct=True)
     ctx.expect(got == DIRECT, f"captured 16 MiB all_reduce: {got}")
     x.copy_(cuda(xs[ctx.rank]))
     g.replay()
