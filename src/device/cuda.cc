@@ -110,17 +110,14 @@ void LaunchOrder::before(cudaStream_t stream) {
   unsigned long long id = 0;
   cuda_check(cudaStreamGetCaptureInfo(stream, &status, &id), "cudaStreamGetCaptureInfo");
   capture_ = status == cudaStreamCaptureStatusActive ? id : 0;
-  // By id, not handle: a stream destroyed and made again may get its handle back.
-  cuda_check(cudaStreamGetId(stream, &stream_id_), "cudaStreamGetId");
   Last& last = capture_ == 0 ? eager_ : captured_;
-  if (last.any && last.stream_id != stream_id_ && last.capture == capture_) last.done.block(stream);
+  if (last.any && last.capture == capture_) last.done.block(stream);
 }
 
 void LaunchOrder::after(cudaStream_t stream) {
   Last& last = capture_ == 0 ? eager_ : captured_;
   last.done.record(stream);
   last.any = true;
-  last.stream_id = stream_id_;
   last.capture = capture_;
 }
 

@@ -94,9 +94,11 @@ class CudaEvent {
 // eager launch on another stream than the last eager one's waits for it, and
 // a captured launch for the last one of its capture on another stream (a
 // dependency of the graph). Across a capture's edge none can be expressed: the
-// caller orders replays (as for NCCL). Streams are told apart by their ids
-// (cudaStreamGetId), never reused as handles may be. Costs an event record and
-// two stream queries per launch. Made with the device current.
+// caller orders replays (as for NCCL). Every launch waits for the last one,
+// on its own stream too (a no-op there): a stream destroyed and made again may
+// get its handle back, and cudaStreamGetId, which would tell them apart, may
+// not be called under capture (it breaks the capture). Costs an event record,
+// an event wait and a capture query per launch. Made with the device current.
 class LaunchOrder {
  public:
   LaunchOrder() : eager_(false), captured_(false) {}
@@ -110,12 +112,10 @@ class LaunchOrder {
     explicit Last(bool blocking) : done(blocking) {}
     CudaEvent done;  // recorded after the launch
     bool any = false;
-    unsigned long long stream_id = 0;  // cudaStreamGetId of its stream
-    unsigned long long capture = 0;    // a captured one's capture
+    unsigned long long capture = 0;  // a captured one's capture
   };
   Last eager_, captured_;
-  unsigned long long capture_ = 0;    // before()'s query, for after() (0: eager)
-  unsigned long long stream_id_ = 0;  // before()'s stream, for after()
+  unsigned long long capture_ = 0;  // before()'s query, for after() (0: eager)
 };
 
 // `n` T's of device memory on the current device, zeroed, with host copies in

@@ -1,5 +1,5 @@
 // LaunchOrder (device/cuda.h): a launch on another stream than the last one
-// waits for it; on the same stream nothing is added. The "launches" here are
+// waits for it, and one under capture leaves the capture intact. The "launches" here are
 // host functions queued on the streams, which keep stream order and event
 // waits as kernels do, and can say what they saw.
 #include <cuda_runtime.h>
@@ -71,6 +71,39 @@ TEST(LaunchOrder, ALaunchOnAnotherStreamWaitsForTheLast) {
     EXPECT_EQ(again.seen, 1) << "a new stream's launch ran before the last one had finished";
     cudaStreamDestroy(a);
     cudaStreamDestroy(c);
+  });
+}
+
+void count(void* p) { ++*static_cast<int*>(p); }
+
+TEST(LaunchOrder, CapturedLaunchesKeepTheCaptureIntact) {
+  MC_REQUIRE_GPU();
+  run_ranks(1, [](Rank&) {
+    cuda_check(cudaSetDevice(0), "cudaSetDevice");
+    LaunchOrder order;
+    int runs = 0;
+    cudaStream_t s = non_blocking();
+    order.before(s);  // an eager launch first: the capture must not wait for its event
+    cuda_check(cudaLaunchHostFunc(s, count, &runs), "cudaLaunchHostFunc");
+    order.after(s);
+    cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    // Global mode, as torch captures: a call not allowed under capture breaks it.
+    cuda_check(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    for (int i = 0; i < 2; ++i) {
+      order.before(s);
+      cuda_check(cudaLaunchHostFunc(s, count, &runs), "cudaLaunchHostFunc");
+      order.after(s);
+    }
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess) << "the capture broke";
+    cudaGraphExec_t exec = nullptr;
+    cuda_check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    cuda_check(cudaGraphLaunch(exec, s), "cudaGraphLaunch");
+    cuda_check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    EXPECT_EQ(runs, 3);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
   });
 }
 
