@@ -65,6 +65,7 @@ void DirectOps::install(const std::vector<uint8_t*>& areas,
                         const std::vector<uint32_t>& incarnations, uint32_t gen, uint64_t epoch,
                         cudaStream_t stream) {
   MC_ASSERT(areas.size() == static_cast<size_t>(ranks_) && incarnations.size() == areas.size());
+  MC_ASSERT(gen < (uint32_t{1} << 31));  // a signal's top bit marks a fence
   OnDevice on(device_);
   k::DirectState h{};
   h.seq = 0;
@@ -102,11 +103,6 @@ void DirectOps::retire(int slot, cudaStream_t stream) {
   if (slot < 0 || slot >= ranks_) return;
   OnDevice on(device_);
   int32_t* live = field<int32_t>(state_, offsetof(k::DirectState, live)) + slot;
-  // Gone to the launches before they see it retired: one that finds it
-  // retired looks at its signal once, as a wait on it that gives up does. The
-  // view may drop it here before this host's own watcher hears of it, and a
-  // survivor whose launch waited took its input when the signal came.
-  lost_->set(slot, LostWords::kGone);
   cuda_check(cudaMemsetAsync(live, 0, sizeof(int32_t), stream), "retiring a rank");
   incarnations_[static_cast<size_t>(slot)] = kNone;
 }
@@ -204,6 +200,11 @@ std::vector<std::string> DirectOps::take_reports() {
         out.push_back(str("rank ", d0,
                           " rejected its arguments (it raised ValueError): the others' result "
                           "left it out"));
+        break;
+      case k::kStatusDirectFenced:
+        out.push_back(str("a peer gave up waiting for this rank at op ", d1,
+                          " (silent past its timeout) and fenced it: every rank, this one too, "
+                          "leaves its input out until the group's ranks next change"));
         break;
       default: out.push_back(str("status ", code, " (", d0, ", ", d1, ")"));
     }

@@ -134,32 +134,58 @@ __device__ __forceinline__ void report_masked(DirectState* st, int j) {
   if (st->report != nullptr) *reinterpret_cast<volatile int32_t*>(st->report + j) = 0;
 }
 
-// Step 2, for rank j (a thread each): whether it takes part in op `seq`.
+// Publishes this rank's signal of op `seq` unless a peer fenced it (false):
+// by compare-and-swap, so that it never lands over a fence (the header).
+__device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+  uint64_t prev = ld_acquire_sys(signal);
+  for (;;) {
+    if (tag_fenced(prev, gen)) return false;
+    const uint64_t seen = cas_sys(signal, prev, direct_tag(gen, seq));
+    if (seen == prev) return true;
+    prev = seen;
+  }
+}
+
+// The last look at a peer's signal of op `seq`: the signal when it came,
+// else a fence swapped in for it (or a peer's fence), so that every rank that
+// looks gets the same answer, however late a dying peer's kernel runs.
+__device__ uint64_t seal_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+  uint64_t v = ld_acquire_sys(signal);
+  for (;;) {
+    if (tag_settled(v, gen, seq) || tag_fenced(v, gen)) break;
+    const uint64_t seen = cas_sys(signal, v, direct_fence(gen, seq));
+    if (seen == v) return direct_fence(gen, seq);
+    v = seen;
+  }
+  __threadfence_system();  // the input behind a signal found by the swap
+  return v;
+}
+
+// Step 2, for rank j (a thread each): whether it takes part in op `seq`
+// (`fenced`: this rank's own signal was, by a peer).
 __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t seq, uint32_t gen,
-                          uint64_t deadline) {
-  if (j == st->rank) return a.shape != kShapeRejected ? 1 : 0;
-  const uint8_t* area = st->areas[j];
+                          uint64_t deadline, bool fenced) {
+  if (j == st->rank) return a.shape != kShapeRejected && !fenced ? 1 : 0;
+  uint8_t* area = st->areas[j];
   if (area == nullptr) return 0;
-  const auto* signal = reinterpret_cast<const uint64_t*>(area + DirectLayout::kInputSignal);
+  auto* signal = reinterpret_cast<uint64_t*>(area + DirectLayout::kInputSignal);
   const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
+  const auto ready = [gen, seq](uint64_t v) {
+    return tag_settled(v, gen, seq) || tag_fenced(v, gen);
+  };
   uint64_t v = 0;
-  if (ld_volatile(st->live + j) == 0) {
-    // Masked by an earlier launch, or retired by the host: out until the next
-    // setup; except a peer the host saw gone (a retire marks it so) whose
-    // signal of this op came before it died, which every survivor takes (as
-    // after a wait, below): the host may retire it before this launch looks,
-    // at one survivor and not another.
-    if (!host_lost(a.c, j, true)) return 0;
-    v = ld_acquire_sys(signal);
-    if (!settled(v)) return 0;
-  } else if (!wait_for(a.c, signal, settled, deadline, j, kPhaseInput, &v)) {
-    // Masked now (lost, or past the deadline), and out of later launches
-    // (the caller's active_ranks say so either way). Its input is in place
-    // all the same when its signal came just before (a dead process's area
-    // stays readable), and then every survivor takes it, as this look shows.
-    report_masked(st, j);
-    v = ld_acquire_sys(signal);
-    if (!settled(v)) return 0;
+  const bool live = ld_volatile(st->live + j) != 0;
+  const bool came = live && wait_for(a.c, signal, ready, deadline, j, kPhaseInput, &v);
+  if (!came) {
+    // Retired by the host, or masked now (lost, or past the deadline; the
+    // caller's active_ranks say so): in only when its signal came before the
+    // fence this look leaves (the header).
+    if (live) report_masked(st, j);
+    v = seal_signal(signal, gen, seq);
+  }
+  if (!settled(v)) {  // fenced, here or by another rank: out at every rank
+    if (came) report_masked(st, j);
+    return 0;
   }
   if (a.shape == kShapeRejected) return 0;  // this rank only takes part
   if (tag_gen(v) != gen || tag_ahead(v, seq) > 1) {
@@ -232,18 +258,20 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
 
   // 2. Block 0 publishes, then decides who takes part.
   if (blockIdx.x == 0) {
+    __shared__ bool s_fenced;
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
       *reinterpret_cast<volatile uint64_t*>(&st->seq) = seq;  // every block has read it
       *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::shape(seq)) = a.shape;
       __threadfence_system();
-      st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal),
-                     direct_tag(gen, seq));
+      s_fenced = !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal),
+                                 gen, seq);
+      if (s_fenced) report(a.c.status, kStatusDirectFenced, me, static_cast<int>(seq));
     }
     __syncthreads();
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
     for (int j = threadIdx.x; j < R; j += blockDim.x)
-      st->sources[j] = decide(a, st, j, seq, gen, deadline);
+      st->sources[j] = decide(a, st, j, seq, gen, deadline, s_fenced);
     __syncthreads();
   }
   if (multi && threadIdx.x == 0) {

@@ -48,15 +48,18 @@
 // late or left-out process) carries an older generation and is never taken,
 // and a launch that meets a newer one knows the others went on without it.
 //
-// Who takes part is decided once per launch and per peer: a peer is in when
-// its input signal of this op came, including when it came just before the
-// host saw the peer gone (the wait looks once more after the lost word, and
-// a launch that finds the peer already retired by its host, which marks it
-// gone first, looks once): its input is complete before the signal, and a
-// dead process's memory stays readable. So survivors of a crash agree on
-// who took part. A peer masked for silence (the deadline passed, or the host
-// saw its heartbeat stand still) that is in fact alive may be in at one rank
-// and out at another; that is reported (kStatusSilentPeer), not prevented.
+// Who takes part is decided once per launch and per peer, alike at every
+// survivor: a peer is in when its input signal of this op came (its input is
+// complete before it, and a dead process's memory stays readable). A rank
+// that stops waiting for a peer (the deadline passed, the host saw it lost,
+// or the view retired it) looks once more and, when the signal has not come,
+// swaps a fence in for it (compare-and-swap over the value it read); a rank
+// publishes its signal by compare-and-swap too and never over a fence of its
+// generation. So the signal and the fence cannot both land: a peer killed
+// while its kernel still runs (the GPU ends a dead process's work some time
+// after its peers see it gone) and a peer that is alive but slow are in at
+// every survivor or out at every one, and a fenced rank stays out until the
+// next setup, its own results leaving its input out too (kStatusDirectFenced).
 #pragma once
 
 #include <cstddef>
@@ -137,15 +140,27 @@ enum DirectStatus : int32_t {
   // A peer rejected its arguments (it raised ValueError) and took part
   // without data: it was left out of this one.
   kStatusDirectRejected = 34,
+  // A peer stopped waiting for this rank and fenced its signal: every rank,
+  // this one too, leaves its input out until the next setup. Detail: the op
+  // number.
+  kStatusDirectFenced = 35,
 };
 
-// A signal: the generation (agreed by the members at each setup) and the
-// op's number in it (low 32 bits).
+// A signal: the generation (agreed by the members at each setup, below 2^31)
+// and the op's number in it (low 32 bits); the top bit marks a fence.
+constexpr uint64_t kFenceBit = uint64_t{1} << 63;
 MC_HD inline uint64_t direct_tag(uint32_t gen, uint64_t seq) {
   return (static_cast<uint64_t>(gen) << 32) | (seq & 0xffffffffu);
 }
+MC_HD inline uint64_t direct_fence(uint32_t gen, uint64_t seq) {
+  return kFenceBit | direct_tag(gen, seq);
+}
 MC_HD inline uint32_t tag_gen(uint64_t tag) {
-  return static_cast<uint32_t>(tag >> 32);
+  return static_cast<uint32_t>(tag >> 32) & 0x7fffffffu;
+}
+// Whether `tag` is a fence set in generation `gen` (an older one's is void).
+MC_HD inline bool tag_fenced(uint64_t tag, uint32_t gen) {
+  return (tag & kFenceBit) != 0 && tag_gen(tag) == gen;
 }
 // How far the tag's op is past op `seq` (mod 2^32; "negative" is far).
 MC_HD inline uint32_t tag_ahead(uint64_t tag, uint64_t seq) {
@@ -153,8 +168,10 @@ MC_HD inline uint32_t tag_ahead(uint64_t tag, uint64_t seq) {
 }
 // Whether a wait for op `seq` of generation `gen` may stop at `tag`: it is
 // that op or a later one (used when ahead by 0 or 1, see the header), or of
-// a newer generation (the others moved on: not used, reported).
+// a newer generation (the others moved on: not used, reported). A fence never
+// is.
 MC_HD inline bool tag_settled(uint64_t tag, uint32_t gen, uint64_t seq) {
+  if ((tag & kFenceBit) != 0) return false;
   const uint32_t g = tag_gen(tag);
   return g > gen || (g == gen && tag_ahead(tag, seq) < 0x80000000u);
 }

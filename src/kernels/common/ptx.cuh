@@ -25,6 +25,11 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Compare-and-swap at system scope; returns the value found.
+__device__ __forceinline__ uint64_t cas_sys(uint64_t* p, uint64_t expected, uint64_t desired) {
+  return atomicCAS_system(reinterpret_cast<unsigned long long*>(p), expected, desired);
+}
+
 __device__ __forceinline__ int ld_volatile(const int32_t* p) {
   return *reinterpret_cast<const volatile int32_t*>(p);
 }
