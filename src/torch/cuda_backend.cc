@@ -489,7 +489,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   if (idle) coll_->direct_poll();
   const bool ready = idle && coll_->direct_ready();
   if (captured) {
-    check_capture_intact(capture, name);
+    // Asked again, after the queries above: an error below must not hide a
+    // capture that broke meanwhile (its end would fail whatever we raise).
+    check_capture_intact(capture_status(), name);
     MC_CHECK_ARG(reject.empty(), reject);
     MC_CHECK_ARG(!staging_coalesced_, name,
                  ": cannot run under CUDA graph capture inside a coalescing block");

@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
       *reinterpret_cast<volatile uint64_t*>(&st->seq) = seq;  // every block has read it
       *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::shape(seq)) = a.shape;
       __threadfence_system();
-      s_fenced = !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal),
-                                 gen, seq);
+      s_fenced =
+          !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen, seq);
       if (s_fenced) report(a.c.status, kStatusDirectFenced, me, static_cast<int>(seq));
     }
     __syncthreads();

@@ -74,7 +74,9 @@ TEST(LaunchOrder, ALaunchOnAnotherStreamWaitsForTheLast) {
   });
 }
 
-void count(void* p) { ++*static_cast<int*>(p); }
+void count(void* p) {
+  ++*static_cast<int*>(p);
+}
 
 TEST(LaunchOrder, CapturedLaunchesKeepTheCaptureIntact) {
   MC_REQUIRE_GPU();
