@@ -212,6 +212,7 @@ class ElasticBuffer:
         self._seq = 0  # the latest fresh dispatch's number; combine rows carry theirs
         self._generation = 0  # membership generations; handles carry theirs
         self._active = torch.ones(self.num_ranks, dtype=torch.bool)
+        self._active_changes = 0  # bumped at each change of _active (the device path caches)
         self._portable = ThroughputPortable(members)
         # The device path: made by every member together at their first dispatch of CUDA
         # tensors (see _path_for), None where it cannot serve them all.
@@ -241,6 +242,7 @@ class ElasticBuffer:
         self._generation = max(rows[r][3] for r in present) + 1
         self._seq = max(rows[r][4] for r in present)
         self._active = self._members.present(R).clone()
+        self._active_changes += 1
         hosts = [rows[r][5] for r in present]
         self.num_nvlink_ranks = hosts.count(rows[self.rank_idx][5])
         self.num_rdma_ranks = len(set(hosts))

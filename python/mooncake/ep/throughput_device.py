@@ -208,6 +208,12 @@ class ThroughputDevice:
         # them too (they cost more host time than the launches).
         self._checked: tuple | None = None
         self._view: tuple = (None, None)  # (the group's view version, present ranks)
+        self._backend = None  # the group's mooncake backend (False: it has none)
+        # What the last fold of the view (_settle) and the last mask (_mask) were made
+        # from: the buffer's mask tensor, its change count (and the view's version).
+        self._folded: tuple = (None, None, None)
+        self._masked: tuple = (None, None)
+        self._sig: tuple = (None, 0)  # the last call's shape, and its signature
 
     @property
     def workspace_bytes(self) -> int:
@@ -258,25 +264,39 @@ class ThroughputDevice:
 
     def _present(self) -> torch.Tensor:
         """bool [R] on the CPU: the ranks the group counts present (read again only when
-        its view changes)."""
+        its view changes; ``_view[0]`` is None where the group cannot say when)."""
+        if self._backend is None:  # looked up once: a lookup costs more than a call's launches
+            try:
+                self._backend = pg._backend_of(self.members.group)
+            except (AttributeError, RuntimeError, ValueError):  # a group without our backend
+                self._backend = False
         try:
-            version = pg._backend_of(self.members.group).view_version()
-        except (AttributeError, RuntimeError, ValueError):  # a group without our backend
-            return self.members.present(self.R)
-        if self._view[0] != version:
+            version = self._backend.view_version() if self._backend else None
+        except (AttributeError, RuntimeError):
+            version = None
+        if version is None:
+            self._view = (None, self.members.present(self.R))
+        elif self._view[0] != version:
             self._view = (version, self.members.present(self.R))
         return self._view[1]
 
     def _settle(self, buf) -> None:
         """Takes what the kernels masked (host-mapped words: no sync), and the group's
-        view, into the buffer's mask."""
-        for r, why in self.ext.take_masked():
+        view, into the buffer's mask (a fold only when either changed)."""
+        masked = self.ext.take_masked()
+        for r, why in masked:
             buf._active[r] = False
             how = "lost (its process gone, or silent past MOONCAKE_HANG_MS)" if why == 2 else (
                 "silent past the deadline of a wait"
             )  # fmt: skip
             self.members.device_masked(r, f"rank {r} masked: {how}")
-        buf._active &= self._present()
+        present = self._present()
+        active, changes, version = self._folded
+        if (masked or self._view[0] is None or active is not buf._active
+                or changes != buf._active_changes or version != self._view[0]):  # fmt: skip
+            buf._active &= present
+            buf._active_changes += 1
+            self._folded = (buf._active, buf._active_changes, self._view[0])
 
     def _before(self, buf, what: str) -> None:
         """Before a call: an earlier kernel's report raises here (ValueError for bad
@@ -299,6 +319,9 @@ class ThroughputDevice:
         """The kernels' mask (device int32 [R]): the members that take part. The kernels
         clear entries themselves, so the host only ever clears entries too (a rank that
         comes back is a new connection: update_ep_member)."""
+        active, changes = self._masked
+        if self._mask_dev is not None and active is buf._active and changes == buf._active_changes:
+            return self._mask_dev  # the buffer's mask is as it was at the last call
         want = buf._active.clone()
         if self._mask_dev is None:
             self._mask_dev = want.to(torch.int32).to(self.device)
@@ -306,6 +329,7 @@ class ThroughputDevice:
         elif not torch.equal(want & self._mask_host, self._mask_host):
             self._mask_dev.mul_(want.to(torch.int32).to(self.device))
             self._mask_host = want & self._mask_host
+        self._masked = (buf._active, buf._active_changes)
         return self._mask_dev
 
     def _next_seq(self, buf) -> int:
@@ -402,7 +426,9 @@ class ThroughputDevice:
         shape = (T, E, K, data.shape[1] * data.element_size(), str(data.dtype),
                  0 if scales is None else scales.shape[1] * scales.element_size(),
                  weights is not None, bool(expand), alignment)  # fmt: skip
-        return zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF
+        if shape != self._sig[0]:  # calls of one shape in a row: hashed once
+            self._sig = (shape, zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF)
+        return self._sig[1]
 
     def _fresh(self, buf, data, scales, topk_idx, topk_weights, E, T, alignment, do_expand,
                do_cpu_sync, num_sms, seq):  # fmt: skip

@@ -380,6 +380,7 @@ class ThroughputPortable:
         others from now on."""
         now = self.members.present(self.members.num_ranks)
         buf._active &= now
+        buf._active_changes += 1
         return now
 
     # --- combine -----------------------------------------------------------------------
