@@ -111,8 +111,8 @@ void DirectOps::retire_now(int slot) {
   OnDevice on(device_);
   retire(slot, nullptr);
   if (slot >= 0 && slot < ranks_) {
-    // Its area too: a launch may look at a retired peer's signal (one the
-    // host saw gone), never through a mapping that goes.
+    // Its area too: a launch looks at (and may fence) a retired peer's
+    // signal, never through a mapping that goes.
     uint8_t** area = field<uint8_t*>(state_, offsetof(k::DirectState, areas)) + slot;
     cuda_check(cudaMemsetAsync(area, 0, sizeof(uint8_t*), nullptr), "retiring a rank");
   }
@@ -202,9 +202,10 @@ std::vector<std::string> DirectOps::take_reports() {
                           "left it out"));
         break;
       case k::kStatusDirectFenced:
-        out.push_back(str("a peer gave up waiting for this rank at op ", d1,
-                          " (silent past its timeout) and fenced it: every rank, this one too, "
-                          "leaves its input out until the group's ranks next change"));
+        out.push_back(str("a peer stopped waiting for this rank at op ", d1,
+                          " (silent past its timeout, or seen lost, or dropped from the view) "
+                          "and fenced it: every rank, this one too, leaves its input out until "
+                          "the group's ranks next change"));
         break;
       default: out.push_back(str("status ", code, " (", d0, ", ", d1, ")"));
     }

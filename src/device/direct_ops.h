@@ -9,8 +9,9 @@
 // Health: a launch masks a peer that stays silent past the deadline, or that
 // the host has seen lost (lost_words(), which the group's transport sets), in
 // the state's live words, in the caller's active_ranks (set_report) and in
-// the silent words; masked ranks stay out of later launches until the next
-// install. take_reports() hands over what launches reported, for the log.
+// the silent words; a masked rank's signal is fenced (kernels/coll/direct.h),
+// which keeps it out of later launches until the next install.
+// take_reports() hands over what launches reported, for the log.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -134,12 +134,17 @@ __device__ __forceinline__ void report_masked(DirectState* st, int j) {
   if (st->report != nullptr) *reinterpret_cast<volatile int32_t*>(st->report + j) = 0;
 }
 
-// Publishes this rank's signal of op `seq` unless a peer fenced it (false):
-// by compare-and-swap, so that it never lands over a fence (the header).
-__device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+// Publishes this rank's signal of op `seq` unless a peer fenced it (false;
+// `*fence`: the fence's op): by compare-and-swap, so that it never lands over
+// a fence (the header), nor over a newer generation's word.
+__device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq, uint32_t* fence) {
   uint64_t prev = ld_acquire_sys(signal);
   for (;;) {
-    if (tag_fenced(prev, gen)) return false;
+    if (tag_gen(prev) > gen) return true;  // a straggler of an older setup: not its word now
+    if ((prev & kFenceBit) != 0 && tag_gen(prev) == gen) {
+      *fence = static_cast<uint32_t>(prev);
+      return false;
+    }
     const uint64_t seen = cas_sys(signal, prev, direct_tag(gen, seq));
     if (seen == prev) return true;
     prev = seen;
@@ -152,7 +157,7 @@ __device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
 __device__ uint64_t seal_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
   uint64_t v = ld_acquire_sys(signal);
   for (;;) {
-    if (tag_settled(v, gen, seq) || tag_fenced(v, gen)) break;
+    if (tag_settled(v, gen, seq) || tag_fenced(v, gen, seq)) break;
     const uint64_t seen = cas_sys(signal, v, direct_fence(gen, seq));
     if (seen == v) return direct_fence(gen, seq);
     v = seen;
@@ -171,7 +176,7 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
   auto* signal = reinterpret_cast<uint64_t*>(area + DirectLayout::kInputSignal);
   const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
   const auto ready = [gen, seq](uint64_t v) {
-    return tag_settled(v, gen, seq) || tag_fenced(v, gen);
+    return tag_settled(v, gen, seq) || tag_fenced(v, gen, seq);
   };
   uint64_t v = 0;
   const bool live = ld_volatile(st->live + j) != 0;
@@ -264,9 +269,14 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
       *reinterpret_cast<volatile uint64_t*>(&st->seq) = seq;  // every block has read it
       *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::shape(seq)) = a.shape;
       __threadfence_system();
-      s_fenced =
-          !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen, seq);
-      if (s_fenced) report(a.c.status, kStatusDirectFenced, me, static_cast<int>(seq));
+      uint32_t fence = 0;
+      s_fenced = !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen,
+                                 seq, &fence);
+      if (s_fenced) {
+        report_masked(st, me);                    // out, as the others see it
+        if (fence == static_cast<uint32_t>(seq))  // once, at the op the fence began
+          report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
+      }
     }
     __syncthreads();
     const uint64_t deadline = deadline_of(a.c.timeout_ns);

@@ -54,12 +54,16 @@
 // that stops waiting for a peer (the deadline passed, the host saw it lost,
 // or the view retired it) looks once more and, when the signal has not come,
 // swaps a fence in for it (compare-and-swap over the value it read); a rank
-// publishes its signal by compare-and-swap too and never over a fence of its
-// generation. So the signal and the fence cannot both land: a peer killed
-// while its kernel still runs (the GPU ends a dead process's work some time
-// after its peers see it gone) and a peer that is alive but slow are in at
-// every survivor or out at every one, and a fenced rank stays out until the
-// next setup, its own results leaving its input out too (kStatusDirectFenced).
+// publishes its signal by compare-and-swap too, never over a fence of its
+// generation nor a newer generation's word. So the signal and the fence
+// cannot both land: a peer killed while its kernel still runs (the GPU ends
+// a dead process's work some time after its peers see it gone) is in at
+// every survivor or out at every one, and so is a slow rank that is alive,
+// which stays out until the next setup, its own results leaving its input
+// out too (kStatusDirectFenced). What stays reported, not prevented: a slow
+// rank that the others lapped by two ops (they went on without waiting for
+// it, and its reads of their areas may be torn) leaves them out of the ops
+// it was behind in (kStatusDirectStale).
 #pragma once
 
 #include <cstddef>
@@ -142,7 +146,7 @@ enum DirectStatus : int32_t {
   kStatusDirectRejected = 34,
   // A peer stopped waiting for this rank and fenced its signal: every rank,
   // this one too, leaves its input out until the next setup. Detail: the op
-  // number.
+  // the fence keeps it out of, from then on.
   kStatusDirectFenced = 35,
 };
 
@@ -152,28 +156,35 @@ constexpr uint64_t kFenceBit = uint64_t{1} << 63;
 MC_HD inline uint64_t direct_tag(uint32_t gen, uint64_t seq) {
   return (static_cast<uint64_t>(gen) << 32) | (seq & 0xffffffffu);
 }
+// The fence a rank at op `seq` swaps in for a peer's signal of op seq - 1 (a
+// rank reaches op seq only once it took that one or fenced it before).
 MC_HD inline uint64_t direct_fence(uint32_t gen, uint64_t seq) {
   return kFenceBit | direct_tag(gen, seq);
 }
 MC_HD inline uint32_t tag_gen(uint64_t tag) {
   return static_cast<uint32_t>(tag >> 32) & 0x7fffffffu;
 }
-// Whether `tag` is a fence set in generation `gen` (an older one's is void).
-MC_HD inline bool tag_fenced(uint64_t tag, uint32_t gen) {
-  return (tag & kFenceBit) != 0 && tag_gen(tag) == gen;
+// The signal a word stands for: a fence of op f stands for the signal it
+// replaced, op f - 1's (ops before f took the peer, f and later do not).
+MC_HD inline uint64_t tag_signal(uint64_t tag) {
+  if ((tag & kFenceBit) == 0) return tag;
+  return direct_tag(tag_gen(tag), static_cast<uint32_t>(tag) - 1u);
 }
 // How far the tag's op is past op `seq` (mod 2^32; "negative" is far).
 MC_HD inline uint32_t tag_ahead(uint64_t tag, uint64_t seq) {
-  return static_cast<uint32_t>(tag) - static_cast<uint32_t>(seq);
+  return static_cast<uint32_t>(tag_signal(tag)) - static_cast<uint32_t>(seq);
 }
 // Whether a wait for op `seq` of generation `gen` may stop at `tag`: it is
 // that op or a later one (used when ahead by 0 or 1, see the header), or of
-// a newer generation (the others moved on: not used, reported). A fence never
-// is.
+// a newer generation (the others moved on: not used, reported).
 MC_HD inline bool tag_settled(uint64_t tag, uint32_t gen, uint64_t seq) {
-  if ((tag & kFenceBit) != 0) return false;
   const uint32_t g = tag_gen(tag);
   return g > gen || (g == gen && tag_ahead(tag, seq) < 0x80000000u);
+}
+// Whether `tag` is a fence of generation `gen` that keeps its rank out of op
+// `seq` (a fence of an older generation is void).
+MC_HD inline bool tag_fenced(uint64_t tag, uint32_t gen, uint64_t seq) {
+  return (tag & kFenceBit) != 0 && tag_gen(tag) == gen && !tag_settled(tag, gen, seq);
 }
 
 // The shape word of an op; the peers' must equal it. Counts below 2^36 (a

@@ -330,6 +330,33 @@ TEST(DirectLayout, SignalsSettleOnlyOnThisOpOrLater) {
   EXPECT_FALSE(tag_settled(direct_tag(1, (uint64_t{1} << 32) - 1), 1, (uint64_t{1} << 32) + 2));
 }
 
+// A fence set at op 7 stands for the signal of op 6 it replaced: ops up to 6
+// took the peer, 7 and later of its generation do not; an older generation's
+// fence is void (a wait goes on), a newer one's is the others moving on.
+TEST(DirectLayout, AFenceKeepsItsRankOutFromItsOpOn) {
+  using mooncake::kernels::direct_fence;
+  using mooncake::kernels::direct_tag;
+  using mooncake::kernels::tag_ahead;
+  using mooncake::kernels::tag_fenced;
+  using mooncake::kernels::tag_gen;
+  using mooncake::kernels::tag_settled;
+  const uint64_t f = direct_fence(3, 7);
+  EXPECT_EQ(tag_gen(f), 3u);
+  EXPECT_TRUE(tag_settled(f, 3, 6));
+  EXPECT_EQ(tag_ahead(f, 6), 0u);
+  EXPECT_FALSE(tag_fenced(f, 3, 6));
+  EXPECT_TRUE(tag_settled(f, 3, 5));  // (two ahead: the stale check's)
+  EXPECT_FALSE(tag_settled(f, 3, 7));
+  EXPECT_TRUE(tag_fenced(f, 3, 7));
+  EXPECT_TRUE(tag_fenced(f, 3, 9));
+  EXPECT_FALSE(tag_settled(f, 4, 1));  // older: void, not settled...
+  EXPECT_FALSE(tag_fenced(f, 4, 1));   // ...nor fencing
+  EXPECT_TRUE(tag_settled(f, 2, 9));   // newer: settled, and reported as such
+  EXPECT_FALSE(tag_fenced(direct_tag(3, 7), 3, 7));
+  // At op 1 a fence stands for op 0's signal, which no op waits for.
+  EXPECT_TRUE(tag_fenced(direct_fence(3, 1), 3, 1));
+}
+
 // No GPU needed: ops that differ in any of kind, root, count, dtype and op
 // have different shape words (so that the ranks of a launch find out), and
 // none is the rejection's.
