@@ -296,6 +296,17 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     if (!alone) launch_pieces(c, op, call.chunk, stream, timeout, call.reject.c_str(), queued);
     return;
   }
+  if (alone && !call.out.defined() && call.in.defined() && !call.outs.empty() &&
+      call.in.numel() == static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()) {
+    // A list form alone: each output straight from its part of the input, not
+    // through a contiguous copy of them all.
+    const at::Tensor in = call.in.reshape({-1});
+    for (size_t p = 0; p < call.outs.size(); ++p) {
+      const int64_t n = call.outs[p].numel();
+      call.outs[p].copy_(in.narrow(0, static_cast<int64_t>(p) * n, n).view(call.outs[p].sizes()));
+    }
+    return;
+  }
   const at::Tensor out = contiguous_out(call);
   // In place (all_reduce, a root's broadcast or reduce): one buffer is both.
   const bool same = call.in.defined() && call.out.defined() && call.in.is_same(call.out);
@@ -356,6 +367,8 @@ bool equal_splits(const at::Tensor& t, const std::vector<int64_t>& splits, int w
 
 // Every tensor of `list` flattened into one, in order (a list form's input).
 at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
+  // One tensor (a world of one): itself, flat, not a copy (launches only read it).
+  if (list.size() == 1) return list[0].reshape({-1});
   std::vector<at::Tensor> flat;
   for (const at::Tensor& t : list) flat.push_back(t.reshape({-1}));
   return at::cat(flat);
