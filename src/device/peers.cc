@@ -79,15 +79,9 @@ GpuRecord GpuRecord::of(int device) {
   cuda_check(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
   for (int d = 0; d < n; ++d) {
     if (d == device) continue;
-    int can = 0, atomics = 0;
+    int can = 0;
     cuda_check(cudaDeviceCanAccessPeer(&can, device, d), "cudaDeviceCanAccessPeer");
-    // The kernels' signals are compare-and-swapped in peers' memory (a fence
-    // must not race a late signal): a link without native atomics cannot.
-    if (can != 0)
-      cuda_check(
-          cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, device, d),
-          "cudaDeviceGetP2PAttribute");
-    if (can != 0 && atomics != 0) r.reaches.push_back(device_bus_id(d));
+    if (can != 0) r.reaches.push_back(device_bus_id(d));
   }
   return r;
 }
@@ -136,8 +130,8 @@ Reach judge_reach(const std::vector<std::optional<GpuRecord>>& records, int me) 
       out.no_peer_access =
           str("rank ", ab ? b : a, "'s GPU (", ab ? rb.bus_id : ra.bus_id,
               ") has no peer access to rank ", ab ? a : b, "'s GPU (", ab ? ra.bus_id : rb.bus_id,
-              ") with native atomics, or does not see it (CUDA_VISIBLE_DEVICES), so it cannot "
-              "map that rank's device memory");
+              ") or does not see it (CUDA_VISIBLE_DEVICES), so it cannot map "
+              "that rank's device memory");
       return out;
     }
   return out;

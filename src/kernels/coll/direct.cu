@@ -272,11 +272,10 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
       uint32_t fence = 0;
       s_fenced = !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen,
                                  seq, &fence);
-      if (s_fenced) {
-        report_masked(st, me);                    // out, as the others see it
-        if (fence == static_cast<uint32_t>(seq))  // once, at the op the fence began
-          report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
-      }
+      // Once, at the op the fence began (its own active_ranks entry stays: the
+      // view, not a launch, says whether this process is in the group).
+      if (s_fenced && fence == static_cast<uint32_t>(seq))
+        report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
     }
     __syncthreads();
     const uint64_t deadline = deadline_of(a.c.timeout_ns);

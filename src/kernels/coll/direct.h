@@ -56,7 +56,8 @@
 // swaps a fence in for it (compare-and-swap over the value it read); a rank
 // publishes its signal by compare-and-swap too, never over a fence of its
 // generation nor a newer generation's word. So the signal and the fence
-// cannot both land: a peer killed while its kernel still runs (the GPU ends
+// cannot both land (peers on other GPUs need native atomics over their
+// link, as NVLink has): a peer killed while its kernel still runs (the GPU ends
 // a dead process's work some time after its peers see it gone) is in at
 // every survivor or out at every one, and so is a slow rank that is alive,
 // which stays out until the next setup, its own results leaving its input

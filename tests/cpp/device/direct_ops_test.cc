@@ -345,7 +345,7 @@ TEST(DirectLayout, AFenceKeepsItsRankOutFromItsOpOn) {
   EXPECT_TRUE(tag_settled(f, 3, 6));
   EXPECT_EQ(tag_ahead(f, 6), 0u);
   EXPECT_FALSE(tag_fenced(f, 3, 6));
-  EXPECT_TRUE(tag_settled(f, 3, 5));  // (two ahead: the stale check's)
+  EXPECT_TRUE(tag_settled(f, 3, 5));  // op 5: one ahead, as op 6's signal is
   EXPECT_FALSE(tag_settled(f, 3, 7));
   EXPECT_TRUE(tag_fenced(f, 3, 7));
   EXPECT_TRUE(tag_fenced(f, 3, 9));
