@@ -263,6 +263,14 @@ at::Tensor contiguous_out(const DirectCall& call) {
                    call.outs[0].options());
 }
 
+// Each of `outs` from its part of `flat` (parts in order, each one output's size).
+void copy_parts(const at::Tensor& flat, const std::vector<at::Tensor>& outs) {
+  for (size_t p = 0; p < outs.size(); ++p) {
+    const int64_t n = outs[p].numel();
+    outs[p].copy_(flat.narrow(0, static_cast<int64_t>(p) * n, n).view(outs[p].sizes()));
+  }
+}
+
 // `op` as launches of at most `chunk` elements (0: one launch), each the same
 // offset into the input and the output (single-part kinds), every rank
 // cutting alike. (Chunks come under capture only, where a rejected call
@@ -300,11 +308,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
       call.in.numel() == static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()) {
     // A list form alone: each output straight from its part of the input, not
     // through a contiguous copy of them all.
-    const at::Tensor in = call.in.reshape({-1});
-    for (size_t p = 0; p < call.outs.size(); ++p) {
-      const int64_t n = call.outs[p].numel();
-      call.outs[p].copy_(in.narrow(0, static_cast<int64_t>(p) * n, n).view(call.outs[p].sizes()));
-    }
+    copy_parts(call.in.reshape({-1}), call.outs);
     return;
   }
   const at::Tensor out = contiguous_out(call);
@@ -324,10 +328,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     launch_pieces(c, op, call.chunk, stream, timeout, nullptr, queued);
   }
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
-  for (size_t p = 0; p < call.outs.size(); ++p) {
-    const int64_t n = call.outs[p].numel();
-    call.outs[p].copy_(out.narrow(0, static_cast<int64_t>(p) * n, n).view(call.outs[p].sizes()));
-  }
+  copy_parts(out, call.outs);
 }
 
 // The rejection of an op some of whose CUDA tensors are not on `device`.

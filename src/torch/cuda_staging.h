@@ -379,8 +379,7 @@ class Staging {
     const auto device = static_cast<c10::DeviceIndex>(b_.device_);
     device_guard_.emplace(device);
     const auto caller = c10::cuda::getCurrentCUDAStream(device);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    cuda_check(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
+    const cudaStreamCaptureStatus capture = b_.capture_status();
     check_capture_intact(capture, op_);
     MC_CHECK_ARG(capture == cudaStreamCaptureStatusNone, op_,
                  ": cannot run under CUDA graph capture: of backend mooncake's ops, the "

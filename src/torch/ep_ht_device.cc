@@ -11,6 +11,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 #include <cuda_runtime.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -112,41 +113,28 @@ class EpHtDevice {
     // The plan's nine int32 arrays in one allocation (each an allocator call
     // otherwise, a good part of a small dispatch's host time), each at a
     // 16-byte boundary.
-    const std::vector<std::vector<int64_t>> shapes = {
-        {R + (expand ? num_experts : 0), std::max<int64_t>(plan->num_chunks, 1)},
-        {N, K},
-        expand ? std::vector<int64_t>{N, K} : std::vector<int64_t>{1},
-        {ht::HtPlan(R, epr, buf_.channels()).words()},
-        {R * max_tokens, K + 2},
-        {N, K},
-        {R},
-        {epr},
-        {epr}};
+    const std::pair<at::Tensor*, std::vector<int64_t>> arrays[] = {
+        {&plan->chunk_tab,
+         {R + (expand ? num_experts : 0), std::max<int64_t>(plan->num_chunks, 1)}},
+        {&plan->inpos, {N, K}},
+        {&plan->inrank, expand ? std::vector<int64_t>{N, K} : std::vector<int64_t>{1}},
+        {&plan->words, {ht::HtPlan(R, epr, buf_.channels()).words()}},
+        {&plan->metadata, {R * max_tokens, K + 2}},
+        {&plan->dst_slot, {N, K}},
+        {&plan->psum_rank, {R}},
+        {&plan->psum_expert, {epr}},
+        {&plan->unaligned, {epr}}};
     auto padded = [](const std::vector<int64_t>& shape) {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      return (n + 3) / 4 * 4;
+      return (c10::multiply_integers(shape) + 3) / 4 * 4;
     };
     int64_t total = 0;
-    for (const auto& shape : shapes) total += padded(shape);
+    for (const auto& [array, shape] : arrays) total += padded(shape);
     const at::Tensor block = at::empty({total}, topk.options().dtype(at::kInt));
-    std::vector<at::Tensor> parts;
-    int64_t at = 0;
-    for (const auto& shape : shapes) {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      parts.push_back(block.narrow(0, at, n).view(shape));
-      at += padded(shape);
+    int64_t offset = 0;
+    for (const auto& [array, shape] : arrays) {
+      *array = block.narrow(0, offset, c10::multiply_integers(shape)).view(shape);
+      offset += padded(shape);
     }
-    plan->chunk_tab = parts[0];
-    plan->inpos = parts[1];
-    plan->inrank = parts[2];
-    plan->words = parts[3];
-    plan->metadata = parts[4];
-    plan->dst_slot = parts[5];
-    plan->psum_rank = parts[6];
-    plan->psum_expert = parts[7];
-    plan->unaligned = parts[8];
     ht::LayoutArgs a;
     a.r = plan->routing();
     a.alignment = alignment;

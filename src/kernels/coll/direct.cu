@@ -141,7 +141,7 @@ __device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq, uin
   uint64_t prev = ld_acquire_sys(signal);
   for (;;) {
     if (tag_gen(prev) > gen) return true;  // a straggler of an older setup: not its word now
-    if ((prev & kFenceBit) != 0 && tag_gen(prev) == gen) {
+    if (tag_fence_of(prev, gen)) {
       *fence = static_cast<uint32_t>(prev);
       return false;
     }

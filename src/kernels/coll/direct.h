@@ -182,10 +182,14 @@ MC_HD inline bool tag_settled(uint64_t tag, uint32_t gen, uint64_t seq) {
   const uint32_t g = tag_gen(tag);
   return g > gen || (g == gen && tag_ahead(tag, seq) < 0x80000000u);
 }
+// Whether `tag` is a fence set in generation `gen` (an older one's is void).
+MC_HD inline bool tag_fence_of(uint64_t tag, uint32_t gen) {
+  return (tag & kFenceBit) != 0 && tag_gen(tag) == gen;
+}
 // Whether `tag` is a fence of generation `gen` that keeps its rank out of op
-// `seq` (a fence of an older generation is void).
+// `seq`.
 MC_HD inline bool tag_fenced(uint64_t tag, uint32_t gen, uint64_t seq) {
-  return (tag & kFenceBit) != 0 && tag_gen(tag) == gen && !tag_settled(tag, gen, seq);
+  return tag_fence_of(tag, gen) && !tag_settled(tag, gen, seq);
 }
 
 // The shape word of an op; the peers' must equal it. Counts below 2^36 (a
