@@ -42,25 +42,6 @@ def test_pg_cuda_problems():
     assert "gloo/w2: nothing measured" in got
 
 
-def test_pg_cuda_a_documented_capture_refusal_is_no_problem(monkeypatch):
-    monkeypatch.delenv("MOONCAKE_CUDA_DIRECT_BYTES", raising=False)
-    why = ["ValueError: all_gather_into_tensor: cannot run under CUDA graph capture: ..."]
-
-    def row(op, nbytes):
-        return {"op": op, "bytes": nbytes, "us": None, "error": why}
-
-    mib = 1 << 20
-    past = [
-        row("all_gather_into_tensor_graph", 64 * mib),
-        row("reduce_scatter_tensor_graph", 9 * mib),
-    ]
-    assert bench_pg_cuda.problems_of({"mooncake/w2": {"rows": past}}) == []
-    # Within the bound (one rank's input of the gather: 64 MiB / 8), or another op: a problem.
-    within = [row("all_gather_into_tensor_graph", 64 * mib), row("reduce_scatter_tensor_graph", 8 * mib),
-              row("all_reduce_graph", 64 * mib)]  # fmt: skip
-    assert len(bench_pg_cuda.problems_of({"mooncake/w8": {"rows": within}})) == 3
-
-
 def test_ep_device_summary_takes_the_slowest_and_survives_missing_keys():
     r0 = [{"E": 256, "fp8": True, "dispatch_us": [1.0, 3.0, 2.0], "dispatch_kernel_us": [1.0]}]
     r1 = [{"E": 256, "fp8": True, "dispatch_us": [4.0, 4.0, 4.0], "graph_error": "no"}]

@@ -130,6 +130,7 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   MC_ASSERT(installed_ && timeout_ms > 0 && op.count < k::kDirectMaxCount &&
             input_bytes(op) <= layout_.max_bytes);
   MC_ASSERT(!k::direct_rooted(op.kind) || (op.root >= 0 && op.root < ranks_));
+  MC_ASSERT(op.stride == 0 || op.stride >= op.count);  // parts never overlap
   const int root = k::direct_rooted(op.kind) ? op.root : 0;
   const RedOp red = k::direct_reduces(op.kind) ? op.op : RedOp::kSum;
   k::DirectArgs a{};
@@ -150,6 +151,7 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.in = op.in;
   a.out = op.out;
   a.count = op.count;
+  a.stride = op.stride;
   a.esize = dtype_size(op.dtype);
   a.dtype = op.dtype;
   a.op = red;
@@ -157,10 +159,13 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.shape = reject ? k::kShapeRejected
                    : k::direct_shape(op.kind, root, op.count, op.dtype, red, a.two_shot);
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
-  // Parts after the first start at whole vectors only when a part is whole vectors.
+  // Parts after the first start at whole vectors only when a part and the
+  // stride are whole vectors.
   const bool one_part = k::direct_in_parts(op.kind, ranks_, true) <= 1 &&
                         k::direct_out_parts(op.kind, ranks_, true) <= 1;
-  a.vec = aligned(op.in) && aligned(op.out) && (one_part || (op.count * a.esize) % 16 == 0);
+  const size_t stride = op.stride != 0 ? op.stride : op.count;
+  a.vec = aligned(op.in) && aligned(op.out) &&
+          (one_part || ((op.count * a.esize) % 16 == 0 && (stride * a.esize) % 16 == 0));
   cuda_check(static_cast<cudaError_t>(k::launch_direct(a, blocks, stream)),
              "the device-driven collective kernel");
 }

@@ -70,6 +70,9 @@ class DirectOps {
     const void* in = nullptr;
     void* out = nullptr;
     size_t count = 0;  // elements of one part
+    // Elements between the parts' firsts in a multi-part in or out (0: count;
+    // an op in pieces: its whole part's count).
+    size_t stride = 0;
     DType dtype = DType::kFloat32;
     RedOp op = RedOp::kSum;  // reductions only
     int root = 0;            // rooted kinds only

@@ -271,9 +271,9 @@ void copy_parts(const at::Tensor& flat, const std::vector<at::Tensor>& outs) {
   }
 }
 
-// `op` as launches of at most `chunk` elements (0: one launch), each the same
-// offset into the input and the output (single-part kinds), every rank
-// cutting alike. (Chunks come under capture only, where a rejected call
+// `op` as launches of at most `chunk` elements of each part (0: one launch),
+// each the same offset into every part of the input and the output, every
+// rank cutting alike. (Chunks come under capture only, where a rejected call
 // raises before it launches anything, as an unchunked one does.)
 void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, cudaStream_t stream,
                    int64_t timeout, const char* reject, bool queued) {
@@ -285,6 +285,9 @@ void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, 
   for (size_t first = 0; first < op.count; first += chunk) {
     DirectOps::Op piece = op;
     piece.count = std::min(chunk, op.count - first);
+    // Of every part of a multi-part input or output, the same piece: the
+    // pointers below are part 0's, the others a whole part further each.
+    piece.stride = op.stride != 0 ? op.stride : op.count;
     if (op.in != nullptr) piece.in = static_cast<const uint8_t*>(op.in) + first * esize;
     if (op.out != nullptr) piece.out = static_cast<uint8_t*>(op.out) + first * esize;
     c.direct(piece, stream, timeout, reject, queued);
@@ -642,9 +645,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce_coalesced(
   std::vector<DirectCall> calls;
   for (const at::Tensor& t : tensors) {
     DirectOps::Op op = direct_op(DirectKind::kAllReduce, elems(t));
-    if (!direct_branch(op, t) || !direct_now()) break;
+    const bool branch = direct_branch(op, t);
+    const size_t chunk = branch ? 0 : capture_chunk(op, t);
+    if (!(branch && direct_now()) && chunk == 0) break;
     op.op = to_redop(opts.reduceOp, t, "all_reduce_coalesced");
-    calls.push_back({op, t, t, {}, wrong_device("all_reduce_coalesced", "tensors", device_, {t})});
+    calls.push_back(
+        {op, t, t, {}, wrong_device("all_reduce_coalesced", "tensors", device_, {t}), chunk});
   }
   if (!tensors.empty() && calls.size() == tensors.size())
     return direct_run("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, std::move(calls),
@@ -727,10 +733,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
     if (direct_branch(op, in)) warm = op;
-    if (warm && rooted_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, in);
+    if ((warm && rooted_now()) || chunk > 0) {
       std::vector<at::Tensor> all = outputs[0];
       all.push_back(in);
-      DirectCall call{op, in, {}, outputs[0], wrong_device("all_gather", "tensor", device_, all)};
+      const std::string reject = wrong_device("all_gather", "tensor", device_, all);
+      DirectCall call{op, in, {}, outputs[0], reject, chunk};
       return direct_run("all_gather", c10d::OpType::ALLGATHER, {std::move(call)}, outputs[0],
                         op_timeout_ms(opts.timeout));
     }
@@ -765,12 +773,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
   if (input.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(input));
     if (direct_branch(op, input)) warm = op;
-    if (warm && direct_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, input);
+    if ((warm && direct_now()) || chunk > 0) {
       std::string reject = misfit("all_gather_into_tensor", "output_tensor (world_size x input)",
                                   output, input.numel() * size_, input);
       if (reject.empty())
         reject = wrong_device("all_gather_into_tensor", "tensors", device_, {input, output});
-      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject};
+      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject, chunk};
       return direct_run("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {std::move(call)},
                         {output}, op_timeout_ms(opts.timeout));
     }
@@ -808,7 +817,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
     std::vector<DirectCall> calls;
     for (size_t i = 0; i < inputs.size(); ++i) {
       DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(inputs[i]));
-      if (!list_fits(outputs[i], size_, inputs[i]) || !direct_branch(op, inputs[i])) break;
+      if (!list_fits(outputs[i], size_, inputs[i])) break;
+      const bool branch = direct_branch(op, inputs[i]);
+      const size_t chunk = branch ? 0 : capture_chunk(op, inputs[i]);
+      if (!branch && chunk == 0) break;
       if (!warm) warm = op;
       std::vector<at::Tensor> all = outputs[i];
       all.push_back(inputs[i]);
@@ -816,7 +828,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_coalesced(
                        inputs[i],
                        {},
                        outputs[i],
-                       wrong_device("all_gather_coalesced", "tensors", device_, all)});
+                       wrong_device("all_gather_coalesced", "tensors", device_, all),
+                       chunk});
     }
     if (calls.size() != inputs.size()) warm.reset();
     if (warm && rooted_now())
@@ -863,12 +876,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather_into_tensor_coales
     for (size_t i = 0; i < inputs.size(); ++i) {
       const at::Tensor &in = inputs[i], &out = outputs[i];
       DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
-      if (!in.defined() || !direct_branch(op, in) || !direct_now()) break;
+      if (!in.defined()) break;
+      const bool branch = direct_branch(op, in);
+      const size_t chunk = branch ? 0 : capture_chunk(op, in);
+      if (!(branch && direct_now()) && chunk == 0) break;
       std::string reject = misfit("all_gather_into_tensor", "output_tensor (world_size x input)",
                                   out, in.numel() * size_, in);
       if (reject.empty())
         reject = wrong_device("all_gather_into_tensor", "tensors", device_, {in, out});
-      calls.push_back({op, in, reject.empty() ? out : at::Tensor(), {}, reject});
+      calls.push_back({op, in, reject.empty() ? out : at::Tensor(), {}, reject, chunk});
     }
     if (calls.size() == inputs.size())
       return direct_run("all_gather_into_tensor", c10d::OpType::COALESCED, std::move(calls),
@@ -917,15 +933,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kGather, elems(in), root);
     if (direct_branch(op, in)) warm = op;
-    if (warm && rooted_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, in);
+    if ((warm && rooted_now()) || chunk > 0) {
       // The root's list is its own: a bad one is rejected there, in step with the others.
       std::vector<at::Tensor> all{in};
       std::string reject =
           is_root ? root_list("gather", "gather_list", outputs, in, "input tensor", size_, all)
                   : "";
       if (reject.empty()) reject = wrong_device("gather", "tensors", device_, all);
-      DirectCall call{
-          op, in, {}, reject.empty() && is_root ? outputs[0] : std::vector<at::Tensor>{}, reject};
+      std::vector<at::Tensor> outs;  // the root's list, where it is good
+      if (reject.empty() && is_root) outs = outputs[0];
+      DirectCall call{op, in, {}, std::move(outs), reject, chunk};
       return direct_run("gather", c10d::OpType::GATHER, {std::move(call)}, flat(outputs),
                         op_timeout_ms(opts.timeout));
     }
@@ -965,14 +983,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kScatter, elems(out), root);
     if (direct_branch(op, out)) warm = op;
-    if (warm && rooted_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, out);
+    if ((warm && rooted_now()) || chunk > 0) {
       std::vector<at::Tensor> all{out};
       std::string reject =
           is_root ? root_list("scatter", "scatter_list", inputs, out, "output tensor", size_, all)
                   : "";
       if (reject.empty()) reject = wrong_device("scatter", "tensors", device_, all);
-      DirectCall call{
-          op, reject.empty() && is_root ? cat_flat(inputs[0]) : at::Tensor(), out, {}, reject};
+      const at::Tensor in = reject.empty() && is_root ? cat_flat(inputs[0]) : at::Tensor();
+      DirectCall call{op, in, out, {}, reject, chunk};
       return direct_run("scatter", c10d::OpType::SCATTER, {std::move(call)}, {out},
                         op_timeout_ms(opts.timeout));
     }
@@ -1017,12 +1036,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
     if (direct_branch(op, out)) warm = op;
-    if (warm && rooted_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, out);
+    if ((warm && rooted_now()) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
       std::vector<at::Tensor> all = inputs[0];
       all.push_back(out);
       std::string reject = wrong_device("reduce_scatter", "tensors", device_, all);
-      DirectCall call{op, reject.empty() ? cat_flat(inputs[0]) : at::Tensor(), out, {}, reject};
+      const at::Tensor in = reject.empty() ? cat_flat(inputs[0]) : at::Tensor();
+      DirectCall call{op, in, out, {}, reject, chunk};
       return direct_run("reduce_scatter", c10d::OpType::REDUCE_SCATTER, {std::move(call)}, {out},
                         op_timeout_ms(opts.timeout));
     }
@@ -1062,13 +1083,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
   if (output.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(output));
     if (direct_branch(op, output)) warm = op;
-    if (warm && direct_now()) {
+    const size_t chunk = warm ? 0 : capture_chunk(op, output);
+    if ((warm && direct_now()) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, output, "reduce_scatter_tensor");
       std::string reject = misfit("reduce_scatter_tensor", "input (world_size x output)", input,
                                   output.numel() * size_, output);
       if (reject.empty())
         reject = wrong_device("reduce_scatter_tensor", "tensors", device_, {input, output});
-      DirectCall call{op, reject.empty() ? input : at::Tensor(), output, {}, reject};
+      DirectCall call{op, reject.empty() ? input : at::Tensor(), output, {}, reject, chunk};
       return direct_run("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE,
                         {std::move(call)}, {output}, op_timeout_ms(opts.timeout));
     }
@@ -1108,13 +1130,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter_tensor_coales
     for (size_t i = 0; i < inputs.size(); ++i) {
       const at::Tensor &in = inputs[i], &out = outputs[i];
       DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
-      if (!out.defined() || !direct_branch(op, out) || !direct_now()) break;
+      if (!out.defined()) break;
+      const bool branch = direct_branch(op, out);
+      const size_t chunk = branch ? 0 : capture_chunk(op, out);
+      if (!(branch && direct_now()) && chunk == 0) break;
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter_tensor");
       std::string reject = misfit("reduce_scatter_tensor", "input (world_size x output)", in,
                                   out.numel() * size_, out);
       if (reject.empty())
         reject = wrong_device("reduce_scatter_tensor", "tensors", device_, {in, out});
-      calls.push_back({op, reject.empty() ? in : at::Tensor(), out, {}, reject});
+      calls.push_back({op, reject.empty() ? in : at::Tensor(), out, {}, reject, chunk});
     }
     if (calls.size() == inputs.size())
       return direct_run("reduce_scatter_tensor", c10d::OpType::COALESCED, std::move(calls), outputs,
@@ -1203,7 +1228,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
       (no_splits || (rooted_now() && equal_splits(input, input_split_sizes, size_) &&
                      equal_splits(output, output_split_sizes, size_)))) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(input) / static_cast<size_t>(size_));
-    if (direct_branch(op, input) && direct_now()) {
+    const bool branch = direct_branch(op, input);
+    const size_t chunk = branch ? 0 : capture_chunk(op, input);
+    if ((branch && direct_now()) || chunk > 0) {
       std::string reject =
           input.numel() % size_ != 0
               ? str("all_to_all_single: input must split into world_size (", size_,
@@ -1211,7 +1238,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
               : misfit("all_to_all_single", "output", output, input.numel(), input);
       if (reject.empty())
         reject = wrong_device("all_to_all_single", "tensors", device_, {input, output});
-      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject};
+      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject, chunk};
       return direct_run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {std::move(call)},
                         {output}, op_timeout_ms(opts.timeout));
     }
@@ -1249,11 +1276,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Ten
   if (rooted_now() && !inputs.empty() && inputs.size() == static_cast<size_t>(size_) &&
       list_fits(inputs, inputs.size(), inputs[0]) && list_fits(outputs, inputs.size(), inputs[0])) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(inputs[0]));
-    if (direct_branch(op, inputs[0])) {
+    const bool branch = direct_branch(op, inputs[0]);
+    const size_t chunk = branch ? 0 : capture_chunk(op, inputs[0]);
+    if (branch || chunk > 0) {
       std::vector<at::Tensor> all = inputs;
       all.insert(all.end(), outputs.begin(), outputs.end());
       std::string reject = wrong_device("all_to_all", "tensors", device_, all);
-      DirectCall call{op, reject.empty() ? cat_flat(inputs) : at::Tensor(), {}, outputs, reject};
+      const at::Tensor in = reject.empty() ? cat_flat(inputs) : at::Tensor();
+      DirectCall call{op, in, {}, outputs, reject, chunk};
       return direct_run("all_to_all", c10d::OpType::ALLTOALL, {std::move(call)}, outputs,
                         op_timeout_ms(opts.timeout));
     }

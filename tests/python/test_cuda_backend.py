@@ -505,19 +505,19 @@ NOT_CAPTURABLE = "cannot run under cuda graph capture"
 def graph_capture(ctx):
     """Under CUDA graph capture, what cannot be captured raises ValueError saying why, and
     the group goes on: barrier, send and recv (point-to-point); all_to_all_single with
-    split sizes that are not all equal; all_to_all whose parts differ in size; on a group
-    made with MOONCAKE_CUDA_DIRECT_BYTES=4096, a reduce_scatter_tensor whose output part is
-    far smaller but whose whole input is past 4 KiB (the bound counts every part; eagerly it
-    takes the host-driven paths, as an all_reduce of 4 KiB + 4 bytes does, which under
-    capture goes as one launch per chunk of it and replays, and a 4 KiB all_reduce is
-    captured and replayed there); any collective on a group made with
-    MOONCAKE_CUDA_DIRECT=off; and a collective on a group whose device-driven kernels were
-    never set up (an eager all_to_all_single with split sizes, on the device plane, does
+    split sizes that are not all equal; all_to_all whose parts differ in size; any
+    collective on a group made with MOONCAKE_CUDA_DIRECT=off; and a collective on a group
+    whose device-driven kernels were never set up (an eager all_to_all_single with split sizes, on the device plane, does
     not set them up; one eager broadcast, on the device plane too, does, and a captured
     broadcast then replays; on another group a 4 KiB eager all_gather on the device plane
     does, and a captured all_gather replays). all_to_all_single with equal split sizes (as
-    torch's functional collectives pass them) is captured and replays. An op under a capture
-    that an earlier call broke (a synchronize) raises ValueError saying so. At one rank the
+    torch's functional collectives pass them) is captured and replays. On a group made with
+    MOONCAKE_CUDA_DIRECT_BYTES=4096, ops past the bound (which counts every part of an
+    input: a reduce_scatter_tensor whose output part is far smaller is past it) take the
+    host-driven paths eagerly, and under capture go as one launch per piece of each part
+    and replay: all_reduce, reduce_scatter_tensor, all_gather_into_tensor and
+    all_to_all_single; a 4 KiB all_reduce is captured and replayed there. An op under a
+    capture that an earlier call broke (a synchronize) raises ValueError saying so. At one rank the
     ops past the bound, and the eager calls above, take the kernels' path (a local copy),
     which captures and replays. Every collective the kernels serve is capturable:
     ``graph_replay`` captures them all."""
@@ -597,29 +597,54 @@ def graph_capture(ctx):
     rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
     got = _paths(lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small), small, True)
     ctx.expect(got in past, f"reduce_scatter_tensor past a 4 KiB bound: {got}")
-    rs_past = lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small)  # noqa: E731
-    if world > 1:  # a part of several: not capturable past the bound
-        _capture_raises(
-            ctx, rs_past, "reduce_scatter_tensor", NOT_CAPTURABLE, "MOONCAKE_CUDA_DIRECT_BYTES"
-        )
-    # A single part (all_reduce) past the bound is captured as one launch per chunk of it
-    # (here 1,024 elements and 1); alone, everything past it is (a local copy).
+    # Past the bound under capture every op goes as one launch per piece of each part
+    # (a whole piece fills the area, the last takes the rest): an all_reduce of 4 KiB + 4 bytes, and ops of
+    # several parts, whose pieces are strided (a reduce_scatter_tensor's input parts, an
+    # all_gather_into_tensor's output parts, both of all_to_all_single's); alone, each is
+    # one local copy.
+    a = 1025  # all_gather's input: one part, past the bound
+    ag_in = torch.empty(a, device="cuda")
+    ag_out = _garbage((world * a,), torch.float32)
+    a2a_in = torch.empty(world * m, device="cuda")
+    a2a_out = _garbage((world * m,), torch.float32)
     g = torch.cuda.CUDAGraph()
     got = _paths(
-        lambda: _capture_all(g, [lambda: dist.all_reduce(over, group=small)]
-                             + ([rs_past] if world == 1 else [])),
+        lambda: _capture_all(
+            g,
+            [
+                lambda: dist.all_reduce(over, group=small),
+                lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=small),
+                lambda: dist.all_gather_into_tensor(ag_out, ag_in, group=small),
+                lambda: dist.all_to_all_single(a2a_out, a2a_in, group=small),
+            ],
+        ),
         small,
         direct=True,
-    )  # fmt: skip
-    ctx.expect(got == (1 + (world == 1), 0, 1 + (world == 1)), f"capture past the bound: {got}")
+    )
+    ctx.expect(got == (4, 0, 4), f"capture past the bound: (device, staged, direct) {got}")
+    # Values that tell every element of every part apart (exact in float32).
+    pos = torch.arange(world * m, device="cuda", dtype=torch.float32)
     over.fill_(3.0)
-    rs_in.fill_(5.0)
+    rs_in.copy_(pos + 1000.0 * (me + 1))
+    ag_in.copy_(torch.arange(a, device="cuda", dtype=torch.float32) + 10000.0 * (me + 1))
+    a2a_in.copy_(pos + 10000.0 * (me + 1))
     rs_out.zero_()
+    ag_out.fill_(float("nan"))
+    a2a_out.fill_(float("nan"))
     g.replay()
-    want = torch.full((1025,), 3.0 * world)
-    ctx.expect_equal(over.cpu(), want, "replayed all_reduce past the bound, in chunks")
-    if world == 1:
-        ctx.expect_equal(rs_out.cpu(), torch.full((m,), 5.0), "alone: reduce_scatter past it")
+    ctx.expect_equal(over.cpu(), torch.full((1025,), 3.0 * world), "replayed all_reduce past it")
+    mine_part = torch.arange(me * m, (me + 1) * m, dtype=torch.float32)
+    ctx.expect_equal(
+        rs_out.cpu(),
+        world * mine_part + 1000.0 * world * (world + 1) / 2,
+        "replayed reduce_scatter_tensor past the bound, in strided pieces",
+    )
+    want_ag = torch.cat(
+        [torch.arange(a, dtype=torch.float32) + 10000.0 * (r + 1) for r in range(world)]
+    )
+    ctx.expect_equal(ag_out.cpu(), want_ag, "replayed all_gather_into_tensor past the bound")
+    want_a2a = torch.cat([mine_part + 10000.0 * (r + 1) for r in range(world)])
+    ctx.expect_equal(a2a_out.cpu(), want_a2a, "replayed all_to_all_single past the bound")
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         dist.all_reduce(y, group=small)

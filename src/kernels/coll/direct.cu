@@ -252,11 +252,20 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   // One part: its bytes, and its elements as this instantiation counts them.
   const size_t part_bytes = a.count * a.esize;
   const size_t part = part_bytes / sizeof(T);
+  // From one part of `in` or `out` to the next (the area's parts are back to back).
+  const size_t stride_bytes = (a.stride != 0 ? a.stride : a.count) * a.esize;
+  const size_t stride = stride_bytes / sizeof(T);
 
   // 1. The input into this rank's area.
-  if (data && a.in != nullptr)
-    copy_in(own + L.input(seq), static_cast<const uint8_t*>(a.in),
-            direct_in_parts(a.kind, R, root) * part_bytes, a.vec);
+  if (data && a.in != nullptr) {
+    const size_t parts = direct_in_parts(a.kind, R, root);
+    const auto* in = static_cast<const uint8_t*>(a.in);
+    if (stride_bytes == part_bytes)
+      copy_in(own + L.input(seq), in, parts * part_bytes, a.vec);
+    else
+      for (size_t p = 0; p < parts; ++p)
+        copy_in(own + L.input(seq) + p * part_bytes, in + p * stride_bytes, part_bytes, a.vec);
+  }
   __syncthreads();
   uint32_t bar = 0;
   if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
@@ -325,13 +334,13 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
         [[fallthrough]];
       case DirectKind::kAllGather:
         for (int j = 0; j < R; ++j)
-          move_part<T>(input_of(j), out + static_cast<size_t>(j) * part, part, unit, a.vec);
+          move_part<T>(input_of(j), out + static_cast<size_t>(j) * stride, part, unit, a.vec);
         return;
       case DirectKind::kAllToAll:
         for (int j = 0; j < R; ++j) {
           const uint8_t* from = input_of(j);
           move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr,
-                       out + static_cast<size_t>(j) * part, part, unit, a.vec);
+                       out + static_cast<size_t>(j) * stride, part, unit, a.vec);
         }
         return;
       default: return;

@@ -275,6 +275,10 @@ struct DirectArgs {
   const void* in;
   void* out;
   size_t count;  // elements of one part (DirectKind)
+  // Elements from one part's first to the next's, in `in` and `out` where
+  // they hold several (0: count, the parts back to back). An op in pieces
+  // (one launch per piece of every part) passes the whole op's part size.
+  size_t stride;
   size_t esize;  // bytes of an element of `dtype`
   DType dtype;
   RedOp op;
@@ -282,8 +286,8 @@ struct DirectArgs {
   // rejected its arguments and takes part without data (in and out unused).
   uint64_t shape;
   bool two_shot;  // all_reduce only
-  // in and out are 16-byte aligned, and so is a part's size where an input
-  // or output holds several
+  // in and out are 16-byte aligned, and so are a part's size and the stride
+  // where an input or output holds several
   bool vec;
 };
 

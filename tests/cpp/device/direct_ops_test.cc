@@ -699,6 +699,60 @@ TEST_P(DirectOpsTest, EveryKindEqualsTheHostAndThePlaneBitForBit) {
       {180000});
 }
 
+// An op as launches of pieces of every part (as the torch backend captures
+// an op past the kernels' bound): each launch the same slice of each part,
+// the stride the whole part. Every kind and root, parts of whole vectors
+// (fp32, 1000) and not (1001; int8), a last piece shorter than the others:
+// the whole op's bits, and nothing written past the output.
+TEST_P(DirectOpsTest, PiecesOfEveryPartEqualTheWholeOp) {
+  MC_REQUIRE_GPU();
+  run_ranks(
+      GetParam(),
+      [](Rank& r) {
+        namespace k = mooncake::kernels;
+        GpuRank g(r);
+        DeviceCollectives c(g.comm, r.store, "p/", g.device, options(Direct::kAuto));
+        int tag = 0;
+        constexpr size_t kPiece = 256;
+        for (DirectKind kind : kKinds) {
+          const int roots = k::direct_rooted(kind) ? r.size : 1;
+          for (int root = 0; root < roots; ++root) {
+            const int given = k::direct_rooted(kind) ? root : r.rank;
+            const bool am_root = r.rank == given;
+            for (const Sweep& s :
+                 {Sweep{DType::kFloat32, RedOp::kSum}, Sweep{DType::kInt8, RedOp::kSum}}) {
+              for (size_t count : {size_t{1000}, size_t{1001}}) {
+                ++tag;
+                const size_t esize = mooncake::dtype_size(s.dtype);
+                const size_t part = count * esize;
+                const size_t in_bytes = k::direct_in_parts(kind, r.size, am_root) * part;
+                const size_t out_bytes = k::direct_out_parts(kind, r.size, am_root) * part;
+                DeviceArray<uint8_t> in(in_bytes), out(out_bytes + kGuardBytes);
+                fill(out.get(), kGuard, out_bytes + kGuardBytes);
+                write(in.get(), input_of(kind, s.dtype, count, r.size, r.rank, given, tag));
+                for (size_t first = 0; first < count; first += kPiece) {
+                  DirectOp op = make_op(kind, in_bytes > 0 ? in.get() + first * esize : nullptr,
+                                        out_bytes > 0 ? out.get() + first * esize : nullptr,
+                                        std::min(kPiece, count - first), s.dtype, s.op, given);
+                  op.stride = count;
+                  c.direct(op, g.stream);
+                }
+                sync(g.stream);
+                Bytes want = expected(kind, s.dtype, s.op, count, r.size, r.rank, given, tag,
+                                      everyone(r.size));
+                want.resize(want.size() + kGuardBytes, static_cast<uint8_t>(kGuard));
+                ASSERT_EQ(read(out.get(), out_bytes + kGuardBytes), want)
+                    << kind_name(kind) << " in pieces, dtype " << mooncake::dtype_name(s.dtype)
+                    << " count " << count << " root " << given << " at rank " << r.rank;
+              }
+            }
+          }
+        }
+        EXPECT_TRUE(c.direct_ready());
+      },
+      {180000});
+}
+
 // One op of a sequence: its kind, dtype, reduce op, count and root.
 struct Step {
   DirectKind kind;
