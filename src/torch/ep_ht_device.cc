@@ -85,7 +85,8 @@ class EpHtDevice {
         .count;
   }
 
-  // A fresh dispatch's layout pass and notify exchange: the plan.
+  // A fresh dispatch's layout pass and notify exchange: the plan, which holds
+  // its own copy of `topk` (the handle's: the caller may reuse its tensor).
   std::shared_ptr<HtPlanTensors> layout(const at::Tensor& topk, const at::Tensor& active,
                                         int64_t max_tokens, int64_t num_experts, int64_t alignment,
                                         bool expand, int64_t signature, int64_t seq,
@@ -102,7 +103,6 @@ class EpHtDevice {
                  ": ranks * num_max_tokens_per_rank must be below 2^31, got ", R * max_tokens);
     MC_CHECK_ARG(alignment >= 1, what, ": expert_alignment must be >= 1");
     auto plan = std::make_shared<HtPlanTensors>();
-    plan->topk = topk;
     plan->num_experts = num_experts;
     plan->max_tokens = max_tokens;
     plan->alignment = alignment;
@@ -110,10 +110,13 @@ class EpHtDevice {
     plan->chunk_tokens = std::max<int64_t>(1, ht::kThreads / K);
     plan->num_chunks = (N + plan->chunk_tokens - 1) / plan->chunk_tokens;
     const int64_t epr = num_experts / R;
-    // The plan's nine int32 arrays in one allocation (each an allocator call
-    // otherwise, a good part of a small dispatch's host time), each at a
-    // 16-byte boundary.
+    // The plan's nine int32 arrays and the copy of `topk` in one allocation
+    // (each an allocator call otherwise, and the copy a torch op: a good part
+    // of a small dispatch's host time), each at a 16-byte boundary.
+    const int64_t topk_words = N * K * static_cast<int64_t>(topk.element_size()) / 4;
+    at::Tensor topk_block;
     const std::pair<at::Tensor*, std::vector<int64_t>> arrays[] = {
+        {&topk_block, {topk_words}},
         {&plan->chunk_tab,
          {R + (expand ? num_experts : 0), std::max<int64_t>(plan->num_chunks, 1)}},
         {&plan->inpos, {N, K}},
@@ -135,6 +138,12 @@ class EpHtDevice {
       *array = block.narrow(0, offset, c10::multiply_integers(shape)).view(shape);
       offset += padded(shape);
     }
+    plan->topk = topk_block.view(topk.scalar_type()).view({N, K});
+    if (topk_words > 0)
+      cuda_check(
+          cudaMemcpyAsync(plan->topk.data_ptr(), topk.data_ptr(),
+                          static_cast<size_t>(topk_words) * 4, cudaMemcpyDeviceToDevice, stream()),
+          "dispatch: copying topk_idx");
     ht::LayoutArgs a;
     a.r = plan->routing();
     a.alignment = alignment;

@@ -438,10 +438,11 @@ class ThroughputDevice:
         active = self._mask(buf)
         blocks = self._blocks(num_sms)
         data, scales, weights = self._rows(data), self._dense(scales), self._dense(topk_weights)
-        topk = topk_idx.clone(memory_format=torch.contiguous_format)  # the handle's copy
         sig = self._signature(T, E, K, data, scales, weights, do_expand, alignment)
-        plan = self.ext.layout(topk, active, T, E, alignment, bool(do_expand), sig, seq,
-                               self._ns(buf._cpu_timeout_us), blocks)  # fmt: skip
+        # The plan holds its own copy of topk_idx (the handle's), made in the layout call.
+        plan = self.ext.layout(topk_idx.contiguous(), active, T, E, alignment, bool(do_expand),
+                               sig, seq, self._ns(buf._cpu_timeout_us), blocks)  # fmt: skip
+        topk = plan.topk
         rows, expanded = R * T, 0
         padded_list: list[int] = []
         if do_cpu_sync:

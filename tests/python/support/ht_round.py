@@ -282,7 +282,12 @@ class HRound:
             f"{what}: handle fields {(h.do_expand, h.num_experts, h.expert_alignment)}",
         )
         ctx.expect_equal(h.topk_idx, self.ins[me].idx, f"{what}: handle.topk_idx")
-        ctx.expect(h.topk_idx is not self.ins[me].idx, f"{what}: handle.topk_idx is not a copy")
+        idx = self.ins[me].idx
+        ctx.expect(
+            h.topk_idx is not idx
+            and (h.topk_idx.numel() == 0 or h.topk_idx.data_ptr() != idx.data_ptr()),
+            f"{what}: handle.topk_idx is not a copy",
+        )
         ctx.expect_equal(h.psum_num_recv_tokens_per_scaleup_rank,
                          torch.tensor(rec.psum_rank(), dtype=i32), f"{what}: psum per rank")  # fmt: skip
         ctx.expect_equal(h.psum_num_recv_tokens_per_expert,
