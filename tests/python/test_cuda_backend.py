@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
+import sys
 
 import pytest
 import torch
@@ -146,6 +148,42 @@ def coalesced(ctx, async_ops):
     for k, o in enumerate(outs):
         ctx.expect_equal(o.cpu(), torch.cat(ctx.inputs((9,), torch.float32, f"ag{k}")), "ag")
     _coalesced_rest(ctx)
+
+
+#: "1": keep Python's garbage collector running during captures, and report on stderr
+#: each collection that starts inside one (to tell whether one breaks a capture).
+GC_IN_CAPTURE = os.environ.get("MOONCAKE_TEST_GC_IN_CAPTURE") == "1"
+
+
+@contextlib.contextmanager
+def _graph(graph, stream=None):
+    """``torch.cuda.graph(graph, stream=stream)`` with Python's garbage collector held off
+    inside it. torch 2.11 no longer collects before a capture, so a collection can start
+    inside one and free an object of an earlier case whose destructor makes a CUDA call
+    that is not allowed while a stream captures (an old CUDAGraph's, a group's), which
+    ends the capture in error however the captured ops went."""
+    if GC_IN_CAPTURE:
+
+        def report(phase, info):
+            if phase == "start":
+                print(f"gc during a capture: generation {info['generation']}", file=sys.stderr)
+
+        gc.callbacks.append(report)
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                yield
+        finally:
+            gc.callbacks.remove(report)
+        return
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _garbage(shape, dtype) -> torch.Tensor:
@@ -463,7 +501,7 @@ def spare_slots(ctx):
 
 def _capture_all(graph, calls) -> None:
     """Each of ``calls`` captured, in order, in ``graph``."""
-    with torch.cuda.graph(graph):
+    with _graph(graph):
         for call in calls:
             call()
 
@@ -476,7 +514,7 @@ def _capture_raises(ctx, fn, *match) -> None:
     with torch.cuda.stream(s):
         try:
             with ctx.expect_raises(ValueError, *match, what=f"{match[0]} under capture"):
-                with torch.cuda.graph(g, stream=s):
+                with _graph(g, stream=s):
                     fn()
         except RuntimeError as e:  # the capture itself failing on the way out
             ctx.fail(f"capture raised {e}")
@@ -530,7 +568,7 @@ def graph_capture(ctx):
     g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(s):
         try:
-            with torch.cuda.graph(g, stream=s):
+            with _graph(g, stream=s):
                 with contextlib.suppress(RuntimeError):
                     torch.cuda.synchronize()
                 with ctx.expect_raises(ValueError, "all_reduce", "already invalidated"):
@@ -558,7 +596,7 @@ def graph_capture(ctx):
     g = torch.cuda.CUDAGraph()
 
     def capture_a2a():
-        with torch.cuda.graph(g):
+        with _graph(g):
             dist.all_to_all_single(got_a2a, mine, [2] * world, [2] * world)
 
     try:
@@ -646,7 +684,7 @@ def graph_capture(ctx):
     want_a2a = torch.cat([mine_part + 10000.0 * (r + 1) for r in range(world)])
     ctx.expect_equal(a2a_out.cpu(), want_a2a, "replayed all_to_all_single past the bound")
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with _graph(g):
         dist.all_reduce(y, group=small)
     y.fill_(1.0)
     g.replay()
@@ -681,7 +719,7 @@ def graph_capture(ctx):
     ctx.expect(got == _plane_or_alone(world), f"16-byte eager broadcast that sets up: {got}")
     ctx.expect_equal(b.cpu(), torch.full((4,), float(world)), "the broadcast that set up")
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with _graph(g):
         dist.broadcast(b, last, group=fresh)
     b.fill_(float(-me - 1))
     g.replay()
@@ -695,7 +733,7 @@ def graph_capture(ctx):
     ctx.expect(got == _plane_or_alone(world), f"4 KiB all_gather that sets up: {got}")
     g = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(g):
+        with _graph(g):
             dist.all_gather(parts, mine, group=listed)
     except (ValueError, RuntimeError) as e:
         ctx.fail(f"all_gather under capture after an eager all_gather: {type(e).__name__}: {e}")
@@ -1090,7 +1128,7 @@ def direct_matches_host_captured(ctx):
 def _capture_forms(graph, forms, captured) -> None:
     """Captures every form's call on the world group in ``graph``, its outputs into
     ``captured``."""
-    with torch.cuda.graph(graph):
+    with _graph(graph):
         for _, call, _, _ in forms:
             captured.append(call(None))
 
@@ -1304,7 +1342,7 @@ def _every_op_graph(ctx) -> None:
     graph = torch.cuda.CUDAGraph()
 
     def capture():
-        with torch.cuda.graph(graph):
+        with _graph(graph):
             for _, step in steps:
                 step()
 
@@ -1337,7 +1375,7 @@ def _coalesced(pairs, op) -> None:
 
 
 def _capture(g, static, grp) -> None:
-    with torch.cuda.graph(g):
+    with _graph(g):
         dist.all_reduce(static, group=grp)
 
 
