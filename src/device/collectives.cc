@@ -492,8 +492,10 @@ void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,
                                         int64_t timeout_ms) {
   const int world = comm_.size();
   const size_t part = op.count * dtype_size(op.dtype);
-  const auto ins = parts_of(op.in, part, world);
-  const auto outs = parts_of(op.out, part, world);
+  // Each part of a multi-part in or out: a stride apart (a piece of an op).
+  const size_t apart = (op.stride != 0 ? op.stride : op.count) * dtype_size(op.dtype);
+  const auto ins = parts_of(op.in, apart, world);
+  const auto outs = parts_of(op.out, apart, world);
   const bool root = comm_.rank() == op.root;
   switch (op.kind) {
     case DirectKind::kAllReduce:

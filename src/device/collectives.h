@@ -130,9 +130,9 @@ class DeviceCollectives {
   // so all of them take the same path (it waits for the ranks' hosts in the
   // store the first time only).
   bool direct_serves(const DirectOp& op, int64_t timeout_ms);
-  // The most elements of one part a launch of `op`'s kind and dtype serves (a
-  // multiple of 16; 0: none): a single-part op (all_reduce, reduce,
-  // broadcast) larger than that can go as one launch per chunk of it.
+  // The most elements of each part a launch of `op`'s kind and dtype serves (a
+  // multiple of 16; 0: none): an op larger than that can go as one launch per
+  // piece of each part (DirectOp::stride).
   size_t direct_chunk(const DirectOp& op) const;
   // Whether a one-rank group takes an op of any size the way it takes theirs
   // (a local copy on the caller's stream, or nothing in place: the caller's

@@ -10,10 +10,10 @@
 // reduce_scatter_tensor, all_to_all_single without split sizes and their
 // coalesced forms take them eagerly too; the rooted ops, the list forms and
 // all_to_all_single with equal split sizes only under capture (see
-// cuda_backend.cc for why). Under capture all_reduce, reduce and broadcast
-// larger than that take them as one launch per chunk; an op they cannot
-// serve raises ValueError: point-to-point ops, barrier, uneven all_to_all,
-// larger ops of several parts, ops in a group that spans hosts. A group of
+// cuda_backend.cc for why). Under capture larger ones take them as one
+// launch per piece of each part; an op they cannot serve raises ValueError:
+// point-to-point ops, barrier, uneven all_to_all, ops in a group that spans
+// hosts. A group of
 // one rank serves every op locally, at any size, eagerly too. The kernels'
 // first call, and the first after a membership change, sets them up with a host
 // op among the members (through the op queue); after that a call goes
@@ -71,8 +71,9 @@ struct DirectCall {
   at::Tensor in, out;
   std::vector<at::Tensor> outs;
   std::string reject;
-  // Elements a launch takes (0: the whole op in one): a single-part op past
-  // the kernels' bound goes, under capture, as one launch per chunk.
+  // Elements of each part a launch takes (0: the whole op in one): an op past
+  // the kernels' bound goes, under capture, as one launch per piece of each
+  // part.
   size_t chunk = 0;
 };
 
@@ -205,10 +206,10 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // whatever t's device is (a CUDA tensor on another device is rejected when
   // the op runs, in step with the others).
   bool direct_branch(DirectOps::Op& op, const at::Tensor& t);
-  // Under capture, for a single-part op (all_reduce, reduce, broadcast) of `t`
-  // that the kernels do not serve whole: the elements of one launch where they
-  // serve it in chunks (the op's dtype set), else 0. Eagerly such an op takes
-  // the device plane, whose results a failure cannot split between chunks.
+  // Under capture, for an op of `t` that the kernels do not serve whole: the
+  // elements of each part one launch takes where they serve it in pieces (the
+  // op's dtype set), else 0. Eagerly such an op takes the device plane, whose
+  // results a failure cannot split between pieces.
   size_t capture_chunk(DirectOps::Op& op, const at::Tensor& t);
   // Runs `calls` in order as one op `name` of `type` whose Work reports
   // `results`: on the caller's stream at once where the kernels are set up

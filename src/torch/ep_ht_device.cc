@@ -110,7 +110,7 @@ class EpHtDevice {
     plan->chunk_tokens = std::max<int64_t>(1, ht::kThreads / K);
     plan->num_chunks = (N + plan->chunk_tokens - 1) / plan->chunk_tokens;
     const int64_t epr = num_experts / R;
-    // The plan's nine int32 arrays and the copy of `topk` in one allocation
+    // The plan's int32 arrays and the copy of `topk` in one allocation
     // (each an allocator call otherwise, and the copy a torch op: a good part
     // of a small dispatch's host time), each at a 16-byte boundary.
     const int64_t topk_words = N * K * static_cast<int64_t>(topk.element_size()) / 4;
