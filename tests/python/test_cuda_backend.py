@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from capture import graph as _graph
 from launcher import TEARDOWN, Case, Launch, check, needs_cuda, parametrize, run
 from reference import reduce_ops_for, reduce_ref
 
@@ -148,42 +147,6 @@ def coalesced(ctx, async_ops):
     for k, o in enumerate(outs):
         ctx.expect_equal(o.cpu(), torch.cat(ctx.inputs((9,), torch.float32, f"ag{k}")), "ag")
     _coalesced_rest(ctx)
-
-
-#: "1": keep Python's garbage collector running during captures, and report on stderr
-#: each collection that starts inside one (to tell whether one breaks a capture).
-GC_IN_CAPTURE = os.environ.get("MOONCAKE_TEST_GC_IN_CAPTURE") == "1"
-
-
-@contextlib.contextmanager
-def _graph(graph, stream=None):
-    """``torch.cuda.graph(graph, stream=stream)`` with Python's garbage collector held off
-    inside it. torch 2.11 no longer collects before a capture, so a collection can start
-    inside one and free an object of an earlier case whose destructor makes a CUDA call
-    that is not allowed while a stream captures (an old CUDAGraph's, a group's), which
-    ends the capture in error however the captured ops went."""
-    if GC_IN_CAPTURE:
-
-        def report(phase, info):
-            if phase == "start":
-                print(f"gc during a capture: generation {info['generation']}", file=sys.stderr)
-
-        gc.callbacks.append(report)
-        try:
-            with torch.cuda.graph(graph, stream=stream):
-                yield
-        finally:
-            gc.callbacks.remove(report)
-        return
-    gc.collect()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, stream=stream):
-            yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _garbage(shape, dtype) -> torch.Tensor:

@@ -30,6 +30,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+import capture
 from elastic_round import SPEC as EEP_SPEC
 from elastic_round import ElasticRound, play_round
 from ep_cases import Checks, Spec, dequant, expert_fn, seed_for
@@ -327,7 +328,7 @@ class Steps:
             sync(self.device)
         if first:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capture.graph(graph):
                 dist.all_reduce(x)
             self._graph = graph
         x.fill_(float(1 << self.rank))

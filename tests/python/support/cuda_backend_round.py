@@ -30,6 +30,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+import capture
+
 R = dist.ReduceOp
 #: (dtype, op) pairs of the all_reduce sweep; AVG takes inputs that are multiples of world.
 SWEEP = (
@@ -270,7 +272,7 @@ class Round:
         ]
         graph = torch.cuda.CUDAGraph()
         before = pg.get_op_paths()
-        with torch.cuda.graph(graph):
+        with capture.graph(graph):
             b = bc.clone() if me == 0 else garbage((n,), f32)
             dist.broadcast(b, 0)
             r = rd.clone()
@@ -329,7 +331,7 @@ def replay_through_a_kill(rank: int, world: int, port: int, victim: int) -> dict
         dist.all_reduce(x)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capture.graph(graph):
         dist.all_reduce(x)
 
     def replay(k: int) -> list[float]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+import capture
+
 
 def has_device_path() -> bool:
     """Whether this machine has a CUDA GPU and this build the EP device path."""
@@ -226,7 +228,7 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
                 _dispatch(buf, static[0], static[1], case, E, "plain")
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with capture.graph(graph):
                     g_rx, g_cnt, g_h = _dispatch(buf, static[0], static[1], case, E, "plain")
                     g_y = _expert_out(g_rx, case.fp8, case.dtype)
                     g_out = _combine(buf, g_y, static[1], static[2], g_h, "plain")
