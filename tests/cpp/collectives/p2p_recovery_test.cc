@@ -30,7 +30,14 @@ using mooncake::P2P;
 using mooncake::Plane;
 using mooncake::RedOp;
 
-constexpr int64_t kWaitMs = 4000;
+// The op timeout, and so the agreement's deadline for the waiter's report:
+// the slow rank's resume, its sends and the waiter's receive all come before
+// that report. With three copies of this test sharing two cores, 4 s left
+// the waiter out in 2 runs of 24 (a run takes 30-50 ms otherwise), 12 s in
+// none of 120. A longer one tests the same: had the slow rank gone into the
+// agreement instead, the waiter would be left out one timeout later all the
+// same.
+constexpr int64_t kWaitMs = 12000;
 
 // Polls `done` every millisecond; false after kWaitMs.
 bool poll_until(const std::function<bool()>& done) {
