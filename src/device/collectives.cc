@@ -493,7 +493,7 @@ void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,
   const int world = comm_.size();
   const size_t part = op.count * dtype_size(op.dtype);
   // Each part of a multi-part in or out: a stride apart (a piece of an op).
-  const size_t apart = (op.stride != 0 ? op.stride : op.count) * dtype_size(op.dtype);
+  const size_t apart = op.part_stride() * dtype_size(op.dtype);
   const auto ins = parts_of(op.in, apart, world);
   const auto outs = parts_of(op.out, apart, world);
   const bool root = comm_.rank() == op.root;

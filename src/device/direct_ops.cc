@@ -151,7 +151,7 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.in = op.in;
   a.out = op.out;
   a.count = op.count;
-  a.stride = op.stride;
+  a.stride = op.part_stride();
   a.esize = dtype_size(op.dtype);
   a.dtype = op.dtype;
   a.op = red;
@@ -163,9 +163,8 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   // stride are whole vectors.
   const bool one_part = k::direct_in_parts(op.kind, ranks_, true) <= 1 &&
                         k::direct_out_parts(op.kind, ranks_, true) <= 1;
-  const size_t stride = op.stride != 0 ? op.stride : op.count;
   a.vec = aligned(op.in) && aligned(op.out) &&
-          (one_part || ((op.count * a.esize) % 16 == 0 && (stride * a.esize) % 16 == 0));
+          (one_part || ((op.count * a.esize) % 16 == 0 && (a.stride * a.esize) % 16 == 0));
   cuda_check(static_cast<cudaError_t>(k::launch_direct(a, blocks, stream)),
              "the device-driven collective kernel");
 }

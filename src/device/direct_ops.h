@@ -76,6 +76,8 @@ class DirectOps {
     DType dtype = DType::kFloat32;
     RedOp op = RedOp::kSum;  // reductions only
     int root = 0;            // rooted kinds only
+    // `stride` as it applies: count where it is 0.
+    size_t part_stride() const { return stride != 0 ? stride : count; }
   };
   // Bytes of `op`'s input at this rank (every rank's input fits the area).
   size_t input_bytes(const Op& op) const;

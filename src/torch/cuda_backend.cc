@@ -287,7 +287,7 @@ void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, 
     piece.count = std::min(chunk, op.count - first);
     // Of every part of a multi-part input or output, the same piece: the
     // pointers below are part 0's, the others a whole part further each.
-    piece.stride = op.stride != 0 ? op.stride : op.count;
+    piece.stride = op.part_stride();
     if (op.in != nullptr) piece.in = static_cast<const uint8_t*>(op.in) + first * esize;
     if (op.out != nullptr) piece.out = static_cast<uint8_t*>(op.out) + first * esize;
     c.direct(piece, stream, timeout, reject, queued);

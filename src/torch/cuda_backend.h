@@ -13,14 +13,13 @@
 // cuda_backend.cc for why). Under capture larger ones take them as one
 // launch per piece of each part; an op they cannot serve raises ValueError:
 // point-to-point ops, barrier, uneven all_to_all, ops in a group that spans
-// hosts. A group of
-// one rank serves every op locally, at any size, eagerly too. The kernels'
-// first call, and the first after a membership change, sets them up with a host
-// op among the members (through the op queue); after that a call goes
-// straight to the GPU, unless an op of this backend queued before it has not
-// finished its host part yet (then it waits its turn in the op queue, on the
-// backend's stream, as every other op does). The other collectives run on
-// the device collectives (device/collectives.h: from
+// hosts. A group of one rank serves every op locally, at any size, eagerly
+// too. The kernels' first call, and the first after a membership change, sets
+// them up with a host op among the members (through the op queue); after that
+// a call goes straight to the GPU, unless an op of this backend queued before
+// it has not finished its host part yet (then it waits its turn in the op
+// queue, on the backend's stream, as every other op does). The other
+// collectives run on the device collectives (device/collectives.h: from
 // MOONCAKE_CUDA_PLANE_MIN_BYTES up, or any size where the kernels could serve
 // them, through the segment in pieces): GPU to GPU through mapped segments,
 // with the host's failure handling. List forms take either with one tensor

@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   const size_t part_bytes = a.count * a.esize;
   const size_t part = part_bytes / sizeof(T);
   // From one part of `in` or `out` to the next (the area's parts are back to back).
-  const size_t stride_bytes = (a.stride != 0 ? a.stride : a.count) * a.esize;
+  const size_t stride_bytes = a.stride * a.esize;
   const size_t stride = stride_bytes / sizeof(T);
 
   // 1. The input into this rank's area.

@@ -276,8 +276,8 @@ struct DirectArgs {
   void* out;
   size_t count;  // elements of one part (DirectKind)
   // Elements from one part's first to the next's, in `in` and `out` where
-  // they hold several (0: count, the parts back to back). An op in pieces
-  // (one launch per piece of every part) passes the whole op's part size.
+  // they hold several (count: the parts back to back). An op in pieces (one
+  // launch per piece of every part) passes the whole op's part size.
   size_t stride;
   size_t esize;  // bytes of an element of `dtype`
   DType dtype;
