@@ -22,25 +22,23 @@ def graph(cuda_graph, stream=None):
     inside one and free an object of an earlier case whose destructor makes a CUDA call
     that is not allowed while a stream captures (an old CUDAGraph's, a group's), which
     ends the capture in error however the captured ops went."""
-    if GC_IN_CAPTURE:
-
-        def report(phase, info):
-            if phase == "start":
-                print(f"gc during a capture: generation {info['generation']}", file=sys.stderr)
-
-        gc.callbacks.append(report)
-        try:
-            with torch.cuda.graph(cuda_graph, stream=stream):
-                yield
-        finally:
-            gc.callbacks.remove(report)
-        return
-    gc.collect()
     enabled = gc.isenabled()
-    gc.disable()
+    if GC_IN_CAPTURE:
+        gc.callbacks.append(_report)
+    else:
+        gc.collect()
+        gc.disable()
     try:
         with torch.cuda.graph(cuda_graph, stream=stream):
             yield
     finally:
-        if enabled:
+        if GC_IN_CAPTURE:
+            gc.callbacks.remove(_report)
+        elif enabled:
             gc.enable()
+
+
+def _report(phase: str, info: dict) -> None:
+    """A gc callback: says so when a collection starts (during a capture)."""
+    if phase == "start":
+        print(f"gc during a capture: generation {info['generation']}", file=sys.stderr)
