@@ -17,10 +17,6 @@ using mooncake::Request;
 // Message sizes around and far above the 256-byte chunk.
 const std::vector<size_t> kSizes = {0, 1, 255, 256, 257, 10000, 100003};
 
-std::vector<uint8_t> bytes_for(int src, size_t n, uint64_t seed) {
-  return sample_input(DType::kUInt8, n, src, seed);
-}
-
 TEST(P2PLargeMessage, MessagesLongerThanTheChunkArriveWholeWithTheReceivePostedFirst) {
   for (bool tcp : {false, true}) {
     run_p2p(2, tcp, [](P2P& p2p, Communicator&, Rank& r) {

@@ -41,10 +41,6 @@ GroupOptions small_chunks(bool tcp) {
   return o;
 }
 
-std::vector<uint8_t> bytes_for(int src, size_t n, uint64_t seed) {
-  return sample_input(DType::kUInt8, n, src, seed);
-}
-
 // The receiver's count of what `src` has kept unclaimed, sampled; remembers the largest.
 struct Held {
   P2P& p2p;

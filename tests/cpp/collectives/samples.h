@@ -22,6 +22,11 @@ namespace mctest {
 std::vector<uint8_t> sample_input(mooncake::DType dtype, size_t count, int rank, uint64_t seed,
                                   bool with_nan = false);
 
+// `n` bytes from `src` (a p2p message's payload), by seed.
+inline std::vector<uint8_t> bytes_for(int src, size_t n, uint64_t seed) {
+  return sample_input(mooncake::DType::kUInt8, n, src, seed);
+}
+
 // Bytes that no correct result contains by accident, for output buffers.
 std::vector<uint8_t> garbage(mooncake::DType dtype, size_t count);
 

@@ -754,7 +754,7 @@ TEST_P(DirectOpsTest, PiecesOfEveryPartEqualTheWholeOp) {
 }
 
 // One op of a sequence: its kind, dtype, reduce op, count and root.
-struct Step {
+struct OpStep {
   DirectKind kind;
   DType dtype;
   RedOp op;
@@ -764,7 +764,7 @@ struct Step {
 
 // Buffers of one step at this rank (null where it has no input or output).
 struct StepBuffers {
-  StepBuffers(const Step& s, int world, int rank) {
+  StepBuffers(const OpStep& s, int world, int rank) {
     namespace k = mooncake::kernels;
     const size_t part = s.count * mooncake::dtype_size(s.dtype);
     in_bytes = k::direct_in_parts(s.kind, world, rank == s.root) * part;
@@ -773,7 +773,7 @@ struct StepBuffers {
     out = std::make_unique<DeviceArray<uint8_t>>(out_bytes);
     eager = std::make_unique<DeviceArray<uint8_t>>(out_bytes);
   }
-  DirectOp op(const Step& s, bool to_eager) const {
+  DirectOp op(const OpStep& s, bool to_eager) const {
     return make_op(s.kind, in_bytes > 0 ? in->get() : nullptr,
                    out_bytes == 0 ? nullptr
                    : to_eager     ? eager->get()
@@ -794,7 +794,7 @@ TEST_P(DirectOpsTest, MixedKindsCapturedAndReplayedEqualEager) {
             [](Rank& r) {
               GpuRank g(r);
               const int R = r.size, last = r.size - 1;
-              const std::vector<Step> steps = {
+              const std::vector<OpStep> steps = {
                   {DirectKind::kAllGather, DType::kFloat32, RedOp::kSum, 1000, 0},
                   {DirectKind::kReduceScatter, DType::kBFloat16, RedOp::kSum, 513, 0},
                   {DirectKind::kAllReduce, DType::kFloat32, RedOp::kSum, 30000, 0},
@@ -808,17 +808,17 @@ TEST_P(DirectOpsTest, MixedKindsCapturedAndReplayedEqualEager) {
               for (Direct algo : {Direct::kOneShot, Direct::kTwoShot}) {
                 DeviceCollectives c(g.comm, r.store, prefix("x", algo), g.device, options(algo));
                 std::vector<StepBuffers> bufs;
-                for (const Step& s : steps) bufs.emplace_back(s, R, r.rank);
+                for (const OpStep& s : steps) bufs.emplace_back(s, R, r.rank);
                 auto put_inputs = [&](int tag) {
                   for (size_t i = 0; i < steps.size(); ++i) {
-                    const Step& s = steps[i];
+                    const OpStep& s = steps[i];
                     write(bufs[i].in->get(), input_of(s.kind, s.dtype, s.count, R, r.rank, s.root,
                                                       tag + static_cast<int>(i)));
                   }
                 };
                 auto check = [&](int tag, bool eager, const std::string& when) {
                   for (size_t i = 0; i < steps.size(); ++i) {
-                    const Step& s = steps[i];
+                    const OpStep& s = steps[i];
                     const auto& b = bufs[i];
                     const Bytes want = expected(s.kind, s.dtype, s.op, s.count, R, r.rank, s.root,
                                                 tag + static_cast<int>(i), everyone(R));

@@ -25,9 +25,9 @@ using mooncake::Endpoint;
 using mooncake::ErrorKind;
 using mooncake::PeerAddress;
 
-constexpr size_t kBytes = 8192;
-constexpr size_t kFlag = mooncake::kSegmentHeaderBytes;
-constexpr size_t kData = kFlag + 64;
+constexpr size_t kRecordBytes = 8192;
+constexpr size_t kRecordFlag = mooncake::kSegmentHeaderBytes;
+constexpr size_t kRecordData = kRecordFlag + 64;
 
 class AddressRecord : public TransportTest {
  protected:
@@ -46,18 +46,18 @@ void expect_write_lands(Endpoint& from, Endpoint& to, uint64_t round) {
   ASSERT_NE(link, nullptr);
   std::vector<uint8_t> data(256);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(round * 17 + i);
-  link->write(kData, data.data(), data.size(), Deadline::after_ms(5000));
-  link->signal(kFlag, round, 0, Deadline::after_ms(5000));
+  link->write(kRecordData, data.data(), data.size(), Deadline::after_ms(5000));
+  link->signal(kRecordFlag, round, 0, Deadline::after_ms(5000));
   ASSERT_TRUE(mooncake::wait_on(
-      to.bell(0), [&] { return mooncake::load_flag(to.base(), kFlag) >= round; },
+      to.bell(0), [&] { return mooncake::load_flag(to.base(), kRecordFlag) >= round; },
       Deadline::after_ms(5000)));
-  EXPECT_EQ(std::memcmp(to.base() + kData, data.data(), data.size()), 0);
+  EXPECT_EQ(std::memcmp(to.base() + kRecordData, data.data(), data.size()), 0);
 }
 
 TEST_P(AddressRecord, AMalformedRecordIsAnErrorNamingTheKeyAndACorrectOneConnects) {
   mooncake::TransferEngine engine(options());
-  Endpoint a(engine, store_, "ep/", 0, 0, 2, kBytes);
-  Endpoint b(engine, store_, "ep/", 1, 0, 2, kBytes);
+  Endpoint a(engine, store_, "ep/", 0, 0, 2, kRecordBytes);
+  Endpoint b(engine, store_, "ep/", 1, 0, 2, kRecordBytes);
   const std::string key = "ep/addr/1/0";
   const std::string good = store_.get(key, 0);
   const PeerAddress addr = PeerAddress::decode(good);
@@ -106,20 +106,20 @@ class ShmAddressRecord : public AddressRecord {};
 
 TEST_P(ShmAddressRecord, ARecordPointingAtAnotherMembersSegmentIsRefused) {
   mooncake::TransferEngine engine(options());
-  Endpoint a(engine, store_, "ep/", 0, 0, 3, kBytes);
-  Endpoint b(engine, store_, "ep/", 1, 0, 3, kBytes);
-  Endpoint c(engine, store_, "ep/", 2, 0, 3, kBytes);
+  Endpoint a(engine, store_, "ep/", 0, 0, 3, kRecordBytes);
+  Endpoint b(engine, store_, "ep/", 1, 0, 3, kRecordBytes);
+  Endpoint c(engine, store_, "ep/", 2, 0, 3, kRecordBytes);
   const std::string key = "ep/addr/1/0";
   const std::string good = store_.get(key, 0);
   PeerAddress forged = PeerAddress::decode(good);
   forged.segment_fd = PeerAddress::decode(store_.get("ep/addr/2/0", 0)).segment_fd;
   store_.set(key, forged.encode());
-  const std::vector<uint8_t> before(c.base() + kFlag, c.base() + kBytes);
+  const std::vector<uint8_t> before(c.base() + kRecordFlag, c.base() + kRecordBytes);
   EXPECT_TRUE(throws_error(
       ErrorKind::kPeerFailed, [&] { a.connect(1, 0, Deadline::after_ms(2000)); },
       "is not the one rank 1 (incarnation 0) published"));
   EXPECT_STREQ(a.transport_of(1), "none");
-  EXPECT_TRUE(std::vector<uint8_t>(c.base() + kFlag, c.base() + kBytes) == before);
+  EXPECT_TRUE(std::vector<uint8_t>(c.base() + kRecordFlag, c.base() + kRecordBytes) == before);
 
   store_.set(key, good);
   a.connect(1, 0, Deadline::after_ms(5000));

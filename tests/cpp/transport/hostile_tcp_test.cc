@@ -70,12 +70,12 @@ Frame signal_frame(uint64_t offset, uint64_t value, uint32_t bell = 0, uint32_t 
 }
 
 // Rank 1's segment.
-constexpr size_t kBytes = 8192;
-constexpr size_t kFlag = mooncake::kSegmentHeaderBytes;  // the legitimate signal
-constexpr size_t kMarks = 512;    // byte i: insider connection i was let in (see let_in)
-constexpr size_t kData = 1024;    // the legitimate write
-constexpr size_t kLegit = 256;    // its length
-constexpr size_t kTarget = 4096;  // where attacks aim: inside the canary
+constexpr size_t kTcpBytes = 8192;
+constexpr size_t kTcpFlag = mooncake::kSegmentHeaderBytes;  // the legitimate signal
+constexpr size_t kMarks = 512;     // byte i: insider connection i was let in (see let_in)
+constexpr size_t kTcpData = 1024;  // the legitimate write
+constexpr size_t kLegit = 256;     // its length
+constexpr size_t kTarget = 4096;   // where attacks aim: inside the canary
 constexpr uint8_t kCanary = 0xC5;
 constexpr int kCapacity = 4;  // slots 2 and 3 stay empty
 constexpr int kSpare = 3;     // the empty slot an insider claims
@@ -218,7 +218,7 @@ std::unique_ptr<Endpoint> group_endpoint(Rank& r) {
   mooncake::EngineOptions options;
   options.force_tcp = true;
   mooncake::TransferEngine engine(options);
-  auto ep = std::make_unique<Endpoint>(engine, r.store, "ep/", r.rank, 0, kCapacity, kBytes);
+  auto ep = std::make_unique<Endpoint>(engine, r.store, "ep/", r.rank, 0, kCapacity, kTcpBytes);
   ep->connect_all(r.size, Deadline::after_ms(10000));
   return ep;
 }
@@ -236,22 +236,23 @@ void survive(const Expect& expect, const std::function<void(Attacker&)>& attack,
           Attacker attacker{std::stoi(r.store.get("port", 5000)), r.store};
           attack(attacker);
           const auto data = legit_bytes();
-          ep->link(1)->write(kData, data.data(), kLegit, Deadline::after_ms(5000));
-          ep->link(1)->signal(kFlag, 1, 0, Deadline::after_ms(5000));
+          ep->link(1)->write(kTcpData, data.data(), kLegit, Deadline::after_ms(5000));
+          ep->link(1)->signal(kTcpFlag, 1, 0, Deadline::after_ms(5000));
           store_barrier(r.store, "checked", r.rank, r.size, limit_ms);
           return;
         }
         StderrToFile log(r.dir + "/rank1.log");
         auto ep = group_endpoint(r);
         uint8_t* base = ep->base();
-        std::memset(base + kFlag + 8, kCanary, kBytes - kFlag - 8);
+        std::memset(base + kTcpFlag + 8, kCanary, kTcpBytes - kTcpFlag - 8);
         ASSERT_EQ(ep->rejected_connections(), 0u);
         const uint64_t alarms = ep->alarms();
         r.store.set("port", std::to_string(ep->tcp_port()));
         store_barrier(r.store, "armed", r.rank, r.size);
 
         ASSERT_TRUE(mooncake::wait_on(
-            ep->bell(0), [&] { return load_flag(base, kFlag) >= 1; }, Deadline::after_ms(limit_ms)))
+            ep->bell(0), [&] { return load_flag(base, kTcpFlag) >= 1; },
+            Deadline::after_ms(limit_ms)))
             << "the legitimate signal from rank 0 never arrived after the attack";
         // Some drops may still be under way (connections the attacker closed
         // first), and a warning is logged just after its count.
@@ -266,13 +267,13 @@ void survive(const Expect& expect, const std::function<void(Attacker&)>& attack,
         EXPECT_TRUE(ep->alive(0)) << "rank 1 takes rank 0 for dead after the attack";
         if (expect.marks == 0)
           EXPECT_EQ(ep->alarms(), alarms) << "a connection that was never let in raised an alarm";
-        EXPECT_EQ(load_flag(base, kFlag), 1u);
-        std::vector<uint8_t> want(kBytes, kCanary);
+        EXPECT_EQ(load_flag(base, kTcpFlag), 1u);
+        std::vector<uint8_t> want(kTcpBytes, kCanary);
         const auto data = legit_bytes();
-        std::copy(data.begin(), data.end(), want.begin() + kData);
+        std::copy(data.begin(), data.end(), want.begin() + kTcpData);
         for (size_t i = 0; i < expect.marks; ++i) want[kMarks + i] = mark(i);
         size_t changed = 0, first = 0;
-        for (size_t i = kFlag + 8; i < kBytes; ++i)
+        for (size_t i = kTcpFlag + 8; i < kTcpBytes; ++i)
           if (base[i] != want[i] && changed++ == 0) first = i;
         EXPECT_EQ(changed, 0u) << "bytes of rank 1's segment differ from what was expected, the "
                                << "first at offset " << first << ": " << int{base[first]}
@@ -363,7 +364,7 @@ TEST(HostileTcp, AValidStreamFromAnotherGroupIsRejected) {
     mooncake::EngineOptions options;
     options.force_tcp = true;
     mooncake::TransferEngine engine(options);
-    Endpoint other(engine, a.store, "other/", 0, 0, 2, kBytes);
+    Endpoint other(engine, a.store, "other/", 0, 0, 2, kTcpBytes);
     const std::string theirs = a.store.get("other/secret", 5000);
     ASSERT_NE(theirs, a.secret());
     Raw c(a.port);
@@ -423,11 +424,11 @@ TEST(HostileTcp, AnInsidersFramesOutsideTheSegmentAreDroppedUnwritten) {
   };
   const std::vector<Bad> bad = {
       {"a write whose end overflows 64 bits", write_frame(~uint64_t{0} - 7, 16)},
-      {"a write across the segment's end", write_frame(kBytes - 8, 16)},
-      {"a write starting past the end", write_frame(kBytes + 8, 0)},
-      {"a signal past the segment", signal_frame(kBytes, 0xBAD)},
+      {"a write across the segment's end", write_frame(kTcpBytes - 8, 16)},
+      {"a write starting past the end", write_frame(kTcpBytes + 8, 0)},
+      {"a signal past the segment", signal_frame(kTcpBytes, 0xBAD)},
       {"a signal whose end wraps", signal_frame(~uint64_t{0} - 7, 0xBAD)},
-      {"a signal_max past the segment", signal_frame(kBytes, 0xBAD, 0, kSignalMax)},
+      {"a signal_max past the segment", signal_frame(kTcpBytes, 0xBAD, 0, kSignalMax)},
       {"a misaligned signal", signal_frame(kTarget + 1, 0xBAD)},
       {"a signal on bell 4 of 4", signal_frame(kTarget, 0xBAD, 4)},
       {"a frame of type 7", Frame{7, 0, kTarget, 0xBAD}},

@@ -27,9 +27,9 @@ using mooncake::load_flag;
 using mooncake::UcxHeader;
 
 constexpr unsigned kAmId = 0x6d63;  // the transport's, pinned here
-constexpr size_t kBytes = 1 << 16;
-constexpr size_t kFlag = mooncake::kSegmentHeaderBytes;
-constexpr size_t kData = kFlag + 64;
+constexpr size_t kUcxBytes = 1 << 16;
+constexpr size_t kUcxFlag = mooncake::kSegmentHeaderBytes;
+constexpr size_t kUcxData = kUcxFlag + 64;
 constexpr uint8_t kCanary = 0xA5;
 
 // A bare UCX worker with one endpoint to the receiver, progressed by the test.
@@ -85,17 +85,17 @@ class HostileUcx : public testing::Test {
  protected:
   HostileUcx()
       : secret_(mooncake::random_secret()),
-        segment_(kBytes),
+        segment_(kUcxBytes),
         worker_(segment_, 4, secret_, {}, nullptr),
         sender_(worker_.address()) {
-    std::memset(segment_.base() + kFlag, kCanary, kBytes - kFlag);
+    std::memset(segment_.base() + kUcxFlag, kCanary, kUcxBytes - kUcxFlag);
   }
 
-  UcxHeader header(uint32_t type, uint64_t seq, uint64_t offset = kData) const {
+  UcxHeader header(uint32_t type, uint64_t seq, uint64_t offset = kUcxData) const {
     UcxHeader h{};
     h.type = type;
     h.offset = offset;
-    h.flag = kFlag;
+    h.flag = kUcxFlag;
     h.value = 7;
     h.link = 1;
     h.seq = seq;
@@ -116,11 +116,11 @@ class HostileUcx : public testing::Test {
   // Waits up to `ms` for the flag to hold `value`.
   bool flag_is(uint64_t value, int64_t ms = 5000) {
     const int64_t until = mooncake::now_us() + ms * 1000;
-    while (load_flag(segment_.base(), kFlag) != value && mooncake::now_us() < until)
+    while (load_flag(segment_.base(), kUcxFlag) != value && mooncake::now_us() < until)
       std::this_thread::yield();
-    return load_flag(segment_.base(), kFlag) == value;
+    return load_flag(segment_.base(), kUcxFlag) == value;
   }
-  bool untouched(size_t from = kData, size_t to = kBytes) const {
+  bool untouched(size_t from = kUcxData, size_t to = kUcxBytes) const {
     for (size_t i = from; i < to; ++i)
       if (segment_.base()[i] != kCanary) return false;
     return true;
@@ -143,13 +143,13 @@ TEST_F(HostileUcx, MessagesThatBreakTheProtocolAreDroppedAndCounted) {
   slot.rank = 4;
   send(slot, payload);
   ASSERT_TRUE(rejected(++expected)) << "a slot past the capacity";
-  send(header(mooncake::kWrite, 1, kBytes - 100), payload);
+  send(header(mooncake::kWrite, 1, kUcxBytes - 100), payload);
   ASSERT_TRUE(rejected(++expected)) << "a write past the segment";
   UcxHeader flag = header(mooncake::kSignal, 0);
-  flag.flag = kBytes - 4;
+  flag.flag = kUcxBytes - 4;
   send(flag);
   ASSERT_TRUE(rejected(++expected)) << "a flag past the segment";
-  flag.flag = kFlag + 3;
+  flag.flag = kUcxFlag + 3;
   send(flag);
   ASSERT_TRUE(rejected(++expected)) << "an unaligned flag";
   UcxHeader bell = header(mooncake::kSignal, 0);
@@ -161,25 +161,25 @@ TEST_F(HostileUcx, MessagesThatBreakTheProtocolAreDroppedAndCounted) {
   const uint64_t small[2] = {1, 2};
   sender_.send(small, sizeof(small), payload.data(), payload.size());
   ASSERT_TRUE(rejected(++expected)) << "a short header";
-  EXPECT_TRUE(untouched(kFlag)) << "a dropped message left bytes in the segment";
+  EXPECT_TRUE(untouched(kUcxFlag)) << "a dropped message left bytes in the segment";
   // The receiver still takes a good message.
   send(header(mooncake::kWrite, 1), payload);
   send(header(mooncake::kSignal, 1));
   EXPECT_TRUE(flag_is(7));
-  EXPECT_EQ(segment_.base()[kData], 0x11);
-  EXPECT_TRUE(untouched(kData + payload.size()));
+  EXPECT_EQ(segment_.base()[kUcxData], 0x11);
+  EXPECT_TRUE(untouched(kUcxData + payload.size()));
 }
 
 TEST_F(HostileUcx, ASignalWaitsForTheWritesSentBeforeIt) {
   const std::vector<uint8_t> first(128, 0x21), second(128, 0x22);
   send(header(mooncake::kSignal, 2));  // arrives before both of its writes
-  send(header(mooncake::kWrite, 2, kData + 128), second);
-  send(header(mooncake::kWrite, 3, kData + 256), second);  // a later write: not waited for
+  send(header(mooncake::kWrite, 2, kUcxData + 128), second);
+  send(header(mooncake::kWrite, 3, kUcxData + 256), second);  // a later write: not waited for
   EXPECT_FALSE(flag_is(7, 300)) << "the signal overtook write 1";
   send(header(mooncake::kWrite, 1), first);
   EXPECT_TRUE(flag_is(7));
-  EXPECT_EQ(segment_.base()[kData], 0x21);
-  EXPECT_EQ(segment_.base()[kData + 128], 0x22);
+  EXPECT_EQ(segment_.base()[kUcxData], 0x21);
+  EXPECT_EQ(segment_.base()[kUcxData + 128], 0x22);
   EXPECT_EQ(worker_.rejected(), 0u);
 }
 

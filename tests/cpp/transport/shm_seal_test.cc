@@ -31,7 +31,7 @@ using mooncake::PeerAddress;
 using mooncake::Segment;
 using mooncake::SegmentHeader;
 
-constexpr size_t kBytes = 1 << 16;
+constexpr size_t kSealBytes = 1 << 16;
 
 // The address a rank publishes for `segment` in this process.
 PeerAddress address_of(const Segment& segment, int rank, uint32_t inc) {
@@ -74,7 +74,7 @@ class ShmSeal : public testing::Test {
     mooncake::shm_seal(target_, me_, secret_);
   }
   const std::string secret_ = mooncake::random_secret();
-  Segment target_{kBytes};
+  Segment target_{kSealBytes};
   const PeerAddress me_ = address_of(target_, 3, 2);
 };
 
@@ -85,7 +85,7 @@ TEST_F(ShmSeal, SealingWritesTheOwnerIntoTheHeader) {
   EXPECT_NE(h.seal, 0u);
   // The nonce is fresh per sealing: the same owner sealed again gets
   // another nonce and so another seal.
-  Segment other(kBytes);
+  Segment other(kSealBytes);
   mooncake::shm_seal(other, address_of(other, 3, 2), secret_);
   const auto& o = *reinterpret_cast<const SegmentHeader*>(other.base());
   EXPECT_NE(o.nonce, h.nonce);
@@ -103,8 +103,8 @@ TEST_F(ShmSeal, ASealedSegmentConnectsWithTheGroupsSecretAndAWriteLands) {
   std::memcpy(expected.data() + 4096, data.data(), data.size());
   link->write(4096, data.data(), data.size(), Deadline::after_ms(1000));
   EXPECT_TRUE(bytes_of(target_) == expected) << "the write did not land exactly";
-  link->signal(kBytes - 8, 0x1122334455667788ull, 1, Deadline::after_ms(1000));
-  EXPECT_EQ(mooncake::load_flag(target_.base(), kBytes - 8), 0x1122334455667788ull);
+  link->signal(kSealBytes - 8, 0x1122334455667788ull, 1, Deadline::after_ms(1000));
+  EXPECT_EQ(mooncake::load_flag(target_.base(), kSealBytes - 8), 0x1122334455667788ull);
 }
 
 TEST_F(ShmSeal, AnotherSecretIsRefused) {
@@ -139,15 +139,15 @@ TEST_F(ShmSeal, AnotherRankIsRefused) {
 // The seal covers the pid and size the owner published, not only the slot:
 // a header sealed for another pid or size does not pass for this one.
 TEST_F(ShmSeal, ASealForAnotherPidOrSizeIsRefused) {
-  Segment s(kBytes);
+  Segment s(kSealBytes);
   PeerAddress claimed = address_of(s, 1, 0);
   claimed.pid = 1;  // sealed as if it belonged to another process
   mooncake::shm_seal(s, claimed, secret_);
   expect_refused(address_of(s, 1, 0), secret_, s);
 
-  Segment t(kBytes);
+  Segment t(kSealBytes);
   claimed = address_of(t, 1, 0);
-  claimed.segment_bytes = kBytes * 2;
+  claimed.segment_bytes = kSealBytes * 2;
   mooncake::shm_seal(t, claimed, secret_);
   expect_refused(address_of(t, 1, 0), secret_, t);
 }
@@ -155,15 +155,15 @@ TEST_F(ShmSeal, ASealForAnotherPidOrSizeIsRefused) {
 // An all-zero header names slot 0, incarnation 0: only the seal tells it
 // from a member's.
 TEST_F(ShmSeal, AnUnsealedSegmentOfTheRightSizeIsRefused) {
-  Segment blank(kBytes);
+  Segment blank(kSealBytes);
   fill(blank);
   expect_refused(address_of(blank, 0, 0), secret_, blank, "rank 0 (incarnation 0)");
   expect_refused(address_of(blank, 3, 2), secret_, blank);
 }
 
 TEST_F(ShmSeal, ASegmentOfAnotherSizeIsRefused) {
-  for (uint64_t bytes : {uint64_t{kBytes / 2}, uint64_t{kBytes - 8}, uint64_t{kBytes + 4096},
-                         uint64_t{kBytes * 2}}) {
+  for (uint64_t bytes : {uint64_t{kSealBytes / 2}, uint64_t{kSealBytes - 8},
+                         uint64_t{kSealBytes + 4096}, uint64_t{kSealBytes * 2}}) {
     PeerAddress addr = me_;
     addr.segment_bytes = bytes;
     expect_refused(addr, secret_, target_, "is not a " + std::to_string(bytes) + "-byte segment");
@@ -177,9 +177,9 @@ TEST_F(ShmSeal, APlainFileOfTheRightSizeIsRefusedAndLeftUnchanged) {
   const std::string path = dir.path() + "/plain";
   const int fd = ::open(path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600);
   ASSERT_GE(fd, 0);
-  std::vector<uint8_t> pattern(kBytes);
+  std::vector<uint8_t> pattern(kSealBytes);
   for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint8_t>(i * 131 + 17);
-  ASSERT_EQ(::pwrite(fd, pattern.data(), pattern.size(), 0), static_cast<ssize_t>(kBytes));
+  ASSERT_EQ(::pwrite(fd, pattern.data(), pattern.size(), 0), static_cast<ssize_t>(kSealBytes));
   PeerAddress addr = me_;
   addr.segment_fd = fd;
   const std::vector<uint8_t> before = bytes_of(target_);
@@ -188,8 +188,8 @@ TEST_F(ShmSeal, APlainFileOfTheRightSizeIsRefusedAndLeftUnchanged) {
     EXPECT_TRUE(throws_error(ErrorKind::kPeerFailed, [&] { mooncake::shm_connect(addr, secret_); }))
         << "rank " << rank;
   }
-  std::vector<uint8_t> after(kBytes);
-  ASSERT_EQ(::pread(fd, after.data(), after.size(), 0), static_cast<ssize_t>(kBytes));
+  std::vector<uint8_t> after(kSealBytes);
+  ASSERT_EQ(::pread(fd, after.data(), after.size(), 0), static_cast<ssize_t>(kSealBytes));
   EXPECT_TRUE(after == pattern) << "the refused file was changed";
   EXPECT_TRUE(bytes_of(target_) == before);
   ::close(fd);
@@ -251,8 +251,8 @@ TEST_F(ShmSeal, AfterRefusalsTheRightAddressStillConnects) {
   expect_refused(me_, mooncake::random_secret(), target_);
   auto link = mooncake::shm_connect(me_, secret_);
   const uint64_t v = 42;
-  link->write(kBytes - 8, &v, sizeof(v), Deadline::after_ms(1000));
-  EXPECT_EQ(mooncake::load_flag(target_.base(), kBytes - 8), 42u);
+  link->write(kSealBytes - 8, &v, sizeof(v), Deadline::after_ms(1000));
+  EXPECT_EQ(mooncake::load_flag(target_.base(), kSealBytes - 8), 42u);
 }
 
 TEST_F(ShmSeal, ASecretOfAnotherLengthIsAnInvalidArgument) {
@@ -260,7 +260,7 @@ TEST_F(ShmSeal, ASecretOfAnotherLengthIsAnInvalidArgument) {
     EXPECT_TRUE(throws_error(
         ErrorKind::kInvalidArgument, [&] { mooncake::shm_connect(me_, bad); }, "secret"))
         << bad.size();
-    Segment s(kBytes);
+    Segment s(kSealBytes);
     const std::vector<uint8_t> before = bytes_of(s);
     EXPECT_TRUE(throws_error(
         ErrorKind::kInvalidArgument, [&] { mooncake::shm_seal(s, address_of(s, 0, 0), bad); },
