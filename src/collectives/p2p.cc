@@ -290,6 +290,24 @@ bool P2P::on_message(int src, const MsgHeader* msg) {
 }
 
 void P2P::housekeeping() {
+  // The peers' problems first, then what they sent: a peer that posted its
+  // message and exited since the last drain is seen gone with the message
+  // here, which the drain takes before its receive could be failed.
+  std::vector<std::string> problems(static_cast<size_t>(size_));
+  {
+    std::vector<uint8_t> waited_on(static_cast<size_t>(size_), 0);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& p : posted_)
+        if (p->src >= 0) waited_on[static_cast<size_t>(p->src)] = 1;
+      for (const auto& in : in_flight_)
+        if (in && (in->posted || in->claimed_by)) waited_on[static_cast<size_t>(in->src)] = 1;
+    }
+    for (int src = 0; src < size_; ++src)
+      if (waited_on[static_cast<size_t>(src)])
+        problems[static_cast<size_t>(src)] = ch_.peer_problem(src);
+  }
+  drain();
   std::vector<std::pair<std::shared_ptr<Posted>, Error>> failed;
   auto verdict = [&](const Posted& p, int src) -> std::optional<Error> {
     if (p.deadline.expired())
@@ -298,7 +316,7 @@ void P2P::housekeeping() {
                               : str("recv from any source with tag ", p.tag, " timed out"),
                    p.src);
     if (src < 0) return std::nullopt;
-    std::string problem = ch_.peer_problem(src);
+    const std::string& problem = problems[static_cast<size_t>(src)];
     if (problem.empty()) return std::nullopt;
     return Error(ErrorKind::kPeerFailed, str("recv: ", problem), src);
   };
@@ -343,27 +361,31 @@ void P2P::progress_loop() {
   };
   int64_t last_housekeeping = now_us();
   while (!stopping_.load()) {
-    bool progressed = false;
-    for (int src = 0; src < size_; ++src) {
-      if (!may_take(src)) continue;  // at the cap: its sends wait for a receive
-      const MsgHeader* msg;
-      while ((msg = ch_.poll(src)) != nullptr) {
-        const bool more = on_message(src, msg);
-        try {
-          ch_.release(src, Deadline::after_ms(default_timeout_ms_));
-        } catch (const Error& e) {
-          MC_LOG(kWarn, "p2p: cannot acknowledge a message from rank ", src, ": ", e.what());
-        }
-        progressed = true;
-        if (!more) break;
-      }
-    }
-    if (!progressed) wait_on(ch_.bell(), any_ready, Deadline::after_ms(50));
+    if (!drain()) wait_on(ch_.bell(), any_ready, Deadline::after_ms(50));
     if (now_us() - last_housekeeping > 20000) {
       housekeeping();
       last_housekeeping = now_us();
     }
   }
+}
+
+bool P2P::drain() {
+  bool progressed = false;
+  for (int src = 0; src < size_; ++src) {
+    if (!may_take(src)) continue;  // at the cap: its sends wait for a receive
+    const MsgHeader* msg;
+    while ((msg = ch_.poll(src)) != nullptr) {
+      const bool more = on_message(src, msg);
+      try {
+        ch_.release(src, Deadline::after_ms(default_timeout_ms_));
+      } catch (const Error& e) {
+        MC_LOG(kWarn, "p2p: cannot acknowledge a message from rank ", src, ": ", e.what());
+      }
+      progressed = true;
+      if (!more) break;
+    }
+  }
+  return progressed;
 }
 
 }  // namespace mooncake

@@ -57,6 +57,9 @@ class P2P {
   struct Posted;
   struct Incoming;
   void progress_loop();
+  // Takes every message that has arrived (but from sources at their cap);
+  // true when it took any. Progress thread only.
+  bool drain();
   // Takes one message; false when `src` is at its cap now (mu_ not held).
   bool on_message(int src, const MsgHeader* msg);
   // Whether the progress thread may take `src`'s next message: under the

@@ -599,7 +599,10 @@ std::vector<uint8_t> ElasticPeers::run_exchange(const void* const* send, const s
       if (s.done()) continue;
       const std::string problem = channels_->peer_problem(s.peer);
       if (!problem.empty()) {
-        fail(s, str("ep exchange: ", problem));
+        // It may have posted its last piece and exited since `step` looked:
+        // all it sent before it went is here now, and may complete the stream.
+        step(s);
+        if (!s.done()) fail(s, str("ep exchange: ", problem));
         any = true;
       }
     }
