@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -107,6 +108,11 @@ bool TcpReceiver::peer_closed(int rank, uint32_t inc) const {
          p.hello_inc.load(std::memory_order_acquire) > inc + 1;
 }
 
+bool TcpReceiver::read_to_end(int rank, uint32_t inc) const {
+  return peers_[rank].ended_inc.load(std::memory_order_acquire) == inc + 1 ||
+         peer_closed(rank, inc);
+}
+
 uint64_t TcpReceiver::frames(int rank, uint32_t inc) const {
   const PeerState& p = peers_[rank];
   return p.hello_inc.load(std::memory_order_acquire) == inc + 1
@@ -155,6 +161,9 @@ void TcpReceiver::drop(Conn& c) {
   } else {
     MC_LOG(kDebug, "tcp: connection from rank ", c.decoder.rank(), " closed");
   }
+  if (c.decoder.authenticated())
+    peers_[c.decoder.rank()].ended_inc.store(c.decoder.incarnation() + 1,
+                                             std::memory_order_release);
   // Only an authenticated peer's close says something about that peer.
   if (c.decoder.authenticated() && !c.decoder.bye()) {
     peers_[c.decoder.rank()].closed_inc.store(c.decoder.incarnation() + 1,
@@ -264,7 +273,16 @@ class TcpLink : public PeerLink {
     send_signal(kSignalMax, offset, value, bell, deadline);
   }
 
-  bool alive() override { return !broken_ && !receiver_.peer_closed(peer_, inc_); }
+  bool alive() override {
+    if (receiver_.peer_closed(peer_, inc_)) return false;
+    if (!broken_.load(std::memory_order_acquire)) return true;
+    // Our send broke first (the reset of a peer that exited), while what it
+    // sent before it went may still wait, unread, on its own connection:
+    // gone once that one is read to its end, or after a grace (a connection
+    // broken one way only).
+    return !receiver_.read_to_end(peer_, inc_) &&
+           now_us() - broken_at_us_.load(std::memory_order_relaxed) < kBrokenGraceUs;
+  }
   void farewell() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (broken_) return;
@@ -318,7 +336,8 @@ class TcpLink : public PeerLink {
         ::poll(&pfd, 1, static_cast<int>(deadline.remaining_ms(50)));
         continue;
       }
-      broken_ = true;
+      broken_at_us_.store(now_us(), std::memory_order_relaxed);
+      broken_.store(true, std::memory_order_release);
       throw_error(ErrorKind::kPeerFailed, peer_, "tcp send to rank ", peer_,
                   " failed: ", std::strerror(errno));
     }
@@ -331,7 +350,9 @@ class TcpLink : public PeerLink {
   uint64_t peer_bytes_;
   TcpReceiver& receiver_;
   std::mutex mu_;
-  bool broken_ = false;
+  static constexpr int64_t kBrokenGraceUs = 500'000;
+  std::atomic<bool> broken_{false};  // alive() reads it without mu_
+  std::atomic<int64_t> broken_at_us_{0};
 };
 
 }  // namespace

@@ -52,6 +52,9 @@ class TcpReceiver {
   // True once the connection from incarnation `inc` of slot `rank` was seen
   // and then closed, or a later incarnation of the slot has connected.
   bool peer_closed(int rank, uint32_t inc) const;
+  // True once the connection from incarnation `inc` of slot `rank` has been
+  // read to its end (closed, said goodbye, or dropped): all it carried is in place.
+  bool read_to_end(int rank, uint32_t inc) const;
   // Frames received from incarnation `inc` of slot `rank` (heartbeats included).
   uint64_t frames(int rank, uint32_t inc) const;
   // Connections dropped for breaking the protocol (see the header comment).
@@ -70,6 +73,7 @@ class TcpReceiver {
   struct PeerState {
     std::atomic<uint32_t> hello_inc{0};   // 1 + the latest incarnation that said hello
     std::atomic<uint32_t> closed_inc{0};  // 1 + the latest incarnation whose connection closed
+    std::atomic<uint32_t> ended_inc{0};   // the same, a goodbye or a drop included
     std::atomic<uint64_t> frames{0};      // frames from the latest incarnation
   };
   std::unique_ptr<PeerState[]> peers_;

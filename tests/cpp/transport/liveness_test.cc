@@ -1,12 +1,14 @@
 // Liveness: a connected peer is alive, and is seen dead soon after its
 // process exits (shm: through its pidfd; tcp: through its closed connection);
 // a process that was stopped for a while does not take its live peers for
-// silent when it resumes.
+// silent when it resumes; what a peer wrote before it exited is in place once
+// it is seen gone.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -42,6 +44,49 @@ TEST_P(Liveness, APeerIsSeenDeadSoonAfterItsProcessExits) {
     EXPECT_FALSE(ep->alive(1)) << "rank 1 exited 3 s ago";
     EXPECT_FALSE(ep->alive(1)) << "dead peers stay dead";
     EXPECT_TRUE(ep->alive(0)) << "a rank is always alive to itself";
+  });
+}
+
+// What a peer wrote before it exited is in place once it is seen gone, also
+// when this rank's own sends to it broke first: over tcp the reset of our
+// connection comes back while its last MiB still wait, unread, on its own.
+// Rank 0 sends to rank 1 without pause while rank 1 writes 8 MiB, signals and
+// exits; rank 0 then reads the flag and the data the moment it sees rank 1 gone.
+// Not over ucx: a write it reports done may still sit in UCX's buffers in the
+// process, and goes with a process that dies (docs/failures.md).
+class ExitedWriter : public TransportTest {};
+
+TEST_P(ExitedWriter, WhatAPeerWroteBeforeItExitedIsInPlaceWhenItIsSeenGone) {
+  constexpr size_t kFlag = mooncake::kSegmentHeaderBytes, kData = kFlag + 64;
+  constexpr size_t kBytes = 8 << 20;
+  std::vector<uint8_t> sent(kBytes);
+  for (size_t j = 0; j < kBytes; ++j) sent[j] = static_cast<uint8_t>(j * 7 + (j >> 12));
+  run_ranks(2, [&](Rank& r) {
+    auto ep = connect_endpoint(r, transport(), kData + kBytes);
+    const auto to_peer = ep->link(1 - r.rank);
+    ASSERT_TRUE(to_peer);
+    store_barrier(r.store, "connected", r.rank, r.size);
+    if (r.rank == 1) {
+      to_peer->write(kData, sent.data(), kBytes, mooncake::Deadline::after_ms(20000));
+      to_peer->signal(kFlag, 1, 0, mooncake::Deadline::after_ms(20000));
+      exit_rank_abruptly();
+    }
+    const uint64_t word = 1;
+    bool broke = false;
+    const int64_t until = mooncake::now_us() + 20'000'000;
+    while (ep->alive(1) && mooncake::now_us() < until) {
+      try {
+        to_peer->write(kFlag, &word, sizeof(word), mooncake::Deadline::after_ms(1000));
+      } catch (const mooncake::Error&) {
+        broke = true;
+      }
+    }
+    ASSERT_FALSE(ep->alive(1)) << "rank 1 exited, and is not seen gone after 20 s";
+    EXPECT_EQ(mooncake::load_flag(ep->base(), kFlag), 1u)
+        << "rank 1 was seen gone before its last signal was in place"
+        << (broke ? " (our send to it had broken)" : "");
+    EXPECT_EQ(std::memcmp(ep->base() + kData, sent.data(), kBytes), 0)
+        << "rank 1 was seen gone before its last write was in place";
   });
 }
 
@@ -180,6 +225,7 @@ TEST_P(Liveness, WatchersHearOfAStoppedPeerAfterTheHangLimit) {
 
 INSTANTIATE_TEST_SUITE_P(Transports, Liveness, testing::ValuesIn(every_transport()),
                          transport_name);
+INSTANTIATE_TEST_SUITE_P(Transports, ExitedWriter, testing::Values("shm", "tcp"), transport_name);
 
 }  // namespace
 }  // namespace mctest
