@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 
 #include "core/error.h"
@@ -67,22 +68,23 @@ class ShmLink : public PeerLink {
   }
 
   bool alive() override {
-    if (dead_) return false;
+    if (dead_.load(std::memory_order_acquire)) return false;
     // Held: the process dies only after the kernel has marked the word, so no
     // syscall is needed to know it lives (waits ask often).
     if (life_held(life_word()->load(std::memory_order_acquire))) return true;
+    bool dead;
     if (life_owner_died(*life_word()) ||  // its heartbeat thread died: the process is going
         header()->closed.load(std::memory_order_acquire) != 0) {  // or its endpoint is gone
-      dead_ = true;
-      return false;
-    }
-    if (pidfd_ >= 0) {
+      dead = true;
+    } else if (pidfd_ >= 0) {
       struct pollfd p = {pidfd_, POLLIN, 0};
-      dead_ = ::poll(&p, 1, 0) > 0;  // readable once the process has exited
+      dead = ::poll(&p, 1, 0) > 0;  // readable once the process has exited
     } else {
-      dead_ = ::kill(pid_, 0) != 0 && errno == ESRCH;
+      dead = ::kill(pid_, 0) != 0 && errno == ESRCH;
     }
-    return !dead_;
+    // Only ever set (several threads ask): a dead peer stays dead.
+    if (dead) dead_.store(true, std::memory_order_release);
+    return !dead;
   }
 
   int death_fd() const override { return pidfd_; }
@@ -97,7 +99,7 @@ class ShmLink : public PeerLink {
 
   int pid_;
   int pidfd_ = -1;
-  bool dead_ = false;
+  std::atomic<bool> dead_{false};
   RemoteMapping mapping_;
 };
 
