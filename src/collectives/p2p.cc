@@ -372,10 +372,17 @@ void P2P::progress_loop() {
 bool P2P::drain() {
   bool progressed = false;
   for (int src = 0; src < size_; ++src) {
-    if (!may_take(src)) continue;  // at the cap: its sends wait for a receive
+    bool gone = false;
+    if (!may_take(src)) {
+      // At the cap a source's sends wait for a receive. One that is gone
+      // sends no more: what it left in the channel (no more than the
+      // channel holds) is taken, for receives that come for it.
+      if (ch_.endpoint().alive(src)) continue;
+      gone = true;
+    }
     const MsgHeader* msg;
     while ((msg = ch_.poll(src)) != nullptr) {
-      const bool more = on_message(src, msg);
+      const bool more = on_message(src, msg) || gone;
       try {
         ch_.release(src, Deadline::after_ms(default_timeout_ms_));
       } catch (const Error& e) {

@@ -4,7 +4,8 @@
 // receive comes; other sources go on; a receive that comes later gets every
 // message whole and in order; a message larger than the cap whose receive
 // comes while it arrives completes; a message whose sender gave up half way
-// is dropped and fails the receive that had taken it.
+// is dropped and fails the receive that had taken it; what a dead source left
+// behind the cap is still received.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -210,6 +211,45 @@ TEST(P2PUnclaimed, AMessageLargerThanTheCapCompletesWhenItsReceiveComesWhileItAr
       expect_ok(p2p.recv(first.data(), first.size(), 0, 1), "recv of the first message");
       EXPECT_EQ(first, bytes_for(0, kFirst, 1));
       EXPECT_EQ(p2p.unclaimed_bytes(0), 0u);
+    });
+  }
+}
+
+// Rank 0 sends two messages that take rank 1 to its cap, then a small one
+// with another tag, which waits in the channel, and exits. The small one was
+// sent before rank 0 died: a receive posted for it after the death gets it
+// (the cap holds back a live source, not what a dead one left behind), and
+// so do the receives for the first two.
+TEST(P2PUnclaimed, WhatADeadSourceLeftBehindTheCapIsStillReceived) {
+  ScopedEnv cap("MOONCAKE_P2P_UNCLAIMED_BYTES", std::to_string(kCap));
+  for (bool tcp : {false, true}) {
+    run_p2p(2, small_chunks(tcp), [](P2P& p2p, Communicator& comm, Rank& r) {
+      constexpr uint64_t kFirst = 1, kLast = 2;
+      const auto last = message(0, kLast, 100);
+      if (r.rank == 0) {
+        auto a = bytes_for(0, kMessage, 1), b = bytes_for(0, kMessage, 2);
+        auto send_a = p2p.send(a.data(), kMessage, 1, kFirst);
+        auto send_b = p2p.send(b.data(), kMessage, 1, kFirst);
+        expect_ok(p2p.send(last.data(), last.size() * 4, 1, kLast), "send of the last message");
+        expect_ok(send_a, "send of the first message");
+        expect_ok(send_b, "send of the second message");
+        r.store.get("at cap", kP2PWaitMs);
+        exit_rank_abruptly();
+      }
+      Held held{p2p, 0};
+      ASSERT_TRUE(held.reaches_cap()) << "rank 0's messages never reached the cap";
+      r.store.set("at cap", "1");
+      const int64_t until = mooncake::now_us() + kP2PWaitMs * 1000;
+      while (comm.endpoint().alive(0) && mooncake::now_us() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ASSERT_FALSE(comm.endpoint().alive(0)) << "rank 0 exited, and is not seen gone";
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // housekeeping rounds
+      std::vector<int32_t> got(100);
+      expect_ok(p2p.recv(got.data(), got.size() * 4, 0, kLast), "recv of the last message");
+      EXPECT_EQ(got, last);
+      std::vector<uint8_t> in(kMessage);
+      expect_ok(p2p.recv(in.data(), kMessage, 0, kFirst), "recv of the first message");
+      EXPECT_EQ(in, bytes_for(0, kMessage, 1));
     });
   }
 }
