@@ -13,11 +13,13 @@ PYTEST_ARGS ?=
 
 all: build
 
+# --no-compile: pip would byte-compile every module of torch and transformers
+# (half its time, about a minute); Python compiles those it imports, once.
 $(VENV)/.ready: requirements-dev.txt
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
 	touch $@
 
 # GoogleTest for the C++ tests, and UCX for the ucx transport (Debian
@@ -113,7 +115,7 @@ fuzz-build: fuzz-deps
 	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=$(FUZZ_CXX) -DMOONCAKE_BUILD_TORCH=OFF \
 	  -DMOONCAKE_CUDA=OFF -DMOONCAKE_BUILD_TESTS=OFF -DMOONCAKE_BUILD_FUZZ=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DCMAKE_CXX_FLAGS="$(FUZZ_FLAGS)" >/dev/null
-	cmake --build $(FUZZ_BUILD)
+	cmake --build $(FUZZ_BUILD) --target mooncake_fuzz
 
 fuzz: fuzz-build
 	bash scripts/fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
