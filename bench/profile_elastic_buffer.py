@@ -69,7 +69,8 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
     torch.cuda.set_device(0)
     init_rank(rank, world, port)
     H, E, K = cfg["H"], cfg["E"], cfg["K"]
-    res: dict = {"gpu": torch.cuda.get_device_name(0), "H": H, "E": E, "K": K}
+    sms = cfg.get("num_sms") or None  # the calls' grid (None: this process's share)
+    res: dict = {"gpu": torch.cuda.get_device_name(0), "H": H, "E": E, "K": K, "num_sms": sms}
     small = torch.zeros(16, device="cuda")
     res["torch op (zero_ on 16 floats) us"] = host_us(lambda: small.zero_())
     res["torch.empty x10 (layout's tensors) us"] = host_us(
@@ -90,22 +91,24 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         row = res[f"T={T}"] = {}
         y = recv if isinstance(recv, torch.Tensor) else recv[0]
 
-        def layout(T=T, idx=idx, dev=dev):
+        blocks = dev._blocks(sms)
+        res["blocks"] = blocks
+
+        def layout(T=T, idx=idx, dev=dev, blocks=blocks):
             seq = dev._next_seq(eb)
             return dev.ext.layout(
-                idx, dev._mask(eb), T, E, 1, False, 0, seq, dev._ns(eb._cpu_timeout_us),
-                dev.max_blocks,
+                idx, dev._mask(eb), T, E, 1, False, 0, seq, dev._ns(eb._cpu_timeout_us), blocks,
             )  # fmt: skip
 
-        def layout_dispatch(T=T, x=x, idx=idx, w=w, dev=dev):
+        def layout_dispatch(T=T, x=x, idx=idx, w=w, dev=dev, blocks=blocks):
             seq = dev._next_seq(eb)
             active = dev._mask(eb)
             plan = dev.ext.layout(
-                idx, active, T, E, 1, False, 0, seq, dev._ns(eb._cpu_timeout_us), dev.max_blocks
+                idx, active, T, E, 1, False, 0, seq, dev._ns(eb._cpu_timeout_us), blocks
             )
             return dev.ext.dispatch(
                 plan, x, None, w, active, T, 0, False, False, seq, dev._ns(eb._gpu_timeout_us),
-                dev.max_blocks,
+                blocks,
             )  # fmt: skip
 
         # The binding's calls alone at world 1 only: with peers a layout pass without its
@@ -113,12 +116,16 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         bare = {"ext.layout": layout, "ext.layout + ext.dispatch": layout_dispatch}
         calls = {
             **(bare if world == 1 else {}),
-            "dispatch, CPU sync": lambda x=x, idx=idx, w=w: eb.dispatch(x, idx, w, num_experts=E),
-            "dispatch, no sync": lambda x=x, idx=idx, w=w: eb.dispatch(
-                x, idx, w, num_experts=E, do_cpu_sync=False
+            "dispatch, CPU sync": lambda x=x, idx=idx, w=w: eb.dispatch(
+                x, idx, w, num_experts=E, num_sms=sms
             ),
-            "dispatch, cached": lambda x=x, w=w, h=handle: eb.dispatch(x, topk_weights=w, handle=h),
-            "combine": lambda y=y, h=handle: eb.combine(y, h),
+            "dispatch, no sync": lambda x=x, idx=idx, w=w: eb.dispatch(
+                x, idx, w, num_experts=E, do_cpu_sync=False, num_sms=sms
+            ),
+            "dispatch, cached": lambda x=x, w=w, h=handle: eb.dispatch(
+                x, topk_weights=w, handle=h, num_sms=sms
+            ),
+            "combine": lambda y=y, h=handle: eb.combine(y, h, num_sms=sms),
         }
         row["host us"] = {name: round(host_us(fn), 1) for name, fn in calls.items()}
         row["back-to-back us"] = {name: round(back_to_back_us(fn), 1) for name, fn in calls.items()}
@@ -135,15 +142,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="512,4096", help="tokens per call, comma-separated")
     p.add_argument("--world", type=int, default=1, help="processes on the GPU (MPS above 1)")
+    p.add_argument(
+        "--num-sms",
+        type=int,
+        default=0,
+        help="the calls' num_sms (0: the default, each process's share of the SMs)",
+    )
     add_shape_args(p)
     a = p.parse_args(argv)
+    if a.num_sms < 0:
+        p.error(f"--num-sms must be >= 0, got {a.num_sms}")
     status = harness.no_gpu_status("profile_elastic_buffer", a.if_gpu)
     if status is not None:
         return status
     from mooncake.launch import run_local
 
     tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
-    cfg = {"tokens": tokens, "H": a.hidden, "E": a.experts, "K": a.topk}
+    cfg = {"tokens": tokens, "H": a.hidden, "E": a.experts, "K": a.topk, "num_sms": a.num_sms}
     ranks = run_local(member, a.world, args=(cfg,), timeout_s=240)  # within the step's 300 s
     res = ranks[0] if a.world == 1 else {"world": a.world, "ranks": ranks}
     print(json.dumps(res, indent=1))

@@ -52,7 +52,8 @@
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   ebprof:  bench/profile_elastic_buffer.py: the same for the ElasticBuffer's device path at
 #            world 1 (T=512 and 4096), with the Python functions its host time goes to, then
-#            at 2 processes under MPS (whole calls);
+#            at 2 processes under MPS (whole calls), and again with each grid size in
+#            EBPROF_SMS (num_sms; none by default);
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
@@ -438,6 +439,12 @@ if gpu_wants ebprof; then
   start_mps
   timeout 300 "$PY" bench/profile_elastic_buffer.py --world 2 --out "$OUT/bench/eb_profile_w2.json" \
     >"$OUT/eb_profile_w2.log" 2>&1 || status=1
+  # EBPROF_SMS: more grid sizes for the 2-process run (e.g. "60 48 16"), one JSON each:
+  # whether two processes' grids that fill the GPU between them are what slows it.
+  for n in ${EBPROF_SMS:-}; do
+    timeout 200 "$PY" bench/profile_elastic_buffer.py --world 2 --tokens 512 --num-sms "$n" \
+      --out "$OUT/bench/eb_profile_w2_sms$n.json" >"$OUT/eb_profile_w2_sms$n.log" 2>&1 || status=1
+  done
   stop_mps
 fi
 

@@ -67,3 +67,5 @@ def test_elastic_buffer_profile_without_a_gpu(tmp_path):
     assert profile_elastic_buffer.main(["--out", str(out)]) == 1
     assert profile_elastic_buffer.main(["--if-gpu", "--out", str(out)]) == 0
     assert not out.exists()  # nothing measured, nothing written
+    with pytest.raises(SystemExit):  # argparse's usage error, before any GPU is looked for
+        profile_elastic_buffer.main(["--num-sms", "-1", "--if-gpu"])
