@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -128,6 +129,8 @@ bool TcpReceiver::drain(Conn& c) {
     ssize_t n = ::recv(c.fd, into.data(), into.size(), 0);
     if (n == 0) return false;
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    if (c.decoder.authenticated())
+      peers_[c.decoder.rank()].read_us.store(now_us(), std::memory_order_relaxed);
     switch (c.decoder.advance(static_cast<size_t>(n))) {
       case FrameDecoder::Step::kMore: break;
       case FrameDecoder::Step::kFrame:
@@ -143,6 +146,7 @@ bool TcpReceiver::drain(Conn& c) {
           return false;  // the sender has gone already
         c.decoder.accept();
         p.frames.store(0);
+        p.ended_inc.store(0, std::memory_order_relaxed);  // this connection has not ended
         p.hello_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
         break;
       }
@@ -274,14 +278,20 @@ class TcpLink : public PeerLink {
   }
 
   bool alive() override {
-    if (receiver_.peer_closed(peer_, inc_)) return false;
-    if (!broken_.load(std::memory_order_acquire)) return true;
-    // Our send broke first (the reset of a peer that exited), while what it
-    // sent before it went may still wait, unread, on its own connection:
-    // gone once that one is read to its end, or after a grace (a connection
-    // broken one way only).
-    return !receiver_.read_to_end(peer_, inc_) &&
-           now_us() - broken_at_us_.load(std::memory_order_relaxed) < kBrokenGraceUs;
+    if (gone_.load(std::memory_order_acquire)) return false;
+    bool live = false;
+    if (!receiver_.peer_closed(peer_, inc_)) {
+      if (!broken_.load(std::memory_order_acquire)) return true;
+      // Our send broke first (the reset of a peer that exited), while what
+      // it sent before it went may still wait, unread, on its own
+      // connection: gone once that one is read to its end, or after a grace
+      // with nothing read (a connection broken one way only).
+      const int64_t since =
+          std::max(broken_at_us_.load(std::memory_order_relaxed), receiver_.last_read_us(peer_));
+      live = !receiver_.read_to_end(peer_, inc_) && now_us() - since < kBrokenGraceUs;
+    }
+    if (!live) gone_.store(true, std::memory_order_release);  // seen gone: gone for good
+    return live;
   }
   void farewell() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -353,6 +363,7 @@ class TcpLink : public PeerLink {
   static constexpr int64_t kBrokenGraceUs = 500'000;
   std::atomic<bool> broken_{false};  // alive() reads it without mu_
   std::atomic<int64_t> broken_at_us_{0};
+  std::atomic<bool> gone_{false};  // alive() said false once
 };
 
 }  // namespace

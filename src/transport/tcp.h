@@ -55,6 +55,10 @@ class TcpReceiver {
   // True once the connection from incarnation `inc` of slot `rank` has been
   // read to its end (closed, said goodbye, or dropped): all it carried is in place.
   bool read_to_end(int rank, uint32_t inc) const;
+  // When bytes from slot `rank` were last read (now_us), 0 before any.
+  int64_t last_read_us(int rank) const {
+    return peers_[rank].read_us.load(std::memory_order_relaxed);
+  }
   // Frames received from incarnation `inc` of slot `rank` (heartbeats included).
   uint64_t frames(int rank, uint32_t inc) const;
   // Connections dropped for breaking the protocol (see the header comment).
@@ -74,6 +78,7 @@ class TcpReceiver {
     std::atomic<uint32_t> hello_inc{0};   // 1 + the latest incarnation that said hello
     std::atomic<uint32_t> closed_inc{0};  // 1 + the latest incarnation whose connection closed
     std::atomic<uint32_t> ended_inc{0};   // the same, a goodbye or a drop included
+    std::atomic<int64_t> read_us{0};      // when its bytes were last read
     std::atomic<uint64_t> frames{0};      // frames from the latest incarnation
   };
   std::unique_ptr<PeerState[]> peers_;
