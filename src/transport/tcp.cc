@@ -129,8 +129,11 @@ bool TcpReceiver::drain(Conn& c) {
     ssize_t n = ::recv(c.fd, into.data(), into.size(), 0);
     if (n == 0) return false;
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
-    if (c.decoder.authenticated())
-      peers_[c.decoder.rank()].read_us.store(now_us(), std::memory_order_relaxed);
+    if (c.decoder.authenticated()) {
+      PeerState& p = peers_[c.decoder.rank()];
+      if (p.hello_inc.load(std::memory_order_relaxed) == c.decoder.incarnation() + 1)
+        p.read_us.store(now_us(), std::memory_order_relaxed);
+    }
     switch (c.decoder.advance(static_cast<size_t>(n))) {
       case FrameDecoder::Step::kMore: break;
       case FrameDecoder::Step::kFrame:
@@ -285,10 +288,12 @@ class TcpLink : public PeerLink {
       // Our send broke first (the reset of a peer that exited), while what
       // it sent before it went may still wait, unread, on its own
       // connection: gone once that one is read to its end, or after a grace
-      // with nothing read (a connection broken one way only).
-      const int64_t since =
-          std::max(broken_at_us_.load(std::memory_order_relaxed), receiver_.last_read_us(peer_));
-      live = !receiver_.read_to_end(peer_, inc_) && now_us() - since < kBrokenGraceUs;
+      // with nothing read, and at most a limit after the break (a connection
+      // broken one way only, whose peer's heartbeats go on coming).
+      const int64_t now = now_us(), broke = broken_at_us_.load(std::memory_order_relaxed);
+      const int64_t since = std::max(broke, receiver_.last_read_us(peer_));
+      live = !receiver_.read_to_end(peer_, inc_) && now - since < kBrokenGraceUs &&
+             now - broke < kBrokenLimitUs;
     }
     if (!live) gone_.store(true, std::memory_order_release);  // seen gone: gone for good
     return live;
@@ -360,7 +365,7 @@ class TcpLink : public PeerLink {
   uint64_t peer_bytes_;
   TcpReceiver& receiver_;
   std::mutex mu_;
-  static constexpr int64_t kBrokenGraceUs = 500'000;
+  static constexpr int64_t kBrokenGraceUs = 500'000, kBrokenLimitUs = 2'000'000;
   std::atomic<bool> broken_{false};  // alive() reads it without mu_
   std::atomic<int64_t> broken_at_us_{0};
   std::atomic<bool> gone_{false};  // alive() said false once

@@ -55,7 +55,7 @@ class TcpReceiver {
   // True once the connection from incarnation `inc` of slot `rank` has been
   // read to its end (closed, said goodbye, or dropped): all it carried is in place.
   bool read_to_end(int rank, uint32_t inc) const;
-  // When bytes from slot `rank` were last read (now_us), 0 before any.
+  // When bytes from slot `rank`'s latest incarnation were last read (now_us), 0 before any.
   int64_t last_read_us(int rank) const {
     return peers_[rank].read_us.load(std::memory_order_relaxed);
   }
