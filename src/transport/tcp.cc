@@ -168,14 +168,16 @@ void TcpReceiver::drop(Conn& c) {
   } else {
     MC_LOG(kDebug, "tcp: connection from rank ", c.decoder.rank(), " closed");
   }
-  if (c.decoder.authenticated())
-    peers_[c.decoder.rank()].ended_inc.store(c.decoder.incarnation() + 1,
-                                             std::memory_order_release);
-  // Only an authenticated peer's close says something about that peer.
-  if (c.decoder.authenticated() && !c.decoder.bye()) {
-    peers_[c.decoder.rank()].closed_inc.store(c.decoder.incarnation() + 1,
-                                              std::memory_order_release);
-    if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
+  // Only an authenticated peer's connection says something about that peer:
+  // it has ended (all it carried is in place), and closed unless it said goodbye.
+  if (c.decoder.authenticated()) {
+    PeerState& p = peers_[c.decoder.rank()];
+    const uint32_t inc = c.decoder.incarnation() + 1;
+    p.ended_inc.store(inc, std::memory_order_release);
+    if (!c.decoder.bye()) {
+      p.closed_inc.store(inc, std::memory_order_release);
+      if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
+    }
   }
   ::close(c.fd);
   c.fd = -1;
