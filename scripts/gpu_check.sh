@@ -96,7 +96,7 @@ STEPS=${STEPS/ tests / $GPU_TESTS }
 STEPS=" ${STEPS/ benches / $GPU_BENCHES } "
 GTEST_ARGS=()
 [ -f .gtest/CMakeLists.txt ] && GTEST_ARGS=(-DMOONCAKE_GTEST_SOURCE="$PWD/.gtest")
-step() { echo "== $1"; }
+step() { echo "== $1 (${SECONDS}s into the run)"; }
 case " ${PYTEST_ARGS:-} " in
   *" -k "* | *" -k="* | *" -k"[!\ ]*)
     echo "error: PYTEST_ARGS has a -k, which would replace the steps' own selections: use PYTEST_K"
