@@ -53,7 +53,8 @@
 #   ebprof:  bench/profile_elastic_buffer.py: the same for the ElasticBuffer's device path at
 #            world 1 (T=512 and 4096), with the Python functions its host time goes to, then
 #            at 2 processes under MPS (whole calls), and again with each grid size in
-#            EBPROF_SMS (num_sms; none by default);
+#            EBPROF_SMS (num_sms; none by default); EBPROF_W2_TOKENS: the 2-process run's
+#            tokens (512,4096); EBPROF_NO_MPS=1: that run again without MPS;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
@@ -436,9 +437,10 @@ if gpu_wants ebprof; then
   mkdir -p "$OUT/bench"
   timeout 300 "$PY" bench/profile_elastic_buffer.py --out "$OUT/bench/eb_profile.json" 2>&1 |
     tee "$OUT/eb_profile.log" | tail -80 || status=1
+  W2_TOKENS=${EBPROF_W2_TOKENS:-512,4096}
   start_mps
-  timeout 300 "$PY" bench/profile_elastic_buffer.py --world 2 --out "$OUT/bench/eb_profile_w2.json" \
-    >"$OUT/eb_profile_w2.log" 2>&1 || status=1
+  timeout 300 "$PY" bench/profile_elastic_buffer.py --world 2 --tokens "$W2_TOKENS" \
+    --out "$OUT/bench/eb_profile_w2.json" >"$OUT/eb_profile_w2.log" 2>&1 || status=1
   # EBPROF_SMS: more grid sizes for the 2-process run (e.g. "60 48 16"), one JSON each:
   # whether two processes' grids that fill the GPU between them are what slows it.
   for n in ${EBPROF_SMS:-}; do
@@ -446,6 +448,12 @@ if gpu_wants ebprof; then
       --out "$OUT/bench/eb_profile_w2_sms$n.json" >"$OUT/eb_profile_w2_sms$n.log" 2>&1 || status=1
   done
   stop_mps
+  # EBPROF_NO_MPS=1: the 2-process run again without MPS (kernels time-sliced), against
+  # which the MPS figures say whether the two processes' kernels ran side by side.
+  if [ "${EBPROF_NO_MPS:-0}" = 1 ]; then
+    timeout 200 "$PY" bench/profile_elastic_buffer.py --world 2 --tokens "$W2_TOKENS" \
+      --out "$OUT/bench/eb_profile_w2_nomps.json" >"$OUT/eb_profile_w2_nomps.log" 2>&1 || status=1
+  fi
 fi
 
 # Not in the default steps: Nsight Compute over a few warm dispatch and combine

@@ -13,6 +13,8 @@ import torch
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 
+from nogpu import main_without_gpu  # noqa: E402
+
 import bench_elastic_buffer as bench  # noqa: E402
 
 CFG = {"seed": 5, "H": 256, "K": 3, "E": 8}
@@ -115,10 +117,10 @@ def test_upstream_json_fills_world_1_only(tmp_path):
     assert "boom" in "\n".join(bench.tables(1, cfg, [row], bench.upstream_cases(str(path))))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the answer without a GPU")
 def test_cuda_without_a_gpu_fails_unless_if_gpu(tmp_path):
-    assert bench.main(["--device", "cuda", "--out-dir", str(tmp_path)]) == 1
-    assert bench.main(["--device", "cuda", "--if-gpu", "--out-dir", str(tmp_path)]) == 0
+    args = ["--device", "cuda", "--out-dir", str(tmp_path)]
+    assert main_without_gpu(bench, args) == 1
+    assert main_without_gpu(bench, [*args, "--if-gpu"]) == 0
 
 
 def test_upstream_script_leaves_its_reason_in_the_json(tmp_path):

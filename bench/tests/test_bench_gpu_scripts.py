@@ -6,10 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
+
+from nogpu import main_without_gpu  # noqa: E402
 
 import bench_ep_device  # noqa: E402
 import bench_pg_cuda  # noqa: E402
@@ -52,20 +53,18 @@ def test_ep_device_summary_takes_the_slowest_and_survives_missing_keys():
     assert row["dispatch_kernel_us"] is None
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the answer without a GPU")
 @pytest.mark.parametrize("bench", [bench_pg_cuda, bench_ep_device])
 def test_without_a_gpu_they_fail_unless_if_gpu(bench, tmp_path):
-    assert bench.main(["--worlds", "1", "--out-dir", str(tmp_path)]) == 1
-    assert bench.main(["--worlds", "1", "--if-gpu", "--out-dir", str(tmp_path)]) == 0
+    assert main_without_gpu(bench, ["--worlds", "1", "--out-dir", str(tmp_path)]) == 1
+    assert main_without_gpu(bench, ["--worlds", "1", "--if-gpu", "--out-dir", str(tmp_path)]) == 0
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the answer without a GPU")
 def test_elastic_buffer_profile_without_a_gpu(tmp_path):
     import profile_elastic_buffer
 
     out = tmp_path / "p.json"
-    assert profile_elastic_buffer.main(["--out", str(out)]) == 1
-    assert profile_elastic_buffer.main(["--if-gpu", "--out", str(out)]) == 0
+    assert main_without_gpu(profile_elastic_buffer, ["--out", str(out)]) == 1
+    assert main_without_gpu(profile_elastic_buffer, ["--if-gpu", "--out", str(out)]) == 0
     assert not out.exists()  # nothing measured, nothing written
     with pytest.raises(SystemExit):  # argparse's usage error, before any GPU is looked for
         profile_elastic_buffer.main(["--num-sms", "-1", "--if-gpu"])

@@ -153,6 +153,13 @@ def _apply_thread_count() -> None:
         torch.set_num_threads(int(value))
 
 
+#: What the forkserver imports before it forks ranks: what every rank imports first, so
+#: that the server imports it once. A process has one server, started by its first
+#: ``LocalGroup``: extend the list before that to preload more (e.g. ``"torch._dynamo"``,
+#: which DDP and the functional collectives import, about 3 s a process).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+
+
 def _context(start_method: str):
     if start_method not in ("forkserver", "spawn"):
         raise ValueError(
@@ -160,8 +167,7 @@ def _context(start_method: str):
         )
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        # What every rank imports first; the server imports it once.
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     return ctx
 
 

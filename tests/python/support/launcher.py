@@ -37,6 +37,12 @@ from pathlib import Path
 
 import pytest
 
+import mooncake.launch
+
+# DDP and the functional collectives import torch._dynamo in each rank that uses them
+# (3 s of CPU a rank, 11 s of an 8-rank launch on 2 cores): the forkserver does it once.
+mooncake.launch.FORKSERVER_PRELOAD.append("torch._dynamo")
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
 
