@@ -14,7 +14,11 @@ times the copy floor. Three views split it:
 - device: every kernel's own duration, from the CUDA profiler;
 - Python: the functions and binding calls a CPU-sync dispatch and a combine spend their
   host time in (cProfile, by own time: a binding call or a ``.cpu()`` that waits for the
-  device shows as a builtin method).
+  device shows as a builtin method);
+- with ``--world`` above 1, each kernel block's start and end (``%globaltimer``, one
+  clock for all the processes on the GPU) in a few cached dispatches and combines, and
+  a summary: how far apart the processes' kernels started, and when each one's sender
+  and receiver blocks were done (whether the kernels ran side by side, and who waited).
 
     python3 bench/profile_elastic_buffer.py [--world 1] [--tokens 512,4096] [--hidden 7168]
 """
@@ -58,6 +62,57 @@ def python_profile(fn, calls: int = 200, top: int = 14) -> list[str]:
         f"{own / calls * 1e6:8.1f} own {cum / calls * 1e6:8.1f} cum us/call  {n / calls:5.1f}x  {w}"
         for own, cum, n, w in rows[:top]
     ]
+
+
+def block_stamps(dev, fn, blocks: int, calls: int = 5) -> list[list[int]]:
+    """Each block's start and end (%globaltimer ns, one clock for every process on the
+    GPU) in ``calls`` calls of ``fn`` one at a time: [2 * blocks] per call, senders
+    (or repliers) first."""
+    stamps = torch.zeros(2 * blocks, dtype=torch.int64, device="cuda")
+    dev.ext.set_stamps(stamps)
+    out = []
+    try:
+        for _ in range(calls):
+            stamps.zero_()
+            fn()
+            torch.cuda.synchronize()
+            out.append(stamps.cpu().tolist())
+    finally:
+        dev.ext.set_stamps(None)
+    return out
+
+
+def stamps_summary(ranks: list[dict]) -> dict:
+    """Per T and call kind, per call: how far apart the processes' kernels started
+    (skew), and for each rank when its sender and receiver blocks were done, from the
+    first start on the GPU (us): whether the kernels ran side by side, and which half
+    waited."""
+    out: dict = {}
+    for key in ranks[0]:
+        if not key.startswith("T="):
+            continue
+        for name in ("dispatch, cached", "combine"):
+            per_rank = [r[key].get(f"stamps: {name}") for r in ranks]
+            if any(p is None for p in per_rank):
+                continue
+            rows = []
+            for i in range(len(per_rank[0])):
+                calls = [p[i] for p in per_rank]
+                starts = [c[0::2] for c in calls]
+                ends = [c[1::2] for c in calls]
+                t0 = min(min(s) for s in starts)
+                half = len(starts[0]) // 2
+                rows.append({
+                    "start skew us": round((max(min(s) for s in starts) - t0) / 1e3, 1),
+                    "senders done us": [round((max(e[:half]) - t0) / 1e3, 1) for e in ends],
+                    "receivers done us": [round((max(e[half:]) - t0) / 1e3, 1) for e in ends],
+                    "block us (median)": [
+                        round(harness.median([b - a for a, b in zip(s, e, strict=True)]) / 1e3, 1)
+                        for s, e in zip(starts, ends, strict=True)
+                    ],
+                })  # fmt: skip
+            out[f"{key} {name}"] = rows
+    return out
 
 
 def member(rank: int, world: int, port: int, cfg: dict) -> dict:
@@ -133,6 +188,9 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
             row[f"kernels: {name}"] = kernel_table(calls[name])
         row["python: dispatch, CPU sync"] = python_profile(calls["dispatch, CPU sync"])
         row["python: combine"] = python_profile(calls["combine"])
+        if world > 1:
+            for name in ("dispatch, cached", "combine"):
+                row[f"stamps: {name}"] = block_stamps(dev, calls[name], blocks)
         eb.dispatch(x, idx, w, num_experts=E)  # back in step after the bare binding calls
     eb.destroy()
     return res
@@ -161,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"tokens": tokens, "H": a.hidden, "E": a.experts, "K": a.topk, "num_sms": a.num_sms}
     ranks = run_local(member, a.world, args=(cfg,), timeout_s=240)  # within the step's 300 s
     res = ranks[0] if a.world == 1 else {"world": a.world, "ranks": ranks}
+    if a.world > 1 and not any("error" in r for r in ranks):
+        res["stamps"] = stamps_summary(ranks)
     print(json.dumps(res, indent=1))
     if a.out:
         harness.write_json(a.out, res)

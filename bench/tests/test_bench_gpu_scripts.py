@@ -68,3 +68,18 @@ def test_elastic_buffer_profile_without_a_gpu(tmp_path):
     assert not out.exists()  # nothing measured, nothing written
     with pytest.raises(SystemExit):  # argparse's usage error, before any GPU is looked for
         profile_elastic_buffer.main(["--num-sms", "-1", "--if-gpu"])
+
+
+def test_elastic_buffer_stamps_summary():
+    import profile_elastic_buffer
+
+    # Two processes, 4 blocks each (2 senders, 2 receivers), one call: rank 1 started
+    # 5 us after rank 0; rank 0's receivers waited until 30 us.
+    r0 = [[1000, 11000, 1000, 12000, 1000, 30000, 1000, 29000]]
+    r1 = [[6000, 16000, 6000, 17000, 6000, 20000, 6000, 21000]]
+    ranks = [{"T=8": {"stamps: combine": r0}}, {"T=8": {"stamps: combine": r1}}]
+    (row,) = profile_elastic_buffer.stamps_summary(ranks)["T=8 combine"]
+    assert row["start skew us"] == 5.0
+    assert row["senders done us"] == [11.0, 16.0]
+    assert row["receivers done us"] == [29.0, 20.0]
+    assert row["block us (median)"] == [19.5, 12.5]

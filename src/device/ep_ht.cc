@@ -199,6 +199,7 @@ ht::HtCommon EpHtBuffer::common(uint64_t seq, int64_t timeout_ns, int32_t* activ
   h.c.phases = kernels::kBoth;
   h.ws = layout_;
   h.counter = counters_ + counter;
+  h.stamps = stamps_;
   return h;
 }
 

@@ -95,6 +95,10 @@ class EpHtBuffer {
                int blocks, cudaStream_t stream);
   // The layout pass's per-expert scratch (device int32 [kMaxExperts], zero between calls).
   int32_t* expert_scratch() const { return etotal_; }
+  // Profiling: later dispatches and combines write each block's start and end
+  // times into `stamps` (device uint64 [2 * blocks]; null: off), which the
+  // caller keeps alive until then.
+  void set_stamps(uint64_t* stamps) { stamps_ = stamps; }
 
  private:
   kernels::ep_ht::HtCommon common(uint64_t seq, int64_t timeout_ns, int32_t* active, int counter,
@@ -124,6 +128,7 @@ class EpHtBuffer {
   std::unique_ptr<LaunchOrder> order_;
   uint32_t* counters_ = nullptr;  // device [2]: the layout's and the dispatch's last-block tickets
   int32_t* etotal_ = nullptr;
+  uint64_t* stamps_ = nullptr;
   int sm_count_ = 0;
 };
 

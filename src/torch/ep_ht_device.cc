@@ -166,6 +166,7 @@ class EpHtDevice {
                                    bool cached, bool trimmed, int64_t seq, int64_t timeout_ns,
                                    int64_t blocks) {
     const char* what = "dispatch";
+    check_stamps(blocks, what);
     check_active(active, what);
     const int64_t N = plan.topk.size(0), K = plan.topk.size(1), H = x.size(1);
     check_rows(x, N, what, "x");
@@ -220,6 +221,7 @@ class EpHtDevice {
                                   const at::Tensor& active, bool single, int64_t seq,
                                   int64_t timeout_ns, int64_t blocks) {
     const char* what = "combine";
+    check_stamps(blocks, what);
     check_active(active, what);
     const int64_t N = plan.topk.size(0), K = plan.topk.size(1), H = x.size(1);
     check_dense(x, x.size(0), what, "x");
@@ -251,7 +253,28 @@ class EpHtDevice {
     return {out, out_w};
   }
 
+  // Profiling (bench/profile_elastic_buffer.py): later dispatches and combines
+  // write each block's start and end (%globaltimer ns) into `stamps`, an int64
+  // tensor on the device of at least 2 * blocks (None: off).
+  void set_stamps(const std::optional<at::Tensor>& stamps) {
+    if (stamps) {
+      MC_CHECK_ARG(on_device(*stamps) && stamps->scalar_type() == at::kLong &&
+                       stamps->is_contiguous(),
+                   "set_stamps: stamps must be a contiguous int64 tensor on cuda:", buf_.device());
+      stamps_ = *stamps;
+    } else {
+      stamps_.reset();
+    }
+    buf_.set_stamps(stamps_ ? reinterpret_cast<uint64_t*>(stamps_->data_ptr<int64_t>()) : nullptr);
+  }
+
  private:
+  void check_stamps(int64_t blocks, const char* what) const {
+    MC_CHECK_ARG(!stamps_ || stamps_->numel() >= 2 * blocks, what, ": ", blocks,
+                 " blocks need ", 2 * blocks, " stamps, the tensor set has ",
+                 stamps_ ? stamps_->numel() : 0);
+  }
+
   cudaStream_t stream() const {
     return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(buf_.device())).stream();
   }
@@ -293,6 +316,7 @@ class EpHtDevice {
   }
 
   EpHtBuffer buf_;
+  std::optional<at::Tensor> stamps_;
 };
 
 }  // namespace
@@ -357,7 +381,8 @@ void register_ep_ht_device(py::module_& m) {
            py::arg("blocks"))
       .def("combine", &EpHtDevice::combine, py::arg("plan"), py::arg("x"), py::arg("weights"),
            py::arg("active"), py::arg("single"), py::arg("seq"), py::arg("timeout_ns"),
-           py::arg("blocks"));
+           py::arg("blocks"))
+      .def("set_stamps", &EpHtDevice::set_stamps, py::arg("stamps"));
   m.def(
       "ep_ht_gpu",
       [](int64_t device) {

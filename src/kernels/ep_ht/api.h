@@ -224,6 +224,9 @@ struct HtCommon {
   Common c;
   HtLayout ws;
   uint32_t* counter = nullptr;  // device, zero between launches: the last block's ticket
+  // Profiling (null: off): device [2 * blocks], each block's %globaltimer (ns)
+  // at its start and when its channels are done, in dispatch and combine.
+  uint64_t* stamps = nullptr;
 };
 
 // The tokens of a call and their routing.

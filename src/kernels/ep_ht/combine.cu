@@ -434,11 +434,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   __shared__ Shared sh;
   const View v = view_of(a);
   const Roles roles = roles_of(v.R);
+  stamp(a.h, 0);
   if (roles.sends()) {
     for (int c = roles.index(); c < v.C; c += roles.count()) reply_channel<T>(a, v, c, sh);
   } else {
     for (int c = roles.index(); c < v.C; c += roles.count()) reduce_channel<T>(a, v, c, sh);
   }
+  stamp(a.h, 1);
 }
 
 }  // namespace

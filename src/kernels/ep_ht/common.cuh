@@ -171,6 +171,12 @@ __device__ __forceinline__ Roles roles_of(int R) {
   return Roles{R > 1 ? static_cast<int>(gridDim.x) / 2 : 0};
 }
 
+// A block's profiling stamp `which` (0: start, 1: its channels done), when
+// the host asked for them (HtCommon::stamps).
+__device__ __forceinline__ void stamp(const HtCommon& h, int which) {
+  if (h.stamps != nullptr && threadIdx.x == 0) h.stamps[2 * blockIdx.x + which] = now_ns();
+}
+
 // The last block's ticket: every block calls it once (after a __syncthreads),
 // and the last one to arrive gets true, sees every other block's writes, and
 // puts the counter back for the next launch. No block waits for another.

@@ -675,12 +675,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
   __shared__ Shared sh;
   const View v = view_of(a);
   const Roles roles = roles_of(v.R);
+  stamp(a.h, 0);
   if (roles.sends()) {
     for (int c = roles.index(); c < v.C; c += roles.count()) send_channel(a, v, c, sh);
   } else {
     for (int c = roles.index(); c < v.C; c += roles.count()) recv_channel(a, v, c, sh);
     zero_rest(a, v, roles.index(), roles.count());
   }
+  stamp(a.h, 1);
   if (!last_block(a.h.counter, &sh.last)) return;
   if (a.cached)
     zero_failed(a, v);
