@@ -20,7 +20,14 @@ slot ``W-1`` is the new peer. Measured, in one run:
 
 Stage/activate are repeated by disconnecting and reconnecting the new peer;
 replace runs ``--replacements`` times. Results: ``<out-dir>/elastic.json`` and
-``elastic_table.md``.
+``elastic_table.md`` (``elastic_cuda.json``, ``elastic_cuda_table.md`` with
+``--device cuda``).
+
+``--device cuda``: every process on the one GPU (under MPS where it runs: a victim
+kills itself between rounds, its kernels done), the workspaces in device memory, CUDA
+tensors: every round runs the device path's kernels (a round on another path fails the
+run) and is timed to the device's end (synchronised). Without a GPU it measures nothing
+and exits 1 (0 with ``--if-gpu``).
 
     .venv/bin/python bench/bench_elastic.py            # worlds 4 and 8, about a minute
     .venv/bin/python bench/bench_elastic.py --quick    # world 4, fewer repeats
@@ -63,12 +70,22 @@ def one_round(buf, cfg: dict, world: int, step: int) -> float:
     g = torch.Generator().manual_seed(step * 1000 + buf.rank)
     T, H, K, epr = cfg["T"], cfg["H"], cfg["topk"], cfg["experts_per_rank"]
     E = epr * world
-    x = torch.randn(T, H, generator=g).bfloat16()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
+    dev = torch.device(cfg["device"])
+    x = torch.randn(T, H, generator=g).bfloat16().to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     recv_x, count, handle, _, _ = buf.dispatch(x, idx, None, T, E, cfg["timeout_us"], use_fp8=False)
     buf.combine(recv_x, idx, w, None, cfg["timeout_us"], handle)
+    if cuda:
+        torch.cuda.synchronize()  # the kernels' time too (and none left running at a kill)
+        if buf.path != "device":
+            raise RuntimeError(
+                f"slot {buf.rank}: a round took the {buf.path} path, not the device's"
+            )
     return time.perf_counter() - t0
 
 
@@ -79,6 +96,8 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
     from mooncake.mooncake_ep_buffer import Buffer
 
     torch.set_num_threads(1)
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(0)  # the workspace goes on the current device
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     sync(store, "imported", world + cfg["replacements"])
     out: dict[str, list[float]] = {m: [] for m in MEASURES}
@@ -235,12 +254,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--timeout-ms", type=int, default=5000, help="the buffers' timeout_ms")
     p.add_argument("--launch-timeout", type=float, default=300)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the tensors' device")
+    harness.add_if_gpu(p)
     harness.add_output_args(p, "world 4, 3 cycles, 2 replacements")
     quick = {"world_sizes": "4", "cycles": 3, "replacements": 2, "rounds": 3}
     args = harness.parse_args(p, argv, quick)
     worlds = harness.csv_ints(args.world_sizes)
     if min(worlds) < 3:
         p.error("world sizes must be >= 3 (a victim, a new peer and slot 0)")
+    if args.device == "cuda":
+        status = harness.no_gpu_status("bench_elastic", args.if_gpu)
+        if status is not None:
+            return status
     cfg = {
         "cycles": args.cycles,
         "replacements": args.replacements,
@@ -251,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "topk": min(args.topk, args.experts_per_rank * 2),
         "timeout_ms": args.timeout_ms,
         "timeout_us": args.timeout_ms * 1000,
+        "device": args.device,
     }
     started, load = time.time(), os.getloadavg()
     results = []
@@ -260,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(results)
     print(table)
     meta = harness.run_meta(started, os.cpu_count(), load, args)
-    files = {"elastic.json": {"meta": meta, "results": results}, "elastic_table.md": table}
+    stem = "elastic" if args.device == "cpu" else "elastic_cuda"
+    files = {f"{stem}.json": {"meta": meta, "results": results}, f"{stem}_table.md": table}
     harness.write_outputs(args.out_dir, files)
     bad = [r for r in results if any(c not in (0, -signal.SIGKILL) for c in r["exit"])]
     return 1 if bad else 0

@@ -48,7 +48,9 @@
 #            collectives checked after every join; without MPS (it kills ranks inside their
 #            kernels), the launch bounded by CHAOS_BUDGET_S (300);
 #   epelasticbench: bench_ep_device.py at 2 processes with a process group's buffer and
-#            with an elastic one of capacity 8 (MPS);
+#            with an elastic one of capacity 8 (MPS); then bench_elastic.py --device cuda
+#            (BENCH_ELASTIC_CUDA_ARGS, default --quick): staging, activating and replacing a
+#            slot on the device path, 4 processes under MPS;
 #   epprof:  bench/profile_ep_device.py: host time per layer and each kernel's time;
 #   ebprof:  bench/profile_elastic_buffer.py: the same for the ElasticBuffer's device path at
 #            world 1 (T=512 and 4096), with the Python functions its host time goes to, then
@@ -423,6 +425,9 @@ if gpu_wants epelasticbench; then
     timeout 300 "$PY" bench/bench_ep_device.py --worlds 2 --experts 256 --quick --elastic $cap --launch-timeout 240 \
       --out-dir "$OUT/bench/elastic" 2>&1 | tee -a "$OUT/bench_ep_elastic.log" | tail -8 || status=1
   done
+  step "elastic EP buffer, device path: stage, activate, replace (bench_elastic.py, MPS)"
+  timeout 300 "$PY" bench/bench_elastic.py --device cuda ${BENCH_ELASTIC_CUDA_ARGS:---quick} \
+    --out-dir "$OUT/bench" 2>&1 | tee "$OUT/bench_elastic_cuda.log" | tail -14 || status=1
   stop_mps
 fi
 

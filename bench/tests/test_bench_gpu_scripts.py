@@ -83,3 +83,12 @@ def test_elastic_buffer_stamps_summary():
     assert row["senders done us"] == [11.0, 16.0]
     assert row["receivers done us"] == [29.0, 20.0]
     assert row["block us (median)"] == [19.5, 12.5]
+
+
+def test_elastic_bench_on_cuda_without_a_gpu(tmp_path):
+    import bench_elastic
+
+    args = ["--device", "cuda", "--quick", "--out-dir", str(tmp_path)]
+    assert main_without_gpu(bench_elastic, args) == 1
+    assert main_without_gpu(bench_elastic, [*args, "--if-gpu"]) == 0
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
