@@ -98,6 +98,9 @@ def stamps_summary(ranks: list[dict]) -> dict:
             rows = []
             for i in range(len(per_rank[0])):
                 calls = [p[i] for p in per_rank]
+                if any(0 in c for c in calls):  # a block that wrote nothing: no figures
+                    rows.append({"error": "a block wrote no stamp"})
+                    continue
                 starts = [c[0::2] for c in calls]
                 ends = [c[1::2] for c in calls]
                 t0 = min(min(s) for s in starts)

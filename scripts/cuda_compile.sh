@@ -7,9 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v "${NVCC:-nvcc}" >/dev/null || { echo "error: ${NVCC:-nvcc} not found (CUDA toolkit needed)"; exit 1; }
-# The host C++ at -O0 (the core, the device library's host side, the tests):
-# nothing heavy runs from this tree, and it halves that part's compile time.
-# The kernels keep the GPU build's -O3.
+# The core, the tests and the example at -O0: nothing heavy runs from this
+# tree, and it halves their compile time. The kernels keep the GPU build's
+# -O3, the device library's host side -O2 (CMakeLists.txt: its warnings).
 cmake -S . -B build-nvcc -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DMOONCAKE_CUDA=ON \
   -DCMAKE_CXX_FLAGS_RELEASE="-O0 -DNDEBUG" \
   -DMOONCAKE_CUDA_WERROR=ON ${NVCC:+-DCMAKE_CUDA_COMPILER=$NVCC} >/dev/null

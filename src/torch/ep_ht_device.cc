@@ -258,9 +258,9 @@ class EpHtDevice {
   // tensor on the device of at least 2 * blocks (None: off).
   void set_stamps(const std::optional<at::Tensor>& stamps) {
     if (stamps) {
-      MC_CHECK_ARG(on_device(*stamps) && stamps->scalar_type() == at::kLong &&
-                       stamps->is_contiguous(),
-                   "set_stamps: stamps must be a contiguous int64 tensor on cuda:", buf_.device());
+      MC_CHECK_ARG(
+          on_device(*stamps) && stamps->scalar_type() == at::kLong && stamps->is_contiguous(),
+          "set_stamps: stamps must be a contiguous int64 tensor on cuda:", buf_.device());
       stamps_ = *stamps;
     } else {
       stamps_.reset();
@@ -270,9 +270,8 @@ class EpHtDevice {
 
  private:
   void check_stamps(int64_t blocks, const char* what) const {
-    MC_CHECK_ARG(!stamps_ || stamps_->numel() >= 2 * blocks, what, ": ", blocks,
-                 " blocks need ", 2 * blocks, " stamps, the tensor set has ",
-                 stamps_ ? stamps_->numel() : 0);
+    MC_CHECK_ARG(!stamps_ || stamps_->numel() >= 2 * blocks, what, ": ", blocks, " blocks need ",
+                 2 * blocks, " stamps, the tensor set has ", stamps_ ? stamps_->numel() : 0);
   }
 
   cudaStream_t stream() const {

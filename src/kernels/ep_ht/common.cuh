@@ -171,10 +171,13 @@ __device__ __forceinline__ Roles roles_of(int R) {
   return Roles{R > 1 ? static_cast<int>(gridDim.x) / 2 : 0};
 }
 
-// A block's profiling stamp `which` (0: start, 1: its channels done), when
-// the host asked for them (HtCommon::stamps).
+// A block's profiling stamp `which` (0: start, 1: its channels done: after
+// every warp's), when the host asked for them (HtCommon::stamps; the same for
+// the whole block, so the barrier is taken by all or none).
 __device__ __forceinline__ void stamp(const HtCommon& h, int which) {
-  if (h.stamps != nullptr && threadIdx.x == 0) h.stamps[2 * blockIdx.x + which] = now_ns();
+  if (h.stamps == nullptr) return;
+  if (which == 1) __syncthreads();
+  if (threadIdx.x == 0) h.stamps[2 * blockIdx.x + which] = now_ns();
 }
 
 // The last block's ticket: every block calls it once (after a __syncthreads),

@@ -36,12 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 import mooncake.launch
 
 # DDP and the functional collectives import torch._dynamo in each rank that uses them
 # (3 s of CPU a rank, 11 s of an 8-rank launch on 2 cores): the forkserver does it once.
-mooncake.launch.FORKSERVER_PRELOAD.append("torch._dynamo")
+# Not where there is a GPU: the server's children use CUDA there, and whether that import
+# leaves the CUDA driver touched in the server (a fork could not use it) is untried.
+if not torch.cuda.is_available() and "torch._dynamo" not in mooncake.launch.FORKSERVER_PRELOAD:
+    mooncake.launch.FORKSERVER_PRELOAD.append("torch._dynamo")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
@@ -249,8 +253,6 @@ def note_selected(items) -> None:
 
 def _cuda_reason() -> str:
     """Why the CUDA tests cannot run here ('' when they can)."""
-    import torch
-
     if not torch.cuda.is_available():
         return "no CUDA GPU on this machine (make gpu-check runs these)"
     from mooncake._loader import load_extension
