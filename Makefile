@@ -17,14 +17,16 @@ all: build
 # PYTHONDONTWRITEBYTECODE is set (as on our and CI's machines) and would compile
 # torch again in every process (without it the Python tests took 1.6x as long).
 # pip compiles on one core, half its time; compileall on every core (100 -> 77 s
-# here). Its status is not looked at: a few files in the packages do not compile
-# (pip skips those too).
+# here). Its status is not looked at (a few files in the packages do not
+# compile; pip skips those too), but torch's bytecode must be there.
 $(VENV)/.ready: requirements-dev.txt
 	test -x $(PY) || $(PY_SYS) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null
 	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q --no-compile -r requirements-dev.txt
 	$(PY) -m compileall -q -j0 $(VENV)/lib >/dev/null 2>&1 || true
+	@ls $(VENV)/lib/python3*/site-packages/torch/__pycache__/__init__.*.pyc >/dev/null 2>&1 || \
+	  { echo "error: compileall left torch without bytecode"; exit 1; }
 	touch $@
 
 # GoogleTest for the C++ tests, and UCX for the ucx transport (Debian
