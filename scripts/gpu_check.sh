@@ -456,7 +456,7 @@ if gpu_wants ebprof; then
   # EBPROF_NO_MPS=1: the 2-process run again without MPS (kernels time-sliced), against
   # which the MPS figures say whether the two processes' kernels ran side by side.
   if [ "${EBPROF_NO_MPS:-0}" = 1 ]; then
-    timeout 200 "$PY" bench/profile_elastic_buffer.py --world 2 --tokens "$W2_TOKENS" \
+    timeout 300 "$PY" bench/profile_elastic_buffer.py --world 2 --tokens "$W2_TOKENS" \
       --out "$OUT/bench/eb_profile_w2_nomps.json" >"$OUT/eb_profile_w2_nomps.log" 2>&1 || status=1
   fi
 fi
