@@ -60,8 +60,11 @@ MEASURES = {
 # --- the processes --------------------------------------------------------------------
 
 
+ABORT = "abort"  # set by a process that failed: the others stop waiting for it
+
+
 def sync(store, name: str, n: int) -> None:
-    harness.store_barrier(store, name, n, timeout_s=120)
+    harness.store_barrier(store, name, n, timeout_s=120, abort_key=ABORT)
 
 
 def one_round(buf, cfg: dict, world: int, step: int) -> float:
@@ -102,9 +105,17 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
     sync(store, "imported", world + cfg["replacements"])
     out: dict[str, list[float]] = {m: [] for m in MEASURES}
 
+    # The device path needs a workspace (num_rdma_bytes); the portable path none.
+    workspace = 0
+    if cfg["device"] == "cuda":
+        epr = cfg["experts_per_rank"]
+        workspace = Buffer.get_ep_buffer_size_hint(cfg["T"], cfg["H"], world, epr * world)
+
     def create(s: int):
         buf = Buffer.create_elastic(rank=s, tcp_store_group=store, timeout_ms=cfg["timeout_ms"])
-        buf.update_memory_buffers(num_ranks=world, num_experts_per_rank=cfg["experts_per_rank"])
+        buf.update_memory_buffers(
+            num_ranks=world, num_experts_per_rank=cfg["experts_per_rank"], num_rdma_bytes=workspace
+        )
         return buf
 
     def timed(key: str, fn) -> None:
@@ -119,7 +130,7 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
     new = world - 1
     old = list(range(world - 1))
     if role == "standby":  # waits to replace slot VICTIM
-        store.wait([f"go/{slot}"], timedelta(seconds=600))
+        harness.store_wait(store, f"go/{slot}", 600, ABORT)
         t0 = time.perf_counter()
         buf = create(VICTIM)
         others = [p for p in range(world) if p != VICTIM]
@@ -195,7 +206,17 @@ def process(role: str, slot: int, world: int, port: int, cfg: dict) -> None:
 
 
 def _role(slot: int, world: int, port: int, role: str, cfg: dict) -> None:
-    process(role, slot, world, port, cfg)
+    try:
+        process(role, slot, world, port, cfg)
+    except harness.Aborted:
+        raise
+    except BaseException as e:
+        # The victims' SIGKILL is no failure; an exception is, and ends everyone's waits.
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        store.set(ABORT, f"{role} {slot}: {type(e).__name__}: {e}"[:500])
+        raise
 
 
 def run_world(world: int, cfg: dict, timeout_s: float) -> dict:

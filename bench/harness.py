@@ -300,14 +300,37 @@ def publish(store, key: str, value: Any) -> None:
     store.set(key, json.dumps(value))
 
 
-def store_barrier(store, name: str, n: int, timeout_s: float | None = None) -> None:
-    """Waits until ``n`` processes have reached the barrier ``name`` (once per name)."""
+def store_barrier(
+    store, name: str, n: int, timeout_s: float | None = None, abort_key: str | None = None
+) -> None:
+    """Waits until ``n`` processes have reached the barrier ``name`` (once per name).
+    ``abort_key``: raises as soon as that key is set (see :func:`store_wait`)."""
     if store.add(f"sync/{name}", 1) == n:
         store.set(f"sync/{name}/done", "1")
-    if timeout_s is None:
+    if abort_key is not None:
+        store_wait(store, f"sync/{name}/done", 120 if timeout_s is None else timeout_s, abort_key)
+    elif timeout_s is None:
         store.wait([f"sync/{name}/done"])
     else:
         store.wait([f"sync/{name}/done"], timedelta(seconds=timeout_s))
+
+
+class Aborted(RuntimeError):
+    """Raised by :func:`store_wait` when another process set the abort key."""
+
+
+def store_wait(store, key: str, timeout_s: float, abort_key: str) -> None:
+    """Waits for ``key``, at most ``timeout_s``, and raises :class:`Aborted` as soon as
+    ``abort_key`` is set: a run whose processes wait for each other ends when one of
+    them failed (it sets the key), not at the deadline. Polls every 0.2 s."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if store.check([abort_key]):
+            why = store.get(abort_key).decode(errors="replace")
+            raise Aborted(f"waiting for {key!r}: another process failed ({why})")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waiting for {key!r}: not set within {timeout_s:.0f} s")
+        time.sleep(0.2)
 
 
 # --- numbers and tables -----------------------------------------------------------------

@@ -16,4 +16,7 @@ cmake -S . -B build-nvcc -G Ninja -DMOONCAKE_BUILD_TORCH=OFF -DMOONCAKE_CUDA=ON 
 targets=(mooncake_cuda mooncake_device_example)
 grep -q "^mooncake_device_tests:\|build mooncake_device_tests:" build-nvcc/build.ninja && targets+=(mooncake_device_tests)
 cmake --build build-nvcc --target "${targets[@]}"
+# The signalling microbenchmark (gpu_check's micro step builds it on the GPU machine).
+"${NVCC:-nvcc}" -O3 -std=c++20 -arch=sm_90 -Werror=all-warnings -Xcompiler=-Wall,-Werror -I src \
+  -c bench/micro/gpu_latency.cu -o build-nvcc/gpu_latency.o
 echo "nvcc: built ${targets[*]} without torch ($(nvcc --version | tail -1))"

@@ -58,6 +58,9 @@
 #            EBPROF_SMS (num_sms; none by default); EBPROF_W2_TOKENS: the 2-process run's
 #            tokens (512,4096); EBPROF_NO_MPS=1: that run again without MPS;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
+#   micro:   (not in the default) bench/micro/gpu_latency.cu: what the kernels' signalling
+#            primitives cost on this GPU (host-mapped reads, system-scope loads, stores and
+#            fences, __nanosleep, a ping-pong between two kernels); $OUT/gpu_latency.txt;
 #   epbench: upstream Mooncake's EP kernels (its wheel from .whl/, when carried) and
 #            bench/bench_ep_device.py at world 1, then at 2, 4 and 8 processes under
 #            MPS (EP_WORLDS) and 2 without it (EP_WORLDS_NO_MPS);
@@ -458,6 +461,17 @@ if gpu_wants ebprof; then
   if [ "${EBPROF_NO_MPS:-0}" = 1 ]; then
     timeout 300 "$PY" bench/profile_elastic_buffer.py --world 2 --tokens "$W2_TOKENS" \
       --out "$OUT/bench/eb_profile_w2_nomps.json" >"$OUT/eb_profile_w2_nomps.log" 2>&1 || status=1
+  fi
+fi
+
+if wants micro; then
+  step "signalling primitives: latency (bench/micro/gpu_latency.cu)"
+  if nvcc -O3 -std=c++20 -arch=native -I src bench/micro/gpu_latency.cu -o "$OUT/gpu_latency.bin" \
+    >"$OUT/gpu_latency_build.log" 2>&1; then
+    timeout 120 "$OUT/gpu_latency.bin" 2>&1 | tee "$OUT/gpu_latency.txt" || status=1
+    rm -f "$OUT/gpu_latency.bin"
+  else
+    cat "$OUT/gpu_latency_build.log"; status=1
   fi
 fi
 

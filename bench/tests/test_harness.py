@@ -74,3 +74,25 @@ def test_quick_sets_some_options_and_caps_others():
     assert (args.worlds, args.reps) == ("4", 2)
     args = harness.parse_args(p, [], {"worlds": "4"}, {"reps": 3})
     assert (args.worlds, args.reps) == ("2,4,8", 5)
+
+
+def test_store_wait_returns_on_the_key_raises_on_abort_and_deadline():
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    threading.Timer(0.3, lambda: store.set("ready", "1")).start()
+    harness.store_wait(store, "ready", 10, "abort")  # set later: returns then
+    store.set("abort", "rank 2: RuntimeError: injected")
+    t0 = time.monotonic()
+    with pytest.raises(harness.Aborted, match="rank 2: RuntimeError: injected"):
+        harness.store_wait(store, "never", 30, "abort")
+    assert time.monotonic() - t0 < 5  # at once, not at the 30 s deadline
+    with pytest.raises(TimeoutError, match="not set within"):
+        harness.store_wait(store, "never", 0.3, "no-abort")
+    # A barrier with an abort key ends on the abort as well.
+    with pytest.raises(harness.Aborted):
+        harness.store_barrier(store, "two", 2, timeout_s=30, abort_key="abort")
