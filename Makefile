@@ -164,7 +164,7 @@ gpu-check:
 gpu-bench:
 	GPU_STEPS=benches bash scripts/gpu_check.sh
 
-CXX_SOURCES = $(shell find src tests/cpp tests/fuzz -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
+CXX_SOURCES = $(shell find src tests/cpp tests/fuzz bench/micro -name '*.h' -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh')
 
 lint: $(VENV)/.ready
 	$(VENV)/bin/ruff check python tests bench examples tools
