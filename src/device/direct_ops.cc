@@ -40,7 +40,7 @@ DirectOps::DirectOps(int device, int rank, int ranks, const k::DirectLayout& lay
                "cudaMalloc of the device-driven collectives' state");
     status_host_ = mapped_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
     silent_host_ = mapped_words(ranks, &silent_dev_, "cudaHostAlloc of the silent-rank words");
-    lost_ = std::make_shared<LostWords>(ranks);
+    lost_ = std::make_shared<LostWords>(ranks, device_);
   } catch (...) {
     release();
     throw;
@@ -141,6 +141,8 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.c.active_ranks = field<int32_t>(state_, offsetof(k::DirectState, live));
   a.c.silent = silent_dev_;
   a.c.lost = lost_->device();
+  a.c.lost_seen = lost_->seen();
+  a.c.lost_claim = lost_->claim();
   // Bounded (about 12 days), so that the kernels' deadlines (twice this, past
   // the clock's reading) never wrap: a group's timeout may be "forever".
   a.c.timeout_ns = std::min<int64_t>(timeout_ms, int64_t{1} << 30) * 1000000;

@@ -11,11 +11,21 @@ namespace mooncake {
 
 namespace k = kernels;
 
-LostWords::LostWords(int64_t n) : n_(n) {
+LostWords::LostWords(int64_t n, int device) : n_(n) {
+  OnDevice on(device);
   host_ = mapped_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the lost-rank words");
+  const size_t bytes = static_cast<size_t>(n + 1) * sizeof(uint64_t);
+  cudaError_t err = cudaMalloc(&seen_, bytes);
+  if (err == cudaSuccess) err = cudaMemset(seen_, 0, bytes);
+  if (err != cudaSuccess) {
+    cudaFree(seen_);
+    cudaFreeHost(host_);
+    cuda_check(err, "cudaMalloc of the lost-rank words' device copy");
+  }
 }
 
 LostWords::~LostWords() {
+  cudaFree(seen_);
   cudaFreeHost(host_);
 }
 
@@ -123,7 +133,7 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank, uint32_t key) {
     if (silent_ != nullptr) cudaFreeHost(silent_);
     silent_ = nullptr;
     silent_ = mapped_words(capacity, &silent_dev_, "cudaHostAlloc of the silent-rank words");
-    lost_ = std::make_shared<LostWords>(capacity);
+    lost_ = std::make_shared<LostWords>(capacity, device_);
   }
   num_ranks_ = capacity;
   rank_ = rank;
@@ -309,6 +319,8 @@ k::Common EpBuffer::common(const EpCall& call, const char* what) const {
   c.slot_mask = call.slot_mask;
   c.silent = silent_dev_;
   c.lost = lost_ ? lost_->device() : nullptr;
+  c.lost_seen = lost_ ? lost_->seen() : nullptr;
+  c.lost_claim = lost_ ? lost_->claim() : nullptr;
   c.keys = keys_;
   c.fence = reinterpret_cast<const int32_t*>(workspace_.data());
   c.timeout_ns = call.timeout_ns;

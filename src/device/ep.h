@@ -69,11 +69,13 @@ namespace mooncake {
 
 // The words the kernels read as Common::lost, one per rank, in host-mapped
 // memory: set from any thread (a transport's heartbeat thread, the moment it
-// sees a peer lost), read by the device over the bus. Held by a shared_ptr,
-// so that a watcher that outlives its buffer still writes into live memory.
+// sees a peer lost), read by the device over the bus; and their device copy
+// (Common::lost_seen, lost_claim), which the kernels keep. Held by a
+// shared_ptr, so that a watcher that outlives its buffer still writes into
+// live memory.
 class LostWords {
  public:
-  explicit LostWords(int64_t n);  // n words, all clear
+  LostWords(int64_t n, int device);  // n words, all clear; the copy on `device`
   ~LostWords();
   LostWords(const LostWords&) = delete;
   LostWords& operator=(const LostWords&) = delete;
@@ -84,7 +86,9 @@ class LostWords {
   enum Word : int32_t { kClear = 0, kGone = 1, kSilent = 2 };
   int64_t size() const { return n_; }
   const int32_t* device() const { return dev_; }
-  void set(int64_t rank, Word w);  // ranks outside [0, size) are ignored
+  uint64_t* seen() const { return seen_; }        // device [n]: Common::lost_seen
+  uint64_t* claim() const { return seen_ + n_; }  // device [1]: Common::lost_claim
+  void set(int64_t rank, Word w);                 // ranks outside [0, size) are ignored
   // Clears the word if it holds `only` (kClear: whatever it holds).
   void clear(int64_t rank, Word only = kClear);
   Word get(int64_t rank) const;
@@ -96,6 +100,7 @@ class LostWords {
  private:
   int32_t* host_ = nullptr;
   int32_t* dev_ = nullptr;
+  uint64_t* seen_ = nullptr;  // n_ + 1 words
   int64_t n_ = 0;
   std::atomic<uint64_t> generation_{0};
 };

@@ -62,7 +62,7 @@ EpHtBuffer::EpHtBuffer(int64_t ranks, int64_t rank, int64_t channels, size_t rin
       workspace_(layout_.total, device),
       silent_(ranks),
       status_(kernels::kStatusWords),
-      lost_(std::make_shared<LostWords>(ranks)) {
+      lost_(std::make_shared<LostWords>(ranks, device)) {
   OnDevice on(device_);
   mine_ = PeerCard::of(workspace_);
   card_ = mine_.encode();
@@ -194,6 +194,8 @@ ht::HtCommon EpHtBuffer::common(uint64_t seq, int64_t timeout_ns, int32_t* activ
   h.c.slot_mask = nullptr;
   h.c.silent = silent_.device();
   h.c.lost = lost_->device();
+  h.c.lost_seen = lost_->seen();
+  h.c.lost_claim = lost_->claim();
   h.c.timeout_ns = timeout_ns;
   h.c.status = status_.device();
   h.c.phases = kernels::kBoth;

@@ -83,9 +83,17 @@ struct Common {
   // Optional host-mapped int32 [R], written by the host: 1 for a rank whose
   // process the host has seen gone, 2 for one whose heartbeat stands still
   // past the hang limit. A wait on such a rank ends within microseconds
-  // instead of at the deadline, and a launch masks a gone one at its start;
-  // the silent word then says kMaskedLost.
+  // instead of at the deadline; the silent word then says kMaskedLost.
   const int32_t* lost;
+  // Beside `lost` (null: waits read `lost` itself): device uint64 [R], zeroed,
+  // each rank's word as last read ((time the read was issued, ns) << 2 | word),
+  // and one claim word ((start ns) << 1 | 1 while a read is out). A GPU serves
+  // reads of host memory one at a time for all its SMs (about 1 us each on an
+  // H100: 132 blocks reading at once wait 130 us each; bench/micro), so the
+  // waits read this copy, and one thread of the process at a time refreshes it,
+  // a word per read (kernels/common/wait.cuh).
+  uint64_t* lost_seen;
+  uint64_t* lost_claim;
   // Device uint32 [R]: the tag byte of the process mapped at each rank (this
   // one's own at `rank`; 1..255, from its fence key: EpBuffer::write_keys):
   // its signals' and headers' tags carry it.

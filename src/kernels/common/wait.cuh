@@ -42,24 +42,65 @@ __device__ inline void mask_peer(const Common& c, int source, int phase, MaskRea
   }
 }
 
+// A refresh claim older than this was left by a process that died inside its
+// read (a kernel never ends inside one): the next reader takes it over.
+constexpr int64_t kLostClaimStaleNs = 1'000'000;
+
+// Reads `source`'s host word into Common::lost_seen, unless another thread of
+// this process has a read out: one at a time per process, as the GPU serves
+// them one at a time anyway (Common::lost_seen).
+__device__ inline void refresh_lost(const Common& c, int source) {
+  auto* claim = reinterpret_cast<unsigned long long*>(c.lost_claim);
+  const uint64_t last = *reinterpret_cast<volatile uint64_t*>(c.lost_claim);
+  const uint64_t now = now_ns();
+  if ((last & 1) != 0 && static_cast<int64_t>(now - (last >> 1)) < kLostClaimStaleNs) return;
+  if (atomicCAS(claim, last, (now << 1) | 1) != last) return;
+  const int32_t word = ld_volatile(c.lost + source);
+  *reinterpret_cast<volatile uint64_t*>(c.lost_seen + source) =
+      (now << 2) | static_cast<uint64_t>(word & 3);
+  __threadfence();
+  atomicExch(claim, static_cast<unsigned long long>(now_ns() << 1));
+}
+
 // Whether the host has seen `source` lost (Common::lost: gone, or silent past
-// the hang limit; `gone_only`: gone). A read of host memory: callers in a loop
-// look every few rounds.
-__device__ __forceinline__ bool host_lost(const Common& c, int source, bool gone_only = false) {
+// the hang limit; `gone_only`: gone), as read at or after `since` (ns): a word
+// read earlier may belong to the process that held the rank before (the host
+// clears it for a new one before the launches that wait on it), so it does
+// not count, and a refresh is asked for. False until a read answers.
+__device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t since,
+                                          bool gone_only = false) {
   if (c.lost == nullptr) return false;
-  const int word = ld_volatile(c.lost + source);
+  int word;
+  if (c.lost_seen == nullptr) {
+    word = ld_volatile(c.lost + source);
+  } else {
+    const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
+    uint64_t e = *seen;
+    if ((e >> 2) < since) {
+      refresh_lost(c, source);
+      e = *seen;
+      if ((e >> 2) < since) return false;
+    }
+    word = static_cast<int>(e & 3);
+  }
   return gone_only ? word == 1 : word != 0;
 }
 
 // Whether to stop waiting on `source` in round `round` of a wait: it is
 // masked (active_ranks, or slot_mask when given), or the host says it is
-// lost, or `deadline` passed; the last two mask it.
+// lost, or `deadline` passed; the last two mask it. `deadline` is
+// deadline_of(c.timeout_ns) taken during the launch (at the wait's start or
+// the source's last sign of life), so the host's word counts as read after
+// deadline - timeout_ns.
 __device__ __forceinline__ bool gives_up(const Common& c, int source, uint32_t round,
                                          uint64_t deadline, int phase) {
   if (ld_volatile(c.active_ranks + source) == 0) return true;
   if (c.slot_mask != nullptr && ld_volatile(c.slot_mask + source) == 0) return true;
-  // The lost word crosses the bus: every 16th round (a few microseconds).
-  if ((round & 15) == 15 && host_lost(c, source)) {
+  // Every 4th round: the copy is in device memory (without it, every 16th: the
+  // word crosses the bus).
+  const uint32_t every = c.lost_seen != nullptr ? 3 : 15;
+  if ((round & every) == every &&
+      host_lost(c, source, deadline - static_cast<uint64_t>(c.timeout_ns))) {
     mask_peer(c, source, phase, kMaskedLost);
     return true;
   }

@@ -43,9 +43,10 @@ __device__ __forceinline__ void clear_word(uint64_t* w) {
   *reinterpret_cast<volatile uint64_t*>(w) = 0;
 }
 
-// Whether rank r takes part now: unmasked, mapped, and not seen gone by the host.
+// Whether rank r takes part now: unmasked and mapped. (One the host has seen
+// gone is masked by the first wait on it: wait.cuh's host_lost.)
 __device__ __forceinline__ bool live(const Common& c, int r) {
-  return ld_volatile(c.active_ranks + r) != 0 && c.peers[r] != nullptr && !host_lost(c, r, true);
+  return ld_volatile(c.active_ranks + r) != 0 && c.peers[r] != nullptr;
 }
 
 // A dispatch or combine as every function of it reads it.

@@ -135,7 +135,7 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
 
   // Tell every peer what it gets (a warp each; the flag word last, released).
   for (int d = warp; d < R; d += kWarps) {
-    if (d == me || c.peers[d] == nullptr || host_lost(c, d, true)) continue;
+    if (d == me || c.peers[d] == nullptr) continue;
     uint8_t* peer = c.peers[d];
     const bool accept = ld_volatile(c.active_ranks + d) != 0;
     if (accept) {
@@ -164,10 +164,7 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
     } else {
       bool arrived = false;
       uint64_t flag = 0;
-      // A peer the host has seen gone is masked here, before anything waits for it.
-      if (lane == 0 && c.peers[s] != nullptr && host_lost(c, s, true) &&
-          ld_volatile(c.active_ranks + s) != 0)
-        mask_peer(c, s, kSend, kMaskedLost);
+      // (A peer the host has seen gone is masked by this wait, within microseconds.)
       if (lane == 0 && live(c, s)) {
         const uint64_t* w0 = word_at(own, a.h.ws.notify_word(s, 0));
         // A later call's record means the peer went on without this rank (it did

@@ -61,16 +61,15 @@ struct MaskSnapshot {
   bool out;  // fenced at the launch's start: no peer is live
 
   // Every thread calls it; a __syncthreads must follow before the first use.
-  // A rank the host has seen gone is masked here, before anything is sent to
-  // it; a fenced process sends to nobody and waits for nobody.
+  // A fenced process sends to nobody and waits for nobody. (A rank the host
+  // has seen gone is masked by the first wait on it: wait.cuh's host_lost;
+  // reading the host's words here, in every block, would queue each read
+  // behind every other block's.)
   __device__ void load(const Common& c, int R) {
     const bool fence = fenced(c);
     if (threadIdx.x == 0) out = fence;
-    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads) {
-      if (host_lost(c, r, true) && ld_volatile(c.active_ranks + r) != 0)
-        mask_peer(c, r, kSend, kMaskedLost);
+    for (int r = threadIdx.x; r < R && r < kSnapRanks; r += kThreads)
       live[r] = (!fence || r == c.rank) && live_now(c, r);
-    }
   }
   __device__ bool operator()(const Common& c, int r) const {
     return r < kSnapRanks ? live[r] != 0 : (!out || r == c.rank) && live_now(c, r);
@@ -79,8 +78,7 @@ struct MaskSnapshot {
   // live, whatever the masks say: nothing may be stored through its entry.
   static __device__ bool live_now(const Common& c, int r) {
     return ld_volatile(c.active_ranks + r) != 0 &&
-           (c.slot_mask == nullptr || ld_volatile(c.slot_mask + r) != 0) && c.peers[r] != nullptr &&
-           !host_lost(c, r, true);
+           (c.slot_mask == nullptr || ld_volatile(c.slot_mask + r) != 0) && c.peers[r] != nullptr;
   }
 };
 

@@ -192,7 +192,7 @@ TEST(EpBuffer, SurvivorsMaskALostRankAtOnce) {
               check(s, r.rank, 3, live);
               using Masked = std::vector<std::pair<int64_t, int32_t>>;
               EXPECT_EQ(e.ep->take_masked(), (Masked{{2, mooncake::kernels::kMaskedLost}}));
-              // The same rank in the next call: masked at the launch, before any wait.
+              // The same rank in the next call: masked again by its first wait on it.
               live.assign(3, 1);
               check(step(*e.ep, r.rank, 3, 3, live, 60'000'000'000, e.g.stream), r.rank, 3,
                     (std::vector<int32_t>{1, 1, 0}));
