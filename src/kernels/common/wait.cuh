@@ -45,6 +45,9 @@ __device__ inline void mask_peer(const Common& c, int source, int phase, MaskRea
 // A refresh claim older than this was left by a process that died inside its
 // read (a kernel never ends inside one): the next reader takes it over.
 constexpr int64_t kLostClaimStaleNs = 1'000'000;
+// A copy younger than this is not read again (the host's news waits at most
+// this long, plus the reads queued before it).
+constexpr int64_t kLostRefreshNs = 2'000;
 
 // Reads `source`'s host word into Common::lost_seen, unless another thread of
 // this process has a read out: one at a time per process, as the GPU serves
@@ -66,7 +69,8 @@ __device__ inline void refresh_lost(const Common& c, int source) {
 // the hang limit; `gone_only`: gone), as read at or after `since` (ns): a word
 // read earlier may belong to the process that held the rank before (the host
 // clears it for a new one before the launches that wait on it), so it does
-// not count, and a refresh is asked for. False until a read answers.
+// not count. The copy is read again once it is kLostRefreshNs old, so news
+// that comes during a wait reaches it. False until a read answers.
 __device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t since,
                                           bool gone_only = false) {
   if (c.lost == nullptr) return false;
@@ -76,11 +80,11 @@ __device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t 
   } else {
     const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
     uint64_t e = *seen;
-    if ((e >> 2) < since) {
+    if (static_cast<int64_t>(now_ns() - (e >> 2)) > kLostRefreshNs) {
       refresh_lost(c, source);
       e = *seen;
-      if ((e >> 2) < since) return false;
     }
+    if ((e >> 2) < since) return false;
     word = static_cast<int>(e & 3);
   }
   return gone_only ? word == 1 : word != 0;

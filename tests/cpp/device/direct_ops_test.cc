@@ -20,6 +20,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "collectives/reduce.h"
@@ -1060,6 +1061,33 @@ TEST(DirectOps, SurvivorsMaskADeadRankAndSetUpAgainWithoutIt) {
         EXPECT_EQ(out.take(), std::vector<float>(n, 2.0f));
         cudaGraphExecDestroy(exec);
         cudaGraphDestroy(graph);
+      },
+      {60000});
+}
+
+// A rank dies while the survivors' launch already waits for it (its news comes
+// after their first look at the lost words): the waits read the words again and
+// mask it far before the 60 s deadline.
+TEST(DirectOps, SurvivorsWaitingForARankHearOfItsDeath) {
+  MC_REQUIRE_GPU();
+  run_ranks(
+      3,
+      [](Rank& r) {
+        GpuRank g(r);
+        DeviceCollectives c(g.comm, r.store, "k/", g.device, options(Direct::kAuto));
+        const size_t n = 4096;
+        DeviceArray<float> in(std::vector<float>(n, 1.0f)), out(n);
+        direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
+        EXPECT_EQ(out.take(), std::vector<float>(n, 3.0f));
+        g.comm.barrier();
+        if (r.rank == 2) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the others wait by now
+          exit_rank_abruptly();
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
+        EXPECT_EQ(out.take(), std::vector<float>(n, 2.0f));
+        EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
       },
       {60000});
 }
