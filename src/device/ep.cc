@@ -11,12 +11,15 @@ namespace mooncake {
 
 namespace k = kernels;
 
-LostWords::LostWords(int64_t n, int device) : n_(n) {
+LostWords::LostWords(int64_t n, int device) : device_(device), n_(n) {
   OnDevice on(device);
   host_ = mapped_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the lost-rank words");
   const size_t bytes = static_cast<size_t>(n + 1) * sizeof(uint64_t);
   cudaError_t err = cudaMalloc(&seen_, bytes);
   if (err == cudaSuccess) err = cudaMemset(seen_, 0, bytes);
+  // Zeroed before any kernel reads it: launches on non-blocking streams do not
+  // wait for the legacy stream's memset.
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     cudaFree(seen_);
     cudaFreeHost(host_);
@@ -25,8 +28,14 @@ LostWords::LostWords(int64_t n, int device) : n_(n) {
 }
 
 LostWords::~LostWords() {
+  // On the buffer's device: the last owner may be a transport's thread, where
+  // another device is current. (Nothing here may throw.)
+  int previous = -1;
+  const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
+                        cudaSetDevice(device_) == cudaSuccess;
   cudaFree(seen_);
   cudaFreeHost(host_);
+  if (switched) cudaSetDevice(previous);
 }
 
 void LostWords::set(int64_t rank, Word w) {

@@ -80,9 +80,9 @@ class LostWords {
   LostWords(const LostWords&) = delete;
   LostWords& operator=(const LostWords&) = delete;
 
-  // A word's values: kernels mask a gone rank at a launch's start and in any
-  // wait on it, a silent one only in a wait on it (as the host fails a silent
-  // peer only in an op that waits for it), and a silent one may come back.
+  // A word's values: kernels mask a gone or silent rank in a wait on it (as
+  // the host fails a silent peer only in an op that waits for it), and a
+  // silent one may come back.
   enum Word : int32_t { kClear = 0, kGone = 1, kSilent = 2 };
   int64_t size() const { return n_; }
   const int32_t* device() const { return dev_; }
@@ -101,6 +101,7 @@ class LostWords {
   int32_t* host_ = nullptr;
   int32_t* dev_ = nullptr;
   uint64_t* seen_ = nullptr;  // n_ + 1 words
+  int device_ = 0;
   int64_t n_ = 0;
   std::atomic<uint64_t> generation_{0};
 };

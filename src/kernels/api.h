@@ -90,8 +90,8 @@ struct Common {
   // and one claim word ((start ns) << 1 | 1 while a read is out). A GPU serves
   // reads of host memory one at a time for all its SMs (about 1 us each on an
   // H100: 132 blocks reading at once wait 130 us each; bench/micro), so the
-  // waits read this copy, and one thread of the process at a time refreshes it,
-  // a word per read (kernels/common/wait.cuh).
+  // waits read this copy, and one thread at a time of the kernels that share
+  // it (a buffer's) refreshes it, a word per read (kernels/common/wait.cuh).
   uint64_t* lost_seen;
   uint64_t* lost_claim;
   // Device uint32 [R]: the tag byte of the process mapped at each rank (this

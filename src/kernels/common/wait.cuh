@@ -42,37 +42,41 @@ __device__ inline void mask_peer(const Common& c, int source, int phase, MaskRea
   }
 }
 
-// A refresh claim older than this was left by a process that died inside its
-// read (a kernel never ends inside one): the next reader takes it over.
-constexpr int64_t kLostClaimStaleNs = 1'000'000;
+// A refresh claim older than this is taken over: its holder's process was
+// switched out mid-read (processes taking turns on a GPU), or the word holds
+// garbage. Ages are unsigned: a stamp ahead of the clock counts as old.
+constexpr uint64_t kLostClaimStaleNs = 1'000'000;
 // A copy younger than this is not read again (the host's news waits at most
 // this long, plus the reads queued before it).
-constexpr int64_t kLostRefreshNs = 2'000;
+constexpr uint64_t kLostRefreshNs = 2'000;
+// A copy older than this is not trusted (a silent peer that came back, whose
+// word the host cleared, must not stay masked by it): it waits for a refresh.
+constexpr uint64_t kLostTrustNs = 1'000'000;
 
-// Reads `source`'s host word into Common::lost_seen, unless another thread of
-// this process has a read out: one at a time per process, as the GPU serves
-// them one at a time anyway (Common::lost_seen).
+// Reads `source`'s host word into Common::lost_seen, unless another thread
+// with the same words (a buffer's) has a read out: one at a time, as the GPU
+// serves them one at a time anyway (Common::lost_seen).
 __device__ inline void refresh_lost(const Common& c, int source) {
   auto* claim = reinterpret_cast<unsigned long long*>(c.lost_claim);
   const uint64_t last = *reinterpret_cast<volatile uint64_t*>(c.lost_claim);
   const uint64_t now = now_ns();
-  if ((last & 1) != 0 && static_cast<int64_t>(now - (last >> 1)) < kLostClaimStaleNs) return;
-  if (atomicCAS(claim, last, (now << 1) | 1) != last) return;
+  if ((last & 1) != 0 && now - (last >> 1) < kLostClaimStaleNs) return;
+  const uint64_t mine = (now << 1) | 1;
+  if (atomicCAS(claim, last, mine) != last) return;
   const int32_t word = ld_volatile(c.lost + source);
   *reinterpret_cast<volatile uint64_t*>(c.lost_seen + source) =
       (now << 2) | static_cast<uint64_t>(word & 3);
   __threadfence();
-  atomicExch(claim, static_cast<unsigned long long>(now_ns() << 1));
+  atomicCAS(claim, mine, static_cast<unsigned long long>(now_ns() << 1));  // unless taken over
 }
 
 // Whether the host has seen `source` lost (Common::lost: gone, or silent past
-// the hang limit; `gone_only`: gone), as read at or after `since` (ns): a word
-// read earlier may belong to the process that held the rank before (the host
-// clears it for a new one before the launches that wait on it), so it does
-// not count. The copy is read again once it is kLostRefreshNs old, so news
-// that comes during a wait reaches it. False until a read answers.
-__device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t since,
-                                          bool gone_only = false) {
+// the hang limit), as read at or after `since` (ns): a word read earlier may
+// belong to the process that held the rank before (the host clears it for a
+// new one before the launches that wait on it), so it does not count. The copy
+// is read again once it is kLostRefreshNs old, so news that comes during a
+// wait reaches it. False until a read answers.
+__device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t since) {
   if (c.lost == nullptr) return false;
   int word;
   if (c.lost_seen == nullptr) {
@@ -80,14 +84,14 @@ __device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t 
   } else {
     const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
     uint64_t e = *seen;
-    if (static_cast<int64_t>(now_ns() - (e >> 2)) > kLostRefreshNs) {
+    if (now_ns() - (e >> 2) > kLostRefreshNs) {
       refresh_lost(c, source);
       e = *seen;
     }
-    if ((e >> 2) < since) return false;
+    if ((e >> 2) < since || now_ns() - (e >> 2) > kLostTrustNs) return false;
     word = static_cast<int>(e & 3);
   }
-  return gone_only ? word == 1 : word != 0;
+  return word != 0;
 }
 
 // Whether to stop waiting on `source` in round `round` of a wait: it is

@@ -1012,6 +1012,21 @@ TEST(DirectOps, KindsAndRootsThatDisagreeLeaveEachOtherOut) {
       {60000});
 }
 
+// A rank's side of the three-rank death tests below: the kernels set up by an
+// all_reduce of n ones, checked.
+struct ThreeRanks {
+  static constexpr size_t n = 4096;
+  explicit ThreeRanks(Rank& r)
+      : g(r), c(g.comm, r.store, "k/", g.device, options(Direct::kAuto)), in(ones()), out(n) {
+    direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
+    EXPECT_EQ(out.take(), std::vector<float>(n, 3.0f));
+  }
+  static std::vector<float> ones() { return std::vector<float>(n, 1.0f); }
+  GpuRank g;
+  DeviceCollectives c;
+  DeviceArray<float> in, out;
+};
+
 // A rank dies between replays: the survivors' launches hear it from the host
 // (the lost words) and mask it at once, far before the 60 s deadline; an op on
 // the host then has them agree on a view without it, and the next call sets
@@ -1021,12 +1036,11 @@ TEST(DirectOps, SurvivorsMaskADeadRankAndSetUpAgainWithoutIt) {
   run_ranks(
       3,
       [](Rank& r) {
-        GpuRank g(r);
-        DeviceCollectives c(g.comm, r.store, "k/", g.device, options(Direct::kAuto));
-        const size_t n = 4096;
-        DeviceArray<float> in(std::vector<float>(n, 1.0f)), out(n);
-        direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
-        EXPECT_EQ(out.take(), std::vector<float>(n, 3.0f));
+        ThreeRanks t(r);
+        GpuRank& g = t.g;
+        DeviceCollectives& c = t.c;
+        DeviceArray<float>&in = t.in, &out = t.out;
+        const size_t n = ThreeRanks::n;
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         mooncake::cuda_check(cudaStreamBeginCapture(g.stream, cudaStreamCaptureModeThreadLocal),
@@ -1073,12 +1087,11 @@ TEST(DirectOps, SurvivorsWaitingForARankHearOfItsDeath) {
   run_ranks(
       3,
       [](Rank& r) {
-        GpuRank g(r);
-        DeviceCollectives c(g.comm, r.store, "k/", g.device, options(Direct::kAuto));
-        const size_t n = 4096;
-        DeviceArray<float> in(std::vector<float>(n, 1.0f)), out(n);
-        direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
-        EXPECT_EQ(out.take(), std::vector<float>(n, 3.0f));
+        ThreeRanks t(r);
+        GpuRank& g = t.g;
+        DeviceCollectives& c = t.c;
+        DeviceArray<float>&in = t.in, &out = t.out;
+        const size_t n = ThreeRanks::n;
         g.comm.barrier();
         if (r.rank == 2) {
           std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the others wait by now
