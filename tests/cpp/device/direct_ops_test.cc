@@ -1088,18 +1088,15 @@ TEST(DirectOps, SurvivorsWaitingForARankHearOfItsDeath) {
       3,
       [](Rank& r) {
         ThreeRanks t(r);
-        GpuRank& g = t.g;
-        DeviceCollectives& c = t.c;
-        DeviceArray<float>&in = t.in, &out = t.out;
-        const size_t n = ThreeRanks::n;
-        g.comm.barrier();
+        t.g.comm.barrier();
         if (r.rank == 2) {
           std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the others wait by now
           exit_rank_abruptly();
         }
         const auto t0 = std::chrono::steady_clock::now();
-        direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
-        EXPECT_EQ(out.take(), std::vector<float>(n, 2.0f));
+        direct_all_reduce(t.c, t.in.get(), t.out.get(), ThreeRanks::n, DType::kFloat32, RedOp::kSum,
+                          t.g.stream, 60000);
+        EXPECT_EQ(t.out.take(), std::vector<float>(ThreeRanks::n, 2.0f));
         EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
       },
       {60000});
