@@ -46,9 +46,11 @@ __device__ inline void mask_peer(const Common& c, int source, int phase, MaskRea
 // switched out mid-read (processes taking turns on a GPU), or the word holds
 // garbage. Ages are unsigned: a stamp ahead of the clock counts as old.
 constexpr uint64_t kLostClaimStaleNs = 1'000'000;
-// A copy younger than this is not read again (the host's news waits at most
-// this long, plus the reads queued before it).
-constexpr uint64_t kLostRefreshNs = 2'000;
+// A copy younger than this is not read again: the host's news waits at most
+// this long (plus the reads queued before it), against the milliseconds the
+// host takes to notice, and the reader (its block stalls on the read) is not
+// one of a buffer's waiting threads all the time.
+constexpr uint64_t kLostRefreshNs = 20'000;
 // A copy older than this is not trusted (a silent peer that came back, whose
 // word the host cleared, must not stay masked by it): it waits for a refresh.
 constexpr uint64_t kLostTrustNs = 1'000'000;
