@@ -464,7 +464,7 @@ if gpu_wants ebprof; then
   fi
 fi
 
-if wants micro; then
+if gpu_wants micro; then
   step "signalling primitives: latency (bench/micro/gpu_latency.cu)"
   if nvcc -O3 -std=c++20 -arch=native -I src bench/micro/gpu_latency.cu -o "$OUT/gpu_latency.bin" \
     >"$OUT/gpu_latency_build.log" 2>&1; then
