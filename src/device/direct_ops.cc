@@ -140,9 +140,7 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.c.rank = rank_;
   a.c.active_ranks = field<int32_t>(state_, offsetof(k::DirectState, live));
   a.c.silent = silent_dev_;
-  a.c.lost = lost_->device();
-  a.c.lost_seen = lost_->seen();
-  a.c.lost_claim = lost_->claim();
+  lost_->into(a.c);
   // Bounded (about 12 days), so that the kernels' deadlines (twice this, past
   // the clock's reading) never wrap: a group's timeout may be "forever".
   a.c.timeout_ns = std::min<int64_t>(timeout_ms, int64_t{1} << 30) * 1000000;

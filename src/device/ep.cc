@@ -327,9 +327,7 @@ k::Common EpBuffer::common(const EpCall& call, const char* what) const {
   c.active_ranks = call.active_ranks;
   c.slot_mask = call.slot_mask;
   c.silent = silent_dev_;
-  c.lost = lost_ ? lost_->device() : nullptr;
-  c.lost_seen = lost_ ? lost_->seen() : nullptr;
-  c.lost_claim = lost_ ? lost_->claim() : nullptr;
+  if (lost_) lost_->into(c);
   c.keys = keys_;
   c.fence = reinterpret_cast<const int32_t*>(workspace_.data());
   c.timeout_ns = call.timeout_ns;

@@ -85,10 +85,13 @@ class LostWords {
   // silent one may come back.
   enum Word : int32_t { kClear = 0, kGone = 1, kSilent = 2 };
   int64_t size() const { return n_; }
-  const int32_t* device() const { return dev_; }
-  uint64_t* seen() const { return seen_; }        // device [n]: Common::lost_seen
-  uint64_t* claim() const { return seen_ + n_; }  // device [1]: Common::lost_claim
-  void set(int64_t rank, Word w);                 // ranks outside [0, size) are ignored
+  // A launch's Common::lost, lost_seen and lost_claim: the words and their copy.
+  void into(kernels::Common& c) const {
+    c.lost = dev_;
+    c.lost_seen = seen_;
+    c.lost_claim = seen_ + n_;
+  }
+  void set(int64_t rank, Word w);  // ranks outside [0, size) are ignored
   // Clears the word if it holds `only` (kClear: whatever it holds).
   void clear(int64_t rank, Word only = kClear);
   Word get(int64_t rank) const;

@@ -193,9 +193,7 @@ ht::HtCommon EpHtBuffer::common(uint64_t seq, int64_t timeout_ns, int32_t* activ
   h.c.active_ranks = active;
   h.c.slot_mask = nullptr;
   h.c.silent = silent_.device();
-  h.c.lost = lost_->device();
-  h.c.lost_seen = lost_->seen();
-  h.c.lost_claim = lost_->claim();
+  lost_->into(h.c);
   h.c.timeout_ns = timeout_ns;
   h.c.status = status_.device();
   h.c.phases = kernels::kBoth;

@@ -85,7 +85,7 @@ struct Common {
   // past the hang limit. A wait on such a rank ends within microseconds
   // instead of at the deadline; the silent word then says kMaskedLost.
   const int32_t* lost;
-  // Beside `lost` (null: waits read `lost` itself): device uint64 [R], zeroed,
+  // Given with `lost` (LostWords::into): device uint64 [R], zeroed,
   // each rank's word as last read ((time the read was issued, ns) << 2 | word),
   // and one claim word ((start ns) << 1 | 1 while a read is out). A GPU serves
   // reads of host memory one at a time for all its SMs (about 1 us each on an

@@ -80,20 +80,14 @@ __device__ inline void refresh_lost(const Common& c, int source) {
 // wait reaches it. False until a read answers.
 __device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t since) {
   if (c.lost == nullptr) return false;
-  int word;
-  if (c.lost_seen == nullptr) {
-    word = ld_volatile(c.lost + source);
-  } else {
-    const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
-    uint64_t e = *seen;
-    if (now_ns() - (e >> 2) > kLostRefreshNs) {
-      refresh_lost(c, source);
-      e = *seen;
-    }
-    if ((e >> 2) < since || now_ns() - (e >> 2) > kLostTrustNs) return false;
-    word = static_cast<int>(e & 3);
+  const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
+  uint64_t e = *seen;
+  if (now_ns() - (e >> 2) > kLostRefreshNs) {
+    refresh_lost(c, source);
+    e = *seen;
   }
-  return word != 0;
+  if ((e >> 2) < since || now_ns() - (e >> 2) > kLostTrustNs) return false;
+  return (e & 3) != 0;
 }
 
 // Whether to stop waiting on `source` in round `round` of a wait: it is
@@ -106,11 +100,8 @@ __device__ __forceinline__ bool gives_up(const Common& c, int source, uint32_t r
                                          uint64_t deadline, int phase) {
   if (ld_volatile(c.active_ranks + source) == 0) return true;
   if (c.slot_mask != nullptr && ld_volatile(c.slot_mask + source) == 0) return true;
-  // Every 4th round: the copy is in device memory (without it, every 16th: the
-  // word crosses the bus).
-  const uint32_t every = c.lost_seen != nullptr ? 3 : 15;
-  if ((round & every) == every &&
-      host_lost(c, source, deadline - static_cast<uint64_t>(c.timeout_ns))) {
+  // Every 4th round (a read of the words' device copy).
+  if ((round & 3) == 3 && host_lost(c, source, deadline - static_cast<uint64_t>(c.timeout_ns))) {
     mask_peer(c, source, phase, kMaskedLost);
     return true;
   }
