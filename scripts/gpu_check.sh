@@ -253,7 +253,14 @@ if ! wants cpp; then
   :
 elif [ -x build-gpu/mooncake_tests ]; then
   step "C++ tests"
-  (cd build-gpu && ctest --output-on-failure -j8) 2>&1 | tee "$OUT/ctest.log" | tail -5 || status=1
+  # Without ucx (the GPU image has none) its hostile-input tests are replaced by one that
+  # skips to say so: left out here, and named in the summary, so that no test skips.
+  CTEST_EXCLUDE=()
+  if build-gpu/mooncake_tests --gtest_list_tests 2>/dev/null | grep -q "NotInThisBuild"; then
+    CTEST_EXCLUDE=(-E '^HostileUcx\.NotInThisBuild$')
+    NOT_RUN_TESTS+="cpp: the ucx transport's tests not built: no ucx on this machine"$'\n'
+  fi
+  (cd build-gpu && ctest --output-on-failure -j8 "${CTEST_EXCLUDE[@]}") 2>&1 | tee "$OUT/ctest.log" | tail -5 || status=1
 else
   echo "error: GoogleTest not available here (carry .gtest/): C++ tests not run" | tee "$OUT/ctest.log"
   status=1
