@@ -273,7 +273,7 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
-def markdown(rows: list[dict], meta: dict, problems: list[str]) -> str:
+def markdown(rows: list[dict], meta: dict, problems: list[str], cut: list[str] = ()) -> str:
     lines = [
         f"{meta['what']}, {meta['started']}, library {meta['mooncake']['commit']}; load "
         f"average {meta['loadavg_start'][0]:.1f} at the start; {meta['duration_s']:.0f} s in "
@@ -297,6 +297,7 @@ def markdown(rows: list[dict], meta: dict, problems: list[str]) -> str:
         for r in rows
     ]
     lines += harness.markdown_table(header, cells, "lrrrrrrrrl")
+    lines += [f"\n{c}" for c in cut]
     lines += [f"\nPROBLEM: {p}" for p in problems]
     return "\n".join(lines) + "\n"
 
@@ -351,12 +352,33 @@ def save(out_dir: str, meta: dict, launches: list[dict]) -> tuple[list[dict], li
     problems = [p for launch in launches for p in launch["problems"]]
     doc = {"meta": meta, "targets_ms": TARGETS_MS, "rows": rows, "launches": launches,
            "problems": problems}  # fmt: skip
-    files = {"ep_failover.json": doc, "ep_failover_table.md": markdown(rows, meta, problems)}
+    cut = [f"{launch['scenario']}, world {launch['world']}, timeout_us "
+           f"{fmt_timeout(launch['timeout_us'])}: {len(launch['cycles'])} of "
+           f"{launch['faults_planned']} faults, as many as fit the --time-limit"
+           for launch in launches if launch.get("faults_planned")]  # fmt: skip
+    files = {"ep_failover.json": doc, "ep_failover_table.md": markdown(rows, meta, problems, cut)}
     harness.write_outputs(out_dir, files)
     return rows, problems
 
 
-def run_launch(scenario: str, plan: dict, env: dict, args) -> dict:
+def fit_to_time(plan: dict, left: float, rate: float | None, label: str) -> dict:
+    """``plan`` with as many of its faults as fit ``left`` seconds at ``rate`` seconds a
+    fault (what a finished launch of the same scenario and world took, its start-up
+    included), so that the time limit ends no launch in the middle, which would read
+    as a hang. Unchanged without a rate, or with a healthy-steps part (timed apart)."""
+    n = len(plan["cycles"])
+    if rate is None or plan.get("healthy") or n == 0:
+        return plan
+    fit = max(1, int(0.8 * left / rate))
+    if fit >= n:
+        return plan
+    log(f"# {label}: {fit} of {n} faults fit the time left ({left:.0f} s at {rate:.1f} s each)")
+    return {**plan, "cycles": plan["cycles"][:fit], "faults_planned": n}
+
+
+def run_launch(scenario: str, plan: dict, env: dict, args, rates: dict) -> dict:
+    """One launch of ``plan``; ``rates``: seconds a fault took in this run's finished
+    launches, by (scenario, world), which it adds to."""
     from chaos_parent import fault_times, problems_of, run
 
     budget = args.launch_timeout or launch_budget(plan, args.device)
@@ -371,6 +393,7 @@ def run_launch(scenario: str, plan: dict, env: dict, args) -> dict:
                     "faults": [], "error": "not run: --time-limit spent",
                     "problems": []}  # fmt: skip
         budget = min(budget, left)
+        plan = fit_to_time(plan, left, rates.get((scenario, plan["world"])), label)
     log(f"# {label}: {len(plan['cycles'])} faults (budget {budget:.0f} s) ...")
     o = run(plan, env, budget, args.log_dir)
     problems = [f"{label}: {p}" for p in problems_of(o)]
@@ -387,6 +410,10 @@ def run_launch(scenario: str, plan: dict, env: dict, args) -> dict:
         "wall_s": round(time.monotonic() - t0, 1),
         "problems": problems,
     }
+    if plan.get("faults_planned"):
+        launch["faults_planned"] = plan["faults_planned"]
+    if not o.error and plan["cycles"]:
+        rates[(scenario, plan["world"])] = launch["wall_s"] / len(plan["cycles"])
     late = [f for f in launch["faults"] if landed_late(f)]
     if scenario == "allreduce" and launch["faults"] and len(late) == len(launch["faults"]):
         problems.append(f"{label}: every kill landed after the all_reduce had the victim's "
@@ -501,9 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     def meta() -> dict:
         return {**harness.run_meta(started, cores, load, args), "what": what}
 
-    launches = []
+    launches, rates = [], {}
     for scenario, plan in todo:
-        launches.append(run_launch(scenario, plan, env, args))
+        launches.append(run_launch(scenario, plan, env, args, rates))
         save(args.out_dir, meta(), launches)  # after each: a run cut short keeps what it has
     rows, problems = save(args.out_dir, meta(), launches)
     print_table(rows)

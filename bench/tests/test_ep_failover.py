@@ -54,6 +54,18 @@ def test_graph_rows_name_the_replay_and_its_target():
     assert rows["kill → replacement joined → first full replay"]["median_ms"] == 310.0
 
 
+def test_a_launch_takes_only_the_faults_that_fit_the_time_left():
+    plan = {"world": 8, "cycles": bench.ep_cycles(5, 8, ["between"], kills=50, stops=0)}
+    assert bench.fit_to_time(plan, 26.0, None, "x") is plan  # no rate seen yet: all of them
+    fit = bench.fit_to_time(plan, 26.0, 0.84, "x")  # 0.8 of 26 s at 0.84 s a fault
+    assert len(fit["cycles"]) == 24 and fit["faults_planned"] == 50
+    assert fit["cycles"] == plan["cycles"][:24] and len(plan["cycles"]) == 50
+    assert bench.fit_to_time(plan, 600.0, 0.84, "x") is plan  # they all fit
+    assert len(bench.fit_to_time(plan, 0.5, 0.84, "x")["cycles"]) == 1
+    healthy = {**plan, "healthy": {"steps": 60}}  # timed apart: left as it is
+    assert bench.fit_to_time(healthy, 26.0, 0.84, "x") is healthy
+
+
 def _fault(c, fault, where, victim, next_ms, **kw):
     return {"c": c, "fault": fault, "where": where, "victim": victim, "next_ms": next_ms, **kw}
 
