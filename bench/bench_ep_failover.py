@@ -20,7 +20,9 @@ Scenarios (all of them unless some are named: ``--kill``, ``--stop``, ``--health
   portable path, once its tokens' exchange started). Measured from the victim's stamp
   (``time.monotonic()``, one clock for every process of the host, taken just before it
   writes the stamp to the store and kills itself): **kill -> next step**, the slowest
-  survivor's next dispatch + combine returned (synchronised); then a pre-started
+  survivor's next dispatch + combine returned (synchronised; its inputs made before the
+  fault, as an engine's are ready), beside the fastest survivor's return and the last
+  survivor's start of that step (where the time went); then a pre-started
   replacement joins (``pg.join_group``, its Buffer, the others' ``recover_ranks`` and
   ``update_ep_member``): **kill -> full strength**, the slowest process's first
   full-strength dispatch + combine returned, and **join_group -> full strength** from
@@ -207,6 +209,8 @@ def rows_of(launch: dict) -> list[dict]:
                     "next_ms",
                     TARGETS_MS["kill"],
                 ),
+                (f"kill {mode} → the first survivor's step returned", "first_ms", None),
+                (f"kill {mode} → the last survivor's step began", "start_ms", None),
                 (f"kill {mode} → replacement joined → first full step", "full_ms", None),
                 (f"kill {mode}: join_group() → first full step", "join_full_ms", None),
                 (f"kill {mode}: dispatch + combine at full strength", "step_ms", None),

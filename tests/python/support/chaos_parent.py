@@ -340,7 +340,9 @@ def _incarnation(plan: dict, c: int) -> int | None:
 
 def fault_times(o: Outcome) -> list[dict]:
     """Per cycle: the fault, its stamp, and in ms from the stamp: the slowest survivor's
-    end of the next step (``next_ms``), the slowest process's end of the first
+    end of the next step (``next_ms``), the fastest's (``first_ms``) and the last
+    survivor's start of it (``start_ms``: where the time went, the step or its start;
+    negative where every survivor began before the fault), the slowest process's end of the first
     full-strength step after the join (``full_ms``, kill and stop), and from the
     replacement's join_group call to that (``join_full_ms``); ``step_ms``: the median
     full-strength step of the cycle before the fault; ``told_ms``: a stopped process's
@@ -352,8 +354,12 @@ def fault_times(o: Outcome) -> list[dict]:
             continue
         t = o.stamps[c]["t"]
         row = {"c": c, **cy, "t": t}
-        ends = [rec["t1"] for _, rec in o.records() if rec["tag"] == f"c{c}/fault"]
+        fault_recs = [rec for _, rec in o.records() if rec["tag"] == f"c{c}/fault"]
+        ends = [rec["t1"] for rec in fault_recs]
         row["next_ms"] = (max(ends) - t) * 1e3 if ends else None
+        if ends:
+            row["first_ms"] = (min(ends) - t) * 1e3
+            row["start_ms"] = (max(rec["t0"] for rec in fault_recs) - t) * 1e3
         # Whether a survivor's step counted the victim (its part was in before it died):
         # then the step did not recover from anything.
         counted = [rec["ranks"] for _, rec in o.records()

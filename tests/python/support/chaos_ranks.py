@@ -246,6 +246,10 @@ class Process:
         self.battery(c, "full", everyone)
         self.info["samples"].append({"c": c, "t": now(), **resources(self.device)})
         self.publish()
+        if plan["measure"] == "ep" and rank != v:
+            # The survivors' inputs of the step after the fault, made before it: the time
+            # from the fault is the library's, as for an engine whose inputs are ready.
+            self.steps.prepare(f"c{c}/fault", plan["fp8"])
         dist.barrier()  # everyone is past its checks: the fault falls between two steps
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # nothing in flight (MPS fails every client otherwise)

@@ -120,6 +120,7 @@ class Steps:
         self.eep = None
         self._graph = None  # graph_all_reduce's CUDA graph and its tensor
         self._graph_x = None
+        self._ready = {}  # (tag, fp8): an ep call's model and inputs, made ahead (prepare)
         ElasticRound.device = self.device.type  # the elastic rounds' tensors
 
     # --- the buffers ---------------------------------------------------------------------
@@ -198,14 +199,22 @@ class Steps:
             rows = [recv_x[j] for j in range(epr)]
         return torch.stack([expert_fn(rows[j], self.rank * epr + j, spec) for j in range(epr)])
 
+    def prepare(self, tag: str, fp8: bool) -> None:
+        """Makes ``ep(tag, fp8)``'s model and inputs now (on the device), so that a fault
+        timed from before that call meets the call itself, not the test's making of them."""
+        r = self._round(tag, fp8)
+        mine = r.ins[self.rank]
+        dev = self.device
+        self._ready[(tag, fp8)] = (r, mine.x.to(dev), mine.idx.to(dev), mine.w.to(dev))
+
     def ep(self, tag: str, fp8: bool, may_drop=(), must_drop=None) -> dict:
         """One timed dispatch + combine on the Buffer, then checked. ``may_drop`` /
         ``must_drop``: ranks the dispatch may / must mask (the combine may mask those
         too, and no other)."""
-        r = self._round(tag, fp8)
+        if (tag, fp8) not in self._ready:
+            self.prepare(tag, fp8)
+        r, x, idx, w = self._ready.pop((tag, fp8))
         spec, dev = r.spec, self.device
-        mine = r.ins[self.rank]
-        x, idx, w = mine.x.to(dev), mine.idx.to(dev), mine.w.to(dev)
         before = self.act.tolist()
         sync(dev)
         t0 = now()
