@@ -10,6 +10,10 @@
 # device calls; "tests" stands for the test steps, "benches" for the benchmark steps:
 #   tests   (the default, make gpu-check): doctor cpp device py elastic pgcuda epdev epelastic
 #           ephtdev chaos, about 22 minutes on one H200 (the Python step 4 files at a time);
+#           on an H100 (11b192d), to split it over device calls of at most 10 minutes: a cold
+#           build 144 s, doctor + cpp 13, device 94, epdev 220, ephtdev 104, py 280, elastic
+#           17, pgcuda 208, epelastic 264, chaos 50 (e.g. "doctor cpp device ephtdev epdev",
+#           then "py elastic pgcuda", then "epelastic chaos");
 #   benches (make gpu-bench): bench pgbench epelasticbench epprof ebprof epbench epfail epht.
 #   smoke:   (not in the default) the code built but not yet run on a GPU, a few minutes: see below;
 #   compare: (not in the default) an older commit against this tree, side by side: a
