@@ -26,9 +26,11 @@ an op must at least read each input and write each output once, so "floor /
 mooncake" is the share of that floor-bound rate the op reaches.
 
 Bus bandwidth as nccl-tests defines it: algbw x 2(n-1)/n for all_reduce, x 1
-for broadcast, x (n-1)/n for the others (bytes = the per-rank input of
-all_reduce, broadcast and all_to_all, the gathered output of all_gather, the
-input of reduce_scatter; the list forms move the same bytes as the tensor forms).
+for broadcast and reduce, x (n-1)/n for the others (bytes = the per-rank input
+of all_reduce, broadcast, reduce and all_to_all, the gathered output of
+all_gather and gather, the input of reduce_scatter and of scatter's root; the
+list forms move the same bytes as the tensor forms). The last column is each
+op's time over the ``all_reduce`` of the same bytes (the target: at most 2).
 
 Exits 1 when a launch failed or an op of the ``mooncake`` column raised (the
 plane and staged columns' refusals under capture are expected).
@@ -59,6 +61,11 @@ OPS = (
     "all_gather",
     "reduce_scatter",
     "all_to_all",
+    # the rooted ops (root 0): reduce's bytes are its input, gather's the gathered
+    # output, scatter's the root's input
+    "reduce",
+    "gather",
+    "scatter",
 )
 SIZES = (8, 4 << 10, 1 << 20, 64 << 20)
 #: the default columns ("plane" on request: --backends mooncake,plane)
@@ -124,11 +131,18 @@ def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
         return lambda: dist.all_gather(outs, parts[0])
     if op == "reduce_scatter":
         return lambda: dist.reduce_scatter(outs[0], parts)
+    if op == "reduce":
+        return lambda: dist.reduce(x, dst=0)
+    root = dist.get_rank() == 0
+    if op == "gather":
+        return lambda: dist.gather(parts[0], outs if root else None, dst=0)
+    if op == "scatter":
+        return lambda: dist.scatter(outs[0], parts if root else None, src=0)
     return lambda: dist.all_to_all(outs, parts)
 
 
 def bus_factor(op: str, world: int) -> float:
-    if world == 1 or op.startswith("broadcast"):
+    if world == 1 or op.startswith("broadcast") or op == "reduce":
         return 1.0
     return 2 * (world - 1) / world if op.startswith("all_reduce") else (world - 1) / world
 
@@ -277,6 +291,7 @@ def write_table(args, ops, sizes, results: dict) -> str:
     harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
     header = ["op", "bytes", "world", "mooncake µs", "plane µs", "staged µs", "gloo µs", "nccl µs"]
     header += ["mooncake / gloo", "mooncake busbw / copy rate", "floor µs", "floor / mooncake"]
+    header += ["mooncake / its all_reduce"]
     rows = []
     for world in harness.csv_ints(args.worlds):
         for op in ops:
@@ -301,8 +316,11 @@ def write_table(args, ops, sizes, results: dict) -> str:
                 ratio = f"{m / g:.2f}" if m and g else "-"
                 of_floor = f"{floor / m:.1%}" if m and floor else "-"
                 floor_cell = f"{floor:.1f}" if floor else "-"
+                # Issue 40's measure: no op slower than 2x the all_reduce of its bytes.
+                ar = get("mooncake", op="all_reduce")
+                of_ar = f"{m / ar:.2f}" if m and ar else "-"
                 row = [op, harness.fmt_bytes(nbytes), str(world), *cells]
-                rows.append(row + [ratio, bus, floor_cell, of_floor])
+                rows.append(row + [ratio, bus, floor_cell, of_floor, of_ar])
     lines = harness.markdown_table(header, rows, "l" + "r" * (len(header) - 1))
     rate = next((r.get("copy_rate") for r in results.values() if r.get("copy_rate")), None)
     if rate:

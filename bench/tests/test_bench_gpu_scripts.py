@@ -19,7 +19,8 @@ import bench_pg_cuda  # noqa: E402
 def test_bus_factors_are_nccl_tests():
     f = bench_pg_cuda.bus_factor
     assert f("all_reduce", 4) == 1.5 and f("all_reduce_graph", 2) == 1.0
-    assert f("broadcast", 4) == 1.0
+    assert f("broadcast", 4) == 1.0 and f("reduce", 4) == 1.0 and f("gather", 4) == 0.75
+    assert f("scatter", 2) == 0.5 and f("reduce_scatter_tensor", 4) == 0.75
     assert f("all_gather_into_tensor", 4) == 0.75 and f("reduce_scatter", 2) == 0.5
     assert f("all_to_all_single", 1) == 1.0
 
