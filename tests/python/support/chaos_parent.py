@@ -342,8 +342,8 @@ def fault_times(o: Outcome) -> list[dict]:
     """Per cycle: the fault, its stamp, and in ms from the stamp: the slowest survivor's
     end of the next step (``next_ms``), the fastest's (``first_ms``) and the last
     survivor's start of it (``start_ms``: where the time went, the step or its start;
-    negative where every survivor began before the fault), the slowest process's end of the first
-    full-strength step after the join (``full_ms``, kill and stop), and from the
+    negative where every survivor began before the fault), the slowest process's end of
+    the first full-strength step after the join (``full_ms``, kill and stop), and from the
     replacement's join_group call to that (``join_full_ms``); ``step_ms``: the median
     full-strength step of the cycle before the fault; ``told_ms``: a stopped process's
     LeftOutError after it was resumed."""
