@@ -1,10 +1,10 @@
 """The process-group backends on CUDA tensors: ``mooncake`` against gloo and NCCL.
 
 ``mooncake`` runs in up to three columns: as it comes (same-host groups take the
-device-driven kernels for all_reduce, all_gather_into_tensor, reduce_scatter_tensor
-and all_to_all_single up to 8 MiB, and the device plane above that and for the
-rooted ops and list forms; at world 1 the kernels' path for every op at any size, a
-local copy), with ``MOONCAKE_CUDA_DIRECT=off`` (every
+device-driven kernels for all_reduce, all_gather_into_tensor, reduce_scatter_tensor,
+all_to_all_single, the rooted ops and the list forms of all_gather and reduce_scatter
+up to 8 MiB, and the device plane above that and for all_to_all's list form; at world
+1 the kernels' path for every op at any size, a local copy), with ``MOONCAKE_CUDA_DIRECT=off`` (every
 op on the host-driven plane, or staged below 64 KiB, as before the device-driven
 kernels): column "plane" (on request: ``--backends mooncake,plane``), and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the

@@ -75,7 +75,8 @@ DeviceCollectives::DeviceCollectives(Communicator& comm, Store& store, std::stri
     : comm_(comm),
       directory_(store, std::move(prefix), device),
       device_(device),
-      options_(options) {
+      options_(options),
+      outcomes_(DirectOutcomes::make(device)) {
   relax_library_threads();  // the op queue's thread, which starts later, runs our launches
   directory_.publish_host(comm_.rank());
 }

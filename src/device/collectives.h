@@ -177,6 +177,9 @@ class DeviceCollectives {
   // The caller's active_ranks (device int32 [world]): launches zero the ranks
   // they mask there.
   void direct_report_to(int32_t* active_ranks) { report_to_ = active_ranks; }
+  // A slot for one eager launch to leave its outcome in (DirectOp::outcome),
+  // for a caller that raises what it found, as the plane would.
+  DirectOutcomes::Lease direct_watch() { return outcomes_->lease(); }
 
  private:
   // Piece k of an op covers elements [k * per, k * per + n) of each rank's part.
@@ -224,9 +227,12 @@ class DeviceCollectives {
   const int device_;
   const Options options_;
   std::unique_ptr<DeviceSegment> segment_;
-  std::unique_ptr<CudaEvent> done_;    // finish's (made on its first call)
-  int mappable_ = -1;                  // whether every segment maps here (-1: not asked yet)
-  int gpu_sharers_ = 0;                // the world's ranks on this GPU (0: not asked yet)
+  std::unique_ptr<CudaEvent> done_;  // finish's (made on its first call)
+  int mappable_ = -1;                // whether every segment maps here (-1: not asked yet)
+  int gpu_sharers_ = 0;              // the world's ranks on this GPU (0: not asked yet)
+  // Before direct_, so that no launch outlives the slots it may write (leases
+  // keep them too).
+  std::shared_ptr<DirectOutcomes> outcomes_;
   std::unique_ptr<DirectOps> direct_;  // made by the first setup
   int32_t* report_to_ = nullptr;
   // The epoch whose view the device-driven ops cannot serve (a member past

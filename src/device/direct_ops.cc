@@ -1,6 +1,7 @@
 #include "device/direct_ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 
 #include "core/error.h"
@@ -23,6 +24,98 @@ int32_t load(const int32_t* p) {
 }
 
 }  // namespace
+
+// --- DirectOutcomes -------------------------------------------------------------
+
+std::shared_ptr<DirectOutcomes> DirectOutcomes::make(int device) {
+  return std::shared_ptr<DirectOutcomes>(new DirectOutcomes(device));
+}
+
+DirectOutcomes::~DirectOutcomes() {
+  // No device made current (that may throw): a Work can outlive its group,
+  // up to the process's exit; pinned host memory needs none.
+  for (k::DirectOutcome* h : host_) cudaFreeHost(h);
+}
+
+k::DirectOutcome* DirectOutcomes::host(uint32_t slot) const {
+  return host_[slot / kChunk] + slot % kChunk;
+}
+
+DirectOutcomes::Lease DirectOutcomes::lease() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (free_.empty()) {
+    // On the caller's thread, while another may capture in global mode.
+    const RelaxedCapture relaxed;
+    OnDevice on(device_);
+    void* h = nullptr;
+    cuda_check(cudaHostAlloc(&h, kChunk * sizeof(k::DirectOutcome), cudaHostAllocMapped),
+               "cudaHostAlloc of the device-driven launches' outcome slots");
+    void* d = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&d, h, 0);
+    if (err != cudaSuccess) {
+      cudaFreeHost(h);
+      cuda_check(err, "cudaHostGetDevicePointer");
+    }
+    const auto first = static_cast<uint32_t>(host_.size()) * kChunk;
+    host_.push_back(static_cast<k::DirectOutcome*>(h));
+    dev_.push_back(static_cast<k::DirectOutcome*>(d));
+    for (uint32_t i = kChunk; i-- > 0;) free_.push_back(first + i);
+  }
+  Lease l;
+  l.pool_ = shared_from_this();
+  l.slot_ = free_.back();
+  free_.pop_back();
+  l.ticket_ = next_ticket_++;
+  // Before the launch is queued: a ticket left from the slot's last use is
+  // never this one.
+  *static_cast<volatile uint64_t*>(&host(l.slot_)->ticket) = 0;
+  return l;
+}
+
+DirectOutcomes::Lease& DirectOutcomes::Lease::operator=(Lease&& o) noexcept {
+  if (this != &o) {
+    give_back();
+    pool_ = std::move(o.pool_);
+    slot_ = o.slot_;
+    ticket_ = o.ticket_;
+    o.pool_.reset();
+  }
+  return *this;
+}
+
+k::DirectOutcome* DirectOutcomes::Lease::device() const {
+  std::lock_guard<std::mutex> lock(pool_->mu_);
+  return pool_->dev_[slot_ / kChunk] + slot_ % kChunk;
+}
+
+std::optional<k::DirectOutcome> DirectOutcomes::Lease::read() const {
+  k::DirectOutcome* h = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu_);
+    h = pool_->host(slot_);
+  }
+  const volatile k::DirectOutcome* v = h;
+  if (v->ticket != ticket_) return std::nullopt;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  k::DirectOutcome o{};
+  o.took = v->took;
+  o.rejected = v->rejected;
+  o.mismatched = v->mismatched;
+  o.stale = v->stale;
+  o.ticket = ticket_;
+  return o;
+}
+
+void DirectOutcomes::Lease::give_back() {
+  if (!pool_) return;
+  {
+    std::lock_guard<std::mutex> lock(pool_->mu_);
+    pool_->free_.push_back(slot_);
+  }
+  pool_.reset();
+}
+
+// --- DirectOps ----------------------------------------------------------------------
 
 DirectOps::DirectOps(int device, int rank, int ranks, const k::DirectLayout& layout)
     : device_(device),
@@ -165,6 +258,8 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
                         k::direct_out_parts(op.kind, ranks_, true) <= 1;
   a.vec = aligned(op.in) && aligned(op.out) &&
           (one_part || ((op.count * a.esize) % 16 == 0 && (a.stride * a.esize) % 16 == 0));
+  a.outcome = op.outcome;
+  a.ticket = op.ticket;
   cuda_check(static_cast<cudaError_t>(k::launch_direct(a, blocks, stream)),
              "the device-driven collective kernel");
 }

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +28,54 @@
 #include "kernels/coll/direct.h"
 
 namespace mooncake {
+
+// The slots watched launches leave their outcome in (kernels::DirectOutcome,
+// host-mapped): one leased per launch, given back when the lease goes (after
+// the launch's Work read it, or dropped it unread). Thread-safe: Works are
+// waited on from any thread. Grows by chunks, never shrinks; freed when the
+// last lease and the owner are gone.
+class DirectOutcomes : public std::enable_shared_from_this<DirectOutcomes> {
+ public:
+  static std::shared_ptr<DirectOutcomes> make(int device);
+  ~DirectOutcomes();
+  DirectOutcomes(const DirectOutcomes&) = delete;
+  DirectOutcomes& operator=(const DirectOutcomes&) = delete;
+
+  class Lease {
+   public:
+    Lease() = default;
+    Lease(Lease&& o) noexcept { *this = std::move(o); }
+    Lease& operator=(Lease&& o) noexcept;
+    ~Lease() { give_back(); }
+    explicit operator bool() const { return pool_ != nullptr; }
+    // For the launch (DirectOps::Op::outcome): the slot as the device sees it.
+    kernels::DirectOutcome* device() const;
+    uint64_t ticket() const { return ticket_; }
+    // What the launch wrote, once it has ended; nullopt where no launch wrote
+    // this ticket (the op ran another way, e.g. on the host-driven plane).
+    std::optional<kernels::DirectOutcome> read() const;
+    void give_back();
+
+   private:
+    friend class DirectOutcomes;
+    std::shared_ptr<DirectOutcomes> pool_;
+    uint32_t slot_ = 0;
+    uint64_t ticket_ = 0;
+  };
+  Lease lease();
+
+ private:
+  static constexpr uint32_t kChunk = 256;
+  explicit DirectOutcomes(int device) : device_(device) {}
+  kernels::DirectOutcome* host(uint32_t slot) const;
+
+  const int device_;
+  std::mutex mu_;
+  std::vector<kernels::DirectOutcome*> host_;  // chunks, host view
+  std::vector<kernels::DirectOutcome*> dev_;   // the same, device view
+  std::vector<uint32_t> free_;
+  uint64_t next_ticket_ = 1;
+};
 
 class DirectOps {
  public:
@@ -76,6 +126,10 @@ class DirectOps {
     DType dtype = DType::kFloat32;
     RedOp op = RedOp::kSum;  // reductions only
     int root = 0;            // rooted kinds only
+    // Where the launch leaves what it decided (null: nowhere), and its ticket
+    // (DirectOutcomes::Lease).
+    kernels::DirectOutcome* outcome = nullptr;
+    uint64_t ticket = 0;
     // `stride` as it applies: count where it is 0.
     size_t part_stride() const { return stride != 0 ? stride : count; }
   };

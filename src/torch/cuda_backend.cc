@@ -239,15 +239,19 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::on_device(Staging& s, c10d::
 // whenever they serve the op: their results where a rank fails are the host
 // path's (the survivors' reduction, zeros in a lost rank's parts), except
 // that a rank whose input was in place before it died is counted in. The rooted
-// ops (broadcast, reduce, gather, scatter), the list forms and
-// all_to_all_single with equal split sizes take them under CUDA graph capture
-// only. Eagerly they take the device plane: a root that fails there raises
-// PeerFailedError (a launch could only zero-fill what the root would have
-// sent), and one rank's bad list raises on every rank (a launch could only
-// leave that rank out); their eager call sets the kernels up first, so that
-// it readies their capture. A group of one rank takes every op the kernels
-// could serve through them, eagerly too and at any size: a local copy on the
-// caller's stream (nothing at all in place).
+// ops (broadcast, reduce, gather, scatter) and the list forms of all_gather
+// and reduce_scatter take them too, watched: each eager launch leaves what it
+// found in a slot, and the Work's wait() (which torch calls itself unless
+// async_op) raises it as the plane would: PeerFailedError where the root's
+// input never came (a launch can only zero-fill what the root would have
+// sent), ValueError where another rank's call was bad or another op (each
+// rank's launch leaves that rank out). all_gather_coalesced, all_to_all's
+// list form and all_to_all_single with split sizes take them under CUDA graph
+// capture only (eagerly the ranks' parts may differ): eagerly they take the
+// device plane, whose call sets the kernels up first, so that it readies
+// their capture. A group of one rank takes every op the kernels could serve
+// through them, eagerly too and at any size: a local copy on the caller's
+// stream (nothing at all in place).
 
 namespace {
 
@@ -411,6 +415,16 @@ DirectOps::Op direct_op(DirectKind kind, size_t count, int root = 0, RedOp red =
   return op;
 }
 
+// Leases `call` a slot for its launch's outcome (`name`: the op's), kept in `watched`.
+void watch(DeviceCollectives& c, DirectCall& call, const char* name,
+           std::vector<WatchedLaunch>& watched) {
+  DirectOutcomes::Lease lease = c.direct_watch();
+  call.op.outcome = lease.device();
+  call.op.ticket = lease.ticket();
+  const int root = kernels::direct_rooted(call.op.kind) ? call.op.root : -1;
+  watched.push_back({std::move(lease), name, root});
+}
+
 }  // namespace
 
 bool MooncakeCudaBackend::direct_branch(DirectOps::Op& op, const at::Tensor& t) {
@@ -448,6 +462,12 @@ bool MooncakeCudaBackend::direct_now() {
 bool MooncakeCudaBackend::rooted_now() {
   // Alone, no root can fail and no other rank's list differs: eagerly too.
   return alone() || capturing();
+}
+
+bool MooncakeCudaBackend::checked_now(bool lists) {
+  // (The spare slots are fixed when the group is made, alike at every rank;
+  // extend_group_size_to is each rank's own call.)
+  return coll_ && direct_now() && !(lists && comm().capacity() > size_);
 }
 
 bool MooncakeCudaBackend::capturing() const {
@@ -528,11 +548,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     }
     ++device_ops_;
     direct_ops_ += static_cast<int64_t>(calls.size());
-    for (const DirectCall& c : calls)
+    std::vector<WatchedLaunch> watched;
+    for (DirectCall& c : calls) {
+      if (c.watch && !captured && size_ > 1 && reject.empty()) watch(*coll_, c, name, watched);
       run_direct(*coll_, c, caller.stream(), timeout, false, size_ == 1);
+    }
     MC_CHECK_ARG(reject.empty(), reject);
     return c10::make_intrusive<DeviceWork>(rank_, type, std::move(results), device_, caller,
-                                           captured, slots);
+                                           captured, slots, std::move(watched));
   }
   // In the op queue's order: its first call sets the kernels up, with a host op.
   Staging s(*this, name, Kind::kCollective);
@@ -543,17 +566,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     for (at::Tensor& t : c.outs) t = s.device_out(t);
   }
   const auto n = static_cast<int64_t>(calls.size());
-  auto work = on_device(s, type, std::move(results),
-                        [calls = std::move(calls), timeout](DeviceCollectives& c, cudaStream_t st) {
-                          for (const DirectCall& call : calls) {
-                            // Alone past the kernels' bound: set up for the next calls, then a
-                            // local copy.
-                            const bool alone =
-                                c.direct_alone(timeout) && !c.direct_serves(call.op, timeout);
-                            if (alone) c.direct_prepare(call.op, st, timeout);
-                            run_direct(c, call, st, timeout, true, alone);
-                          }
-                        });
+  const bool checked = reject.empty() && size_ > 1;
+  auto work = on_device(
+      s, type, std::move(results),
+      [calls = std::move(calls), timeout, checked, name, me = rank_](DeviceCollectives& c,
+                                                                     cudaStream_t st) {
+        std::vector<WatchedLaunch> watched;
+        for (DirectCall call : calls) {
+          // Alone past the kernels' bound: set up for the next calls, then a
+          // local copy.
+          const bool alone = c.direct_alone(timeout) && !c.direct_serves(call.op, timeout);
+          if (alone) c.direct_prepare(call.op, st, timeout);
+          if (call.watch && checked && !alone) watch(c, call, name, watched);
+          run_direct(c, call, st, timeout, true, alone);
+        }
+        if (watched.empty()) return;
+        // The Work raises what the launches found, as the plane's would.
+        cuda_check(cudaStreamSynchronize(st), "waiting for a device-driven launch");
+        for (const WatchedLaunch& w : watched) raise_outcome(w, me);
+      });
   direct_ops_ += n;
   queued(work);
   MC_CHECK_ARG(reject.empty(), reject);
@@ -571,13 +602,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
     DirectOps::Op op = direct_op(DirectKind::kBroadcast, elems(t), root);
     if (direct_branch(op, t)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, t);
-    if ((warm && rooted_now()) || chunk > 0) {
+    if ((warm && checked_now(false)) || chunk > 0) {
       DirectCall call{op,
                       rank_ == root ? t : at::Tensor(),
                       t,
                       {},
                       wrong_device("broadcast", "tensor", device_, {t}),
-                      chunk};
+                      chunk,
+                      true};
       return direct_run("broadcast", c10d::OpType::BROADCAST, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }
@@ -688,14 +720,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
     DirectOps::Op op = direct_op(DirectKind::kReduce, elems(t), root);
     if (direct_branch(op, t)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, t);
-    if ((warm && rooted_now()) || chunk > 0) {
+    if ((warm && checked_now(false)) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, t, "reduce");
       DirectCall call{op,
                       t,
                       rank_ == root ? t : at::Tensor(),
                       {},
                       wrong_device("reduce", "tensor", device_, {t}),
-                      chunk};
+                      chunk,
+                      true};
       return direct_run("reduce", c10d::OpType::REDUCE, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }
@@ -728,17 +761,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  // Eagerly the path depends on the input alone (what every rank shares): a
+  // list that does not fit it is this rank's bad call, rejected in step with
+  // the others.
   std::optional<DirectOps::Op> warm;
-  if (inputs.size() == 1 && outputs.size() == 1 && list_fits(outputs[0], size_, inputs[0])) {
+  const bool checked = checked_now(true);
+  if (inputs.size() == 1 && outputs.size() == 1 &&
+      (checked || list_fits(outputs[0], size_, inputs[0]))) {
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
     if (direct_branch(op, in)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
-    if ((warm && rooted_now()) || chunk > 0) {
-      std::vector<at::Tensor> all = outputs[0];
-      all.push_back(in);
-      const std::string reject = wrong_device("all_gather", "tensor", device_, all);
-      DirectCall call{op, in, {}, outputs[0], reject, chunk};
+    if ((warm && (checked || rooted_now())) || chunk > 0) {
+      std::vector<at::Tensor> all{in};
+      std::string reject =
+          root_list("all_gather", "tensor_list", outputs, in, "input tensor", size_, all);
+      if (reject.empty()) reject = wrong_device("all_gather", "tensor_list", device_, outputs[0]);
+      if (reject.empty()) reject = wrong_device("all_gather", "tensor", device_, {in});
+      DirectCall call{op,     in,    {},  reject.empty() ? outputs[0] : std::vector<at::Tensor>{},
+                      reject, chunk, true};
       return direct_run("all_gather", c10d::OpType::ALLGATHER, {std::move(call)}, outputs[0],
                         op_timeout_ms(opts.timeout));
     }
@@ -934,7 +975,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
     DirectOps::Op op = direct_op(DirectKind::kGather, elems(in), root);
     if (direct_branch(op, in)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
-    if ((warm && rooted_now()) || chunk > 0) {
+    if ((warm && checked_now(true)) || chunk > 0) {
       // The root's list is its own: a bad one is rejected there, in step with the others.
       std::vector<at::Tensor> all{in};
       std::string reject =
@@ -943,7 +984,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
       if (reject.empty()) reject = wrong_device("gather", "tensors", device_, all);
       std::vector<at::Tensor> outs;  // the root's list, where it is good
       if (reject.empty() && is_root) outs = outputs[0];
-      DirectCall call{op, in, {}, std::move(outs), reject, chunk};
+      DirectCall call{op, in, {}, std::move(outs), reject, chunk, true};
       return direct_run("gather", c10d::OpType::GATHER, {std::move(call)}, flat(outputs),
                         op_timeout_ms(opts.timeout));
     }
@@ -984,14 +1025,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
     DirectOps::Op op = direct_op(DirectKind::kScatter, elems(out), root);
     if (direct_branch(op, out)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
-    if ((warm && rooted_now()) || chunk > 0) {
+    if ((warm && checked_now(true)) || chunk > 0) {
       std::vector<at::Tensor> all{out};
       std::string reject =
           is_root ? root_list("scatter", "scatter_list", inputs, out, "output tensor", size_, all)
                   : "";
       if (reject.empty()) reject = wrong_device("scatter", "tensors", device_, all);
       const at::Tensor in = reject.empty() && is_root ? cat_flat(inputs[0]) : at::Tensor();
-      DirectCall call{op, in, out, {}, reject, chunk};
+      DirectCall call{op, in, out, {}, reject, chunk, true};
       return direct_run("scatter", c10d::OpType::SCATTER, {std::move(call)}, {out},
                         op_timeout_ms(opts.timeout));
     }
@@ -1031,19 +1072,24 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  // As all_gather's: eagerly the path depends on the output alone.
   std::optional<DirectOps::Op> warm;
-  if (inputs.size() == 1 && outputs.size() == 1 && list_fits(inputs[0], size_, outputs[0])) {
+  const bool checked = checked_now(true);
+  if (inputs.size() == 1 && outputs.size() == 1 &&
+      (checked || list_fits(inputs[0], size_, outputs[0]))) {
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
     if (direct_branch(op, out)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
-    if ((warm && rooted_now()) || chunk > 0) {
+    if ((warm && (checked || rooted_now())) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
-      std::vector<at::Tensor> all = inputs[0];
-      all.push_back(out);
-      std::string reject = wrong_device("reduce_scatter", "tensors", device_, all);
+      std::vector<at::Tensor> all{out};
+      std::string reject =
+          root_list("reduce_scatter", "input_list", inputs, out, "output", size_, all);
+      if (reject.empty()) reject = wrong_device("reduce_scatter", "input_list", device_, inputs[0]);
+      if (reject.empty()) reject = wrong_device("reduce_scatter", "output", device_, {out});
       const at::Tensor in = reject.empty() ? cat_flat(inputs[0]) : at::Tensor();
-      DirectCall call{op, in, out, {}, reject, chunk};
+      DirectCall call{op, in, out, {}, reject, chunk, true};
       return direct_run("reduce_scatter", c10d::OpType::REDUCE_SCATTER, {std::move(call)}, {out},
                         op_timeout_ms(opts.timeout));
     }

@@ -64,7 +64,9 @@ struct StagedOp;
 // part (undefined: none); its output, every part, or a list form's `outs`,
 // one tensor per part (neither: none); and `reject` (not empty: this rank's
 // call is bad: it takes part without data, so that the ranks stay in step,
-// then raises ValueError with it).
+// then raises ValueError with it); `watch`: an eager launch leaves what it
+// found in a slot, and the Work's wait() raises it as the plane would
+// (raise_outcome, cuda_staging.h).
 struct DirectCall {
   DirectOps::Op op;
   at::Tensor in, out;
@@ -74,6 +76,7 @@ struct DirectCall {
   // the kernels' bound goes, under capture, as one launch per piece of each
   // part.
   size_t chunk = 0;
+  bool watch = false;
 };
 
 class MooncakeCudaBackend final : public MooncakeBackend {
@@ -224,9 +227,16 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // Whether the group is this rank alone, with no slot for another to join
   // and the kernels on (DeviceCollectives::direct_alone).
   bool alone();
-  // Whether the ops the kernels take under capture only (the rooted ops, the
-  // list forms, split sizes) take them now: under capture, and always alone.
+  // Whether the ops the kernels take under capture only (all_gather_coalesced,
+  // all_to_all's list form, split sizes) take them now: under capture, and
+  // always alone.
   bool rooted_now();
+  // Whether the rooted ops (broadcast, reduce, gather, scatter) and the list
+  // forms of all_gather and reduce_scatter take them now: as direct_now(),
+  // their eager launches watched (DirectCall::watch). `lists`: the op takes a
+  // list of world-size tensors, which a group with slots past its world size
+  // may pass longer (extend_group_size_to): such a group keeps the plane.
+  bool checked_now(bool lists);
   // Whether an op the kernels serve takes them now, where it may also take
   // the device plane: under capture, and eagerly when the group re-runs its
   // ops among the survivors of a failure (the default), whose results the

@@ -180,22 +180,73 @@ class MooncakeCudaWork final : public c10d::Work, public WrapsMooncakeWork {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// An eager launch whose outcome its Work checks (DirectCall::watch): the slot
+// it writes, the op's name and root (-1: none, the list forms).
+struct WatchedLaunch {
+  DirectOutcomes::Lease lease;
+  const char* op = "";
+  int root = -1;
+};
+
+// What a watched launch of `op` found, raised as the host-driven plane raises
+// it (`me`: this rank): a peer that rejected its call or called another op
+// (ValueError), this rank left out (LeftOutError), a root whose input never
+// came (PeerFailedError naming it). A lost rank other than the root only
+// leaves its part out (zeros, or the survivors' reduction), as the plane's
+// re-run among the survivors does. Nothing where no launch wrote the slot
+// (the op ran on the plane, which raised for itself).
+inline void raise_outcome(const WatchedLaunch& w, int me) {
+  const std::optional<kernels::DirectOutcome> o = w.lease.read();
+  if (!o) return;
+  const auto first = [](uint64_t bits) { return __builtin_ctzll(bits); };
+  if (o->rejected != 0)
+    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o->rejected),
+                " rejected its arguments (it raised ValueError); this rank's result leaves it out");
+  if (o->mismatched != 0)
+    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o->mismatched),
+                " called another op, or this one with another root, count, dtype or reduce op; "
+                "this rank's result leaves it out");
+  if (o->stale != 0)
+    throw_error(ErrorKind::kLeftOut, me, w.op, ": rank ", first(o->stale),
+                " had gone on without this rank: the others left it out");
+  // This rank's own bit is clear only where a peer fenced it (a rejected call
+  // is not watched).
+  const uint64_t took = o->took;
+  if ((took >> me & 1) == 0)
+    throw_error(ErrorKind::kLeftOut, me, w.op,
+                ": a peer stopped waiting for this rank and fenced it (it was silent past the "
+                "op's timeout, or seen lost): its ops leave it out until the group's ranks next "
+                "change");
+  if (w.root >= 0 && (took >> w.root & 1) == 0)
+    throw_error(ErrorKind::kPeerFailed, w.root, w.op, ": the root, rank ", w.root,
+                ", failed or was masked before its part of the op was in place");
+}
+
 // The Work of an op launched on the caller's current stream (on the
 // device-driven kernels, outside the op queue): the host's part is done
 // when it is returned; the device's is ordered on that stream like any kernel
 // the caller queued there. Under CUDA graph capture it is part of the graph:
-// wait() does nothing then, and the future is completed on the host.
+// wait() does nothing then, and the future is completed on the host. With
+// watched launches, wait() first waits on the host for them and raises what
+// they found (raise_outcome), once; their slots go back then, or with the Work.
 class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
  public:
   DeviceWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, int device,
-             c10::cuda::CUDAStream stream, bool captured, int slots)
+             c10::cuda::CUDAStream stream, bool captured, int slots,
+             std::vector<WatchedLaunch> watched = {})
       : Work(rank, type),
         outputs_(std::move(outputs)),
         device_(device),
+        me_(rank),
         stream_(stream),
         captured_(captured),
         host_(c10::make_intrusive<MooncakeWork>(rank, type, done_request(), outputs_,
-                                                std::weak_ptr<OpQueue>{}, slots)) {}
+                                                std::weak_ptr<OpQueue>{}, slots)),
+        watched_(std::move(watched)) {
+    if (watched_.empty()) return;
+    launched_ = make_event(true);
+    launched_->record(stream_.stream());
+  }
 
   bool isCompleted() override {
     if (captured_) return true;
@@ -214,7 +265,8 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
   MooncakeWork& mooncake_work() const override { return *host_; }
 
   bool wait(std::chrono::milliseconds) override {
-    synchronize();
+    synchronize();  // first: a caller that catches what it raises still gets the order
+    check_watched();
     return true;
   }
   // The caller's current stream waits for the op (nothing to do on the
@@ -250,13 +302,35 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
     return r;
   }
 
+  void check_watched() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (launched_) {
+      // Bounded: every wait in the launch has its deadline. Another thread may
+      // be capturing meanwhile.
+      const RelaxedCapture relaxed;
+      launched_->wait();
+      launched_.reset();
+      try {
+        for (const WatchedLaunch& w : watched_) raise_outcome(w, me_);
+      } catch (...) {
+        error_ = std::current_exception();
+      }
+      watched_.clear();  // the slots go back
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
   std::vector<at::Tensor> outputs_;
   const int device_;
+  const int me_;
   const c10::cuda::CUDAStream stream_;
   const bool captured_;
   c10::intrusive_ptr<MooncakeWork> host_;
   std::mutex mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<WatchedLaunch> watched_;
+  std::shared_ptr<CudaEvent> launched_;  // after the watched launches (null: checked)
+  std::exception_ptr error_;             // what they found
 };
 
 // One op's host copies of its device tensors. CPU tensors pass through

@@ -13,9 +13,10 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
   plane or the staged path, each where it should;
 * the device-driven kernels (up to ``MOONCAKE_CUDA_DIRECT_BYTES``: eagerly all_reduce,
   all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes
-  and their coalesced forms; under CUDA graph capture the rooted ops, the list forms and
-  all_to_all_single with equal split sizes too, which eagerly take the device plane at
-  any size): all_reduce one-shot and two-shot, and every other op, equal to the
+  and their coalesced forms, the rooted ops and the list forms of all_gather and
+  reduce_scatter; under CUDA graph capture all_gather_coalesced, all_to_all's list form
+  and all_to_all_single with equal split sizes too, which eagerly take the device plane
+  at any size): all_reduce one-shot and two-shot, and every other op, equal to the
   host-driven paths (a ``MOONCAKE_CUDA_DIRECT=off`` group) and the reference bit for bit;
   one graph of every capturable op replayed with new inputs; which ops cannot be
   captured, and that capture needs one eager call first; and, in a launch of its own
@@ -266,11 +267,11 @@ def _usable(ctx, what):
 
 def bad_input(ctx):
     """Mixed CPU/CUDA tensors raise ValueError naming the argument on every rank; so does
-    one rank's bad call of a list form (its host round checks every rank's call: the
-    others' errors name that rank). One rank's bad call of a tensor form, which the
-    device-driven kernels serve (no host round): that rank raises, naming the argument, after
-    taking part without data; the others' op completes with its part zero-filled. The group
-    goes on. (A tensor on another GPU than the rank's is rejected the same way:
+    one rank's bad call of a list form, or a root's bad gather_list (the kernels' launch
+    is watched: that rank raises naming the argument, after taking part without data, and
+    the others' Works raise naming that rank). One rank's bad call of a tensor form (not
+    watched): that rank raises, naming the argument, after taking part without data; the
+    others' op completes with its part zero-filled. The group goes on. (A tensor on another GPU than the rank's is rejected the same way:
     ``other_gpu``, with 2 GPUs.)"""
     world, me = ctx.world_size, ctx.rank
     x = torch.ones(4, device="cuda")
@@ -283,6 +284,12 @@ def bad_input(ctx):
         with ctx.expect_raises(ValueError, ("tensor_list", "rank 0")):
             dist.all_gather(out, x)
         _usable(ctx, "one rank's bad call")
+        # A root's list one short (on the kernels: the root takes part without data, and
+        # the others' Works raise what their launches found).
+        parts = [torch.empty(4, device="cuda") for _ in range(world - 1)] if bad else None
+        with ctx.expect_raises(ValueError, ("gather_list", "rank 0")):
+            dist.gather(x, parts, dst=0)
+        _usable(ctx, "a root's bad gather_list")
     # Rank 0's output on the CPU: the op is decided from the input (on the GPU everywhere).
     y = torch.full((4,), float(me + 1), device="cuda")
     if me == 0:
@@ -314,7 +321,7 @@ def split_mismatch(ctx):
 def subgroup(ctx):
     """A subgroup of the even ranks (its own device segments, mapped among its members) and
     the world group, used in turn; 128 KiB all_reduce, on the device-driven kernels of each
-    (set up per group); and a 128 KiB gather on the subgroup's device plane."""
+    (set up per group), and a 128 KiB gather on the subgroup's kernels."""
     world, n = ctx.world_size, 1 << 15
     ranks = list(range(0, world, 2))
     g = dist.new_group(ranks)
@@ -327,8 +334,7 @@ def subgroup(ctx):
             ctx.expect(bool((x == want).all()), f"subgroup all_reduce {i}: {x[0].item()}")
             parts = [_garbage((n,), torch.float32) for _ in ranks] if ctx.rank == 0 else None
             got = _paths(lambda x=x, p=parts: dist.gather(x, p, dst=0, group=g), g, direct=True)
-            want_paths = _plane_or_alone(len(ranks))
-            ctx.expect(got == want_paths, f"subgroup gather {i}: (device, staged, direct) {got}")
+            ctx.expect(got == DIRECT, f"subgroup gather {i}: (device, staged, direct) {got}")
             for j, p in enumerate(parts or []):
                 ctx.expect(bool((p == want).all()), f"subgroup gather {i} [{j}]: {p[0].item()}")
         y = torch.full((n,), float(ctx.rank + 1), device="cuda")
@@ -374,14 +380,14 @@ def op_paths(ctx):
     device-driven kernels, at any size up to MOONCAKE_CUDA_DIRECT_BYTES (4 KiB, below
     MOONCAKE_CUDA_PLANE_MIN_BYTES, and 128 KiB): all_reduce, all_gather_into_tensor,
     reduce_scatter_tensor, all_to_all_single without split sizes, all_reduce_coalesced
-    (one device op, a direct op per tensor), and a reduce_scatter_tensor whose whole input
-    is 8 MiB. On the device plane at any size, also below MOONCAKE_CUDA_PLANE_MIN_BYTES
-    (the kernels serve them under capture only; the eager call sets them up): broadcast,
-    reduce, gather, scatter (4 KiB and 128 KiB), all_gather, all_gather_coalesced,
-    reduce_scatter at 4 KiB; all_to_all_single with split sizes and all_to_all at any size;
-    a reduce_scatter_tensor whose whole input is 4 bytes per rank past 8 MiB (the bound
-    counts every part). At one rank all of those take the kernels' path (a local copy).
-    CPU tensors in the same group counted as none."""
+    (one device op, a direct op per tensor), broadcast, reduce, gather, scatter (4 KiB and
+    128 KiB), all_gather and reduce_scatter at 4 KiB, and a reduce_scatter_tensor whose
+    whole input is 8 MiB. On the device plane at any size, also below
+    MOONCAKE_CUDA_PLANE_MIN_BYTES (the kernels serve them under capture only; the eager
+    call sets them up): all_gather_coalesced; all_to_all_single with split sizes and
+    all_to_all at any size; a reduce_scatter_tensor whose whole input is 4 bytes per rank
+    past 8 MiB (the bound counts every part). At one rank all of those take the kernels'
+    path (a local copy). CPU tensors in the same group counted as none."""
     world, me, last, n = ctx.world_size, ctx.rank, ctx.world_size - 1, 1 << 15
 
     def expect(what, fn, want):
@@ -393,12 +399,12 @@ def op_paths(ctx):
     out = torch.empty(world * n, device="cuda")
     expect("128 KiB all_reduce", lambda: dist.all_reduce(x), DIRECT)
     expect("128 KiB all_gather_into_tensor", lambda: dist.all_gather_into_tensor(out, x), DIRECT)
-    expect("128 KiB reduce", lambda: dist.reduce(x, dst=last), ROOTED)
-    expect("128 KiB broadcast", lambda: dist.broadcast(x, 0), ROOTED)
+    expect("128 KiB reduce", lambda: dist.reduce(x, dst=last), DIRECT)
+    expect("128 KiB broadcast", lambda: dist.broadcast(x, 0), DIRECT)
     small = torch.ones(1024, device="cuda")
     expect("4 KiB all_reduce", lambda: dist.all_reduce(small), DIRECT)
-    expect("4 KiB broadcast", lambda: dist.broadcast(small, last), ROOTED)
-    expect("4 KiB reduce", lambda: dist.reduce(small, dst=0), ROOTED)
+    expect("4 KiB broadcast", lambda: dist.broadcast(small, last), DIRECT)
+    expect("4 KiB reduce", lambda: dist.reduce(small, dst=0), DIRECT)
     m = 1024 // world
     rs_in, rs_out = torch.ones(world * m, device="cuda"), torch.empty(m, device="cuda")
     expect("4 KiB reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(rs_out, rs_in), DIRECT)
@@ -414,14 +420,14 @@ def op_paths(ctx):
     expect("all_reduce_coalesced of 3", lambda: dist.all_reduce_coalesced(three), (1, 0, 3))
     for label, t in (("128 KiB", x), ("4 KiB", small)):
         parts = [torch.empty_like(t) for _ in range(world)] if me == 0 else None
-        expect(f"{label} gather", lambda t=t, p=parts: dist.gather(t, p, dst=0), ROOTED)
+        expect(f"{label} gather", lambda t=t, p=parts: dist.gather(t, p, dst=0), DIRECT)
         chunks = [p.clone() for p in parts] if parts else None
-        expect(f"{label} scatter", lambda t=t, c=chunks: dist.scatter(t, c, src=0), ROOTED)
+        expect(f"{label} scatter", lambda t=t, c=chunks: dist.scatter(t, c, src=0), DIRECT)
     listed = [torch.empty(1024, device="cuda") for _ in range(world)]
-    expect("4 KiB all_gather", lambda: dist.all_gather(listed, small), ROOTED)
+    expect("4 KiB all_gather", lambda: dist.all_gather(listed, small), DIRECT)
     lists = [[torch.empty(1024, device="cuda") for _ in range(world)]]
     expect("4 KiB all_gather_coalesced", lambda: dist.all_gather_coalesced(lists, [small]), ROOTED)
-    expect("4 KiB reduce_scatter", lambda: dist.reduce_scatter(small, listed), ROOTED)
+    expect("4 KiB reduce_scatter", lambda: dist.reduce_scatter(small, listed), DIRECT)
     parts = [torch.ones(m, device="cuda") for _ in range(world)]
     got_parts = [torch.empty(m, device="cuda") for _ in range(world)]
     expect("4 KiB all_to_all", lambda: dist.all_to_all(got_parts, parts), ROOTED)
@@ -443,7 +449,7 @@ def op_paths(ctx):
 def spare_slots(ctx):
     """A group with a slot to spare (max_group_size one past the world size) is never alone,
     at world 1 either: a rank may join past the world size and take part. Eagerly its 4 KiB
-    all_reduce takes the kernels, its 4 KiB broadcast and 16 MiB all_reduce the device
+    all_reduce and its 4 KiB broadcast take the kernels, its 16 MiB all_reduce the device
     plane, as at any world."""
     from mooncake import pg
 
@@ -454,7 +460,7 @@ def spare_slots(ctx):
     got = _paths(lambda: dist.all_reduce(small, group=g), g, direct=True)
     ctx.expect(got == DIRECT, f"4 KiB all_reduce with a spare slot: {got}")
     got = _paths(lambda: dist.broadcast(small, 0, group=g), g, direct=True)
-    ctx.expect(got == PLANE, f"4 KiB broadcast with a spare slot: {got}")
+    ctx.expect(got == DIRECT, f"4 KiB broadcast with a spare slot: {got}")
     big = torch.ones(4 << 20, device="cuda")
     got = _paths(lambda: dist.all_reduce(big, group=g), g, direct=True)
     ctx.expect(got == PLANE, f"16 MiB all_reduce with a spare slot: {got}")
@@ -679,7 +685,7 @@ def graph_capture(ctx):
         _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
     b = torch.full((4,), float(me + 1), device="cuda")
     got = _paths(lambda: dist.broadcast(b, last, group=fresh), fresh, direct=True)
-    ctx.expect(got == _plane_or_alone(world), f"16-byte eager broadcast that sets up: {got}")
+    ctx.expect(got == DIRECT, f"16-byte eager broadcast that sets up: {got}")
     ctx.expect_equal(b.cpu(), torch.full((4,), float(world)), "the broadcast that set up")
     g = torch.cuda.CUDAGraph()
     with _graph(g):
@@ -692,21 +698,25 @@ def graph_capture(ctx):
     n = 1024  # 4 KiB: on the plane all the same (the kernels could serve it)
     parts = [_garbage((n,), torch.float32) for _ in range(world)]
     mine = torch.full((n,), float(me + 1), device="cuda")
-    got = _paths(lambda: dist.all_gather(parts, mine, group=listed), listed, direct=True)
-    ctx.expect(got == _plane_or_alone(world), f"4 KiB all_gather that sets up: {got}")
+
+    def gather_coalesced():
+        dist.all_gather_coalesced([parts], [mine], group=listed)
+
+    got = _paths(gather_coalesced, listed, direct=True)
+    ctx.expect(got == _plane_or_alone(world), f"4 KiB all_gather_coalesced that sets up: {got}")
     g = torch.cuda.CUDAGraph()
     try:
         with _graph(g):
-            dist.all_gather(parts, mine, group=listed)
+            gather_coalesced()
     except (ValueError, RuntimeError) as e:
-        ctx.fail(f"all_gather under capture after an eager all_gather: {type(e).__name__}: {e}")
+        ctx.fail(f"all_gather_coalesced under capture after an eager one: {type(e).__name__}: {e}")
     else:
         mine.fill_(float(-me - 1))
         for p in parts:
             p.fill_(0.0)
         g.replay()
         want = torch.cat([torch.full((n,), float(-r - 1)) for r in range(world)])
-        ctx.expect_equal(torch.cat(parts).cpu(), want, "all_gather replay after set-up")
+        ctx.expect_equal(torch.cat(parts).cpu(), want, "all_gather_coalesced replay after set-up")
     for grp in (small, off, fresh, listed):
         dist.destroy_process_group(grp)
     _usable(ctx, "graph capture")
@@ -1045,14 +1055,19 @@ def _capture_only_forms(ctx, dtype, op: str, n: int) -> list[tuple]:
     return forms
 
 
+#: The ops of _capture_only_forms that take the kernels eagerly too, by first word.
+WATCHED = ("broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter")
+
+
 def direct_matches_host_captured(ctx):
-    """The ops the device-driven kernels take under CUDA graph capture only: per dtype and
+    """The ops the device-driven kernels took under CUDA graph capture only: per dtype and
     op of OPS_SWEEP and size of OPS_SIZES, broadcast and reduce (roots 0 and last),
     all_gather, all_gather_coalesced (two tensors), gather and scatter (roots 0 and last),
     reduce_scatter, all_to_all with parts of one size and all_to_all_single with equal
     split sizes. Each is called eagerly on a MOONCAKE_CUDA_DIRECT=off group (the device
-    plane, or staged below 64 KiB) and on the world group (the device plane, at any size;
-    at one rank the kernels' path, a local copy);
+    plane, or staged below 64 KiB) and on the world group (the kernels for the WATCHED
+    ops; the others the device plane, at any size, or at one rank the kernels' path, a
+    local copy);
     then all are captured in one graph on the world group (the capture counts each on the
     device-driven kernels) and replayed once. Every output equals the reference bit for
     bit."""
@@ -1063,7 +1078,10 @@ def direct_matches_host_captured(ctx):
             what = f"{dtype} {op} n{n}"
             forms = _capture_only_forms(ctx, dtype, op, n)
             for name, call, want, k in forms:
-                eager = (_plane_or_alone(ctx.world_size, k),)
+                # The rooted ops and the list forms of all_gather and reduce_scatter take the
+                # kernels eagerly too (their eager launches watched).
+                watched = name.split()[0] in WATCHED and n * 8 * ctx.world_size <= DIRECT_BYTES
+                eager = ((1, 0, k),) if watched else (_plane_or_alone(ctx.world_size, k),)
                 for label, grp, paths in (("off", off, (PLANE, STAGED)), ("eager", None, eager)):
                     outs: list[torch.Tensor] = []
                     got = _paths(lambda c=call, g=grp, o=outs: o.extend(c(g)), grp, direct=True)
@@ -1429,10 +1447,10 @@ def placement(ctx):
 
 
 def other_gpu(ctx):
-    """Rank 0's input on another GPU than its rank's. all_gather (a list form: its host
-    round checks every rank's call): ValueError on every rank (rank 0's names the argument
-    and the device, the others' rank 0). all_gather_into_tensor (on the device-driven
-    kernels, no host round): rank 0 raises ValueError naming the device, having taken part
+    """Rank 0's input on another GPU than its rank's. all_gather (a list form, its launch
+    watched): ValueError on every rank (rank 0's names the argument and the device, the
+    others' rank 0). all_gather_into_tensor (on the device-driven kernels, not watched):
+    rank 0 raises ValueError naming the device, having taken part
     without data; the others' op completes with rank 0's part zero-filled. The group goes
     on."""
     gpus, world, me = torch.cuda.device_count(), ctx.world_size, ctx.rank

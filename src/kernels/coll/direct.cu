@@ -166,13 +166,21 @@ __device__ uint64_t seal_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
   return v;
 }
 
-// Step 2, for rank j (a thread each): whether it takes part in op `seq`
-// (`fenced`: this rank's own signal was, by a peer).
+// Why a peer is out of an op, beside kOut (masked, fenced or retired), for
+// the outcome of a watched launch.
+constexpr int32_t kIn = 1;
+constexpr int32_t kOut = 0;
+constexpr int32_t kOutRejected = -1;
+constexpr int32_t kOutMismatched = -2;
+constexpr int32_t kOutStale = -3;
+
+// Step 2, for rank j (a thread each): kIn where it takes part in op `seq`,
+// else why not (`fenced`: this rank's own signal was, by a peer).
 __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t seq, uint32_t gen,
                           uint64_t deadline, bool fenced) {
-  if (j == st->rank) return a.shape != kShapeRejected && !fenced ? 1 : 0;
+  if (j == st->rank) return a.shape != kShapeRejected && !fenced ? kIn : kOut;
   uint8_t* area = st->areas[j];
-  if (area == nullptr) return 0;
+  if (area == nullptr) return kOut;
   auto* signal = reinterpret_cast<uint64_t*>(area + DirectLayout::kInputSignal);
   const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
   const auto ready = [gen, seq](uint64_t v) {
@@ -190,21 +198,42 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
   }
   if (!settled(v)) {  // fenced, here or by another rank: out at every rank
     if (came) report_masked(st, j);
-    return 0;
+    return kOut;
   }
-  if (a.shape == kShapeRejected) return 0;  // this rank only takes part
+  if (a.shape == kShapeRejected) return kOut;  // this rank only takes part
   if (tag_gen(v) != gen || tag_ahead(v, seq) > 1) {
     // A newer generation: the others set up again without this rank. The
     // same one, two ops ahead: they masked this rank (silent past their
     // deadline) and went on. take_reports tells the two apart.
     report(a.c.status, kStatusDirectStale, j, static_cast<int>(tag_gen(v)));
-    return 0;
+    return kOutStale;
   }
   const uint64_t shape =
       *reinterpret_cast<const volatile uint64_t*>(area + DirectLayout::shape(seq));
-  if (shape == a.shape) return 1;
-  report(a.c.status, shape == kShapeRejected ? kStatusDirectRejected : kStatusDirectMismatch, j, 0);
-  return 0;
+  if (shape == a.shape) return kIn;
+  const bool rejected = shape == kShapeRejected;
+  report(a.c.status, rejected ? kStatusDirectRejected : kStatusDirectMismatch, j, 0);
+  return rejected ? kOutRejected : kOutMismatched;
+}
+
+// Block 0's thread 0, once every rank is decided (`why`: decide's answers):
+// the outcome of a watched launch, the ticket last.
+__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks) {
+  DirectOutcome o{};
+  for (int j = 0; j < ranks; ++j) {
+    const uint64_t bit = uint64_t{1} << j;
+    if (why[j] == kIn) o.took |= bit;
+    if (why[j] == kOutRejected) o.rejected |= bit;
+    if (why[j] == kOutMismatched) o.mismatched |= bit;
+    if (why[j] == kOutStale) o.stale |= bit;
+  }
+  volatile DirectOutcome* out = a.outcome;
+  out->took = o.took;
+  out->rejected = o.rejected;
+  out->mismatched = o.mismatched;
+  out->stale = o.stale;
+  __threadfence_system();
+  out->ticket = a.ticket;
 }
 
 // Whether rank j's two-shot share of op `seq` is in its area (else this
@@ -287,10 +316,14 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
         report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
     }
     __syncthreads();
+    __shared__ int32_t s_why[kDirectMaxRanks];
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
-    for (int j = threadIdx.x; j < R; j += blockDim.x)
-      st->sources[j] = decide(a, st, j, seq, gen, deadline, s_fenced);
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+      s_why[j] = decide(a, st, j, seq, gen, deadline, s_fenced);
+      st->sources[j] = s_why[j] == kIn ? 1 : 0;
+    }
     __syncthreads();
+    if (threadIdx.x == 0 && a.outcome != nullptr) write_outcome(a, s_why, R);
   }
   if (multi && threadIdx.x == 0) {
     if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);

@@ -260,6 +260,19 @@ struct DirectState {
   int32_t sources[kDirectMaxRanks];  // this launch's decision (block 0 writes, the grid reads)
 };
 
+// What a watched launch found (host-mapped; DirectOps::Outcomes leases one per
+// launch): block 0 writes the bits, fences, then the ticket the host gave the
+// launch, so the host that waited for the launch knows the words are this
+// launch's. Bit j stands for rank j (kDirectMaxRanks is 64).
+struct DirectOutcome {
+  uint64_t took;        // ranks whose input the op took in (this rank too)
+  uint64_t rejected;    // peers that rejected their arguments
+  uint64_t mismatched;  // peers that called another op, or another root, count, dtype or op
+  uint64_t stale;       // peers that had gone on without this rank
+  uint64_t ticket;      // written last
+};
+static_assert(kDirectMaxRanks <= 64, "DirectOutcome holds a bit per rank");
+
 struct DirectArgs {
   DirectKind kind;
   int root;  // of a rooted kind (0 otherwise)
@@ -289,6 +302,10 @@ struct DirectArgs {
   // in and out are 16-byte aligned, and so are a part's size and the stride
   // where an input or output holds several
   bool vec;
+  // Where block 0 leaves what it decided (device view of host memory; null:
+  // nowhere), and the ticket it writes last.
+  DirectOutcome* outcome;
+  uint64_t ticket;
 };
 
 // Queues one launch of `blocks` blocks on `stream`; returns its cudaError_t.

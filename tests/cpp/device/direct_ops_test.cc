@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -1008,6 +1009,80 @@ TEST(DirectOps, KindsAndRootsThatDisagreeLeaveEachOtherOut) {
         call(DirectKind::kAllToAll, DType::kFloat32, RedOp::kSum, n, 0, both, "all_to_all");
         call(DirectKind::kBroadcast, DType::kInt8, RedOp::kSum, 5, 1, both, "broadcast");
         call(DirectKind::kReduce, DType::kFloat32, RedOp::kSum, n, 0, both, "reduce");
+      },
+      {60000});
+}
+
+// A watched launch leaves, in its leased slot, which ranks took part and why
+// a peer did not (DirectOutcomes): a clean call, a peer that rejected its
+// call, a peer that called another kind. A slot no launch wrote reads as
+// nothing; slots go back and are used again (600 launches, 300 in flight at
+// once, past a chunk of slots), each read under its own ticket.
+TEST(DirectOps, WatchedLaunchesLeaveWhoTookPartAndWhy) {
+  MC_REQUIRE_GPU();
+  run_ranks(
+      2,
+      [](Rank& r) {
+        GpuRank g(r);
+        DeviceCollectives c(g.comm, r.store, "w/", g.device, options(Direct::kAuto));
+        const int me = r.rank;
+        const size_t n = 64;
+        DeviceArray<float> x(std::vector<float>(2 * n, 1.0f)), y(2 * n);
+        // One watched call (`reject`: this rank's call is bad); its outcome.
+        auto watched = [&](DirectKind kind, const char* reject = nullptr) {
+          mooncake::DirectOutcomes::Lease lease = c.direct_watch();
+          EXPECT_FALSE(lease.read().has_value()) << "a slot no launch wrote";
+          DirectOp op = make_op(kind, x.get(), y.get(), n, DType::kFloat32);
+          op.outcome = lease.device();
+          op.ticket = lease.ticket();
+          c.direct(op, g.stream, 60000, reject);
+          sync(g.stream);
+          const auto o = lease.read();
+          EXPECT_TRUE(o.has_value()) << "the launch wrote its slot";
+          return o.value_or(mooncake::kernels::DirectOutcome{});
+        };
+        // Sets the path up (a launch of its own, unwatched).
+        direct_all_reduce(c, x.get(), y.get(), n, DType::kFloat32, RedOp::kSum, g.stream);
+        sync(g.stream);
+        auto o = watched(DirectKind::kBroadcast);
+        EXPECT_EQ(o.took, 3u);
+        EXPECT_EQ(o.rejected | o.mismatched | o.stale, 0u);
+        // Rank 1 rejects its call: it takes part without data (in nothing of
+        // its own); rank 0 finds it rejected.
+        o = watched(DirectKind::kGather, me == 1 ? "bad gather_list" : nullptr);
+        EXPECT_EQ(o.took, me == 0 ? 1u : 0u) << "rank " << me;
+        EXPECT_EQ(o.rejected, me == 0 ? 2u : 0u) << "rank " << me;
+        EXPECT_EQ(o.mismatched | o.stale, 0u);
+        // Another kind at each: each finds the other mismatched, itself in.
+        o = watched(me == 0 ? DirectKind::kBroadcast : DirectKind::kAllGather);
+        EXPECT_EQ(o.took, 1u << me);
+        EXPECT_EQ(o.mismatched, 1u << (1 - me));
+        EXPECT_EQ(o.rejected | o.stale, 0u);
+        // Slots reused: 600 launches, 300 in flight at once, every outcome its own.
+        for (int batch = 0; batch < 2; ++batch) {
+          std::vector<mooncake::DirectOutcomes::Lease> leases;
+          std::vector<uint64_t> tickets;
+          for (int i = 0; i < 300; ++i) {
+            leases.push_back(c.direct_watch());
+            DirectOp op = make_op(DirectKind::kAllReduce, x.get(), y.get(), n, DType::kFloat32);
+            op.outcome = leases.back().device();
+            op.ticket = leases.back().ticket();
+            tickets.push_back(op.ticket);
+            c.direct(op, g.stream, 60000);
+          }
+          sync(g.stream);
+          for (size_t i = 0; i < leases.size(); ++i) {
+            const auto got = leases[i].read();
+            ASSERT_TRUE(got.has_value()) << "launch " << i << " of batch " << batch;
+            EXPECT_EQ(got->took, 3u) << "launch " << i;
+          }
+          std::sort(tickets.begin(), tickets.end());
+          EXPECT_EQ(std::unique(tickets.begin(), tickets.end()), tickets.end());
+        }
+        const std::vector<float> last = y.take();
+        EXPECT_EQ(std::vector<float>(last.begin(), last.begin() + n), std::vector<float>(n, 2.0f))
+            << "the last all_reduce";
+        EXPECT_TRUE(c.direct_ready());
       },
       {60000});
 }

@@ -5,12 +5,13 @@
 Every op the device plane serves, on inputs that take it (``MOONCAKE_CUDA_PLANE_MIN_BYTES=0``)
 through a 64 KiB segment (``MOONCAKE_CUDA_SEGMENT_BYTES``), so that the larger ones move
 through it in pieces, and isend/irecv (staged) beside them. all_reduce,
-all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes and
-all_reduce_coalesced whose input (every part of it) is at most 16 KiB
-(``MOONCAKE_CUDA_DIRECT_BYTES``) run on the device-driven kernels, the larger ones, the
-rooted ops, the list forms and all_to_all_single with split sizes on the host-driven plane;
-then the ops the kernels take under CUDA graph capture only are captured in a graph and
-replayed, so that both paths of every op are exercised. Each output starts as garbage (NaN, or a sentinel for integers) and is checked against a reference
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes,
+all_reduce_coalesced, the rooted ops and the list forms of all_gather and reduce_scatter
+whose input (every part of it) is at most 16 KiB (``MOONCAKE_CUDA_DIRECT_BYTES``) run on
+the device-driven kernels, the larger ones, all_to_all's list form and all_to_all_single
+with split sizes on the host-driven plane; then the ops the kernels took eagerly under a
+watch, or not at all, are captured in a graph and replayed, so that both paths of every
+op are exercised. Each output starts as garbage (NaN, or a sentinel for integers) and is checked against a reference
 computed here from every rank's inputs, which each rank can regenerate (small integers, so
 that any summation order is exact). Each op's path is checked too (``pg.get_op_paths``: the
 device-driven kernels, the plane, or staged), so a bypassed plane or kernel fails the round.
@@ -51,7 +52,8 @@ DIRECT_BYTES = 16 << 10
 def kernel(nbytes: int) -> str:
     """The eager path of an op the device-driven kernels take eagerly (all_reduce,
     all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes,
-    the coalesced forms) whose input (every part of it) is ``nbytes``."""
+    the coalesced forms, the rooted ops, all_gather and reduce_scatter) whose input (every
+    part of it) is ``nbytes``."""
     return "direct" if nbytes <= DIRECT_BYTES else "plane"
 
 
@@ -128,7 +130,7 @@ class Round:
         for src in range(world):
             xs = self.inputs(f"bc{src}", (3001,))
             x = xs[me].cuda() if me == src else garbage((3001,), torch.float32)
-            self.path(f"broadcast from {src}", "plane", dist.broadcast, x, src)
+            self.path(f"broadcast from {src}", kernel(x.nbytes), dist.broadcast, x, src)
             self.same(f"broadcast from {src}", x, xs[src])
         n = 2003
         xs = self.inputs("ag", (n,), torch.bfloat16)
@@ -142,7 +144,7 @@ class Round:
         )
         self.same("all_gather_into_tensor", out, torch.cat(xs))
         outs = [garbage((n,), torch.bfloat16) for _ in range(world)]
-        self.path("all_gather", "plane", dist.all_gather, outs, xs[me].cuda())
+        self.path("all_gather", kernel(n * 2), dist.all_gather, outs, xs[me].cuda())
         for r in range(world):
             self.same(f"all_gather [{r}]", outs[r], xs[r])
         for op in (R.SUM, R.MAX):
@@ -165,7 +167,7 @@ class Round:
         out = garbage((n,), torch.int64)
         self.path(
             "reduce_scatter",
-            "plane",
+            kernel(world * n * 8),
             dist.reduce_scatter,
             out,
             [lists[r][me].cuda() for r in range(world)],
@@ -210,19 +212,19 @@ class Round:
         me, world = self.rank, self.world
         xs = self.inputs("red", (999,))
         x = xs[me].cuda()
-        self.path("reduce", "plane", dist.reduce, x, dst=world - 1)
+        self.path("reduce", kernel(x.nbytes), dist.reduce, x, dst=world - 1)
         if me == world - 1:
             self.same("reduce", x, reduce_all(xs, R.SUM))
         xs = self.inputs("ga", (500,))
         parts = [garbage((500,), torch.float32) for _ in range(world)] if me == 0 else None
-        self.path("gather", "plane", dist.gather, xs[me].cuda(), parts, dst=0)
+        self.path("gather", kernel(500 * 4), dist.gather, xs[me].cuda(), parts, dst=0)
         if me == 0:
             for r in range(world):
                 self.same(f"gather [{r}]", parts[r], xs[r])
         chunks = self.inputs("sc", (300,))
         out = garbage((300,), torch.float32)
         src_list = [c.cuda() for c in chunks] if me == 0 else None
-        self.path("scatter", "plane", dist.scatter, out, src_list, src=0)
+        self.path("scatter", kernel(world * 300 * 4), dist.scatter, out, src_list, src=0)
         self.same("scatter", out, chunks[me])
         nxt, prv = (me + 1) % world, (me - 1) % world
         mine = data(me, "p2p", (4097,), torch.int64, world).cuda()
@@ -239,8 +241,8 @@ class Round:
             self.same(f"all_reduce_coalesced [{i}]", y, reduce_all(xs[i], R.MAX))
 
     def captured_ops(self) -> None:
-        """The ops the device-driven kernels take under CUDA graph capture only (eagerly
-        they took the plane above): broadcast from 0, reduce to the last rank, gather to 0,
+        """The ops the device-driven kernels take under CUDA graph capture (eagerly they
+        took the kernels watched, or the plane, above): broadcast from 0, reduce to the last rank, gather to 0,
         scatter from the last rank, all_gather, reduce_scatter, all_to_all and
         all_to_all_single with equal split sizes, captured in one graph (each counted once
         on the kernels) and replayed once into outputs refilled with garbage."""
