@@ -550,6 +550,14 @@ void DeviceCollectives::direct_prepare(const DirectOp& op, cudaStream_t stream,
   direct_set_up(probe, stream, timeout_ms);
 }
 
+uint64_t DeviceCollectives::direct_members() const {
+  uint64_t bits = 0;
+  const int n = std::min(comm_.size(), 64);
+  for (int p = 0; direct_ && p < n; ++p)
+    if (direct_->incarnation(p) != DirectOps::kNone) bits |= uint64_t{1} << p;
+  return bits;
+}
+
 void DeviceCollectives::direct_poll() {
   if (direct_)
     for (const std::string& line : direct_->take_reports())

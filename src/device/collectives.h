@@ -142,6 +142,15 @@ class DeviceCollectives {
   // Whether a launch needs no host op first: set up for the current view,
   // and this rank not left out. Under capture a caller must check it.
   bool direct_ready();
+  // The next launch sets up again first (a host op among the members, which
+  // meets a lost member, so that the survivors agree on their view): for a
+  // caller that found a launch masked a member. Every rank calls it at the
+  // same point of the op queue's order.
+  void direct_resync() {
+    if (direct_) direct_->invalidate();
+  }
+  // The ranks the last setup took in (bit per slot): a launch's members.
+  uint64_t direct_members() const;
   // Whether the group re-runs an op among the survivors of a failure (the
   // default, kRecoverRerun): then the device-driven ops' results where a rank
   // fails are the host-driven plane's.

@@ -103,6 +103,8 @@ class DirectOps {
   void install(const std::vector<uint8_t*>& areas, const std::vector<uint32_t>& incarnations,
                uint32_t gen, uint64_t epoch, cudaStream_t stream);
   bool installed() const { return installed_; }
+  // Until the next install, not installed (DeviceCollectives::direct_resync).
+  void invalidate() { installed_ = false; }
   uint64_t epoch() const { return epoch_; }
   uint32_t generation() const { return gen_; }
   // The incarnation of `slot`'s area at the last install (kNone: none).

@@ -470,6 +470,16 @@ bool MooncakeCudaBackend::checked_now(bool lists) {
   return coll_ && direct_now() && !(lists && comm().capacity() > size_);
 }
 
+bool MooncakeCudaBackend::settle_watched() {
+  bool lost = false;
+  for (const std::shared_ptr<WatchedOps>& w : watched_) {
+    w->check();
+    lost = lost || w->lost;
+  }
+  watched_.clear();
+  return lost;
+}
+
 bool MooncakeCudaBackend::capturing() const {
   return capture_status() != cudaStreamCaptureStatusNone;
 }
@@ -519,12 +529,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   for (const DirectCall& c : calls)
     if (reject.empty()) reject = c.reject;
   const int slots = static_cast<int>(MooncakeBackend::active_ranks().numel());
+  // A watched launch since the last such op masked a member: this op sets the
+  // kernels up again on the op queue, which has the survivors agree on their
+  // view (under capture it waits for the next eager op).
+  const bool resync = !captured && settle_watched();
   // The op queue is idle (else it may be polling itself): what finished
   // launches reported counts before deciding, so that a launch here needs no
   // host op.
   const bool idle = host_idle();
   if (idle) coll_->direct_poll();
-  const bool ready = idle && coll_->direct_ready();
+  const bool ready = idle && !resync && coll_->direct_ready();
   if (captured) {
     // Asked again, after the queries above: an error below must not hide a
     // capture that broke meanwhile (its end would fail whatever we raise).
@@ -554,8 +568,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
       run_direct(*coll_, c, caller.stream(), timeout, false, size_ == 1);
     }
     MC_CHECK_ARG(reject.empty(), reject);
+    std::shared_ptr<WatchedOps> ops;
+    if (!watched.empty()) {
+      ops = std::make_shared<WatchedOps>(std::move(watched), rank_, coll_->direct_members(),
+                                         caller.stream());
+      watched_.push_back(ops);
+    }
     return c10::make_intrusive<DeviceWork>(rank_, type, std::move(results), device_, caller,
-                                           captured, slots, std::move(watched));
+                                           captured, slots, std::move(ops));
   }
   // In the op queue's order: its first call sets the kernels up, with a host op.
   Staging s(*this, name, Kind::kCollective);
@@ -567,24 +587,28 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   }
   const auto n = static_cast<int64_t>(calls.size());
   const bool checked = reject.empty() && size_ > 1;
-  auto work = on_device(
-      s, type, std::move(results),
-      [calls = std::move(calls), timeout, checked, name, me = rank_](DeviceCollectives& c,
-                                                                     cudaStream_t st) {
-        std::vector<WatchedLaunch> watched;
-        for (DirectCall call : calls) {
-          // Alone past the kernels' bound: set up for the next calls, then a
-          // local copy.
-          const bool alone = c.direct_alone(timeout) && !c.direct_serves(call.op, timeout);
-          if (alone) c.direct_prepare(call.op, st, timeout);
-          if (call.watch && checked && !alone) watch(c, call, name, watched);
-          run_direct(c, call, st, timeout, true, alone);
-        }
-        if (watched.empty()) return;
-        // The Work raises what the launches found, as the plane's would.
-        cuda_check(cudaStreamSynchronize(st), "waiting for a device-driven launch");
-        for (const WatchedLaunch& w : watched) raise_outcome(w, me);
-      });
+  auto work = on_device(s, type, std::move(results),
+                        [calls = std::move(calls), timeout, checked, name, resync, me = rank_](
+                            DeviceCollectives& c, cudaStream_t st) {
+                          if (resync) c.direct_resync();
+                          std::vector<WatchedLaunch> watched;
+                          for (DirectCall call : calls) {
+                            // Alone past the kernels' bound: set up for the next calls, then a
+                            // local copy.
+                            const bool alone =
+                                c.direct_alone(timeout) && !c.direct_serves(call.op, timeout);
+                            if (alone) c.direct_prepare(call.op, st, timeout);
+                            if (call.watch && checked && !alone) watch(c, call, name, watched);
+                            run_direct(c, call, st, timeout, true, alone);
+                          }
+                          if (watched.empty()) return;
+                          // The Work raises what the launches found, as the plane's would; a
+                          // member lost sets the next op up again, here in the queue's order.
+                          WatchedOps ops(std::move(watched), me, c.direct_members(), st);
+                          ops.check();
+                          if (ops.lost) c.direct_resync();
+                          if (ops.error) std::rethrow_exception(ops.error);
+                        });
   direct_ops_ += n;
   queued(work);
   MC_CHECK_ARG(reject.empty(), reject);

@@ -58,6 +58,7 @@ namespace mooncake {
 
 class Staging;
 struct StagedOp;
+struct WatchedOps;
 
 // One op on the device-driven kernels: its kind, count, reduce op and root
 // (`op`; in and out are filled in when it runs); this rank's input, every
@@ -237,6 +238,12 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // list of world-size tensors, which a group with slots past its world size
   // may pass longer (extend_group_size_to): such a group keeps the plane.
   bool checked_now(bool lists);
+  // Checks every watched launch made since the last call (waiting for those
+  // not done yet): whether one found a member lost, which then the op being
+  // issued sets right on the op queue (DeviceCollectives::direct_resync). Every
+  // rank asks at the same op, after the same launches, all of whose outcomes
+  // agree: so every rank decides alike.
+  bool settle_watched();
   // Whether an op the kernels serve takes them now, where it may also take
   // the device plane: under capture, and eagerly when the group re-runs its
   // ops among the survivors of a failure (the default), whose results the
@@ -269,6 +276,9 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // the copies that bring its results back.
   std::shared_ptr<Request> last_request_;
   std::vector<std::shared_ptr<StagedOp>> last_stages_;
+  // The watched eager launches since the last op that took the kernels' path
+  // (settle_watched).
+  std::vector<std::shared_ptr<WatchedOps>> watched_;
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;

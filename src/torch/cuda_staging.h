@@ -222,31 +222,72 @@ inline void raise_outcome(const WatchedLaunch& w, int me) {
                 ", failed or was masked before its part of the op was in place");
 }
 
+// The checked launches of one op (DirectCall::watch), shared by its Work and
+// the backend: checked once, by whichever comes first, the Work's wait() or
+// the backend's next op (settle_watched), each on its own thread.
+struct WatchedOps {
+  WatchedOps(std::vector<WatchedLaunch> launches, int me, uint64_t members, cudaStream_t stream)
+      : launches(std::move(launches)), me(me), members(members), done(make_event(true)) {
+    done->record(stream);
+  }
+
+  // Waits for the launches on the host (bounded: every wait in them has its
+  // deadline), then reads what they found: the error to raise, and whether a
+  // member of the group (`members`, the view they were launched in) neither
+  // took part nor was refused for its call (lost, or fenced: the host's view
+  // must catch up, DeviceCollectives::direct_resync).
+  void check() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (checked) return;
+    checked = true;
+    {
+      const RelaxedCapture relaxed;  // another thread may be capturing meanwhile
+      done->wait();
+    }
+    for (const WatchedLaunch& w : launches) {
+      const std::optional<kernels::DirectOutcome> o = w.lease.read();
+      if (!o) continue;
+      const uint64_t refused = o->rejected | o->mismatched | o->stale;
+      if ((members & ~o->took & ~refused & ~(uint64_t{1} << me)) != 0) lost = true;
+    }
+    try {
+      for (const WatchedLaunch& w : launches) raise_outcome(w, me);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    launches.clear();  // the slots go back
+  }
+
+  std::vector<WatchedLaunch> launches;
+  const int me;
+  const uint64_t members;  // bit per slot
+  std::shared_ptr<CudaEvent> done;
+  std::mutex mu;
+  bool checked = false;
+  bool lost = false;
+  std::exception_ptr error;
+};
+
 // The Work of an op launched on the caller's current stream (on the
 // device-driven kernels, outside the op queue): the host's part is done
 // when it is returned; the device's is ordered on that stream like any kernel
 // the caller queued there. Under CUDA graph capture it is part of the graph:
 // wait() does nothing then, and the future is completed on the host. With
-// watched launches, wait() first waits on the host for them and raises what
-// they found (raise_outcome), once; their slots go back then, or with the Work.
+// watched launches, wait() also waits on the host for them and raises what
+// they found (raise_outcome).
 class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
  public:
   DeviceWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, int device,
              c10::cuda::CUDAStream stream, bool captured, int slots,
-             std::vector<WatchedLaunch> watched = {})
+             std::shared_ptr<WatchedOps> watched = nullptr)
       : Work(rank, type),
         outputs_(std::move(outputs)),
         device_(device),
-        me_(rank),
         stream_(stream),
         captured_(captured),
         host_(c10::make_intrusive<MooncakeWork>(rank, type, done_request(), outputs_,
                                                 std::weak_ptr<OpQueue>{}, slots)),
-        watched_(std::move(watched)) {
-    if (watched_.empty()) return;
-    launched_ = make_event(true);
-    launched_->record(stream_.stream());
-  }
+        watched_(std::move(watched)) {}
 
   bool isCompleted() override {
     if (captured_) return true;
@@ -266,7 +307,10 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
 
   bool wait(std::chrono::milliseconds) override {
     synchronize();  // first: a caller that catches what it raises still gets the order
-    check_watched();
+    if (watched_) {
+      watched_->check();
+      if (watched_->error) std::rethrow_exception(watched_->error);
+    }
     return true;
   }
   // The caller's current stream waits for the op (nothing to do on the
@@ -302,35 +346,14 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
     return r;
   }
 
-  void check_watched() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (launched_) {
-      // Bounded: every wait in the launch has its deadline. Another thread may
-      // be capturing meanwhile.
-      const RelaxedCapture relaxed;
-      launched_->wait();
-      launched_.reset();
-      try {
-        for (const WatchedLaunch& w : watched_) raise_outcome(w, me_);
-      } catch (...) {
-        error_ = std::current_exception();
-      }
-      watched_.clear();  // the slots go back
-    }
-    if (error_) std::rethrow_exception(error_);
-  }
-
   std::vector<at::Tensor> outputs_;
   const int device_;
-  const int me_;
   const c10::cuda::CUDAStream stream_;
   const bool captured_;
   c10::intrusive_ptr<MooncakeWork> host_;
   std::mutex mu_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::vector<WatchedLaunch> watched_;
-  std::shared_ptr<CudaEvent> launched_;  // after the watched launches (null: checked)
-  std::exception_ptr error_;             // what they found
+  std::shared_ptr<WatchedOps> watched_;  // null: none
 };
 
 // One op's host copies of its device tensors. CPU tensors pass through
