@@ -258,6 +258,17 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
                         k::direct_out_parts(op.kind, ranks_, true) <= 1;
   a.vec = aligned(op.in) && aligned(op.out) &&
           (one_part || ((op.count * a.esize) % 16 == 0 && (a.stride * a.esize) % 16 == 0));
+  a.list = op.list;
+  if (op.list != k::DirectList::kNone) {
+    const bool in = op.list == k::DirectList::kIn;
+    const size_t n = in ? k::direct_in_parts(op.kind, ranks_, rank_ == root)
+                        : k::direct_out_parts(op.kind, ranks_, rank_ == root);
+    MC_ASSERT(op.parts.size() == n && (in ? op.in : op.out) == nullptr);
+    for (size_t p = 0; p < n; ++p) {
+      a.parts[p] = op.parts[p];
+      a.vec = a.vec && aligned(op.parts[p]);
+    }
+  }
   a.outcome = op.outcome;
   a.ticket = op.ticket;
   cuda_check(static_cast<cudaError_t>(k::launch_direct(a, blocks, stream)),

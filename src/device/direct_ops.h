@@ -132,6 +132,11 @@ class DirectOps {
     // (DirectOutcomes::Lease).
     kernels::DirectOutcome* outcome = nullptr;
     uint64_t ticket = 0;
+    // A side given as one buffer per part (kernels::DirectList): `parts`, one
+    // per part of that side at this rank, `count` elements each (that side's
+    // in or out unused; no stride: an op in pieces offsets each).
+    kernels::DirectList list = kernels::DirectList::kNone;
+    std::vector<void*> parts;
     // `stride` as it applies: count where it is 0.
     size_t part_stride() const { return stride != 0 ? stride : count; }
   };

@@ -294,9 +294,16 @@ void launch_pieces(DeviceCollectives& c, const DirectOps::Op& op, size_t chunk, 
     piece.stride = op.part_stride();
     if (op.in != nullptr) piece.in = static_cast<const uint8_t*>(op.in) + first * esize;
     if (op.out != nullptr) piece.out = static_cast<uint8_t*>(op.out) + first * esize;
+    for (void*& p : piece.parts) p = static_cast<uint8_t*>(p) + first * esize;
     c.direct(piece, stream, timeout, reject, queued);
   }
 }
+
+bool all_contiguous(const std::vector<at::Tensor>& ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
+}
+
+at::Tensor cat_flat(const std::vector<at::Tensor>& list);
 
 // Queues `call` on `stream` (the current one) and, on it, the copies of its
 // results into the user's tensors where they were not the kernel's output.
@@ -311,20 +318,34 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     if (!alone) launch_pieces(c, op, call.chunk, stream, timeout, call.reject.c_str(), queued);
     return;
   }
-  if (alone && !call.out.defined() && call.in.defined() && !call.outs.empty() &&
-      call.in.numel() == static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()) {
+  // A list the kernel reads or writes at its tensors' own addresses (no copy
+  // through one flat tensor), where the op is one launch and every tensor of
+  // the list is contiguous; one side only.
+  const bool whole = !alone && call.chunk == 0;
+  const bool list_in = whole && !call.ins.empty() && all_contiguous(call.ins);
+  const bool list_out = whole && !list_in && !call.outs.empty() && all_contiguous(call.outs);
+  const at::Tensor given = call.ins.empty() || list_in ? call.in : cat_flat(call.ins);
+  if (alone && !call.out.defined() && given.defined() && !call.outs.empty() &&
+      given.numel() == static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()) {
     // A list form alone: each output straight from its part of the input, not
     // through a contiguous copy of them all.
-    copy_parts(call.in.reshape({-1}), call.outs);
+    copy_parts(given.reshape({-1}), call.outs);
     return;
   }
-  const at::Tensor out = contiguous_out(call);
+  const at::Tensor out = list_out ? at::Tensor() : contiguous_out(call);
   // In place (all_reduce, a root's broadcast or reduce): one buffer is both.
-  const bool same = call.in.defined() && call.out.defined() && call.in.is_same(call.out);
-  if (same && !out.is_same(call.out)) out.copy_(call.in);
-  const at::Tensor in = !call.in.defined() ? at::Tensor() : same ? out : call.in.contiguous();
+  const bool same = given.defined() && call.out.defined() && given.is_same(call.out);
+  if (same && !out.is_same(call.out)) out.copy_(given);
+  const at::Tensor in = !given.defined() ? at::Tensor() : same ? out : given.contiguous();
   op.in = in.defined() ? in.data_ptr() : nullptr;
   op.out = out.defined() ? out.data_ptr() : nullptr;
+  if (list_in) {
+    op.list = kernels::DirectList::kIn;
+    op.parts = ptrs(call.ins);
+  } else if (list_out) {
+    op.list = kernels::DirectList::kOut;
+    op.parts = ptrs(call.outs);
+  }
   if (alone) {
     if (op.in != nullptr && op.out != nullptr && op.in != op.out)
       cuda_check(
@@ -335,7 +356,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     launch_pieces(c, op, call.chunk, stream, timeout, nullptr, queued);
   }
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
-  copy_parts(out, call.outs);
+  if (!list_out) copy_parts(out, call.outs);
 }
 
 // The rejection of an op some of whose CUDA tensors are not on `device`.
@@ -582,6 +603,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   for (DirectCall& c : calls) {
     if (!c.reject.empty()) continue;  // its tensors are not touched
     if (c.in.defined()) s.keep(c.in);
+    for (const at::Tensor& t : c.ins) s.keep(t);
     if (c.out.defined()) c.out = s.device_out(c.out);
     for (at::Tensor& t : c.outs) t = s.device_out(t);
   }
@@ -1055,8 +1077,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
           is_root ? root_list("scatter", "scatter_list", inputs, out, "output tensor", size_, all)
                   : "";
       if (reject.empty()) reject = wrong_device("scatter", "tensors", device_, all);
-      const at::Tensor in = reject.empty() && is_root ? cat_flat(inputs[0]) : at::Tensor();
-      DirectCall call{op, in, out, {}, reject, chunk, true};
+      DirectCall call{op, {}, out, {}, reject, chunk, true};
+      if (reject.empty() && is_root) call.ins = inputs[0];
       return direct_run("scatter", c10d::OpType::SCATTER, {std::move(call)}, {out},
                         op_timeout_ms(opts.timeout));
     }
@@ -1112,8 +1134,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
           root_list("reduce_scatter", "input_list", inputs, out, "output", size_, all);
       if (reject.empty()) reject = wrong_device("reduce_scatter", "input_list", device_, inputs[0]);
       if (reject.empty()) reject = wrong_device("reduce_scatter", "output", device_, {out});
-      const at::Tensor in = reject.empty() ? cat_flat(inputs[0]) : at::Tensor();
-      DirectCall call{op, in, out, {}, reject, chunk, true};
+      DirectCall call{op, {}, out, {}, reject, chunk, true};
+      if (reject.empty()) call.ins = inputs[0];
       return direct_run("reduce_scatter", c10d::OpType::REDUCE_SCATTER, {std::move(call)}, {out},
                         op_timeout_ms(opts.timeout));
     }

@@ -67,7 +67,8 @@ struct WatchedOps;
 // call is bad: it takes part without data, so that the ranks stay in step,
 // then raises ValueError with it); `watch`: an eager launch leaves what it
 // found in a slot, and the Work's wait() raises it as the plane would
-// (raise_outcome, cuda_staging.h).
+// (raise_outcome, cuda_staging.h); `ins`: this rank's input as a list, one
+// tensor per part (then `in` is undefined).
 struct DirectCall {
   DirectOps::Op op;
   at::Tensor in, out;
@@ -78,6 +79,7 @@ struct DirectCall {
   // part.
   size_t chunk = 0;
   bool watch = false;
+  std::vector<at::Tensor> ins;
 };
 
 class MooncakeCudaBackend final : public MooncakeBackend {

@@ -286,7 +286,12 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   const size_t stride = stride_bytes / sizeof(T);
 
   // 1. The input into this rank's area.
-  if (data && a.in != nullptr) {
+  if (data && a.list == DirectList::kIn) {
+    const size_t parts = direct_in_parts(a.kind, R, root);
+    for (size_t p = 0; p < parts; ++p)
+      copy_in(own + L.input(seq) + p * part_bytes, static_cast<const uint8_t*>(a.parts[p]),
+              part_bytes, a.vec);
+  } else if (data && a.in != nullptr) {
     const size_t parts = direct_in_parts(a.kind, R, root);
     const auto* in = static_cast<const uint8_t*>(a.in);
     if (stride_bytes == part_bytes)
@@ -343,6 +348,11 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   const int n = s_n;
   if (!data || n == 0) return;  // a rejected call only takes part
   T* out = static_cast<T*>(a.out);
+  // Output part j of a multi-part output: in the caller's list, or `stride` apart.
+  auto out_part = [&](int j) -> T* {
+    return a.list == DirectList::kOut ? static_cast<T*>(a.parts[j])
+                                      : out + static_cast<size_t>(j) * stride;
+  };
   const uint8_t* const* areas = st->areas;
   // Where rank j's input starts in its area, when j takes part (else null).
   auto input_of = [&](int j) -> const uint8_t* {
@@ -366,14 +376,13 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
         if (!root) return;
         [[fallthrough]];
       case DirectKind::kAllGather:
-        for (int j = 0; j < R; ++j)
-          move_part<T>(input_of(j), out + static_cast<size_t>(j) * stride, part, unit, a.vec);
+        for (int j = 0; j < R; ++j) move_part<T>(input_of(j), out_part(j), part, unit, a.vec);
         return;
       case DirectKind::kAllToAll:
         for (int j = 0; j < R; ++j) {
           const uint8_t* from = input_of(j);
           move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr,
-                       out + static_cast<size_t>(j) * stride, part, unit, a.vec);
+                       out_part(j), part, unit, a.vec);
         }
         return;
       default: return;

@@ -273,6 +273,14 @@ struct DirectOutcome {
 };
 static_assert(kDirectMaxRanks <= 64, "DirectOutcome holds a bit per rank");
 
+// Which side of an op its caller gave as one buffer per part (DirectArgs::parts):
+// the torch backend's tensor lists, each at its own address.
+enum class DirectList : uint8_t {
+  kNone = 0,
+  kIn = 1,   // the input's parts (scatter's at the root, reduce_scatter's)
+  kOut = 2,  // the output's parts (all_gather's, gather's at the root, all_to_all's)
+};
+
 struct DirectArgs {
   DirectKind kind;
   int root;  // of a rooted kind (0 otherwise)
@@ -306,6 +314,10 @@ struct DirectArgs {
   // nowhere), and the ticket it writes last.
   DirectOutcome* outcome;
   uint64_t ticket;
+  // With `list`, that side's part p is at parts[p] (its `in` or `out` unused),
+  // `count` elements each; `vec` then holds for every part.
+  DirectList list;
+  void* parts[kDirectMaxRanks];
 };
 
 // Queues one launch of `blocks` blocks on `stream`; returns its cudaError_t.

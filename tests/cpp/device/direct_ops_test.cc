@@ -701,6 +701,105 @@ TEST_P(DirectOpsTest, EveryKindEqualsTheHostAndThePlaneBitForBit) {
       {180000});
 }
 
+// The list forms as the torch backend passes them (kernels::DirectList): each
+// part of the input (scatter at the root, reduce_scatter) or of the output
+// (all_gather, gather at the root, all_to_all) at its own address, apart from
+// the others, aligned or one element off (no vectors then), every root: the
+// flat op's bits, nothing written past a part, no input written.
+TEST_P(DirectOpsTest, PartsAtTheirOwnAddressesEqualTheFlatOp) {
+  MC_REQUIRE_GPU();
+  run_ranks(
+      GetParam(),
+      [](Rank& r) {
+        namespace k = mooncake::kernels;
+        GpuRank g(r);
+        DeviceCollectives c(g.comm, r.store, "l/", g.device, options(Direct::kAuto));
+        int tag = 0;
+        const std::pair<DirectKind, k::DirectList> lists[] = {
+            {DirectKind::kAllGather, k::DirectList::kOut},
+            {DirectKind::kGather, k::DirectList::kOut},
+            {DirectKind::kAllToAll, k::DirectList::kOut},
+            {DirectKind::kScatter, k::DirectList::kIn},
+            {DirectKind::kReduceScatter, k::DirectList::kIn},
+        };
+        for (const auto& [kind, list] : lists) {
+          const int roots = k::direct_rooted(kind) ? r.size : 1;
+          for (int root = 0; root < roots; ++root) {
+            for (const Sweep& s :
+                 {Sweep{DType::kFloat32, RedOp::kSum}, Sweep{DType::kBFloat16, RedOp::kMax}}) {
+              for (size_t count : {size_t{7}, size_t{1024}, size_t{40000}}) {
+                for (size_t skew : {size_t{0}, mooncake::dtype_size(s.dtype)}) {
+                  ++tag;
+                  const bool am_root = r.rank == root;
+                  const size_t part = count * mooncake::dtype_size(s.dtype);
+                  const bool in_list = list == k::DirectList::kIn;
+                  const size_t n = in_list ? k::direct_in_parts(kind, r.size, am_root)
+                                           : k::direct_out_parts(kind, r.size, am_root);
+                  const size_t flat_in = k::direct_in_parts(kind, r.size, am_root) * part;
+                  const size_t flat_out = k::direct_out_parts(kind, r.size, am_root) * part;
+                  const std::string what =
+                      std::string(kind_name(kind)) + " " + mooncake::dtype_name(s.dtype) +
+                      " count " + std::to_string(count) + " root " + std::to_string(root) +
+                      " skew " + std::to_string(skew) + " at rank " + std::to_string(r.rank);
+                  // One allocation per part, a guard past each.
+                  std::vector<std::unique_ptr<DeviceArray<uint8_t>>> parts;
+                  for (size_t p = 0; p < n; ++p) {
+                    parts.push_back(
+                        std::make_unique<DeviceArray<uint8_t>>(part + skew + kGuardBytes));
+                    fill(parts.back()->get(), kGuard, part + skew + kGuardBytes);
+                  }
+                  const Bytes mine = input_of(kind, s.dtype, count, r.size, r.rank, root, tag);
+                  DeviceArray<uint8_t> flat(std::max<size_t>(flat_in, 1)),
+                      out(std::max<size_t>(flat_out, 1));
+                  DirectOp op = make_op(kind, nullptr, nullptr, count, s.dtype, s.op, root);
+                  op.list = n > 0 ? list : k::DirectList::kNone;
+                  for (size_t p = 0; p < n; ++p) op.parts.push_back(parts[p]->get() + skew);
+                  if (in_list) {
+                    for (size_t p = 0; p < n; ++p)
+                      write(parts[p]->get() + skew,
+                            Bytes(mine.begin() + static_cast<std::ptrdiff_t>(p * part),
+                                  mine.begin() + static_cast<std::ptrdiff_t>((p + 1) * part)));
+                    if (flat_out > 0) op.out = out.get();
+                  } else if (flat_in > 0) {
+                    write(flat.get(), mine);
+                    op.in = flat.get();
+                  }
+                  c.direct(op, g.stream);
+                  sync(g.stream);
+                  const Bytes want = expected(kind, s.dtype, s.op, count, r.size, r.rank, root, tag,
+                                              everyone(r.size));
+                  Bytes got;
+                  if (in_list) {
+                    got = read(out.get(), flat_out);
+                    for (size_t p = 0; p < n; ++p) {
+                      Bytes whole(part + skew + kGuardBytes, static_cast<uint8_t>(kGuard));
+                      std::memcpy(whole.data() + skew, mine.data() + p * part, part);
+                      EXPECT_EQ(read(parts[p]->get(), whole.size()), whole)
+                          << "input part " << p << " " << what;
+                    }
+                  } else {
+                    for (size_t p = 0; p < n; ++p) {
+                      const Bytes whole = read(parts[p]->get(), part + skew + kGuardBytes);
+                      for (size_t b = 0; b < skew; ++b)
+                        EXPECT_EQ(whole[b], kGuard) << "before part " << p << " " << what;
+                      for (size_t b = skew + part; b < whole.size(); ++b)
+                        EXPECT_EQ(whole[b], kGuard) << "past part " << p << " " << what;
+                      got.insert(got.end(), whole.begin() + static_cast<std::ptrdiff_t>(skew),
+                                 whole.begin() + static_cast<std::ptrdiff_t>(skew + part));
+                    }
+                  }
+                  EXPECT_EQ(got, want) << what;
+                  if (::testing::Test::HasFailure()) return;
+                }
+              }
+            }
+          }
+        }
+        EXPECT_TRUE(c.direct_ready());
+      },
+      {180000});
+}
+
 // An op as launches of pieces of every part (as the torch backend captures
 // an op past the kernels' bound): each launch the same slice of each part,
 // the stride the whole part. Every kind and root, parts of whole vectors
