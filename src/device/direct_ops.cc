@@ -102,6 +102,7 @@ std::optional<k::DirectOutcome> DirectOutcomes::Lease::read() const {
   o.rejected = v->rejected;
   o.mismatched = v->mismatched;
   o.stale = v->stale;
+  o.present = v->present;
   o.ticket = ticket_;
   return o;
 }

@@ -443,7 +443,7 @@ void watch(DeviceCollectives& c, DirectCall& call, const char* name,
   call.op.outcome = lease.device();
   call.op.ticket = lease.ticket();
   const int root = kernels::direct_rooted(call.op.kind) ? call.op.root : -1;
-  watched.push_back({std::move(lease), name, root});
+  watched.push_back({std::move(lease), name, root, !call.reject.empty()});
 }
 
 }  // namespace
@@ -553,12 +553,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
   // A watched launch since the last such op masked a member: this op sets the
   // kernels up again on the op queue, which has the survivors agree on their
   // view (under capture it waits for the next eager op).
-  const bool resync = !captured && settle_watched();
+  bool resync = !captured && settle_watched();
   // The op queue is idle (else it may be polling itself): what finished
   // launches reported counts before deciding, so that a launch here needs no
-  // host op.
+  // host op. (Where it is not, this op goes on it, and takes a resync a queued
+  // op left there.)
   const bool idle = host_idle();
   if (idle) coll_->direct_poll();
+  if (!captured && idle && resync_pending_.exchange(false)) resync = true;
   const bool ready = idle && !resync && coll_->direct_ready();
   if (captured) {
     // Asked again, after the queries above: an error below must not hide a
@@ -583,18 +585,20 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     }
     ++device_ops_;
     direct_ops_ += static_cast<int64_t>(calls.size());
+    // A rejected call is watched too: what it saw of the others counts for
+    // the view as theirs does.
     std::vector<WatchedLaunch> watched;
     for (DirectCall& c : calls) {
-      if (c.watch && !captured && size_ > 1 && reject.empty()) watch(*coll_, c, name, watched);
+      if (c.watch && !captured && size_ > 1) watch(*coll_, c, name, watched);
       run_direct(*coll_, c, caller.stream(), timeout, false, size_ == 1);
     }
-    MC_CHECK_ARG(reject.empty(), reject);
     std::shared_ptr<WatchedOps> ops;
     if (!watched.empty()) {
       ops = std::make_shared<WatchedOps>(std::move(watched), rank_, coll_->direct_members(),
                                          caller.stream());
       watched_.push_back(ops);
     }
+    MC_CHECK_ARG(reject.empty(), reject);
     return c10::make_intrusive<DeviceWork>(rank_, type, std::move(results), device_, caller,
                                            captured, slots, std::move(ops));
   }
@@ -608,11 +612,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
     for (at::Tensor& t : c.outs) t = s.device_out(t);
   }
   const auto n = static_cast<int64_t>(calls.size());
-  const bool checked = reject.empty() && size_ > 1;
+  const bool checked = size_ > 1;
   auto work = on_device(s, type, std::move(results),
-                        [calls = std::move(calls), timeout, checked, name, resync, me = rank_](
-                            DeviceCollectives& c, cudaStream_t st) {
-                          if (resync) c.direct_resync();
+                        [this, calls = std::move(calls), timeout, checked, name, resync,
+                         me = rank_](DeviceCollectives& c, cudaStream_t st) {
+                          // This op's own resync, or one a queued op before it left.
+                          const bool pending = resync_pending_.exchange(false);
+                          if (resync || pending) c.direct_resync();
                           std::vector<WatchedLaunch> watched;
                           for (DirectCall call : calls) {
                             // Alone past the kernels' bound: set up for the next calls, then a
@@ -628,7 +634,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
                           // member lost sets the next op up again, here in the queue's order.
                           WatchedOps ops(std::move(watched), me, c.direct_members(), st);
                           ops.check();
-                          if (ops.lost) c.direct_resync();
+                          if (ops.lost) resync_pending_ = true;
                           if (ops.error) std::rethrow_exception(ops.error);
                         });
   direct_ops_ += n;

@@ -281,6 +281,10 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // The watched eager launches since the last op that took the kernels' path
   // (settle_watched).
   std::vector<std::shared_ptr<WatchedOps>> watched_;
+  // A queued op's watched launch found the view must catch up: the next op
+  // that may take the kernels sets them up again (taken by direct_run where
+  // the queue is idle, else by that op on the queue).
+  std::atomic<bool> resync_pending_{false};
   // Inside a coalescing block: the staged ops whose results it brings back.
   bool staging_coalesced_ = false;
   std::vector<std::shared_ptr<StagedOp>> coalesced_;

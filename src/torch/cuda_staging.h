@@ -186,6 +186,7 @@ struct WatchedLaunch {
   DirectOutcomes::Lease lease;
   const char* op = "";
   int root = -1;
+  bool rejected = false;  // this rank's own call (it raises at the call)
 };
 
 // What a watched launch of `op` found, raised as the host-driven plane raises
@@ -197,7 +198,7 @@ struct WatchedLaunch {
 // (the op ran on the plane, which raised for itself).
 inline void raise_outcome(const WatchedLaunch& w, int me) {
   const std::optional<kernels::DirectOutcome> o = w.lease.read();
-  if (!o) return;
+  if (!o || w.rejected) return;
   const auto first = [](uint64_t bits) { return __builtin_ctzll(bits); };
   if (o->rejected != 0)
     throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o->rejected),
@@ -232,23 +233,26 @@ struct WatchedOps {
   }
 
   // Waits for the launches on the host (bounded: every wait in them has its
-  // deadline), then reads what they found: the error to raise, and whether a
-  // member of the group (`members`, the view they were launched in) neither
-  // took part nor was refused for its call (lost, or fenced: the host's view
-  // must catch up, DeviceCollectives::direct_resync).
+  // deadline), then reads what they found: the error to raise, and whether
+  // the host's view must catch up (DeviceCollectives::direct_resync): a member
+  // of the group (`members`, the view they were launched in) whose signal
+  // never came (lost, or fenced by the others), or this rank fenced (so that
+  // it meets the others in their setup, which then decides on it). Every
+  // survivor of a launch finds the same.
   void check() {
     std::lock_guard<std::mutex> lock(mu);
     if (checked) return;
-    checked = true;
     {
       const RelaxedCapture relaxed;  // another thread may be capturing meanwhile
       done->wait();
     }
+    checked = true;
+    const uint64_t mine = uint64_t{1} << me;
     for (const WatchedLaunch& w : launches) {
       const std::optional<kernels::DirectOutcome> o = w.lease.read();
       if (!o) continue;
-      const uint64_t refused = o->rejected | o->mismatched | o->stale;
-      if ((members & ~o->took & ~refused & ~(uint64_t{1} << me)) != 0) lost = true;
+      if ((members & ~o->present & ~mine) != 0) lost = true;
+      if (!w.rejected && (o->took & mine) == 0) lost = true;
     }
     try {
       for (const WatchedLaunch& w : launches) raise_outcome(w, me);

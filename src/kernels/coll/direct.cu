@@ -173,6 +173,7 @@ constexpr int32_t kOut = 0;
 constexpr int32_t kOutRejected = -1;
 constexpr int32_t kOutMismatched = -2;
 constexpr int32_t kOutStale = -3;
+constexpr int32_t kOutThisRejected = -4;  // its signal came; this rank rejected its call
 
 // Step 2, for rank j (a thread each): kIn where it takes part in op `seq`,
 // else why not (`fenced`: this rank's own signal was, by a peer).
@@ -200,7 +201,7 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
     if (came) report_masked(st, j);
     return kOut;
   }
-  if (a.shape == kShapeRejected) return kOut;  // this rank only takes part
+  if (a.shape == kShapeRejected) return kOutThisRejected;  // this rank only takes part
   if (tag_gen(v) != gen || tag_ahead(v, seq) > 1) {
     // A newer generation: the others set up again without this rank. The
     // same one, two ops ahead: they masked this rank (silent past their
@@ -226,12 +227,14 @@ __device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks
     if (why[j] == kOutRejected) o.rejected |= bit;
     if (why[j] == kOutMismatched) o.mismatched |= bit;
     if (why[j] == kOutStale) o.stale |= bit;
+    if (why[j] != kOut) o.present |= bit;
   }
   volatile DirectOutcome* out = a.outcome;
   out->took = o.took;
   out->rejected = o.rejected;
   out->mismatched = o.mismatched;
   out->stale = o.stale;
+  out->present = o.present;
   __threadfence_system();
   out->ticket = a.ticket;
 }

@@ -269,7 +269,10 @@ struct DirectOutcome {
   uint64_t rejected;    // peers that rejected their arguments
   uint64_t mismatched;  // peers that called another op, or another root, count, dtype or op
   uint64_t stale;       // peers that had gone on without this rank
-  uint64_t ticket;      // written last
+  // Peers whose signal of this op came (whatever their call), also where this
+  // rank rejected its own: who was there, for the host's view of the members.
+  uint64_t present;
+  uint64_t ticket;  // written last
 };
 static_assert(kDirectMaxRanks <= 64, "DirectOutcome holds a bit per rank");
 

@@ -1145,17 +1145,21 @@ TEST(DirectOps, WatchedLaunchesLeaveWhoTookPartAndWhy) {
         sync(g.stream);
         auto o = watched(DirectKind::kBroadcast);
         EXPECT_EQ(o.took, 3u);
+        EXPECT_EQ(o.present, 3u);
         EXPECT_EQ(o.rejected | o.mismatched | o.stale, 0u);
         // Rank 1 rejects its call: it takes part without data (in nothing of
         // its own); rank 0 finds it rejected.
         o = watched(DirectKind::kGather, me == 1 ? "bad gather_list" : nullptr);
         EXPECT_EQ(o.took, me == 0 ? 1u : 0u) << "rank " << me;
         EXPECT_EQ(o.rejected, me == 0 ? 2u : 0u) << "rank " << me;
+        // Both were there; rank 1's own call was not.
+        EXPECT_EQ(o.present, me == 0 ? 3u : 1u) << "rank " << me;
         EXPECT_EQ(o.mismatched | o.stale, 0u);
         // Another kind at each: each finds the other mismatched, itself in.
         o = watched(me == 0 ? DirectKind::kBroadcast : DirectKind::kAllGather);
         EXPECT_EQ(o.took, 1u << me);
         EXPECT_EQ(o.mismatched, 1u << (1 - me));
+        EXPECT_EQ(o.present, 3u);
         EXPECT_EQ(o.rejected | o.stale, 0u);
         // Slots reused: 600 launches, 300 in flight at once, every outcome its own.
         for (int batch = 0; batch < 2; ++batch) {
