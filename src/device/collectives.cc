@@ -495,8 +495,13 @@ void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,
   const size_t part = op.count * dtype_size(op.dtype);
   // Each part of a multi-part in or out: a stride apart (a piece of an op).
   const size_t apart = op.part_stride() * dtype_size(op.dtype);
-  const auto ins = parts_of(op.in, apart, world);
-  const auto outs = parts_of(op.out, apart, world);
+  // A side given as one buffer per part (DirectOp::list) is those buffers.
+  auto ins = parts_of(op.in, apart, world);
+  auto outs = parts_of(op.out, apart, world);
+  if (op.list == kernels::DirectList::kIn)
+    ins.assign(op.parts.begin(), op.parts.end());
+  else if (op.list == kernels::DirectList::kOut)
+    outs.assign(op.parts.begin(), op.parts.end());
   const bool root = comm_.rank() == op.root;
   switch (op.kind) {
     case DirectKind::kAllReduce:

@@ -210,8 +210,8 @@ inline void raise_outcome(const WatchedLaunch& w, int me) {
   if (o->stale != 0)
     throw_error(ErrorKind::kLeftOut, me, w.op, ": rank ", first(o->stale),
                 " had gone on without this rank: the others left it out");
-  // This rank's own bit is clear only where a peer fenced it (a rejected call
-  // is not watched).
+  // This rank's own bit is clear only where a peer fenced it (its own rejected
+  // call returned above).
   const uint64_t took = o->took;
   if ((took >> me & 1) == 0)
     throw_error(ErrorKind::kLeftOut, me, w.op,
@@ -252,7 +252,7 @@ struct WatchedOps {
       const std::optional<kernels::DirectOutcome> o = w.lease.read();
       if (!o) continue;
       if ((members & ~o->present & ~mine) != 0) lost = true;
-      if (!w.rejected && (o->took & mine) == 0) lost = true;
+      if ((o->present & mine) == 0) lost = true;  // fenced
     }
     try {
       for (const WatchedLaunch& w : launches) raise_outcome(w, me);

@@ -173,13 +173,17 @@ constexpr int32_t kOut = 0;
 constexpr int32_t kOutRejected = -1;
 constexpr int32_t kOutMismatched = -2;
 constexpr int32_t kOutStale = -3;
-constexpr int32_t kOutThisRejected = -4;  // its signal came; this rank rejected its call
+// Its signal came (this rank's own: not fenced), but this rank rejected its call.
+constexpr int32_t kOutThisRejected = -4;
 
 // Step 2, for rank j (a thread each): kIn where it takes part in op `seq`,
 // else why not (`fenced`: this rank's own signal was, by a peer).
 __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t seq, uint32_t gen,
                           uint64_t deadline, bool fenced) {
-  if (j == st->rank) return a.shape != kShapeRejected && !fenced ? kIn : kOut;
+  if (j == st->rank) {
+    if (fenced) return kOut;
+    return a.shape == kShapeRejected ? kOutThisRejected : kIn;  // here, with its data or not
+  }
   uint8_t* area = st->areas[j];
   if (area == nullptr) return kOut;
   auto* signal = reinterpret_cast<uint64_t*>(area + DirectLayout::kInputSignal);
