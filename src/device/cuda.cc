@@ -1,5 +1,6 @@
 #include "device/cuda.h"
 
+#include <cstring>
 #include <thread>
 
 #include "core/clock.h"
@@ -11,18 +12,22 @@ void cuda_check(cudaError_t err, const char* what, ErrorKind kind) {
   if (err != cudaSuccess) throw_error(kind, -1, "CUDA: ", what, ": ", cudaGetErrorString(err));
 }
 
-int32_t* mapped_words(int64_t n, int32_t** dev, const char* what) {
+void* mapped_bytes(size_t bytes, void** dev, const char* what) {
   void* host = nullptr;
-  cuda_check(cudaHostAlloc(&host, static_cast<size_t>(n) * sizeof(int32_t), cudaHostAllocMapped),
-             what);
-  auto* words = static_cast<int32_t*>(host);
-  for (int64_t i = 0; i < n; ++i) words[i] = 0;
-  void* d = nullptr;
-  const cudaError_t err = cudaHostGetDevicePointer(&d, host, 0);
+  cuda_check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped), what);
+  std::memset(host, 0, bytes);
+  const cudaError_t err = cudaHostGetDevicePointer(dev, host, 0);
   if (err != cudaSuccess) {
     cudaFreeHost(host);
     cuda_check(err, "cudaHostGetDevicePointer");
   }
+  return host;
+}
+
+int32_t* mapped_words(int64_t n, int32_t** dev, const char* what) {
+  void* d = nullptr;
+  auto* words =
+      static_cast<int32_t*>(mapped_bytes(static_cast<size_t>(n) * sizeof(int32_t), &d, what));
   *dev = static_cast<int32_t*>(d);
   return words;
 }

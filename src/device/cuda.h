@@ -18,9 +18,11 @@ namespace mooncake {
 // Throws an Error of `kind` naming `what` and the CUDA error unless `err` is cudaSuccess.
 void cuda_check(cudaError_t err, const char* what, ErrorKind kind = ErrorKind::kSystem);
 
-// `n` zeroed int32 words of host memory the device maps (cudaFreeHost frees
+// `bytes` zeroed bytes of host memory the device maps (cudaFreeHost frees
 // them): the host's pointer, and the device's in `dev`. Throws as cuda_check,
 // naming `what` when the allocation fails.
+void* mapped_bytes(size_t bytes, void** dev, const char* what);
+// The same as `n` int32 words.
 int32_t* mapped_words(int64_t n, int32_t** dev, const char* what);
 
 // Makes `device` current for the scope and puts the caller's back afterwards.

@@ -47,15 +47,9 @@ DirectOutcomes::Lease DirectOutcomes::lease() {
     // On the caller's thread, while another may capture in global mode.
     const RelaxedCapture relaxed;
     OnDevice on(device_);
-    void* h = nullptr;
-    cuda_check(cudaHostAlloc(&h, kChunk * sizeof(k::DirectOutcome), cudaHostAllocMapped),
-               "cudaHostAlloc of the device-driven launches' outcome slots");
     void* d = nullptr;
-    const cudaError_t err = cudaHostGetDevicePointer(&d, h, 0);
-    if (err != cudaSuccess) {
-      cudaFreeHost(h);
-      cuda_check(err, "cudaHostGetDevicePointer");
-    }
+    void* h = mapped_bytes(kChunk * sizeof(k::DirectOutcome), &d,
+                           "cudaHostAlloc of the device-driven launches' outcome slots");
     const auto first = static_cast<uint32_t>(host_.size()) * kChunk;
     host_.push_back(static_cast<k::DirectOutcome*>(h));
     dev_.push_back(static_cast<k::DirectOutcome*>(d));

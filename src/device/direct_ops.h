@@ -47,7 +47,6 @@ class DirectOutcomes : public std::enable_shared_from_this<DirectOutcomes> {
     Lease(Lease&& o) noexcept { *this = std::move(o); }
     Lease& operator=(Lease&& o) noexcept;
     ~Lease() { give_back(); }
-    explicit operator bool() const { return pool_ != nullptr; }
     // For the launch (DirectOps::Op::outcome): the slot as the device sees it.
     kernels::DirectOutcome* device() const;
     uint64_t ticket() const { return ticket_; }

@@ -303,7 +303,14 @@ bool all_contiguous(const std::vector<at::Tensor>& ts) {
   return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.is_contiguous(); });
 }
 
-at::Tensor cat_flat(const std::vector<at::Tensor>& list);
+// Every tensor of `list` flattened into one, in order (a list form's input).
+at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
+  // One tensor (a world of one): itself, flat, not a copy (launches only read it).
+  if (list.size() == 1) return list[0].reshape({-1});
+  std::vector<at::Tensor> flat;
+  for (const at::Tensor& t : list) flat.push_back(t.reshape({-1}));
+  return at::cat(flat);
+}
 
 // Queues `call` on `stream` (the current one) and, on it, the copies of its
 // results into the user's tensors where they were not the kernel's output.
@@ -392,15 +399,6 @@ bool equal_splits(const at::Tensor& t, const std::vector<int64_t>& splits, int w
   if (splits.size() != static_cast<size_t>(world) || t.dim() == 0) return false;
   return std::all_of(splits.begin(), splits.end(),
                      [&](int64_t rows) { return rows * world == t.size(0); });
-}
-
-// Every tensor of `list` flattened into one, in order (a list form's input).
-at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
-  // One tensor (a world of one): itself, flat, not a copy (launches only read it).
-  if (list.size() == 1) return list[0].reshape({-1});
-  std::vector<at::Tensor> flat;
-  for (const at::Tensor& t : list) flat.push_back(t.reshape({-1}));
-  return at::cat(flat);
 }
 
 // Whether `list` holds `n` tensors of `numel` elements each, of `like`'s dtype.
@@ -825,10 +823,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
     if (direct_branch(op, in)) warm = op;
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
     if ((warm && (checked || rooted_now())) || chunk > 0) {
-      std::vector<at::Tensor> all{in};
+      std::vector<at::Tensor> listed;  // the list, where it fits
       std::string reject =
-          root_list("all_gather", "tensor_list", outputs, in, "input tensor", size_, all);
-      if (reject.empty()) reject = wrong_device("all_gather", "tensor_list", device_, outputs[0]);
+          root_list("all_gather", "tensor_list", outputs, in, "input tensor", size_, listed);
+      if (reject.empty()) reject = wrong_device("all_gather", "tensor_list", device_, listed);
       if (reject.empty()) reject = wrong_device("all_gather", "tensor", device_, {in});
       DirectCall call{op,     in,    {},  reject.empty() ? outputs[0] : std::vector<at::Tensor>{},
                       reject, chunk, true};
@@ -1135,10 +1133,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
     if ((warm && (checked || rooted_now())) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
-      std::vector<at::Tensor> all{out};
+      std::vector<at::Tensor> listed;  // the list, where it fits
       std::string reject =
-          root_list("reduce_scatter", "input_list", inputs, out, "output", size_, all);
-      if (reject.empty()) reject = wrong_device("reduce_scatter", "input_list", device_, inputs[0]);
+          root_list("reduce_scatter", "input_list", inputs, out, "output", size_, listed);
+      if (reject.empty()) reject = wrong_device("reduce_scatter", "input_list", device_, listed);
       if (reject.empty()) reject = wrong_device("reduce_scatter", "output", device_, {out});
       DirectCall call{op, {}, out, {}, reject, chunk, true};
       if (reject.empty()) call.ins = inputs[0];

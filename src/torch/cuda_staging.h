@@ -194,25 +194,24 @@ struct WatchedLaunch {
 // (ValueError), this rank left out (LeftOutError), a root whose input never
 // came (PeerFailedError naming it). A lost rank other than the root only
 // leaves its part out (zeros, or the survivors' reduction), as the plane's
-// re-run among the survivors does. Nothing where no launch wrote the slot
-// (the op ran on the plane, which raised for itself).
-inline void raise_outcome(const WatchedLaunch& w, int me) {
-  const std::optional<kernels::DirectOutcome> o = w.lease.read();
-  if (!o || w.rejected) return;
+// re-run among the survivors does. (`o`: what the launch wrote; a launch that
+// wrote nothing ran on the plane, which raised for itself.)
+inline void raise_outcome(const WatchedLaunch& w, const kernels::DirectOutcome& o, int me) {
+  if (w.rejected) return;
   const auto first = [](uint64_t bits) { return __builtin_ctzll(bits); };
-  if (o->rejected != 0)
-    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o->rejected),
+  if (o.rejected != 0)
+    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o.rejected),
                 " rejected its arguments (it raised ValueError); this rank's result leaves it out");
-  if (o->mismatched != 0)
-    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o->mismatched),
+  if (o.mismatched != 0)
+    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o.mismatched),
                 " called another op, or this one with another root, count, dtype or reduce op; "
                 "this rank's result leaves it out");
-  if (o->stale != 0)
-    throw_error(ErrorKind::kLeftOut, me, w.op, ": rank ", first(o->stale),
+  if (o.stale != 0)
+    throw_error(ErrorKind::kLeftOut, me, w.op, ": rank ", first(o.stale),
                 " had gone on without this rank: the others left it out");
   // This rank's own bit is clear only where a peer fenced it (its own rejected
   // call returned above).
-  const uint64_t took = o->took;
+  const uint64_t took = o.took;
   if ((took >> me & 1) == 0)
     throw_error(ErrorKind::kLeftOut, me, w.op,
                 ": a peer stopped waiting for this rank and fenced it (it was silent past the "
@@ -248,14 +247,16 @@ struct WatchedOps {
     }
     checked = true;
     const uint64_t mine = uint64_t{1} << me;
+    std::vector<std::pair<const WatchedLaunch*, kernels::DirectOutcome>> found;
     for (const WatchedLaunch& w : launches) {
       const std::optional<kernels::DirectOutcome> o = w.lease.read();
       if (!o) continue;
       if ((members & ~o->present & ~mine) != 0) lost = true;
       if ((o->present & mine) == 0) lost = true;  // fenced
+      found.emplace_back(&w, *o);
     }
     try {
-      for (const WatchedLaunch& w : launches) raise_outcome(w, me);
+      for (const auto& [w, o] : found) raise_outcome(*w, o, me);
     } catch (...) {
       error = std::current_exception();
     }

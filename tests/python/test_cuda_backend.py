@@ -271,8 +271,8 @@ def bad_input(ctx):
     is watched: that rank raises naming the argument, after taking part without data, and
     the others' Works raise naming that rank). One rank's bad call of a tensor form (not
     watched): that rank raises, naming the argument, after taking part without data; the
-    others' op completes with its part zero-filled. The group goes on. (A tensor on another GPU than the rank's is rejected the same way:
-    ``other_gpu``, with 2 GPUs.)"""
+    others' op completes with its part zero-filled. The group goes on. (A tensor on another
+    GPU than the rank's is rejected the same way: ``other_gpu``, with 2 GPUs.)"""
     world, me = ctx.world_size, ctx.rank
     x = torch.ones(4, device="cuda")
     with ctx.expect_raises(ValueError, "all_gather_into_tensor", "input_tensor", "cpu"):

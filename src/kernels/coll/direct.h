@@ -260,7 +260,7 @@ struct DirectState {
   int32_t sources[kDirectMaxRanks];  // this launch's decision (block 0 writes, the grid reads)
 };
 
-// What a watched launch found (host-mapped; DirectOps::Outcomes leases one per
+// What a watched launch found (host-mapped; DirectOutcomes leases one per
 // launch): block 0 writes the bits, fences, then the ticket the host gave the
 // launch, so the host that waited for the launch knows the words are this
 // launch's. Bit j stands for rank j (kDirectMaxRanks is 64).
