@@ -6,6 +6,7 @@
 // cuda_backend.cc only: Staging is the backend's friend.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -336,15 +337,42 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
       if (!captured_) devices.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
       future_ = c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), devices);
-      // Completed on the launch stream: the future's events come after the op.
-      c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device_));
-      c10::cuda::CUDAStreamGuard stream_guard(stream_);
-      future_->markCompleted(c10::IValue(outputs_));
+      if (watched_) {
+        // What the launches found is known only once they end: a pool thread
+        // waits for them (bounded, as wait() is) and completes the future
+        // with their error, as the plane's future would carry it.
+        at::launch(
+            [future = future_, watched = watched_, outputs = outputs_, device = device_,
+             stream = stream_] { complete(*future, watched.get(), outputs, device, stream); });
+      } else {
+        complete(*future_, nullptr, outputs_, device_, stream_);
+      }
     }
     return future_;
   }
 
  private:
+  static void complete(c10::ivalue::Future& future, WatchedOps* watched,
+                       const std::vector<at::Tensor>& outputs, int device,
+                       c10::cuda::CUDAStream stream) {
+    if (watched) {
+      try {
+        watched->check();
+      } catch (...) {
+        future.setError(std::current_exception());
+        return;
+      }
+      if (watched->error) {
+        future.setError(watched->error);
+        return;
+      }
+    }
+    // Completed on the launch stream: the future's events come after the op.
+    c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+    c10::cuda::CUDAStreamGuard stream_guard(stream);
+    future.markCompleted(c10::IValue(outputs));
+  }
+
   static std::shared_ptr<Request> done_request() {
     auto r = std::make_shared<Request>();
     r->complete();

@@ -269,7 +269,7 @@ def bad_input(ctx):
     """Mixed CPU/CUDA tensors raise ValueError naming the argument on every rank; so does
     one rank's bad call of a list form, or a root's bad gather_list (the kernels' launch
     is watched: that rank raises naming the argument, after taking part without data, and
-    the others' Works raise naming that rank). One rank's bad call of a tensor form (not
+    the others' Works, and their futures, raise naming that rank). One rank's bad call of a tensor form (not
     watched): that rank raises, naming the argument, after taking part without data; the
     others' op completes with its part zero-filled. The group goes on. (A tensor on another
     GPU than the rank's is rejected the same way: ``other_gpu``, with 2 GPUs.)"""
@@ -290,6 +290,10 @@ def bad_input(ctx):
         with ctx.expect_raises(ValueError, ("gather_list", "rank 0")):
             dist.gather(x, parts, dst=0)
         _usable(ctx, "a root's bad gather_list")
+        # The same through the Work's future: it carries what the launch found.
+        with ctx.expect_raises(ValueError, ("gather_list", "rank 0")):
+            dist.gather(x, parts, dst=0, async_op=True).get_future().wait()
+        _usable(ctx, "a root's bad gather_list, through get_future()")
     # Rank 0's output on the CPU: the op is decided from the input (on the GPU everywhere).
     y = torch.full((4,), float(me + 1), device="cuda")
     if me == 0:
