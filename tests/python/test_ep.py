@@ -33,6 +33,10 @@
   (``recover_ranks`` + ``update_ep_member``) and a full-strength round is correct; then a
   rank killed at a random moment of a sequence of rounds is masked and every round stays
   correct.
+* The model of a rank that dies during a call (in-process, on made-up outputs): what it
+  delivered before it died counts whole per expert (dispatch: all of its rows for a local
+  expert or none; combine: each of its experts' outputs for every token or for none);
+  nothing of a rank dead before the call may arrive.
 * A late rank beside a silent one (world 3): rank 2 skips a round, rank 1 calls 0.7 s
   after rank 0 and is 0.3 s slow between its two exchanges; each exchange phase of
   dispatch has the whole ``timeout_us``, so only rank 2 is left out (issue 15).
@@ -45,8 +49,20 @@ import random
 import signal
 
 import pytest
+import torch
 
-from ep_cases import SILENT_SPEC, ep_cases, ep_kill_rank, ep_silent_rank, random_cases
+from ep_cases import (
+    SILENT_SPEC,
+    Checks,
+    Round,
+    Spec,
+    combine_model,
+    ep_cases,
+    ep_kill_rank,
+    ep_silent_rank,
+    random_cases,
+    route_model,
+)
 from ft_parent import env, launch, mark_dead, wait_key
 from launcher import Launch, check, parametrize
 
@@ -474,3 +490,89 @@ def test_late_rank_within_each_phase_budget_is_not_masked():
                 f"{late['combine_s']:.2f} s"
             )
     assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
+
+
+# --- the model of a rank that dies during a call -----------------------------------------
+
+# Rank 0's side of a world-2 call whose other rank died during it (the device path's
+# semantics, docs/ep.md "Health and deadlines"): what it had delivered stays, whole per
+# expert. The outputs are made here from the model, as a device path would leave them.
+PARTIAL_SPEC = Spec(T=8, H=128, K=2, epr=2, ns=(8,), neg=0.0, dup=0.0)
+
+
+def _partial_round(rows_from_1, dropped: bool):
+    """Rank 0's round in which rank 1 delivered ``rows_from_1(j, rows)`` of its rows to
+    local expert ``j``; ``dropped``: the dispatch set rank 1 to 0."""
+    from mooncake.mooncake_ep_buffer import DispatchHandle
+
+    spec, R = PARTIAL_SPEC, 2
+    r = Round(Checks(0, R, "partial"), None, spec, "partial", act=torch.ones(R, dtype=torch.int32))
+    full = route_model([i.idx_list for i in r.ins], R, r.E, [[1, 1], [1, 1]])[0]
+    assert all(any(s == 1 for s, _ in rows) for rows in full), "rank 1 must feed both experts"
+    cols = R * spec.T
+    recv_x = torch.zeros(spec.epr, cols, spec.H, dtype=spec.dtype)
+    src = torch.full((spec.epr, cols), -1, dtype=torch.int32)
+    lr = torch.zeros(spec.epr, R, dtype=torch.int64)
+    counts = []
+    for j, want in enumerate(full):
+        got = [row for row in want if row[0] == 0]
+        got += rows_from_1(j, [row for row in want if row[0] == 1])
+        for n, (s, t) in enumerate(got):
+            recv_x[j, n] = r.ins[s].x[t]
+            src[j, n] = t
+        for s in range(R):
+            c = sum(1 for q, _ in got if q == s)
+            lr[j, s] = (sum(1 for q, _ in got if q < s) << 32) | c
+        counts.append(len(got))
+    r.before = [1, 1]
+    r.act = torch.tensor([1, 0 if dropped else 1], dtype=torch.int32)
+    r.recv_x, r.count = recv_x, torch.tensor(counts, dtype=torch.int32)
+    r.handle = DispatchHandle(src, lr, spec.T, spec.H, r.E, None)
+    return r
+
+
+def test_a_rank_dying_during_dispatch_may_have_fed_some_experts():
+    """Rank 1's rows reached local expert 0 and not 1 before it was masked: accepted under
+    ``may_drop`` (it died during the call), refused under ``must_drop`` (dead before it:
+    nothing of its may arrive) and when one expert holds only some of its rows."""
+    r = _partial_round(lambda j, rows: rows if j == 0 else [], dropped=True)
+    r.check_dispatch(may_drop=(1,))
+    assert not r.ctx.failures, r.ctx.failures
+    r = _partial_round(lambda j, rows: rows if j == 0 else [], dropped=True)
+    r.check_dispatch(must_drop=(1,))
+    assert any("recv_count" in f for f in r.ctx.failures), r.ctx.failures
+    r = _partial_round(lambda j, rows: rows[:1], dropped=True)
+    r.check_dispatch(may_drop=(1,))
+    assert any("recv_count" in f or "layout_range" in f for f in r.ctx.failures), r.ctx.failures
+
+
+def _combined(r, extra_by_token):
+    """Rank 0's combined tokens with rank 1's experts left out, but for those of
+    ``extra_by_token(t)``."""
+    spec, ins = r.spec, r.ins[0]
+    out = torch.zeros(ins.x.shape[0], spec.H, dtype=torch.float64)
+    for t in range(ins.x.shape[0]):
+        terms = combine_model(ins, 0, r.R, r.E, spec, [True, False], extra_by_token(t))[t]
+        for wt, y, _ in terms:
+            out[t] += wt * y.double()
+    return out.to(spec.dtype)
+
+
+def test_a_rank_dying_during_combine_counts_whole_experts():
+    """Rank 1 died during combine: its experts' outputs count whole or not at all (one
+    expert in, the other out, passes; an expert counted for some tokens and not for
+    others does not)."""
+    r = _partial_round(lambda j, rows: rows, dropped=False)
+    r.check_dispatch()
+    assert not r.ctx.failures, r.ctx.failures
+    mine = r.ins[0].idx_list
+    used = sorted({e for row in mine for e in row if e // r.spec.epr == 1})
+    users = [t for t, row in enumerate(mine) if used[0] in row]
+    assert len(used) == 2 and len(users) >= 2, (used, users)
+    r.cbefore, r.cact = [1, 1], torch.tensor([1, 0], dtype=torch.int32)
+    r.combined = _combined(r, lambda t: {used[0]})
+    r.check_combine(may_drop=(1,))
+    assert not r.ctx.failures, r.ctx.failures
+    r.combined = _combined(r, lambda t: {used[0]} if t == users[0] else set())
+    r.check_combine(may_drop=(1,))
+    assert any("combined tokens" in f for f in r.ctx.failures), r.ctx.failures

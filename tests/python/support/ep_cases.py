@@ -163,9 +163,9 @@ def expected_scales(x: torch.Tensor) -> torch.Tensor:
     return amax.clamp_min(1e-4) / 448.0
 
 
-def combine_model(ins: Inputs, me: int, R: int, E: int, spec: Spec, used):
+def combine_model(ins: Inputs, me: int, R: int, E: int, spec: Spec, used, extra=()):
     """Per token of rank ``me``: the terms ``(weight, expert output, e)`` of the
-    selections whose expert's rank ``d`` has ``used[d]``."""
+    selections whose expert's rank ``d`` has ``used[d]``, or whose expert is in ``extra``."""
     epr = E // R
     rows = ins.x
     if spec.fp8:
@@ -175,7 +175,7 @@ def combine_model(ins: Inputs, me: int, R: int, E: int, spec: Spec, used):
     for t, row in enumerate(ins.idx_list):
         mine = []
         for k, e in enumerate(row):
-            if e < 0 or not used[e // epr]:
+            if e < 0 or not (used[e // epr] or e in extra):
                 continue
             mine.append((float(ins.w[t, k]), expert_fn(rows[t : t + 1], e, spec)[0], e))
         terms.append(mine)
@@ -263,8 +263,9 @@ class Round:
     """One dispatch + combine on every rank, checked against the model.
 
     ``masks``: per rank, its ``active_ranks`` (None: pass None, the process group's
-    view). ``may_drop``: ranks the calls may set to 0 (they died); ``must_drop``: ranks
-    dispatch must set to 0. ``act``: a tensor to pass (and keep) instead of a fresh one.
+    view). ``may_drop``: ranks the calls may set to 0 (they died; one that dies during a
+    call may have delivered part of its share first, whole per expert); ``must_drop``:
+    ranks dispatch must set to 0 (dead before the call: nothing of theirs arrives). ``act``: a tensor to pass (and keep) instead of a fresh one.
     """
 
     def __init__(self, ctx, buf, spec: Spec, tag: str = "", masks=None, act=None):
@@ -344,6 +345,12 @@ class Round:
         failures_before = len(ctx.failures)
         self.views_after_dispatch(may_drop, must_drop)
         expected = route_model([i.idx_list for i in self.ins], R, E, self.views)[me]
+        # A rank that died during this call (masked by it, not dead before it) may have
+        # delivered part of its share first: each local expert has all of its rows from
+        # that rank or none.
+        partial = self.dropped - set(must_drop or ())
+        if partial:
+            expected = self._partial_rows(expected, partial)
         self.expected = expected
         epr, T, H = spec.epr, spec.T, spec.H
         count, handle = self.count, self.handle
@@ -379,6 +386,21 @@ class Round:
         if len(ctx.failures) == failures_before:
             self._check_rows(expected, what)
         return expected
+
+    def _partial_rows(self, expected, partial):
+        """``expected`` with the rows of the ranks in ``partial`` added back for each local
+        expert whose layout_range says it got them all from that rank."""
+        R, me = self.R, self.me
+        views = [[int(v or q in partial) for q, v in enumerate(row)] for row in self.views]
+        full = route_model([i.idx_list for i in self.ins], R, self.E, views)[me]
+        lr = self.handle.layout_range.tolist()
+        rows = []
+        for j, want in enumerate(full):
+            took = {
+                s for s in partial if lr[j][s] & 0xFFFFFFFF == sum(1 for q, _ in want if q == s)
+            }
+            rows.append([(s, t) for s, t in want if s not in partial or s in took])
+        return rows
 
     def _check_rows(self, expected, what):
         ctx, spec, R = self.ctx, self.spec, self.R
@@ -533,7 +555,6 @@ class Round:
         )
         used = [bool(self.views[me][d] and self.views[d][me] and now[d]) for d in range(R)]
         ins = self.ins[me]
-        terms = combine_model(ins, me, R, self.E, spec, used)
         out = self.combined
         n = ins.x.shape[0]
         out_dtype = torch.bfloat16 if spec.fp8 else spec.dtype
@@ -541,6 +562,37 @@ class Round:
         ctx.expect(ok, f"{what}: {out.dtype} {list(out.shape)}, want {out_dtype} [{n}, {spec.H}]")
         if not ok:
             return
+        # A rank that died during this combine may have sent some of its experts' outputs
+        # first: each of its experts counts whole or not at all. Every choice is tried; the
+        # check passes when one of them does (and reports the one without them otherwise).
+        kept = [bool(self.views[me][d] and self.views[d][me]) for d in range(R)]
+        epr = self.E // R
+        chosen = sorted(
+            {
+                e
+                for row in ins.idx_list
+                for e in row
+                if e >= 0 and e // epr in dropped and kept[e // epr]
+            }
+        )
+        if len(chosen) > 8:  # too many to try one by one: all or none of each rank's
+            choices = [set(), set(chosen)]
+        else:
+            choices = [
+                {e for b, e in enumerate(chosen) if mask >> b & 1}
+                for mask in range(1 << len(chosen))
+            ]
+        before = len(ctx.failures)
+        for extra in reversed(choices):  # the empty choice last: its failures stay
+            del ctx.failures[before:]
+            self._check_terms(combine_model(ins, me, R, self.E, spec, used, extra), what)
+            if len(ctx.failures) == before:
+                return
+
+    def _check_terms(self, terms, what):
+        """The combined tokens against the model's terms of each token."""
+        spec, ins, out = self.spec, self.ins[self.me], self.combined
+        n, out_dtype = ins.x.shape[0], out.dtype
         ref = torch.zeros(n, spec.H, dtype=torch.float64)
         mag = torch.zeros(n, spec.H, dtype=torch.float64)
         for t, mine in enumerate(terms):
@@ -548,7 +600,7 @@ class Round:
                 ref[t] += wt * y.double()
                 mag[t] += abs(wt) * y.double().abs()
         if not spec.fp8:
-            ctx.expect_equal(out, ref.to(out_dtype), f"{what}: combined tokens")
+            self.ctx.expect_equal(out, ref.to(out_dtype), f"{what}: combined tokens")
             return
         # FP8: fp32 accumulation in any order, one rounding to bf16.
         tol = ref.abs() * 2.0**-8 + mag * spec.K * 2.0**-23
