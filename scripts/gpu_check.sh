@@ -62,6 +62,11 @@
 #            EBPROF_SMS (num_sms; none by default); EBPROF_W2_TOKENS: the 2-process run's
 #            tokens (512,4096); EBPROF_NO_MPS=1: that run again without MPS;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
+#   killsoak: (not in the default) the GPU kill tests run again and again, without MPS, to
+#            measure how often a rare timing fails: KILLSOAK_RUNS (10) runs of each of
+#            KILLSOAK_TESTS (the elastic buffer's, the ElasticBuffer's and the CUDA backend's
+#            kill tests), within KILLSOAK_BUDGET_S (420) seconds in all; counts in
+#            $OUT/killsoak.txt, every failed run's output in $OUT/killsoak_failures.log;
 #   micro:   (not in the default) bench/micro/gpu_latency.cu: what the kernels' signalling
 #            primitives cost on this GPU (host-mapped reads, system-scope loads, stores and
 #            fences, __nanosleep, a ping-pong between two kernels); $OUT/gpu_latency.txt;
@@ -627,6 +632,30 @@ if gpu_wants epht; then
   stop_mps
 fi
 
+if gpu_wants killsoak; then
+  step "kill soak: the GPU kill tests, ${KILLSOAK_RUNS:-10} runs each (no MPS: a kill inside a kernel)"
+  soak_end=$((SECONDS + ${KILLSOAK_BUDGET_S:-420}))
+  for t in ${KILLSOAK_TESTS:-tests/python/test_ep_elastic_device.py::test_kills_and_replacements_on_the_device \
+      tests/python/test_elastic_buffer_device.py::test_kills_rank_mid_dispatch_then_replacement \
+      tests/python/test_fault_tolerance.py::test_kill_world4_cuda}; do
+    passed=0 failed=0
+    for _ in $(seq "${KILLSOAK_RUNS:-10}"); do
+      [ "$SECONDS" -lt "$soak_end" ] || break
+      if MOONCAKE_NO_SKIP=1 timeout 150 "$PY" -m pytest "$t" -q -p no:cacheprovider \
+          > "$OUT/killsoak_run.log" 2>&1; then
+        passed=$((passed + 1))
+      else
+        failed=$((failed + 1))
+        { echo "=== $t"; cat "$OUT/killsoak_run.log"; } >> "$OUT/killsoak_failures.log"
+      fi
+    done
+    # A test that never ran (the budget spent first) fails the step as a failure does.
+    echo "killsoak: $t: $passed passed, $failed failed" | tee -a "$OUT/killsoak.txt"
+    [ "$failed" = 0 ] && [ "$passed" -gt 0 ] || status=1
+  done
+  rm -f "$OUT/killsoak_run.log"
+fi
+
 step "summary: what each step ran"
 # One line per test run (its log, then pytest's or GoogleTest's count), so that a step that
 # ran nothing, or skipped, shows here; written to $OUT/summary.txt too.
@@ -636,6 +665,7 @@ step "summary: what each step ran"
     grep -hE '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran|tests passed|\(Skipped\)$|^SKIPPED|^\[  (PASSED|FAILED|SKIPPED) +\]' "$log" \
       | sed "s|^|$(basename "$log"): |"
   done
+  [ -f "$OUT/killsoak.txt" ] && cat "$OUT/killsoak.txt"
   [ -z "${NOT_RUN:-}" ] || echo "not run (GPU check: $GPU_WHY):$NOT_RUN"
   printf '%s' "${NOT_RUN_TESTS:-}"
   echo "gpu-check: $([ "$status" = 0 ] && echo passed || echo FAILED) (steps:${STEPS% })"
