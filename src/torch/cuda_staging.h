@@ -355,6 +355,8 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
   static void complete(c10::ivalue::Future& future, WatchedOps* watched,
                        const std::vector<at::Tensor>& outputs, int device,
                        c10::cuda::CUDAStream stream) {
+    // The op's device current, on a pool thread too.
+    c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
     if (watched) {
       try {
         watched->check();
@@ -368,7 +370,6 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
       }
     }
     // Completed on the launch stream: the future's events come after the op.
-    c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
     c10::cuda::CUDAStreamGuard stream_guard(stream);
     future.markCompleted(c10::IValue(outputs));
   }
