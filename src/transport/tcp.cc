@@ -59,6 +59,7 @@ struct TcpReceiver::Conn {
   int64_t opened_us = 0;
   std::string from;  // the peer's ip:port, for logs
   std::string why;   // set when the connection broke the protocol
+  uint64_t id = 0;   // in order of acceptance
 };
 
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, int rank, uint32_t incarnation,
@@ -142,6 +143,13 @@ bool TcpReceiver::drain(Conn& c) {
       case FrameDecoder::Step::kHello: {
         PeerState& p = peers_[c.decoder.rank()];
         if (p.hello_inc.load() > c.decoder.incarnation() + 1) return false;  // a stale incarnation
+        // The latest connection of the peer from here on (its close speaks for
+        // it, an older one's no longer), and a new connection from an
+        // incarnation whose last one closed: it lives. Before the welcome, so
+        // that a caller the welcome lets go finds it so.
+        p.conn = c.id;
+        uint32_t closed = c.decoder.incarnation() + 1;
+        p.closed_inc.compare_exchange_strong(closed, 0, std::memory_order_acq_rel);
         // The welcome: 24 bytes into a new connection's empty send buffer.
         const Frame welcome{kWelcome, 0, incarnation_, static_cast<uint64_t>(rank_)};
         if (::send(c.fd, &welcome, sizeof(welcome), MSG_NOSIGNAL | MSG_DONTWAIT) !=
@@ -170,7 +178,11 @@ void TcpReceiver::drop(Conn& c) {
   }
   // Only an authenticated peer's connection says something about that peer:
   // it has ended (all it carried is in place), and closed unless it said goodbye.
-  if (c.decoder.authenticated()) {
+  // Not one the peer has replaced with a newer connection, though (its close,
+  // read late, would take a live peer for dead).
+  if (c.decoder.authenticated() && peers_[c.decoder.rank()].conn > c.id) {
+    MC_LOG(kDebug, "tcp: an older connection from rank ", c.decoder.rank(), " closed");
+  } else if (c.decoder.authenticated()) {
     PeerState& p = peers_[c.decoder.rank()];
     const uint32_t inc = c.decoder.incarnation() + 1;
     p.ended_inc.store(inc, std::memory_order_release);
@@ -236,7 +248,8 @@ void TcpReceiver::run() {
             FrameDecoder(segment_.base(), segment_.size(), capacity_, secret_, rank_, incarnation_),
             now_us(),
             from,
-            {}});
+            {},
+            ++accepted_conns_});
         if (++accepted == kMaxUnauthenticated) break;  // serve the others too
       }
     }

@@ -50,7 +50,9 @@ class TcpReceiver {
 
   int port() const { return port_; }
   // True once the connection from incarnation `inc` of slot `rank` was seen
-  // and then closed, or a later incarnation of the slot has connected.
+  // and then closed without a goodbye, or a later incarnation of the slot has
+  // connected. Only its latest connection counts: a new one clears this, and
+  // the close of one it has replaced says nothing.
   bool peer_closed(int rank, uint32_t inc) const;
   // True once the connection from incarnation `inc` of slot `rank` has been
   // read to its end (closed, said goodbye, or dropped): all it carried is in place.
@@ -80,6 +82,7 @@ class TcpReceiver {
     std::atomic<uint32_t> ended_inc{0};   // the same, a goodbye or a drop included
     std::atomic<int64_t> read_us{0};      // when its bytes were last read
     std::atomic<uint64_t> frames{0};      // frames from the latest incarnation
+    uint64_t conn = 0;  // receiver thread only: Conn::id of the latest welcomed connection
   };
   std::unique_ptr<PeerState[]> peers_;
   int capacity_;
@@ -88,6 +91,7 @@ class TcpReceiver {
   const std::string secret_;
   std::atomic<uint64_t> rejected_{0};
   LogLimiter log_limit_{kWarningsPerSecond};  // receiver thread only
+  uint64_t accepted_conns_ = 0;               // receiver thread only
   std::atomic<uint64_t>* alarm_;
   std::thread thread_;
 };

@@ -164,5 +164,37 @@ TEST(TcpConnect, OnlyTheAddressedProcessWelcomesAConnect) {
   EXPECT_TRUE(link->alive());
 }
 
+// Rank 0 connects to rank 1 twice with one incarnation (a link made again,
+// as an elastic connect that is retried does), then its first link closes
+// without a goodbye: that close, whenever rank 1 reads it, is not rank 0's
+// death while the second link lives. A close of the second is. A new
+// connection after that shows rank 0 alive again.
+TEST(TcpConnect, OnlyTheLatestConnectionOfAnIncarnationSaysItClosed) {
+  LiveReceiver live;
+  const auto connect = [&] {
+    return mooncake::tcp_connect(live.addr, 0, 0, live.secret, live.receiver,
+                                 Deadline::after_ms(2000));
+  };
+  // Polls for up to 2 s: whether rank 1 comes to take rank 0 for closed.
+  const auto closed_within = [&](int ms) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+    while (std::chrono::steady_clock::now() < until) {
+      if (live.receiver.peer_closed(0, 0)) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return live.receiver.peer_closed(0, 0);
+  };
+  auto first = connect();
+  auto second = connect();
+  first.reset();  // closes without a goodbye
+  EXPECT_FALSE(closed_within(300)) << "the replaced connection's close took rank 0 for dead";
+  second.reset();
+  EXPECT_TRUE(closed_within(2000))
+      << "the latest connection closed and rank 0 is not taken for dead";
+  auto third = connect();
+  EXPECT_FALSE(live.receiver.peer_closed(0, 0)) << "a new connection did not show rank 0 alive";
+  EXPECT_EQ(live.receiver.rejected(), 0u);
+}
+
 }  // namespace
 }  // namespace mctest
