@@ -137,7 +137,9 @@ uint32_t ElasticPeers::attach(int peer, const Deadline& deadline, std::string* d
       // A mismatch or a malformed record is not a dead process.
       if (e.kind() == ErrorKind::kInvalidArgument || e.kind() == ErrorKind::kInternal) throw;
     }
-    endpoint_->disconnect(peer);
+    // With a goodbye: should it live after all, it must not take this process
+    // for dead when the link closes.
+    endpoint_->disconnect(peer, /*farewell=*/true);
     dead_seen = true;
     return false;
   });
@@ -181,7 +183,8 @@ void ElasticPeers::connect(const std::vector<int>& peers, bool activate, uint64_
   try {
     for (size_t i = 0; i < peers.size(); ++i) incs.push_back(attach(peers[i], deadline, &metas[i]));
   } catch (...) {
-    for (size_t i = 0; i < peers.size(); ++i) endpoint_->disconnect(peers[i]);
+    // This process lives: the peers it reached must not take it for dead.
+    for (size_t i = 0; i < peers.size(); ++i) endpoint_->disconnect(peers[i], /*farewell=*/true);
     throw;
   }
   for (size_t i = 0; i < peers.size(); ++i) {

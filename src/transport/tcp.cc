@@ -59,7 +59,7 @@ struct TcpReceiver::Conn {
   int64_t opened_us = 0;
   std::string from;  // the peer's ip:port, for logs
   std::string why;   // set when the connection broke the protocol
-  uint64_t id = 0;   // in order of acceptance
+  uint64_t id = 0;   // in order of the hellos welcomed (0: none yet)
 };
 
 TcpReceiver::TcpReceiver(Segment& segment, int world_capacity, int rank, uint32_t incarnation,
@@ -146,15 +146,22 @@ bool TcpReceiver::drain(Conn& c) {
         // The latest connection of the peer from here on (its close speaks for
         // it, an older one's no longer), and a new connection from an
         // incarnation whose last one closed: it lives. Before the welcome, so
-        // that a caller the welcome lets go finds it so.
-        p.conn = c.id;
+        // that a caller the welcome lets go finds it so; undone if it fails.
+        const uint64_t last = p.conn;
         uint32_t closed = c.decoder.incarnation() + 1;
-        p.closed_inc.compare_exchange_strong(closed, 0, std::memory_order_acq_rel);
+        const bool reopened =
+            p.closed_inc.compare_exchange_strong(closed, 0, std::memory_order_acq_rel);
+        c.id = p.conn = ++hellos_;
         // The welcome: 24 bytes into a new connection's empty send buffer.
         const Frame welcome{kWelcome, 0, incarnation_, static_cast<uint64_t>(rank_)};
         if (::send(c.fd, &welcome, sizeof(welcome), MSG_NOSIGNAL | MSG_DONTWAIT) !=
-            static_cast<ssize_t>(sizeof(welcome)))
-          return false;  // the sender has gone already
+            static_cast<ssize_t>(sizeof(welcome))) {
+          // The sender has gone already (reset after its hello): this
+          // connection never counted.
+          p.conn = last;
+          if (reopened) p.closed_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
+          return false;
+        }
         c.decoder.accept();
         p.frames.store(0);
         p.ended_inc.store(0, std::memory_order_relaxed);  // this connection has not ended
@@ -167,6 +174,9 @@ bool TcpReceiver::drain(Conn& c) {
 }
 
 void TcpReceiver::drop(Conn& c) {
+  // A connection the peer has replaced with a newer one: its close, read
+  // late, would take a live peer for dead.
+  const bool replaced = c.decoder.authenticated() && peers_[c.decoder.rank()].conn > c.id;
   if (!c.why.empty()) {
     rejected_.fetch_add(1, std::memory_order_relaxed);
     if (log_limit_.allow("tcp connections dropped"))
@@ -174,15 +184,13 @@ void TcpReceiver::drop(Conn& c) {
              c.decoder.authenticated() ? str(" (rank ", c.decoder.rank(), ")") : std::string(),
              ": ", c.why);
   } else {
-    MC_LOG(kDebug, "tcp: connection from rank ", c.decoder.rank(), " closed");
+    MC_LOG(kDebug, "tcp: ", replaced ? "a replaced " : "", "connection from rank ",
+           c.decoder.rank(), " closed");
   }
-  // Only an authenticated peer's connection says something about that peer:
-  // it has ended (all it carried is in place), and closed unless it said goodbye.
-  // Not one the peer has replaced with a newer connection, though (its close,
-  // read late, would take a live peer for dead).
-  if (c.decoder.authenticated() && peers_[c.decoder.rank()].conn > c.id) {
-    MC_LOG(kDebug, "tcp: an older connection from rank ", c.decoder.rank(), " closed");
-  } else if (c.decoder.authenticated()) {
+  // Only an authenticated peer's latest connection says something about that
+  // peer: it has ended (all it carried is in place), and closed unless it said
+  // goodbye.
+  if (c.decoder.authenticated() && !replaced) {
     PeerState& p = peers_[c.decoder.rank()];
     const uint32_t inc = c.decoder.incarnation() + 1;
     p.ended_inc.store(inc, std::memory_order_release);
@@ -248,8 +256,7 @@ void TcpReceiver::run() {
             FrameDecoder(segment_.base(), segment_.size(), capacity_, secret_, rank_, incarnation_),
             now_us(),
             from,
-            {},
-            ++accepted_conns_});
+            {}});
         if (++accepted == kMaxUnauthenticated) break;  // serve the others too
       }
     }

@@ -54,8 +54,9 @@ class TcpReceiver {
   // connected. Only its latest connection counts: a new one clears this, and
   // the close of one it has replaced says nothing.
   bool peer_closed(int rank, uint32_t inc) const;
-  // True once the connection from incarnation `inc` of slot `rank` has been
-  // read to its end (closed, said goodbye, or dropped): all it carried is in place.
+  // True once the latest connection from incarnation `inc` of slot `rank` has
+  // been read to its end (closed, said goodbye, or dropped): all it carried is
+  // in place.
   bool read_to_end(int rank, uint32_t inc) const;
   // When bytes from slot `rank`'s latest incarnation were last read (now_us), 0 before any.
   int64_t last_read_us(int rank) const {
@@ -91,7 +92,7 @@ class TcpReceiver {
   const std::string secret_;
   std::atomic<uint64_t> rejected_{0};
   LogLimiter log_limit_{kWarningsPerSecond};  // receiver thread only
-  uint64_t accepted_conns_ = 0;               // receiver thread only
+  uint64_t hellos_ = 0;                       // receiver thread only: hellos welcomed
   std::atomic<uint64_t>* alarm_;
   std::thread thread_;
 };

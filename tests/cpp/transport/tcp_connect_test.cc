@@ -29,6 +29,7 @@
 #include "transport/secret.h"
 #include "transport/segment.h"
 #include "transport/tcp.h"
+#include "transport/tcp_wire.h"
 
 namespace mctest {
 namespace {
@@ -175,7 +176,7 @@ TEST(TcpConnect, OnlyTheLatestConnectionOfAnIncarnationSaysItClosed) {
     return mooncake::tcp_connect(live.addr, 0, 0, live.secret, live.receiver,
                                  Deadline::after_ms(2000));
   };
-  // Polls for up to 2 s: whether rank 1 comes to take rank 0 for closed.
+  // Polls for up to `ms`: whether rank 1 comes to take rank 0 for closed.
   const auto closed_within = [&](int ms) {
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
     while (std::chrono::steady_clock::now() < until) {
@@ -194,6 +195,42 @@ TEST(TcpConnect, OnlyTheLatestConnectionOfAnIncarnationSaysItClosed) {
   auto third = connect();
   EXPECT_FALSE(live.receiver.peer_closed(0, 0)) << "a new connection did not show rank 0 alive";
   EXPECT_EQ(live.receiver.rejected(), 0u);
+}
+
+// Rank 0's link closes without a goodbye (it died), then a connection in its
+// name says hello and is reset at once, so the welcome cannot be sent: that
+// connection never counted, and rank 0 stays closed.
+TEST(TcpConnect, AHelloWhoseWelcomeFailsDoesNotReopenAClosedPeer) {
+  LiveReceiver live;
+  auto link =
+      mooncake::tcp_connect(live.addr, 0, 0, live.secret, live.receiver, Deadline::after_ms(2000));
+  link.reset();
+  // Whether rank 1 takes rank 0 for closed and read to its end within 2 s (a
+  // connection that is let in and then reset closes it again meanwhile).
+  const auto closed_within_2s = [&] {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (!(live.receiver.peer_closed(0, 0) && live.receiver.read_to_end(0, 0)) &&
+           std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    return live.receiver.peer_closed(0, 0) && live.receiver.read_to_end(0, 0);
+  };
+  ASSERT_TRUE(closed_within_2s());
+  for (int i = 0; i < 5; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa = loopback(live.receiver.port());
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+    const mooncake::Frame hello{mooncake::kHello, static_cast<uint32_t>(mooncake::kSecretBytes),
+                                mooncake::hello_word(0, 0), mooncake::hello_word(0, 1)};
+    std::string bytes(reinterpret_cast<const char*>(&hello), sizeof(hello));
+    bytes += live.secret;
+    EXPECT_EQ(::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(bytes.size()));
+    const linger reset{1, 0};  // close with a reset, not a goodbye or a FIN
+    ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
+    ::close(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the reset read
+    EXPECT_TRUE(closed_within_2s()) << "try " << i << ": a reset hello reopened rank 0";
+  }
 }
 
 }  // namespace
