@@ -137,9 +137,14 @@ bool TcpReceiver::drain(Conn& c) {
     }
     switch (c.decoder.advance(static_cast<size_t>(n))) {
       case FrameDecoder::Step::kMore: break;
-      case FrameDecoder::Step::kFrame:
-        peers_[c.decoder.rank()].frames.fetch_add(1, std::memory_order_relaxed);
+      case FrameDecoder::Step::kFrame: {
+        // Life of the slot's latest incarnation only: a process it replaced
+        // that still beats (left out, resumed) must not keep it looking alive.
+        PeerState& p = peers_[c.decoder.rank()];
+        if (p.hello_inc.load(std::memory_order_relaxed) == c.decoder.incarnation() + 1)
+          p.frames.fetch_add(1, std::memory_order_relaxed);
         break;
+      }
       case FrameDecoder::Step::kHello: {
         PeerState& p = peers_[c.decoder.rank()];
         if (p.hello_inc.load() > c.decoder.incarnation() + 1) return false;  // a stale incarnation

@@ -233,5 +233,24 @@ TEST(TcpConnect, AHelloWhoseWelcomeFailsDoesNotReopenAClosedPeer) {
   }
 }
 
+// Slot 0's process of incarnation 0 still beats after incarnation 1 has
+// connected (left out, then resumed): its frames are no life of the new one.
+TEST(TcpConnect, AReplacedIncarnationsFramesAreNoLifeOfTheNewOne) {
+  LiveReceiver live;
+  auto old_link =
+      mooncake::tcp_connect(live.addr, 0, 0, live.secret, live.receiver, Deadline::after_ms(2000));
+  auto new_link =
+      mooncake::tcp_connect(live.addr, 0, 1, live.secret, live.receiver, Deadline::after_ms(2000));
+  const uint64_t before = live.receiver.frames(0, 1);
+  for (int i = 0; i < 20; ++i) old_link->beat();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(live.receiver.frames(0, 1), before) << "the old incarnation's heartbeats counted";
+  new_link->beat();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (live.receiver.frames(0, 1) == before && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_GT(live.receiver.frames(0, 1), before) << "the new incarnation's heartbeat did not count";
+}
+
 }  // namespace
 }  // namespace mctest
