@@ -189,9 +189,11 @@ TEST(TcpConnect, OnlyTheLatestConnectionOfAnIncarnationSaysItClosed) {
   auto second = connect();
   first.reset();  // closes without a goodbye
   EXPECT_FALSE(closed_within(300)) << "the replaced connection's close took rank 0 for dead";
+  EXPECT_FALSE(live.receiver.read_to_end(0, 0)) << "the replaced connection's end ended rank 0's";
   second.reset();
   EXPECT_TRUE(closed_within(2000))
       << "the latest connection closed and rank 0 is not taken for dead";
+  EXPECT_TRUE(live.receiver.read_to_end(0, 0));
   auto third = connect();
   EXPECT_FALSE(live.receiver.peer_closed(0, 0)) << "a new connection did not show rank 0 alive";
   EXPECT_EQ(live.receiver.rejected(), 0u);
