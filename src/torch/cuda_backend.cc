@@ -633,7 +633,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
                           WatchedOps ops(std::move(watched), me, c.direct_members(), st);
                           ops.check();
                           if (ops.lost) resync_pending_ = true;
-                          if (ops.error) std::rethrow_exception(ops.error);
+                          ops.raise_found();
                         });
   direct_ops_ += n;
   queued(work);

@@ -263,6 +263,11 @@ struct WatchedOps {
     }
     launches.clear();  // the slots go back
   }
+  // check(), then raises what the launches found, if anything.
+  void raise_found() {
+    check();
+    if (error) std::rethrow_exception(error);
+  }
 
   std::vector<WatchedLaunch> launches;
   const int me;
@@ -313,10 +318,7 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
 
   bool wait(std::chrono::milliseconds) override {
     synchronize();  // first: a caller that catches what it raises still gets the order
-    if (watched_) {
-      watched_->check();
-      if (watched_->error) std::rethrow_exception(watched_->error);
-    }
+    if (watched_) watched_->raise_found();
     return true;
   }
   // The caller's current stream waits for the op (nothing to do on the
@@ -359,13 +361,9 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
     c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
     if (watched) {
       try {
-        watched->check();
+        watched->raise_found();
       } catch (...) {
         future.setError(std::current_exception());
-        return;
-      }
-      if (watched->error) {
-        future.setError(watched->error);
         return;
       }
     }
