@@ -22,7 +22,8 @@ Scenarios (all of them unless some are named: ``--kill``, ``--stop``, ``--health
   writes the stamp to the store and kills itself): **kill -> next step**, the slowest
   survivor's next dispatch + combine returned (synchronised; its inputs made before the
   fault, as an engine's are ready), beside the fastest survivor's return and the last
-  survivor's start of that step (where the time went); then a pre-started
+  survivor's start of that step, and when the first and the last survivor's host was
+  told of the death (``pg.watch_loss_times``: where the time went); then a pre-started
   replacement joins (``pg.join_group``, its Buffer, the others' ``recover_ranks`` and
   ``update_ep_member``): **kill -> full strength**, the slowest process's first
   full-strength dispatch + combine returned, and **join_group -> full strength** from
@@ -211,6 +212,8 @@ def rows_of(launch: dict) -> list[dict]:
                 ),
                 (f"kill {mode} → the first survivor's step returned", "first_ms", None),
                 (f"kill {mode} → the last survivor's step began", "start_ms", None),
+                (f"kill {mode} → the first survivor's host told it gone", "host_first_ms", None),
+                (f"kill {mode} → the last survivor's host told it gone", "host_ms", None),
                 (f"kill {mode} → replacement joined → first full step", "full_ms", None),
                 (f"kill {mode}: join_group() → first full step", "join_full_ms", None),
                 (f"kill {mode}: dispatch + combine at full strength", "step_ms", None),
@@ -220,6 +223,7 @@ def rows_of(launch: dict) -> list[dict]:
         measures = [
             (f"SIGSTOP → survivors' next step (hang limit {hang} ms)", "next_ms",
              hang + STOP_SLACK_MS),
+            ("SIGSTOP → the last survivor's host told it silent", "host_ms", None),
             ("SIGSTOP → replacement joined → first full step", "full_ms", None),
             ("SIGCONT → the stopped rank's op raises LeftOutError", "told_ms", None),
         ]  # fmt: skip

@@ -122,4 +122,10 @@ def test_a_small_cpu_run(tmp_path):
     assert doc["problems"] == []
     (row,) = [r for r in doc["rows"] if r["measure"].startswith("kill between → survivors")]
     assert row["n"] == 1 and row["world"] == 3 and row["median_ms"] > 0
+    # Each survivor's host was told of the death after it happened (the victim stamps
+    # the time just before it kills itself).
+    told = {r["measure"]: r for r in doc["rows"] if "host told it gone" in r["measure"]}
+    assert set(told) == {f"kill between → the {w} survivor's host told it gone"
+                         for w in ("first", "last")}  # fmt: skip
+    assert all(r["n"] == 1 and r["median_ms"] > 0 for r in told.values())
     assert "kill between" in (tmp_path / "ep_failover_table.md").read_text()

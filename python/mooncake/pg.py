@@ -79,6 +79,7 @@ __all__ = [
     "get_active_ranks",
     "get_num_synced_ranks",
     "get_op_paths",
+    "watch_loss_times",
     "get_current_epoch",
     "extend_group_size_to",
     "get_peer_state",
@@ -359,6 +360,21 @@ def get_op_paths(backend=None) -> dict[str, int]:
     if hasattr(b, "op_paths"):
         return b.op_paths()
     return {"device": 0, "staged": 0, "direct": 0}
+
+
+def watch_loss_times(backend=None):
+    """Starts keeping when this process's transport tells of each peer's loss, for
+    measuring where a failure's time goes (a peer's death, this process's news of it,
+    the op that returns after it). Returns a ``LossTimes``: ``gone_at(rank)``, the last
+    time ``rank`` was told gone (its process exited or its link closed), and
+    ``silent_at(rank)``, told silent past ``MOONCAKE_HANG_MS``; each in
+    ``time.monotonic()`` seconds, or None. Peers already gone are told at once, so
+    watch before the faults you time. Local to this process; the watch ends when the
+    object is dropped. Ranks are slots in ``[0, max_world_size)``."""
+    b = _backend_of(backend)
+    times = _ext.LossTimes(int(b.active_ranks().numel()))
+    b.watch_peers(times.listener())
+    return times
 
 
 def extend_group_size_to(backend, size: int) -> None:

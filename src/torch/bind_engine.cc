@@ -6,6 +6,7 @@
 
 #include "torch/bindings.h"
 #include "transport/engine.h"
+#include "transport/loss_times.h"
 
 namespace py = pybind11;
 
@@ -32,6 +33,24 @@ void register_engine(py::module_& m) {
   py::class_<LossListenerBox>(m, "LossListener",
                               "Called from a transport's heartbeat thread with each peer it "
                               "sees lost (made by EpDevice.lost_listener).");
+  const auto seconds = [](std::optional<int64_t> us) -> std::optional<double> {
+    if (!us) return std::nullopt;
+    return static_cast<double>(*us) * 1e-6;
+  };
+  py::class_<LossTimes, std::shared_ptr<LossTimes>>(
+      m, "LossTimes",
+      "When a group's transport told of each peer's loss, in time.monotonic() seconds "
+      "(mooncake.pg.watch_loss_times makes one).")
+      .def(py::init<int>(), py::arg("capacity"))
+      .def("listener", [](LossTimes& t) { return LossListenerBox{t.listener()}; })
+      .def_property_readonly("capacity", &LossTimes::capacity)
+      .def(
+          "gone_at", [seconds](const LossTimes& t, int peer) { return seconds(t.gone_us(peer)); },
+          py::arg("peer"))
+      .def(
+          "silent_at",
+          [seconds](const LossTimes& t, int peer) { return seconds(t.silent_us(peer)); },
+          py::arg("peer"));
 }
 
 }  // namespace mooncake

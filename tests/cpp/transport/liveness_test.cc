@@ -18,6 +18,7 @@
 
 #include "core/clock.h"
 #include "transport/endpoint_group.h"
+#include "transport/loss_times.h"
 
 namespace mctest {
 namespace {
@@ -221,6 +222,58 @@ TEST_P(Liveness, WatchersHearOfAStoppedPeerAfterTheHangLimit) {
     EXPECT_EQ(never->size(), 0u);
     r.store.set("done", "1");
   });
+}
+
+// LossTimes keeps when its watch heard of each loss, on the clock of now_us(): a
+// dead peer's time lies between its exit and the reading, a stopped peer's comes
+// past the hang limit, and a live peer has none.
+TEST_P(Liveness, LossTimesKeepWhenAPeerWasHeardGoneOrSilent) {
+  run_ranks(3, [this](Rank& r) {
+    auto ep = connect_endpoint(r, transport(), 4096);
+    if (r.rank != 0) {
+      r.store.set("pid " + std::to_string(r.rank), std::to_string(::getpid()));
+      store_barrier(r.store, "watching", r.rank, r.size);
+      if (r.rank == 2) exit_rank_abruptly();
+      r.store.get("done", 20000);
+      return;
+    }
+    const auto times = std::make_shared<mooncake::LossTimes>(r.size);
+    ep->watch_peers(times->listener(), 300);
+    const pid_t pid = static_cast<pid_t>(std::stol(r.store.get("pid 1", 10000)));
+    const int64_t before_exit = mooncake::now_us();
+    store_barrier(r.store, "watching", r.rank, r.size);
+    ASSERT_TRUE(wait_until([&] { return times->gone_us(2).has_value(); }, 3'000'000))
+        << "rank 2's exit not heard of in 3 s";
+    EXPECT_GE(*times->gone_us(2), before_exit);
+    EXPECT_LE(*times->gone_us(2), mooncake::now_us());
+    EXPECT_FALSE(times->gone_us(1).has_value()) << "rank 1 lives";
+    EXPECT_FALSE(times->silent_us(2).has_value()) << "a dead peer is gone, not silent";
+    const int64_t before_stop = mooncake::now_us();
+    ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+    const bool told = wait_until([&] { return times->silent_us(1).has_value(); }, 3'000'000);
+    ASSERT_EQ(::kill(pid, SIGCONT), 0);
+    ASSERT_TRUE(told) << "rank 1's stop not heard of in 3 s";
+    // Its last beat came at most a heartbeat period (20 ms) before the stop.
+    EXPECT_GE(*times->silent_us(1) - before_stop, 250'000);
+    EXPECT_FALSE(times->gone_us(1).has_value());
+    r.store.set("done", "1");
+  });
+}
+
+TEST(LossTimes, RejectsABadCapacityOrPeer) {
+  EXPECT_THROW(mooncake::LossTimes(0), mooncake::Error);
+  auto times = std::make_shared<mooncake::LossTimes>(2);
+  EXPECT_THROW(times->gone_us(2), mooncake::Error);
+  EXPECT_THROW(times->silent_us(-1), mooncake::Error);
+  // A listener outlives its LossTimes: it asks to be dropped.
+  auto listen = times->listener();
+  EXPECT_TRUE(listen(1, mooncake::Endpoint::PeerLoss::kGone));
+  EXPECT_TRUE(times->gone_us(1).has_value());
+  EXPECT_TRUE(listen(7, mooncake::Endpoint::PeerLoss::kGone)) << "a slot past it is ignored";
+  const std::weak_ptr<mooncake::LossTimes> held = times;
+  times.reset();
+  EXPECT_TRUE(held.expired());
+  EXPECT_FALSE(listen(1, mooncake::Endpoint::PeerLoss::kGone));
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, Liveness, testing::ValuesIn(every_transport()),

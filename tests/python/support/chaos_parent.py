@@ -344,7 +344,9 @@ def fault_times(o: Outcome) -> list[dict]:
     survivor's start of it (``start_ms``: where the time went, the step or its start;
     negative where every survivor began before the fault), the slowest process's end of
     the first full-strength step after the join (``full_ms``, kill and stop), and from the
-    replacement's join_group call to that (``join_full_ms``); ``step_ms``: the median
+    replacement's join_group call to that (``join_full_ms``); when the slowest and the
+    fastest survivor's transport told of the victim (``host_ms``, ``host_first_ms``: its
+    death or, stopped, its silence; pg.watch_loss_times); ``step_ms``: the median
     full-strength step of the cycle before the fault; ``told_ms``: a stopped process's
     LeftOutError after it was resumed."""
     plan = o.plan
@@ -360,6 +362,10 @@ def fault_times(o: Outcome) -> list[dict]:
         if ends:
             row["first_ms"] = (min(ends) - t) * 1e3
             row["start_ms"] = (max(rec["t0"] for rec in fault_recs) - t) * 1e3
+        told = [rec.get("t_told") for rec in fault_recs if "t_told" in rec]
+        if told and all(x is not None for x in told):  # (a survivor not told: no value)
+            row["host_ms"] = (max(told) - t) * 1e3
+            row["host_first_ms"] = (min(told) - t) * 1e3
         # Whether a survivor's step counted the victim (its part was in before it died):
         # then the step did not recover from anything.
         counted = [rec["ranks"] for _, rec in o.records()

@@ -89,6 +89,7 @@ class Process:
         self.records: list[dict] = []
         self.info: dict = {"pkey": self.pkey, "rank": rank, "pid": os.getpid(), "samples": []}
         self.store = None
+        self.loss = None  # pg.watch_loss_times(), once in the group
         self.steps: Steps | None = None
         self.device = torch.device(plan["device"])
 
@@ -146,6 +147,7 @@ class Process:
         if self.start is None:
             self.use_gpu()
             active, self.store = start_rank(rank, world, self.port, **init)
+            self.loss = pg.watch_loss_times()
             self.steps = Steps(rank, world, plan, self.store, active)
             if plan["ep_buffer"]:
                 self.steps.make_buffer()
@@ -169,6 +171,7 @@ class Process:
             info["t_join_call"] = now()
             pg.join_group()
             info["t_joined"] = now()
+            self.loss = pg.watch_loss_times()
             self.steps = Steps(rank, world, plan, self.store, active)
             if plan["ep_buffer"]:
                 self.steps.make_buffer()  # meets the others' update_ep_member
@@ -263,6 +266,8 @@ class Process:
             rec = self.measured(f"c{c}/fault", alive, may_drop=(v,), old=everyone)
         else:  # (a replay meets the lost rank itself: no eager call first)
             rec = self.measured(f"c{c}/fault", alive, must_drop=(v,), warm=False)
+        if replaced:  # when this process's transport told of the victim (None: not yet)
+            rec["t_told"] = (self.loss.gone_at if fault == "kill" else self.loss.silent_at)(v)
         self.add(rec, c=c, phase="fault")
         if replaced and rec.get("ranks") is not None and plan["measure"] == "ep":
             # The combine, at the latest, masks the victim (an inside kill may let its
