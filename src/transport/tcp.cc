@@ -168,6 +168,14 @@ bool TcpReceiver::drain(Conn& c) {
           return false;
         }
         c.decoder.accept();
+        const uint32_t inc = c.decoder.incarnation() + 1;
+        if (p.open_inc != inc) {
+          p.open_inc = inc;
+          p.open = 0;
+        }
+        ++p.open;
+        if (p.ended_pending != 0) --pending_;
+        p.ended_pending = 0;  // the latest connection lives
         p.frames.store(0);
         p.ended_inc.store(0, std::memory_order_relaxed);  // this connection has not ended
         p.hello_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
@@ -194,19 +202,47 @@ void TcpReceiver::drop(Conn& c) {
   }
   // Only an authenticated peer's latest connection says something about that
   // peer: it has ended (all it carried is in place), and closed unless it said
-  // goodbye.
-  if (c.decoder.authenticated() && !replaced) {
+  // goodbye. Said once every connection of that incarnation has been read to
+  // its end: one it replaced may still hold bytes it wrote before.
+  if (c.decoder.authenticated()) {
     PeerState& p = peers_[c.decoder.rank()];
     const uint32_t inc = c.decoder.incarnation() + 1;
-    p.ended_inc.store(inc, std::memory_order_release);
-    if (!c.decoder.bye()) {
-      p.closed_inc.store(inc, std::memory_order_release);
-      if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
+    if (p.open_inc == inc && p.open > 0) --p.open;
+    if (!replaced) {
+      if (p.ended_pending == 0) ++pending_;
+      p.ended_pending = inc;
+      p.closed_pending = !c.decoder.bye();
+      p.pending_us = now_us();
     }
+    settle(p, false);
   }
   ::close(c.fd);
   c.fd = -1;
   for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
+}
+
+void TcpReceiver::settle(PeerState& p, bool force) {
+  if (p.ended_pending == 0 || (p.open > 0 && !force)) return;
+  const uint32_t inc = p.ended_pending;
+  p.ended_pending = 0;
+  --pending_;
+  p.ended_inc.store(inc, std::memory_order_release);
+  if (p.closed_pending) {
+    p.closed_inc.store(inc, std::memory_order_release);
+    if (alarm_) alarm_->fetch_add(1, std::memory_order_acq_rel);
+  }
+}
+
+void TcpReceiver::settle_quiet() {
+  const int64_t now = now_us();
+  for (int r = 0; r < capacity_ && pending_ > 0; ++r) {
+    PeerState& p = peers_[r];
+    if (p.ended_pending != 0 && now - p.pending_us > kReplacedGraceUs &&
+        now - p.read_us.load(std::memory_order_relaxed) > kReplacedGraceUs) {
+      settle(p, true);
+      for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
+    }
+  }
 }
 
 void TcpReceiver::run() {
@@ -217,8 +253,9 @@ void TcpReceiver::run() {
     fds.push_back({wake_fd_, POLLIN, 0});
     fds.push_back({listen_fd_, POLLIN, 0});
     for (auto& c : conns) fds.push_back({c.fd, POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
+    if (::poll(fds.data(), fds.size(), pending_ > 0 ? 100 : 1000) < 0 && errno != EINTR) break;
     if (fds[0].revents != 0) break;
+    if (pending_ > 0) settle_quiet();
     if (fds[1].revents & POLLIN) {
       int accepted = 0;
       for (;;) {

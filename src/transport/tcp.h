@@ -52,12 +52,18 @@ class TcpReceiver {
   // True once the connection from incarnation `inc` of slot `rank` was seen
   // and then closed without a goodbye, or a later incarnation of the slot has
   // connected. Only its latest connection counts: a new one clears this, and
-  // the close of one it has replaced says nothing.
+  // the close of one it has replaced says nothing. Said once the connections
+  // it replaced have been read to their end too (or, still open, have been
+  // quiet for kReplacedGraceUs).
   bool peer_closed(int rank, uint32_t inc) const;
   // True once the latest connection from incarnation `inc` of slot `rank` has
-  // been read to its end (closed, said goodbye, or dropped): all it carried is
-  // in place.
+  // been read to its end (closed, said goodbye, or dropped), and those it
+  // replaced as peer_closed says: all it carried is in place.
   bool read_to_end(int rank, uint32_t inc) const;
+  // How long a replaced connection that stays open (its peer's host cut off,
+  // or a child process holding the socket) may delay the latest one's end
+  // once nothing more is read from the peer.
+  static constexpr int64_t kReplacedGraceUs = 2'000'000;
   // When bytes from slot `rank`'s latest incarnation were last read (now_us), 0 before any.
   int64_t last_read_us(int rank) const {
     return peers_[rank].read_us.load(std::memory_order_relaxed);
@@ -84,7 +90,21 @@ class TcpReceiver {
     std::atomic<int64_t> read_us{0};      // when its bytes were last read
     std::atomic<uint64_t> frames{0};      // frames from the latest incarnation
     uint64_t conn = 0;  // receiver thread only: Conn::id of the latest welcomed connection
+    // Receiver thread only: welcomed connections of incarnation open_inc - 1
+    // not yet dropped, and what the latest one's end said (1 + its
+    // incarnation; whether without a goodbye) while an older one of the same
+    // incarnation still held bytes to read.
+    uint32_t open_inc = 0;
+    int open = 0;
+    uint32_t ended_pending = 0;
+    bool closed_pending = false;
+    int64_t pending_us = 0;  // when ended_pending was set
   };
+  // Says what a peer's latest connection's end said (ended_pending), once
+  // nothing of that incarnation is left to read, or `force`d.
+  void settle(PeerState& p, bool force);
+  // settle()s each peer whose replaced connections were quiet past kReplacedGraceUs.
+  void settle_quiet();
   std::unique_ptr<PeerState[]> peers_;
   int capacity_;
   int rank_;
@@ -93,6 +113,7 @@ class TcpReceiver {
   std::atomic<uint64_t> rejected_{0};
   LogLimiter log_limit_{kWarningsPerSecond};  // receiver thread only
   uint64_t hellos_ = 0;                       // receiver thread only: hellos welcomed
+  int pending_ = 0;  // receiver thread only: peers whose ended_pending waits
   std::atomic<uint64_t>* alarm_;
   std::thread thread_;
 };

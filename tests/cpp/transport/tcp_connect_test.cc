@@ -235,6 +235,93 @@ TEST(TcpConnect, AHelloWhoseWelcomeFailsDoesNotReopenAClosedPeer) {
   }
 }
 
+// A raw connection in rank 0's name (incarnation 0) to `live`, welcomed: a
+// connection whose bytes the test writes itself (its fd, the caller's to close).
+int raw_hello(LiveReceiver& live) {
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in sa = loopback(live.receiver.port());
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&sa), sizeof(sa)), 0);
+  const mooncake::Frame hello{mooncake::kHello, static_cast<uint32_t>(mooncake::kSecretBytes),
+                              mooncake::hello_word(0, 0), mooncake::hello_word(0, 1)};
+  std::string bytes(reinterpret_cast<const char*>(&hello), sizeof(hello));
+  bytes += live.secret;
+  EXPECT_EQ(::send(fd.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(bytes.size()));
+  mooncake::Frame welcome{};
+  const timeval two_s{2, 0};
+  ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &two_s, sizeof(two_s));
+  EXPECT_EQ(::recv(fd.get(), &welcome, sizeof(welcome), MSG_WAITALL),
+            static_cast<ssize_t>(sizeof(welcome)));
+  EXPECT_EQ(welcome.type, mooncake::kWelcome);
+  return fd.release();
+}
+
+// Connects in rank 0's name again (replacing the connections before) and
+// closes without a goodbye; returns once the receiver has read that close.
+void newer_connection_closes(LiveReceiver& live) {
+  auto newer =
+      mooncake::tcp_connect(live.addr, 0, 0, live.secret, live.receiver, Deadline::after_ms(2000));
+  std::atomic<uint32_t>& seq = live.segment.bell(0)->seq;
+  const uint32_t before = seq.load();
+  newer.reset();
+  // A drop rings every bell; nothing else rings one meanwhile.
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  while (seq.load() == before && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  EXPECT_NE(seq.load(), before) << "the newer connection's close was not read in 2 s";
+}
+
+// Polls for up to `s` seconds: whether rank 0 comes to be taken for gone.
+bool gone_within(LiveReceiver& live, int s) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(s);
+  while (!live.receiver.peer_closed(0, 0) && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  return live.receiver.peer_closed(0, 0) && live.receiver.read_to_end(0, 0);
+}
+
+// Rank 0 wrote on a connection it then replaced, and the replacing one closes
+// first, without a goodbye: rank 0 is not taken for gone, nor read to its end,
+// while the older connection still holds bytes rank 0 wrote; once that one is
+// read to its end, it is, and the bytes are in place.
+TEST(TcpConnect, AReplacedConnectionsBytesAreReadBeforeThePeerCountsAsGone) {
+  LiveReceiver live;
+  const Fd old_conn(raw_hello(live));
+  ASSERT_FALSE(HasFailure());
+  const auto send_bytes = [&](const void* p, size_t n) {
+    return ::send(old_conn.get(), p, n, MSG_NOSIGNAL) == static_cast<ssize_t>(n);
+  };
+  // Half of a write on the old connection, then a newer connection that ends.
+  constexpr size_t kAt = mooncake::kSegmentHeaderBytes, kLen = 512;
+  std::string data(kLen, '\0');
+  for (size_t i = 0; i < kLen; ++i) data[i] = static_cast<char>(i * 13 + 5);
+  const mooncake::Frame write{mooncake::kWrite, 0, kAt, kLen};
+  ASSERT_TRUE(send_bytes(&write, sizeof(write)));
+  ASSERT_TRUE(send_bytes(data.data(), kLen / 2));
+  newer_connection_closes(live);
+  EXPECT_FALSE(live.receiver.peer_closed(0, 0)) << "taken for gone with bytes still to read";
+  EXPECT_FALSE(live.receiver.read_to_end(0, 0));
+  ASSERT_TRUE(send_bytes(data.data() + kLen / 2, kLen / 2));
+  ::shutdown(old_conn.get(), SHUT_WR);  // the old connection ends too
+  EXPECT_TRUE(gone_within(live, 2)) << "not taken for gone once both ended";
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(live.segment.base()) + kAt, kLen), data);
+}
+
+// A replaced connection that stays open and quiet (its peer's host cut off, or
+// a child process holding the socket) delays the latest one's close only for
+// the grace: then rank 0 is taken for gone.
+TEST(TcpConnect, AQuietReplacedConnectionDelaysThePeersEndOnlyForTheGrace) {
+  LiveReceiver live;
+  const Fd old_conn(raw_hello(live));
+  ASSERT_FALSE(HasFailure());
+  const auto closed = std::chrono::steady_clock::now();
+  newer_connection_closes(live);
+  EXPECT_FALSE(live.receiver.peer_closed(0, 0)) << "taken for gone before the grace";
+  EXPECT_TRUE(gone_within(live, 5)) << "an open replaced connection kept rank 0 alive";
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - closed).count();
+  EXPECT_GE(took, mooncake::TcpReceiver::kReplacedGraceUs * 1e-6 * 0.9);
+}
+
 // Slot 0's process of incarnation 0 still beats after incarnation 1 has
 // connected (left out, then resumed): its frames are no life of the new one.
 TEST(TcpConnect, AReplacedIncarnationsFramesAreNoLifeOfTheNewOne) {
