@@ -7,10 +7,10 @@ kernels run side by side under MPS (or time-slice without it: correct, only
 slower, hence the generous deadlines).
 
 * ``test_device_path_matches_portable``: every case of ``ep_device_ranks.CASES``
-  (BF16, FP16, FP8; hook, async, zero-copy, graph capture and replay; odd
-  shapes, ``-1`` selections, duplicates, int32 ids, top-16, a rank with no
-  tokens; 1024 experts, and a kernel block with more rows than it gathers at
-  once) at 1, 2 and 4 ranks: the same rows in the same order, payloads and
+  (BF16, FP16, FP8; hook, async, an async call left unwaited before a plain one,
+  zero-copy, graph capture and replay; odd shapes, ``-1`` selections, duplicates,
+  int32 ids, top-16, a rank with no tokens; 1024 experts, and a kernel block with
+  more rows than it gathers at once) at 1, 2 and 4 ranks: the same rows in the same order, payloads and
   combine bit for bit; and outputs reused by a later call only once nothing
   refers to them.
 * ``test_a_rank_that_exits``: a rank exits before dispatch, or between

@@ -117,6 +117,9 @@ class DevicePath:
         # extension's count, kept here: it is read on every launch).
         self.num_blocks = 1
         self._comm: torch.cuda.Stream | None = None  # async_finish's stream
+        # The last eager async_finish launch's event: the next launch on the caller's
+        # stream waits for it (_after_comm).
+        self._comm_pending: torch.cuda.Event | None = None
         self._cap_ns = _env_int("MOONCAKE_EP_WAIT_CAP_MS") * 1_000_000  # timeout_us == -1
         self.usable = False  # whether every member that takes part is mapped
         self._forced_off = forced_off()
@@ -447,6 +450,8 @@ class DevicePath:
         event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
         None and ``recv_hook`` the receive half's launcher (hook) or None."""
         launch, blocks, timeout_ns = self.ext.dispatch, self.num_blocks, self.timeout_ns(timeout_us)
+        if self._comm_pending is not None and not async_finish:
+            self._after_comm()
         event = recv_hook = None
         if not (hook or async_finish):  # the usual call: no closures (host time is latency)
             outputs = launch(
@@ -478,6 +483,8 @@ class DevicePath:
     ):  # fmt: skip
         """Launches a combine; returns ``(out, event, recv_hook)`` as dispatch."""
         launch, blocks, timeout_ns = self.ext.combine, self.num_blocks, self.timeout_ns(timeout_us)
+        if self._comm_pending is not None and not async_finish:
+            self._after_comm()
         args = (x, layout_range, topk_idx, weights, active, slots)
         if not (hook or async_finish):
             result = launch(*args, out, T, E, R, seq, timeout_ns, _BOTH, blocks)
@@ -515,7 +522,19 @@ class DevicePath:
             run(_BOTH)
         event = torch.cuda.Event()
         event.record(self._comm)
+        if not torch.cuda.is_current_stream_capturing():
+            self._comm_pending = event
         return event, None
+
+    def _after_comm(self) -> None:
+        """Orders an eager launch on the caller's stream after the last eager
+        async_finish launch, whose event the caller may not have waited on: both use
+        this workspace (upstream runs such calls on one stream). Captured calls are left
+        to the caller, as for NCCL: an event of one capture cannot be waited on in
+        another."""
+        event, self._comm_pending = self._comm_pending, None
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(event)
 
 
 class _Once:

@@ -286,7 +286,9 @@ class Round:
 
     # --- dispatch ---
 
-    def dispatch(self, mode: str = "sync", stats=None):
+    def dispatch(self, mode: str = "sync", stats=None, unwaited=False):
+        """``unwaited``: an async_finish call's event is kept in ``self.event``, not
+        waited on."""
         ins, spec = self.ins[self.me], self.spec
         self.before = None if self.act is None else self.act.tolist()
         t0 = time.monotonic()
@@ -302,7 +304,9 @@ class Round:
             **mode_flags(mode),
         )
         self.recv_x, self.count, self.handle, event, hook = out
-        finish(event, hook, mode, self.ctx, f"{self.what}: dispatch")
+        self.event = event
+        if not unwaited:
+            finish(event, hook, mode, self.ctx, f"{self.what}: dispatch")
         self.dispatch_s = time.monotonic() - t0
         return out
 
@@ -501,7 +505,8 @@ class Round:
             y[j, :n] = expert_fn(rows, me * spec.epr + j, spec)
         return y
 
-    def combine(self, mode="sync", zero_copy=False, use_out=False, cmask=None, y=None):
+    def combine(self, mode="sync", zero_copy=False, use_out=False, cmask=None, y=None,
+                unwaited=False):  # fmt: skip
         spec, ins = self.spec, self.ins[self.me]
         what = f"{self.what}: combine"
         y = self.expert_outputs() if y is None else y
@@ -532,7 +537,9 @@ class Round:
             out=out,
             **mode_flags(mode),
         )
-        finish(event, hook, mode, self.ctx, what)
+        self.event = event
+        if not unwaited:
+            finish(event, hook, mode, self.ctx, what)
         self.combine_s = time.monotonic() - t0
         if use_out:
             self.ctx.expect(combined is out, f"{what}: did not return out")
@@ -880,6 +887,25 @@ def c_zero_copy_halves(ctx):
     c.check_combine()
 
 
+def c_async_unwaited_then_sync(ctx):
+    """A synchronous call right after an async_finish call whose event nobody waited on
+    runs after it (they share the workspace), as upstream's calls on its own stream do;
+    so do their combines, the other way round."""
+    buf = get_buffer(ctx)
+    spec = Spec(T=6, K=3, ns=(6, 4, 1))
+    a, b = Round(ctx, buf, spec, "a"), Round(ctx, buf, spec, "b")
+    a.dispatch("async", unwaited=True)
+    b.dispatch("sync")
+    b.check_dispatch()
+    a.event.current_stream_wait()
+    a.check_dispatch()
+    b.combine("async", unwaited=True)
+    a.combine("sync")
+    a.check_combine()
+    b.event.current_stream_wait()
+    b.check_combine()
+
+
 def c_combine_twice(ctx):
     """A handle may be combined twice (e.g. a retried step): same result."""
     r = Round(ctx, get_buffer(ctx), Spec(K=3, ns=(4, 5)))
@@ -955,6 +981,7 @@ def route_cases(world: int) -> list[Case]:
         Case("route/timeout_set", P(c_round, spec=Spec(K=3, ns=(5, 3), timeout_us=5_000_000))),
         Case("route/stats_accumulate", c_stats),
         Case("route/combine_twice", c_combine_twice),
+        Case("route/async_unwaited_then_sync", c_async_unwaited_then_sync),
         Case("active/explicit_ones", c_active_explicit_ones),
         Case("active/none_is_pg_view", c_active_none_is_pg_view),
     ]

@@ -45,7 +45,9 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     # plain, hook, async, zero_copy, graph, pool; hook_clobber: a dispatch hook, with x
     # zeroed between the send half and the hook; combine_hook: a plain dispatch, then a
-    # combine hook with its x zeroed between the halves (a half must not read x later)
+    # combine hook with its x zeroed between the halves (a half must not read x later);
+    # async_unwaited: a plain call right after an async_finish one whose event nobody
+    # waited on (_check_async_unwaited)
     mode: str = "plain"
     tokens: int = -1  # -1: T on every rank; else this many (rank 0 sends none)
     drop: float = 0.0  # share of selections set to -1
@@ -79,6 +81,7 @@ CASES = [
     Case("e1024", T=64, H=256, K=16, experts=1024),
     Case("e1024/fp8/one-block", T=256, H=256, K=8, experts=1024, one_block=True),
     Case("pool", fp8=False, mode="pool"),
+    Case("fp8/async_unwaited", mode="async_unwaited"),
 ]
 
 
@@ -219,6 +222,9 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
     graph = None
     if case.mode == "pool":
         _check_pool(buf, case, rank, world, cuda)
+    if case.mode == "async_unwaited":
+        _check_async_unwaited(buf, case, rank, world, cuda)
+        return
     for step in range(steps):
         x, idx, w = _inputs(case, rank, world, step, cuda, buf._device.num_blocks)
         if case.mode == "graph":
@@ -251,6 +257,37 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
         _compare_dispatch(got, ref, case.fp8)
         ref_out = _combine(buf, y.cpu(), idx.cpu(), w.cpu(), ref[2], "plain")
         _same(out, ref_out, "combine output")
+
+
+def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
+    """A plain call right after an async_finish call whose event nobody waited on runs
+    after it on the device (they share the workspace), for dispatch and for combine:
+    every result as the portable path's."""
+    E = _experts(case, world)
+    blocks = buf._device.num_blocks
+    a, b = (_inputs(case, rank, world, step, cuda, blocks) for step in (0, 1))
+    rx_a, cnt_a, h_a, event, _ = buf.dispatch(
+        a[0], a[1], None, case.T, E, -1, use_fp8=case.fp8, async_finish=True
+    )
+    got_b = _dispatch(buf, b[0], b[1], case, E, "plain")
+    event.current_stream_wait()
+    got_a = (rx_a, cnt_a, h_a)
+    y_a = _expert_out(got_a[0], case.fp8, case.dtype)
+    y_b = _expert_out(got_b[0], case.fp8, case.dtype)
+    out_b, event, _ = buf.combine(y_b, b[1], b[2], None, -1, got_b[2], async_finish=True)
+    out_a = _combine(buf, y_a, a[1], a[2], h_a, "plain")
+    event.current_stream_wait()
+    torch.cuda.synchronize()
+    if buf.path != "device":
+        raise AssertionError(f"the calls ran the {buf.path} path, not the device path")
+    for name, (x, idx, w), got, y, out in (
+        ("a", a, got_a, y_a, out_a),
+        ("b", b, got_b, y_b, out_b),
+    ):
+        ref = _dispatch(buf, x.cpu(), idx.cpu(), case, E, "plain")
+        _compare_dispatch(got, ref, case.fp8)
+        ref_out = _combine(buf, y.cpu(), idx.cpu(), w.cpu(), ref[2], "plain")
+        _same(out, ref_out, f"call {name}'s combine output")
 
 
 def _check_pool(buf, case: Case, rank: int, world: int, cuda) -> None:
