@@ -344,6 +344,8 @@ class DevicePath:
         if members.count_pending:  # an elastic buffer published peers: join their count
             buf._seq = max(buf._seq, members.told_count(timeout_us))
         seq = self._call_seq = buf._seq + 1
+        if self._comm_pending is not None and not async_finish:
+            self._after_comm()  # before device_masks, which may write the masks it reads
         active, slots = members.device_masks(active_ranks, R, x.device)
         recv_x, recv_count, src_info, layout_range, event, recv_hook = self.dispatch(
             x, topk_idx, active, slots, T, E, R, seq, timeout_us, use_fp8, async_finish, hook,
@@ -402,6 +404,8 @@ class DevicePath:
         if state.event is not None:  # the dispatch ran on the communication stream
             torch.cuda.current_stream(x.device).wait_event(state.event)
         R = handle.layout_range.shape[1]
+        if self._comm_pending is not None and not af:
+            self._after_comm()  # before device_masks, which may write the masks it reads
         active, slots = self.members.device_masks(active_ranks, R, x.device)
         result, event, recv_hook = self.combine(
             x,
@@ -450,8 +454,6 @@ class DevicePath:
         event, recv_hook)`` with ``event`` a CUDA event (async_finish) or
         None and ``recv_hook`` the receive half's launcher (hook) or None."""
         launch, blocks, timeout_ns = self.ext.dispatch, self.num_blocks, self.timeout_ns(timeout_us)
-        if self._comm_pending is not None and not async_finish:
-            self._after_comm()
         event = recv_hook = None
         if not (hook or async_finish):  # the usual call: no closures (host time is latency)
             outputs = launch(
@@ -483,8 +485,6 @@ class DevicePath:
     ):  # fmt: skip
         """Launches a combine; returns ``(out, event, recv_hook)`` as dispatch."""
         launch, blocks, timeout_ns = self.ext.combine, self.num_blocks, self.timeout_ns(timeout_us)
-        if self._comm_pending is not None and not async_finish:
-            self._after_comm()
         args = (x, layout_range, topk_idx, weights, active, slots)
         if not (hook or async_finish):
             result = launch(*args, out, T, E, R, seq, timeout_ns, _BOTH, blocks)
@@ -513,7 +513,13 @@ class DevicePath:
         hook, or both on the communication stream (returns its event)."""
         if hook:
             run(pg._ext.EP_PHASE_SEND)
-            return None, _Once(lambda: run(pg._ext.EP_PHASE_RECV))
+
+            def receive() -> None:
+                if self._comm_pending is not None:  # an async_finish call came between
+                    self._after_comm()
+                run(pg._ext.EP_PHASE_RECV)
+
+            return None, _Once(receive)
         current = torch.cuda.current_stream(self.device)
         if self._comm is None:
             self._comm = torch.cuda.Stream(self.device)
@@ -532,9 +538,10 @@ class DevicePath:
         this workspace (upstream runs such calls on one stream). Captured calls are left
         to the caller, as for NCCL: an event of one capture cannot be waited on in
         another."""
+        if torch.cuda.is_current_stream_capturing():
+            return  # kept for the next eager launch
         event, self._comm_pending = self._comm_pending, None
-        if not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_event(event)
+        torch.cuda.current_stream(self.device).wait_event(event)
 
 
 class _Once:

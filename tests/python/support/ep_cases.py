@@ -888,9 +888,10 @@ def c_zero_copy_halves(ctx):
 
 
 def c_async_unwaited_then_sync(ctx):
-    """A synchronous call right after an async_finish call whose event nobody waited on
-    runs after it (they share the workspace), as upstream's calls on its own stream do;
-    so do their combines, the other way round."""
+    """Two calls in flight, the first an async_finish call whose event nobody waited on
+    before the second, synchronous one; their combines the other way round: every result
+    as the model's. (On CPU tensors this is the portable path's exchanges; the device
+    path's ordering of such calls is ep_device_ranks' fp8/async_unwaited case.)"""
     buf = get_buffer(ctx)
     spec = Spec(T=6, K=3, ns=(6, 4, 1))
     a, b = Round(ctx, buf, spec, "a"), Round(ctx, buf, spec, "b")

@@ -259,6 +259,9 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
         _same(out, ref_out, "combine output")
 
 
+_BUSY_CYCLES = 20_000_000  # torch.cuda._sleep: about 10 ms of a GPU's clock
+
+
 def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
     """A plain call right after an async_finish call whose event nobody waited on runs
     after it on the device (they share the workspace), for dispatch and for combine:
@@ -266,6 +269,9 @@ def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
     E = _experts(case, world)
     blocks = buf._device.num_blocks
     a, b = (_inputs(case, rank, world, step, cuda, blocks) for step in (0, 1))
+    # The caller's stream busy first: the async call (which waits for it) and, unordered,
+    # the plain one after it would start together.
+    torch.cuda._sleep(_BUSY_CYCLES)
     rx_a, cnt_a, h_a, event, _ = buf.dispatch(
         a[0], a[1], None, case.T, E, -1, use_fp8=case.fp8, async_finish=True
     )
@@ -274,6 +280,7 @@ def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
     got_a = (rx_a, cnt_a, h_a)
     y_a = _expert_out(got_a[0], case.fp8, case.dtype)
     y_b = _expert_out(got_b[0], case.fp8, case.dtype)
+    torch.cuda._sleep(_BUSY_CYCLES)
     out_b, event, _ = buf.combine(y_b, b[1], b[2], None, -1, got_b[2], async_finish=True)
     out_a = _combine(buf, y_a, a[1], a[2], h_a, "plain")
     event.current_stream_wait()
