@@ -147,13 +147,14 @@ bool TcpReceiver::drain(Conn& c) {
       }
       case FrameDecoder::Step::kHello: {
         PeerState& p = peers_[c.decoder.rank()];
-        if (p.hello_inc.load() > c.decoder.incarnation() + 1) return false;  // a stale incarnation
+        const uint32_t inc = c.decoder.incarnation() + 1;
+        if (p.hello_inc.load() > inc) return false;  // a stale incarnation
         // The latest connection of the peer from here on (its close speaks for
         // it, an older one's no longer), and a new connection from an
         // incarnation whose last one closed: it lives. Before the welcome, so
         // that a caller the welcome lets go finds it so; undone if it fails.
         const uint64_t last = p.conn;
-        uint32_t closed = c.decoder.incarnation() + 1;
+        uint32_t closed = inc;
         const bool reopened =
             p.closed_inc.compare_exchange_strong(closed, 0, std::memory_order_acq_rel);
         c.id = p.conn = ++hellos_;
@@ -164,11 +165,10 @@ bool TcpReceiver::drain(Conn& c) {
           // The sender has gone already (reset after its hello): this
           // connection never counted.
           p.conn = last;
-          if (reopened) p.closed_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
+          if (reopened) p.closed_inc.store(inc, std::memory_order_release);
           return false;
         }
         c.decoder.accept();
-        const uint32_t inc = c.decoder.incarnation() + 1;
         if (p.open_inc != inc) {
           p.open_inc = inc;
           p.open = 0;
@@ -178,7 +178,7 @@ bool TcpReceiver::drain(Conn& c) {
         p.ended_pending = 0;  // the latest connection lives
         p.frames.store(0);
         p.ended_inc.store(0, std::memory_order_relaxed);  // this connection has not ended
-        p.hello_inc.store(c.decoder.incarnation() + 1, std::memory_order_release);
+        p.hello_inc.store(inc, std::memory_order_release);
         break;
       }
       case FrameDecoder::Step::kBroken: c.why = c.decoder.why(); return false;
@@ -218,7 +218,11 @@ void TcpReceiver::drop(Conn& c) {
   }
   ::close(c.fd);
   c.fd = -1;
-  for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
+  wake_waiters();
+}
+
+void TcpReceiver::wake_waiters() {
+  for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));
 }
 
 void TcpReceiver::settle(PeerState& p, bool force) {
@@ -240,7 +244,7 @@ void TcpReceiver::settle_quiet() {
     if (p.ended_pending != 0 && now - p.pending_us > kReplacedGraceUs &&
         now - p.read_us.load(std::memory_order_relaxed) > kReplacedGraceUs) {
       settle(p, true);
-      for (int b = 0; b < kNumBells; ++b) ring(segment_.bell(b));  // wake waiters to notice
+      wake_waiters();
     }
   }
 }

@@ -105,6 +105,8 @@ class TcpReceiver {
   void settle(PeerState& p, bool force);
   // settle()s each peer whose replaced connections were quiet past kReplacedGraceUs.
   void settle_quiet();
+  // Wakes whoever waits on this segment's doorbells, to notice a peer's news.
+  void wake_waiters();
   std::unique_ptr<PeerState[]> peers_;
   int capacity_;
   int rank_;

@@ -362,7 +362,7 @@ def fault_times(o: Outcome) -> list[dict]:
         if ends:
             row["first_ms"] = (min(ends) - t) * 1e3
             row["start_ms"] = (max(rec["t0"] for rec in fault_recs) - t) * 1e3
-        told = [rec.get("t_told") for rec in fault_recs if "t_told" in rec]
+        told = [rec["t_told"] for rec in fault_recs if "t_told" in rec]
         if told and all(x is not None for x in told):  # (a survivor not told: no value)
             row["host_ms"] = (max(told) - t) * 1e3
             row["host_first_ms"] = (min(told) - t) * 1e3
