@@ -12,10 +12,12 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -232,19 +234,17 @@ struct WatchedOps {
     done->record(stream);
   }
 
-  // Waits for the launches on the host (bounded: every wait in them has its
-  // deadline), then reads what they found: the error to raise, and whether
-  // the host's view must catch up (DeviceCollectives::direct_resync): a member
-  // of the group (`members`, the view they were launched in) whose signal
-  // never came (lost, or fenced by the others), or this rank fenced (so that
-  // it meets the others in their setup, which then decides on it). Every
-  // survivor of a launch finds the same.
+  // Waits on the host for what the launches found (wait_found), then reads it: the error to raise,
+  // and whether the host's view must catch up (DeviceCollectives::direct_resync): a member of the
+  // group (`members`, the view they were launched in) whose signal never came (lost, or fenced by
+  // the others), or this rank fenced (so that it meets the others in their setup, which then
+  // decides on it). Every survivor of a launch finds the same.
   void check() {
     std::lock_guard<std::mutex> lock(mu);
     if (checked) return;
     {
       const RelaxedCapture relaxed;  // another thread may be capturing meanwhile
-      done->wait();
+      wait_found();
     }
     checked = true;
     const uint64_t mine = uint64_t{1} << me;
@@ -263,6 +263,27 @@ struct WatchedOps {
     }
     launches.clear();  // the slots go back
   }
+  // Each launch writes what it found once it has decided who takes part,
+  // before its data moves: the host waits for those words, not for the
+  // launches' end, so that the caller's next launch is queued while this
+  // one's data still moves (as after an all_reduce, which is not watched).
+  // A launch that ran another way (on the plane) writes none: then its end.
+  // Polls, then sleeps between looks; bounded, as every wait in a launch is.
+  void wait_found() {
+    const int64_t poll_until = now_us() + kPollUs;
+    for (;;) {
+      bool all = true;
+      for (const WatchedLaunch& w : launches) all = all && w.lease.read().has_value();
+      if (all || done->query()) return;
+      if (now_us() < poll_until)
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(kSleepUs));
+    }
+  }
+  static constexpr int64_t kPollUs = 50;
+  static constexpr int64_t kSleepUs = 20;
+
   // check(), then raises what the launches found, if anything.
   void raise_found() {
     check();
