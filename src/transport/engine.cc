@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/host.h"
 #include "core/limits.h"
+#include "core/log.h"
 #include "core/record.h"
 #include "core/thread.h"
 #include "core/wait.h"
@@ -279,6 +280,10 @@ void Endpoint::heartbeat_loop() {
   std::vector<int> gone, dead;                // slots newly seen gone, and all seen gone
   std::vector<int64_t> still_us;              // per slot: how long its heartbeat stood still
   int64_t last_round = now_us();
+  // The last wait: when it began and ended, and how (for the debug log of a death).
+  int64_t wait_began = 0, wait_ended = 0;
+  LifeWake woke = LifeWake::kSkipped;
+  bool waited_on_words = false;
   for (;;) {
     header->heartbeat.fetch_add(1, std::memory_order_relaxed);
     {
@@ -330,17 +335,26 @@ void Endpoint::heartbeat_loop() {
     if (newly_dead) {
       alarms_.fetch_add(1, std::memory_order_acq_rel);
       wake_all();
+      // Where the time from a death to its notice goes (MOONCAKE_LOG_LEVEL=debug).
+      for (int p : gone)
+        MC_LOG(kDebug, "rank ", rank_, " heartbeat: rank ", p, " seen gone at ", now,
+               " us; the last wait (", waited_on_words ? "on the life words" : "on the pidfds",
+               ") began at ", wait_began, " and ended at ", wait_ended, ", ",
+               waited_on_words ? life_wake_name(woke) : "");
     }
     tell_watchers(gone, dead, still_us);
     // Sleep until the next round, a peer's death, or stop: on the peers' life
     // words where the kernel can wait on several futexes (their pidfds are
     // looked at every round), else on the pidfds.
     // `links` keeps the peers' mappings (and pidfds) open while it sleeps on them.
-    const bool waited = life_wait(lives, &stop_word_, kHeartbeatPeriodMs);
+    wait_began = now_us();
+    const bool waited = life_wait(lives, &stop_word_, kHeartbeatPeriodMs, &woke);
+    waited_on_words = waited;
     const bool stop =
         waited ? stop_word_.load() != 0
                : ::poll(fds.data(), fds.size(), static_cast<int>(kHeartbeatPeriodMs)) > 0 &&
                      (fds[0].revents & POLLIN);
+    wait_ended = now_us();
     links.clear();
     if (stop) break;
   }

@@ -62,8 +62,22 @@ bool life_held(uint32_t value) {
   return (value & FUTEX_OWNER_DIED) == 0 && (value & FUTEX_TID_MASK) != 0;
 }
 
+const char* life_wake_name(LifeWake how) {
+  switch (how) {
+    case LifeWake::kWoken: return "woken";
+    case LifeWake::kTimeout: return "timed out";
+    case LifeWake::kChanged: return "a word changed first";
+    case LifeWake::kSkipped: return "did not sleep";
+    case LifeWake::kOther: break;
+  }
+  return "interrupted";
+}
+
 bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uint32_t>* stop,
-               int64_t timeout_ms) {
+               int64_t timeout_ms, LifeWake* how) {
+  LifeWake ended = LifeWake::kSkipped;
+  if (how == nullptr) how = &ended;
+  *how = LifeWake::kSkipped;
 #ifdef __NR_futex_waitv
   if (no_waitv.load(std::memory_order_relaxed)) return false;
   std::vector<futex_waitv> w;
@@ -95,6 +109,10 @@ bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uin
       no_waitv.store(true, std::memory_order_relaxed);
       return false;
     }
+    *how = r >= 0               ? LifeWake::kWoken
+           : errno == ETIMEDOUT ? LifeWake::kTimeout
+           : errno == EAGAIN    ? LifeWake::kChanged
+                                : LifeWake::kOther;
   }
   // The kernel wakes one waiter of a dead holder's word: this one wakes the rest.
   for (std::atomic<uint32_t>* word : words)
@@ -104,6 +122,7 @@ bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uin
   (void)words;
   (void)stop;
   (void)timeout_ms;
+  (void)how;
   return false;
 #endif
 }

@@ -46,13 +46,23 @@ bool life_owner_died(const std::atomic<uint32_t>& word);
 // Whether a word's value says a live thread holds it.
 bool life_held(uint32_t value);
 
+// How a life_wait() ended, for the log.
+enum class LifeWake : uint8_t {
+  kWoken,    // the kernel (or another waiter) woke it: a holder died, or stop
+  kTimeout,  // timeout_ms passed
+  kChanged,  // a word changed before it slept (a holder died, or stop)
+  kSkipped,  // a holder had already died, or stop was set: it did not sleep
+  kOther,    // interrupted, or an error
+};
+const char* life_wake_name(LifeWake how);
+
 // Sleeps until one of `words`' holders dies, `stop` becomes nonzero, or
 // timeout_ms passes (a word nobody holds is not waited on). Wakes the other
 // waiters of a word whose holder died (the kernel wakes only one). Returns
 // false, at once, where the kernel has no futex_waitv: the caller then waits
-// its own way.
+// its own way. `how` (optional) says how it ended.
 bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uint32_t>* stop,
-               int64_t timeout_ms);
+               int64_t timeout_ms, LifeWake* how = nullptr);
 
 // Sets `stop` and wakes a life_wait() on it.
 void life_stop(std::atomic<uint32_t>* stop);
