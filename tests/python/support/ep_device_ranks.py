@@ -46,8 +46,8 @@ class Case:
     # plain, hook, async, zero_copy, graph, pool; hook_clobber: a dispatch hook, with x
     # zeroed between the send half and the hook; combine_hook: a plain dispatch, then a
     # combine hook with its x zeroed between the halves (a half must not read x later);
-    # async_unwaited: a plain call right after an async_finish one whose event nobody
-    # waited on (_check_async_unwaited)
+    # async_unwaited: two plain calls right after an async_finish one whose event
+    # nobody waited on (_check_async_unwaited)
     mode: str = "plain"
     tokens: int = -1  # -1: T on every rank; else this many (rank 0 sends none)
     drop: float = 0.0  # share of selections set to -1
@@ -263,33 +263,48 @@ _BUSY_CYCLES = 20_000_000  # torch.cuda._sleep: about 10 ms of a GPU's clock
 
 
 def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
-    """A plain call right after an async_finish call whose event nobody waited on runs
-    after it on the device (they share the workspace), for dispatch and for combine:
-    every result as the portable path's."""
+    """Plain calls right after an async_finish call whose event nobody waited on run
+    after it on the device (they share the workspace: the second plain call uses the
+    async one's half), for dispatch and for combine, and every result is the portable
+    path's. The communication stream is held back first (a sleep queued on it), so
+    that the caller's stream can finish its plain calls only after the async call has
+    ended when they are ordered, and long before it when they are not."""
     E = _experts(case, world)
     blocks = buf._device.num_blocks
-    a, b = (_inputs(case, rank, world, step, cuda, blocks) for step in (0, 1))
-    # The caller's stream busy first: the async call (which waits for it) and, unordered,
-    # the plain one after it would start together.
-    torch.cuda._sleep(_BUSY_CYCLES)
+    a, b, c = (_inputs(case, rank, world, step, cuda, blocks) for step in (0, 1, 2))
+    comm = buf._device.comm_stream()
+
+    def hold_comm() -> None:
+        with torch.cuda.stream(comm):
+            torch.cuda._sleep(_BUSY_CYCLES)
+
+    def check_order(event, what: str) -> None:
+        torch.cuda.current_stream().synchronize()
+        if not event.event.query():
+            raise AssertionError(
+                f"the plain {what} calls ran before the async_finish one had ended"
+            )
+        event.current_stream_wait()
+
+    hold_comm()
     rx_a, cnt_a, h_a, event, _ = buf.dispatch(
         a[0], a[1], None, case.T, E, -1, use_fp8=case.fp8, async_finish=True
     )
     got_b = _dispatch(buf, b[0], b[1], case, E, "plain")
-    event.current_stream_wait()
+    got_c = _dispatch(buf, c[0], c[1], case, E, "plain")
+    check_order(event, "dispatch")
     got_a = (rx_a, cnt_a, h_a)
-    y_a = _expert_out(got_a[0], case.fp8, case.dtype)
-    y_b = _expert_out(got_b[0], case.fp8, case.dtype)
-    torch.cuda._sleep(_BUSY_CYCLES)
-    out_b, event, _ = buf.combine(y_b, b[1], b[2], None, -1, got_b[2], async_finish=True)
-    out_a = _combine(buf, y_a, a[1], a[2], h_a, "plain")
-    event.current_stream_wait()
+    ys = [_expert_out(got[0], case.fp8, case.dtype) for got in (got_a, got_b, got_c)]
+    hold_comm()
+    out_a, event, _ = buf.combine(ys[0], a[1], a[2], None, -1, h_a, async_finish=True)
+    out_b = _combine(buf, ys[1], b[1], b[2], got_b[2], "plain")
+    out_c = _combine(buf, ys[2], c[1], c[2], got_c[2], "plain")
+    check_order(event, "combine")
     torch.cuda.synchronize()
     if buf.path != "device":
         raise AssertionError(f"the calls ran the {buf.path} path, not the device path")
-    for name, (x, idx, w), got, y, out in (
-        ("a", a, got_a, y_a, out_a),
-        ("b", b, got_b, y_b, out_b),
+    for name, (x, idx, w), got, y, out in zip(
+        "abc", (a, b, c), (got_a, got_b, got_c), ys, (out_a, out_b, out_c), strict=True
     ):
         ref = _dispatch(buf, x.cpu(), idx.cpu(), case, E, "plain")
         _compare_dispatch(got, ref, case.fp8)
