@@ -346,7 +346,8 @@ def fault_times(o: Outcome) -> list[dict]:
     the first full-strength step after the join (``full_ms``, kill and stop), and from the
     replacement's join_group call to that (``join_full_ms``); when the slowest and the
     fastest survivor's transport told of the victim (``host_ms``, ``host_first_ms``: its
-    death or, stopped, its silence; pg.watch_loss_times); ``step_ms``: the median
+    death or, stopped, its silence; pg.watch_loss_times), and each survivor's
+    (``host_told_ms``, by process key); ``step_ms``: the median
     full-strength step of the cycle before the fault; ``told_ms``: a stopped process's
     LeftOutError after it was resumed."""
     plan = o.plan
@@ -366,6 +367,13 @@ def fault_times(o: Outcome) -> list[dict]:
         if told and all(x is not None for x in told):  # (a survivor not told: no value)
             row["host_ms"] = (max(told) - t) * 1e3
             row["host_first_ms"] = (min(told) - t) * 1e3
+            # Which process was told when (pkey "rank" or "rank@cycle" for a replacement),
+            # so that a late one can be looked for in its log.
+            row["host_told_ms"] = {
+                key: round((rec["t_told"] - t) * 1e3, 3)
+                for key, rec in o.records()
+                if rec["tag"] == f"c{c}/fault" and rec.get("t_told") is not None
+            }
         # Whether a survivor's step counted the victim (its part was in before it died):
         # then the step did not recover from anything.
         counted = [rec["ranks"] for _, rec in o.records()
