@@ -335,14 +335,15 @@ void Endpoint::heartbeat_loop() {
     if (newly_dead) {
       alarms_.fetch_add(1, std::memory_order_acq_rel);
       wake_all();
-      // Where the time from a death to its notice goes (MOONCAKE_LOG_LEVEL=debug).
-      for (int p : gone)
-        MC_LOG(kDebug, "rank ", rank_, " heartbeat: rank ", p, " seen gone at ", now,
-               " us; the last wait (", waited_on_words ? "on the life words" : "on the pidfds",
-               ") began at ", wait_began, " and ended at ", wait_ended, ", ",
-               waited_on_words ? life_wake_name(woke) : "");
     }
     tell_watchers(gone, dead, still_us);
+    // Where the time from a death to its notice went (MOONCAKE_LOG_LEVEL=debug), once
+    // the watchers know: a write to stderr must not delay them.
+    for (int p : gone)
+      MC_LOG(kDebug, "rank ", rank_, " heartbeat: rank ", p, " seen gone at ", now,
+             " us; the last wait (", waited_on_words ? "on the life words" : "on the pidfds",
+             ") began at ", wait_began, " and ended at ", wait_ended, waited_on_words ? ", " : "",
+             waited_on_words ? life_wake_name(woke) : "");
     // Sleep until the next round, a peer's death, or stop: on the peers' life
     // words where the kernel can wait on several futexes (their pidfds are
     // looked at every round), else on the pidfds.
