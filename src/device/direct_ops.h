@@ -50,7 +50,8 @@ class DirectOutcomes : public std::enable_shared_from_this<DirectOutcomes> {
     // For the launch (DirectOps::Op::outcome): the slot as the device sees it.
     kernels::DirectOutcome* device() const;
     uint64_t ticket() const { return ticket_; }
-    // What the launch wrote, once it has ended; nullopt where no launch wrote
+    // What the launch wrote (block 0 writes it once it has decided who takes
+    // part, the ticket last); nullopt until then, and where no launch wrote
     // this ticket (the op ran another way, e.g. on the host-driven plane).
     std::optional<kernels::DirectOutcome> read() const;
     void give_back();

@@ -268,14 +268,20 @@ struct WatchedOps {
   // launches' end, so that the caller's next launch is queued while this
   // one's data still moves (as after an all_reduce, which is not watched).
   // A launch that ran another way (on the plane) writes none: then its end.
-  // Polls, then sleeps between looks; bounded, as every wait in a launch is.
+  // Polls, then sleeps between looks; past kLookUs (a peer is late) it waits
+  // for the launches' end, sleeping: bounded, as every wait in a launch is.
   void wait_found() {
-    const int64_t poll_until = now_us() + kPollUs;
+    const int64_t start = now_us();
     for (;;) {
       bool all = true;
       for (const WatchedLaunch& w : launches) all = all && w.lease.read().has_value();
       if (all || done->query()) return;
-      if (now_us() < poll_until)
+      const int64_t waited = now_us() - start;
+      if (waited > kLookUs) {
+        done->wait();
+        return;
+      }
+      if (waited < kPollUs)
         std::this_thread::yield();
       else
         std::this_thread::sleep_for(std::chrono::microseconds(kSleepUs));
@@ -283,6 +289,7 @@ struct WatchedOps {
   }
   static constexpr int64_t kPollUs = 50;
   static constexpr int64_t kSleepUs = 20;
+  static constexpr int64_t kLookUs = 1000;
 
   // check(), then raises what the launches found, if anything.
   void raise_found() {
@@ -361,9 +368,9 @@ class DeviceWork final : public c10d::Work, public WrapsMooncakeWork {
       future_ = c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), devices);
       if (watched_) {
-        // What the launches found is known only once they end: a pool thread
-        // waits for them (bounded, as wait() is) and completes the future
-        // with their error, as the plane's future would carry it.
+        // What the launches found is known only once each has decided: a pool
+        // thread waits for that (bounded, as wait() is) and completes the
+        // future with their error, as the plane's future would carry it.
         at::launch(
             [future = future_, watched = watched_, outputs = outputs_, device = device_,
              stream = stream_] { complete(*future, watched.get(), outputs, device, stream); });
