@@ -46,8 +46,8 @@ class Case:
     # plain, hook, async, zero_copy, graph, pool; hook_clobber: a dispatch hook, with x
     # zeroed between the send half and the hook; combine_hook: a plain dispatch, then a
     # combine hook with its x zeroed between the halves (a half must not read x later);
-    # async_unwaited: two plain calls right after an async_finish one whose event
-    # nobody waited on (_check_async_unwaited)
+    # async_unwaited: plain calls right after an async_finish one whose event nobody
+    # waited on (_check_async_unwaited)
     mode: str = "plain"
     tokens: int = -1  # -1: T on every rank; else this many (rank 0 sends none)
     drop: float = 0.0  # share of selections set to -1
@@ -259,24 +259,36 @@ def run_case(buf, case: Case, rank: int, world: int) -> None:
         _same(out, ref_out, "combine output")
 
 
-_BUSY_CYCLES = 20_000_000  # torch.cuda._sleep: about 10 ms of a GPU's clock
+# Holding a stream back without taking a multiprocessor (a sleep kernel would keep one
+# block of an EP grid, which needs every block resident, off its SM until it ends): copies
+# from pinned host memory, which the copy engines run, 3 GiB in all (about 0.1 s).
+_HOLD_BYTES = 64 << 20
+_HOLD_COPIES = 48
+_hold: list = []
+
+
+def _hold_stream(stream) -> None:
+    if not _hold:
+        _hold.append(torch.empty(_HOLD_BYTES, dtype=torch.uint8, pin_memory=True))
+        _hold.append(torch.empty(_HOLD_BYTES, dtype=torch.uint8, device="cuda"))
+    host, dev = _hold
+    with torch.cuda.stream(stream):
+        for _ in range(_HOLD_COPIES):
+            dev.copy_(host, non_blocking=True)
 
 
 def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
     """Plain calls right after an async_finish call whose event nobody waited on run
-    after it on the device (they share the workspace: the second plain call uses the
-    async one's half), for dispatch and for combine, and every result is the portable
-    path's. The communication stream is held back first (a sleep queued on it), so
-    that the caller's stream can finish its plain calls only after the async call has
-    ended when they are ordered, and long before it when they are not."""
+    after it on the device (they share the workspace), for dispatch and for combine,
+    and every result is the portable path's. The communication stream is held back
+    first, so that the caller's stream can finish its plain calls only after the async
+    call has ended when they are ordered, and long before it when they are not: an
+    async dispatch a, then plain dispatches b and c (c on a's half); an async combine of
+    c, then plain combines of b and of c again (on the async one's half)."""
     E = _experts(case, world)
     blocks = buf._device.num_blocks
-    a, b, c = (_inputs(case, rank, world, step, cuda, blocks) for step in (0, 1, 2))
+    a, b, c, w = (_inputs(case, rank, world, step, cuda, blocks) for step in (0, 1, 2, 3))
     comm = buf._device.comm_stream()
-
-    def hold_comm() -> None:
-        with torch.cuda.stream(comm):
-            torch.cuda._sleep(_BUSY_CYCLES)
 
     def check_order(event, what: str) -> None:
         torch.cuda.current_stream().synchronize()
@@ -286,7 +298,21 @@ def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
             )
         event.current_stream_wait()
 
-    hold_comm()
+    # Each kind of call once first, so that none of the timed ones spends the hold on
+    # its first call's checks.
+    for af in (False, True):
+        rx, _, h, ev, _ = buf.dispatch(
+            w[0], w[1], None, case.T, E, -1, use_fp8=case.fp8, async_finish=af
+        )
+        if af:
+            ev.current_stream_wait()
+        y = _expert_out(rx, case.fp8, case.dtype)
+        _, ev, _ = buf.combine(y, w[1], w[2], None, -1, h, async_finish=af)
+        if af:
+            ev.current_stream_wait()
+    torch.cuda.synchronize()
+
+    _hold_stream(comm)
     rx_a, cnt_a, h_a, event, _ = buf.dispatch(
         a[0], a[1], None, case.T, E, -1, use_fp8=case.fp8, async_finish=True
     )
@@ -294,22 +320,27 @@ def _check_async_unwaited(buf, case: Case, rank: int, world: int, cuda) -> None:
     got_c = _dispatch(buf, c[0], c[1], case, E, "plain")
     check_order(event, "dispatch")
     got_a = (rx_a, cnt_a, h_a)
-    ys = [_expert_out(got[0], case.fp8, case.dtype) for got in (got_a, got_b, got_c)]
-    hold_comm()
-    out_a, event, _ = buf.combine(ys[0], a[1], a[2], None, -1, h_a, async_finish=True)
-    out_b = _combine(buf, ys[1], b[1], b[2], got_b[2], "plain")
-    out_c = _combine(buf, ys[2], c[1], c[2], got_c[2], "plain")
+    y_b, y_c = (_expert_out(got[0], case.fp8, case.dtype) for got in (got_b, got_c))
+    _hold_stream(comm)
+    out_c1, event, _ = buf.combine(y_c, c[1], c[2], None, -1, got_c[2], async_finish=True)
+    out_b = _combine(buf, y_b, b[1], b[2], got_b[2], "plain")
+    out_c2 = _combine(buf, y_c, c[1], c[2], got_c[2], "plain")
     check_order(event, "combine")
     torch.cuda.synchronize()
     if buf.path != "device":
         raise AssertionError(f"the calls ran the {buf.path} path, not the device path")
-    for name, (x, idx, w), got, y, out in zip(
-        "abc", (a, b, c), (got_a, got_b, got_c), ys, (out_a, out_b, out_c), strict=True
+    for name, (x, idx, wts), got, combined in (
+        ("a", a, got_a, ()),
+        ("b", b, got_b, (out_b,)),
+        ("c", c, got_c, (out_c1, out_c2)),
     ):
         ref = _dispatch(buf, x.cpu(), idx.cpu(), case, E, "plain")
         _compare_dispatch(got, ref, case.fp8)
-        ref_out = _combine(buf, y.cpu(), idx.cpu(), w.cpu(), ref[2], "plain")
-        _same(out, ref_out, f"call {name}'s combine output")
+        if combined:
+            y = _expert_out(got[0], case.fp8, case.dtype)
+            ref_out = _combine(buf, y.cpu(), idx.cpu(), wts.cpu(), ref[2], "plain")
+            for k, out in enumerate(combined):
+                _same(out, ref_out, f"call {name}'s combine output ({k + 1})")
 
 
 def _check_pool(buf, case: Case, rank: int, world: int, cuda) -> None:
