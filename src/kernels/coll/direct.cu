@@ -48,12 +48,27 @@ __device__ __forceinline__ Span share_of(int j, size_t count, size_t per) {
   return lo >= count ? Span{count, count} : Span{lo, lo + per < count ? lo + per : count};
 }
 
+// Vectors a thread moves per round of the copy and reduction loops, every
+// load of a round issued before any store: a launch has few threads (a
+// process's share of the GPU, at most kDirectMaxBlocks blocks), and with one
+// load in flight each they wait on memory most of the time (the EP kernels'
+// copies found the same: kernels/common/copy.cuh).
+constexpr int kUnroll = 4;
+
 // Step 1: this block's part of the input's bytes into the area.
 __device__ void copy_in(uint8_t* dst, const uint8_t* src, size_t bytes, bool vec) {
   const Span p = block_part(0, bytes, 16);
   size_t i = p.lo + threadIdx.x * 16;
   if (vec) {
-    for (; i + 16 <= p.hi; i += blockDim.x * 16)
+    const size_t step = static_cast<size_t>(blockDim.x) * 16;
+    for (; i + (kUnroll - 1) * step + 16 <= p.hi; i += kUnroll * step) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = *reinterpret_cast<const uint4*>(src + i + u * step);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) *reinterpret_cast<uint4*>(dst + i + u * step) = v[u];
+    }
+    for (; i + 16 <= p.hi; i += step)
       *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
     if (i < p.hi)  // the input's last, partial vector
       for (size_t b = i; b < p.hi; ++b) dst[b] = src[b];
@@ -72,12 +87,26 @@ __device__ void reduce_span(const uint8_t* const* srcs, int n, size_t at, Span s
   constexpr size_t V = sizeof(uint4) / sizeof(T);
   size_t done = s.lo;
   if (vec) {
-    const size_t first = s.lo / V, last = s.hi / V;
+    const size_t first = s.lo / V, last = s.hi / V, step = blockDim.x;
     auto vsrc = [&](int k) { return reinterpret_cast<const uint4*>(srcs[k] + at); };
-    for (size_t i = first + threadIdx.x; i < last; i += blockDim.x) {
+    auto* vout = reinterpret_cast<uint4*>(out);
+    auto* valso = reinterpret_cast<uint4*>(also);  // vector i at valso[i - skip]
+    const size_t skip = also_first / V;
+    size_t i = first + threadIdx.x;
+    for (; i + (kUnroll - 1) * step < last; i += kUnroll * step) {
+      uint4 r[kUnroll];
+      reduce_vectors<T, Op, kUnroll>(vsrc, n, i, step, n, r);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) vout[i + u * step] = r[u];
+      if (valso != nullptr) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) valso[i + u * step - skip] = r[u];
+      }
+    }
+    for (; i < last; i += step) {
       const uint4 r = reduce_vector<T, Op>(vsrc, n, i, n);
-      reinterpret_cast<uint4*>(out)[i] = r;
-      if (also != nullptr) reinterpret_cast<uint4*>(also)[i - also_first / V] = r;
+      vout[i] = r;
+      if (valso != nullptr) valso[i - skip] = r;
     }
     done = last * V > s.lo ? last * V : s.lo;
   }
@@ -96,9 +125,19 @@ __device__ void copy_span(const uint8_t* from, size_t first, Span s, T* out, boo
   const T* f = reinterpret_cast<const T*>(from);
   size_t done = s.lo;
   if (vec) {
-    const size_t lo = s.lo / V, hi = s.hi / V;
-    for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
-      reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<const uint4*>(f)[i - first / V];
+    const size_t lo = s.lo / V, hi = s.hi / V, step = blockDim.x;
+    auto* vout = reinterpret_cast<uint4*>(out);
+    const auto* vf = reinterpret_cast<const uint4*>(f);  // vector i at vf[i - skip]
+    const size_t skip = first / V;
+    size_t i = lo + threadIdx.x;
+    for (; i + (kUnroll - 1) * step < hi; i += kUnroll * step) {
+      uint4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = vf[i + u * step - skip];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) vout[i + u * step] = v[u];
+    }
+    for (; i < hi; i += step) vout[i] = vf[i - skip];
     done = hi * V > s.lo ? hi * V : s.lo;
   }
   for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) out[i] = f[i - first];

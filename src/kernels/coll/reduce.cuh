@@ -54,6 +54,46 @@ __device__ __forceinline__ uint4 reduce_vector(VSrc vsrc, int n, size_t i, int a
   return o;
 }
 
+// kN vectors at once, i + u * step for u in [0, kN), each as reduce_vector
+// reduces it (the same bits): every source's kN loads are issued before any of
+// them is used, so that a thread has kN loads in flight, not one.
+template <typename T, RedOp Op, int kN, typename VSrc>
+__device__ __forceinline__ void reduce_vectors(VSrc vsrc, int n, size_t i, size_t step,
+                                               int avg_divisor, uint4 (&out)[kN]) {
+  using A = typename Acc<T>::type;
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  A acc[kN][V];
+  uint4 v[kN];
+#pragma unroll
+  for (int u = 0; u < kN; ++u) v[u] = vsrc(0)[i + u * step];
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+    for (size_t k = 0; k < V; ++k) acc[u][k] = Acc<T>::load(e[k]);
+  }
+  for (int s = 1; s < n; ++s) {
+#pragma unroll
+    for (int u = 0; u < kN; ++u) v[u] = vsrc(s)[i + u * step];
+#pragma unroll
+    for (int u = 0; u < kN; ++u) {
+      const T* e = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+      for (size_t k = 0; k < V; ++k) acc[u][k] = combine<Op, A>(acc[u][k], Acc<T>::load(e[k]));
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kN; ++u) {
+    T* oe = reinterpret_cast<T*>(&out[u]);
+#pragma unroll
+    for (size_t k = 0; k < V; ++k) {
+      if constexpr (std::is_floating_point_v<A> && Op == RedOp::kAvg)
+        acc[u][k] = acc[u][k] / static_cast<A>(avg_divisor);
+      oe[k] = Acc<T>::store(acc[u][k]);
+    }
+  }
+}
+
 // Calls `f.template operator()<T, Op>()` for the element type of `dtype` and
 // `op`, for the pairs a reduction defines (redop_supported: AVG on floating
 // types only, the bitwise ops on the others); returns cudaErrorInvalidValue
