@@ -79,7 +79,8 @@
 #            inside a 64 MiB all_reduce without it (MPS fails every client when a process
 #            dies inside a kernel); EPFAIL_KILLS (3) kills per mode, world and timeout,
 #            EPFAIL_STOPS (1), EPFAIL_HEALTHY_STEPS (60), EPFAIL_ARGS: more arguments
-#            (both halves; e.g. --timeouts-us 10000000); each half ends itself after
+#            (both halves; e.g. --timeouts-us 10000000), EPFAIL_LOGS=1: each process's
+#            output with the heartbeat's debug lines in $OUT/bench/epfail_logs; each half ends itself after
 #            EPFAIL_TIME_S (150) seconds; JSON under $OUT/bench/epfail_mps/ and $OUT/bench/epfail/;
 #   epht:    the high-throughput ElasticBuffer: upstream's at world 1 (its wheel from .whl/, when
 #            carried; UPSTREAM_EB_DEADLINE_S, 300) and bench/bench_elastic_buffer.py --quick at
@@ -604,16 +605,24 @@ if gpu_wants epfail; then
   # World 4 by default (EPFAIL_WORLDS=4,8 adds 8): each half's launches past its time
   # limit are not run, which the JSON says.
   EPFAIL=(--device cuda --worlds "${EPFAIL_WORLDS:-4}" --kills "${EPFAIL_KILLS:-3}" --time-limit "$EPFAIL_S")
+  # EPFAIL_LOGS=1: every process's output under $OUT/bench/epfail_logs, with the
+  # heartbeat's debug lines (how each death was noticed, and when).
+  EPFAIL_LOG_MPS=() EPFAIL_LOG=() EPFAIL_ENV=()
+  if [ -n "${EPFAIL_LOGS:-}" ]; then
+    mkdir -p "$OUT/bench/epfail_logs/mps" "$OUT/bench/epfail_logs/nomps"
+    EPFAIL_LOG_MPS=(--log-dir "$OUT/bench/epfail_logs/mps") EPFAIL_LOG=(--log-dir "$OUT/bench/epfail_logs/nomps")
+    EPFAIL_ENV=(MOONCAKE_LOG_LEVEL=debug)
+  fi
   step "EP failover: kills between steps and between graph replays, stops, a busy rank (MPS)"
   start_mps
-  timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --graph --stop \
+  env "${EPFAIL_ENV[@]}" timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --graph --stop \
     --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-60}" ${EPFAIL_ARGS:-} \
-    --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
+    "${EPFAIL_LOG_MPS[@]}" --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
   stop_mps
   # Without MPS: a process killed inside its kernel would make MPS fail every client.
   step "EP failover: kills inside a dispatch and inside a 64 MiB all_reduce (no MPS)"
-  timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes inside --allreduce \
-    ${EPFAIL_ARGS:-} --out-dir "$OUT/bench/epfail" 2>&1 | tee -a "$OUT/bench_ep_failover.log" | tail -20 \
+  env "${EPFAIL_ENV[@]}" timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes inside --allreduce \
+    ${EPFAIL_ARGS:-} "${EPFAIL_LOG[@]}" --out-dir "$OUT/bench/epfail" 2>&1 | tee -a "$OUT/bench_ep_failover.log" | tail -20 \
     || status=1
 fi
 
