@@ -112,11 +112,18 @@ def test_no_gpu_is_an_error_unless_if_gpu(monkeypatch, capsys):
     assert "nothing to measure" in capsys.readouterr().out
 
 
-def test_a_small_cpu_run(tmp_path):
+def test_a_small_cpu_run(tmp_path, monkeypatch):
     """One kill between steps at world 3 on the CPU: the run passes its checks, and its
-    table and JSON hold the kill's row."""
+    table and JSON hold the kill's row; with the debug level, each survivor's log says
+    how its heartbeat heard of the death (death_notices reads it)."""
+    import death_notices
+
+    monkeypatch.setenv("MOONCAKE_LOG_LEVEL", "debug")
+    logs = tmp_path / "logs"
+    logs.mkdir()
     argv = ["--device", "cpu", "--worlds", "3", "--timeouts-us", "-1", "--kill"]
     argv += ["--modes", "between", "--kills", "1", "--out-dir", str(tmp_path)]
+    argv += ["--log-dir", str(logs)]
     assert bench.main(argv) == 0
     doc = json.loads((tmp_path / "ep_failover.json").read_text())
     assert doc["problems"] == []
@@ -129,3 +136,30 @@ def test_a_small_cpu_run(tmp_path):
                          for w in ("first", "last")}  # fmt: skip
     assert all(r["n"] == 1 and r["median_ms"] > 0 for r in told.values())
     assert "kill between" in (tmp_path / "ep_failover_table.md").read_text()
+    (launch,) = doc["launches"]
+    (fault,) = launch["faults"]
+    victim = fault["victim"]
+    assert sorted(fault["host_told_ms"]) == sorted(str(r) for r in range(3) if r != victim)
+    notices = []
+    for path in logs.iterdir():
+        notices += death_notices.parse(path.read_text(errors="replace").splitlines())
+    (death,) = death_notices.deaths([n for n in notices if n.victim == victim])
+    assert sorted(n.rank for n in death) == sorted(r for r in range(3) if r != victim)
+    assert all(n.how and n.began_us <= n.ended_us <= n.seen_us for n in death)
+
+
+def test_death_notices_groups_by_victim_and_time():
+    import death_notices
+
+    line = "[mooncake D pid 1 0.0] rank {} heartbeat: rank {} seen gone at {} us; the last wait "
+    lines = [
+        (line + "(on the life words) began at {} and ended at {}, woken").format(0, 2, 1000, 10, 990),
+        (line + "(on the life words) began at {} and ended at {}, timed out").format(1, 2, 21000, 990, 20990),
+        (line + "(on the pidfds) began at {} and ended at {}").format(0, 2, 900000, 5, 899000),
+        "unrelated",
+    ]  # fmt: skip
+    notices = death_notices.parse(lines)
+    assert [n.how for n in notices] == ["woken", "timed out", ""]
+    groups = death_notices.deaths(notices)
+    assert [[n.rank for n in g] for g in groups] == [[0, 1], [0]]  # 900 ms later: another death
+    assert "rank 1 +20.0 ms (timed out" in death_notices.describe(groups[0])
