@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 
 _LINE = re.compile(
-    r"rank (\d+) heartbeat: rank (\d+) seen gone at (\d+) us; the last wait \(([^)]*)\) "
-    r"began at (\d+) and ended at (\d+)(?:, (.*))?$"
+    r"(?:pid (\d+) [^\]]*\] )?rank (\d+) heartbeat: rank (\d+) seen gone at (\d+) us; the last "
+    r"wait \(([^)]*)\) began at (\d+) and ended at (\d+)(?:, (.*))?$"
 )
 #: notices of one victim this close together are one death
 GROUP_US = 200_000
@@ -36,6 +36,7 @@ class Notice:
     began_us: int  # its last wait before that
     ended_us: int
     how: str  # how that wait ended ("" on the pidfd path)
+    pid: int = 0  # the process (0: not in the line)
 
 
 def parse(lines) -> list[Notice]:
@@ -43,18 +44,31 @@ def parse(lines) -> list[Notice]:
     for line in lines:
         m = _LINE.search(line.rstrip("\n"))
         if m:
-            rank, victim, seen, _on, began, ended, how = m.groups()
-            out.append(Notice(int(seen), int(rank), int(victim), int(began), int(ended), how or ""))
+            pid, rank, victim, seen, _on, began, ended, how = m.groups()
+            out.append(
+                Notice(
+                    int(seen),
+                    int(rank),
+                    int(victim),
+                    int(began),
+                    int(ended),
+                    how or "",
+                    int(pid or 0),
+                )
+            )
     return out
 
 
 def deaths(notices: list[Notice]) -> list[list[Notice]]:
-    """The notices grouped by death, each group in the order they came."""
+    """The notices grouped by death, each group in the order they came, a process's
+    first notice only (a process with several groups has a heartbeat thread for each,
+    and each tells)."""
     groups: list[list[Notice]] = []
     for n in sorted(notices, key=lambda n: n.seen_us):
         for g in reversed(groups):
             if g[0].victim == n.victim and n.seen_us - g[0].seen_us <= GROUP_US:
-                g.append(n)
+                if all((m.pid, m.rank) != (n.pid, n.rank) for m in g):
+                    g.append(n)
                 break
         else:
             groups.append([n])

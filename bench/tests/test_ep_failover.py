@@ -151,15 +151,18 @@ def test_a_small_cpu_run(tmp_path, monkeypatch):
 def test_death_notices_groups_by_victim_and_time():
     import death_notices
 
-    line = "[mooncake D pid 1 0.0] rank {} heartbeat: rank {} seen gone at {} us; the last wait "
+    line = "[mooncake D pid {} 0.0] rank {} heartbeat: rank {} seen gone at {} us; the last wait "
     lines = [
-        (line + "(on the life words) began at {} and ended at {}, woken").format(0, 2, 1000, 10, 990),
-        (line + "(on the life words) began at {} and ended at {}, timed out").format(1, 2, 21000, 990, 20990),
-        (line + "(on the pidfds) began at {} and ended at {}").format(0, 2, 900000, 5, 899000),
+        (line + "(on the life words) began at {} and ended at {}, woken").format(7, 0, 2, 1000, 10, 990),
+        (line + "(on the life words) began at {} and ended at {}, timed out").format(8, 1, 2, 21000, 990, 20990),
+        # the same process's second group: not a second notice
+        (line + "(on the life words) began at {} and ended at {}, woken").format(8, 1, 2, 22000, 990, 21990),
+        (line + "(on the pidfds) began at {} and ended at {}").format(7, 0, 2, 900000, 5, 899000),
         "unrelated",
     ]  # fmt: skip
     notices = death_notices.parse(lines)
-    assert [n.how for n in notices] == ["woken", "timed out", ""]
+    assert [n.how for n in notices] == ["woken", "timed out", "woken", ""]
+    assert [n.pid for n in notices] == [7, 8, 8, 7]
     groups = death_notices.deaths(notices)
     assert [[n.rank for n in g] for g in groups] == [[0, 1], [0]]  # 900 ms later: another death
     assert "rank 1 +20.0 ms (timed out" in death_notices.describe(groups[0])
