@@ -13,6 +13,8 @@ slower, hence the generous deadlines).
   more rows than it gathers at once) at 1, 2 and 4 ranks: the same rows in the same order, payloads and
   combine bit for bit; and outputs reused by a later call only once nothing
   refers to them.
+* ``test_a_missing_async_order_is_caught``: the negative control of the async case: with
+  the Buffer's order of a plain call after an unwaited async_finish one taken out, it fails.
 * ``test_a_rank_that_exits``: a rank exits before dispatch, or between
   dispatch and combine; the others finish with exactly that rank masked and
   every other row exact, told by the group's transport (masked as lost, far
@@ -57,6 +59,22 @@ def test_device_path_matches_portable(world):
     ]
     assert not failures, "\n".join(failures)
     assert all(set(res) == set(names) for res in results)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_missing_async_order_is_caught(world):
+    """The negative control of ``fp8/async_unwaited``: with the Buffer's order of a plain
+    call after an unwaited async_finish one taken out (in the ranks), the case fails,
+    saying the plain calls ran first. (If it could not fail, this would.) The waits
+    that the calls left unordered may meet are cut to 5 s."""
+    from mooncake.launch import run_local
+
+    name = "fp8/async_unwaited"
+    env = {**ENV, "MOONCAKE_EP_WAIT_CAP_MS": "5000"}
+    results = run_local(edr.rank_cases, world, args=([name], True), env=env, timeout_s=300)
+    for r, res in enumerate(results):
+        why = res.get(name)
+        assert why is not None and "ran before the async_finish one had ended" in why, (r, why)
 
 
 @pytest.mark.parametrize("when", ["dispatch", "combine"])
