@@ -20,7 +20,8 @@
 #            checkout of it in .baseline/ (carried: `git worktree add .baseline REV`, or
 #            `git archive REV | tar -x -C .baseline`) is built as this tree is, then the EP
 #            device benchmark (world 1, and COMPARE_EP_WORLDS under MPS) and the CUDA
-#            backend's (world 2 under MPS) run for old and new in turn, COMPARE_ROUNDS times
+#            backend's (COMPARE_PG_WORLDS (2) under MPS; COMPARE_PG_OPS, COMPARE_PG_SIZES)
+#            run for old and new in turn, COMPARE_ROUNDS times
 #            (COMPARE_BENCHES picks among "ep1 ep pg"),
 #            so that both meet the same machine; JSON under $OUT/compare/{old,new}N-{ep1,ep,pg}/.
 #   device:  the device library without torch (build-gpu-core: no torch on its include
@@ -553,7 +554,8 @@ if gpu_wants compare; then
             --experts 256 --quick
         fi
         if [[ " $COMPARE " == *" pg "* ]]; then
-          compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds 2 --backends mooncake \
+          compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds "${COMPARE_PG_WORLDS:-2}" \
+            --backends mooncake ${COMPARE_PG_SIZES:+--sizes "$COMPARE_PG_SIZES"} \
             --ops "${COMPARE_PG_OPS:-all_reduce,all_gather_into_tensor,reduce_scatter_tensor,all_to_all_single}"
         fi
         stop_mps
