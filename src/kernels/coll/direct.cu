@@ -55,23 +55,30 @@ __device__ __forceinline__ Span share_of(int j, size_t count, size_t per) {
 // copies found the same: kernels/common/copy.cuh).
 constexpr int kUnroll = 4;
 
+// Vectors [0, n) of out from in: the block's thread t takes t, t + blockDim.x, ...,
+// kUnroll of them a round.
+__device__ void copy_vectors(uint4* out, const uint4* in, size_t n) {
+  const size_t step = blockDim.x;
+  size_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * step < n; i += kUnroll * step) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = in[i + u * step];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) out[i + u * step] = v[u];
+  }
+  for (; i < n; i += step) out[i] = in[i];
+}
+
 // Step 1: this block's part of the input's bytes into the area.
 __device__ void copy_in(uint8_t* dst, const uint8_t* src, size_t bytes, bool vec) {
   const Span p = block_part(0, bytes, 16);
-  size_t i = p.lo + threadIdx.x * 16;
   if (vec) {
-    const size_t step = static_cast<size_t>(blockDim.x) * 16;
-    for (; i + (kUnroll - 1) * step + 16 <= p.hi; i += kUnroll * step) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = *reinterpret_cast<const uint4*>(src + i + u * step);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) *reinterpret_cast<uint4*>(dst + i + u * step) = v[u];
-    }
-    for (; i + 16 <= p.hi; i += step)
-      *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
-    if (i < p.hi)  // the input's last, partial vector
-      for (size_t b = i; b < p.hi; ++b) dst[b] = src[b];
+    const size_t n = (p.hi - p.lo) / 16;  // whole vectors (p.lo is one)
+    copy_vectors(reinterpret_cast<uint4*>(dst + p.lo), reinterpret_cast<const uint4*>(src + p.lo),
+                 n);
+    if (threadIdx.x == 0)  // the input's last, partial vector
+      for (size_t b = p.lo + n * 16; b < p.hi; ++b) dst[b] = src[b];
     return;
   }
   for (size_t b = p.lo + threadIdx.x; b < p.hi; b += blockDim.x) dst[b] = src[b];
@@ -125,19 +132,10 @@ __device__ void copy_span(const uint8_t* from, size_t first, Span s, T* out, boo
   const T* f = reinterpret_cast<const T*>(from);
   size_t done = s.lo;
   if (vec) {
-    const size_t lo = s.lo / V, hi = s.hi / V, step = blockDim.x;
-    auto* vout = reinterpret_cast<uint4*>(out);
-    const auto* vf = reinterpret_cast<const uint4*>(f);  // vector i at vf[i - skip]
-    const size_t skip = first / V;
-    size_t i = lo + threadIdx.x;
-    for (; i + (kUnroll - 1) * step < hi; i += kUnroll * step) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = vf[i + u * step - skip];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) vout[i + u * step] = v[u];
-    }
-    for (; i < hi; i += step) vout[i] = vf[i - skip];
+    // Vector i of out from vector i - first / V of `from` (first <= s.lo).
+    const size_t lo = s.lo / V, hi = s.hi / V;
+    copy_vectors(reinterpret_cast<uint4*>(out) + lo,
+                 reinterpret_cast<const uint4*>(f) + (lo - first / V), hi - lo);
     done = hi * V > s.lo ? hi * V : s.lo;
   }
   for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) out[i] = f[i - first];
