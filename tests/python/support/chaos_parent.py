@@ -357,7 +357,8 @@ def fault_times(o: Outcome) -> list[dict]:
             continue
         t = o.stamps[c]["t"]
         row = {"c": c, **cy, "t": t}
-        fault_recs = [rec for _, rec in o.records() if rec["tag"] == f"c{c}/fault"]
+        faults = [(key, rec) for key, rec in o.records() if rec["tag"] == f"c{c}/fault"]
+        fault_recs = [rec for _, rec in faults]
         ends = [rec["t1"] for rec in fault_recs]
         row["next_ms"] = (max(ends) - t) * 1e3 if ends else None
         if ends:
@@ -370,14 +371,11 @@ def fault_times(o: Outcome) -> list[dict]:
             # Which process was told when (pkey "rank" or "rank@cycle" for a replacement),
             # so that a late one can be looked for in its log.
             row["host_told_ms"] = {
-                key: round((rec["t_told"] - t) * 1e3, 3)
-                for key, rec in o.records()
-                if rec["tag"] == f"c{c}/fault" and rec.get("t_told") is not None
+                key: round((rec["t_told"] - t) * 1e3, 3) for key, rec in faults if "t_told" in rec
             }
         # Whether a survivor's step counted the victim (its part was in before it died):
         # then the step did not recover from anything.
-        counted = [rec["ranks"] for _, rec in o.records()
-                   if rec["tag"] == f"c{c}/fault" and rec.get("ranks")]  # fmt: skip
+        counted = [rec["ranks"] for rec in fault_recs if rec.get("ranks")]
         if counted:
             row["victim_counted"] = any(r[cy["victim"]] for r in counted)
         fulls = [rec["t1"] - rec["t0"] for _, rec in o.records() if rec["tag"] == f"c{c}/full0"]
