@@ -234,11 +234,12 @@ struct WatchedOps {
     done->record(stream);
   }
 
-  // Waits on the host for what the launches found (wait_found), then reads it: the error to raise,
-  // and whether the host's view must catch up (DeviceCollectives::direct_resync): a member of the
-  // group (`members`, the view they were launched in) whose signal never came (lost, or fenced by
-  // the others), or this rank fenced (so that it meets the others in their setup, which then
-  // decides on it). Every survivor of a launch finds the same.
+  // Waits on the host for what the launches found (wait_found), then reads
+  // it: the error to raise, and whether the host's view must catch up
+  // (DeviceCollectives::direct_resync): a member of the group (`members`, the
+  // view they were launched in) whose signal never came (lost, or fenced by
+  // the others), or this rank fenced (so that it meets the others in their
+  // setup, which then decides on it). Every survivor of a launch finds the same.
   void check() {
     std::lock_guard<std::mutex> lock(mu);
     if (checked) return;
