@@ -1,11 +1,22 @@
 #include "transport/life.h"
 
+#include <pthread.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <climits>
 #include <ctime>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "core/error.h"
+#include "transport/segment.h"
 
 namespace mooncake {
 
@@ -130,6 +141,108 @@ bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uin
 void life_stop(std::atomic<uint32_t>* stop) {
   stop->store(1);
   wake_all_waiters(stop, /*shared=*/false);
+}
+
+namespace {
+
+// A life page's layout: the word first (LifeView::word), then what tells it
+// from another file.
+struct LifePage {
+  std::atomic<uint32_t> word{0};
+  uint32_t magic = 0;
+  uint64_t nonce = 0;
+};
+static_assert(sizeof(LifePage) <= kLifePageBytes);
+constexpr uint32_t kLifeMagic = 0x6d636c66;  // "mclf"
+
+struct ProcessLife {
+  pid_t pid = 0;  // the process that made it (a forked child makes its own)
+  LifeRef ref;
+  LifePage* page = nullptr;
+};
+
+std::mutex life_mu;
+ProcessLife life;  // under life_mu
+
+// A new life page and the thread that holds its word; {} where the kernel refuses.
+ProcessLife make_life() {
+  ProcessLife out;
+  out.pid = ::getpid();
+  const int fd = ::memfd_create("mooncake-life", MFD_CLOEXEC);
+  if (fd < 0) return out;
+  void* p = MAP_FAILED;
+  uint64_t nonce = 0;
+  // Owner-only, as a segment (transport/segment.cc).
+  if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, kLifePageBytes) == 0 &&
+      ::getrandom(&nonce, sizeof(nonce), 0) == sizeof(nonce))
+    p = ::mmap(nullptr, kLifePageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    ::close(fd);
+    return out;
+  }
+  auto* page = new (p) LifePage;
+  page->magic = kLifeMagic;
+  page->nonce = nonce | 1;  // never 0 (LifeRef::valid)
+  std::promise<bool> held;
+  std::future<bool> answer = held.get_future();
+  // Signals are the other threads' to take; this one holds the word and
+  // sleeps until the process ends, which marks the word.
+  std::thread([page, &held] {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, nullptr);
+    LifeHold hold;  // on this stack, which lives as long as the process
+    const bool ok = hold.hold(&page->word);
+    held.set_value(ok);
+    if (!ok) return;
+    for (;;) ::pause();
+  }).detach();
+  if (!answer.get()) {
+    ::munmap(p, kLifePageBytes);
+    ::close(fd);
+    return out;
+  }
+  out.page = page;
+  out.ref = LifeRef{static_cast<int32_t>(out.pid), fd, page->nonce};
+  return out;
+}
+
+}  // namespace
+
+LifeRef process_life() {
+  std::lock_guard<std::mutex> lock(life_mu);
+  if (life.pid != ::getpid()) {
+    // A forked child: the parent's page is the parent's life, not its own.
+    if (life.page != nullptr) {
+      ::munmap(life.page, kLifePageBytes);
+      ::close(life.ref.fd);
+    }
+    life = make_life();
+  }
+  return life.ref;
+}
+
+LifeView::LifeView(const LifeRef& ref) {
+  if (!ref.valid())
+    throw_error(ErrorKind::kPeerFailed, -1, "no life page (pid ", ref.pid, ", fd ", ref.fd, ")");
+  const int local = open_peer_file(ref.pid, ref.fd, kLifePageBytes, "life page");
+  void* p = ::mmap(nullptr, kLifePageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
+  const int e = errno;
+  ::close(local);
+  if (p == MAP_FAILED)
+    throw_error(ErrorKind::kSystem, -1, "cannot map the life page of process ", ref.pid, ": ",
+                std::strerror(e));
+  const auto* page = static_cast<const LifePage*>(p);
+  if (page->magic != kLifeMagic || page->nonce != ref.nonce) {
+    ::munmap(p, kLifePageBytes);
+    throw_error(ErrorKind::kPeerFailed, -1, "/proc/", ref.pid, "/fd/", ref.fd,
+                " is not the life page that process published (it is gone, and the pid reused?)");
+  }
+  page_ = p;
+}
+
+LifeView::~LifeView() {
+  if (page_ != nullptr) ::munmap(page_, kLifePageBytes);
 }
 
 }  // namespace mooncake

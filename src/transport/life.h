@@ -15,6 +15,7 @@
 #include <linux/futex.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -66,5 +67,48 @@ bool life_wait(const std::vector<std::atomic<uint32_t>*>& words, std::atomic<uin
 
 // Sets `stop` and wakes a life_wait() on it.
 void life_stop(std::atomic<uint32_t>* stop);
+
+// A process's life page: one page of its own (a memfd), whose word a thread of
+// the process holds for as long as it runs. Unlike a segment's word, which
+// its heartbeat thread releases when the endpoint closes, nothing releases
+// it: the process's exit marks it as its death does. A peer can keep it
+// mapped (and registered with a GPU, whose kernels then read a death with no
+// host thread in between: device/ep.h) at the cost of one page, where a
+// mapping of the segment would keep the whole dead segment's memory.
+constexpr size_t kLifePageBytes = 4096;
+
+// Where a process's life page is, for a peer on the same host to map it
+// (/proc/<pid>/fd/<fd>); the nonce tells it from whatever else may lie
+// there once the process is gone and its pid reused.
+struct LifeRef {
+  int32_t pid = 0;
+  int32_t fd = -1;
+  uint64_t nonce = 0;
+  bool valid() const { return pid > 0 && fd >= 0 && nonce != 0; }
+  friend bool operator==(const LifeRef&, const LifeRef&) = default;
+};
+
+// This process's life page, made on the first call (and again in a forked
+// child, which has no holder thread). An invalid LifeRef where the kernel
+// refuses (no memfd, no robust lists): peers then rely on the host's notice.
+LifeRef process_life();
+
+// A peer's life page mapped here. Throws (kPeerFailed) where `ref` names no
+// live process's life page: gone, or its pid and fd number now another's.
+class LifeView {
+ public:
+  explicit LifeView(const LifeRef& ref);
+  ~LifeView();
+  LifeView(const LifeView&) = delete;
+  LifeView& operator=(const LifeView&) = delete;
+
+  // The page (kLifePageBytes, page-aligned) and its word, at its start.
+  void* page() const { return page_; }
+  const std::atomic<uint32_t>& word() const { return *static_cast<std::atomic<uint32_t>*>(page_); }
+  bool owner_died() const { return life_owner_died(word()); }
+
+ private:
+  void* page_ = nullptr;
+};
 
 }  // namespace mooncake

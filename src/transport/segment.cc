@@ -42,31 +42,37 @@ Segment::~Segment() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes) : size_(bytes) {
+int open_peer_file(int pid, int fd, size_t bytes, const char* what) {
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (local < 0) {
     // Gone (the process or its fd), or something else under that number
-    // (a directory, a socket): not the segment the store names. A refused
+    // (a directory, a socket): not the file the peer published. A refused
     // permission, or no memory, is this process's problem.
     const int e = errno;
     const bool gone = e == ENOENT || e == ESRCH || e == EISDIR || e == ENXIO || e == ELOOP;
-    throw_error(gone ? ErrorKind::kPeerFailed : ErrorKind::kSystem, -1, "cannot open peer segment ",
-                path, ": ", std::strerror(e));
+    throw_error(gone ? ErrorKind::kPeerFailed : ErrorKind::kSystem, -1, "cannot open peer ", what,
+                " ", path, ": ", std::strerror(e));
   }
   // Mapping past the end of a shorter file would fault on the first access.
   struct stat st {};
   if (::fstat(local, &st) != 0 || !S_ISREG(st.st_mode) ||
       static_cast<uint64_t>(st.st_size) != bytes) {
     ::close(local);
-    throw_error(ErrorKind::kPeerFailed, -1, path, " is not a ", bytes,
-                "-byte segment (its process is gone, and the pid was reused?)");
+    throw_error(ErrorKind::kPeerFailed, -1, path, " is not a ", bytes, "-byte ", what,
+                " (its process is gone, and the pid was reused?)");
   }
+  return local;
+}
+
+RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes) : size_(bytes) {
+  const int local = open_peer_file(pid, fd, bytes, "segment");
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
   int e = errno;
   ::close(local);
   if (p == MAP_FAILED)
-    throw_error(ErrorKind::kSystem, -1, "cannot map peer segment ", path, ": ", std::strerror(e));
+    throw_error(ErrorKind::kSystem, -1, "cannot map the segment of process ", pid, ": ",
+                std::strerror(e));
   base_ = static_cast<uint8_t*>(p);
 }
 

@@ -1,6 +1,7 @@
 // Life words (transport/life.h): the kernel marks a holder's death at once and
 // wakes one waiter, which wakes the others; a word released on purpose is no
-// death; a thread that exits holding its word is one.
+// death; a thread that exits holding its word is one. A process's life page
+// (process_life) marks its death, and its exit, for a peer that maps it.
 #include "transport/life.h"
 
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "core/clock.h"
+#include "errors.h"
 
 namespace mctest {
 namespace {
@@ -27,6 +29,9 @@ using mooncake::life_owner_died;
 using mooncake::life_stop;
 using mooncake::life_wait;
 using mooncake::LifeHold;
+using mooncake::LifeRef;
+using mooncake::LifeView;
+using mooncake::process_life;
 
 // A word in memory that a forked child shares with this process.
 std::atomic<uint32_t>* shared_word() {
@@ -130,6 +135,105 @@ TEST(LifeWord, AThreadThatExitsHoldingItsWordIsADeath) {
   std::thread([&] { held = hold->hold(word); }).join();
   ASSERT_TRUE(held);
   EXPECT_TRUE(life_owner_died(*word));
+}
+
+// A child process that makes its life page and sends its LifeRef, then waits;
+// with `go`, it exits normally (exit(0)) once a byte comes on *go.
+pid_t life_process(LifeRef* ref, int* go = nullptr) {
+  int sent[2], told[2];
+  EXPECT_EQ(pipe(sent), 0);
+  EXPECT_EQ(pipe(told), 0);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const LifeRef mine = process_life();
+    if (write(sent[1], &mine, sizeof(mine)) != sizeof(mine)) _exit(4);
+    if (go != nullptr) {
+      char c = 0;
+      if (read(told[0], &c, 1) != 1) _exit(5);
+      exit(0);
+    }
+    for (;;) pause();
+  }
+  EXPECT_EQ(read(sent[0], ref, sizeof(*ref)), static_cast<ssize_t>(sizeof(*ref)));
+  close(sent[0]);
+  close(sent[1]);
+  close(told[0]);
+  if (go != nullptr)
+    *go = told[1];
+  else
+    close(told[1]);
+  return pid;
+}
+
+bool marked_within(const LifeView& view, int64_t ms) {
+  const mooncake::Deadline d = mooncake::Deadline::after_ms(ms);
+  while (!view.owner_died() && !d.expired())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return view.owner_died();
+}
+
+TEST(LifePage, APeersViewSeesTheProcessKilledAndKeepsThePageAfterItIsGone) {
+  LifeRef ref;
+  const pid_t child = life_process(&ref);
+  ASSERT_TRUE(ref.valid()) << "the kernel refused a life page";
+  EXPECT_EQ(ref.pid, child);
+  LifeView view(ref);
+  EXPECT_FALSE(view.owner_died());
+  EXPECT_NE(view.word().load() & FUTEX_TID_MASK, 0u) << "no thread holds the word";
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  EXPECT_TRUE(marked_within(view, 5000)) << "the death was not marked within 5 s";
+  waitpid(child, nullptr, 0);
+  // The process is gone and reaped: the view's page (one page) is still there.
+  EXPECT_TRUE(view.owner_died());
+  // And no one can map it anew.
+  EXPECT_TRUE(throws_error(mooncake::ErrorKind::kPeerFailed, [&] { LifeView again(ref); }));
+}
+
+TEST(LifePage, AProcessThatExitsNormallyIsMarkedToo) {
+  LifeRef ref;
+  int go = -1;
+  const pid_t child = life_process(&ref, &go);
+  ASSERT_TRUE(ref.valid());
+  LifeView view(ref);
+  EXPECT_FALSE(view.owner_died());
+  ASSERT_EQ(write(go, "g", 1), 1);
+  int status = 0;
+  waitpid(child, &status, 0);
+  close(go);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  EXPECT_TRUE(marked_within(view, 5000)) << "a normal exit left the word held";
+}
+
+TEST(LifePage, AViewRefusesWhatIsNotThatProcesssPage) {
+  LifeRef ref;
+  const pid_t child = life_process(&ref);
+  ASSERT_TRUE(ref.valid());
+  LifeRef wrong = ref;
+  wrong.nonce ^= 2;
+  EXPECT_TRUE(throws_error(
+      mooncake::ErrorKind::kPeerFailed, [&] { LifeView v(wrong); }, "is not the life page"));
+  wrong = ref;
+  wrong.fd = 0;  // its stdin: not a one-page file
+  EXPECT_TRUE(throws_error(mooncake::ErrorKind::kPeerFailed, [&] { LifeView v(wrong); }));
+  EXPECT_TRUE(throws_error(
+      mooncake::ErrorKind::kPeerFailed, [&] { LifeView v(LifeRef{}); }, "no life page"));
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+}
+
+TEST(LifePage, AForkedChildHasAPageOfItsOwn) {
+  const LifeRef mine = process_life();
+  ASSERT_TRUE(mine.valid());
+  EXPECT_EQ(process_life(), mine) << "a second call made another page";
+  LifeRef theirs;
+  const pid_t child = life_process(&theirs);
+  ASSERT_TRUE(theirs.valid());
+  EXPECT_EQ(theirs.pid, child);
+  EXPECT_NE(theirs.nonce, mine.nonce);
+  LifeView view(mine);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_FALSE(view.owner_died()) << "the child's death marked the parent's page";
 }
 
 }  // namespace
