@@ -55,6 +55,12 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_EP_WAIT_CAP_MS", "60000",
        "EP device path: how long a kernel waits for a silent peer when timeout_us is -1; "
        "past it the peer is masked, so no kernel spins forever."},
+      {"MOONCAKE_DEVICE_LIFE_PAGES", "1",
+       "Device kernels (EP buffers, the mooncake CUDA backend's device-driven ops): 1: a "
+       "wait on a same-host peer also reads that process's life page, which the kernel marks "
+       "the moment it dies, so the wait ends within microseconds even when this host's own "
+       "notice comes late; 0: only the host's word (set by this process's heartbeat thread), "
+       "for comparison."},
       {"MOONCAKE_EP_FORCE_FALLBACK", "0",
        "1: EP dispatch/combine always take the portable path (torch ops over the process "
        "group), even where the device path could run."},

@@ -457,6 +457,7 @@ void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, in
   mine();  // published before the members meet, so that each can map the others'
   std::vector<uint8_t*> areas(static_cast<size_t>(world), nullptr);
   std::vector<uint32_t> incarnations(static_cast<size_t>(world), DirectOps::kNone);
+  std::vector<LifeRef> lives(static_cast<size_t>(world));
   uint64_t gen = 0;
   bool fits = true;
   // The round names no root (one that died would fail it, where a launch
@@ -479,6 +480,7 @@ void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, in
                          const auto p = static_cast<size_t>(members[i]);
                          areas[p] = const_cast<uint8_t*>(segs[i]) + direct_offset();
                          incarnations[p] = view.incarnation[p];
+                         if (members[i] != comm_.rank()) lives[p] = directory_.life(members[i]);
                        }
                      });
   const uint64_t epoch = comm_.epoch();
@@ -486,7 +488,7 @@ void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, in
     direct_unfit_epoch_ = epoch;
     return;
   }
-  direct_->install(areas, incarnations, static_cast<uint32_t>(gen), epoch, stream);
+  direct_->install(areas, incarnations, lives, static_cast<uint32_t>(gen), epoch, stream);
 }
 
 void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,

@@ -150,9 +150,11 @@ void DirectOps::release() {
 }
 
 void DirectOps::install(const std::vector<uint8_t*>& areas,
-                        const std::vector<uint32_t>& incarnations, uint32_t gen, uint64_t epoch,
+                        const std::vector<uint32_t>& incarnations,
+                        const std::vector<LifeRef>& lives, uint32_t gen, uint64_t epoch,
                         cudaStream_t stream) {
-  MC_ASSERT(areas.size() == static_cast<size_t>(ranks_) && incarnations.size() == areas.size());
+  MC_ASSERT(areas.size() == static_cast<size_t>(ranks_) && incarnations.size() == areas.size() &&
+            lives.size() == areas.size());
   MC_ASSERT(gen < (uint32_t{1} << 31));  // a signal's top bit marks a fence
   OnDevice on(device_);
   k::DirectState h{};
@@ -173,9 +175,15 @@ void DirectOps::install(const std::vector<uint8_t*>& areas,
     // A new process in the slot: what the transport said of the last one is void.
     if (areas[static_cast<size_t>(p)] != nullptr && inc != incarnations_[static_cast<size_t>(p)])
       lost_->clear(p);
+    // Every launch of the last setup is over (the caller synchronized the device).
+    if (areas[static_cast<size_t>(p)] == nullptr)
+      lost_->watch_life(p, LifeRef{});
+    else if (inc != incarnations_[static_cast<size_t>(p)] || !lost_->has_life(p))
+      lost_->watch_life(p, lives[static_cast<size_t>(p)]);
     incarnations_[static_cast<size_t>(p)] = areas[static_cast<size_t>(p)] != nullptr ? inc : kNone;
     silent_host_[p] = 0;
   }
+  lost_->settle();
   for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
   gen_ = gen;
   epoch_ = epoch;
@@ -207,6 +215,8 @@ void DirectOps::retire_now(int slot) {
   // Launches and replays on any stream (torch's are non-blocking) are over
   // before the slot's mapping goes.
   cuda_check(cudaDeviceSynchronize(), "retiring a rank");
+  lost_->watch_life(slot, LifeRef{});
+  lost_->settle();
 }
 
 size_t DirectOps::input_bytes(const Op& op) const {

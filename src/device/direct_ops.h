@@ -97,11 +97,14 @@ class DirectOps {
   void set_report(int32_t* active_ranks) { report_ = active_ranks; }
 
   // A setup agreed with the members: each rank's area as this process maps
-  // it (null: out), the incarnation each was mapped from, the generation the
+  // it (null: out), the incarnation each was mapped from and its process's
+  // life page (LostWords::watch_life; invalid: none), the generation the
   // members agreed on and the view's epoch. Queued on `stream` after what it
-  // holds, and waited for: no launch may see the state change under it.
+  // holds, and waited for: no launch may see the state change under it. No
+  // launch of the last setup may still run (the caller synchronized).
   void install(const std::vector<uint8_t*>& areas, const std::vector<uint32_t>& incarnations,
-               uint32_t gen, uint64_t epoch, cudaStream_t stream);
+               const std::vector<LifeRef>& lives, uint32_t gen, uint64_t epoch,
+               cudaStream_t stream);
   bool installed() const { return installed_; }
   // Until the next install, not installed (DeviceCollectives::direct_resync).
   void invalidate() { installed_ = false; }

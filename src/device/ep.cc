@@ -4,16 +4,51 @@
 #include <atomic>
 #include <optional>
 
+#include "core/env.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "device/cuda.h"
 
 namespace mooncake {
 
 namespace k = kernels;
 
+// A peer's life page, mapped here and registered with the GPU (mapped: the
+// kernels read it over the bus, as they read the host's words).
+struct LostWords::LifePage {
+  explicit LifePage(const LifeRef& ref) : view(ref) {
+    cuda_check(cudaHostRegister(view.page(), kLifePageBytes, cudaHostRegisterMapped),
+               "cudaHostRegister of a peer's life page");
+    void* d = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&d, view.page(), 0);
+    if (err != cudaSuccess) {
+      cudaHostUnregister(view.page());
+      cuda_check(err, "cudaHostGetDevicePointer of a peer's life page");
+    }
+    dev = reinterpret_cast<uint64_t>(d);
+  }
+  ~LifePage() { cudaHostUnregister(view.page()); }
+  LifePage(const LifePage&) = delete;
+  LifePage& operator=(const LifePage&) = delete;
+
+  LifeView view;
+  uint64_t dev = 0;
+};
+
 LostWords::LostWords(int64_t n, int device) : device_(device), n_(n) {
+  lives_.resize(static_cast<size_t>(std::max<int64_t>(n, 0)));
   OnDevice on(device);
   host_ = mapped_words(std::max<int64_t>(n, 1), &dev_, "cudaHostAlloc of the lost-rank words");
+  void* life_dev = nullptr;
+  try {
+    life_host_ = static_cast<uint64_t*>(
+        mapped_bytes(static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(uint64_t), &life_dev,
+                     "cudaHostAlloc of the life-page addresses"));
+  } catch (...) {
+    cudaFreeHost(host_);
+    throw;
+  }
+  life_dev_ = static_cast<uint64_t*>(life_dev);
   const size_t bytes = static_cast<size_t>(n + 1) * sizeof(uint64_t);
   cudaError_t err = cudaMalloc(&seen_, bytes);
   if (err == cudaSuccess) err = cudaMemset(seen_, 0, bytes);
@@ -23,6 +58,7 @@ LostWords::LostWords(int64_t n, int device) : device_(device), n_(n) {
   if (err != cudaSuccess) {
     cudaFree(seen_);
     cudaFreeHost(host_);
+    cudaFreeHost(life_host_);
     cuda_check(err, "cudaMalloc of the lost-rank words' device copy");
   }
 }
@@ -33,9 +69,43 @@ LostWords::~LostWords() {
   int previous = -1;
   const bool switched = cudaGetDevice(&previous) == cudaSuccess && previous != device_ &&
                         cudaSetDevice(device_) == cudaSuccess;
+  lives_.clear();
+  retired_.clear();
   cudaFree(seen_);
   cudaFreeHost(host_);
+  cudaFreeHost(life_host_);
   if (switched) cudaSetDevice(previous);
+}
+
+void LostWords::watch_life(int64_t rank, const LifeRef& ref) {
+  if (rank < 0 || rank >= n_) return;
+  std::unique_ptr<LifePage> page;
+  if (ref.valid() && env_int("MOONCAKE_DEVICE_LIFE_PAGES") != 0) {
+    OnDevice on(device_);
+    try {
+      page = std::make_unique<LifePage>(ref);
+    } catch (const Error& e) {
+      // Gone already (the host's word will say so), or the GPU refused the
+      // page: the host's word alone, as before.
+      if (e.kind() == ErrorKind::kPeerFailed)
+        MC_LOG(kDebug, "rank ", rank, "'s life page is not read by the kernels: ", e.what());
+      else
+        MC_LOG(kWarn, "rank ", rank, "'s life page is not read by the kernels: ", e.what());
+    }
+  }
+  std::atomic_ref<uint64_t>(life_host_[rank]).store(page ? page->dev : 0);
+  auto& slot = lives_[static_cast<size_t>(rank)];
+  if (slot) retired_.push_back(std::move(slot));
+  slot = std::move(page);
+}
+
+void LostWords::settle() {
+  OnDevice on(device_);
+  retired_.clear();
+}
+
+bool LostWords::has_life(int64_t rank) const {
+  return rank >= 0 && rank < n_ && lives_[static_cast<size_t>(rank)] != nullptr;
 }
 
 void LostWords::set(int64_t rank, Word w) {
@@ -54,7 +124,10 @@ void LostWords::clear(int64_t rank, Word only) {
 
 void LostWords::renew() {
   generation_.fetch_add(1, std::memory_order_acq_rel);
-  for (int64_t r = 0; r < n_; ++r) clear(r);
+  for (int64_t r = 0; r < n_; ++r) {
+    clear(r);
+    watch_life(r, LifeRef{});
+  }
 }
 
 LostWords::Word LostWords::get(int64_t rank) const {
@@ -131,7 +204,8 @@ void EpBuffer::reserve(int64_t capacity, int64_t rank, uint32_t key) {
     // The same size (a group's members changed): the same device words, so that a
     // CUDA graph captured before, whose launches hold their addresses, stays valid.
     std::fill(silent_, silent_ + capacity, 0);
-    lost_->renew();  // the caller watches again, told of the peers lost so far
+    lost_->renew();   // the caller watches again, told of the peers lost so far
+    lost_->settle();  // (the device is idle)
   } else {
     if (peers_ != nullptr) cudaFree(peers_);
     peers_ = nullptr;
@@ -188,6 +262,7 @@ bool EpBuffer::map_peer(int64_t slot, const std::string& encoded, uint32_t key) 
     cards_[slot] = encoded;
     keys_host_[slot] = key;  // in force once published
     lost_->clear(slot);      // a new process in the slot
+    lost_->watch_life(slot, card->life_here());
     return true;
   } catch (const Error& e) {
     if (e.kind() != ErrorKind::kPeerFailed) throw;
@@ -200,6 +275,7 @@ void EpBuffer::publish_peer(int64_t slot) {
   MC_CHECK_ARG(maps_[slot] != nullptr, "publish_peer: slot ", slot, " is not mapped");
   OnDevice on(device_);
   cuda_check(cudaDeviceSynchronize(), "waiting for the device before publishing a peer");
+  lost_->settle();
   table_[slot] = maps_[slot]->data() + kControlBytes;
   write_table(slot, 1);
   write_keys(slot, 1);
@@ -212,6 +288,8 @@ void EpBuffer::unmap_peer(int64_t slot) {
   table_[slot] = nullptr;
   write_table(slot, 1);
   maps_[slot].reset();
+  lost_->watch_life(slot, LifeRef{});
+  lost_->settle();
   cards_[slot].clear();
 }
 

@@ -88,6 +88,7 @@ class LostWords {
   // A launch's Common::lost, lost_seen and lost_claim: the words and their copy.
   void into(kernels::Common& c) const {
     c.lost = dev_;
+    c.life = life_dev_;
     c.lost_seen = seen_;
     c.lost_claim = seen_ + n_;
   }
@@ -96,14 +97,36 @@ class LostWords {
   void clear(int64_t rank, Word only = kClear);
   Word get(int64_t rank) const;
   // Clears every word for a new peer table in the same words (their device
-  // address stays, for captured graphs): listeners made before stop.
+  // address stays, for captured graphs): listeners made before stop. The
+  // life pages go too (until settle()).
   void renew();
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
+  // Has the kernels read `rank`'s process's life page (transport/life.h; a
+  // PeerCard's life_here()) beside its word, registered with the GPU: a wait
+  // on that process then ends the moment it dies, with no host thread in
+  // between. An invalid ref, or a page that cannot be mapped (its process is
+  // gone: the host's word says so) or registered, leaves the word alone
+  // (MOONCAKE_DEVICE_LIFE_PAGES=0: always). The page it replaces is kept
+  // until settle(), as a launch may be reading it.
+  void watch_life(int64_t rank, const LifeRef& ref);
+  // Frees the pages replaced since the last call: the caller has made sure
+  // that no launch that read them still runs.
+  void settle();
+  // Whether `rank` has a life page (for tests).
+  bool has_life(int64_t rank) const;
+
  private:
+  struct LifePage;  // a LifeView registered with the GPU
   int32_t* host_ = nullptr;
   int32_t* dev_ = nullptr;
-  uint64_t* seen_ = nullptr;  // n_ + 1 words
+  // The device address of each rank's life word (0: none), host-mapped:
+  // Common::life.
+  uint64_t* life_host_ = nullptr;
+  uint64_t* life_dev_ = nullptr;
+  std::vector<std::unique_ptr<LifePage>> lives_;    // [n]
+  std::vector<std::unique_ptr<LifePage>> retired_;  // replaced, until settle()
+  uint64_t* seen_ = nullptr;                        // n_ + 1 words
   int device_ = 0;
   int64_t n_ = 0;
   std::atomic<uint64_t> generation_{0};

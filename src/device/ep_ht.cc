@@ -107,6 +107,7 @@ EpHtBuffer::Connection EpHtBuffer::connect(const std::vector<std::string>& cards
   out.reachable[rank_] = out.present[rank_] = true;
   for (int64_t r = 0; r < R; ++r) {
     maps_[r].reset();
+    lost_->watch_life(r, LifeRef{});
     if (r == rank_ || !decoded[r]) continue;
     out.present[r] = true;
     if (!decoded[r]->on_this_host()) continue;
@@ -119,7 +120,9 @@ EpHtBuffer::Connection EpHtBuffer::connect(const std::vector<std::string>& cards
     table[r] = maps_[r]->data();
     out.reachable[r] = true;
     lost_->clear(r);  // a new process in the slot
+    lost_->watch_life(r, decoded[r]->life_here());
   }
+  lost_->settle();  // the device is idle (above)
   cuda_check(cudaMemcpy(peers_, table.data(), R * sizeof(uint8_t*), cudaMemcpyHostToDevice),
              "copying the peer table");
   out.sharers = gpu_sharers(mine_, decoded);

@@ -15,14 +15,19 @@ std::string host_identity() {
 
 namespace {
 
-// An encoded card: | handle | 1 (present) | then boot id, namespace and bus id,
-// each a length byte and up to kFieldMax bytes |.
+// An encoded card: | handle | 1 (present) | then boot id, namespace, bus id
+// and pid namespace, each a length byte and up to kFieldMax bytes | then the
+// life page: pid, fd (int32 each), nonce (uint64), in this host's byte order |.
+// (A boot id has 36 characters; a namespace such as "net:[4026531840]" and a
+// bus id such as "00000000:19:00.0", 16.)
 constexpr size_t kPresentAt = kIpcHandleBytes;
-constexpr size_t kFieldMax = 60;
+constexpr size_t kFieldMax = 40;
 constexpr size_t kBootAt = kPresentAt + 1;
 constexpr size_t kNetnsAt = kBootAt + 1 + kFieldMax;
 constexpr size_t kBusAt = kNetnsAt + 1 + kFieldMax;
-static_assert(kBusAt + 1 + kFieldMax <= PeerCard::kBytes);
+constexpr size_t kPidnsAt = kBusAt + 1 + kFieldMax;
+constexpr size_t kLifeAt = kPidnsAt + 1 + kFieldMax;
+static_assert(kLifeAt + 16 <= PeerCard::kBytes);
 
 void put(std::string& out, size_t at, size_t max, const std::string& s) {
   MC_ASSERT(s.size() <= max, "a card field of ", s.size(), " bytes");
@@ -39,7 +44,12 @@ std::optional<std::string> take(std::string_view in, size_t at, size_t max) {
 }  // namespace
 
 PeerCard PeerCard::of(const DeviceSegment& segment) {
-  return PeerCard{segment.handle(), boot_id(), net_namespace(), device_bus_id(segment.device())};
+  return PeerCard{segment.handle(), boot_id(),     net_namespace(), device_bus_id(segment.device()),
+                  pid_namespace(),  process_life()};
+}
+
+LifeRef PeerCard::life_here() const {
+  return on_this_host() && pidns == pid_namespace() ? life : LifeRef{};
 }
 
 std::string PeerCard::encode() const {
@@ -50,6 +60,10 @@ std::string PeerCard::encode() const {
   put(out, kBootAt, kFieldMax, boot);
   put(out, kNetnsAt, kFieldMax, netns);
   put(out, kBusAt, kFieldMax, bus_id);
+  put(out, kPidnsAt, kFieldMax, pidns);
+  std::memcpy(out.data() + kLifeAt, &life.pid, 4);
+  std::memcpy(out.data() + kLifeAt + 4, &life.fd, 4);
+  std::memcpy(out.data() + kLifeAt + 8, &life.nonce, 8);
   return out;
 }
 
@@ -58,8 +72,13 @@ std::optional<PeerCard> PeerCard::decode(std::string_view in) {
   auto boot = take(in, kBootAt, kFieldMax);
   auto netns = take(in, kNetnsAt, kFieldMax);
   auto bus = take(in, kBusAt, kFieldMax);
-  if (!boot || !netns || !bus) return std::nullopt;
-  return PeerCard{std::string(in.substr(0, kIpcHandleBytes)), *boot, *netns, *bus};
+  auto pidns = take(in, kPidnsAt, kFieldMax);
+  if (!boot || !netns || !bus || !pidns) return std::nullopt;
+  LifeRef life;
+  std::memcpy(&life.pid, in.data() + kLifeAt, 4);
+  std::memcpy(&life.fd, in.data() + kLifeAt + 4, 4);
+  std::memcpy(&life.nonce, in.data() + kLifeAt + 8, 8);
+  return PeerCard{std::string(in.substr(0, kIpcHandleBytes)), *boot, *netns, *bus, *pidns, life};
 }
 
 int gpu_sharers(const PeerCard& mine, const std::vector<std::optional<PeerCard>>& cards) {
@@ -172,10 +191,17 @@ const uint8_t* PeerDirectory::map(int slot, uint32_t incarnation, int64_t timeou
     if (!card || !card->on_this_host())
       throw_error(ErrorKind::kPeerFailed, slot, "device: rank ", slot,
                   "'s segment cannot be mapped from this host");
+    peer.life = LifeRef{};
     peer.mapping = std::make_unique<PeerMapping>(card->handle, device_);
     peer.incarnation = incarnation;
+    peer.life = card->life_here();
   }
   return peer.mapping->data();
+}
+
+LifeRef PeerDirectory::life(int slot) const {
+  const auto it = peers_.find(slot);
+  return it != peers_.end() && it->second.mapping ? it->second.life : LifeRef{};
 }
 
 }  // namespace mooncake

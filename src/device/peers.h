@@ -34,6 +34,7 @@
 #include "core/host.h"
 #include "device/ipc.h"
 #include "store/store.h"
+#include "transport/life.h"
 
 namespace mooncake {
 
@@ -48,6 +49,11 @@ struct PeerCard {
   std::string boot;    // the publisher's boot_id()
   std::string netns;   // and net_namespace()
   std::string bus_id;  // its GPU's PCI bus id
+  // Its process's life page (transport/life.h), for a peer whose kernels read
+  // it (LostWords::watch_life); invalid where that process has none. Named by
+  // pid, so only a peer in the same pid namespace can map it.
+  std::string pidns;  // the publisher's pid_namespace()
+  LifeRef life;
 
   // The card of this process's `segment`.
   static PeerCard of(const DeviceSegment& segment);
@@ -56,6 +62,8 @@ struct PeerCard {
   static std::optional<PeerCard> decode(std::string_view bytes);
 
   bool on_this_host() const { return boot == boot_id() && netns == net_namespace(); }
+  // Its life page, where this process can map it; else an invalid LifeRef.
+  LifeRef life_here() const;
   bool same_gpu(const PeerCard& other) const {
     return boot == other.boot && bus_id == other.bus_id;
   }
@@ -113,6 +121,9 @@ class PeerDirectory {
   // timeout_ms for it), mapped here. Throws kPeerFailed when it cannot be
   // mapped (another host, or its process is gone).
   const uint8_t* map(int slot, uint32_t incarnation, int64_t timeout_ms);
+  // The life page (PeerCard::life_here) of the process map() last mapped at
+  // `slot`; invalid where none is.
+  LifeRef life(int slot) const;
 
  private:
   std::string key(int slot, uint32_t incarnation) const;
@@ -123,6 +134,7 @@ class PeerDirectory {
   struct Peer {
     uint32_t incarnation = 0;
     std::unique_ptr<PeerMapping> mapping;
+    LifeRef life;
   };
   std::map<int, Peer> peers_;
 };

@@ -85,6 +85,12 @@ struct Common {
   // past the hang limit. A wait on such a rank ends within microseconds
   // instead of at the deadline; the silent word then says kMaskedLost.
   const int32_t* lost;
+  // Optional (null: none; given with `lost`), host-mapped uint64 [R]: the
+  // device address of each rank's life word (0: none), a word the Linux
+  // kernel marks (FUTEX_OWNER_DIED) the moment that rank's process dies
+  // (LostWords::watch_life). Read beside `lost`: a death ends a wait even
+  // where this host's notice comes late.
+  const uint64_t* life;
   // Given with `lost` (LostWords::into): device uint64 [R], zeroed,
   // each rank's word as last read ((time the read was issued, ns) << 2 | word),
   // and one claim word ((start ns) << 1 | 1 while a read is out). A GPU serves

@@ -55,7 +55,11 @@ constexpr uint64_t kLostRefreshNs = 20'000;
 // word the host cleared, must not stay masked by it): it waits for a refresh.
 constexpr uint64_t kLostTrustNs = 1'000'000;
 
-// Reads `source`'s host word into Common::lost_seen, unless another thread
+// FUTEX_OWNER_DIED (linux/futex.h): the bit the Linux kernel sets in a life
+// word when the thread that held it dies (Common::life).
+constexpr int32_t kLifeOwnerDied = 0x40000000;
+
+// Reads `source`'s host word (or its life word) into Common::lost_seen, unless another thread
 // with the same words (a buffer's) has a read out: one at a time, as the GPU
 // serves them one at a time anyway (Common::lost_seen).
 __device__ inline void refresh_lost(const Common& c, int source) {
@@ -65,9 +69,15 @@ __device__ inline void refresh_lost(const Common& c, int source) {
   if ((last & 1) != 0 && now - (last >> 1) < kLostClaimStaleNs) return;
   const uint64_t mine = (now << 1) | 1;
   if (atomicCAS(claim, last, mine) != last) return;
-  const int32_t word = ld_volatile(c.lost + source);
+  int32_t word = ld_volatile(c.lost + source) & 3;
+  if (word == 0 && c.life != nullptr) {
+    // Its process's life word, where there is one: dead is gone.
+    const uint64_t at = *reinterpret_cast<const volatile uint64_t*>(c.life + source);
+    if (at != 0 && (ld_volatile(reinterpret_cast<const int32_t*>(at)) & kLifeOwnerDied) != 0)
+      word = 1;  // LostWords::kGone
+  }
   *reinterpret_cast<volatile uint64_t*>(c.lost_seen + source) =
-      (now << 2) | static_cast<uint64_t>(word & 3);
+      (now << 2) | static_cast<uint64_t>(word);
   __threadfence();
   atomicCAS(claim, mine, static_cast<unsigned long long>(now_ns() << 1));  // unless taken over
 }

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -18,6 +19,7 @@
 #include "collectives/reduce.h"
 #include "device/cuda.h"
 #include "gpu.h"
+#include "scoped_env.h"
 
 namespace mctest {
 namespace {
@@ -156,6 +158,8 @@ TEST(EpBuffer, SurvivorsMaskARankThatDiedAtTheirDeadline) {
   MC_REQUIRE_GPU();
   run_ranks(3,
             [](Rank& r) {
+              // Nor its life page (the next test): the deadline is what is tested.
+              ScopedEnv no_life("MOONCAKE_DEVICE_LIFE_PAGES", "0");
               EpRank e(r);
               std::vector<int32_t> live(3, 1);
               check(step(*e.ep, r.rank, 3, 1, live, 5'000'000'000, e.g.stream), r.rank, 3, live);
@@ -197,6 +201,34 @@ TEST(EpBuffer, SurvivorsMaskALostRankAtOnce) {
               check(step(*e.ep, r.rank, 3, 3, live, 60'000'000'000, e.g.stream), r.rank, 3,
                     (std::vector<int32_t>{1, 1, 0}));
               EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+            },
+            {30000});
+}
+
+// With no host watching (no watch_lost, as on a group without a mooncake
+// backend), the kernels still hear of a dead peer at once: they read its
+// process's life page (its card's), which the kernel marked as it died. A
+// 60 s deadline would run the ranks past the test's 30 s limit, and the
+// reason would say silent.
+TEST(EpBuffer, SurvivorsMaskADeadRankFromItsLifePage) {
+  MC_REQUIRE_GPU();
+  run_ranks(3,
+            [](Rank& r) {
+              EpRank e(r);
+              for (int p = 0; p < 3; ++p)
+                EXPECT_EQ(e.ep->lost_words()->has_life(p), p != r.rank) << "rank " << p;
+              std::vector<int32_t> live(3, 1);
+              check(step(*e.ep, r.rank, 3, 1, live, 5'000'000'000, e.g.stream), r.rank, 3, live);
+              e.g.comm.barrier();
+              if (r.rank == 2) exit_rank_abruptly();
+              live.assign(3, 1);
+              const auto t0 = std::chrono::steady_clock::now();
+              const Step s = step(*e.ep, r.rank, 3, 2, live, 60'000'000'000, e.g.stream);
+              EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+              EXPECT_EQ(live, (std::vector<int32_t>{1, 1, 0}));
+              check(s, r.rank, 3, live);
+              using Masked = std::vector<std::pair<int64_t, int32_t>>;
+              EXPECT_EQ(e.ep->take_masked(), (Masked{{2, mooncake::kernels::kMaskedLost}}));
             },
             {30000});
 }

@@ -10,8 +10,10 @@ namespace {
 using mooncake::PeerCard;
 
 PeerCard card(char fill, std::string bus, std::string boot = mooncake::boot_id(),
-              std::string netns = mooncake::net_namespace()) {
-  return PeerCard{std::string(mooncake::kIpcHandleBytes, fill), boot, netns, bus};
+              std::string netns = mooncake::net_namespace(),
+              std::string pidns = mooncake::pid_namespace()) {
+  return PeerCard{std::string(mooncake::kIpcHandleBytes, fill),         boot, netns, bus, pidns,
+                  mooncake::LifeRef{4242, 17, 0x1234'5678'9abc'def1ull}};
 }
 
 TEST(PeerCard, RoundTripsAtAFixedSize) {
@@ -24,6 +26,8 @@ TEST(PeerCard, RoundTripsAtAFixedSize) {
   EXPECT_EQ(back->boot, c.boot);
   EXPECT_EQ(back->netns, c.netns);
   EXPECT_EQ(back->bus_id, c.bus_id);
+  EXPECT_EQ(back->pidns, c.pidns);
+  EXPECT_EQ(back->life, c.life);
 }
 
 TEST(PeerCard, AnythingButACardDecodesAsAbsent) {
@@ -40,6 +44,20 @@ TEST(PeerCard, SameHostNeedsTheBootIdAndTheNetworkNamespace) {
   EXPECT_FALSE(card('a', "bus", "another-boot").on_this_host());
   EXPECT_FALSE(card('a', "bus", mooncake::boot_id(), "net:[1]").on_this_host());
   EXPECT_EQ(mooncake::host_identity(), mooncake::boot_id() + "/" + mooncake::net_namespace());
+}
+
+// A life page is named by pid and fd: only a process of the same host and pid
+// namespace may open it.
+TEST(PeerCard, ALifePageIsMappedOnlyFromTheSameHostAndPidNamespace) {
+  EXPECT_EQ(card('a', "bus").life_here(), card('a', "bus").life);
+  EXPECT_FALSE(card('a', "bus", "another-boot").life_here().valid());
+  EXPECT_FALSE(card('a', "bus", mooncake::boot_id(), "net:[1]").life_here().valid());
+  EXPECT_FALSE(card('a', "bus", mooncake::boot_id(), mooncake::net_namespace(), "pid:[1]")
+                   .life_here()
+                   .valid());
+  PeerCard none = card('a', "bus");
+  none.life = {};
+  EXPECT_FALSE(PeerCard::decode(none.encode())->life.valid());
 }
 
 TEST(PeerCard, GpuSharersCountOneMachineAndBusIdAcrossNamespaces) {
