@@ -496,4 +496,6 @@ def run_meta(started: float, cores: int, load_start, args) -> dict:
         "loadavg_end": os.getloadavg(),
         "args": vars(args),
         "mooncake": library_version(),
+        # The knobs this run was given (a side-by-side run differs only there).
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MOONCAKE_")},
     }

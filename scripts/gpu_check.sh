@@ -82,7 +82,7 @@
 #            EPFAIL_STOPS (1), EPFAIL_HEALTHY_STEPS (60), EPFAIL_ARGS: more arguments
 #            (both halves; e.g. --timeouts-us 10000000), EPFAIL_LOGS=1: each process's
 #            output with the heartbeat's debug lines in $OUT/bench/epfail_logs; each half ends itself after
-#            EPFAIL_TIME_S (150) seconds; JSON under $OUT/bench/epfail_mps/ and $OUT/bench/epfail/;
+#            EPFAIL_TIME_S (150) seconds; EPFAIL_HALVES ("between inside"): which halves run; JSON under $OUT/bench/epfail_mps/ and $OUT/bench/epfail/;
 #   epht:    the high-throughput ElasticBuffer: upstream's at world 1 (its wheel from .whl/, when
 #            carried; UPSTREAM_EB_DEADLINE_S, 300) and bench/bench_elastic_buffer.py --quick at
 #            EB_WORLDS (1,2,4) processes under MPS, T=512/1024/4096, BF16 and FP8, against the
@@ -615,17 +615,23 @@ if gpu_wants epfail; then
     EPFAIL_LOG_MPS=(--log-dir "$OUT/bench/epfail_logs/mps") EPFAIL_LOG=(--log-dir "$OUT/bench/epfail_logs/nomps")
     EPFAIL_ENV=(MOONCAKE_LOG_LEVEL=debug)
   fi
-  step "EP failover: kills between steps and between graph replays, stops, a busy rank (MPS)"
-  start_mps
-  env "${EPFAIL_ENV[@]}" timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --graph --stop \
-    --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-60}" ${EPFAIL_ARGS:-} \
-    "${EPFAIL_LOG_MPS[@]}" --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
-  stop_mps
-  # Without MPS: a process killed inside its kernel would make MPS fail every client.
-  step "EP failover: kills inside a dispatch and inside a 64 MiB all_reduce (no MPS)"
-  env "${EPFAIL_ENV[@]}" timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes inside --allreduce \
-    ${EPFAIL_ARGS:-} "${EPFAIL_LOG[@]}" --out-dir "$OUT/bench/epfail" 2>&1 | tee -a "$OUT/bench_ep_failover.log" | tail -20 \
-    || status=1
+  # EPFAIL_HALVES: which halves run (default both).
+  HALVES=" ${EPFAIL_HALVES:-between inside} "
+  if [[ $HALVES == *" between "* ]]; then
+    step "EP failover: kills between steps and between graph replays, stops, a busy rank (MPS)"
+    start_mps
+    env "${EPFAIL_ENV[@]}" timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes between --graph --stop \
+      --stops "${EPFAIL_STOPS:-1}" --healthy --healthy-steps "${EPFAIL_HEALTHY_STEPS:-60}" ${EPFAIL_ARGS:-} \
+      "${EPFAIL_LOG_MPS[@]}" --out-dir "$OUT/bench/epfail_mps" 2>&1 | tee "$OUT/bench_ep_failover.log" | tail -30 || status=1
+    stop_mps
+  fi
+  if [[ $HALVES == *" inside "* ]]; then
+    # Without MPS: a process killed inside its kernel would make MPS fail every client.
+    step "EP failover: kills inside a dispatch and inside a 64 MiB all_reduce (no MPS)"
+    env "${EPFAIL_ENV[@]}" timeout $(( EPFAIL_S + 30 )) "$PY" bench/bench_ep_failover.py "${EPFAIL[@]}" --kill --modes inside --allreduce \
+      ${EPFAIL_ARGS:-} "${EPFAIL_LOG[@]}" --out-dir "$OUT/bench/epfail" 2>&1 | tee -a "$OUT/bench_ep_failover.log" | tail -20 \
+      || status=1
+  fi
 fi
 
 if gpu_wants epht; then
