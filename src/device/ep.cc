@@ -17,17 +17,23 @@ namespace k = kernels;
 // kernels read it over the bus, as they read the host's words).
 struct LostWords::LifePage {
   explicit LifePage(const LifeRef& ref) : view(ref) {
-    cuda_check(cudaHostRegister(view.page(), kLifePageBytes, cudaHostRegisterMapped),
-               "cudaHostRegister of a peer's life page");
+    cudaError_t err = cudaHostRegister(view.page(), kLifePageBytes, cudaHostRegisterMapped);
     void* d = nullptr;
-    const cudaError_t err = cudaHostGetDevicePointer(&d, view.page(), 0);
+    if (err == cudaSuccess) {
+      err = cudaHostGetDevicePointer(&d, view.page(), 0);
+      if (err != cudaSuccess) cudaHostUnregister(view.page());
+    }
     if (err != cudaSuccess) {
-      cudaHostUnregister(view.page());
-      cuda_check(err, "cudaHostGetDevicePointer of a peer's life page");
+      // Refused (the host's word serves instead): not left for the next
+      // launch's error check to find.
+      cudaGetLastError();
+      cuda_check(err, "registering a peer's life page with the GPU");
     }
     dev = reinterpret_cast<uint64_t>(d);
   }
-  ~LifePage() { cudaHostUnregister(view.page()); }
+  ~LifePage() {
+    if (cudaHostUnregister(view.page()) != cudaSuccess) cudaGetLastError();
+  }
   LifePage(const LifePage&) = delete;
   LifePage& operator=(const LifePage&) = delete;
 
@@ -87,10 +93,12 @@ void LostWords::watch_life(int64_t rank, const LifeRef& ref) {
     } catch (const Error& e) {
       // Gone already (the host's word will say so), or the GPU refused the
       // page: the host's word alone, as before.
-      if (e.kind() == ErrorKind::kPeerFailed)
-        MC_LOG(kDebug, "rank ", rank, "'s life page is not read by the kernels: ", e.what());
-      else
+      // A refusal of the GPU's is said once per process (it would repeat for every peer).
+      static std::atomic<bool> warned{false};
+      if (e.kind() != ErrorKind::kPeerFailed && !warned.exchange(true))
         MC_LOG(kWarn, "rank ", rank, "'s life page is not read by the kernels: ", e.what());
+      else
+        MC_LOG(kDebug, "rank ", rank, "'s life page is not read by the kernels: ", e.what());
     }
   }
   std::atomic_ref<uint64_t>(life_host_[rank]).store(page ? page->dev : 0);

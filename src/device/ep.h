@@ -113,7 +113,7 @@ class LostWords {
   // Frees the pages replaced since the last call: the caller has made sure
   // that no launch that read them still runs.
   void settle();
-  // Whether `rank` has a life page (for tests).
+  // Whether `rank` has a life page.
   bool has_life(int64_t rank) const;
 
  private:

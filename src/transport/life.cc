@@ -13,6 +13,8 @@
 #include <ctime>
 #include <future>
 #include <mutex>
+#include <new>
+#include <system_error>
 #include <thread>
 
 #include "core/error.h"
@@ -185,19 +187,26 @@ ProcessLife make_life() {
   page->nonce = nonce | 1;  // never 0 (LifeRef::valid)
   std::promise<bool> held;
   std::future<bool> answer = held.get_future();
-  // Signals are the other threads' to take; this one holds the word and
-  // sleeps until the process ends, which marks the word.
-  std::thread([page, &held] {
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, nullptr);
-    LifeHold hold;  // on this stack, which lives as long as the process
-    const bool ok = hold.hold(&page->word);
-    held.set_value(ok);
-    if (!ok) return;
-    for (;;) ::pause();
-  }).detach();
-  if (!answer.get()) {
+  bool ok = false;
+  try {
+    // Signals are the other threads' to take; this one holds the word and
+    // sleeps until the process ends, which marks the word. (The promise is
+    // the thread's: its shared state outlives this function's wait.)
+    std::thread([page, held = std::move(held)]() mutable {
+      sigset_t all;
+      sigfillset(&all);
+      pthread_sigmask(SIG_BLOCK, &all, nullptr);
+      LifeHold hold;  // on this stack, which lives as long as the process
+      const bool holds = hold.hold(&page->word);
+      held.set_value(holds);
+      if (!holds) return;
+      for (;;) ::pause();
+    }).detach();
+    ok = answer.get();
+  } catch (const std::system_error&) {
+    ok = false;  // no thread to hold it
+  }
+  if (!ok) {
     ::munmap(p, kLifePageBytes);
     ::close(fd);
     return out;
@@ -210,15 +219,17 @@ ProcessLife make_life() {
 }  // namespace
 
 LifeRef process_life() {
+  static const bool forks_handled = [] {
+    // A child forked while another thread held the lock would find it held.
+    pthread_atfork(nullptr, nullptr, [] { new (&life_mu) std::mutex; });
+    return true;
+  }();
+  (void)forks_handled;
   std::lock_guard<std::mutex> lock(life_mu);
-  if (life.pid != ::getpid()) {
-    // A forked child: the parent's page is the parent's life, not its own.
-    if (life.page != nullptr) {
-      ::munmap(life.page, kLifePageBytes);
-      ::close(life.ref.fd);
-    }
-    life = make_life();
-  }
+  // A forked child makes its own: the parent's page is the parent's life.
+  // (Its copy of the parent's mapping and descriptor is left as it is: the
+  // child may have reused the descriptor's number since.)
+  if (life.pid != ::getpid()) life = make_life();
   return life.ref;
 }
 
