@@ -51,7 +51,8 @@
 #            the GPU, CHAOS_CYCLES (40) random kills, stops past the hang limit and slow
 #            ranks, every one replaced, EP (Buffer and elastic, BF16 and FP8) and the
 #            collectives checked after every join; without MPS (it kills ranks inside their
-#            kernels), the launch bounded by CHAOS_BUDGET_S (300);
+#            kernels), the launch bounded by CHAOS_BUDGET_S (300); CHAOS_WORLDS ("4"): "8"
+#            or "4 8" runs the world-8 soak (8 processes; e.g. CHAOS_CYCLES=20) as well;
 #   epelasticbench: bench_ep_device.py at 2 processes with a process group's buffer and
 #            with an elastic one of capacity 8 (MPS); then bench_elastic.py --device cuda
 #            (BENCH_ELASTIC_CUDA_ARGS, default --quick): staging, activating and replacing a
@@ -448,8 +449,17 @@ fi
 if gpu_wants chaos; then
   step "chaos soak on the GPU: kills, stops, slow ranks, replacements (no MPS: it kills inside kernels)"
   stop_mps
-  MOONCAKE_NO_SKIP=1 MOONCAKE_CHAOS_CYCLES=${CHAOS_CYCLES:-40} MOONCAKE_CHAOS_BUDGET_S=${CHAOS_BUDGET_S:-300} \
-    timeout $(( ${CHAOS_BUDGET_S:-300} + 60 )) "$PY" -m pytest tests/python/test_gpu_chaos.py "${SEL_CUDA[@]}" -q -s \
+  # CHAOS_WORLDS: 4 (the default), 8 (the world-8 soak, a stress test elsewhere) or "4 8".
+  case " ${CHAOS_WORLDS:-4} " in
+    *" 4 "*" 8 "*) chaos_k="cuda" ;;
+    *" 8 "*) chaos_k="cuda and world8" ;;
+    *) chaos_k="cuda and not world8" ;;
+  esac
+  mapfile -t SEL_CHAOS < <(sel "$chaos_k")
+  chaos_n=$(wc -w <<< "${CHAOS_WORLDS:-4}")
+  MOONCAKE_STRESS=1 MOONCAKE_NO_SKIP=1 MOONCAKE_CHAOS_CYCLES=${CHAOS_CYCLES:-40} \
+    MOONCAKE_CHAOS_BUDGET_S=${CHAOS_BUDGET_S:-300} \
+    timeout $(( chaos_n * ${CHAOS_BUDGET_S:-300} + 60 )) "$PY" -m pytest tests/python/test_gpu_chaos.py "${SEL_CHAOS[@]}" -q -s \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_chaos.log" | tail -25 || status=1
 fi
 
