@@ -151,6 +151,11 @@ class DeviceCollectives {
   }
   // The ranks the last setup took in (bit per slot): a launch's members.
   uint64_t direct_members() const;
+  // The device-driven kernels' lost words and life pages (null before the
+  // first setup).
+  const LostWords* direct_lost_words() const {
+    return direct_ ? direct_->lost_words().get() : nullptr;
+  }
   // Whether the group re-runs an op among the survivors of a failure (the
   // default, kRecoverRerun): then the device-driven ops' results where a rank
   // fails are the host-driven plane's.

@@ -1228,6 +1228,9 @@ TEST(DirectOps, SurvivorsMaskADeadRankAndSetUpAgainWithoutIt) {
         mooncake::cuda_check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
         mooncake::cuda_check(cudaGraphLaunch(exec, g.stream), "replay");
         EXPECT_EQ(out.take(), std::vector<float>(n, 3.0f));
+        // The kernels read each peer's life page (LostWords::watch_life).
+        for (int p = 0; p < 3; ++p)
+          EXPECT_EQ(c.direct_lost_words()->has_life(p), p != r.rank) << "rank " << p;
         g.comm.barrier();
         if (r.rank == 2) exit_rank_abruptly();  // gone, as after a crash
         const auto t0 = std::chrono::steady_clock::now();
@@ -1248,6 +1251,8 @@ TEST(DirectOps, SurvivorsMaskADeadRankAndSetUpAgainWithoutIt) {
         direct_all_reduce(c, in.get(), out.get(), n, DType::kFloat32, RedOp::kSum, g.stream, 60000);
         EXPECT_TRUE(c.direct_ready());
         EXPECT_EQ(out.take(), std::vector<float>(n, 2.0f));
+        EXPECT_FALSE(c.direct_lost_words()->has_life(2)) << "the dead rank's page stayed";
+        EXPECT_TRUE(c.direct_lost_words()->has_life(1 - r.rank));
         out.put(std::vector<float>(n, -1.0f));
         mooncake::cuda_check(cudaGraphLaunch(exec, g.stream), "replay");
         EXPECT_EQ(out.take(), std::vector<float>(n, 2.0f));
