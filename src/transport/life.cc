@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "core/thread.h"
 #include "transport/segment.h"
 
 namespace mooncake {
@@ -193,6 +194,7 @@ ProcessLife make_life() {
     // sleeps until the process ends, which marks the word. (The promise is
     // the thread's: its shared state outlives this function's wait.)
     std::thread([page, held = std::move(held)]() mutable {
+      begin_library_thread("mc-life");
       sigset_t all;
       sigfillset(&all);
       pthread_sigmask(SIG_BLOCK, &all, nullptr);
