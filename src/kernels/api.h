@@ -88,8 +88,9 @@ struct Common {
   // Optional (null: none; given with `lost`), host-mapped uint64 [R]: the
   // device address of each rank's life word (0: none), a word the Linux
   // kernel marks (FUTEX_OWNER_DIED) the moment that rank's process dies
-  // (LostWords::watch_life). Read beside `lost`: a death ends a wait even
-  // where this host's notice comes late.
+  // (LostWords::watch_life). Read beside `lost` by a wait that has lasted
+  // 50 us (kernels/common/wait.cuh): a death ends it even where this host's
+  // notice comes late.
   const uint64_t* life;
   // Given with `lost` (LostWords::into): device uint64 [R], zeroed,
   // each rank's word as last read ((time the read was issued, ns) << 2 | word),

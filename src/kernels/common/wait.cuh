@@ -58,11 +58,17 @@ constexpr uint64_t kLostTrustNs = 1'000'000;
 // FUTEX_OWNER_DIED (linux/futex.h): the bit the Linux kernel sets in a life
 // word when the thread that held it dies (Common::life).
 constexpr int32_t kLifeOwnerDied = 0x40000000;
+// A wait shorter than this does not read its peer's life page: the page costs
+// two more reads of host memory (its address, then its word), which a healthy
+// step's waits, microseconds long, should not pay; a death is then seen this
+// much later, against the milliseconds the host takes.
+constexpr uint64_t kLifeAfterNs = 50'000;
 
-// Reads `source`'s host word (or its life word) into Common::lost_seen, unless another thread
-// with the same words (a buffer's) has a read out: one at a time, as the GPU
-// serves them one at a time anyway (Common::lost_seen).
-__device__ inline void refresh_lost(const Common& c, int source) {
+// Reads `source`'s host word into Common::lost_seen (and, in a wait that began
+// at `since` and has lasted kLifeAfterNs, its life word: dead counts as gone),
+// unless another thread with the same words (a buffer's) has a read out: one
+// at a time, as the GPU serves them one at a time anyway (Common::lost_seen).
+__device__ inline void refresh_lost(const Common& c, int source, uint64_t since) {
   auto* claim = reinterpret_cast<unsigned long long*>(c.lost_claim);
   const uint64_t last = *reinterpret_cast<volatile uint64_t*>(c.lost_claim);
   const uint64_t now = now_ns();
@@ -70,7 +76,7 @@ __device__ inline void refresh_lost(const Common& c, int source) {
   const uint64_t mine = (now << 1) | 1;
   if (atomicCAS(claim, last, mine) != last) return;
   int32_t word = ld_volatile(c.lost + source) & 3;
-  if (word == 0 && c.life != nullptr) {
+  if (word == 0 && c.life != nullptr && now - since > kLifeAfterNs) {
     // Its process's life word, where there is one: dead is gone.
     const uint64_t at = *reinterpret_cast<const volatile uint64_t*>(c.life + source);
     if (at != 0 && (ld_volatile(reinterpret_cast<const int32_t*>(at)) & kLifeOwnerDied) != 0)
@@ -93,7 +99,7 @@ __device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t 
   const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
   uint64_t e = *seen;
   if (now_ns() - (e >> 2) > kLostRefreshNs) {
-    refresh_lost(c, source);
+    refresh_lost(c, source, since);
     e = *seen;
   }
   if ((e >> 2) < since || now_ns() - (e >> 2) > kLostTrustNs) return false;
