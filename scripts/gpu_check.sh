@@ -450,11 +450,9 @@ if gpu_wants chaos; then
   step "chaos soak on the GPU: kills, stops, slow ranks, replacements (no MPS: it kills inside kernels)"
   stop_mps
   # CHAOS_WORLDS: 4 (the default), 8 (the world-8 soak, a stress test elsewhere) or "4 8".
-  case " ${CHAOS_WORLDS:-4} " in
-    *" 4 "*" 8 "*) chaos_k="cuda" ;;
-    *" 8 "*) chaos_k="cuda and world8" ;;
-    *) chaos_k="cuda and not world8" ;;
-  esac
+  chaos_w=" ${CHAOS_WORLDS:-4} " chaos_k="cuda and not world8"
+  [[ $chaos_w == *" 8 "* ]] && chaos_k="cuda and world8"
+  [[ $chaos_w == *" 8 "* && $chaos_w == *" 4 "* ]] && chaos_k="cuda"
   mapfile -t SEL_CHAOS < <(sel "$chaos_k")
   chaos_n=$(wc -w <<< "${CHAOS_WORLDS:-4}")
   MOONCAKE_STRESS=1 MOONCAKE_NO_SKIP=1 MOONCAKE_CHAOS_CYCLES=${CHAOS_CYCLES:-40} \
