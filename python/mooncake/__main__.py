@@ -50,6 +50,17 @@ def doctor() -> int:
 
     _check("shm transport", shm_ok)
 
+    def life_ok():
+        page = ext.life_page()
+        if not page["held"]:
+            raise RuntimeError("no thread holds its word: a peer would take this process for dead")
+        return (
+            "a process's death is marked on a page of its own, which its peers' GPU kernels "
+            f"read (this one's: /proc/{page['pid']}/fd/{page['fd']})"
+        )
+
+    _check("life page", life_ok)
+
     def tcp_ok():
         import socket
 

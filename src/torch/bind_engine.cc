@@ -6,6 +6,7 @@
 
 #include "torch/bindings.h"
 #include "transport/engine.h"
+#include "transport/life.h"
 #include "transport/loss_times.h"
 
 namespace py = pybind11;
@@ -51,6 +52,24 @@ void register_engine(py::module_& m) {
           "silent_at",
           [seconds](const LossTimes& t, int peer) { return seconds(t.silent_us(peer)); },
           py::arg("peer"));
+  m.def(
+      "life_page",
+      [] {
+        // This process's life page as a peer maps it (python -m mooncake doctor).
+        const LifeRef ref = process_life();
+        if (!ref.valid())
+          throw_error(ErrorKind::kSystem, -1,
+                      "this kernel refused a life page (memfd or robust futex lists): GPU "
+                      "kernels hear of a dead peer from this host's transport only");
+        const LifeView view(ref);
+        py::dict d;
+        d["pid"] = ref.pid;
+        d["fd"] = ref.fd;
+        d["held"] = life_held(view.word().load());
+        return d;
+      },
+      "This process's life page (made on the first call), mapped as a peer maps it: its pid, "
+      "its fd, and whether a live thread holds its word.");
 }
 
 }  // namespace mooncake
