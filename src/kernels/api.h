@@ -93,7 +93,8 @@ struct Common {
   // notice comes late.
   const uint64_t* life;
   // Given with `lost` (LostWords::into): device uint64 [R], zeroed,
-  // each rank's word as last read ((time the read was issued, ns) << 2 | word),
+  // each rank's word as last read ((time the read was issued, ns) << 2 | word;
+  // word 3: clear, and its life word read too: kernels/common/wait.cuh),
   // and one claim word ((start ns) << 1 | 1 while a read is out). A GPU serves
   // reads of host memory one at a time for all its SMs (about 1 us each on an
   // H100: 132 blocks reading at once wait 130 us each; bench/micro), so the

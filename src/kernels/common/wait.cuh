@@ -64,6 +64,12 @@ constexpr int32_t kLifeOwnerDied = 0x40000000;
 // much later, against the milliseconds the host takes.
 constexpr uint64_t kLifeAfterNs = 50'000;
 
+// The copy's word for a rank the host says nothing of and whose life word was
+// read too (alive, or no page): beside the host's 0 (clear), 1 (gone) and 2
+// (silent), so that a long wait can tell a copy that looked at the life page
+// from one a short wait made without.
+constexpr uint64_t kClearLifeRead = 3;
+
 // Reads `source`'s host word into Common::lost_seen (and, in a wait that began
 // at `since` and has lasted kLifeAfterNs, its life word: dead counts as gone),
 // unless another thread with the same words (a buffer's) has a read out: one
@@ -75,15 +81,15 @@ __device__ inline void refresh_lost(const Common& c, int source, uint64_t since)
   if ((last & 1) != 0 && now - (last >> 1) < kLostClaimStaleNs) return;
   const uint64_t mine = (now << 1) | 1;
   if (atomicCAS(claim, last, mine) != last) return;
-  int32_t word = ld_volatile(c.lost + source) & 3;
+  uint64_t word = static_cast<uint64_t>(ld_volatile(c.lost + source) & 3);
   if (word == 0 && c.life != nullptr && now - since > kLifeAfterNs) {
     // Its process's life word, where there is one: dead is gone.
     const uint64_t at = *reinterpret_cast<const volatile uint64_t*>(c.life + source);
-    if (at != 0 && (ld_volatile(reinterpret_cast<const int32_t*>(at)) & kLifeOwnerDied) != 0)
-      word = 1;  // LostWords::kGone
+    const bool dead =
+        at != 0 && (ld_volatile(reinterpret_cast<const int32_t*>(at)) & kLifeOwnerDied) != 0;
+    word = dead ? 1 : kClearLifeRead;  // 1: LostWords::kGone
   }
-  *reinterpret_cast<volatile uint64_t*>(c.lost_seen + source) =
-      (now << 2) | static_cast<uint64_t>(word);
+  *reinterpret_cast<volatile uint64_t*>(c.lost_seen + source) = (now << 2) | word;
   __threadfence();
   atomicCAS(claim, mine, static_cast<unsigned long long>(now_ns() << 1));  // unless taken over
 }
@@ -93,17 +99,20 @@ __device__ inline void refresh_lost(const Common& c, int source, uint64_t since)
 // belong to the process that held the rank before (the host clears it for a
 // new one before the launches that wait on it), so it does not count. The copy
 // is read again once it is kLostRefreshNs old, so news that comes during a
-// wait reaches it. False until a read answers.
+// wait reaches it; and at once by a wait past kLifeAfterNs that finds a copy
+// made without the life word (a shorter wait's). False until a read answers.
 __device__ __forceinline__ bool host_lost(const Common& c, int source, uint64_t since) {
   if (c.lost == nullptr) return false;
   const auto* seen = reinterpret_cast<const volatile uint64_t*>(c.lost_seen + source);
   uint64_t e = *seen;
-  if (now_ns() - (e >> 2) > kLostRefreshNs) {
+  const uint64_t now = now_ns();
+  const bool life_due = (e & 3) == 0 && c.life != nullptr && now - since > kLifeAfterNs;
+  if (now - (e >> 2) > kLostRefreshNs || life_due) {
     refresh_lost(c, source, since);
     e = *seen;
   }
   if ((e >> 2) < since || now_ns() - (e >> 2) > kLostTrustNs) return false;
-  return (e & 3) != 0;
+  return (e & 3) == 1 || (e & 3) == 2;  // gone or silent (not kClearLifeRead)
 }
 
 // Whether to stop waiting on `source` in round `round` of a wait: it is
