@@ -43,8 +43,7 @@ def test_engine_pattern(world, device):
         assert all(s["active"] == masked for s in after), (r, after)
         if device == "cuda":
             assert all(s["path"] == "device" for s in after), (r, after)
-            # The device path masks a dead peer at the deadline (timeout_us, 10 s).
-            assert after[0]["s"] < 10.0 + 5.0, (r, after)
-        else:
-            # The mooncake-cpu group reports a dead rank within milliseconds.
-            assert after[0]["s"] < 5.0, (r, after)
+        # Either path hears of a dead rank within milliseconds (the device path from
+        # the group's transport and from the rank's life page), never at the deadline
+        # (timeout_us, 10 s).
+        assert after[0]["s"] < 5.0, (r, after)
