@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/host.h"
@@ -27,7 +28,9 @@ constexpr size_t kNetnsAt = kBootAt + 1 + kFieldMax;
 constexpr size_t kBusAt = kNetnsAt + 1 + kFieldMax;
 constexpr size_t kPidnsAt = kBusAt + 1 + kFieldMax;
 constexpr size_t kLifeAt = kPidnsAt + 1 + kFieldMax;
-static_assert(kLifeAt + 16 <= PeerCard::kBytes);
+// The life page's fields as LifeRef lays them out, with no padding.
+static_assert(sizeof(LifeRef) == 16 && std::is_trivially_copyable_v<LifeRef>);
+static_assert(kLifeAt + sizeof(LifeRef) <= PeerCard::kBytes);
 
 void put(std::string& out, size_t at, size_t max, const std::string& s) {
   MC_ASSERT(s.size() <= max, "a card field of ", s.size(), " bytes");
@@ -61,9 +64,7 @@ std::string PeerCard::encode() const {
   put(out, kNetnsAt, kFieldMax, netns);
   put(out, kBusAt, kFieldMax, bus_id);
   put(out, kPidnsAt, kFieldMax, pidns);
-  std::memcpy(out.data() + kLifeAt, &life.pid, 4);
-  std::memcpy(out.data() + kLifeAt + 4, &life.fd, 4);
-  std::memcpy(out.data() + kLifeAt + 8, &life.nonce, 8);
+  std::memcpy(out.data() + kLifeAt, &life, sizeof(LifeRef));
   return out;
 }
 
@@ -75,9 +76,7 @@ std::optional<PeerCard> PeerCard::decode(std::string_view in) {
   auto pidns = take(in, kPidnsAt, kFieldMax);
   if (!boot || !netns || !bus || !pidns) return std::nullopt;
   LifeRef life;
-  std::memcpy(&life.pid, in.data() + kLifeAt, 4);
-  std::memcpy(&life.fd, in.data() + kLifeAt + 4, 4);
-  std::memcpy(&life.nonce, in.data() + kLifeAt + 8, 8);
+  std::memcpy(&life, in.data() + kLifeAt, sizeof(LifeRef));
   return PeerCard{std::string(in.substr(0, kIpcHandleBytes)), *boot, *netns, *bus, *pidns, life};
 }
 
@@ -191,7 +190,6 @@ const uint8_t* PeerDirectory::map(int slot, uint32_t incarnation, int64_t timeou
     if (!card || !card->on_this_host())
       throw_error(ErrorKind::kPeerFailed, slot, "device: rank ", slot,
                   "'s segment cannot be mapped from this host");
-    peer.life = LifeRef{};
     peer.mapping = std::make_unique<PeerMapping>(card->handle, device_);
     peer.incarnation = incarnation;
     peer.life = card->life_here();

@@ -238,13 +238,7 @@ LifeRef process_life() {
 LifeView::LifeView(const LifeRef& ref) {
   if (!ref.valid())
     throw_error(ErrorKind::kPeerFailed, -1, "no life page (pid ", ref.pid, ", fd ", ref.fd, ")");
-  const int local = open_peer_file(ref.pid, ref.fd, kLifePageBytes, "life page");
-  void* p = ::mmap(nullptr, kLifePageBytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
-  const int e = errno;
-  ::close(local);
-  if (p == MAP_FAILED)
-    throw_error(ErrorKind::kSystem, -1, "cannot map the life page of process ", ref.pid, ": ",
-                std::strerror(e));
+  void* p = map_peer_file(ref.pid, ref.fd, kLifePageBytes, "life page");
   const auto* page = static_cast<const LifePage*>(p);
   if (page->magic != kLifeMagic || page->nonce != ref.nonce) {
     ::munmap(p, kLifePageBytes);

@@ -42,7 +42,7 @@ Segment::~Segment() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-int open_peer_file(int pid, int fd, size_t bytes, const char* what) {
+void* map_peer_file(int pid, int fd, size_t bytes, const char* what) {
   std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
   int local = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
   if (local < 0) {
@@ -62,19 +62,17 @@ int open_peer_file(int pid, int fd, size_t bytes, const char* what) {
     throw_error(ErrorKind::kPeerFailed, -1, path, " is not a ", bytes, "-byte ", what,
                 " (its process is gone, and the pid was reused?)");
   }
-  return local;
-}
-
-RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes) : size_(bytes) {
-  const int local = open_peer_file(pid, fd, bytes, "segment");
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, local, 0);
-  int e = errno;
+  const int e = errno;
   ::close(local);
   if (p == MAP_FAILED)
-    throw_error(ErrorKind::kSystem, -1, "cannot map the segment of process ", pid, ": ",
+    throw_error(ErrorKind::kSystem, -1, "cannot map the ", what, " of process ", pid, ": ",
                 std::strerror(e));
-  base_ = static_cast<uint8_t*>(p);
+  return p;
 }
+
+RemoteMapping::RemoteMapping(int pid, int fd, size_t bytes)
+    : base_(static_cast<uint8_t*>(map_peer_file(pid, fd, bytes, "segment"))), size_(bytes) {}
 
 RemoteMapping::~RemoteMapping() {
   if (base_ != nullptr) ::munmap(base_, size_);

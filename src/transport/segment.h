@@ -66,11 +66,12 @@ class Segment {
   int fd_ = -1;
 };
 
-// Opens file descriptor `fd` of process `pid` (same host) through /proc, for
-// reading and writing: the caller maps it and closes what it returns. Throws
-// (kPeerFailed) where that is not a regular file of `bytes` bytes (the process
-// may be gone and its pid taken by another); `what` names it in the message.
-int open_peer_file(int pid, int fd, size_t bytes, const char* what);
+// Maps file descriptor `fd` of process `pid` (same host), opened through
+// /proc, shared, for reading and writing: `bytes` bytes, which the caller
+// munmaps. Throws (kPeerFailed) where that is not a regular file of `bytes`
+// bytes (the process may be gone and its pid taken by another); `what` names
+// it in the message.
+void* map_peer_file(int pid, int fd, size_t bytes, const char* what);
 
 // Maps another process's segment (same host). RAII. Refuses (kPeerFailed)
 // a file that is not a segment of `bytes` bytes: the process the store

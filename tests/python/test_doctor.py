@@ -21,20 +21,16 @@ from mooncake import pg
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_doctor() -> subprocess.CompletedProcess:
+def run_python(*args: str) -> subprocess.CompletedProcess:
+    """This Python on ``args``, with this checkout's package."""
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     return subprocess.run(
-        [sys.executable, "-m", "mooncake", "doctor"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        check=False,
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, check=False
     )
 
 
 def test_doctor_reports_the_checks_and_every_variable():
-    res = run_doctor()
+    res = run_python("-m", "mooncake", "doctor")
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     for check in ("extension loads", "shm transport", "life page", "tcp transport"):
@@ -51,9 +47,7 @@ def test_the_life_page_is_held_by_a_live_thread():
         'print(json.dumps([a, b, os.getpid(), os.path.exists(f\'/proc/{a["pid"]}/fd/{a["fd"]}\'), '
         "sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task'))]))"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, env=env, check=False)  # fmt: skip
+    res = run_python("-c", code)
     assert res.returncode == 0, res.stderr
     a, b, pid, exists, threads = json.loads(res.stdout.strip().splitlines()[-1])
     assert a["pid"] == pid and a["held"] is True and exists
