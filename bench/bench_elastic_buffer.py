@@ -524,7 +524,13 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         if cfg["buffer"] and min(need.values()) <= share:
             buf = Buffer(group, Buffer.get_ep_buffer_size_hint(T, H, world, E))
         for fp8 in cfg["fp8"]:
+            before = eb.device_one_copy
             row = measure_elastic(eb, cfg, T, fp8, sets, rt, clock, device, res["problems"])
+            # MOONCAKE_EP_HT_ONE_COPY: (source, channel) reads from x in place / the ring
+            after = eb.device_one_copy
+            row["one_copy"] = after[0]
+            row["one_copy_direct"] = after[1] - before[1]
+            row["one_copy_staged"] = after[2] - before[2]
             if not cfg["buffer"]:
                 row["buffer_skipped"] = "--no-buffer"
             elif buf is None or need[fp8] > share:
@@ -656,6 +662,13 @@ def tables(world: int, cfg: dict, rows: list[dict], up: dict) -> list[str]:
     lines += harness.markdown_table(
         ["T", "dtype", "ElasticBuffer", "Buffer", "ratio", "Buffer skipped"], mem, "llrrr"
     )
+    for r in rows:
+        if r.get("one_copy"):
+            lines.append(
+                f"one copy, T={r['T']} {'FP8' if r['fp8'] else 'BF16'}: (source, channel) "
+                f"reads from x in place {r['one_copy_direct']}, through the ring after an "
+                f"offer {r['one_copy_staged']} (the most of any process)"
+            )
     for r in rows:
         if "cached_dispatch_us" in r:
             fresh, cached = med(r, "dispatch_us"), med(r, "cached_dispatch_us")

@@ -88,7 +88,9 @@
 #            carried; UPSTREAM_EB_DEADLINE_S, 300) and bench/bench_elastic_buffer.py --quick at
 #            EB_WORLDS (1,2,4) processes under MPS, T=512/1024/4096, BF16 and FP8, against the
 #            copy floor and the Buffer, each world bounded to EB_LAUNCH_S (100), all to 330 s;
-#            JSON in $OUT/bench/elastic_buffer*.json.
+#            JSON in $OUT/bench/elastic_buffer*.json. EB_ONE_COPY ("" : the default): values of
+#            MOONCAKE_EP_HT_ONE_COPY to run in turn (e.g. "0 1", side by side), each into
+#            $OUT/bench/onecopy<v>/ (upstream's run once).
 # PYTEST_PATHS: what the Python step runs (default tests/python bench/tests, less the tests the
 # GPU steps run: the CUDA backend's, the EP device path's, the elastic device tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
@@ -650,10 +652,17 @@ if gpu_wants epht; then
     --out "$UP_EB_JSON"
   step "ElasticBuffer: benchmark, ${EB_WORLDS:-1,2,4} processes (MPS)"
   start_mps
-  # Each world bounded below the whole (results are written after each world).
-  timeout 330 "$PY" bench/bench_elastic_buffer.py --device cuda --quick --worlds "${EB_WORLDS:-1,2,4}" \
-    --launch-timeout "${EB_LAUNCH_S:-100}" --upstream "$UP_EB_JSON" --out-dir "$OUT/bench" 2>&1 \
-    | tee "$OUT/bench_elastic_buffer.log" | tail -70 || status=1
+  for one_copy in ${EB_ONE_COPY:-default}; do
+    eb_out="$OUT/bench" eb_env=()
+    if [ "$one_copy" != default ]; then
+      eb_out="$OUT/bench/onecopy$one_copy" eb_env=(MOONCAKE_EP_HT_ONE_COPY="$one_copy")
+      mkdir -p "$eb_out"
+    fi
+    # Each world bounded below the whole (results are written after each world).
+    env "${eb_env[@]}" timeout 330 "$PY" bench/bench_elastic_buffer.py --device cuda --quick \
+      --worlds "${EB_WORLDS:-1,2,4}" --launch-timeout "${EB_LAUNCH_S:-100}" --upstream "$UP_EB_JSON" \
+      --out-dir "$eb_out" 2>&1 | tee -a "$OUT/bench_elastic_buffer.log" | tail -70 || status=1
+  done
   stop_mps
 fi
 

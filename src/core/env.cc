@@ -55,6 +55,12 @@ const std::vector<EnvVar>& env_registry() {
       {"MOONCAKE_EP_WAIT_CAP_MS", "60000",
        "EP device path: how long a kernel waits for a silent peer when timeout_us is -1; "
        "past it the peer is masked, so no kernel spins forever."},
+      {"MOONCAKE_EP_HT_ONE_COPY", "0",
+       "ElasticBuffer device path: 1: a dispatch's receivers read a same-host source's x "
+       "(and FP8 scales) where it lies, through a CUDA IPC mapping of its allocation, so "
+       "each row's bytes move once instead of twice (through the source's ring); 0: "
+       "through the ring. Read when the buffer is made; every rank must use the same value "
+       "(a dispatch between ranks that differ raises)"},
       {"MOONCAKE_DEVICE_LIFE_PAGES", "1",
        "Device kernels (EP buffers, the mooncake CUDA backend's device-driven ops): 1: a "
        "wait on a same-host peer also reads that process's life page, which the kernel marks "

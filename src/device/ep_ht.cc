@@ -4,6 +4,7 @@
 #include <atomic>
 #include <optional>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "device/cuda.h"
 
@@ -71,6 +72,13 @@ EpHtBuffer::EpHtBuffer(int64_t ranks, int64_t rank, int64_t channels, size_t rin
   uint8_t* own = workspace_.data();
   cuda_check(cudaMemcpy(peers_ + rank, &own, sizeof(own), cudaMemcpyHostToDevice),
              "copying the peer table");
+  bases_.assign(static_cast<size_t>(ranks), nullptr);
+  bases_[rank] = own;
+  if (env_int("MOONCAKE_EP_HT_ONE_COPY") != 0) {
+    exports_ = std::make_unique<UserExports>(own + layout_.exported(0), device_);
+    imports_ = std::make_unique<UserImports>(ranks, device_);
+    xcounts_ = device_zeros<unsigned long long>(2, "cudaMalloc of the one-copy counts");
+  }
   counters_ = device_zeros<uint32_t>(2, "cudaMalloc of the EP counters");
   etotal_ = device_zeros<int32_t>(ht::kMaxExperts, "cudaMalloc of the EP scratch");
   sm_count_ = device_sm_count(device_);
@@ -81,6 +89,8 @@ EpHtBuffer::~EpHtBuffer() {
   OnDevice on(device_);
   cudaDeviceSynchronize();  // no kernel may still use the peers' mappings
   maps_.clear();
+  imports_.reset();
+  cudaFree(xcounts_);
   cudaFree(peers_);
   cudaFree(counters_);
   cudaFree(etotal_);
@@ -122,9 +132,11 @@ EpHtBuffer::Connection EpHtBuffer::connect(const std::vector<std::string>& cards
     lost_->clear(r);  // a new process in the slot
     lost_->watch_life(r, decoded[r]->life_here());
   }
-  lost_->settle();  // the device is idle (above)
+  lost_->settle();                   // the device is idle (above)
+  if (imports_) imports_->forget();  // the old peers' x (and the device is idle)
   cuda_check(cudaMemcpy(peers_, table.data(), R * sizeof(uint8_t*), cudaMemcpyHostToDevice),
              "copying the peer table");
+  bases_.assign(table.begin(), table.end());
   out.sharers = gpu_sharers(mine_, decoded);
   return out;
 }
@@ -170,9 +182,9 @@ void EpHtBuffer::raise_reported(const char* what) {
     case ht::kHtMismatch:
       throw_error(ErrorKind::kInvalidArgument, -1, what, ": rank ", d0,
                   " made a dispatch of another shape (num_max_tokens_per_rank, num_experts, "
-                  "num_topk, x's row size or dtype, topk_weights given, do_expand or "
-                  "expert_alignment differ): the ranks' calls must agree; neither took the "
-                  "other's tokens");
+                  "num_topk, x's row size or dtype, topk_weights given, do_expand, "
+                  "expert_alignment or MOONCAKE_EP_HT_ONE_COPY differ): the ranks' calls must "
+                  "agree; neither took the other's tokens");
     case kernels::kStatusBadCount:
       throw_error(ErrorKind::kSystem, -1, what, ": a dispatch received from rank ", d0,
                   " a count of ", d1,
@@ -223,7 +235,36 @@ void EpHtBuffer::layout(ht::LayoutArgs a, uint64_t seq, int64_t timeout_ns, int3
 void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
                           int blocks, cudaStream_t stream) {
   a.h = common(seq, timeout_ns, active, 1, "dispatch");
+  if (imports_ && layout_.ranks > 1) {
+    OnDevice on(device_);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(stream, &capture), "dispatch: a capture query");
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    imports_->resolve(bases_, layout_, capturing);
+    const int64_t N = a.r.num_tokens, db = a.slots.data_bytes, sb = a.slots.scale_bytes;
+    if (N > 0 && a.x_stride >= db) {
+      const auto x =
+          exports_->offer(a.x, static_cast<size_t>((N - 1) * a.x_stride + db), capturing);
+      UserExports::Offer s;
+      if (x.gen != 0 && sb != 0)
+        s = exports_->offer(a.scales, static_cast<size_t>(N * sb), capturing);
+      if (x.gen != 0 && (sb == 0 || s.gen != 0))
+        a.share = ht::XShare{x.gen, x.slot, x.off, a.x_stride, s.gen, s.slot, s.off};
+    }
+    a.imports = imports_->table();
+    a.misses = imports_->misses();
+    a.counts = xcounts_;
+  }
   ordered(stream, [&] { ht::launch_dispatch(a, blocks, stream); });
+}
+
+std::vector<int64_t> EpHtBuffer::one_copy_counts() const {
+  if (xcounts_ == nullptr) return {0, 0};
+  OnDevice on(device_);
+  cuda_check(cudaDeviceSynchronize(), "waiting for the device");
+  unsigned long long c[2] = {0, 0};
+  cuda_check(cudaMemcpy(c, xcounts_, sizeof(c), cudaMemcpyDeviceToHost), "reading the counts");
+  return {static_cast<int64_t>(c[0]), static_cast<int64_t>(c[1])};
 }
 
 void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,

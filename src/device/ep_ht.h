@@ -21,6 +21,7 @@
 #include "device/ep.h"
 #include "device/ipc.h"
 #include "device/peers.h"
+#include "device/user_memory.h"
 #include "kernels/ep_ht/api.h"
 
 namespace mooncake {
@@ -95,6 +96,16 @@ class EpHtBuffer {
                int blocks, cudaStream_t stream);
   // The layout pass's per-expert scratch (device int32 [kMaxExperts], zero between calls).
   int32_t* expert_scratch() const { return etotal_; }
+  // One copy (MOONCAKE_EP_HT_ONE_COPY, read when the buffer is made; the
+  // ranks must agree, which the layout pass's signature checks): a dest reads
+  // a same-host source's x where it lies (user_memory.h).
+  bool one_copy() const { return imports_ != nullptr; }
+  // Since the buffer was made: the (source, channel) pairs this rank read
+  // straight from the source's x, and those it read from the source's ring
+  // after an offer (blocking; tests and benchmarks). And the peers'
+  // allocations mapped now.
+  std::vector<int64_t> one_copy_counts() const;
+  int one_copy_mapped() const { return imports_ ? imports_->mapped() : 0; }
   // Profiling: later dispatches and combines write each block's start and end
   // times into `stamps` (device uint64 [2 * blocks]; null: off), which the
   // caller keeps alive until then.
@@ -120,6 +131,10 @@ class EpHtBuffer {
   std::string card_;
   std::vector<std::unique_ptr<PeerMapping>> maps_;  // per rank; null: not mapped
   uint8_t** peers_ = nullptr;                       // device [R]
+  std::vector<const uint8_t*> bases_;               // its host copy
+  std::unique_ptr<UserExports> exports_;            // one copy (null: off)
+  std::unique_ptr<UserImports> imports_;
+  unsigned long long* xcounts_ = nullptr;  // device [2]
   HostWords silent_;
   HostWords status_;
   std::shared_ptr<LostWords> lost_;

@@ -381,7 +381,11 @@ void register_ep_ht_device(py::module_& m) {
       .def("combine", &EpHtDevice::combine, py::arg("plan"), py::arg("x"), py::arg("weights"),
            py::arg("active"), py::arg("single"), py::arg("seq"), py::arg("timeout_ns"),
            py::arg("blocks"))
-      .def("set_stamps", &EpHtDevice::set_stamps, py::arg("stamps"));
+      .def("set_stamps", &EpHtDevice::set_stamps, py::arg("stamps"))
+      .def("one_copy", [](EpHtDevice& d) { return d.buf().one_copy(); })
+      .def(
+          "one_copy_counts", [](EpHtDevice& d) { return d.buf().one_copy_counts(); }, R())
+      .def("one_copy_mapped", [](EpHtDevice& d) { return d.buf().one_copy_mapped(); });
   m.def(
       "ep_ht_gpu",
       [](int64_t device) {

@@ -17,6 +17,8 @@ and under ``MOONCAKE_NO_SKIP=1`` a skip fails.
   the device path wherever the rows allow it. Also ``num_sms`` (the grid) changes
   nothing, the workspace does not grow with T, and a bad expert id raises ValueError on
   its rank only.
+  The launches at 2 and 4 run again with ``MOONCAKE_EP_HT_ONE_COPY=1`` (dests read a
+  source's x in place), with ``dev/one-copy``: rows were read so after the first round.
 * ``test_kills_rank_mid_dispatch_then_replacement``: world 4; rank 2 dies inside a fresh
   dispatch, after its layout pass told the others what it sends and before its rows move.
   The survivors' dispatch masks it and drops its rows (checked against the model), as do
@@ -45,6 +47,19 @@ pytestmark = pytest.mark.skipif(
 LAUNCHES = [
     Launch(ht_device.device_cases, w, f"htdev-w{w}", op_timeout_s=60.0, timeout_s=500.0)
     for w in (1, 2, 4)
+] + [
+    # The same with one copy (receivers read a source's x in place), and a case that
+    # checks the rows were read so.
+    Launch(
+        ht_device.device_cases,
+        w,
+        f"htdev-onecopy-w{w}",
+        env=(("MOONCAKE_EP_HT_ONE_COPY", "1"),),
+        params=(("one_copy", True),),
+        op_timeout_s=60.0,
+        timeout_s=500.0,
+    )  # fmt: skip
+    for w in (2, 4)
 ]
 
 

@@ -296,6 +296,19 @@ class ElasticBuffer:
         rings whose size does not depend on ``num_max_tokens_per_rank``."""
         return 0 if self._device is None else self._device.workspace_bytes
 
+    @property
+    def device_one_copy(self) -> tuple[bool, int, int, int]:
+        """The device path's one copy (``MOONCAKE_EP_HT_ONE_COPY``): whether it is on; since
+        the path was made, the (source, channel) pairs whose rows this rank read from the
+        source's ``x`` in place, and those it read through the source's ring after an offer
+        (the allocation not mapped here yet); and the peers' allocations mapped now. Waits
+        for the device. All zero without a device path."""
+        if self._device is None:
+            return (False, 0, 0, 0)
+        ext = self._device.ext
+        direct, staged = ext.one_copy_counts()
+        return (bool(ext.one_copy()), int(direct), int(staged), int(ext.one_copy_mapped()))
+
     def _alive(self, what: str) -> None:
         if self.runtime is None:
             raise RuntimeError(f"{what}: the ElasticBuffer has been destroyed")

@@ -425,7 +425,8 @@ class ThroughputDevice:
         """The call's shape as 31 bits (the notify record carries it)."""
         shape = (T, E, K, data.shape[1] * data.element_size(), str(data.dtype),
                  0 if scales is None else scales.shape[1] * scales.element_size(),
-                 weights is not None, bool(expand), alignment)  # fmt: skip
+                 weights is not None, bool(expand), alignment,
+                 self.ext.one_copy())  # every rank alike: MOONCAKE_EP_HT_ONE_COPY  # fmt: skip
         if shape != self._sig[0]:  # calls of one shape in a row: hashed once
             self._sig = (shape, zlib.crc32(repr(shape).encode()) & 0x7FFFFFFF)
         return self._sig[1]

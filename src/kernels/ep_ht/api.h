@@ -76,12 +76,54 @@ MC_HD inline uint64_t signal(uint32_t tag, uint32_t value) {
   return (static_cast<uint64_t>(tag) << 32) | value;
 }
 
+// One copy (a dispatch's receivers read a source's x where it lies): a
+// source's host exports the allocation that holds x (and FP8 scales) through
+// CUDA IPC (device/user_memory.h) into an XExport of its workspace; the
+// call's XShare says which export and where in it. A dest's host opens an
+// export the first time a dispatch offers it (the kernel records the miss,
+// and that call stages the bytes as without one copy) and hands its kernels
+// the mappings as XImports. The source still stages each row's routing; the
+// bytes only when a dest answered that it cannot read x (that call, every
+// row of the channel).
+constexpr int kXSlots = 8;            // exports per rank (and imports per peer)
+constexpr size_t kXExportBytes = 96;  // an XExport, padded
+constexpr size_t kIpcBytes = 64;      // a cudaIpcMemHandle_t
+
+struct XExport {
+  uint64_t gen;  // 0: empty, or being rewritten
+  uint64_t size;
+  uint8_t handle[kIpcBytes];
+};
+static_assert(sizeof(XExport) <= kXExportBytes);
+
+// Where a call's x and scales lie: export `slot` of generation `gen` (0: not
+// offered), `off` bytes in; rows `stride` bytes apart (scales: contiguous).
+struct XShare {
+  uint32_t gen = 0, slot = 0;
+  int64_t off = 0, stride = 0;
+  uint32_t sgen = 0, sslot = 0;
+  int64_t soff = 0;
+};
+
+// A dest's mapping of a peer's export (gen 0: none; base null: it cannot be
+// opened here, so the dest answers "stage the bytes" without a new miss).
+struct XImport {
+  uint32_t gen = 0, pad = 0;
+  const uint8_t* base = nullptr;
+  uint64_t size = 0;
+};
+
 // The workspace every rank maps: signals, then the rings.
 //
 //   notify [R sources][kNotifyWords]  a fresh dispatch's record from each
 //          source: w0 `signature << 1 | accepts you` (written last, with
 //          release), w1 the tokens it sends here, w2.. its tokens per local
 //          expert of this rank;
+//   xdesc  [R sources][C]  a dispatch's offer of its x (one copy, below): 1
+//          offered (its xrec of c says where), 2 not;
+//   xack   [R dests][C]    a dest's answer: 1 it reads x itself, 2 stage the bytes;
+//   xrec   [C]             this rank's XShare of the call, per channel;
+//   xexp   [kXSlots]       this rank's exported allocations (XExport);
 //   dtail  [R sources][C]  how many rows a source staged in its ring of c;
 //   dhead  [R dests][C]    how many of this rank's staged rows a dest read;
 //   ctail  [R repliers][C] how many rows a replier staged for this rank;
@@ -95,14 +137,19 @@ struct HtLayout {
 
   int64_t ranks = 0;     // R
   int64_t channels = 0;  // C
-  size_t notify = 0, dtail = 0, dhead = 0, ctail = 0, chead = 0, rings = 0, total = 0;
+  size_t notify = 0, xdesc = 0, xack = 0, xrec = 0, xexp = 0, dtail = 0, dhead = 0, ctail = 0,
+         chead = 0, rings = 0, total = 0;
 
   HtLayout() = default;
   HtLayout(int64_t R, int64_t C, size_t ring_bytes) : ranks(R), channels(C) {
     const auto up = [](size_t n) { return (n + kAlign - 1) / kAlign * kAlign; };
     const auto words = [&](int64_t n) { return up(8 * static_cast<size_t>(n)); };
     notify = 0;
-    dtail = notify + words(R * kNotifyWords);
+    xdesc = notify + words(R * kNotifyWords);
+    xack = xdesc + words(R * C);
+    xrec = xack + words(R * C);
+    xexp = xrec + up(sizeof(XShare) * static_cast<size_t>(C));
+    dtail = xexp + up(kXExportBytes * kXSlots);
     dhead = dtail + words(R * C);
     ctail = dhead + words(R * C);
     chead = ctail + words(R * C);
@@ -113,6 +160,16 @@ struct HtLayout {
 
   MC_HD size_t notify_word(int64_t source, int64_t w) const {
     return notify + 8 * static_cast<size_t>(source * kNotifyWords + w);
+  }
+  MC_HD size_t offer(int64_t source, int64_t c) const {
+    return xdesc + 8 * static_cast<size_t>(source * channels + c);
+  }
+  MC_HD size_t answer(int64_t dest, int64_t c) const {
+    return xack + 8 * static_cast<size_t>(dest * channels + c);
+  }
+  MC_HD size_t share(int64_t c) const { return xrec + sizeof(XShare) * static_cast<size_t>(c); }
+  MC_HD size_t exported(int64_t slot) const {
+    return xexp + kXExportBytes * static_cast<size_t>(slot);
   }
   MC_HD size_t dispatch_tail(int64_t source, int64_t c) const {
     return dtail + 8 * static_cast<size_t>(source * channels + c);
@@ -282,6 +339,16 @@ struct DispatchArgs {
   int32_t* psum_rank = nullptr;  // the handle's, updated by a repair (fresh)
   int32_t* psum_expert = nullptr;
   int32_t* unaligned = nullptr;
+  // One copy (imports null: off, no offers and no answers; on or off alike
+  // on every rank, which the layout pass's signature checks). `share`: this
+  // rank's offer (gen 0: none); imports [R][kXSlots] this rank's mappings of
+  // the peers' exports; misses [R][2] (host-mapped): an offer of x (0) or
+  // scales (1) it could not map, `slot << 32 | gen`, for the host; counts [2]
+  // (device, or null): channels read straight from a peer's x, and staged.
+  XShare share;
+  const XImport* imports = nullptr;
+  uint64_t* misses = nullptr;
+  unsigned long long* counts = nullptr;
 };
 
 struct CombineArgs {

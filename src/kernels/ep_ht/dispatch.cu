@@ -29,6 +29,10 @@ struct Peers {
   int32_t first[kMaxRanks];  // the place of the first of them (-1: none yet)
   int8_t state[kMaxRanks];   // receiver: 1 while reading a source
   bool done[kMaxRanks];
+  // receiver: where a source's rows and scales lie, read in place (null: its ring)
+  const uint8_t* xb[kMaxRanks];
+  const uint8_t* sb[kMaxRanks];
+  int64_t xs[kMaxRanks];
 };
 
 // A batch of rows.
@@ -58,6 +62,7 @@ struct Shared {
   Repair rep;
   uint64_t dests;   // sender: the ranks it serves
   uint32_t staged;  // sender: slots staged so far
+  bool bytes;       // sender: a dest reads the rows' bytes from the ring
   int pick, rr;
   bool any, last;
 };
@@ -236,7 +241,64 @@ __device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh
   }
 }
 
-// The peers' rows of channel c, pulled from their rings.
+// Where source s's offer (export slot `slot` of generation `gen`, `off` bytes
+// in, `need` bytes from there) lies in this process, or null: not offered,
+// not mapped here yet (recorded for the host: miss `which`), or out of the
+// mapping's bounds.
+__device__ const uint8_t* imported(const DispatchArgs& a, int s, uint32_t gen, uint32_t slot,
+                                   int64_t off, int64_t need, int which) {
+  if (gen == 0 || slot >= static_cast<uint32_t>(kXSlots)) return nullptr;
+  const XImport im = a.imports[s * kXSlots + slot];
+  if (im.gen != gen) {
+    if (a.misses != nullptr)
+      *reinterpret_cast<volatile uint64_t*>(a.misses + 2 * s + which) =
+          static_cast<uint64_t>(slot) << 32 | gen;
+    return nullptr;
+  }
+  if (im.base == nullptr || off < 0 || need < 0 || static_cast<uint64_t>(off + need) > im.size)
+    return nullptr;
+  return im.base + off;
+}
+
+// The offers of channel c, a thread per source: each source's says whether
+// it offers its x (and scales) to read in place; this rank answers whether
+// it will (it has them mapped), and notes where they lie.
+__device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Shared& sh) {
+  const Common& cm = a.h.c;
+  const int s = threadIdx.x;
+  if (s >= v.R) return;
+  sh.p.xb[s] = sh.p.sb[s] = nullptr;
+  sh.p.xs[s] = 0;
+  if (a.imports == nullptr || !takes_part(cm, v, s)) return;
+  auto* w = word_at(v.own, a.h.ws.offer(s, c));
+  uint64_t x = 0;
+  const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
+  if (!wait_for(cm, w, ready, deadline_of(cm.timeout_ns), s, kRecv, &x)) return;  // masked
+  clear_word(w);
+  if (static_cast<uint32_t>(x) != 1) return;
+  const auto* rec = reinterpret_cast<const volatile XShare*>(cm.peers[s] + a.h.ws.share(c));
+  const XShare r{rec->gen, rec->slot, rec->off, rec->stride, rec->sgen, rec->sslot, rec->soff};
+  const uint8_t *xb = nullptr, *sb = nullptr;
+  const int64_t db = a.slots.data_bytes, sbytes = a.slots.scale_bytes;
+  if (r.stride >= db) {
+    xb = imported(a, s, r.gen, r.slot, r.off, (v.T - 1) * r.stride + db, 0);
+    if (xb != nullptr && sbytes != 0) {
+      sb = imported(a, s, r.sgen, r.sslot, r.soff, v.T * sbytes, 1);
+      if (sb == nullptr) xb = nullptr;
+    }
+  }
+  if (xb != nullptr) {
+    sh.p.xb[s] = xb;
+    sh.p.sb[s] = sb;
+    sh.p.xs[s] = r.stride;
+  }
+  st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)),
+                 signal(v.tag, xb != nullptr ? 1u : 2u));
+  if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
+}
+
+// The peers' rows of channel c, pulled from their rings (their bytes from
+// the source's x where answer_offers found it).
 __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
   const int tid = threadIdx.x;
@@ -297,8 +359,11 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
             row = place_row(a, v, src, s, t, sh.b.exp[v.lane]);
           }
         }
-        sh.b.data[v.lane] = slot + a.slots.data;
-        sh.b.scales[v.lane] = slot + a.slots.scales;
+        const uint8_t* xb = p.xb[s];
+        sh.b.data[v.lane] = xb != nullptr && t >= 0 ? xb + t * p.xs[s] : slot + a.slots.data;
+        sh.b.scales[v.lane] = xb != nullptr && t >= 0 && p.sb[s] != nullptr
+                                  ? p.sb[s] + t * a.slots.scale_bytes
+                                  : slot + a.slots.scales;
       }
       sh.b.row[v.lane] = row;
       const int got = note_rows(v, sh, s, row);
@@ -324,6 +389,7 @@ __device__ void recv_channel(const DispatchArgs& a, const View& v, int c, Shared
     sh.p.rows[tid] = 0;
     sh.p.first[tid] = -1;
   }
+  answer_offers(a, v, c, sh);  // first: the sources wait for the answers
   __syncthreads();
   recv_own(a, v, c, sh);
   if (v.R > 1) recv_peers(a, v, c, sh);
@@ -373,6 +439,40 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
     sh.p.cons[tid] = 0;
     sh.p.done[tid] = false;  // here: the dest failed a wait
   }
+  // The offer of x (and scales), in this channel's record, then to every dest
+  // (one copy on: imports given, on every rank alike).
+  const bool one_copy = a.imports != nullptr, offer = one_copy && a.share.gen != 0;
+  if (offer && tid == 0) *reinterpret_cast<XShare*>(v.own + a.h.ws.share(c)) = a.share;
+  __syncthreads();
+  if (tid < v.R) {
+    sh.p.state[tid] = 0;  // here: the dest reads the bytes from the ring
+    if (one_copy && ((sh.dests >> tid) & 1))
+      st_release_sys(word_at(cm.peers[tid], a.h.ws.offer(v.me, c)), signal(v.tag, offer ? 1u : 2u));
+  }
+  if (offer && tid < v.R && ((sh.dests >> tid) & 1)) {
+    // Its answer: the bytes go into the ring when any dest cannot read x.
+    auto* w = word_at(v.own, a.h.ws.answer(tid, c));
+    uint64_t x = 0;
+    const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
+    if (wait_for(cm, w, ready, deadline_of(cm.timeout_ns), tid, kSend, &x)) {
+      clear_word(w);
+      sh.p.state[tid] = static_cast<uint32_t>(x) != 1;
+    } else {
+      sh.p.done[tid] = true;  // masked: it reads nothing
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    bool bytes = !offer;
+    for (int d = 0; d < v.R; ++d) {
+      bytes = bytes || ((sh.dests >> d) & 1 && sh.p.state[d] != 0);
+      if (sh.p.done[d]) {
+        sh.dests &= ~(1ull << d);
+        sh.p.done[d] = false;
+      }
+    }
+    sh.bytes = bytes;
+  }
   __syncthreads();
   const Span sp = channel_span(v.N, v.C, c);
   for (int64_t tb = sp.first; tb < sp.end; tb += kBatch) {
@@ -421,7 +521,7 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
     if (v.warp == 0 && v.lane < nb && sh.b.slot[v.lane] >= 0)
       stage_routing(a, v, ring + (sh.b.slot[v.lane] % S) * a.slots.bytes, tb + v.lane,
                     sh.b.mask[v.lane]);
-    for (int64_t u = v.warp; u < nb * per_row; u += kWarps) {
+    for (int64_t u = v.warp; sh.bytes && u < nb * per_row; u += kWarps) {
       const int j = static_cast<int>(u / per_row);
       if (sh.b.slot[j] < 0) continue;
       const int64_t t = tb + j, ch = u % per_row;

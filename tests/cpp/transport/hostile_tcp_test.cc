@@ -76,7 +76,7 @@ constexpr size_t kMarks = 512;     // byte i: insider connection i was let in (s
 constexpr size_t kTcpData = 1024;  // the legitimate write
 constexpr size_t kLegit = 256;     // its length
 constexpr size_t kTarget = 4096;   // where attacks aim: inside the canary
-constexpr uint8_t kCanary = 0xC5;
+constexpr uint8_t kTcpCanary = 0xC5;
 constexpr int kCapacity = 4;  // slots 2 and 3 stay empty
 constexpr int kSpare = 3;     // the empty slot an insider claims
 
@@ -244,7 +244,7 @@ void survive(const Expect& expect, const std::function<void(Attacker&)>& attack,
         StderrToFile log(r.dir + "/rank1.log");
         auto ep = group_endpoint(r);
         uint8_t* base = ep->base();
-        std::memset(base + kTcpFlag + 8, kCanary, kTcpBytes - kTcpFlag - 8);
+        std::memset(base + kTcpFlag + 8, kTcpCanary, kTcpBytes - kTcpFlag - 8);
         ASSERT_EQ(ep->rejected_connections(), 0u);
         const uint64_t alarms = ep->alarms();
         r.store.set("port", std::to_string(ep->tcp_port()));
@@ -268,7 +268,7 @@ void survive(const Expect& expect, const std::function<void(Attacker&)>& attack,
         if (expect.marks == 0)
           EXPECT_EQ(ep->alarms(), alarms) << "a connection that was never let in raised an alarm";
         EXPECT_EQ(load_flag(base, kTcpFlag), 1u);
-        std::vector<uint8_t> want(kTcpBytes, kCanary);
+        std::vector<uint8_t> want(kTcpBytes, kTcpCanary);
         const auto data = legit_bytes();
         std::copy(data.begin(), data.end(), want.begin() + kTcpData);
         for (size_t i = 0; i < expect.marks; ++i) want[kMarks + i] = mark(i);

@@ -30,7 +30,7 @@ constexpr unsigned kAmId = 0x6d63;  // the transport's, pinned here
 constexpr size_t kUcxBytes = 1 << 16;
 constexpr size_t kUcxFlag = mooncake::kSegmentHeaderBytes;
 constexpr size_t kUcxData = kUcxFlag + 64;
-constexpr uint8_t kCanary = 0xA5;
+constexpr uint8_t kUcxCanary = 0xA5;
 
 // A bare UCX worker with one endpoint to the receiver, progressed by the test.
 class RawSender {
@@ -88,7 +88,7 @@ class HostileUcx : public testing::Test {
         segment_(kUcxBytes),
         worker_(segment_, 4, secret_, {}, nullptr),
         sender_(worker_.address()) {
-    std::memset(segment_.base() + kUcxFlag, kCanary, kUcxBytes - kUcxFlag);
+    std::memset(segment_.base() + kUcxFlag, kUcxCanary, kUcxBytes - kUcxFlag);
   }
 
   UcxHeader header(uint32_t type, uint64_t seq, uint64_t offset = kUcxData) const {
@@ -122,7 +122,7 @@ class HostileUcx : public testing::Test {
   }
   bool untouched(size_t from = kUcxData, size_t to = kUcxBytes) const {
     for (size_t i = from; i < to; ++i)
-      if (segment_.base()[i] != kCanary) return false;
+      if (segment_.base()[i] != kUcxCanary) return false;
     return true;
   }
 

@@ -287,7 +287,28 @@ def c_bad_ids(ctx):
     DeviceRound(ctx, buf, spec, "after-bad").run()
 
 
-def device_cases(world: int) -> list[Case]:
+def c_one_copy(ctx):
+    """``MOONCAKE_EP_HT_ONE_COPY=1`` (the launch's environment): each source offers its x,
+    and from the round after a dest mapped the allocation that holds it, the dest reads
+    the rows there, not through the source's ring: the counts say so, and every round is
+    exact (``DeviceRound`` checks it against the model and the portable path). BF16, then
+    pre-quantised FP8, whose scales are offered too."""
+    buf = get_buf(ctx)
+    for fp8 in ("", "f32"):
+        spec = fit(HSpec(H=7168, T=24, K=8, epr=256 // ctx.world_size, ns=(24, 17), fp8=fp8,
+                         cached=1), ctx.world_size)  # fmt: skip
+        DeviceRound(ctx, buf, spec, f"one-copy-first-{fp8 or 'bf16'}").run()
+        _, direct0, _, _ = buf.device_one_copy
+        for i in range(3):
+            DeviceRound(ctx, buf, spec, f"one-copy-{i}-{fp8 or 'bf16'}").run()
+        on, direct, staged, mapped = buf.device_one_copy
+        ctx.expect(on, "MOONCAKE_EP_HT_ONE_COPY=1, yet the device path's one copy is off")
+        ctx.expect(direct > direct0 and mapped > 0,
+                   f"fp8={fp8}: no rows read in place over 3 rounds after the first (in place "
+                   f"{direct0} -> {direct}, through the ring {staged}, {mapped} mapped)")  # fmt: skip
+
+
+def device_cases(world: int, one_copy: bool = False) -> list[Case]:
     P = functools.partial
     specs = dict(ht_cases._grid())
     specs.update(ht_cases._extra(world))
@@ -310,6 +331,8 @@ def device_cases(world: int) -> list[Case]:
         Case("dev/workspace", c_workspace),
         Case("dev/bad-ids", c_bad_ids),
     ]  # fmt: skip
+    if one_copy and world > 1:
+        cases.append(Case("dev/one-copy", c_one_copy))
     return cases
 
 

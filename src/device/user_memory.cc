@@ -1,0 +1,199 @@
+#include "device/user_memory.h"
+
+#include <cuda.h>  // the pointer attributes' names (the driver is reached through the runtime)
+
+#include <atomic>
+#include <cstring>
+
+#include "core/log.h"
+#include "device/cuda.h"
+
+namespace mooncake {
+
+namespace ht = kernels::ep_ht;
+
+namespace {
+
+static_assert(sizeof(cudaIpcMemHandle_t) == ht::kIpcBytes);
+
+using PointerAttributes = CUresult (*)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
+
+// cuPointerGetAttributes, looked up once through the runtime (no link to the
+// driver library), or null where the driver does not give it.
+PointerAttributes pointer_attributes() {
+  static const PointerAttributes fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttributes", &f, 7000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PointerAttributes>(f);
+  }();
+  return fn;
+}
+
+struct Range {
+  uint64_t id = 0;
+  uintptr_t base = 0;
+  size_t size = 0;
+  bool ipc = false;
+};
+
+// The allocation that holds `p`, as the driver knows it; false where it does
+// not (not device memory of this process).
+bool range_of(const void* p, Range* r) {
+  const PointerAttributes fn = pointer_attributes();
+  if (fn == nullptr) return false;
+  unsigned long long id = 0;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  int ipc = 0;
+  CUpointer_attribute names[] = {
+      CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+      CU_POINTER_ATTRIBUTE_RANGE_SIZE, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE};
+  void* values[] = {&id, &base, &size, &ipc};
+  if (fn(4, names, values, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS || id == 0)
+    return false;
+  *r = Range{id, static_cast<uintptr_t>(base), size, ipc != 0};
+  return true;
+}
+
+void copy_to(void* dst, const void* src, size_t bytes, const char* what) {
+  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
+}
+
+}  // namespace
+
+UserExports::UserExports(uint8_t* table, int device) : table_(table), device_(device) {}
+
+UserExports::Offer UserExports::offer(const void* p, size_t bytes, bool capturing) {
+  Range r;
+  if (p == nullptr || bytes == 0 || !range_of(p, &r)) return {};
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  if (at < r.base || at - r.base + bytes > r.size) return {};
+  const auto off = static_cast<int64_t>(at - r.base);
+  if (const auto pick = slots_.find(r.id)) {
+    if (base_[pick->slot] == r.base && size_[pick->slot] == r.size)
+      return Offer{pick->gen, static_cast<uint32_t>(pick->slot), off};
+    return {};  // (cannot happen: an id names one allocation)
+  }
+  if (capturing || slots_.refused(r.id)) return {};
+  cudaIpcMemHandle_t handle;
+  if (!r.ipc || cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(r.base)) != cudaSuccess) {
+    cudaGetLastError();
+    slots_.refuse(r.id);
+    MC_LOG(kDebug, "ep: an allocation of ", r.size,
+           " bytes cannot be exported (not cudaMalloc's): its dispatches stage their bytes");
+    return {};
+  }
+  OnDevice on(device_);
+  const auto pick = slots_.assign(r.id);
+  base_[pick.slot] = r.base;
+  size_[pick.slot] = r.size;
+  // Its generation last, 0 while the rest is rewritten: a reader that sees
+  // the same non-zero generation before and after its read has a whole entry.
+  uint8_t* entry = table_ + ht::kXExportBytes * static_cast<size_t>(pick.slot);
+  ht::XExport e{};
+  e.size = r.size;
+  std::memcpy(e.handle, &handle, sizeof(handle));
+  copy_to(entry, &e, sizeof(e), "writing an export");
+  const uint64_t gen = pick.gen;
+  copy_to(entry, &gen, sizeof(gen), "writing an export");
+  return Offer{pick.gen, static_cast<uint32_t>(pick.slot), off};
+}
+
+UserImports::UserImports(int64_t ranks, int device)
+    : ranks_(ranks), device_(device), host_(static_cast<size_t>(ranks) * ht::kXSlots) {
+  OnDevice on(device_);
+  void* d = nullptr;
+  cuda_check(cudaMalloc(&d, host_.size() * sizeof(ht::XImport)), "cudaMalloc of the import table");
+  dev_ = static_cast<ht::XImport*>(d);
+  const cudaError_t err = cudaMemset(dev_, 0, host_.size() * sizeof(ht::XImport));
+  if (err != cudaSuccess) {
+    cudaFree(dev_);
+    cuda_check(err, "cudaMemset of the import table");
+  }
+  void* md = nullptr;
+  misses_host_ = static_cast<uint64_t*>(mapped_bytes(
+      static_cast<size_t>(2 * ranks) * sizeof(uint64_t), &md, "cudaHostAlloc of the misses"));
+  misses_dev_ = static_cast<uint64_t*>(md);
+}
+
+UserImports::~UserImports() {
+  OnDevice on(device_);
+  for (ht::XImport& im : host_) close(im);
+  cudaFree(dev_);
+  cudaFreeHost(misses_host_);
+}
+
+void UserImports::close(ht::XImport& im) {
+  if (im.base != nullptr && cudaIpcCloseMemHandle(const_cast<uint8_t*>(im.base)) != cudaSuccess) {
+    cudaGetLastError();
+    MC_LOG(kWarn, "ep: cudaIpcCloseMemHandle of a peer's x failed");
+  }
+  im = ht::XImport{};
+}
+
+int UserImports::mapped() const {
+  int n = 0;
+  for (const ht::XImport& im : host_) n += im.base != nullptr;
+  return n;
+}
+
+void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::HtLayout& layout,
+                          bool capturing) {
+  if (capturing) return;
+  bool any = false;
+  for (int64_t i = 0; i < 2 * ranks_ && !any; ++i)
+    any = std::atomic_ref<uint64_t>(misses_host_[i]).load(std::memory_order_acquire) != 0;
+  if (!any) return;
+  OnDevice on(device_);
+  // A launch still running may read the table (and the mappings it names).
+  cuda_check(cudaDeviceSynchronize(), "waiting for the device before mapping a peer's x");
+  bool changed = false;
+  for (int64_t s = 0; s < ranks_; ++s)
+    for (int which = 0; which < 2; ++which) {
+      const uint64_t miss = std::atomic_ref<uint64_t>(misses_host_[2 * s + which]).exchange(0);
+      const auto slot = static_cast<int64_t>(miss >> 32);
+      if (miss == 0 || slot >= ht::kXSlots || static_cast<size_t>(s) >= peers.size() ||
+          peers[s] == nullptr)
+        continue;
+      const uint8_t* entry = peers[s] + layout.exported(slot);
+      ht::XExport e{};
+      uint64_t again = 0;
+      if (cudaMemcpy(&e, entry, sizeof(e), cudaMemcpyDeviceToHost) != cudaSuccess ||
+          cudaMemcpy(&again, entry, sizeof(again), cudaMemcpyDeviceToHost) != cudaSuccess) {
+        cudaGetLastError();
+        continue;
+      }
+      if (e.gen == 0 || again != e.gen) continue;  // being rewritten: the next miss retries
+      ht::XImport& im = host_[static_cast<size_t>(s * ht::kXSlots + slot)];
+      if (im.gen == static_cast<uint32_t>(e.gen)) continue;
+      close(im);
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, e.handle, sizeof(handle));
+      void* base = nullptr;
+      if (cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+        cudaGetLastError();
+        base = nullptr;  // recorded as such: this rank stages that export's bytes
+        MC_LOG(kDebug, "ep: rank ", s, "'s x cannot be mapped here: its rows come staged");
+      }
+      im = ht::XImport{static_cast<uint32_t>(e.gen), 0, static_cast<const uint8_t*>(base),
+                       base != nullptr ? e.size : 0};
+      changed = true;
+    }
+  if (changed)
+    copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), "copying the import table");
+}
+
+void UserImports::forget() {
+  OnDevice on(device_);
+  for (ht::XImport& im : host_) close(im);
+  for (int64_t i = 0; i < 2 * ranks_; ++i) std::atomic_ref<uint64_t>(misses_host_[i]).store(0);
+  copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), "copying the import table");
+}
+
+}  // namespace mooncake
