@@ -126,6 +126,10 @@ void LaunchOrder::after(cudaStream_t stream) {
   last.capture = capture_;
 }
 
+void LaunchOrder::wait_eager() {
+  if (eager_.any) eager_.done.wait();
+}
+
 std::string device_bus_id(int device) {
   char id[32] = {};
   cuda_check(cudaDeviceGetPCIBusId(id, sizeof(id), device), "cudaDeviceGetPCIBusId");

@@ -108,6 +108,8 @@ class LaunchOrder {
   void before(cudaStream_t stream);
   // After it (not called when the launch threw: the last one stays the last).
   void after(cudaStream_t stream);
+  // Waits on the host until the last eager launch has run.
+  void wait_eager();
 
  private:
   struct Last {

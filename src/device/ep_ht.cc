@@ -132,8 +132,14 @@ EpHtBuffer::Connection EpHtBuffer::connect(const std::vector<std::string>& cards
     lost_->clear(r);  // a new process in the slot
     lost_->watch_life(r, decoded[r]->life_here());
   }
-  lost_->settle();                   // the device is idle (above)
-  if (imports_) imports_->forget();  // the old peers' x (and the device is idle)
+  lost_->settle();  // the device is idle (above)
+  if (imports_) {
+    imports_->forget();  // the old peers' x (and the device is idle)
+    // No offer or answer a peer left after a wait gave up on it is taken by
+    // a later call with the same tag (a graph's replay).
+    cuda_check(cudaMemset(workspace_.data() + layout_.xdesc, 0, layout_.xrec - layout_.xdesc),
+               "clearing the offers");
+  }
   cuda_check(cudaMemcpy(peers_, table.data(), R * sizeof(uint8_t*), cudaMemcpyHostToDevice),
              "copying the peer table");
   bases_.assign(table.begin(), table.end());
@@ -240,16 +246,16 @@ void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, 
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     cuda_check(cudaStreamIsCapturing(stream, &capture), "dispatch: a capture query");
     const bool capturing = capture != cudaStreamCaptureStatusNone;
-    imports_->resolve(bases_, layout_, capturing);
+    imports_->resolve(bases_, layout_, *order_, stream, capturing);
     const int64_t N = a.r.num_tokens, db = a.slots.data_bytes, sb = a.slots.scale_bytes;
     if (N > 0 && a.x_stride >= db) {
       const auto x =
-          exports_->offer(a.x, static_cast<size_t>((N - 1) * a.x_stride + db), capturing);
+          exports_->offer(a.x, static_cast<size_t>((N - 1) * a.x_stride + db), stream, capturing);
       UserExports::Offer s;
       if (x.gen != 0 && sb != 0)
-        s = exports_->offer(a.scales, static_cast<size_t>(N * sb), capturing);
+        s = exports_->offer(a.scales, static_cast<size_t>(N * sb), stream, capturing);
       if (x.gen != 0 && (sb == 0 || s.gen != 0))
-        a.share = ht::XShare{x.gen, x.slot, x.off, a.x_stride, s.gen, s.slot, s.off};
+        a.share = ht::XShare{x.gen, x.slot, x.off, a.x_stride, N, s.gen, s.slot, s.off};
     }
     a.imports = imports_->table();
     a.misses = imports_->misses();

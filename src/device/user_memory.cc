@@ -2,6 +2,7 @@
 
 #include <cuda.h>  // the pointer attributes' names (the driver is reached through the runtime)
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 
@@ -61,15 +62,24 @@ bool range_of(const void* p, Range* r) {
   return true;
 }
 
-void copy_to(void* dst, const void* src, size_t bytes, const char* what) {
-  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
+// Queued on `stream` (the source, pageable, is staged before this returns).
+void copy_to(void* dst, const void* src, size_t bytes, cudaStream_t stream, const char* what) {
+  cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), what);
+}
+
+// Peer memory read now.
+bool read_from(void* dst, const void* src, size_t bytes) {
+  if (cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost) == cudaSuccess) return true;
+  cudaGetLastError();
+  return false;
 }
 
 }  // namespace
 
 UserExports::UserExports(uint8_t* table, int device) : table_(table), device_(device) {}
 
-UserExports::Offer UserExports::offer(const void* p, size_t bytes, bool capturing) {
+UserExports::Offer UserExports::offer(const void* p, size_t bytes, cudaStream_t stream,
+                                      bool capturing) {
   Range r;
   if (p == nullptr || bytes == 0 || !range_of(p, &r)) return {};
   const auto at = reinterpret_cast<uintptr_t>(p);
@@ -93,15 +103,18 @@ UserExports::Offer UserExports::offer(const void* p, size_t bytes, bool capturin
   const auto pick = slots_.assign(r.id);
   base_[pick.slot] = r.base;
   size_[pick.slot] = r.size;
-  // Its generation last, 0 while the rest is rewritten: a reader that sees
-  // the same non-zero generation before and after its read has a whole entry.
+  // Its generation 0, the rest, then its generation, each a copy of its own
+  // (in stream order, before the launch that offers it): a reader that reads
+  // the same non-zero generation before and after the rest has a whole entry.
   uint8_t* entry = table_ + ht::kXExportBytes * static_cast<size_t>(pick.slot);
+  const uint64_t none = 0, gen = pick.gen;
+  copy_to(entry, &none, sizeof(none), stream, "writing an export");
   ht::XExport e{};
   e.size = r.size;
   std::memcpy(e.handle, &handle, sizeof(handle));
-  copy_to(entry, &e, sizeof(e), "writing an export");
-  const uint64_t gen = pick.gen;
-  copy_to(entry, &gen, sizeof(gen), "writing an export");
+  copy_to(entry + sizeof(gen), reinterpret_cast<const uint8_t*>(&e) + sizeof(gen),
+          sizeof(e) - sizeof(gen), stream, "writing an export");
+  copy_to(entry, &gen, sizeof(gen), stream, "writing an export");
   return Offer{pick.gen, static_cast<uint32_t>(pick.slot), off};
 }
 
@@ -144,35 +157,37 @@ int UserImports::mapped() const {
 }
 
 void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::HtLayout& layout,
-                          bool capturing) {
+                          LaunchOrder& launches, cudaStream_t stream, bool capturing) {
   if (capturing) return;
   bool any = false;
   for (int64_t i = 0; i < 2 * ranks_ && !any; ++i)
     any = std::atomic_ref<uint64_t>(misses_host_[i]).load(std::memory_order_acquire) != 0;
   if (!any) return;
   OnDevice on(device_);
-  // A launch still running may read the table (and the mappings it names).
-  cuda_check(cudaDeviceSynchronize(), "waiting for the device before mapping a peer's x");
-  bool changed = false;
+  std::vector<ht::XImport> next = host_;
+  std::vector<ht::XImport> closing;
   for (int64_t s = 0; s < ranks_; ++s)
     for (int which = 0; which < 2; ++which) {
+      // (a launch still running may record the same miss again: harmless)
       const uint64_t miss = std::atomic_ref<uint64_t>(misses_host_[2 * s + which]).exchange(0);
       const auto slot = static_cast<int64_t>(miss >> 32);
       if (miss == 0 || slot >= ht::kXSlots || static_cast<size_t>(s) >= peers.size() ||
-          peers[s] == nullptr)
+          peers[s] == nullptr || stale_.count({s, miss}) != 0)
         continue;
+      // Its generation, the rest, its generation again: the same twice, a whole entry.
       const uint8_t* entry = peers[s] + layout.exported(slot);
+      uint64_t gen = 0, again = 0;
       ht::XExport e{};
-      uint64_t again = 0;
-      if (cudaMemcpy(&e, entry, sizeof(e), cudaMemcpyDeviceToHost) != cudaSuccess ||
-          cudaMemcpy(&again, entry, sizeof(again), cudaMemcpyDeviceToHost) != cudaSuccess) {
-        cudaGetLastError();
+      if (!read_from(&gen, entry, sizeof(gen)) || !read_from(&e, entry, sizeof(e)) ||
+          !read_from(&again, entry, sizeof(again)) || gen == 0 || gen != again || e.gen != gen)
+        continue;  // being written: the next miss tries again
+      ht::XImport& im = next[static_cast<size_t>(s * ht::kXSlots + slot)];
+      if (im.gen == static_cast<uint32_t>(gen)) {
+        if (stale_.size() >= 256) stale_.clear();  // (bounded: a few graphs' offers)
+        stale_.insert({s, miss});  // an older export of the slot: mapping again gives nothing
         continue;
       }
-      if (e.gen == 0 || again != e.gen) continue;  // being rewritten: the next miss retries
-      ht::XImport& im = host_[static_cast<size_t>(s * ht::kXSlots + slot)];
-      if (im.gen == static_cast<uint32_t>(e.gen)) continue;
-      close(im);
+      if (im.base != nullptr) closing.push_back(im);
       cudaIpcMemHandle_t handle;
       std::memcpy(&handle, e.handle, sizeof(handle));
       void* base = nullptr;
@@ -181,19 +196,31 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::Ht
         base = nullptr;  // recorded as such: this rank stages that export's bytes
         MC_LOG(kDebug, "ep: rank ", s, "'s x cannot be mapped here: its rows come staged");
       }
-      im = ht::XImport{static_cast<uint32_t>(e.gen), 0, static_cast<const uint8_t*>(base),
+      im = ht::XImport{static_cast<uint32_t>(gen), 0, static_cast<const uint8_t*>(base),
                        base != nullptr ? e.size : 0};
-      changed = true;
     }
-  if (changed)
-    copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), "copying the import table");
+  if (std::equal(next.begin(), next.end(), host_.begin(), [](const auto& a, const auto& b) {
+        return a.gen == b.gen && a.base == b.base && a.size == b.size;
+      }))
+    return;
+  // No launch of ours reads the table while it changes (the last has run),
+  // and the next reads the new one (queued before it).
+  launches.wait_eager();
+  host_ = std::move(next);
+  copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), stream,
+          "copying the import table");
+  for (ht::XImport& im : closing) close(im);
 }
 
 void UserImports::forget() {
   OnDevice on(device_);
   for (ht::XImport& im : host_) close(im);
   for (int64_t i = 0; i < 2 * ranks_; ++i) std::atomic_ref<uint64_t>(misses_host_[i]).store(0);
-  copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), "copying the import table");
+  stale_.clear();
+  cuda_check(
+      cudaMemcpy(dev_, host_.data(), host_.size() * sizeof(ht::XImport), cudaMemcpyHostToDevice),
+      "copying the import table");
+  cuda_check(cudaDeviceSynchronize(), "copying the import table");
 }
 
 }  // namespace mooncake

@@ -8,9 +8,13 @@
 //
 // An allocation is known by the driver's buffer id, unique in its process:
 // one freed and made again at the same address is another allocation, with
-// a new export. A dest's mapping keeps the memory it maps alive (the driver
-// counts references), so a source that frees an allocation leaves its readers
-// nothing to fault on; they map the new one when it is offered.
+// a new export, which its readers map when it is offered. CUDA documents a
+// cudaFree of memory another process still maps as undefined; torch frees
+// cached allocations (empty_cache, an out-of-memory retry) without telling
+// anyone, and a dest closes its mapping of an export only when the slot is
+// exported again or the peers change. That is why one copy is off by default
+// (MOONCAKE_EP_HT_ONE_COPY): the GPU tests free exported allocations on
+// purpose to see what the driver does.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -18,8 +22,11 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <set>
+#include <tuple>
 #include <vector>
 
+#include "device/cuda.h"
 #include "device/export_slots.h"
 #include "kernels/ep_ht/api.h"
 
@@ -35,9 +42,9 @@ class UserExports {
     int64_t off = 0;
   };
   // [p, p + bytes) offered to the peers: the export of the allocation that
-  // holds it (made on its first offer; never under a capture, which a copy
-  // would break: there, a new allocation is not offered).
-  Offer offer(const void* p, size_t bytes, bool capturing);
+  // holds it (made on its first offer, written into the table on `stream`;
+  // never under a capture: there, a new allocation is not offered).
+  Offer offer(const void* p, size_t bytes, cudaStream_t stream, bool capturing);
 
  private:
   uint8_t* table_;
@@ -61,10 +68,13 @@ class UserImports {
 
   // Maps the exports that earlier launches were offered and could not read:
   // peer s's, from its workspace at `peers[s] + layout.exported(slot)` (null:
-  // not mapped). Waits for this device first when it changes the table (a
-  // running launch may read it). Nothing under a capture.
+  // not mapped). Before it changes the table it waits for `launches`' last
+  // eager one (which may read it), and queues the new table on `stream`
+  // (before the next launch). A miss of an export that is gone (a captured
+  // graph offers what it offered when captured) is remembered and costs
+  // nothing again. Nothing under a capture.
   void resolve(const std::vector<const uint8_t*>& peers, const kernels::ep_ht::HtLayout& layout,
-               bool capturing);
+               LaunchOrder& launches, cudaStream_t stream, bool capturing);
   // Closes every mapping; the device must be idle (a new set of peers).
   void forget();
   // How many exports are mapped now (tests).
@@ -75,7 +85,8 @@ class UserImports {
 
   int64_t ranks_;
   int device_;
-  std::vector<kernels::ep_ht::XImport> host_;  // the table's copy
+  std::vector<kernels::ep_ht::XImport> host_;      // the table's copy
+  std::set<std::tuple<int64_t, uint64_t>> stale_;  // (peer, miss) that map nothing new
   kernels::ep_ht::XImport* dev_ = nullptr;
   uint64_t* misses_host_ = nullptr;
   uint64_t* misses_dev_ = nullptr;

@@ -97,10 +97,10 @@ struct XExport {
 static_assert(sizeof(XExport) <= kXExportBytes);
 
 // Where a call's x and scales lie: export `slot` of generation `gen` (0: not
-// offered), `off` bytes in; rows `stride` bytes apart (scales: contiguous).
+// offered), `off` bytes in; `rows` rows `stride` bytes apart (scales: contiguous).
 struct XShare {
   uint32_t gen = 0, slot = 0;
-  int64_t off = 0, stride = 0;
+  int64_t off = 0, stride = 0, rows = 0;
   uint32_t sgen = 0, sslot = 0;
   int64_t soff = 0;
 };

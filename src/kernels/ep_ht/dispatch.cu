@@ -29,10 +29,11 @@ struct Peers {
   int32_t first[kMaxRanks];  // the place of the first of them (-1: none yet)
   int8_t state[kMaxRanks];   // receiver: 1 while reading a source
   bool done[kMaxRanks];
-  // receiver: where a source's rows and scales lie, read in place (null: its ring)
+  // receiver: where a source's rows and scales lie, read in place (null: its
+  // ring), its row stride and rows
   const uint8_t* xb[kMaxRanks];
   const uint8_t* sb[kMaxRanks];
-  int64_t xs[kMaxRanks];
+  int64_t xs[kMaxRanks], xn[kMaxRanks];
 };
 
 // A batch of rows.
@@ -260,41 +261,72 @@ __device__ const uint8_t* imported(const DispatchArgs& a, int s, uint32_t gen, u
   return im.base + off;
 }
 
-// The offers of channel c, a thread per source: each source's says whether
-// it offers its x (and scales) to read in place; this rank answers whether
-// it will (it has them mapped), and notes where they lie.
+// Source s's offer (its record of channel c): where this rank reads its rows
+// in place, or null (it has not mapped them yet, or they are not all there).
+__device__ const uint8_t* take_offer(const DispatchArgs& a, const View& v, int s, int c,
+                                     Shared& sh) {
+  const auto* rec = reinterpret_cast<const volatile XShare*>(a.h.c.peers[s] + a.h.ws.share(c));
+  const XShare r{rec->gen,  rec->slot, rec->off,   rec->stride,
+                 rec->rows, rec->sgen, rec->sslot, rec->soff};
+  const int64_t db = a.slots.data_bytes, sbytes = a.slots.scale_bytes;
+  if (r.stride < db || r.rows < 1 || r.rows > v.T) return nullptr;
+  const uint8_t* xb = imported(a, s, r.gen, r.slot, r.off, (r.rows - 1) * r.stride + db, 0);
+  const uint8_t* sb = nullptr;
+  if (xb != nullptr && sbytes != 0) {
+    sb = imported(a, s, r.sgen, r.sslot, r.soff, r.rows * sbytes, 1);
+    if (sb == nullptr) return nullptr;
+  }
+  if (xb != nullptr) {
+    sh.p.sb[s] = sb;
+    sh.p.xs[s] = r.stride;
+    sh.p.xn[s] = r.rows;
+  }
+  return xb;
+}
+
+// The offers of channel c, a thread per source, in rounds (a source slow to
+// offer holds no other's answer): each source's says whether it offers its x
+// (and scales) to read in place; this rank answers whether it will (it has
+// them mapped), and notes where they lie.
 __device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
   const int s = threadIdx.x;
-  if (s >= v.R) return;
-  sh.p.xb[s] = sh.p.sb[s] = nullptr;
-  sh.p.xs[s] = 0;
-  if (a.imports == nullptr || !takes_part(cm, v, s)) return;
-  auto* w = word_at(v.own, a.h.ws.offer(s, c));
-  uint64_t x = 0;
-  const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
-  if (!wait_for(cm, w, ready, deadline_of(cm.timeout_ns), s, kRecv, &x)) return;  // masked
-  clear_word(w);
-  if (static_cast<uint32_t>(x) != 1) return;
-  const auto* rec = reinterpret_cast<const volatile XShare*>(cm.peers[s] + a.h.ws.share(c));
-  const XShare r{rec->gen, rec->slot, rec->off, rec->stride, rec->sgen, rec->sslot, rec->soff};
-  const uint8_t *xb = nullptr, *sb = nullptr;
-  const int64_t db = a.slots.data_bytes, sbytes = a.slots.scale_bytes;
-  if (r.stride >= db) {
-    xb = imported(a, s, r.gen, r.slot, r.off, (v.T - 1) * r.stride + db, 0);
-    if (xb != nullptr && sbytes != 0) {
-      sb = imported(a, s, r.sgen, r.sslot, r.soff, v.T * sbytes, 1);
-      if (sb == nullptr) xb = nullptr;
+  if (s < v.R) {
+    sh.p.xb[s] = sh.p.sb[s] = nullptr;
+    sh.p.xs[s] = sh.p.xn[s] = 0;
+    sh.p.state[s] = a.imports != nullptr && takes_part(cm, v, s);
+    sh.p.deadline[s] = deadline_of(cm.timeout_ns);
+  }
+  if (a.imports == nullptr) return;  // (block-uniform)
+  __syncthreads();
+  for (uint32_t round = 0;; ++round) {
+    if (s < v.R && sh.p.state[s] != 0) {
+      auto* w = word_at(v.own, a.h.ws.offer(s, c));
+      const uint64_t x = ld_acquire_sys(w);
+      if (tag_in(x) == v.tag) {
+        clear_word(w);
+        sh.p.state[s] = 0;
+        if (static_cast<uint32_t>(x) == 1) {
+          const uint8_t* xb = take_offer(a, v, s, c, sh);
+          sh.p.xb[s] = xb;
+          st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)),
+                         signal(v.tag, xb != nullptr ? 1u : 2u));
+          if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
+        }
+      } else if (gives_up(cm, s, round, sh.p.deadline[s], kRecv)) {
+        sh.p.state[s] = 0;  // masked
+      }
     }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      bool any = false;
+      for (int r = 0; r < v.R; ++r) any = any || sh.p.state[r] != 0;
+      sh.any = any;
+    }
+    __syncthreads();
+    if (!sh.any) return;
+    __nanosleep(128);
   }
-  if (xb != nullptr) {
-    sh.p.xb[s] = xb;
-    sh.p.sb[s] = sb;
-    sh.p.xs[s] = r.stride;
-  }
-  st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)),
-                 signal(v.tag, xb != nullptr ? 1u : 2u));
-  if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
 }
 
 // The peers' rows of channel c, pulled from their rings (their bytes from
@@ -352,18 +384,18 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
         const int64_t t = *reinterpret_cast<const volatile int32_t*>(slot);
         const uint64_t mask = *reinterpret_cast<const volatile uint64_t*>(slot + 8);
         if ((mask >> v.me) & 1) {
-          if (t < 0 || t >= v.T) {
+          // (a row read in place must be one the source offered)
+          if (t < 0 || t >= v.T || (p.xb[s] != nullptr && t >= p.xn[s])) {
             report(cm.status, kHtBadRow, s, static_cast<int>(t));
           } else {
             const StagedRow src{slot, &a.slots};
             row = place_row(a, v, src, s, t, sh.b.exp[v.lane]);
           }
         }
-        const uint8_t* xb = p.xb[s];
-        sh.b.data[v.lane] = xb != nullptr && t >= 0 ? xb + t * p.xs[s] : slot + a.slots.data;
-        sh.b.scales[v.lane] = xb != nullptr && t >= 0 && p.sb[s] != nullptr
-                                  ? p.sb[s] + t * a.slots.scale_bytes
-                                  : slot + a.slots.scales;
+        const bool in_place = p.xb[s] != nullptr;  // (t < p.xn[s]: checked above)
+        sh.b.data[v.lane] = in_place ? p.xb[s] + t * p.xs[s] : slot + a.slots.data;
+        sh.b.scales[v.lane] = in_place && p.sb[s] != nullptr ? p.sb[s] + t * a.slots.scale_bytes
+                                                             : slot + a.slots.scales;
       }
       sh.b.row[v.lane] = row;
       const int got = note_rows(v, sh, s, row);
