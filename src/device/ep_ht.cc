@@ -277,6 +277,25 @@ void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, in
                          int blocks, cudaStream_t stream) {
   // (The combine kernel has no last block: its counter is unused.)
   a.h = common(seq, timeout_ns, active, 1, "combine");
+  if (imports_ && layout_.ranks > 1) {
+    OnDevice on(device_);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cuda_check(cudaStreamIsCapturing(stream, &capture), "combine: a capture query");
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    imports_->resolve(bases_, layout_, *order_, stream, capturing);
+    const int64_t rows = a.rows, db = a.slots.data_bytes, K = a.r.topk;
+    if (!a.expand && !a.single && rows > 0) {
+      const auto x = exports_->offer(a.x, static_cast<size_t>(rows * db), stream, capturing);
+      UserExports::Offer w;
+      if (x.gen != 0 && a.weights != nullptr)
+        w = exports_->offer(a.weights, static_cast<size_t>(rows * K * 4), stream, capturing);
+      if (x.gen != 0 && (a.weights == nullptr || w.gen != 0))
+        a.share = ht::XShare{x.gen, x.slot, x.off, db, rows, w.gen, w.slot, w.off};
+    }
+    a.imports = imports_->table();
+    a.misses = imports_->misses();
+    a.counts = xcounts_;
+  }
   ordered(stream, [&] { ht::launch_combine(a, blocks, stream); });
 }
 

@@ -244,6 +244,7 @@ class EpHtDevice {
     a.x = static_cast<const uint8_t*>(x.data_ptr());
     a.weights = weights ? weights->data_ptr<float>() : nullptr;
     a.metadata = plan.metadata.data_ptr<int32_t>();
+    a.rows = x.size(0);
     at::Tensor out = at::empty({N, H}, x.options());
     at::Tensor out_w = at::empty({weights ? N : 0, K}, x.options().dtype(at::kFloat));
     a.out = static_cast<uint8_t*>(out.data_ptr());

@@ -361,8 +361,18 @@ struct CombineArgs {
   const uint8_t* x = nullptr;         // [rows, data_bytes] in the dispatch's layout
   const float* weights = nullptr;     // [rows, K], expanding [rows], or null
   const int32_t* metadata = nullptr;  // the dispatch's [rows_alloc, K + 2]
+  int64_t rows = 0;                   // x's rows
   uint8_t* out = nullptr;             // [N, data_bytes]
   float* out_w = nullptr;             // [N, K] or null
+  // One copy, as a dispatch's (DispatchArgs), the other way: a replier offers
+  // its x (and weights, in `share`'s second part) to each source, with the
+  // first of that source's rows (the offer's value: 3 + the row; 2: none),
+  // and stages no rows for a source that reads them in place. Plain rows only
+  // (no do_expand).
+  XShare share;
+  const XImport* imports = nullptr;
+  uint64_t* misses = nullptr;
+  unsigned long long* counts = nullptr;
 };
 
 // Queue on `stream`; throw a mooncake::Error when a launch fails.

@@ -9,7 +9,9 @@
 // rank's tokens a batch at a time, wait until every rank holding one of
 // their experts has staged the batch's rows, and sum each token's rows in
 // fp32, slot by slot in top-k order (its own rows straight from x), rounding
-// once: the portable path's order, so the results are bit for bit its.
+// once: the portable path's order, so the results are bit for bit its. One
+// copy (api.h; plain rows): a replier offers its x and weights, and a source
+// that has them mapped reads its rows there (kPeerX), nothing staged for it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -54,10 +56,17 @@ struct Peers {
   uint64_t deadline[kMaxRanks];
   int8_t state[kMaxRanks];  // 1 while serving / reading
   bool done_sent[kMaxRanks];
+  // reducer, one copy: a replier's x and weights read in place (null: its
+  // ring), the first of this rank's rows there, and its rows
+  const uint8_t* xb[kMaxRanks];
+  const float* wb[kMaxRanks];
+  int64_t row0[kMaxRanks], xn[kMaxRanks];
+  int8_t offering[kMaxRanks];  // reducer: its offer not yet taken
 };
 
-// What a reducer adds for a token, in top-k order.
-enum Kind : int8_t { kNone = 0, kOwnRow = 1, kOwnSum = 2, kPeerRow = 3 };
+// What a reducer adds for a token, in top-k order (kPeerX: a replier's row
+// read in place, one copy).
+enum Kind : int8_t { kNone = 0, kOwnRow = 1, kOwnSum = 2, kPeerRow = 3, kPeerX = 4 };
 
 struct Shared {
   Peers p;
@@ -115,6 +124,32 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
   }
   if (tid == 0) sh.rr = 0;
   __syncthreads();
+  if (a.imports != nullptr) {
+    // One copy: x (and weights) offered to each source with the first of its
+    // rows; a source that reads them in place gets none staged.
+    const bool offer = a.share.gen != 0;
+    if (offer && tid == 0) *reinterpret_cast<XShare*>(v.own + a.h.ws.share(c)) = a.share;
+    __syncthreads();
+    if (tid < v.R && p.state[tid] != 0) {
+      const int s = tid;
+      const auto first = static_cast<uint32_t>(v.plan[v.P.src_off(s)]);
+      st_release_sys(word_at(cm.peers[s], a.h.ws.offer(v.me, c)),
+                     signal(v.tag, offer ? 3u + first : 2u));
+      if (offer) {
+        auto* w = word_at(v.own, a.h.ws.answer(s, c));
+        uint64_t x = 0;
+        const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
+        if (wait_for(cm, w, ready, deadline_of(cm.timeout_ns), s, kSend, &x)) {
+          clear_word(w);
+          if (static_cast<uint32_t>(x) == 1) p.cur[s] = p.end[s];  // read in place
+          p.deadline[s] = deadline_of(cm.timeout_ns);
+        } else {
+          p.state[s] = 0;  // masked
+        }
+      }
+    }
+    __syncthreads();
+  }
   for (uint32_t round = 0;; ++round) {
     if (tid < v.R && p.state[tid] != 0) {
       const int s = tid;
@@ -237,6 +272,70 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
 
 // --- the reducer --------------------------------------------------------------------
 
+// One copy: each replier's offer of channel c, in rounds (a thread per
+// replier); this rank answers whether it reads that replier's rows in place
+// (it has its x, and weights where it needs them, mapped) and notes where.
+__device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& sh) {
+  const Common& cm = a.h.c;
+  const int d = threadIdx.x;
+  Peers& p = sh.p;
+  int8_t* waiting = p.offering;
+  if (d < v.R) {
+    p.xb[d] = nullptr;
+    p.wb[d] = nullptr;
+    p.row0[d] = p.xn[d] = 0;
+    waiting[d] = p.state[d];
+    p.deadline[d] = deadline_of(cm.timeout_ns);
+  }
+  __syncthreads();
+  for (uint32_t round = 0;; ++round) {
+    if (d < v.R && waiting[d] != 0) {
+      auto* w = word_at(v.own, a.h.ws.offer(d, c));
+      const uint64_t x = ld_acquire_sys(w);
+      if (tag_in(x) == v.tag) {
+        clear_word(w);
+        waiting[d] = 0;
+        const auto value = static_cast<uint32_t>(x);
+        if (value >= 3) {
+          const auto* rec = reinterpret_cast<const volatile XShare*>(cm.peers[d] + a.h.ws.share(c));
+          const XShare r{rec->gen,  rec->slot, rec->off,   rec->stride,
+                         rec->rows, rec->sgen, rec->sslot, rec->soff};
+          const uint8_t* xb = nullptr;
+          const uint8_t* wb = nullptr;
+          if (r.stride == v.db && r.rows >= 1) {
+            xb = imported(a, d, r.gen, r.slot, r.off, r.rows * v.db, 0);
+            if (xb != nullptr && a.out_w != nullptr) {
+              wb = imported(a, d, r.sgen, r.sslot, r.soff, r.rows * v.K * 4, 1);
+              if (wb == nullptr) xb = nullptr;
+            }
+          }
+          if (xb != nullptr) {
+            p.xb[d] = xb;
+            p.wb[d] = reinterpret_cast<const float*>(wb);
+            p.row0[d] = value - 3;
+            p.xn[d] = r.rows;
+          }
+          st_release_sys(word_at(cm.peers[d], a.h.ws.answer(v.me, c)),
+                         signal(v.tag, xb != nullptr ? 1u : 2u));
+          if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
+        }
+      } else if (gives_up(cm, d, round, p.deadline[d], kRecv)) {
+        waiting[d] = 0;
+        p.state[d] = 0;  // masked
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      bool any = false;
+      for (int r = 0; r < v.R; ++r) any = any || waiting[r] != 0;
+      sh.any = any;
+    }
+    __syncthreads();
+    if (!sh.any) break;
+    __nanosleep(128);
+  }
+}
+
 // Warp 0, a lane per token of the batch: what each slot adds, and how many rows
 // the batch needs from each rank.
 __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t tb, int nb,
@@ -264,8 +363,23 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
         }
       if (d >= 0 && d != v.me && sh.p.state[d] == 0) d = -1;  // a rank not taking part
       sh.dest[j][k] = static_cast<int8_t>(d);
-      sh.kind[j][k] = entry && d >= 0 ? (d == v.me ? kOwnRow : kPeerRow) : kNone;
+      Kind kind = kNone;
       sh.ptr[j][k] = nullptr;
+      if (entry && d == v.me) {
+        kind = kOwnRow;
+      } else if (entry && d >= 0 && sh.p.xb[d] == nullptr) {
+        kind = kPeerRow;
+      } else if (entry && d >= 0) {
+        // One copy: its row there, read in place (past the rows offered: corrupt).
+        const int64_t row = sh.p.row0[d] + place_of(a.r, t, k, d);
+        if (row < sh.p.xn[d]) {
+          kind = kPeerX;
+          sh.ptr[j][k] = sh.p.xb[d] + row * v.db;
+        } else {
+          report(a.h.c.status, kHtBadRow, d, static_cast<int>(row));
+        }
+      }
+      sh.kind[j][k] = kind;
       sh.wptr[j][k] = nullptr;
     }
   }
@@ -316,7 +430,12 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
             k1 = k2;
             break;
           }
-      sh.wptr[j][k] = reinterpret_cast<const float*>(sh.ptr[j][k1] + a.slots.wts) + k;
+      if (sh.kind[j][k1] == kPeerX)
+        sh.wptr[j][k] = sh.p.wb[d] != nullptr
+                            ? sh.p.wb[d] + (sh.ptr[j][k1] - sh.p.xb[d]) / v.db * v.K + k
+                            : nullptr;
+      else if (sh.ptr[j][k1] != nullptr)
+        sh.wptr[j][k] = reinterpret_cast<const float*>(sh.ptr[j][k1] + a.slots.wts) + k;
     }
   }
 }
@@ -331,8 +450,10 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
     const int d = tid;
     p.state[d] = takes_part(cm, v, d);
     p.cons[d] = p.need[d] = 0;
+    p.xb[d] = nullptr;
   }
   __syncthreads();
+  if (a.imports != nullptr) take_offers(a, v, c, sh);  // (block-uniform)
   // Tokens a batch: the rows it needs from one rank must fit in its ring.
   const int64_t per_token = a.single ? v.K : 1;  // the replier's room_needed
   const int64_t B = v.R > 1 ? imax<int64_t>(1, imin<int64_t>(kBatch, S / per_token)) : kBatch;
@@ -390,6 +511,8 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
           const uint8_t* ptr = sh.ptr[j][e0 + q];
           if (kind == kPeerRow)  // plain loads: written by a peer during this launch
             raw[q] = *reinterpret_cast<const int4*>(ptr + a.slots.data + off);
+          else if (kind == kPeerX)  // plain loads: a peer's x, after its offer's acquire
+            raw[q] = *reinterpret_cast<const int4*>(ptr + off);
           else if (kind == kOwnRow)
             raw[q] = __ldg(reinterpret_cast<const int4*>(ptr + off));
           else  // kOwnSum: rounded once here, as the replier rounds its sums

@@ -198,6 +198,26 @@ __device__ __forceinline__ bool last_block(uint32_t* counter, bool* s_flag) {
   return true;
 }
 
+// One copy (api.h): where peer s's export (slot `slot` of generation `gen`,
+// `off` bytes in, `need` bytes from there) lies in this process, or null: not
+// offered, not mapped here yet (recorded for the host: miss `which`), or out
+// of the mapping's bounds. Args: DispatchArgs or CombineArgs.
+template <typename Args>
+__device__ const uint8_t* imported(const Args& a, int s, uint32_t gen, uint32_t slot, int64_t off,
+                                   int64_t need, int which) {
+  if (gen == 0 || slot >= static_cast<uint32_t>(kXSlots)) return nullptr;
+  const XImport im = a.imports[s * kXSlots + slot];
+  if (im.gen != gen) {
+    if (a.misses != nullptr)
+      *reinterpret_cast<volatile uint64_t*>(a.misses + 2 * s + which) =
+          static_cast<uint64_t>(slot) << 32 | gen;
+    return nullptr;
+  }
+  if (im.base == nullptr || off < 0 || need < 0 || static_cast<uint64_t>(off + need) > im.size)
+    return nullptr;
+  return im.base + off;
+}
+
 // Copies 4-byte words [lane, n) of a row, a warp's lanes striding.
 __device__ __forceinline__ void copy_words(uint8_t* dst, const uint8_t* src, int64_t bytes,
                                            int lane) {

@@ -242,25 +242,6 @@ __device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh
   }
 }
 
-// Where source s's offer (export slot `slot` of generation `gen`, `off` bytes
-// in, `need` bytes from there) lies in this process, or null: not offered,
-// not mapped here yet (recorded for the host: miss `which`), or out of the
-// mapping's bounds.
-__device__ const uint8_t* imported(const DispatchArgs& a, int s, uint32_t gen, uint32_t slot,
-                                   int64_t off, int64_t need, int which) {
-  if (gen == 0 || slot >= static_cast<uint32_t>(kXSlots)) return nullptr;
-  const XImport im = a.imports[s * kXSlots + slot];
-  if (im.gen != gen) {
-    if (a.misses != nullptr)
-      *reinterpret_cast<volatile uint64_t*>(a.misses + 2 * s + which) =
-          static_cast<uint64_t>(slot) << 32 | gen;
-    return nullptr;
-  }
-  if (im.base == nullptr || off < 0 || need < 0 || static_cast<uint64_t>(off + need) > im.size)
-    return nullptr;
-  return im.base + off;
-}
-
 // Source s's offer (its record of channel c): where this rank reads its rows
 // in place, or null (it has not mapped them yet, or they are not all there).
 __device__ const uint8_t* take_offer(const DispatchArgs& a, const View& v, int s, int c,
