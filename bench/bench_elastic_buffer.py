@@ -526,11 +526,11 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         for fp8 in cfg["fp8"]:
             before = eb.device_one_copy
             row = measure_elastic(eb, cfg, T, fp8, sets, rt, clock, device, res["problems"])
-            # MOONCAKE_EP_HT_ONE_COPY: (source, channel) reads from x in place / the ring
+            # MOONCAKE_EP_HT_ONE_COPY: (source, channel) reads in place / through the ring
             after = eb.device_one_copy
-            row["one_copy"] = after[0]
-            row["one_copy_direct"] = after[1] - before[1]
-            row["one_copy_staged"] = after[2] - before[2]
+            row["one_copy"] = after["on"]
+            for key in ("dispatch_in_place", "dispatch_ring", "combine_in_place", "combine_ring"):
+                row[f"one_copy_{key}"] = after[key] - before[key]
             if not cfg["buffer"]:
                 row["buffer_skipped"] = "--no-buffer"
             elif buf is None or need[fp8] > share:
@@ -666,8 +666,10 @@ def tables(world: int, cfg: dict, rows: list[dict], up: dict) -> list[str]:
         if r.get("one_copy"):
             lines.append(
                 f"one copy, T={r['T']} {'FP8' if r['fp8'] else 'BF16'}: (source, channel) "
-                f"reads from x in place {r['one_copy_direct']}, through the ring after an "
-                f"offer {r['one_copy_staged']} (the most of any process)"
+                f"reads in place / through the ring after an offer (the most of any "
+                f"process): dispatch {r['one_copy_dispatch_in_place']} / "
+                f"{r['one_copy_dispatch_ring']}, combine {r['one_copy_combine_in_place']} / "
+                f"{r['one_copy_combine_ring']}"
             )
     for r in rows:
         if "cached_dispatch_us" in r:

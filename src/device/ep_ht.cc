@@ -77,7 +77,7 @@ EpHtBuffer::EpHtBuffer(int64_t ranks, int64_t rank, int64_t channels, size_t rin
   if (env_int("MOONCAKE_EP_HT_ONE_COPY") != 0) {
     exports_ = std::make_unique<UserExports>(own + layout_.exported(0), device_);
     imports_ = std::make_unique<UserImports>(ranks, device_);
-    xcounts_ = device_zeros<unsigned long long>(2, "cudaMalloc of the one-copy counts");
+    xcounts_ = device_zeros<unsigned long long>(4, "cudaMalloc of the one-copy counts");
   }
   counters_ = device_zeros<uint32_t>(2, "cudaMalloc of the EP counters");
   etotal_ = device_zeros<int32_t>(ht::kMaxExperts, "cudaMalloc of the EP scratch");
@@ -265,12 +265,13 @@ void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, 
 }
 
 std::vector<int64_t> EpHtBuffer::one_copy_counts() const {
-  if (xcounts_ == nullptr) return {0, 0};
+  if (xcounts_ == nullptr) return {0, 0, 0, 0};
   OnDevice on(device_);
   cuda_check(cudaDeviceSynchronize(), "waiting for the device");
-  unsigned long long c[2] = {0, 0};
+  unsigned long long c[4] = {0, 0, 0, 0};
   cuda_check(cudaMemcpy(c, xcounts_, sizeof(c), cudaMemcpyDeviceToHost), "reading the counts");
-  return {static_cast<int64_t>(c[0]), static_cast<int64_t>(c[1])};
+  return {static_cast<int64_t>(c[0]), static_cast<int64_t>(c[1]), static_cast<int64_t>(c[2]),
+          static_cast<int64_t>(c[3])};
 }
 
 void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,

@@ -102,8 +102,8 @@ class EpHtBuffer {
   bool one_copy() const { return imports_ != nullptr; }
   // Since the buffer was made: the (source, channel) pairs this rank read
   // straight from the source's x, and those it read from the source's ring
-  // after an offer (blocking; tests and benchmarks). And the peers'
-  // allocations mapped now.
+  // after an offer, in dispatches, then in combines (blocking; tests and
+  // benchmarks). And the peers' allocations mapped now.
   std::vector<int64_t> one_copy_counts() const;
   int one_copy_mapped() const { return imports_ ? imports_->mapped() : 0; }
   // Profiling: later dispatches and combines write each block's start and end

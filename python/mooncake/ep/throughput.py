@@ -297,17 +297,21 @@ class ElasticBuffer:
         return 0 if self._device is None else self._device.workspace_bytes
 
     @property
-    def device_one_copy(self) -> tuple[bool, int, int, int]:
-        """The device path's one copy (``MOONCAKE_EP_HT_ONE_COPY``): whether it is on; since
-        the path was made, the (source, channel) pairs whose rows this rank read from the
-        source's ``x`` in place, and those it read through the source's ring after an offer
-        (the allocation not mapped here yet); and the peers' allocations mapped now. Waits
-        for the device. All zero without a device path."""
+    def device_one_copy(self) -> dict:
+        """The device path's one copy (``MOONCAKE_EP_HT_ONE_COPY``): ``on``; since the path
+        was made, the (source, channel) pairs whose rows this rank read where they lie in
+        the peer's memory (``dispatch_in_place``: a source's ``x``; ``combine_in_place``: a
+        replier's) and those it read through the peer's ring after an offer (the
+        allocation not mapped here yet: ``dispatch_ring``, ``combine_ring``); and
+        ``mapped``, the peers' allocations mapped now. Waits for the device. All zero
+        without a device path."""
+        keys = ("dispatch_in_place", "dispatch_ring", "combine_in_place", "combine_ring")
         if self._device is None:
-            return (False, 0, 0, 0)
+            return {"on": False, **dict.fromkeys(keys, 0), "mapped": 0}
         ext = self._device.ext
-        direct, staged = ext.one_copy_counts()
-        return (bool(ext.one_copy()), int(direct), int(staged), int(ext.one_copy_mapped()))
+        counts = [int(n) for n in ext.one_copy_counts()]
+        return {"on": bool(ext.one_copy()), **dict(zip(keys, counts, strict=True)),
+                "mapped": int(ext.one_copy_mapped())}  # fmt: skip
 
     def _alive(self, what: str) -> None:
         if self.runtime is None:

@@ -343,8 +343,9 @@ struct DispatchArgs {
   // on every rank, which the layout pass's signature checks). `share`: this
   // rank's offer (gen 0: none); imports [R][kXSlots] this rank's mappings of
   // the peers' exports; misses [R][2] (host-mapped): an offer of x (0) or
-  // scales (1) it could not map, `slot << 32 | gen`, for the host; counts [2]
-  // (device, or null): channels read straight from a peer's x, and staged.
+  // scales (1) it could not map, `slot << 32 | gen`, for the host; counts [4]
+  // (device, or null): (source, channel) pairs read straight from a peer's x,
+  // and staged after an offer, in dispatches ([0], [1]) and combines ([2], [3]).
   XShare share;
   const XImport* imports = nullptr;
   uint64_t* misses = nullptr;

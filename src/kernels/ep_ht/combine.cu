@@ -62,6 +62,8 @@ struct Peers {
   const float* wb[kMaxRanks];
   int64_t row0[kMaxRanks], xn[kMaxRanks];
   int8_t offering[kMaxRanks];  // reducer: its offer not yet taken
+  uint32_t beat[kMaxRanks];    // reducer: batches read in place, acknowledged
+  bool in_place[kMaxRanks];    // replier: the source reads its rows in place
 };
 
 // What a reducer adds for a token, in top-k order (kPeerX: a replier's row
@@ -102,6 +104,25 @@ __device__ int4 sum_expanded(const CombineArgs& a, const View& v, const int32_t*
 
 // --- the replier --------------------------------------------------------------------
 
+// Whether a replier whose rows source s reads in place stops waiting for its
+// end: when s is masked or the host (or its life page) says it is lost, and
+// on time only a whole timeout past the deadline (which each of its batches
+// renews): x must stay as it was while a slow source still reads it.
+__device__ bool in_place_gives_up(const Common& c, int s, uint32_t round, uint64_t deadline) {
+  if (ld_volatile(c.active_ranks + s) == 0) return true;
+  if (c.slot_mask != nullptr && ld_volatile(c.slot_mask + s) == 0) return true;
+  const auto budget = static_cast<uint64_t>(c.timeout_ns);
+  if ((round & 3) == 3 && host_lost(c, s, deadline - budget)) {
+    mask_peer(c, s, kSend, kMaskedLost);
+    return true;
+  }
+  if (now_ns() > deadline + budget) {
+    mask_peer(c, s, kSend, kMaskedSilent);
+    return true;
+  }
+  return false;
+}
+
 template <typename T>
 __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
@@ -120,13 +141,17 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
     p.end[s] = p.cur[s] + v.plan[v.P.chan_count(s, c)];
     p.staged[s] = p.head[s] = 0;
     p.done_sent[s] = false;
+    p.in_place[s] = false;
     p.deadline[s] = deadline_of(cm.timeout_ns);
   }
   if (tid == 0) sh.rr = 0;
   __syncthreads();
-  if (a.imports != nullptr) {
+  if (a.imports != nullptr && !a.expand) {
     // One copy: x (and weights) offered to each source with the first of its
-    // rows; a source that reads them in place gets none staged.
+    // rows; a source that reads them in place gets none staged (only the done
+    // signal, at once, which tells it the answer was taken: it reads nothing
+    // before), and the source's acknowledgements after each of its batches
+    // keep this rank waiting for its last one while it reads.
     const bool offer = a.share.gen != 0;
     if (offer && tid == 0) *reinterpret_cast<XShare*>(v.own + a.h.ws.share(c)) = a.share;
     __syncthreads();
@@ -141,7 +166,10 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
         const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
         if (wait_for(cm, w, ready, deadline_of(cm.timeout_ns), s, kSend, &x)) {
           clear_word(w);
-          if (static_cast<uint32_t>(x) == 1) p.cur[s] = p.end[s];  // read in place
+          if (static_cast<uint32_t>(x) == 1) {
+            p.cur[s] = p.end[s];  // read in place
+            p.in_place[s] = true;
+          }
           p.deadline[s] = deadline_of(cm.timeout_ns);
         } else {
           p.state[s] = 0;  // masked
@@ -166,7 +194,9 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
         p.deadline[s] = deadline_of(cm.timeout_ns);
       }
       const bool stuck = p.done_sent[s] || S - (p.staged[s] - p.head[s]) < room_needed;
-      if (p.state[s] != 0 && stuck && gives_up(cm, s, round, p.deadline[s], kSend)) p.state[s] = 0;
+      const bool stop = p.in_place[s] ? in_place_gives_up(cm, s, round, p.deadline[s])
+                                      : gives_up(cm, s, round, p.deadline[s], kSend);
+      if (p.state[s] != 0 && stuck && stop) p.state[s] = 0;
     }
     __syncthreads();
     if (tid == 0) {
@@ -317,7 +347,7 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
           }
           st_release_sys(word_at(cm.peers[d], a.h.ws.answer(v.me, c)),
                          signal(v.tag, xb != nullptr ? 1u : 2u));
-          if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
+          if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 2 : 3), 1ull);
         }
       } else if (gives_up(cm, d, round, p.deadline[d], kRecv)) {
         waiting[d] = 0;
@@ -334,6 +364,19 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
     if (!sh.any) break;
     __nanosleep(128);
   }
+  // A replier read in place: its done signal (sent once it took the answer)
+  // first, so that nothing is read from a replier that gave up waiting for
+  // the answer (and may have gone on, its x with it). Left set for the end.
+  if (d < v.R && p.xb[d] != nullptr) {
+    uint64_t x = 0;
+    if (!wait_done(cm, word_at(v.own, a.h.ws.combine_tail(d, c)), v.tag, d, kRecv, &x) ||
+        count_in(x) != 0) {
+      p.xb[d] = nullptr;
+      p.state[d] = 0;  // masked (or corrupt: it staged rows after all)
+    }
+    p.beat[d] = 0;
+  }
+  __syncthreads();
 }
 
 // Warp 0, a lane per token of the batch: what each slot adds, and how many rows
@@ -453,7 +496,7 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
     p.xb[d] = nullptr;
   }
   __syncthreads();
-  if (a.imports != nullptr) take_offers(a, v, c, sh);  // (block-uniform)
+  if (a.imports != nullptr && !a.expand) take_offers(a, v, c, sh);  // (block-uniform)
   // Tokens a batch: the rows it needs from one rank must fit in its ring.
   const int64_t per_token = a.single ? v.K : 1;  // the replier's room_needed
   const int64_t B = v.R > 1 ? imax<int64_t>(1, imin<int64_t>(kBatch, S / per_token)) : kBatch;
@@ -461,6 +504,10 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
   const int64_t groups = (v.db + 511) / 512;
   for (int64_t tb = sp.first; tb < sp.end; tb += B) {
     const int nb = static_cast<int>(imin<int64_t>(B, sp.end - tb));
+    // A replier read in place and masked since counts as nothing from here on.
+    if (tid < v.R && p.state[tid] != 0 && sh.p.xb[tid] != nullptr && !live(cm, tid))
+      p.state[tid] = 0;
+    __syncthreads();
     if (v.warp == 0) plan_batch(a, v, c, tb, nb, sh);
     __syncthreads();
     if (tid < v.R && p.state[tid] != 0 && p.need[tid] > 0) {
@@ -534,6 +581,11 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
       const int d = tid;
       p.cons[d] += p.need[d];
       st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)), signal(v.tag, p.cons[d]));
+    } else if (tid < v.R && p.state[tid] != 0 && p.xb[tid] != nullptr) {
+      // Read in place: progress, so that the replier's wait for the end goes on.
+      const int d = tid;
+      st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)),
+                     signal(v.tag, ++p.beat[d]));
     }
     __syncthreads();
   }

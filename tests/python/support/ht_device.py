@@ -288,25 +288,32 @@ def c_bad_ids(ctx):
 
 
 def c_one_copy(ctx):
-    """``MOONCAKE_EP_HT_ONE_COPY=1`` (the launch's environment): each source offers its x,
-    and from the round after a dest mapped the allocation that holds it, the dest reads
-    the rows there, not through the source's ring: the counts say so, and every round is
-    exact (``DeviceRound`` checks it against the model and the portable path). BF16, then
-    pre-quantised FP8, whose scales are offered too; then every rank frees its cached
-    allocations (``empty_cache``) while the peers map some of them, and rounds go on."""
+    """``MOONCAKE_EP_HT_ONE_COPY=1`` (the launch's environment): each source offers its x
+    (a replier its x and weights), and from the round after a peer mapped the allocation
+    that holds it, the peer reads the rows there, not through the ring: the counts say
+    so for dispatch and combine, and every round is exact (``DeviceRound`` checks it
+    against the model and the portable path). BF16, then pre-quantised FP8, whose scales
+    are offered too; then every rank frees its cached allocations (``empty_cache``) while
+    the peers map some of them, and rounds go on."""
     buf = get_buf(ctx)
+
+    def rounds(spec, tag):
+        DeviceRound(ctx, buf, spec, f"one-copy-first-{tag}").run()
+        before = buf.device_one_copy
+        for i in range(3):
+            DeviceRound(ctx, buf, spec, f"one-copy-{i}-{tag}").run()
+        after = buf.device_one_copy
+        ctx.expect(after["on"], "MOONCAKE_EP_HT_ONE_COPY=1, yet the device path's one copy is off")
+        for what in ("dispatch", "combine"):
+            key = f"{what}_in_place"
+            ctx.expect(after[key] > before[key] and after["mapped"] > 0,
+                       f"{tag}: no {what} rows read in place over 3 rounds after the first "
+                       f"({before} -> {after})")  # fmt: skip
+
     for fp8 in ("", "f32"):
         spec = fit(HSpec(H=7168, T=24, K=8, epr=256 // ctx.world_size, ns=(24, 17), fp8=fp8,
                          cached=1), ctx.world_size)  # fmt: skip
-        DeviceRound(ctx, buf, spec, f"one-copy-first-{fp8 or 'bf16'}").run()
-        _, direct0, _, _ = buf.device_one_copy
-        for i in range(3):
-            DeviceRound(ctx, buf, spec, f"one-copy-{i}-{fp8 or 'bf16'}").run()
-        on, direct, staged, mapped = buf.device_one_copy
-        ctx.expect(on, "MOONCAKE_EP_HT_ONE_COPY=1, yet the device path's one copy is off")
-        ctx.expect(direct > direct0 and mapped > 0,
-                   f"fp8={fp8}: no rows read in place over 3 rounds after the first (in place "
-                   f"{direct0} -> {direct}, through the ring {staged}, {mapped} mapped)")  # fmt: skip
+        rounds(spec, fp8 or "bf16")
     # Torch frees its cached allocations, the exported ones among them, which the peers
     # still map (CUDA leaves a free before the mapping's close undefined: this shows what
     # the driver does); later rounds export and map the new ones, and stay exact.
@@ -314,14 +321,8 @@ def c_one_copy(ctx):
     dist.barrier()
     torch.cuda.empty_cache()
     dist.barrier()
-    spec = fit(HSpec(H=7168, T=24, K=8, epr=256 // ctx.world_size, ns=(24, 17)), ctx.world_size)
-    _, direct0, _, _ = buf.device_one_copy
-    for i in range(3):
-        DeviceRound(ctx, buf, spec, f"one-copy-after-free-{i}").run()
-    _, direct, staged, mapped = buf.device_one_copy
-    ctx.expect(direct > direct0,
-               f"after empty_cache: no rows read in place ({direct0} -> {direct}, through the "
-               f"ring {staged}, {mapped} mapped)")  # fmt: skip
+    rounds(fit(HSpec(H=7168, T=24, K=8, epr=256 // ctx.world_size, ns=(24, 17)), ctx.world_size),
+           "after-free")  # fmt: skip
 
 
 def device_cases(world: int, one_copy: bool = False) -> list[Case]:
