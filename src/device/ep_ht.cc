@@ -241,27 +241,34 @@ void EpHtBuffer::layout(ht::LayoutArgs a, uint64_t seq, int64_t timeout_ns, int3
 void EpHtBuffer::dispatch(ht::DispatchArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
                           int blocks, cudaStream_t stream) {
   a.h = common(seq, timeout_ns, active, 1, "dispatch");
-  if (imports_ && layout_.ranks > 1) {
-    OnDevice on(device_);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    cuda_check(cudaStreamIsCapturing(stream, &capture), "dispatch: a capture query");
-    const bool capturing = capture != cudaStreamCaptureStatusNone;
-    imports_->resolve(bases_, layout_, *order_, stream, capturing);
-    const int64_t N = a.r.num_tokens, db = a.slots.data_bytes, sb = a.slots.scale_bytes;
-    if (N > 0 && a.x_stride >= db) {
-      const auto x =
-          exports_->offer(a.x, static_cast<size_t>((N - 1) * a.x_stride + db), stream, capturing);
-      UserExports::Offer s;
-      if (x.gen != 0 && sb != 0)
-        s = exports_->offer(a.scales, static_cast<size_t>(N * sb), stream, capturing);
-      if (x.gen != 0 && (sb == 0 || s.gen != 0))
-        a.share = ht::XShare{x.gen, x.slot, x.off, a.x_stride, N, s.gen, s.slot, s.off};
-    }
-    a.imports = imports_->table();
-    a.misses = imports_->misses();
-    a.counts = xcounts_;
-  }
+  const int64_t N = a.r.num_tokens, sb = a.slots.scale_bytes;
+  with_one_copy(a, stream, "dispatch", N > 0, a.x, N, a.x_stride, a.slots.data_bytes,
+                sb != 0 ? a.scales : nullptr, N * sb);
   ordered(stream, [&] { ht::launch_dispatch(a, blocks, stream); });
+}
+
+template <typename Args>
+void EpHtBuffer::with_one_copy(Args& a, cudaStream_t stream, const char* what, bool offer,
+                               const void* p, int64_t rows, int64_t stride, int64_t row_bytes,
+                               const void* q, int64_t q_bytes) {
+  if (!imports_ || layout_.ranks == 1) return;
+  OnDevice on(device_);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cuda_check(cudaStreamIsCapturing(stream, &capture), what);
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  imports_->resolve(bases_, layout_, *order_, stream, capturing);
+  if (offer && rows > 0 && stride >= row_bytes) {
+    const auto bytes = static_cast<size_t>((rows - 1) * stride + row_bytes);
+    const UserExports::Offer x = exports_->offer(p, bytes, stream, capturing);
+    UserExports::Offer y;
+    if (x.gen != 0 && q != nullptr)
+      y = exports_->offer(q, static_cast<size_t>(q_bytes), stream, capturing);
+    if (x.gen != 0 && (q == nullptr || y.gen != 0))
+      a.share = ht::XShare{x.gen, x.slot, x.off, stride, rows, y.gen, y.slot, y.off};
+  }
+  a.imports = imports_->table();
+  a.misses = imports_->misses();
+  a.counts = xcounts_;
 }
 
 std::vector<int64_t> EpHtBuffer::one_copy_counts() const {
@@ -278,25 +285,9 @@ void EpHtBuffer::combine(ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, in
                          int blocks, cudaStream_t stream) {
   // (The combine kernel has no last block: its counter is unused.)
   a.h = common(seq, timeout_ns, active, 1, "combine");
-  if (imports_ && layout_.ranks > 1) {
-    OnDevice on(device_);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    cuda_check(cudaStreamIsCapturing(stream, &capture), "combine: a capture query");
-    const bool capturing = capture != cudaStreamCaptureStatusNone;
-    imports_->resolve(bases_, layout_, *order_, stream, capturing);
-    const int64_t rows = a.rows, db = a.slots.data_bytes, K = a.r.topk;
-    if (!a.expand && !a.single && rows > 0) {
-      const auto x = exports_->offer(a.x, static_cast<size_t>(rows * db), stream, capturing);
-      UserExports::Offer w;
-      if (x.gen != 0 && a.weights != nullptr)
-        w = exports_->offer(a.weights, static_cast<size_t>(rows * K * 4), stream, capturing);
-      if (x.gen != 0 && (a.weights == nullptr || w.gen != 0))
-        a.share = ht::XShare{x.gen, x.slot, x.off, db, rows, w.gen, w.slot, w.off};
-    }
-    a.imports = imports_->table();
-    a.misses = imports_->misses();
-    a.counts = xcounts_;
-  }
+  const int64_t db = a.slots.data_bytes;
+  with_one_copy(a, stream, "combine", !a.expand && !a.single, a.x, a.rows, db, db, a.weights,
+                a.rows * a.r.topk * 4);
   ordered(stream, [&] { ht::launch_combine(a, blocks, stream); });
 }
 

@@ -114,6 +114,14 @@ class EpHtBuffer {
  private:
   kernels::ep_ht::HtCommon common(uint64_t seq, int64_t timeout_ns, int32_t* active, int counter,
                                   const char* what) const;
+  // One copy (on, with peers): the imports brought up to date, and into `a`
+  // (DispatchArgs or CombineArgs) the tables and, when `offer`, the offer of
+  // `rows` rows of `row_bytes`, `stride` apart, at `p`, with `q_bytes` at `q`
+  // beside them (null: none). `what` names the call.
+  template <typename Args>
+  void with_one_copy(Args& a, cudaStream_t stream, const char* what, bool offer, const void* p,
+                     int64_t rows, int64_t stride, int64_t row_bytes, const void* q,
+                     int64_t q_bytes);
   // `launch()` on `stream` after the last call, on this device.
   template <typename Launch>
   void ordered(cudaStream_t stream, Launch&& launch) {
