@@ -46,7 +46,8 @@
 #            argument combination at 1, 2, 4 processes under MPS, against the routing model and
 #            the portable path; the kill-and-replace test without MPS), then compute-sanitizer
 #            (EPHT_SANITIZE_TOOLS, default "memcheck racecheck") over a 2-process round
-#            (tests/python/support/ht_device_round.py);
+#            (tests/python/support/ht_device_round.py), again with MOONCAKE_EP_HT_ONE_COPY=1
+#            unless EPHT_ONE_COPY_SANITIZE=0;
 #   chaos:   the chaos soak, tests/python/test_gpu_chaos.py on CUDA tensors: 4 processes on
 #            the GPU, CHAOS_CYCLES (40) random kills, stops past the hang limit and slow
 #            ranks, every one replaced, EP (Buffer and elastic, BF16 and FP8) and the
@@ -447,6 +448,13 @@ if gpu_wants ephtdev; then
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_elastic_buffer_device.log" | tail -8 || status=1
   step "ElasticBuffer device path: compute-sanitizer"
   sanitize tests/python/support/ht_device_round.py sanitizer_ht ${EPHT_SANITIZE_TOOLS-memcheck racecheck}
+  # Again with one copy (offers, answers, reads of a peer's x in place); EPHT_ONE_COPY_SANITIZE=0: not.
+  if [ "${EPHT_ONE_COPY_SANITIZE:-1}" != 0 ]; then
+    export MOONCAKE_EP_HT_ONE_COPY=1
+    sanitize tests/python/support/ht_device_round.py sanitizer_ht_onecopy \
+      ${EPHT_SANITIZE_TOOLS-memcheck racecheck}
+    unset MOONCAKE_EP_HT_ONE_COPY
+  fi
 fi
 if gpu_wants chaos; then
   step "chaos soak on the GPU: kills, stops, slow ranks, replacements (no MPS: it kills inside kernels)"

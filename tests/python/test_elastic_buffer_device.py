@@ -19,6 +19,7 @@ and under ``MOONCAKE_NO_SKIP=1`` a skip fails.
   its rank only.
   The launches at 2 and 4 run again with ``MOONCAKE_EP_HT_ONE_COPY=1`` (dests read a
   source's x in place), with ``dev/one-copy``: rows were read so after the first round.
+  The kill test below runs with it off and on.
 * ``test_kills_rank_mid_dispatch_then_replacement``: world 4; rank 2 dies inside a fresh
   dispatch, after its layout pass told the others what it sends and before its rows move.
   The survivors' dispatch masks it and drops its rows (checked against the model), as do
@@ -95,8 +96,10 @@ def fault_problems(plan, results) -> list[str]:
 
 
 @pytest.mark.timeout(600)
-def test_kills_rank_mid_dispatch_then_replacement():
+@pytest.mark.parametrize("one_copy", ["0", "1"], ids=["ring", "onecopy"])
+def test_kills_rank_mid_dispatch_then_replacement(one_copy):
     plan = {"role": "member", "timeout_s": 30.0, "victim": 2}
-    out = launch(4, ht_device.fault_rank, plan, env(), _conduct(plan), timeout_s=540.0)
+    out = launch(4, ht_device.fault_rank, plan, env(MOONCAKE_EP_HT_ONE_COPY=one_copy),
+                 _conduct(plan), timeout_s=540.0)  # fmt: skip
     problems = fault_problems(plan, out.get())
     assert not problems, f"{out.seconds:.1f} s:\n" + "\n".join(problems[:40])
