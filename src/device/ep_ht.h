@@ -142,7 +142,7 @@ class EpHtBuffer {
   std::vector<const uint8_t*> bases_;               // its host copy
   std::unique_ptr<UserExports> exports_;            // one copy (null: off)
   std::unique_ptr<UserImports> imports_;
-  unsigned long long* xcounts_ = nullptr;  // device [2]
+  unsigned long long* xcounts_ = nullptr;  // device [4]
   HostWords silent_;
   HostWords status_;
   std::shared_ptr<LostWords> lost_;

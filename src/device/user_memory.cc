@@ -67,9 +67,12 @@ void copy_to(void* dst, const void* src, size_t bytes, cudaStream_t stream, cons
   cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), what);
 }
 
-// Peer memory read now.
-bool read_from(void* dst, const void* src, size_t bytes) {
-  if (cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost) == cudaSuccess) return true;
+// Peer memory read now, on `stream` (a stream of its own: a plain cudaMemcpy
+// would wait for every blocking stream's work, other libraries' included).
+bool read_from(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream) == cudaSuccess &&
+      cudaStreamSynchronize(stream) == cudaSuccess)
+    return true;
   cudaGetLastError();
   return false;
 }
@@ -138,6 +141,8 @@ UserImports::UserImports(int64_t ranks, int device)
 UserImports::~UserImports() {
   OnDevice on(device_);
   for (ht::XImport& im : host_) close(im);
+  for (ht::XImport& im : retired_) close(im);
+  if (reads_ != nullptr) cudaStreamDestroy(reads_);
   cudaFree(dev_);
   cudaFreeHost(misses_host_);
 }
@@ -178,8 +183,16 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::Ht
       const uint8_t* entry = peers[s] + layout.exported(slot);
       uint64_t gen = 0, again = 0;
       ht::XExport e{};
-      if (!read_from(&gen, entry, sizeof(gen)) || !read_from(&e, entry, sizeof(e)) ||
-          !read_from(&again, entry, sizeof(again)) || gen == 0 || gen != again || e.gen != gen)
+      if (reads_ == nullptr &&
+          cudaStreamCreateWithFlags(&reads_, cudaStreamNonBlocking) != cudaSuccess) {
+        cudaGetLastError();
+        reads_ = nullptr;
+        continue;
+      }
+      if (!read_from(&gen, entry, sizeof(gen), reads_) ||
+          !read_from(&e, entry, sizeof(e), reads_) ||
+          !read_from(&again, entry, sizeof(again), reads_) || gen == 0 || gen != again ||
+          e.gen != gen)
         continue;  // being written: the next miss tries again
       ht::XImport& im = next[static_cast<size_t>(s * ht::kXSlots + slot)];
       if (im.gen == static_cast<uint32_t>(gen)) {
@@ -203,18 +216,27 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::Ht
         return a.gen == b.gen && a.base == b.base && a.size == b.size;
       }))
     return;
-  // No launch of ours reads the table while it changes (the last has run),
-  // and the next reads the new one (queued before it).
+  // No eager launch of ours reads the table while it changes (the last has
+  // run), and the next reads the new one (queued before it). A replaced
+  // mapping is closed later, once the device has been idle (a graph's replay,
+  // which no event of ours follows, may still read through it).
   launches.wait_eager();
   host_ = std::move(next);
   copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), stream,
           "copying the import table");
-  for (ht::XImport& im : closing) close(im);
+  retired_.insert(retired_.end(), closing.begin(), closing.end());
+  if (retired_.size() > kRetiredMax) {
+    cuda_check(cudaDeviceSynchronize(), "waiting for the device before closing old mappings");
+    for (ht::XImport& im : retired_) close(im);
+    retired_.clear();
+  }
 }
 
 void UserImports::forget() {
   OnDevice on(device_);
   for (ht::XImport& im : host_) close(im);
+  for (ht::XImport& im : retired_) close(im);
+  retired_.clear();
   for (int64_t i = 0; i < 2 * ranks_; ++i) std::atomic_ref<uint64_t>(misses_host_[i]).store(0);
   stale_.clear();
   cuda_check(

@@ -64,6 +64,7 @@ struct Peers {
   int8_t offering[kMaxRanks];  // reducer: its offer not yet taken
   uint32_t beat[kMaxRanks];    // reducer: batches read in place, acknowledged
   bool in_place[kMaxRanks];    // replier: the source reads its rows in place
+  bool asked[kMaxRanks];       // replier: its answer to the offer awaited
 };
 
 // What a reducer adds for a token, in top-k order (kPeerX: a replier's row
@@ -104,25 +105,6 @@ __device__ int4 sum_expanded(const CombineArgs& a, const View& v, const int32_t*
 
 // --- the replier --------------------------------------------------------------------
 
-// Whether a replier whose rows source s reads in place stops waiting for its
-// end: when s is masked or the host (or its life page) says it is lost, and
-// on time only a whole timeout past the deadline (which each of its batches
-// renews): x must stay as it was while a slow source still reads it.
-__device__ bool in_place_gives_up(const Common& c, int s, uint32_t round, uint64_t deadline) {
-  if (ld_volatile(c.active_ranks + s) == 0) return true;
-  if (c.slot_mask != nullptr && ld_volatile(c.slot_mask + s) == 0) return true;
-  const auto budget = static_cast<uint64_t>(c.timeout_ns);
-  if ((round & 3) == 3 && host_lost(c, s, deadline - budget)) {
-    mask_peer(c, s, kSend, kMaskedLost);
-    return true;
-  }
-  if (now_ns() > deadline + budget) {
-    mask_peer(c, s, kSend, kMaskedSilent);
-    return true;
-  }
-  return false;
-}
-
 template <typename T>
 __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
@@ -141,17 +123,18 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
     p.end[s] = p.cur[s] + v.plan[v.P.chan_count(s, c)];
     p.staged[s] = p.head[s] = 0;
     p.done_sent[s] = false;
-    p.in_place[s] = false;
+    p.in_place[s] = p.asked[s] = false;
     p.deadline[s] = deadline_of(cm.timeout_ns);
   }
   if (tid == 0) sh.rr = 0;
   __syncthreads();
   if (a.imports != nullptr && !a.expand) {
     // One copy: x (and weights) offered to each source with the first of its
-    // rows; a source that reads them in place gets none staged (only the done
-    // signal, at once, which tells it the answer was taken: it reads nothing
-    // before), and the source's acknowledgements after each of its batches
-    // keep this rank waiting for its last one while it reads.
+    // rows. Each answer is taken in the loop below as it comes (a source slow
+    // to answer holds no other's rows back); a source that reads them in place
+    // gets none staged, only the done signal, which tells it the answer was
+    // taken (it reads nothing before), and its acknowledgements after each of
+    // its batches keep this rank waiting for its last one while it reads.
     const bool offer = a.share.gen != 0;
     if (offer && tid == 0) *reinterpret_cast<XShare*>(v.own + a.h.ws.share(c)) = a.share;
     __syncthreads();
@@ -160,26 +143,27 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
       const auto first = static_cast<uint32_t>(v.plan[v.P.src_off(s)]);
       st_release_sys(word_at(cm.peers[s], a.h.ws.offer(v.me, c)),
                      signal(v.tag, offer ? 3u + first : 2u));
-      if (offer) {
-        auto* w = word_at(v.own, a.h.ws.answer(s, c));
-        uint64_t x = 0;
-        const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
-        if (wait_for(cm, w, ready, deadline_of(cm.timeout_ns), s, kSend, &x)) {
-          clear_word(w);
-          if (static_cast<uint32_t>(x) == 1) {
-            p.cur[s] = p.end[s];  // read in place
-            p.in_place[s] = true;
-          }
-          p.deadline[s] = deadline_of(cm.timeout_ns);
-        } else {
-          p.state[s] = 0;  // masked
-        }
-      }
+      p.asked[s] = offer;
     }
-    __syncthreads();
   }
   for (uint32_t round = 0;; ++round) {
-    if (tid < v.R && p.state[tid] != 0) {
+    if (tid < v.R && p.state[tid] != 0 && p.asked[tid]) {
+      // Its answer, awaited: nothing staged nor done until it comes.
+      const int s = tid;
+      auto* w = word_at(v.own, a.h.ws.answer(s, c));
+      const uint64_t x = ld_acquire_sys(w);
+      if (tag_in(x) == v.tag) {
+        clear_word(w);
+        p.asked[s] = false;
+        if (static_cast<uint32_t>(x) == 1) {
+          p.cur[s] = p.end[s];  // read in place
+          p.in_place[s] = true;
+        }
+        p.deadline[s] = deadline_of(cm.timeout_ns);
+      } else if (gives_up(cm, s, round, p.deadline[s], kSend)) {
+        p.state[s] = 0;  // masked (it reads nothing in place: no done signal came)
+      }
+    } else if (tid < v.R && p.state[tid] != 0) {
       const int s = tid;
       auto* w = word_at(v.own, a.h.ws.combine_head(s, c));
       uint64_t x = 0;
@@ -194,14 +178,14 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
         p.deadline[s] = deadline_of(cm.timeout_ns);
       }
       const bool stuck = p.done_sent[s] || S - (p.staged[s] - p.head[s]) < room_needed;
-      const bool stop = p.in_place[s] ? in_place_gives_up(cm, s, round, p.deadline[s])
+      const bool stop = p.in_place[s] ? in_place_gives_up(cm, s, round, p.deadline[s], kSend)
                                       : gives_up(cm, s, round, p.deadline[s], kSend);
       if (p.state[s] != 0 && stuck && stop) p.state[s] = 0;
     }
     __syncthreads();
     if (tid == 0) {
       const auto ready = [&](int s) {
-        return !p.done_sent[s] && p.cur[s] < p.end[s] &&
+        return !p.asked[s] && !p.done_sent[s] && p.cur[s] < p.end[s] &&
                S - (p.staged[s] - p.head[s]) >= room_needed;
       };
       pick_peer(p.state, v.R, ready, sh.rr, sh.pick, sh.any);
@@ -369,10 +353,11 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
   // the answer (and may have gone on, its x with it). Left set for the end.
   if (d < v.R && p.xb[d] != nullptr) {
     uint64_t x = 0;
-    if (!wait_done(cm, word_at(v.own, a.h.ws.combine_tail(d, c)), v.tag, d, kRecv, &x) ||
-        count_in(x) != 0) {
+    const bool done = wait_done(cm, word_at(v.own, a.h.ws.combine_tail(d, c)), v.tag, d, kRecv, &x);
+    if (!done || count_in(x) != 0) {
+      if (done) report(cm.status, kHtBadRow, d, static_cast<int>(count_in(x)));  // rows staged
       p.xb[d] = nullptr;
-      p.state[d] = 0;  // masked (or corrupt: it staged rows after all)
+      p.state[d] = 0;  // masked (or corrupt)
     }
     p.beat[d] = 0;
   }

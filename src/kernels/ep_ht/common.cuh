@@ -128,6 +128,42 @@ __device__ __forceinline__ bool wait_done(const Common& c, const uint64_t* w, ui
       s, phase, value);
 }
 
+// Whether a rank whose memory peer s reads in place (one copy) stops waiting
+// for s to be done: when the host (or s's life page) says s is lost, and on
+// time only a whole timeout past `deadline`, which s's progress renews. Not
+// on this rank's own mask of s: s may not have masked this rank, and reads on
+// until it is done, so the memory must stay as it was until then.
+__device__ inline bool in_place_gives_up(const Common& c, int s, uint32_t round, uint64_t deadline,
+                                         int phase) {
+  const auto budget = static_cast<uint64_t>(c.timeout_ns);
+  if ((round & 3) == 3 && host_lost(c, s, deadline - budget)) {
+    mask_peer(c, s, phase, kMaskedLost);
+    return true;
+  }
+  if (now_ns() > deadline + budget) {
+    mask_peer(c, s, phase, kMaskedSilent);
+    return true;
+  }
+  return false;
+}
+
+// As wait_done, for a peer that reads this rank's memory in place: the
+// deadline renewed whenever its count rises, and in_place_gives_up's rule.
+__device__ inline bool wait_done_in_place(const Common& c, const uint64_t* w, uint32_t tag, int s,
+                                          int phase, uint64_t* value) {
+  uint32_t seen = 0;
+  uint64_t deadline = deadline_of(c.timeout_ns);
+  for (uint32_t round = 0;; ++round) {
+    uint64_t x = 0;
+    if (heard(c, w, tag, seen, deadline, &x) && done_in(x)) {
+      *value = x;
+      return true;
+    }
+    if (in_place_gives_up(c, s, round, deadline, phase)) return false;
+    __nanosleep(100);
+  }
+}
+
 // The expert of slot k of token t, or -1 (none, or out of range: the layout
 // pass reports that once).
 __device__ __forceinline__ int64_t expert_at(const HtRouting& r, int64_t t, int k) {

@@ -34,6 +34,7 @@ struct Peers {
   const uint8_t* xb[kMaxRanks];
   const uint8_t* sb[kMaxRanks];
   int64_t xs[kMaxRanks], xn[kMaxRanks];
+  bool in_place[kMaxRanks];  // sender: the dest reads x in place
 };
 
 // A batch of rows.
@@ -63,7 +64,8 @@ struct Shared {
   Repair rep;
   uint64_t dests;   // sender: the ranks it serves
   uint32_t staged;  // sender: slots staged so far
-  bool bytes;       // sender: a dest reads the rows' bytes from the ring
+  bool bytes;       // sender: a dest reads the rows' bytes from the ring (or has not answered)
+  bool asking;      // sender: a dest's answer to the offer is awaited
   int pick, rr;
   bool any, last;
 };
@@ -434,6 +436,44 @@ __device__ void stage_routing(const DispatchArgs& a, const View& v, uint8_t* slo
   }
 }
 
+// The sender's dests' answers to its offer (state 1: awaited), a thread per
+// dest: taken when there (1: it reads x in place; else the ring), and with
+// `wait` waited for (a dest that gives up is masked and dropped). Then
+// whether the bytes still go into the ring, and whether any answer is awaited.
+__device__ void take_answers(const View& v, const HtCommon& h, int c, Shared& sh, bool wait) {
+  const int d = threadIdx.x;
+  if (d < v.R && sh.p.state[d] == 1 && ((sh.dests >> d) & 1)) {
+    auto* w = word_at(v.own, h.ws.answer(d, c));
+    uint64_t x = ld_acquire_sys(w);
+    bool heard = tag_in(x) == v.tag;
+    if (!heard && wait) {
+      const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
+      heard = wait_for(h.c, w, ready, deadline_of(h.c.timeout_ns), d, kSend, &x);
+      if (!heard) sh.p.done[d] = true;  // masked: dropped below
+    }
+    if (heard) {
+      clear_word(w);
+      sh.p.in_place[d] = static_cast<uint32_t>(x) == 1;
+      sh.p.state[d] = sh.p.in_place[d] ? 0 : 2;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    bool bytes = false, asking = false;
+    for (int r = 0; r < v.R; ++r) {
+      if (sh.p.done[r]) {
+        sh.dests &= ~(1ull << r);
+        sh.p.done[r] = false;
+      }
+      if (((sh.dests >> r) & 1) == 0) continue;
+      bytes = bytes || sh.p.state[r] != 0;
+      asking = asking || sh.p.state[r] == 1;
+    }
+    sh.bytes = bytes;
+    sh.asking = asking;
+  }
+}
+
 // Sender of channel c: stages the channel's tokens that go to other ranks.
 __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
@@ -453,44 +493,35 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
     sh.p.done[tid] = false;  // here: the dest failed a wait
   }
   // The offer of x (and scales), in this channel's record, then to every dest
-  // (one copy on: imports given, on every rank alike).
+  // (one copy on: imports given, on every rank alike). The answers are taken
+  // as they come, batch by batch: until every dest has said it reads x in
+  // place, the bytes go into the ring too (which serves both), so that a dest
+  // slow to answer holds no row back.
   const bool one_copy = a.imports != nullptr, offer = one_copy && a.share.gen != 0;
   if (offer && tid == 0) *reinterpret_cast<XShare*>(v.own + a.h.ws.share(c)) = a.share;
   __syncthreads();
   if (tid < v.R) {
-    sh.p.state[tid] = 0;  // here: the dest reads the bytes from the ring
-    if (one_copy && ((sh.dests >> tid) & 1))
+    // here: 1 its answer is awaited, 2 it reads the ring, 0 neither
+    sh.p.state[tid] = 0;
+    sh.p.in_place[tid] = false;
+    if (one_copy && ((sh.dests >> tid) & 1)) {
       st_release_sys(word_at(cm.peers[tid], a.h.ws.offer(v.me, c)), signal(v.tag, offer ? 1u : 2u));
-  }
-  if (offer && tid < v.R && ((sh.dests >> tid) & 1)) {
-    // Its answer: the bytes go into the ring when any dest cannot read x.
-    auto* w = word_at(v.own, a.h.ws.answer(tid, c));
-    uint64_t x = 0;
-    const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
-    if (wait_for(cm, w, ready, deadline_of(cm.timeout_ns), tid, kSend, &x)) {
-      clear_word(w);
-      sh.p.state[tid] = static_cast<uint32_t>(x) != 1;
-    } else {
-      sh.p.done[tid] = true;  // masked: it reads nothing
+      if (offer) sh.p.state[tid] = 1;
     }
   }
-  __syncthreads();
   if (tid == 0) {
-    bool bytes = !offer;
-    for (int d = 0; d < v.R; ++d) {
-      bytes = bytes || ((sh.dests >> d) & 1 && sh.p.state[d] != 0);
-      if (sh.p.done[d]) {
-        sh.dests &= ~(1ull << d);
-        sh.p.done[d] = false;
-      }
-    }
-    sh.bytes = bytes;
+    sh.bytes = true;
+    sh.asking = offer;
   }
   __syncthreads();
   const Span sp = channel_span(v.N, v.C, c);
   for (int64_t tb = sp.first; tb < sp.end; tb += kBatch) {
     const int nb = static_cast<int>(imin<int64_t>(kBatch, sp.end - tb));
     __syncthreads();  // every warp has read the last batch's count (a batch may stage none)
+    if (sh.asking) {  // (block-uniform)
+      take_answers(v, a.h, c, sh, false);
+      __syncthreads();
+    }
     if (v.warp == 0) {
       uint64_t m = 0;
       if (v.lane < nb)
@@ -550,8 +581,16 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
                      signal(v.tag, staged + n));
     __syncthreads();
   }
+  // Answers not yet taken: each is its word's last read in this call (and a
+  // dest that never answers is masked, reading nothing in place).
+  if (sh.asking) {  // (block-uniform)
+    __syncthreads();
+    take_answers(v, a.h, c, sh, true);
+    __syncthreads();
+  }
   // The end: every dest hears the total and acknowledges it (having read it
   // all and cleared its word), so this channel's words are free for the next call.
+  // A dest that reads x in place is waited for as long as it reads (x must stay).
   const uint32_t total = sh.staged;
   if (tid < v.R && ((sh.dests >> tid) & 1)) {
     const int d = tid;
@@ -559,7 +598,10 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
                    signal(v.tag, total | kDone));
     auto* w = word_at(v.own, a.h.ws.dispatch_head(d, c));
     uint64_t x = 0;
-    wait_done(cm, w, v.tag, d, kSend, &x);
+    if (sh.p.in_place[d])
+      wait_done_in_place(cm, w, v.tag, d, kSend, &x);
+    else
+      wait_done(cm, w, v.tag, d, kSend, &x);
     clear_word(w);
   }
   __syncthreads();
