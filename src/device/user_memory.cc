@@ -218,18 +218,15 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::Ht
     return;
   // No eager launch of ours reads the table while it changes (the last has
   // run), and the next reads the new one (queued before it). A replaced
-  // mapping is closed later, once the device has been idle (a graph's replay,
-  // which no event of ours follows, may still read through it).
+  // mapping is closed at the next change, after that wait again: a graph's
+  // replay the caller queued before this call has had the time between (the
+  // caller orders replays against eager calls, LaunchOrder).
   launches.wait_eager();
+  for (ht::XImport& im : retired_) close(im);
+  retired_ = std::move(closing);
   host_ = std::move(next);
   copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), stream,
           "copying the import table");
-  retired_.insert(retired_.end(), closing.begin(), closing.end());
-  if (retired_.size() > kRetiredMax) {
-    cuda_check(cudaDeviceSynchronize(), "waiting for the device before closing old mappings");
-    for (ht::XImport& im : retired_) close(im);
-    retired_.clear();
-  }
 }
 
 void UserImports::forget() {

@@ -70,9 +70,8 @@ class UserImports {
   // peer s's, from its workspace at `peers[s] + layout.exported(slot)` (null:
   // not mapped). Before it changes the table it waits for `launches`' last
   // eager one (which may read it), and queues the new table on `stream`
-  // (before the next launch); the mappings it replaces are closed after a
-  // device synchronize, once 16 have gathered, or by forget(). A miss of an
-  // export that is gone (a captured
+  // (before the next launch); the mappings it replaces are closed at the
+  // next change (or by forget()). A miss of an export that is gone (a captured
   // graph offers what it offered when captured) is remembered and costs
   // nothing again. Nothing under a capture.
   void resolve(const std::vector<const uint8_t*>& peers, const kernels::ep_ht::HtLayout& layout,
@@ -89,9 +88,8 @@ class UserImports {
   int device_;
   std::vector<kernels::ep_ht::XImport> host_;      // the table's copy
   std::set<std::tuple<int64_t, uint64_t>> stale_;  // (peer, miss) that map nothing new
-  // Mappings replaced in the table, closed once the device has been idle.
-  static constexpr size_t kRetiredMax = 16;
-  std::vector<kernels::ep_ht::XImport> retired_;
+  std::vector<kernels::ep_ht::XImport>
+      retired_;                   // replaced in the table, closed at the next change
   cudaStream_t reads_ = nullptr;  // the exports' reads (made on the first)
   kernels::ep_ht::XImport* dev_ = nullptr;
   uint64_t* misses_host_ = nullptr;

@@ -585,6 +585,12 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
       st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)),
                      signal(v.tag, p.cons[d] | kDone));
     }
+  } else if (tid < v.R && p.xb[tid] != nullptr) {
+    // Read in place, then masked here: its done signal (taken at the start)
+    // cleared, and its wait for this rank's reads ended now, not at its time limit.
+    const int d = tid;
+    clear_word(word_at(v.own, a.h.ws.combine_tail(d, c)));
+    st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)), signal(v.tag, kDone));
   }
   __syncthreads();
 }

@@ -147,21 +147,29 @@ __device__ inline bool in_place_gives_up(const Common& c, int s, uint32_t round,
   return false;
 }
 
-// As wait_done, for a peer that reads this rank's memory in place: the
-// deadline renewed whenever its count rises, and in_place_gives_up's rule.
-__device__ inline bool wait_done_in_place(const Common& c, const uint64_t* w, uint32_t tag, int s,
-                                          int phase, uint64_t* value) {
+// As wait_for (a word of this call that `ready` takes), for a peer that
+// reads or may read this rank's memory in place: the deadline renewed
+// whenever its count rises, and in_place_gives_up's rule.
+template <typename Ready>
+__device__ bool wait_in_place(const Common& c, const uint64_t* w, uint32_t tag, Ready ready, int s,
+                              int phase, uint64_t* value) {
   uint32_t seen = 0;
   uint64_t deadline = deadline_of(c.timeout_ns);
   for (uint32_t round = 0;; ++round) {
     uint64_t x = 0;
-    if (heard(c, w, tag, seen, deadline, &x) && done_in(x)) {
+    if (heard(c, w, tag, seen, deadline, &x) && ready(x)) {
       *value = x;
       return true;
     }
     if (in_place_gives_up(c, s, round, deadline, phase)) return false;
     __nanosleep(100);
   }
+}
+
+// Until peer s is done with this call, as wait_done, by wait_in_place's rule.
+__device__ inline bool wait_done_in_place(const Common& c, const uint64_t* w, uint32_t tag, int s,
+                                          int phase, uint64_t* value) {
+  return wait_in_place(c, w, tag, [](uint64_t y) { return done_in(y); }, s, phase, value);
 }
 
 // The expert of slot k of token t, or -1 (none, or out of range: the layout

@@ -447,9 +447,10 @@ __device__ void take_answers(const View& v, const HtCommon& h, int c, Shared& sh
     uint64_t x = ld_acquire_sys(w);
     bool heard = tag_in(x) == v.tag;
     if (!heard && wait) {
-      const auto ready = [tag = v.tag](uint64_t y) { return tag_in(y) == tag; };
-      heard = wait_for(h.c, w, ready, deadline_of(h.c.timeout_ns), d, kSend, &x);
-      if (!heard) sh.p.done[d] = true;  // masked: dropped below
+      // Rows went out while it had not answered: it may read x in place, so
+      // it is waited for by that rule (never dropped on this rank's mask).
+      heard = wait_in_place(h.c, w, v.tag, [](uint64_t) { return true; }, d, kSend, &x);
+      if (!heard) sh.p.done[d] = true;  // lost: dropped below
     }
     if (heard) {
       clear_word(w);
@@ -547,10 +548,15 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
         const auto ready = [tag = v.tag, need](uint64_t w) {
           return tag_in(w) == tag && count_in(w) >= need;
         };
-        if (wait_for(cm, word_at(v.own, a.h.ws.dispatch_head(tid, c)), ready,
-                     deadline_of(cm.timeout_ns), tid, kSend, &x))
+        auto* w = word_at(v.own, a.h.ws.dispatch_head(tid, c));
+        // A dest that reads (or may read: not answered yet) x in place is
+        // waited for by that rule: dropped, it might read on after the call.
+        const bool got = sh.p.in_place[tid] || sh.p.state[tid] == 1
+                             ? wait_in_place(cm, w, v.tag, ready, tid, kSend, &x)
+                             : wait_for(cm, w, ready, deadline_of(cm.timeout_ns), tid, kSend, &x);
+        if (got)
           sh.p.cons[tid] = count_in(x);
-        else  // masked: it reads no more
+        else  // masked (or lost): it reads no more
           sh.p.done[tid] = true;
       }
       __syncthreads();
