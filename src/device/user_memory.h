@@ -71,7 +71,9 @@ class UserImports {
   // not mapped). Before it changes the table it waits for `launches`' last
   // eager one (which may read it), and queues the new table on `stream`
   // (before the next launch); the mappings it replaces are closed at the
-  // next change (or by forget()). A miss of an export that is gone (a captured
+  // next change (or by forget()), so a graph's replay must not run across
+  // two eager calls of the same buffer (the caller orders replays against
+  // eager calls, as LaunchOrder says). A miss of an export that is gone (a captured
   // graph offers what it offered when captured) is remembered and costs
   // nothing again. Nothing under a capture.
   void resolve(const std::vector<const uint8_t*>& peers, const kernels::ep_ht::HtLayout& layout,

@@ -65,6 +65,7 @@ struct Peers {
   uint32_t beat[kMaxRanks];    // reducer: batches read in place, acknowledged
   bool in_place[kMaxRanks];    // replier: the source reads its rows in place
   bool asked[kMaxRanks];       // replier: its answer to the offer awaited
+  bool took[kMaxRanks];        // reducer: it answered that it reads in place
 };
 
 // What a reducer adds for a token, in top-k order (kPeerX: a replier's row
@@ -297,6 +298,7 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
   if (d < v.R) {
     p.xb[d] = nullptr;
     p.wb[d] = nullptr;
+    p.took[d] = false;
     p.row0[d] = p.xn[d] = 0;
     waiting[d] = p.state[d];
     p.deadline[d] = deadline_of(cm.timeout_ns);
@@ -331,6 +333,7 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
           }
           st_release_sys(word_at(cm.peers[d], a.h.ws.answer(v.me, c)),
                          signal(v.tag, xb != nullptr ? 1u : 2u));
+          p.took[d] = xb != nullptr;
           if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 2 : 3), 1ull);
         }
       } else if (gives_up(cm, d, round, p.deadline[d], kRecv)) {
@@ -585,9 +588,11 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
       st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)),
                      signal(v.tag, p.cons[d] | kDone));
     }
-  } else if (tid < v.R && p.xb[tid] != nullptr) {
-    // Read in place, then masked here: its done signal (taken at the start)
-    // cleared, and its wait for this rank's reads ended now, not at its time limit.
+  } else if (tid < v.R && p.took[tid]) {
+    // Answered "in place", then masked here (before or during the reads): its
+    // done signal cleared, and its wait for this rank's reads ended now, not
+    // at its time limit (a done signal coming after this stays: the next call
+    // has another tag, a replay of the same graph would take it).
     const int d = tid;
     clear_word(word_at(v.own, a.h.ws.combine_tail(d, c)));
     st_release_sys(word_at(cm.peers[d], a.h.ws.combine_head(v.me, c)), signal(v.tag, kDone));

@@ -297,7 +297,8 @@ __device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Share
           if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
         }
       } else if (gives_up(cm, s, round, sh.p.deadline[s], kRecv)) {
-        sh.p.state[s] = 0;  // masked
+        sh.p.state[s] = 0;  // masked: this rank reads none of its rows, in place least of all
+        st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
       }
     }
     __syncthreads();
@@ -343,6 +344,9 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
           p.state[s] = 0;
         } else if (gives_up(cm, s, round, p.deadline[s], kRecv)) {
           p.state[s] = 0;
+          if (p.xb[s] != nullptr)  // read in place: the source need not wait for it any more
+            st_release_sys(word_at(cm.peers[s], a.h.ws.dispatch_head(v.me, c)),
+                           signal(v.tag, p.cons[s] | kDone));
         }
       }
     }
@@ -545,8 +549,9 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
     if (need > 0) {
       if (tid < v.R && ((sh.dests >> tid) & 1) && sh.p.cons[tid] < need) {
         uint64_t x = 0;
+        // (a dest that gave up on this rank says it is done: it reads no more)
         const auto ready = [tag = v.tag, need](uint64_t w) {
-          return tag_in(w) == tag && count_in(w) >= need;
+          return tag_in(w) == tag && (count_in(w) >= need || done_in(w));
         };
         auto* w = word_at(v.own, a.h.ws.dispatch_head(tid, c));
         // A dest that reads (or may read: not answered yet) x in place is
@@ -554,9 +559,9 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
         const bool got = sh.p.in_place[tid] || sh.p.state[tid] == 1
                              ? wait_in_place(cm, w, v.tag, ready, tid, kSend, &x)
                              : wait_for(cm, w, ready, deadline_of(cm.timeout_ns), tid, kSend, &x);
-        if (got)
+        if (got && !done_in(x))
           sh.p.cons[tid] = count_in(x);
-        else  // masked (or lost): it reads no more
+        else  // masked (or lost), or done early: it reads no more
           sh.p.done[tid] = true;
       }
       __syncthreads();
@@ -587,8 +592,11 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
                      signal(v.tag, staged + n));
     __syncthreads();
   }
-  // Answers not yet taken: each is its word's last read in this call (and a
-  // dest that never answers is masked, reading nothing in place).
+  // Answers not yet taken: each is its word's last read in this call. A dest
+  // that never answers is dropped once lost (host, life page) or a whole
+  // timeout past its last progress: were it only slow, it could still take
+  // the offer late and read x in place after this call (withdrawing an offer
+  // would need a system-scope compare-and-swap between the processes).
   if (sh.asking) {  // (block-uniform)
     __syncthreads();
     take_answers(v, a.h, c, sh, true);
