@@ -296,9 +296,7 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
   Peers& p = sh.p;
   int8_t* waiting = p.offering;
   if (d < v.R) {
-    p.xb[d] = nullptr;
     p.wb[d] = nullptr;
-    p.took[d] = false;
     p.row0[d] = p.xn[d] = 0;
     waiting[d] = p.state[d];
     p.deadline[d] = deadline_of(cm.timeout_ns);
@@ -482,6 +480,7 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
     p.state[d] = takes_part(cm, v, d);
     p.cons[d] = p.need[d] = 0;
     p.xb[d] = nullptr;
+    p.took[d] = false;  // (set by take_offers alone: the end reads it, one copy or not)
   }
   __syncthreads();
   if (a.imports != nullptr && !a.expand) take_offers(a, v, c, sh);  // (block-uniform)
