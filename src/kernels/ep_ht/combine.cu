@@ -302,53 +302,39 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
     p.deadline[d] = deadline_of(cm.timeout_ns);
   }
   __syncthreads();
-  for (uint32_t round = 0;; ++round) {
-    if (d < v.R && waiting[d] != 0) {
-      auto* w = word_at(v.own, a.h.ws.offer(d, c));
-      const uint64_t x = ld_acquire_sys(w);
-      if (tag_in(x) == v.tag) {
-        clear_word(w);
-        waiting[d] = 0;
-        const auto value = static_cast<uint32_t>(x);
-        if (value >= 3) {
-          const auto* rec = reinterpret_cast<const volatile XShare*>(cm.peers[d] + a.h.ws.share(c));
-          const XShare r{rec->gen,  rec->slot, rec->off,   rec->stride,
-                         rec->rows, rec->sgen, rec->sslot, rec->soff};
-          const uint8_t* xb = nullptr;
-          const uint8_t* wb = nullptr;
-          if (r.stride == v.db && r.rows >= 1) {
-            xb = imported(a, d, r.gen, r.slot, r.off, r.rows * v.db, 0);
-            if (xb != nullptr && a.out_w != nullptr) {
-              wb = imported(a, d, r.sgen, r.sslot, r.soff, r.rows * v.K * 4, 1);
-              if (wb == nullptr) xb = nullptr;
-            }
-          }
-          if (xb != nullptr) {
-            p.xb[d] = xb;
-            p.wb[d] = reinterpret_cast<const float*>(wb);
-            p.row0[d] = value - 3;
-            p.xn[d] = r.rows;
-          }
-          st_release_sys(word_at(cm.peers[d], a.h.ws.answer(v.me, c)),
-                         signal(v.tag, xb != nullptr ? 1u : 2u));
-          p.took[d] = xb != nullptr;
-          if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 2 : 3), 1ull);
+  poll_rounds(v.R, waiting, &sh.any, [&](uint32_t round) {
+    auto* w = word_at(v.own, a.h.ws.offer(d, c));
+    const uint64_t x = ld_acquire_sys(w);
+    if (tag_in(x) == v.tag) {
+      clear_word(w);
+      waiting[d] = 0;
+      const auto value = static_cast<uint32_t>(x);
+      if (value < 3) return;  // not offered
+      const XShare r = offered_share(cm, a.h.ws, d, c);
+      const uint8_t* xb = nullptr;
+      const uint8_t* wb = nullptr;
+      if (r.stride == v.db && r.rows >= 1) {
+        xb = imported(a, d, r.gen, r.slot, r.off, r.rows * v.db, 0);
+        if (xb != nullptr && a.out_w != nullptr) {
+          wb = imported(a, d, r.sgen, r.sslot, r.soff, r.rows * v.K * 4, 1);
+          if (wb == nullptr) xb = nullptr;
         }
-      } else if (gives_up(cm, d, round, p.deadline[d], kRecv)) {
-        waiting[d] = 0;
-        p.state[d] = 0;  // masked
       }
+      if (xb != nullptr) {
+        p.xb[d] = xb;
+        p.wb[d] = reinterpret_cast<const float*>(wb);
+        p.row0[d] = value - 3;
+        p.xn[d] = r.rows;
+      }
+      st_release_sys(word_at(cm.peers[d], a.h.ws.answer(v.me, c)),
+                     signal(v.tag, xb != nullptr ? 1u : 2u));
+      p.took[d] = xb != nullptr;
+      if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 2 : 3), 1ull);
+    } else if (gives_up(cm, d, round, p.deadline[d], kRecv)) {
+      waiting[d] = 0;
+      p.state[d] = 0;  // masked
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      bool any = false;
-      for (int r = 0; r < v.R; ++r) any = any || waiting[r] != 0;
-      sh.any = any;
-    }
-    __syncthreads();
-    if (!sh.any) break;
-    __nanosleep(128);
-  }
+  });
   // A replier read in place: its done signal (sent once it took the answer)
   // first, so that nothing is read from a replier that gave up waiting for
   // the answer (and may have gone on, its x with it). Left set for the end.

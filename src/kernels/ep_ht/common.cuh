@@ -262,6 +262,33 @@ __device__ const uint8_t* imported(const Args& a, int s, uint32_t gen, uint32_t 
   return im.base + off;
 }
 
+// Peer s's offer record of channel c (one copy: its XShare), from its workspace.
+__device__ __forceinline__ XShare offered_share(const Common& c, const HtLayout& ws, int s,
+                                                int ch) {
+  const auto* r = reinterpret_cast<const volatile XShare*>(c.peers[s] + ws.share(ch));
+  return XShare{r->gen, r->slot, r->off, r->stride, r->rows, r->sgen, r->sslot, r->soff};
+}
+
+// `poll(round)` by each thread of [0, R) whose `pending` is non-zero (it
+// clears its own when done), round after round until none is: a peer slow to
+// signal holds no other's turn. Every thread of the block calls it; `any` is
+// block-shared scratch.
+template <typename Poll>
+__device__ void poll_rounds(int R, const int8_t* pending, bool* any, Poll poll) {
+  for (uint32_t round = 0;; ++round) {
+    if (static_cast<int>(threadIdx.x) < R && pending[threadIdx.x] != 0) poll(round);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      bool a = false;
+      for (int r = 0; r < R; ++r) a = a || pending[r] != 0;
+      *any = a;
+    }
+    __syncthreads();
+    if (!*any) return;
+    __nanosleep(128);
+  }
+}
+
 // Copies 4-byte words [lane, n) of a row, a warp's lanes striding.
 __device__ __forceinline__ void copy_words(uint8_t* dst, const uint8_t* src, int64_t bytes,
                                            int lane) {

@@ -248,9 +248,7 @@ __device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh
 // in place, or null (it has not mapped them yet, or they are not all there).
 __device__ const uint8_t* take_offer(const DispatchArgs& a, const View& v, int s, int c,
                                      Shared& sh) {
-  const auto* rec = reinterpret_cast<const volatile XShare*>(a.h.c.peers[s] + a.h.ws.share(c));
-  const XShare r{rec->gen,  rec->slot, rec->off,   rec->stride,
-                 rec->rows, rec->sgen, rec->sslot, rec->soff};
+  const XShare r = offered_share(a.h.c, a.h.ws, s, c);
   const int64_t db = a.slots.data_bytes, sbytes = a.slots.scale_bytes;
   if (r.stride < db || r.rows < 1 || r.rows > v.T) return nullptr;
   const uint8_t* xb = imported(a, s, r.gen, r.slot, r.off, (r.rows - 1) * r.stride + db, 0);
@@ -282,35 +280,24 @@ __device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Share
   }
   if (a.imports == nullptr) return;  // (block-uniform)
   __syncthreads();
-  for (uint32_t round = 0;; ++round) {
-    if (s < v.R && sh.p.state[s] != 0) {
-      auto* w = word_at(v.own, a.h.ws.offer(s, c));
-      const uint64_t x = ld_acquire_sys(w);
-      if (tag_in(x) == v.tag) {
-        clear_word(w);
-        sh.p.state[s] = 0;
-        if (static_cast<uint32_t>(x) == 1) {
-          const uint8_t* xb = take_offer(a, v, s, c, sh);
-          sh.p.xb[s] = xb;
-          st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)),
-                         signal(v.tag, xb != nullptr ? 1u : 2u));
-          if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
-        }
-      } else if (gives_up(cm, s, round, sh.p.deadline[s], kRecv)) {
-        sh.p.state[s] = 0;  // masked: this rank reads none of its rows, in place least of all
-        st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
+  poll_rounds(v.R, sh.p.state, &sh.any, [&](uint32_t round) {
+    auto* w = word_at(v.own, a.h.ws.offer(s, c));
+    const uint64_t x = ld_acquire_sys(w);
+    if (tag_in(x) == v.tag) {
+      clear_word(w);
+      sh.p.state[s] = 0;
+      if (static_cast<uint32_t>(x) == 1) {
+        const uint8_t* xb = take_offer(a, v, s, c, sh);
+        sh.p.xb[s] = xb;
+        st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)),
+                       signal(v.tag, xb != nullptr ? 1u : 2u));
+        if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
       }
+    } else if (gives_up(cm, s, round, sh.p.deadline[s], kRecv)) {
+      sh.p.state[s] = 0;  // masked: this rank reads none of its rows, in place least of all
+      st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      bool any = false;
-      for (int r = 0; r < v.R; ++r) any = any || sh.p.state[r] != 0;
-      sh.any = any;
-    }
-    __syncthreads();
-    if (!sh.any) return;
-    __nanosleep(128);
-  }
+  });
 }
 
 // The peers' rows of channel c, pulled from their rings (their bytes from
