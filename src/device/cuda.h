@@ -25,6 +25,20 @@ void* mapped_bytes(size_t bytes, void** dev, const char* what);
 // The same as `n` int32 words.
 int32_t* mapped_words(int64_t n, int32_t** dev, const char* what);
 
+// `n` zeroed T's of device memory on the current device (cudaFree frees
+// them); throws as cuda_check, naming `what`, when CUDA cannot allocate.
+template <typename T>
+T* device_zeros(size_t n, const char* what) {
+  void* p = nullptr;
+  cuda_check(cudaMalloc(&p, n * sizeof(T)), what);
+  const cudaError_t err = cudaMemset(p, 0, n * sizeof(T));
+  if (err != cudaSuccess) {
+    cudaFree(p);
+    cuda_check(err, what);
+  }
+  return static_cast<T*>(p);
+}
+
 // Makes `device` current for the scope and puts the caller's back afterwards.
 class OnDevice {
  public:
@@ -128,16 +142,8 @@ class LaunchOrder {
 template <typename T>
 class DeviceArray {
  public:
-  explicit DeviceArray(size_t n) : n_(n) {
-    void* p = nullptr;
-    cuda_check(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
-    p_ = static_cast<T*>(p);
-    const cudaError_t err = cudaMemset(p_, 0, std::max<size_t>(n, 1) * sizeof(T));
-    if (err != cudaSuccess) {
-      cudaFree(p_);
-      cuda_check(err, "cudaMemset");
-    }
-  }
+  explicit DeviceArray(size_t n)
+      : p_(device_zeros<T>(std::max<size_t>(n, 1), "cudaMalloc")), n_(n) {}
   explicit DeviceArray(const std::vector<T>& v) : DeviceArray(v.size()) { put(v); }
   ~DeviceArray() { cudaFree(p_); }
   DeviceArray(const DeviceArray&) = delete;

@@ -42,18 +42,6 @@ ht::HtLayout checked_layout(int64_t ranks, int64_t rank, int64_t channels, size_
   return ht::HtLayout(ranks, channels, ring_bytes);
 }
 
-template <typename T>
-T* device_zeros(size_t n, const char* what) {
-  void* p = nullptr;
-  cuda_check(cudaMalloc(&p, n * sizeof(T)), what);
-  const cudaError_t err = cudaMemset(p, 0, n * sizeof(T));
-  if (err != cudaSuccess) {
-    cudaFree(p);
-    cuda_check(err, what);
-  }
-  return static_cast<T*>(p);
-}
-
 }  // namespace
 
 EpHtBuffer::EpHtBuffer(int64_t ranks, int64_t rank, int64_t channels, size_t ring_bytes, int device)

@@ -88,11 +88,8 @@ UserExports::Offer UserExports::offer(const void* p, size_t bytes, cudaStream_t 
   const auto at = reinterpret_cast<uintptr_t>(p);
   if (at < r.base || at - r.base + bytes > r.size) return {};
   const auto off = static_cast<int64_t>(at - r.base);
-  if (const auto pick = slots_.find(r.id)) {
-    if (base_[pick->slot] == r.base && size_[pick->slot] == r.size)
-      return Offer{pick->gen, static_cast<uint32_t>(pick->slot), off};
-    return {};  // (cannot happen: an id names one allocation)
-  }
+  if (const auto pick = slots_.find(r.id))  // (an id names one allocation, its range with it)
+    return Offer{pick->gen, static_cast<uint32_t>(pick->slot), off};
   if (capturing || slots_.refused(r.id)) return {};
   cudaIpcMemHandle_t handle;
   if (!r.ipc || cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(r.base)) != cudaSuccess) {
@@ -104,8 +101,6 @@ UserExports::Offer UserExports::offer(const void* p, size_t bytes, cudaStream_t 
   }
   OnDevice on(device_);
   const auto pick = slots_.assign(r.id);
-  base_[pick.slot] = r.base;
-  size_[pick.slot] = r.size;
   // Its generation 0, the rest, then its generation, each a copy of its own
   // (in stream order, before the launch that offers it): a reader that reads
   // the same non-zero generation before and after the rest has a whole entry.
@@ -124,14 +119,7 @@ UserExports::Offer UserExports::offer(const void* p, size_t bytes, cudaStream_t 
 UserImports::UserImports(int64_t ranks, int device)
     : ranks_(ranks), device_(device), host_(static_cast<size_t>(ranks) * ht::kXSlots) {
   OnDevice on(device_);
-  void* d = nullptr;
-  cuda_check(cudaMalloc(&d, host_.size() * sizeof(ht::XImport)), "cudaMalloc of the import table");
-  dev_ = static_cast<ht::XImport*>(d);
-  const cudaError_t err = cudaMemset(dev_, 0, host_.size() * sizeof(ht::XImport));
-  if (err != cudaSuccess) {
-    cudaFree(dev_);
-    cuda_check(err, "cudaMemset of the import table");
-  }
+  dev_ = device_zeros<ht::XImport>(host_.size(), "cudaMalloc of the import table");
   void* md = nullptr;
   misses_host_ = static_cast<uint64_t*>(mapped_bytes(
       static_cast<size_t>(2 * ranks) * sizeof(uint64_t), &md, "cudaHostAlloc of the misses"));

@@ -19,7 +19,6 @@
 
 #include <cuda_runtime.h>
 
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <set>
@@ -50,8 +49,6 @@ class UserExports {
   uint8_t* table_;
   int device_;
   ExportSlots<kernels::ep_ht::kXSlots> slots_;
-  std::array<uintptr_t, kernels::ep_ht::kXSlots> base_{};
-  std::array<size_t, kernels::ep_ht::kXSlots> size_{};
 };
 
 class UserImports {
