@@ -446,14 +446,18 @@ class ThroughputDevice:
         topk = plan.topk
         rows, expanded = R * T, 0
         padded_list: list[int] = []
-        if do_cpu_sync:
-            # Exact sizes from the layout pass's counts (the one sync before the data
-            # moves): the worst case, R * T rows, is R times the memory at prefill sizes.
-            # Alone, they are final (no source to drop while rows stream in).
-            head = plan.words[: 4 + epr if R == 1 else 2].cpu()
+        if do_cpu_sync and R > 1:
+            # Exact sizes from the layout pass's counts (a sync before the data moves):
+            # the worst case, R * T rows, is R times the memory at prefill sizes.
+            head = plan.words[:2].cpu()
             rows = int(head[0])
             expanded = int(head[1]) if do_expand else 0
-            padded_list = head[4:].tolist()
+        elif do_cpu_sync:
+            # Alone, the worst case is this rank's own N tokens, no more memory than the
+            # exact sizes: the dispatch goes out without waiting for the layout pass, and
+            # the one sync after it trims the outputs.
+            rows = N
+            expanded = padded_rows(N, K, epr, alignment) if do_expand else 0
         elif do_expand:
             expanded = padded_rows(rows, K, epr, alignment)
         recv_x, recv_sf, recv_idx, recv_w = self.ext.dispatch(
@@ -462,15 +466,11 @@ class ThroughputDevice:
         )  # fmt: skip
         metadata = plan.metadata
         if do_cpu_sync:
-            if R > 1:
-                # The counts as the kernels left them (a receiver may have dropped a source
-                # that failed while its rows streamed in): outputs trimmed to them.
-                head = plan.words[: 4 + epr].cpu()
-                rows, padded_list = int(head[0]), head[4:].tolist()
-                expanded = int(head[1]) if do_expand else 0
-            # (Alone, the layout pass's reports are in, as its counts were read after it;
-            # the dispatch kernel's own, which alone would mean corrupt state, come with
-            # the next call.)
+            # The counts as the kernels left them (a receiver may have dropped a source
+            # that failed while its rows streamed in): outputs trimmed to them.
+            head = plan.words[: 4 + epr].cpu()
+            rows, padded_list = int(head[0]), head[4:].tolist()
+            expanded = int(head[1]) if do_expand else 0
             self._settle(buf)
             code = self.ext.status_code()
             if code and code != pg._ext.EP_STATUS_SILENT_PEER:
