@@ -91,7 +91,8 @@
 #            copy floor and the Buffer, each world bounded to EB_LAUNCH_S (100), all to 330 s;
 #            JSON in $OUT/bench/elastic_buffer*.json. EB_ONE_COPY ("" : the default): values of
 #            MOONCAKE_EP_HT_ONE_COPY to run in turn (e.g. "0 1", side by side), each into
-#            $OUT/bench/onecopy<v>/ (upstream's run once).
+#            $OUT/bench/onecopy<v>/ (upstream's run once). EB_ARGS: more of the bench's arguments
+#            (e.g. "--tokens 4096 --no-buffer").
 # PYTEST_PATHS: what the Python step runs (default tests/python bench/tests, less the tests the
 # GPU steps run: the CUDA backend's, the EP device path's, the elastic device tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
@@ -669,7 +670,7 @@ if gpu_wants epht; then
     # Each world bounded below the whole (results are written after each world).
     env "${eb_env[@]}" timeout 330 "$PY" bench/bench_elastic_buffer.py --device cuda --quick \
       --worlds "${EB_WORLDS:-1,2,4}" --launch-timeout "${EB_LAUNCH_S:-100}" --upstream "$UP_EB_JSON" \
-      --out-dir "$eb_out" 2>&1 | tee -a "$OUT/bench_elastic_buffer.log" | tail -70 || status=1
+      --out-dir "$eb_out" ${EB_ARGS:-} 2>&1 | tee -a "$OUT/bench_elastic_buffer.log" | tail -70 || status=1
   done
   stop_mps
 fi
