@@ -68,6 +68,9 @@ struct Peers {
   bool took[kMaxRanks];        // reducer: it answered that it reads in place
 };
 
+// 512-byte groups of a row a reducer's warp sums at once (reduce_channel).
+constexpr int kSpan = 4;
+
 // What a reducer adds for a token, in top-k order (kPeerX: a replier's row
 // read in place, one copy).
 enum Kind : int8_t { kNone = 0, kOwnRow = 1, kOwnSum = 2, kPeerRow = 3, kPeerX = 4 };
@@ -474,7 +477,7 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
   const int64_t per_token = a.single ? v.K : 1;  // the replier's room_needed
   const int64_t B = v.R > 1 ? imax<int64_t>(1, imin<int64_t>(kBatch, S / per_token)) : kBatch;
   const Span sp = channel_span(v.N, v.C, c);
-  const int64_t groups = (v.db + 511) / 512;
+  const int64_t spans = ((v.db + 511) / 512 + kSpan - 1) / kSpan;
   for (int64_t tb = sp.first; tb < sp.end; tb += B) {
     const int nb = static_cast<int>(imin<int64_t>(B, sp.end - tb));
     // A replier read in place and masked since counts as nothing from here on.
@@ -514,39 +517,47 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
       sh.nent[j] = static_cast<int8_t>(n);
     }
     __syncthreads();
-    for (int64_t u = v.warp; u < nb * groups; u += kWarps) {
-      const int j = static_cast<int>(u / groups);
-      const int64_t off = (u % groups) * 512 + v.lane * 16;
-      if (off >= v.db) continue;
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    // A warp sums kSpan 512-byte groups of a token's row at once, row by row:
+    // kSpan loads a lane in flight even where a token has one row (alone, or
+    // its experts on one rank), where one group at a time left one.
+    for (int64_t u = v.warp; u < nb * spans; u += kWarps) {
+      const int j = static_cast<int>(u / spans);
+      const int64_t first = (u % spans) * (kSpan * 512) + v.lane * 16;
+      float acc[kSpan][8] = {};
       const int n = sh.nent[j];
-      for (int e0 = 0; e0 < n; e0 += 4) {
-        // up to four rows' loads in flight, then added in order
-        int4 raw[4];
-        float own[4][8];
+      for (int e = 0; e < n; ++e) {
+        const int8_t kind = sh.kind[j][e];
+        const uint8_t* ptr = sh.ptr[j][e];
+        int4 raw[kSpan];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (e0 + q >= n) break;
-          const int8_t kind = sh.kind[j][e0 + q];
-          const uint8_t* ptr = sh.ptr[j][e0 + q];
+        for (int g = 0; g < kSpan; ++g) {
+          const int64_t off = first + g * 512;
+          if (off >= v.db) break;
           if (kind == kPeerRow)  // plain loads: written by a peer during this launch
-            raw[q] = *reinterpret_cast<const int4*>(ptr + a.slots.data + off);
+            raw[g] = *reinterpret_cast<const int4*>(ptr + a.slots.data + off);
           else if (kind == kPeerX)  // plain loads: a peer's x, after its offer's acquire
-            raw[q] = *reinterpret_cast<const int4*>(ptr + off);
+            raw[g] = *reinterpret_cast<const int4*>(ptr + off);
           else if (kind == kOwnRow)
-            raw[q] = __ldg(reinterpret_cast<const int4*>(ptr + off));
+            raw[g] = __ldg(reinterpret_cast<const int4*>(ptr + off));
           else  // kOwnSum: rounded once here, as the replier rounds its sums
-            raw[q] = sum_expanded<T>(a, v, reinterpret_cast<const int32_t*>(ptr), off);
+            raw[g] = sum_expanded<T>(a, v, reinterpret_cast<const int32_t*>(ptr), off);
         }
+        // added in slot order, as the portable path adds
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          if (e0 + q >= n) break;
-          Vec<T>::load(raw[q], own[q]);
+        for (int g = 0; g < kSpan; ++g) {
+          if (first + g * 512 >= v.db) break;
+          float f[8];
+          Vec<T>::load(raw[g], f);
 #pragma unroll
-          for (int i = 0; i < Vec<T>::kN; ++i) acc[i] += own[q][i];
+          for (int i = 0; i < Vec<T>::kN; ++i) acc[g][i] += f[i];
         }
       }
-      *reinterpret_cast<int4*>(a.out + (tb + j) * v.db + off) = Vec<T>::store(acc);
+#pragma unroll
+      for (int g = 0; g < kSpan; ++g) {
+        const int64_t off = first + g * 512;
+        if (off >= v.db) break;
+        *reinterpret_cast<int4*>(a.out + (tb + j) * v.db + off) = Vec<T>::store(acc[g]);
+      }
     }
     __syncthreads();
     if (tid < v.R && p.state[tid] != 0 && p.need[tid] > 0) {
