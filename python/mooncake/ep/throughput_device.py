@@ -453,9 +453,11 @@ class ThroughputDevice:
             rows = int(head[0])
             expanded = int(head[1]) if do_expand else 0
         elif do_cpu_sync:
-            # Alone, the worst case is this rank's own N tokens, no more memory than the
-            # exact sizes: the dispatch goes out without waiting for the layout pass, and
-            # the one sync after it trims the outputs.
+            # Alone, the worst case is this rank's own N tokens (the exact sizes when
+            # each selects an expert; expanded, plus the alignment padding): the dispatch
+            # goes out without waiting for the layout pass, and the one sync after it
+            # trims the outputs (the rows past the valid ones are neither written nor
+            # zeroed).
             rows = N
             expanded = padded_rows(N, K, epr, alignment) if do_expand else 0
         elif do_expand:

@@ -652,7 +652,10 @@ __device__ void zero_rest(const DispatchArgs& a, const View& v, int b, int block
   if (!a.slots.expand) return;
   const int32_t* start = v.plan + v.P.start(0);
   const int32_t* count = v.plan + v.P.count(0);
-  for (int64_t q = gw; q < a.exp_alloc; q += warps)
+  // (trimmed: the rows past the layout's end are cut off after the CPU sync, not zeroed;
+  // alone, exp_alloc is the worst case, which may be far past it)
+  const int64_t end = a.trimmed ? imin<int64_t>(a.exp_alloc, start[v.epr]) : a.exp_alloc;
+  for (int64_t q = gw; q < end; q += warps)
     if (!expanded_valid(start, count, static_cast<int>(v.epr), q)) clear_expanded_row(a, v, q);
 }
 
