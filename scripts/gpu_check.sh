@@ -93,6 +93,8 @@
 #            MOONCAKE_EP_HT_ONE_COPY to run in turn (e.g. "0 1", side by side), each into
 #            $OUT/bench/onecopy<v>/ (upstream's run once). EB_ARGS: more of the bench's arguments
 #            (e.g. "--tokens 4096 --no-buffer").
+# GPU_DEADLINE_S: steps not begun by then are not run (see wants); GPU_BUILD=module: the build
+# makes the Python module alone (see the build step).
 # PYTEST_PATHS: what the Python step runs (default tests/python bench/tests, less the tests the
 # GPU steps run: the CUDA backend's, the EP device path's, the elastic device tests); PYTEST_ARGS: more
 # arguments, but no -k: a selection goes in PYTEST_K, which each step ANDs with its own.
@@ -159,7 +161,21 @@ sanitize() {
     [ $rc = 0 ] || status=1
   done
 }
-wants() { [[ "$STEPS" == *" $1 "* ]]; }
+# GPU_DEADLINE_S: a step not begun by then (seconds into the run) is not run, and the
+# summary says so, so that a call cut short by its own time limit still ends with one
+# (a step already begun runs on: set it below the limit by the longest step's time).
+wants() {
+  [[ "$STEPS" == *" $1 "* ]] || return 1
+  if [ -n "${GPU_DEADLINE_S:-}" ] && [ "$SECONDS" -ge "$GPU_DEADLINE_S" ]; then
+    if [[ " ${LATE:-} " != *" $1 "* ]]; then  # (said once per step)
+      LATE+=" $1"
+      echo "== $1: not run, past GPU_DEADLINE_S (${GPU_DEADLINE_S} s)"
+      NOT_RUN_TESTS+="$1: not run, past GPU_DEADLINE_S"$'\n'
+      status=1
+    fi
+    return 1
+  fi
+}
 # csv_count LIST: how many comma-separated items LIST has (launches to bound).
 csv_count() { echo "$1" | tr ',' ' ' | wc -w; }
 # run_upstream TITLE LOG_STEM TAIL SCRIPT ARGS...: SCRIPT with upstream Mooncake's package
