@@ -5,12 +5,18 @@
 
 namespace mooncake {
 
-LossTimes::LossTimes(int capacity)
-    : capacity_(capacity),
-      gone_(new std::atomic<int64_t>[static_cast<size_t>(capacity > 0 ? capacity : 0)]()),
-      silent_(new std::atomic<int64_t>[static_cast<size_t>(capacity > 0 ? capacity : 0)]()) {
+namespace {
+// Checked before the arrays are sized by it.
+int positive_capacity(int capacity) {
   MC_CHECK_ARG(capacity > 0, "LossTimes: capacity must be positive, got ", capacity);
+  return capacity;
 }
+}  // namespace
+
+LossTimes::LossTimes(int capacity)
+    : capacity_(positive_capacity(capacity)),
+      gone_(new std::atomic<int64_t>[static_cast<size_t>(capacity_)]()),
+      silent_(new std::atomic<int64_t>[static_cast<size_t>(capacity_)]()) {}
 
 Endpoint::LossListener LossTimes::listener() {
   return [self = weak_from_this()](int peer, Endpoint::PeerLoss why) {
