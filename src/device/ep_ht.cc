@@ -121,6 +121,12 @@ EpHtBuffer::Connection EpHtBuffer::connect(const std::vector<std::string>& cards
     lost_->watch_life(r, decoded[r]->life_here());
   }
   lost_->settle();  // the device is idle (above)
+  // No signal a peer stored after a wait here gave up on it (a late acknowledgement,
+  // a done) is taken by a later call with the same tag (a graph's replay): the
+  // readers clear each word after their last read, but a word written after that
+  // stays.
+  cuda_check(cudaMemset(workspace_.data() + layout_.dtail, 0, layout_.rings - layout_.dtail),
+             "clearing the signals");
   if (imports_) {
     imports_->forget();  // the old peers' x (and the device is idle)
     // No offer or answer a peer left after a wait gave up on it is taken by

@@ -83,8 +83,8 @@ MC_HD inline uint64_t signal(uint32_t tag, uint32_t value) {
 // export the first time a dispatch offers it (the kernel records the miss,
 // and that call stages the bytes as without one copy) and hands its kernels
 // the mappings as XImports. The source still stages each row's routing; the
-// bytes only when a dest answered that it cannot read x (that call, every
-// row of the channel).
+// bytes too until every dest of the channel has answered that it reads x in
+// place (a dest slow to answer, or one that cannot, reads them from the ring).
 constexpr int kXSlots = 8;            // exports per rank (and imports per peer)
 constexpr size_t kXExportBytes = 96;  // an XExport, padded
 constexpr size_t kIpcBytes = 64;      // a cudaIpcMemHandle_t

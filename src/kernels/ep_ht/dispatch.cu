@@ -277,6 +277,12 @@ __device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Share
     sh.p.xs[s] = sh.p.xn[s] = 0;
     sh.p.state[s] = a.imports != nullptr && takes_part(cm, v, s);
     sh.p.deadline[s] = deadline_of(cm.timeout_ns);
+    if (a.imports != nullptr && s != v.me && sh.p.state[s] == 0 && v.plan[v.P.mutual(s)] != 0 &&
+        cm.peers[s] != nullptr)
+      // Masked here: should it still offer (it may not have masked this rank), it
+      // hears at once that this rank reads none of its rows, in place least of all,
+      // and does not wait for an answer by the in-place rule.
+      st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
   }
   if (a.imports == nullptr) return;  // (block-uniform)
   __syncthreads();
@@ -313,6 +319,11 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     p.cons[s] = p.tail[s] = 0;
     p.done[s] = false;
     p.deadline[s] = deadline_of(cm.timeout_ns);
+    if (p.state[s] == 0 && p.xb[s] != nullptr)
+      // Answered "in place", then masked here (another block's wait, while this one
+      // took the other offers): it reads nothing, and says so, so that the source's
+      // wait for it ends now, not by the in-place rule's two timeouts.
+      st_release_sys(word_at(cm.peers[s], a.h.ws.dispatch_head(v.me, c)), signal(v.tag, kDone));
   }
   if (tid == 0) sh.rr = 0;
   __syncthreads();
@@ -546,10 +557,12 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
         const bool got = sh.p.in_place[tid] || sh.p.state[tid] == 1
                              ? wait_in_place(cm, w, v.tag, ready, tid, kSend, &x)
                              : wait_for(cm, w, ready, deadline_of(cm.timeout_ns), tid, kSend, &x);
-        if (got && !done_in(x))
+        if (got && !done_in(x)) {
           sh.p.cons[tid] = count_in(x);
-        else  // masked (or lost), or done early: it reads no more
+        } else {                   // masked (or lost), or done early: it reads no more
+          if (got) clear_word(w);  // (its last word in this call: not one for a replay)
           sh.p.done[tid] = true;
+        }
       }
       __syncthreads();
       // (nothing reads the dests again before the barrier after the copies)
@@ -579,24 +592,26 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
                      signal(v.tag, staged + n));
     __syncthreads();
   }
-  // Answers not yet taken: each is its word's last read in this call. A dest
-  // that never answers is dropped once lost (host, life page) or a whole
-  // timeout past its last progress: were it only slow, it could still take
-  // the offer late and read x in place after this call (withdrawing an offer
-  // would need a system-scope compare-and-swap between the processes).
+  // The end: every dest hears the total first (a dest that reads the ring has
+  // all it needs), then the answers not yet taken are (each its word's last read
+  // in this call), and every dest acknowledges the total (having read it all and
+  // cleared its word), so this channel's words are free for the next call.
+  const uint32_t total = sh.staged;
+  if (tid < v.R && ((sh.dests >> tid) & 1))
+    st_release_sys(word_at(cm.peers[tid], a.h.ws.dispatch_tail(v.me, c)),
+                   signal(v.tag, total | kDone));
+  // A dest that never answers is dropped once lost (host, life page) or a whole
+  // timeout past its last progress: were it only slow, it could still take the
+  // offer late and read x in place after this call (withdrawing an offer would
+  // need a system-scope compare-and-swap between the processes).
   if (sh.asking) {  // (block-uniform)
     __syncthreads();
     take_answers(v, a.h, c, sh, true);
     __syncthreads();
   }
-  // The end: every dest hears the total and acknowledges it (having read it
-  // all and cleared its word), so this channel's words are free for the next call.
   // A dest that reads x in place is waited for as long as it reads (x must stay).
-  const uint32_t total = sh.staged;
   if (tid < v.R && ((sh.dests >> tid) & 1)) {
     const int d = tid;
-    st_release_sys(word_at(cm.peers[d], a.h.ws.dispatch_tail(v.me, c)),
-                   signal(v.tag, total | kDone));
     auto* w = word_at(v.own, a.h.ws.dispatch_head(d, c));
     uint64_t x = 0;
     if (sh.p.in_place[d])
