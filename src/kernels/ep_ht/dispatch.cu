@@ -277,11 +277,11 @@ __device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Share
     sh.p.xs[s] = sh.p.xn[s] = 0;
     sh.p.state[s] = a.imports != nullptr && takes_part(cm, v, s);
     sh.p.deadline[s] = deadline_of(cm.timeout_ns);
-    if (a.imports != nullptr && s != v.me && sh.p.state[s] == 0 && v.plan[v.P.mutual(s)] != 0 &&
-        cm.peers[s] != nullptr)
-      // Masked here: should it still offer (it may not have masked this rank), it
-      // hears at once that this rank reads none of its rows, in place least of all,
-      // and does not wait for an answer by the in-place rule.
+    if (a.imports != nullptr && s != v.me && cm.peers[s] != nullptr && !live(cm, s))
+      // Masked here (before this call's layout pass too): should it still offer (it
+      // may not have masked this rank), it hears at once that this rank reads none
+      // of its rows, in place least of all, and does not wait for an answer by the
+      // in-place rule.
       st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
   }
   if (a.imports == nullptr) return;  // (block-uniform)
