@@ -447,17 +447,38 @@ __device__ void take_answers(const View& v, const HtCommon& h, int c, Shared& sh
   if (d < v.R && sh.p.state[d] == 1 && ((sh.dests >> d) & 1)) {
     auto* w = word_at(v.own, h.ws.answer(d, c));
     uint64_t x = ld_acquire_sys(w);
-    bool heard = tag_in(x) == v.tag;
-    if (!heard && wait) {
+    bool answered = tag_in(x) == v.tag, finished = false;
+    if (!answered && wait) {
       // Rows went out while it had not answered: it may read x in place, so
-      // it is waited for by that rule (never dropped on this rank's mask).
-      heard = wait_in_place(h.c, w, v.tag, [](uint64_t) { return true; }, d, kSend, &x);
-      if (!heard) sh.p.done[d] = true;  // lost: dropped below
+      // it is waited for by that rule (never dropped on this rank's mask). A
+      // dest whose done is in already (it read all, and may since have put a
+      // later call's answer in the word, which stays) ends the wait too.
+      const uint64_t* hw = word_at(v.own, h.ws.dispatch_head(d, c));
+      uint32_t seen = 0;
+      uint64_t deadline = deadline_of(h.c.timeout_ns);
+      for (uint32_t round = 0;; ++round) {
+        answered = heard(h.c, w, v.tag, seen, deadline, &x);
+        const uint64_t y = answered ? 0 : ld_acquire_sys(hw);
+        finished = tag_in(y) == v.tag && done_in(y);
+        if (finished) {
+          // Its answer came before its done (both released): this call's, if the
+          // word holds it still, is taken (a replay must not find it).
+          x = ld_acquire_sys(w);
+          answered = tag_in(x) == v.tag;
+        }
+        if (answered || finished) break;
+        if (in_place_gives_up(h.c, d, round, deadline, kSend)) break;
+        __nanosleep(100);
+      }
+      if (!answered && !finished) sh.p.done[d] = true;  // lost: dropped below
     }
-    if (heard) {
+    if (answered) {
       clear_word(w);
       sh.p.in_place[d] = static_cast<uint32_t>(x) == 1;
       sh.p.state[d] = sh.p.in_place[d] ? 0 : 2;
+    } else if (finished) {  // (the end's wait takes its done, and clears it)
+      sh.p.in_place[d] = false;
+      sh.p.state[d] = 2;
     }
   }
   __syncthreads();
