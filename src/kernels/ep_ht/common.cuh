@@ -149,10 +149,12 @@ __device__ inline bool in_place_gives_up(const Common& c, int s, uint32_t round,
 
 // As wait_for (a word of this call that `ready` takes), for a peer that
 // reads or may read this rank's memory in place: the deadline renewed
-// whenever its count rises, and in_place_gives_up's rule.
-template <typename Ready>
+// whenever its count rises, and in_place_gives_up's rule. `stop()`, asked
+// each round the word is not ready, ends the wait early (false, as giving up
+// does: the caller's stop tells which).
+template <typename Ready, typename Stop>
 __device__ bool wait_in_place(const Common& c, const uint64_t* w, uint32_t tag, Ready ready, int s,
-                              int phase, uint64_t* value) {
+                              int phase, uint64_t* value, Stop stop) {
   uint32_t seen = 0;
   uint64_t deadline = deadline_of(c.timeout_ns);
   for (uint32_t round = 0;; ++round) {
@@ -161,9 +163,15 @@ __device__ bool wait_in_place(const Common& c, const uint64_t* w, uint32_t tag, 
       *value = x;
       return true;
     }
+    if (stop()) return false;
     if (in_place_gives_up(c, s, round, deadline, phase)) return false;
     __nanosleep(100);
   }
+}
+template <typename Ready>
+__device__ bool wait_in_place(const Common& c, const uint64_t* w, uint32_t tag, Ready ready, int s,
+                              int phase, uint64_t* value) {
+  return wait_in_place(c, w, tag, ready, s, phase, value, [] { return false; });
 }
 
 // Until peer s is done with this call, as wait_done, by wait_in_place's rule.

@@ -454,21 +454,18 @@ __device__ void take_answers(const View& v, const HtCommon& h, int c, Shared& sh
       // dest whose done is in already (it read all, and may since have put a
       // later call's answer in the word, which stays) ends the wait too.
       const uint64_t* hw = word_at(v.own, h.ws.dispatch_head(d, c));
-      uint32_t seen = 0;
-      uint64_t deadline = deadline_of(h.c.timeout_ns);
-      for (uint32_t round = 0;; ++round) {
-        answered = heard(h.c, w, v.tag, seen, deadline, &x);
-        const uint64_t y = answered ? 0 : ld_acquire_sys(hw);
-        finished = tag_in(y) == v.tag && done_in(y);
-        if (finished) {
-          // Its answer came before its done (both released): this call's, if the
-          // word holds it still, is taken (a replay must not find it).
-          x = ld_acquire_sys(w);
-          answered = tag_in(x) == v.tag;
-        }
-        if (answered || finished) break;
-        if (in_place_gives_up(h.c, d, round, deadline, kSend)) break;
-        __nanosleep(100);
+      answered = wait_in_place(
+          h.c, w, v.tag, [](uint64_t) { return true; }, d, kSend, &x,
+          [&] {
+            const uint64_t y = ld_acquire_sys(hw);
+            finished = tag_in(y) == v.tag && done_in(y);
+            return finished;
+          });
+      if (finished) {
+        // Its answer came before its done (both released): this call's, if the
+        // word holds it still, is taken (a replay must not find it).
+        x = ld_acquire_sys(w);
+        answered = tag_in(x) == v.tag;
       }
       if (!answered && !finished) sh.p.done[d] = true;  // lost: dropped below
     }
