@@ -107,28 +107,30 @@ struct OwnRow {
 
 // Places row (s, t) and writes its routing outputs (recv_topk_idx, weights,
 // metadata); `exp` gets each slot's expanded row. Returns its row, or -1 when
-// it has no expert here (or its place is out of bounds: reported).
+// it has no expert here (or its place is out of bounds: reported). A warp's
+// call, lane k for slot k: the slots' loads go out at once, not one after
+// another (at world 1, one lane's K dependent rounds were most of a batch's
+// time).
 template <typename Row>
 __device__ int32_t place_row(const DispatchArgs& a, const View& v, const Row& src, int s, int64_t t,
                              int32_t* exp) {
-  const int K = v.K;
-  int k0 = -1;
-  for (int k = 0; k < K; ++k) {
-    exp[k] = -1;
-    const int64_t e = src.id(k);
-    if (k0 < 0 && e >= 0 && e / v.epr == v.me) k0 = k;
-  }
-  if (k0 < 0) return -1;
+  const int K = v.K, k = v.lane;
+  const bool slot = k < K;
+  const int64_t e = slot ? src.id(k) : -1;
+  const bool here = e >= 0 && e / v.epr == v.me;
+  if (slot) exp[k] = -1;
+  const unsigned mine = __ballot_sync(0xffffffffu, here);
+  if (mine == 0) return -1;
+  const int k0 = __ffs(mine) - 1;
   const int32_t first = v.plan[v.P.src_off(s)], count = v.plan[v.P.src_off(s + 1)] - first;
-  const int32_t place = src.place(k0);
+  const int32_t place = __shfl_sync(0xffffffffu, k == k0 ? src.place(k0) : 0, k0);
   if (place < 0 || place >= count || first + place >= a.rows_alloc) {
-    report(a.h.c.status, kHtBadRow, s, place);
+    if (k == 0) report(a.h.c.status, kHtBadRow, s, place);
     return -1;
   }
   const int64_t row = first + place;
-  for (int k = 0; k < K; ++k) {
-    const int64_t e = src.id(k);
-    const int64_t local = e >= 0 && e / v.epr == v.me ? e - v.me * v.epr : -1;
+  if (slot) {
+    const int64_t local = here ? e - v.me * v.epr : -1;
     store_idx(a.recv_idx, row * K + k, local, a.r.topk_int64);
     int32_t q = -1;
     if (a.slots.expand && local >= 0) {
@@ -149,11 +151,27 @@ __device__ int32_t place_row(const DispatchArgs& a, const View& v, const Row& sr
         a.recv_w[q] = src.weight(k);
     }
   }
-  if (!a.cached) {
+  if (!a.cached && k == 0) {
     a.metadata[row * (K + 2)] = static_cast<int32_t>(s * v.T + t);
     a.metadata[row * (K + 2) + 1] = s * K + k0;
   }
+  __syncwarp();  // exp is read by other lanes (copy_batch's, after a barrier, or this warp's)
   return static_cast<int32_t>(row);
+}
+
+// dst_buffer_slot_idx of this rank's token t (a warp's call, lane k for slot
+// k): the rank's slot both count the token in, for the first slot of each rank.
+__device__ void own_dst_slots(const DispatchArgs& a, const View& v, int64_t t) {
+  const int k = v.lane;
+  const int64_t e = k < v.K ? expert_at(a.r, t, k) : -1;
+  const int d = e >= 0 ? static_cast<int>(e / v.epr) : -1;
+  // The lanes whose slots go to the same rank (a lane with none: alone).
+  const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? d : -1 - k);
+  if (k >= v.K) return;
+  int32_t at = -1;
+  if (e >= 0 && (same & ((1u << k) - 1)) == 0 && v.plan[v.P.mutual(d)] != 0)
+    at = static_cast<int32_t>(v.me * v.T + place_of(a.r, t, k, d));
+  a.dst_slot[t * v.K + k] = at;
 }
 
 // Chunk c of a row, loaded once and stored into every slot's expanded row.
@@ -202,43 +220,28 @@ __device__ __forceinline__ int note_rows(const View& v, Shared& sh, int s, int32
   return __popc(got);
 }
 
-// This rank's own tokens of channel c: copied from x.
+// This rank's own tokens of channel c: copied from x. A warp places a token
+// at a time; then warp 0 counts the batch's rows while every warp copies.
 __device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Span sp = channel_span(v.N, v.C, c);
   for (int64_t tb = sp.first; tb < sp.end; tb += kBatch) {
     const int nb = static_cast<int>(imin<int64_t>(kBatch, sp.end - tb));
-    if (v.warp == 0) {
-      int32_t row = -1;
-      const int64_t t = tb + v.lane;
-      if (v.lane < nb) {
-        const OwnRow src{&a, v.R, v.epr, t};
-        row = place_row(a, v, src, v.me, t, sh.b.exp[v.lane]);
-        sh.b.data[v.lane] = a.x + t * a.x_stride;
-        sh.b.scales[v.lane] = a.scales != nullptr ? a.scales + t * a.slots.scale_bytes : nullptr;
-        if (!a.cached) {
-          // dst_buffer_slot_idx: the first slot of each rank both count in.
-          for (int k = 0; k < v.K; ++k) {
-            const int64_t e = src.id(k);
-            int32_t at = -1;
-            if (e >= 0) {
-              const int d = static_cast<int>(e / v.epr);
-              bool first = true;
-              for (int k2 = 0; k2 < k; ++k2) {
-                const int64_t e2 = src.id(k2);
-                if (e2 >= 0 && e2 / v.epr == d) first = false;
-              }
-              if (first && v.plan[v.P.mutual(d)] != 0)
-                at = static_cast<int32_t>(v.me * v.T + place_of(a.r, t, k, d));
-            }
-            a.dst_slot[t * v.K + k] = at;
-          }
-        }
+    for (int j = v.warp; j < nb; j += kWarps) {
+      const int64_t t = tb + j;
+      const OwnRow src{&a, v.R, v.epr, t};
+      const int32_t row = place_row(a, v, src, v.me, t, sh.b.exp[j]);
+      if (!a.cached) own_dst_slots(a, v, t);
+      if (v.lane == 0) {
+        sh.b.row[j] = row;
+        sh.b.data[j] = a.x + t * a.x_stride;
+        sh.b.scales[j] = a.scales != nullptr ? a.scales + t * a.slots.scale_bytes : nullptr;
       }
-      sh.b.row[v.lane] = row;
-      const int n = note_rows(v, sh, v.me, row);
-      if (v.lane == 0) sh.p.rows[v.me] += n;
     }
     __syncthreads();
+    if (v.warp == 0) {
+      const int n = note_rows(v, sh, v.me, v.lane < nb ? sh.b.row[v.lane] : -1);
+      if (v.lane == 0) sh.p.rows[v.me] += n;
+    }
     copy_batch<false>(a, v, sh, nb);
     __syncthreads();
   }
@@ -361,32 +364,34 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     }
     const uint32_t base = p.cons[s];
     const int n = static_cast<int>(imin<uint32_t>(kBatch, p.tail[s] - base));
-    if (v.warp == 0) {
+    for (int j = v.warp; j < n; j += kWarps) {  // a warp a row, as recv_own
+      const uint8_t* slot = cm.peers[s] + a.h.ws.rings +
+                            (c * S + static_cast<int64_t>((base + j) % S)) * a.slots.bytes;
+      const int64_t t = *reinterpret_cast<const volatile int32_t*>(slot);
+      const uint64_t mask = *reinterpret_cast<const volatile uint64_t*>(slot + 8);
       int32_t row = -1;
-      if (v.lane < n) {
-        const uint8_t* slot = cm.peers[s] + a.h.ws.rings +
-                              (c * S + static_cast<int64_t>((base + v.lane) % S)) * a.slots.bytes;
-        const int64_t t = *reinterpret_cast<const volatile int32_t*>(slot);
-        const uint64_t mask = *reinterpret_cast<const volatile uint64_t*>(slot + 8);
-        if ((mask >> v.me) & 1) {
-          // (a row read in place must be one the source offered)
-          if (t < 0 || t >= v.T || (p.xb[s] != nullptr && t >= p.xn[s])) {
-            report(cm.status, kHtBadRow, s, static_cast<int>(t));
-          } else {
-            const StagedRow src{slot, &a.slots};
-            row = place_row(a, v, src, s, t, sh.b.exp[v.lane]);
-          }
+      if ((mask >> v.me) & 1) {
+        // (a row read in place must be one the source offered)
+        if (t < 0 || t >= v.T || (p.xb[s] != nullptr && t >= p.xn[s])) {
+          if (v.lane == 0) report(cm.status, kHtBadRow, s, static_cast<int>(t));
+        } else {
+          const StagedRow src{slot, &a.slots};
+          row = place_row(a, v, src, s, t, sh.b.exp[j]);
         }
-        const bool in_place = p.xb[s] != nullptr;  // (t < p.xn[s]: checked above)
-        sh.b.data[v.lane] = in_place ? p.xb[s] + t * p.xs[s] : slot + a.slots.data;
-        sh.b.scales[v.lane] = in_place && p.sb[s] != nullptr ? p.sb[s] + t * a.slots.scale_bytes
-                                                             : slot + a.slots.scales;
       }
-      sh.b.row[v.lane] = row;
-      const int got = note_rows(v, sh, s, row);
-      if (v.lane == 0) sh.b.n = got;
+      if (v.lane == 0) {
+        const bool in_place = p.xb[s] != nullptr;  // (t < p.xn[s]: checked above)
+        sh.b.row[j] = row;
+        sh.b.data[j] = in_place ? p.xb[s] + t * p.xs[s] : slot + a.slots.data;
+        sh.b.scales[j] = in_place && p.sb[s] != nullptr ? p.sb[s] + t * a.slots.scale_bytes
+                                                        : slot + a.slots.scales;
+      }
     }
     __syncthreads();
+    if (v.warp == 0) {
+      const int got = note_rows(v, sh, s, v.lane < n ? sh.b.row[v.lane] : -1);
+      if (v.lane == 0) sh.b.n = got;
+    }
     copy_batch<true>(a, v, sh, n);
     __syncthreads();
     if (tid == 0) {
@@ -419,23 +424,24 @@ __device__ void recv_channel(const DispatchArgs& a, const View& v, int c, Shared
   __syncthreads();
 }
 
-// Writes a staged token's routing into its slot (a lane per token).
+// Writes a staged token's routing into its slot (a warp's call, lane k for
+// slot k, as place_row).
 __device__ void stage_routing(const DispatchArgs& a, const View& v, uint8_t* slot, int64_t t,
                               uint64_t mask) {
-  *reinterpret_cast<int32_t*>(slot) = static_cast<int32_t>(t);
-  *reinterpret_cast<int32_t*>(slot + 4) = 0;
-  *reinterpret_cast<uint64_t*>(slot + 8) = mask;
-  auto* ids = reinterpret_cast<int32_t*>(slot + a.slots.ids);
-  auto* places = reinterpret_cast<int32_t*>(slot + a.slots.places);
-  auto* ranks = reinterpret_cast<int32_t*>(slot + a.slots.ranks);
-  auto* w = reinterpret_cast<float*>(slot + a.slots.wts);
-  for (int k = 0; k < v.K; ++k) {
-    const int64_t e = expert_at(a.r, t, k);
-    ids[k] = static_cast<int32_t>(e);
-    places[k] = e >= 0 ? place_of(a.r, t, k, static_cast<int>(e / v.epr)) : -1;
-    if (a.slots.expand) ranks[k] = e >= 0 ? rank_of(a.r, v.R, t, k, e) : -1;
-    if (a.slots.weights) w[k] = a.weights[t * v.K + k];
+  const int k = v.lane;
+  if (k == 0) {
+    *reinterpret_cast<int32_t*>(slot) = static_cast<int32_t>(t);
+    *reinterpret_cast<int32_t*>(slot + 4) = 0;
+    *reinterpret_cast<uint64_t*>(slot + 8) = mask;
   }
+  if (k >= v.K) return;
+  const int64_t e = expert_at(a.r, t, k);
+  reinterpret_cast<int32_t*>(slot + a.slots.ids)[k] = static_cast<int32_t>(e);
+  reinterpret_cast<int32_t*>(slot + a.slots.places)[k] =
+      e >= 0 ? place_of(a.r, t, k, static_cast<int>(e / v.epr)) : -1;
+  if (a.slots.expand)
+    reinterpret_cast<int32_t*>(slot + a.slots.ranks)[k] = e >= 0 ? rank_of(a.r, v.R, t, k, e) : -1;
+  if (a.slots.weights) reinterpret_cast<float*>(slot + a.slots.wts)[k] = a.weights[t * v.K + k];
 }
 
 // The sender's dests' answers to its offer (state 1: awaited), a thread per
@@ -591,9 +597,9 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
             sh.p.done[d] = false;
           }
     }
-    if (v.warp == 0 && v.lane < nb && sh.b.slot[v.lane] >= 0)
-      stage_routing(a, v, ring + (sh.b.slot[v.lane] % S) * a.slots.bytes, tb + v.lane,
-                    sh.b.mask[v.lane]);
+    for (int j = v.warp; j < nb; j += kWarps)
+      if (sh.b.slot[j] >= 0)
+        stage_routing(a, v, ring + (sh.b.slot[j] % S) * a.slots.bytes, tb + j, sh.b.mask[j]);
     for (int64_t u = v.warp; sh.bytes && u < nb * per_row; u += kWarps) {
       const int j = static_cast<int>(u / per_row);
       if (sh.b.slot[j] < 0) continue;
