@@ -367,8 +367,16 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     for (int j = v.warp; j < n; j += kWarps) {  // a warp a row, as recv_own
       const uint8_t* slot = cm.peers[s] + a.h.ws.rings +
                             (c * S + static_cast<int64_t>((base + j) % S)) * a.slots.bytes;
-      const int64_t t = *reinterpret_cast<const volatile int32_t*>(slot);
-      const uint64_t mask = *reinterpret_cast<const volatile uint64_t*>(slot + 8);
+      // Read once, for the whole warp: the branches below hold warp collectives (a
+      // slot a dropped rank reads late may change under it).
+      int32_t t32 = 0;
+      uint64_t mask = 0;
+      if (v.lane == 0) {
+        t32 = *reinterpret_cast<const volatile int32_t*>(slot);
+        mask = *reinterpret_cast<const volatile uint64_t*>(slot + 8);
+      }
+      const int64_t t = __shfl_sync(0xffffffffu, t32, 0);
+      mask = __shfl_sync(0xffffffffu, mask, 0);
       int32_t row = -1;
       if ((mask >> v.me) & 1) {
         // (a row read in place must be one the source offered)
