@@ -354,77 +354,88 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
   __syncthreads();
 }
 
-// Warp 0, a lane per token of the batch: what each slot adds, and how many rows
-// the batch needs from each rank.
+// A batch's plan, every warp's call: what each slot of each token adds, and how
+// many rows the batch needs from each rank. A warp a token with lane k for slot
+// k (the slots' loads at once: one lane looping over K, a round trip each, was
+// most of a batch's time alone), but for the rings' order, warp 0 a lane per
+// token (from shared memory alone).
 __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t tb, int nb,
                            Shared& sh) {
-  const int j = v.lane;
-  const int64_t t = tb + j;
   const int64_t S = a.slots.count;
-  const bool mine = j < nb;
-  // this token's own row here (its rows, expanded)
-  int32_t own_row = -1;
-  if (mine) {
-    for (int k = 0; k < v.K && own_row < 0; ++k) {
-      const int64_t e = expert_at(a.r, t, k);
-      if (e >= 0 && e / v.epr == v.me)
-        own_row = v.plan[v.P.src_off(v.me)] + place_of(a.r, t, k, v.me);
-    }
-    for (int k = 0; k < v.K; ++k) {
-      const int64_t e = expert_at(a.r, t, k);
-      int d = e >= 0 ? static_cast<int>(e / v.epr) : -1;
-      bool entry = d >= 0;
-      if (entry && !a.single)
-        for (int k2 = 0; k2 < k; ++k2) {
-          const int64_t e2 = expert_at(a.r, t, k2);
-          if (e2 >= 0 && e2 / v.epr == d) entry = false;
-        }
-      if (d >= 0 && d != v.me && sh.p.state[d] == 0) d = -1;  // a rank not taking part
-      sh.dest[j][k] = static_cast<int8_t>(d);
-      Kind kind = kNone;
-      sh.ptr[j][k] = nullptr;
-      if (entry && d == v.me) {
-        kind = kOwnRow;
-      } else if (entry && d >= 0 && sh.p.xb[d] == nullptr) {
-        kind = kPeerRow;
-      } else if (entry && d >= 0) {
-        // One copy: its row there, read in place (past the rows offered: corrupt).
-        const int64_t row = sh.p.row0[d] + place_of(a.r, t, k, d);
-        if (row < sh.p.xn[d]) {
-          kind = kPeerX;
-          sh.ptr[j][k] = sh.p.xb[d] + row * v.db;
-        } else {
-          report(a.h.c.status, kHtBadRow, d, static_cast<int>(row));
-        }
+  const int k = v.lane;
+  const bool slot = k < v.K;
+  // Each slot's rank and kind.
+  for (int j = v.warp; j < nb; j += kWarps) {
+    const int64_t t = tb + j;
+    const int64_t e = slot ? expert_at(a.r, t, k) : -1;
+    int d = e >= 0 ? static_cast<int>(e / v.epr) : -1;
+    // A rank's row serves its first slot (rows one by one: every slot).
+    const unsigned same = __match_any_sync(0xffffffffu, d >= 0 ? d : -1 - k);
+    const bool entry = d >= 0 && (a.single || (same & ((1u << k) - 1)) == 0);
+    if (!slot) continue;
+    if (d >= 0 && d != v.me && sh.p.state[d] == 0) d = -1;  // a rank not taking part
+    Kind kind = kNone;
+    const uint8_t* ptr = nullptr;
+    if (entry && d == v.me) {
+      kind = kOwnRow;
+    } else if (entry && d >= 0 && sh.p.xb[d] == nullptr) {
+      kind = kPeerRow;
+    } else if (entry && d >= 0) {
+      // One copy: its row there, read in place (past the rows offered: corrupt).
+      const int64_t row = sh.p.row0[d] + place_of(a.r, t, k, d);
+      if (row < sh.p.xn[d]) {
+        kind = kPeerX;
+        ptr = sh.p.xb[d] + row * v.db;
+      } else {
+        report(a.h.c.status, kHtBadRow, d, static_cast<int>(row));
       }
-      sh.kind[j][k] = kind;
-      sh.wptr[j][k] = nullptr;
     }
+    sh.dest[j][k] = static_cast<int8_t>(d);
+    sh.kind[j][k] = kind;
+    sh.ptr[j][k] = ptr;
+    sh.wptr[j][k] = nullptr;
   }
+  __syncthreads();
   // Per rank, the batch's rows from it in order: tokens in order, slots in order.
-  for (int d = 0; d < v.R; ++d) {
-    if (d == v.me || sh.p.state[d] == 0) continue;
-    int cnt = 0;
-    if (mine)
-      for (int k = 0; k < v.K; ++k) cnt += sh.kind[j][k] == kPeerRow && sh.dest[j][k] == d;
-    const int incl = warp_inclusive_sum(cnt, j);
-    if (j == 31) sh.p.need[d] = incl;
-    if (mine) {
-      uint32_t at = sh.p.cons[d] + (incl - cnt);
-      const uint8_t* ring = a.h.c.peers[d] + a.h.ws.rings +
-                            (static_cast<int64_t>(v.me) * v.C + c) * S * a.slots.bytes;
-      for (int k = 0; k < v.K; ++k)
-        if (sh.kind[j][k] == kPeerRow && sh.dest[j][k] == d)
-          sh.ptr[j][k] = ring + (at++ % S) * a.slots.bytes;
+  if (v.warp == 0) {
+    const int j = v.lane;
+    const bool mine = j < nb;
+    for (int d = 0; d < v.R; ++d) {
+      if (d == v.me || sh.p.state[d] == 0) continue;
+      int cnt = 0;
+      if (mine)
+        for (int q = 0; q < v.K; ++q) cnt += sh.kind[j][q] == kPeerRow && sh.dest[j][q] == d;
+      const int incl = warp_inclusive_sum(cnt, j);
+      if (j == 31) sh.p.need[d] = incl;
+      if (mine) {
+        uint32_t at = sh.p.cons[d] + (incl - cnt);
+        const uint8_t* ring = a.h.c.peers[d] + a.h.ws.rings +
+                              (static_cast<int64_t>(v.me) * v.C + c) * S * a.slots.bytes;
+        for (int q = 0; q < v.K; ++q)
+          if (sh.kind[j][q] == kPeerRow && sh.dest[j][q] == d)
+            sh.ptr[j][q] = ring + (at++ % S) * a.slots.bytes;
+      }
     }
   }
-  if (!mine) return;
+  __syncthreads();
   // Own rows, and where each slot's weight comes from.
-  const int32_t* own_meta =
-      own_row >= 0 ? a.metadata + static_cast<int64_t>(own_row) * (v.K + 2) : nullptr;
-  for (int k = 0; k < v.K; ++k) {
-    const int d = sh.dest[j][k];
+  for (int j = v.warp; j < nb; j += kWarps) {
+    const int64_t t = tb + j;
+    const int d = slot ? sh.dest[j][k] : -1;
+    // this token's own row here (its rows, expanded): its first slot here
+    const unsigned here = __ballot_sync(0xffffffffu, d == v.me);
+    int32_t own_row = -1;
+    if (here != 0) {
+      const int k0 = __ffs(here) - 1;
+      own_row = __shfl_sync(
+          0xffffffffu, k == k0 ? v.plan[v.P.src_off(v.me)] + place_of(a.r, t, k0, v.me) : 0, k0);
+    }
+    // the row of slot k's rank: its first slot's (its own, one by one)
+    const unsigned same = __match_any_sync(0xffffffffu, d >= 0 ? d : -1 - k);
+    const int k1 = a.single ? k : __ffs(same) - 1;
     if (d < 0) continue;
+    const int32_t* own_meta =
+        own_row >= 0 ? a.metadata + static_cast<int64_t>(own_row) * (v.K + 2) : nullptr;
     if (sh.kind[j][k] == kOwnRow) {
       if (!a.expand) {
         sh.ptr[j][k] = a.x + own_row * v.db;
@@ -439,21 +450,12 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
     if (d == v.me) {
       sh.wptr[j][k] = !a.expand ? a.weights + static_cast<int64_t>(own_row) * v.K + k
                                 : a.weights + own_meta[2 + k];
-    } else {
-      // the row of slot k's rank: its first slot's (its own, one by one)
-      int k1 = k;
-      if (!a.single)
-        for (int k2 = 0; k2 < k; ++k2)
-          if (sh.dest[j][k2] == d) {
-            k1 = k2;
-            break;
-          }
-      if (sh.kind[j][k1] == kPeerX)
-        sh.wptr[j][k] = sh.p.wb[d] != nullptr
-                            ? sh.p.wb[d] + (sh.ptr[j][k1] - sh.p.xb[d]) / v.db * v.K + k
-                            : nullptr;
-      else if (sh.ptr[j][k1] != nullptr)
-        sh.wptr[j][k] = reinterpret_cast<const float*>(sh.ptr[j][k1] + a.slots.wts) + k;
+    } else if (sh.kind[j][k1] == kPeerX) {
+      sh.wptr[j][k] = sh.p.wb[d] != nullptr
+                          ? sh.p.wb[d] + (sh.ptr[j][k1] - sh.p.xb[d]) / v.db * v.K + k
+                          : nullptr;
+    } else if (sh.ptr[j][k1] != nullptr) {
+      sh.wptr[j][k] = reinterpret_cast<const float*>(sh.ptr[j][k1] + a.slots.wts) + k;
     }
   }
 }
@@ -484,7 +486,7 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
     if (tid < v.R && p.state[tid] != 0 && sh.p.xb[tid] != nullptr && !live(cm, tid))
       p.state[tid] = 0;
     __syncthreads();
-    if (v.warp == 0) plan_batch(a, v, c, tb, nb, sh);
+    plan_batch(a, v, c, tb, nb, sh);
     __syncthreads();
     if (tid < v.R && p.state[tid] != 0 && p.need[tid] > 0) {
       const int d = tid;
@@ -497,24 +499,27 @@ __device__ void reduce_channel(const CombineArgs& a, const View& v, int c, Share
         p.state[d] = 0;  // masked: what it holds counts as nothing, from here on
     }
     __syncthreads();
-    if (v.warp == 0 && v.lane < nb) {
-      // The slots that count, in order; and the weights each slot's rank sent back.
-      const int j = v.lane;
-      const int64_t t = tb + j;
-      int n = 0;
-      for (int k = 0; k < v.K; ++k) {
-        const int d = sh.dest[j][k];
-        const bool ok = d >= 0 && (d == v.me || p.state[d] != 0);
-        if (a.out_w != nullptr)
-          a.out_w[t * v.K + k] = ok && sh.wptr[j][k] != nullptr
-                                     ? *reinterpret_cast<const volatile float*>(sh.wptr[j][k])
-                                     : 0.0f;
-        if (ok && sh.kind[j][k] != kNone) {
-          sh.kind[j][n] = sh.kind[j][k];
-          sh.ptr[j][n++] = sh.ptr[j][k];
-        }
+    // The slots that count, in order (a warp a token, lane k for slot k); and the
+    // weights each slot's rank sent back.
+    for (int j = v.warp; j < nb; j += kWarps) {
+      const int k = v.lane;
+      const bool slot = k < v.K;
+      const int d = slot ? sh.dest[j][k] : -1;
+      const bool ok = d >= 0 && (d == v.me || p.state[d] != 0);
+      const int8_t kind = slot ? sh.kind[j][k] : kNone;
+      const uint8_t* ptr = slot ? sh.ptr[j][k] : nullptr;
+      if (slot && a.out_w != nullptr)
+        a.out_w[(tb + j) * v.K + k] = ok && sh.wptr[j][k] != nullptr
+                                          ? *reinterpret_cast<const volatile float*>(sh.wptr[j][k])
+                                          : 0.0f;
+      const unsigned adds = __ballot_sync(0xffffffffu, ok && kind != kNone);
+      __syncwarp();  // every lane has read its slot before any is overwritten
+      if ((adds >> k) & 1) {
+        const int at = __popc(adds & ((1u << k) - 1));
+        sh.kind[j][at] = kind;
+        sh.ptr[j][at] = ptr;
       }
-      sh.nent[j] = static_cast<int8_t>(n);
+      if (k == 0) sh.nent[j] = static_cast<int8_t>(__popc(adds));
     }
     __syncthreads();
     // A warp sums kSpan 512-byte groups of a token's row at once, row by row:
