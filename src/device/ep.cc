@@ -170,8 +170,7 @@ EpBuffer::EpBuffer(size_t bytes, int device)
   mine_ = PeerCard::of(workspace_);
   card_ = mine_.encode();
   status_host_ = mapped_words(k::kStatusWords, &status_dev_, "cudaHostAlloc of the status words");
-  cuda_check(cudaMalloc(&grid_sync_, 2 * sizeof(uint32_t)), "cudaMalloc of the grid barrier");
-  cuda_check(cudaMemset(grid_sync_, 0, 2 * sizeof(uint32_t)), "clearing the grid barrier");
+  grid_sync_ = device_zeros<uint32_t>(2, "cudaMalloc of the grid barrier");
   sm_count_ = device_sm_count(device_);
   num_blocks_ = sm_count_;
 }
