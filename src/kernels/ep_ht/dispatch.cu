@@ -35,6 +35,7 @@ struct Peers {
   const uint8_t* sb[kMaxRanks];
   int64_t xs[kMaxRanks], xn[kMaxRanks];
   bool in_place[kMaxRanks];  // sender: the dest reads x in place
+  int8_t offer[kMaxRanks];   // receiver: the source's offer not yet taken (one copy)
 };
 
 // A batch of rows.
@@ -268,49 +269,52 @@ __device__ const uint8_t* take_offer(const DispatchArgs& a, const View& v, int s
   return xb;
 }
 
-// The offers of channel c, a thread per source, in rounds (a source slow to
-// offer holds no other's answer): each source's says whether it offers its x
-// (and scales) to read in place; this rank answers whether it will (it has
-// them mapped), and notes where they lie.
-__device__ void answer_offers(const DispatchArgs& a, const View& v, int c, Shared& sh) {
+// Source s's answer from this rank: 1 it reads s's x in place, 2 its rows' bytes.
+__device__ __forceinline__ void answer(const DispatchArgs& a, const View& v, int s, int c,
+                                       uint32_t how) {
+  st_release_sys(word_at(a.h.c.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, how));
+}
+
+// Source s's offer of channel c, when in (its thread's call): taken, and
+// answered whether this rank reads its x in place (it has it mapped); where
+// it lies goes in sh.p.
+__device__ void poll_offer(const DispatchArgs& a, const View& v, int s, int c, Shared& sh) {
+  auto* w = word_at(v.own, a.h.ws.offer(s, c));
+  const uint64_t x = ld_acquire_sys(w);
+  if (tag_in(x) != v.tag) return;
+  clear_word(w);
+  sh.p.offer[s] = 0;
+  if (static_cast<uint32_t>(x) != 1) return;  // no offer (its x not exported)
+  const uint8_t* xb = take_offer(a, v, s, c, sh);
+  sh.p.xb[s] = xb;
+  answer(a, v, s, c, xb != nullptr ? 1u : 2u);
+  if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
+}
+
+// The offers of channel c (one copy), a thread per source: those in already
+// are answered now, the rest as recv_peers' rounds find them. Nothing waits
+// for an offer: a source that has this rank masked never offers, and a wait
+// here would hold every other source's ring (which carries the bytes until
+// this rank has answered) for a whole timeout, long enough for those sources
+// to mask this rank.
+__device__ void open_offers(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
   const int s = threadIdx.x;
-  if (s < v.R) {
-    sh.p.xb[s] = sh.p.sb[s] = nullptr;
-    sh.p.xs[s] = sh.p.xn[s] = 0;
-    sh.p.state[s] = a.imports != nullptr && takes_part(cm, v, s);
-    sh.p.deadline[s] = deadline_of(cm.timeout_ns);
-    if (a.imports != nullptr && s != v.me && cm.peers[s] != nullptr && !live(cm, s))
-      // Masked here (before this call's layout pass too): should it still offer (it
-      // may not have masked this rank), it hears at once that this rank reads none
-      // of its rows, in place least of all, and does not wait for an answer by the
-      // in-place rule.
-      st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
-  }
-  if (a.imports == nullptr) return;  // (block-uniform)
-  __syncthreads();
-  poll_rounds(v.R, sh.p.state, &sh.any, [&](uint32_t round) {
-    auto* w = word_at(v.own, a.h.ws.offer(s, c));
-    const uint64_t x = ld_acquire_sys(w);
-    if (tag_in(x) == v.tag) {
-      clear_word(w);
-      sh.p.state[s] = 0;
-      if (static_cast<uint32_t>(x) == 1) {
-        const uint8_t* xb = take_offer(a, v, s, c, sh);
-        sh.p.xb[s] = xb;
-        st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)),
-                       signal(v.tag, xb != nullptr ? 1u : 2u));
-        if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
-      }
-    } else if (gives_up(cm, s, round, sh.p.deadline[s], kRecv)) {
-      sh.p.state[s] = 0;  // masked: this rank reads none of its rows, in place least of all
-      st_release_sys(word_at(cm.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, 2u));
-    }
-  });
+  if (s >= v.R) return;
+  sh.p.xb[s] = sh.p.sb[s] = nullptr;
+  sh.p.xs[s] = sh.p.xn[s] = 0;
+  sh.p.offer[s] = a.imports != nullptr && takes_part(cm, v, s);
+  if (a.imports != nullptr && s != v.me && cm.peers[s] != nullptr && !live(cm, s))
+    // Masked here (before this call's layout pass too): should it still offer (it
+    // may not have masked this rank), it hears at once that this rank reads none
+    // of its rows, in place least of all, and does not wait for an answer by the
+    // in-place rule.
+    answer(a, v, s, c, 2u);
+  if (sh.p.offer[s] != 0) poll_offer(a, v, s, c, sh);
 }
 
 // The peers' rows of channel c, pulled from their rings (their bytes from
-// the source's x where answer_offers found it).
+// the source's x once its offer is taken).
 __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Common& cm = a.h.c;
   const int tid = threadIdx.x;
@@ -322,6 +326,11 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     p.cons[s] = p.tail[s] = 0;
     p.done[s] = false;
     p.deadline[s] = deadline_of(cm.timeout_ns);
+    if (p.state[s] == 0 && p.offer[s] != 0) {
+      // Masked since open_offers (another block's wait): it reads none of its rows.
+      p.offer[s] = 0;
+      answer(a, v, s, c, 2u);
+    }
     if (p.state[s] == 0 && p.xb[s] != nullptr)
       // Answered "in place", then masked here (another block's wait, while this one
       // took the other offers): it reads nothing, and says so, so that the source's
@@ -336,6 +345,9 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
       auto* w = word_at(v.own, a.h.ws.dispatch_tail(s, c));
       uint64_t x = 0;
       if (heard(cm, w, v.tag, p.tail[s], p.deadline[s], &x)) p.done[s] = done_in(x);
+      // After the tail: the source's thread stores its offer before any tail, so once
+      // a tail is seen, so is the offer (and it is answered before the done below).
+      if (p.offer[s] != 0) poll_offer(a, v, s, c, sh);
       if (p.tail[s] == p.cons[s]) {
         if (p.done[s]) {
           // Its last word in this call: cleared, then acknowledged.
@@ -345,6 +357,10 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
           p.state[s] = 0;
         } else if (gives_up(cm, s, round, p.deadline[s], kRecv)) {
           p.state[s] = 0;
+          if (p.offer[s] != 0) {  // masked: this rank reads none of its rows
+            p.offer[s] = 0;
+            answer(a, v, s, c, 2u);
+          }
           if (p.xb[s] != nullptr)  // read in place: the source need not wait for it any more
             st_release_sys(word_at(cm.peers[s], a.h.ws.dispatch_head(v.me, c)),
                            signal(v.tag, p.cons[s] | kDone));
@@ -419,7 +435,7 @@ __device__ void recv_channel(const DispatchArgs& a, const View& v, int c, Shared
     sh.p.rows[tid] = 0;
     sh.p.first[tid] = -1;
   }
-  answer_offers(a, v, c, sh);  // first: the sources wait for the answers
+  open_offers(a, v, c, sh);  // first: the sources stage bytes until every dest answers
   __syncthreads();
   recv_own(a, v, c, sh);
   if (v.R > 1) recv_peers(a, v, c, sh);
