@@ -221,33 +221,6 @@ __device__ __forceinline__ int note_rows(const View& v, Shared& sh, int s, int32
   return __popc(got);
 }
 
-// This rank's own tokens of channel c: copied from x. A warp places a token
-// at a time; then warp 0 counts the batch's rows while every warp copies.
-__device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh) {
-  const Span sp = channel_span(v.N, v.C, c);
-  for (int64_t tb = sp.first; tb < sp.end; tb += kBatch) {
-    const int nb = static_cast<int>(imin<int64_t>(kBatch, sp.end - tb));
-    for (int j = v.warp; j < nb; j += kWarps) {
-      const int64_t t = tb + j;
-      const OwnRow src{&a, v.R, v.epr, t};
-      const int32_t row = place_row(a, v, src, v.me, t, sh.b.exp[j]);
-      if (!a.cached) own_dst_slots(a, v, t);
-      if (v.lane == 0) {
-        sh.b.row[j] = row;
-        sh.b.data[j] = a.x + t * a.x_stride;
-        sh.b.scales[j] = a.scales != nullptr ? a.scales + t * a.slots.scale_bytes : nullptr;
-      }
-    }
-    __syncthreads();
-    if (v.warp == 0) {
-      const int n = note_rows(v, sh, v.me, v.lane < nb ? sh.b.row[v.lane] : -1);
-      if (v.lane == 0) sh.p.rows[v.me] += n;
-    }
-    copy_batch<false>(a, v, sh, nb);
-    __syncthreads();
-  }
-}
-
 // Source s's offer (its record of channel c): where this rank reads its rows
 // in place, or null (it has not mapped them yet, or they are not all there).
 __device__ const uint8_t* take_offer(const DispatchArgs& a, const View& v, int s, int c,
@@ -291,6 +264,16 @@ __device__ void poll_offer(const DispatchArgs& a, const View& v, int s, int c, S
   if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 0 : 1), 1ull);
 }
 
+// Source s masked while its offer is awaited: the offer, if in, taken (a
+// replay with this call's tag must not find it), and answered that this rank
+// reads none of its rows.
+__device__ void refuse_offer(const DispatchArgs& a, const View& v, int s, int c, Shared& sh) {
+  auto* w = word_at(v.own, a.h.ws.offer(s, c));
+  if (tag_in(ld_acquire_sys(w)) == v.tag) clear_word(w);
+  sh.p.offer[s] = 0;
+  answer(a, v, s, c, 2u);
+}
+
 // The offers of channel c (one copy), a thread per source: those in already
 // are answered now, the rest as recv_peers' rounds find them. Nothing waits
 // for an offer: a source that has this rank masked never offers, and a wait
@@ -303,14 +286,46 @@ __device__ void open_offers(const DispatchArgs& a, const View& v, int c, Shared&
   if (s >= v.R) return;
   sh.p.xb[s] = sh.p.sb[s] = nullptr;
   sh.p.xs[s] = sh.p.xn[s] = 0;
-  sh.p.offer[s] = a.imports != nullptr && takes_part(cm, v, s);
-  if (a.imports != nullptr && s != v.me && cm.peers[s] != nullptr && !live(cm, s))
+  const bool alive = live(cm, s);  // (read once: it may change under two reads)
+  sh.p.offer[s] = a.imports != nullptr && s != v.me && v.plan[v.P.mutual(s)] != 0 && alive;
+  if (a.imports != nullptr && s != v.me && cm.peers[s] != nullptr && !alive)
     // Masked here (before this call's layout pass too): should it still offer (it
     // may not have masked this rank), it hears at once that this rank reads none
     // of its rows, in place least of all, and does not wait for an answer by the
     // in-place rule.
     answer(a, v, s, c, 2u);
   if (sh.p.offer[s] != 0) poll_offer(a, v, s, c, sh);
+}
+
+// This rank's own tokens of channel c: copied from x. A warp places a token
+// at a time; then warp 0 counts the batch's rows while every warp copies.
+__device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh) {
+  const Span sp = channel_span(v.N, v.C, c);
+  for (int64_t tb = sp.first; tb < sp.end; tb += kBatch) {
+    const int nb = static_cast<int>(imin<int64_t>(kBatch, sp.end - tb));
+    // Offers that came since: answered now, not after all of this rank's own rows
+    // (until then their sources stage the bytes too).
+    if (threadIdx.x < v.R && sh.p.offer[threadIdx.x] != 0)
+      poll_offer(a, v, static_cast<int>(threadIdx.x), c, sh);
+    for (int j = v.warp; j < nb; j += kWarps) {
+      const int64_t t = tb + j;
+      const OwnRow src{&a, v.R, v.epr, t};
+      const int32_t row = place_row(a, v, src, v.me, t, sh.b.exp[j]);
+      if (!a.cached) own_dst_slots(a, v, t);
+      if (v.lane == 0) {
+        sh.b.row[j] = row;
+        sh.b.data[j] = a.x + t * a.x_stride;
+        sh.b.scales[j] = a.scales != nullptr ? a.scales + t * a.slots.scale_bytes : nullptr;
+      }
+    }
+    __syncthreads();
+    if (v.warp == 0) {
+      const int n = note_rows(v, sh, v.me, v.lane < nb ? sh.b.row[v.lane] : -1);
+      if (v.lane == 0) sh.p.rows[v.me] += n;
+    }
+    copy_batch<false>(a, v, sh, nb);
+    __syncthreads();
+  }
 }
 
 // The peers' rows of channel c, pulled from their rings (their bytes from
@@ -326,11 +341,8 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     p.cons[s] = p.tail[s] = 0;
     p.done[s] = false;
     p.deadline[s] = deadline_of(cm.timeout_ns);
-    if (p.state[s] == 0 && p.offer[s] != 0) {
-      // Masked since open_offers (another block's wait): it reads none of its rows.
-      p.offer[s] = 0;
-      answer(a, v, s, c, 2u);
-    }
+    if (p.state[s] == 0 && p.offer[s] != 0)
+      refuse_offer(a, v, s, c, sh);  // masked since open_offers (another block's wait)
     if (p.state[s] == 0 && p.xb[s] != nullptr)
       // Answered "in place", then masked here (another block's wait, while this one
       // took the other offers): it reads nothing, and says so, so that the source's
@@ -357,10 +369,7 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
           p.state[s] = 0;
         } else if (gives_up(cm, s, round, p.deadline[s], kRecv)) {
           p.state[s] = 0;
-          if (p.offer[s] != 0) {  // masked: this rank reads none of its rows
-            p.offer[s] = 0;
-            answer(a, v, s, c, 2u);
-          }
+          if (p.offer[s] != 0) refuse_offer(a, v, s, c, sh);  // masked
           if (p.xb[s] != nullptr)  // read in place: the source need not wait for it any more
             st_release_sys(word_at(cm.peers[s], a.h.ws.dispatch_head(v.me, c)),
                            signal(v.tag, p.cons[s] | kDone));
