@@ -554,11 +554,15 @@ def throughput_combine_error(x, handle, topk_weights, num_sms, async_with_comput
         return err
     if x.device != plan.device:
         return f"x must be on the dispatch's device ({plan.device}), got {x.device}"
-    if x.shape[0] != rows or x.shape[1] < 1:
+    if x.shape[0] > rows or x.shape[1] < 1:
         what = "expanded rows" if handle.do_expand else "received tokens"
-        return f"x must have shape [{rows}, hidden >= 1] (the handle's {what}), got {list(x.shape)}"
+        return (
+            f"x must have shape [rows, hidden >= 1] with at most {rows} rows (the handle's "
+            f"{what}; it may be trimmed to the valid ones), got {list(x.shape)}"
+        )
     if topk_weights is not None:
-        shape = [rows] if handle.do_expand else [rows, plan.num_topk]
+        n = x.shape[0]
+        shape = [n] if handle.do_expand else [n, plan.num_topk]
         return tensor_error(
             "topk_weights", topk_weights, (torch.float32,), len(shape), x.device, shape
         )

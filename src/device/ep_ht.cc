@@ -185,6 +185,11 @@ void EpHtBuffer::raise_reported(const char* what) {
                   "num_topk, x's row size or dtype, topk_weights given, do_expand, "
                   "expert_alignment or MOONCAKE_EP_HT_ONE_COPY differ): the ranks' calls must "
                   "agree; neither took the other's tokens");
+    case ht::kHtShortX:
+      throw_error(ErrorKind::kInvalidArgument, -1, what, ": a combine on this rank had x of ", d0,
+                  " rows, fewer than the ", d1,
+                  " valid rows of its dispatch's layout: x may be trimmed to the valid rows, "
+                  "not shorter (the missing rows were combined as zero)");
     case kernels::kStatusBadCount:
       throw_error(ErrorKind::kSystem, -1, what, ": a dispatch received from rank ", d0,
                   " a count of ", d1,

@@ -608,11 +608,17 @@ class ElasticBuffer:
             x: the dispatch's layout: ``[handle.num_recv_tokens, H]`` (one row per
                 received token; rows past the valid ones are ignored) or, expanded,
                 ``[handle.num_expanded_tokens, H]`` (padding rows ignored); bf16, fp16 or
-                float32, the same on every rank, on the dispatch's device.
+                float32, the same on every rank, on the dispatch's device. It may be
+                trimmed to the valid rows, as upstream's callers pass it after a dispatch
+                without CPU sync (``psum_num_recv_tokens_per_scaleup_rank[-1]`` rows;
+                expanded, ``psum_num_recv_tokens_per_expert[-1]``), not shorter: the
+                portable path raises ValueError for a shorter one; the device path, which
+                does not know the valid rows on the host, reads the missing rows as zero
+                and raises ValueError at this rank's next call.
             handle: the dispatch's EPHandle (this buffer's, this membership generation).
-            topk_weights: optional float32, ``[handle.num_recv_tokens, K]`` (expanded:
-                ``[handle.num_expanded_tokens]``): sent back beside the data, to be
-                returned per source slot (upstream's backward pass).
+            topk_weights: optional float32, ``[rows, K]`` (expanded: ``[rows]``), ``rows``
+                as ``x``'s: sent back beside the data, to be returned per source slot
+                (upstream's backward pass).
             num_sms, async_with_compute_stream: as in :meth:`dispatch`.
 
         Returns:

@@ -93,6 +93,26 @@ def _check_counts(rank: int, theirs: torch.Tensor, present: torch.Tensor, mine: 
             )
 
 
+def _short_x_error(x: torch.Tensor, handle) -> str | None:
+    """A combine's x trimmed below the dispatch's valid rows (checked here, where they are
+    known; the device path reads the missing rows as zero and reports them)."""
+    plan = handle.native_handle
+    rows = handle.num_expanded_tokens if handle.do_expand else handle.num_recv_tokens
+    if x.shape[0] >= rows:
+        return None
+    if handle.do_expand:  # up to the last expert's valid rows (its padding is not read)
+        psum = handle.psum_num_recv_tokens_per_expert
+        valid = int(psum[-1]) if psum.numel() else 0
+    else:
+        valid = plan.recv_token.numel()
+    if x.shape[0] >= valid:
+        return None
+    return (
+        f"x has {x.shape[0]} rows, fewer than the {valid} valid rows of the dispatch's layout "
+        f"(it may be trimmed to them, not shorter)"
+    )
+
+
 class ThroughputPortable:
     """Dispatch and combine over ``members``' exchange; ``buf`` in the calls is the
     ElasticBuffer (its mask, call numbers, generation and timeouts)."""
@@ -393,6 +413,8 @@ class ThroughputPortable:
             x, handle, topk_weights, num_sms, async_with_compute_stream, buf._id,
             buf._generation,
         )  # fmt: skip
+        if error is None:
+            error = _short_x_error(x, handle)
         if error:
             plan = getattr(handle, "native_handle", None)
             where = plan.exchange_device if isinstance(plan, Plan) else members.control_device()

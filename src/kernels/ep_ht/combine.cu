@@ -46,6 +46,18 @@ struct Vec<float> {
   }
 };
 
+// x may come trimmed to the layout's valid rows (upstream's callers pass it so),
+// so every read of x checks the row against x's rows: a row past them (x trimmed
+// short) reads as zero, and the kernel's first thread reports it (short_x).
+__device__ void short_x(const CombineArgs& a, const View& v) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  int64_t valid = v.plan[HtPlan::kRows];
+  if (a.expand)  // the last expert's valid rows end them (its padding is not read)
+    valid = v.epr > 0 ? v.plan[v.P.start(v.epr - 1)] + v.plan[v.P.count(v.epr - 1)] : 0;
+  if (a.rows < valid)
+    report(a.h.c.status, kHtShortX, static_cast<int32_t>(a.rows), static_cast<int32_t>(valid));
+}
+
 // The streams of a channel, one per peer rank.
 struct Peers {
   uint32_t staged[kMaxRanks];              // replier: rows staged for a source
@@ -98,7 +110,7 @@ __device__ int4 sum_expanded(const CombineArgs& a, const View& v, const int32_t*
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int k = 0; k < v.K; ++k) {
     const int32_t q = meta[2 + k];
-    if (q < 0) continue;
+    if (q < 0 || q >= a.rows) continue;  // (past a short x: zero, short_x)
     float f[8];
     Vec<T>::load(__ldg(reinterpret_cast<const int4*>(a.x + q * v.db + off)), f);
 #pragma unroll
@@ -249,8 +261,8 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
       for (int k = 0; k < v.K; ++k) {
         float x = 0.0f;
         if (!a.expand) {
-          x = a.weights[static_cast<int64_t>(row) * v.K + k];
-        } else if (meta[2 + k] >= 0 && (!a.single || k == k1)) {
+          if (row < a.rows) x = a.weights[static_cast<int64_t>(row) * v.K + k];
+        } else if (meta[2 + k] >= 0 && meta[2 + k] < a.rows && (!a.single || k == k1)) {
           x = a.weights[meta[2 + k]];
         }
         w[k] = x;
@@ -275,7 +287,12 @@ __device__ void reply_channel(const CombineArgs& a, const View& v, int c, Shared
             a.single ? a.metadata[static_cast<int64_t>(row) * (v.K + 2) + 2 + sh.item_slot[i]]
                      : row;
         uint8_t* slot = ring + ((staged + i) % S) * a.slots.bytes + a.slots.data;
-        copy_chunk<false>(slot, a.x + src_row * v.db, v.db, u % per_row, v.lane);
+        if (src_row < a.rows) {
+          copy_chunk<false>(slot, a.x + src_row * v.db, v.db, u % per_row, v.lane);
+        } else {  // past a short x: zero (short_x)
+          const int4 zero[kVecs] = {};
+          store_chunk(slot, zero, v.db, u % per_row, v.lane);
+        }
       }
     }
     __syncthreads();
@@ -381,13 +398,12 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
     } else if (entry && d >= 0 && sh.p.xb[d] == nullptr) {
       kind = kPeerRow;
     } else if (entry && d >= 0) {
-      // One copy: its row there, read in place (past the rows offered: corrupt).
+      // One copy: its row there, read in place (past the rows offered: that
+      // rank's x was short, which its own short_x reports; the row adds nothing).
       const int64_t row = sh.p.row0[d] + place_of(a.r, t, k, d);
       if (row < sh.p.xn[d]) {
         kind = kPeerX;
         ptr = sh.p.xb[d] + row * v.db;
-      } else {
-        report(a.h.c.status, kHtBadRow, d, static_cast<int>(row));
       }
     }
     sh.dest[j][k] = static_cast<int8_t>(d);
@@ -437,19 +453,20 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
     const int32_t* own_meta =
         own_row >= 0 ? a.metadata + static_cast<int64_t>(own_row) * (v.K + 2) : nullptr;
     if (sh.kind[j][k] == kOwnRow) {
-      if (!a.expand) {
-        sh.ptr[j][k] = a.x + own_row * v.db;
-      } else if (a.single) {
-        sh.ptr[j][k] = a.x + own_meta[2 + k] * v.db;
-      } else {
-        sh.kind[j][k] = kOwnSum;
+      const int64_t r = !a.expand ? own_row : own_meta[2 + k];
+      if (a.expand && !a.single) {
+        sh.kind[j][k] = kOwnSum;  // (sum_expanded reads rows past a short x as zero)
         sh.ptr[j][k] = reinterpret_cast<const uint8_t*>(own_meta);
+      } else if (r < a.rows) {
+        sh.ptr[j][k] = a.x + r * v.db;
+      } else {
+        sh.kind[j][k] = kNone;  // past a short x: adds nothing (short_x)
       }
     }
     if (a.weights == nullptr) continue;
     if (d == v.me) {
-      sh.wptr[j][k] = !a.expand ? a.weights + static_cast<int64_t>(own_row) * v.K + k
-                                : a.weights + own_meta[2 + k];
+      const int64_t r = !a.expand ? own_row : own_meta[2 + k];
+      if (r < a.rows) sh.wptr[j][k] = !a.expand ? a.weights + r * v.K + k : a.weights + r;
     } else if (sh.kind[j][k1] == kPeerX) {
       sh.wptr[j][k] = sh.p.wb[d] != nullptr
                           ? sh.p.wb[d] + (sh.ptr[j][k1] - sh.p.xb[d]) / v.db * v.K + k
@@ -607,6 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineArgs 
   const View v = view_of(a);
   const Roles roles = roles_of(v.R);
   stamp(a.h, 0);
+  short_x(a, v);
   if (roles.sends()) {
     for (int c = roles.index(); c < v.C; c += roles.count()) reply_channel<T>(a, v, c, sh);
   } else {

@@ -92,6 +92,9 @@ def _extra(world: int) -> dict[str, HSpec]:
         "align128-tokens": HSpec(align=128),
         "many-experts": HSpec(epr=16, K=4, T=16, ns=(16, 9), expand=True, align=4),
         "cached-three-times": HSpec(cached=3),
+        "trimmed-combine-x": HSpec(sync=False, trim=True, cached=1),
+        "trimmed-combine-x-expand": HSpec(sync=False, expand=True, align=8, trim=True),
+        "trimmed-combine-x-fp8-sync": HSpec(fp8="f32", trim=True, cached=1),
     }
 
 
@@ -264,8 +267,16 @@ def c_one_rank_rejects(ctx, op: str):
         words = ["topk_idx"] if bad else ["rank 0", "rejected"]
         expect_value_error(ctx, lambda: buf.dispatch(**args), words, "fresh dispatch")
     else:
+        if op == "combine-short":  # x trimmed below the valid rows, after a dispatch without sync
+            args["do_cpu_sync"] = False
         _, _, _, h, _ = buf.dispatch(**args)
-        if op == "cached":
+        if op == "combine-short":
+            valid = int(h.psum_num_recv_tokens_per_scaleup_rank[-1])
+            ctx.expect(valid > 0 or not bad, "rank 0 received no rows to trim")
+            y = torch.zeros(valid - 1 if bad else valid, SMALL.H, dtype=torch.bfloat16)
+            words = ["x", "valid rows"] if bad else [("rank 0", "rejected", "disagree")]
+            expect_value_error(ctx, lambda: buf.combine(y, h), words, "combine of a short x")
+        elif op == "cached":
             a = dict(x=args["x"], topk_weights=args["topk_weights"], handle=h)
             if bad:
                 a["do_cpu_sync"] = True
@@ -437,6 +448,7 @@ def rule_cases(world: int) -> list[Case]:
             Case("rules/one-rank/dispatch", P(c_one_rank_rejects, op="dispatch")),
             Case("rules/one-rank/cached", P(c_one_rank_rejects, op="cached")),
             Case("rules/one-rank/combine", P(c_one_rank_rejects, op="combine")),
+            Case("rules/one-rank/combine-short-x", P(c_one_rank_rejects, op="combine-short")),
             Case("rules/disagree/T", P(c_disagree, field="T")),
             Case("rules/disagree/dtype", P(c_disagree, field="dtype")),
             Case("rules/disagree/weights", P(c_disagree, field="weights")),

@@ -287,6 +287,35 @@ def c_bad_ids(ctx):
     DeviceRound(ctx, buf, spec, "after-bad").run()
 
 
+def c_short_x(ctx):
+    """A combine given x trimmed below the dispatch's valid rows (rank 0, after a dispatch
+    without CPU sync, whose count the host does not know): rank 0's next call raises
+    ValueError naming x and the valid rows (the others go on without it), and the buffer
+    works after. (Trimmed to exactly the valid rows is a round of every grid:
+    ``trimmed-combine-x``.)"""
+    buf = get_buf(ctx)
+    spec = fit(HSpec(T=8, H=128, K=2, epr=2, ns=(8,), neg=0.0), ctx.world_size)
+    ins = make_inputs(5, ctx.rank, spec, ctx.world_size, "short")
+    dev = cuda()
+    args = dict(num_experts=spec.epr * ctx.world_size, num_max_tokens_per_rank=spec.T)
+    recv_x, _, recv_w, h, _ = buf.dispatch(
+        ins.x_in.to(dev), ins.idx.to(dev), ins.w.to(dev), do_cpu_sync=False, **args
+    )
+    valid = int(h.psum_num_recv_tokens_per_scaleup_rank[-1])
+    ctx.expect(valid > 0, "no rows received")
+    keep = valid - 1 if ctx.rank == 0 else valid
+    buf.combine(recv_x[:keep], h, topk_weights=recv_w[:keep])
+    torch.cuda.synchronize()
+    try:
+        buf.dispatch(ins.x_in.to(dev), ins.idx.to(dev), ins.w.to(dev), **args)
+        ctx.expect(ctx.rank != 0, "rank 0's call after its short combine did not raise")
+    except ValueError as e:
+        ctx.expect(ctx.rank == 0 and "x of" in str(e) and "valid rows" in str(e),
+                   f"rank {ctx.rank}: {e}")  # fmt: skip
+    torch.cuda.synchronize()
+    DeviceRound(ctx, buf, spec, "after-short").run()
+
+
 def c_one_copy(ctx):
     """``MOONCAKE_EP_HT_ONE_COPY=1`` (the launch's environment): each source offers its x
     (a replier its x and weights), and from the round after a peer mapped the allocation
@@ -347,6 +376,7 @@ def device_cases(world: int, one_copy: bool = False) -> list[Case]:
         Case("dev/num-sms", c_num_sms),
         Case("dev/workspace", c_workspace),
         Case("dev/bad-ids", c_bad_ids),
+        Case("dev/combine-short-x", c_short_x),
     ]  # fmt: skip
     if one_copy and world > 1:
         cases.append(Case("dev/one-copy", c_one_copy))

@@ -48,6 +48,7 @@ class HSpec:
     offset: bool = False  # x a contiguous view at an odd place of its storage
     cdtype: torch.dtype | None = None  # the experts' output dtype (None: x's, bf16 for FP8)
     combine_weights: bool = True
+    trim: bool = False  # combine's x (and weights) trimmed to the valid rows, as upstream's callers
 
     def n_of(self, rank: int) -> int:
         return self.ns[rank % len(self.ns)]
@@ -337,6 +338,10 @@ class HRound:
         cw = None
         if spec.combine_weights and self.recv_w is not None:
             cw = self.recv_w * 4 + self.me
+        if spec.trim:  # the valid rows only (expanded: up to the last expert's)
+            psum = h.psum_num_recv_tokens_per_expert
+            keep = len(rec.tokens) if not spec.expand else int(psum[-1]) if psum.numel() else 0
+            y, cw = y[:keep], None if cw is None else cw[:keep]
         return y.to(cd), cw
 
     def combine(self):
