@@ -64,7 +64,7 @@ enum HtStatus : int32_t {
   kHtDuplicate = 32,  // detail: the token, the expert it selects twice
   kHtBadRow = 33,     // detail: the source, the row (past the outputs: corrupt data)
   kHtMismatch = 34,   // detail: the source, 0 (its call's shape is not this rank's)
-  kHtShortX = 35,     // detail: a combine's x rows, a row it needed past them (read as 0)
+  kHtShortX = 35,     // detail: a combine's x rows, its layout's valid rows (more: read as 0)
 };
 
 // The tag a call's signals carry: 1 .. 2^32 - 1 in turn, never 0 (which a

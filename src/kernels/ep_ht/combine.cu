@@ -404,6 +404,8 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
       if (row < sh.p.xn[d]) {
         kind = kPeerX;
         ptr = sh.p.xb[d] + row * v.db;
+      } else if (row >= v.R * v.T) {  // past any layout: corrupt
+        report(a.h.c.status, kHtBadRow, d, static_cast<int>(row));
       }
     }
     sh.dest[j][k] = static_cast<int8_t>(d);
@@ -463,10 +465,13 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
         sh.kind[j][k] = kNone;  // past a short x: adds nothing (short_x)
       }
     }
-    if (a.weights == nullptr) continue;
+    // (the peers' weights come back whatever this rank's x holds: a rank of no valid
+    // rows may pass weights of none, with no storage)
+    if (a.out_w == nullptr) continue;
     if (d == v.me) {
       const int64_t r = !a.expand ? own_row : own_meta[2 + k];
-      if (r < a.rows) sh.wptr[j][k] = !a.expand ? a.weights + r * v.K + k : a.weights + r;
+      if (a.weights != nullptr && r < a.rows)
+        sh.wptr[j][k] = !a.expand ? a.weights + r * v.K + k : a.weights + r;
     } else if (sh.kind[j][k1] == kPeerX) {
       sh.wptr[j][k] = sh.p.wb[d] != nullptr
                           ? sh.p.wb[d] + (sh.ptr[j][k1] - sh.p.xb[d]) / v.db * v.K + k
