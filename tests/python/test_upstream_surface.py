@@ -134,6 +134,13 @@ def test_event_overlap_keeps_upstreams_attributes():
     event.current_stream_wait()  # nothing to wait for
     with event:
         pass
+    # upstream's callers wrap what capture() returns: ours is an EventOverlap already
+    calls = []
+    inner = EventOverlap(None, kept, finish=lambda: calls.append(1))
+    outer = EventOverlap(inner)
+    assert outer.event is None and outer.extra_tensors is kept
+    outer.current_stream_wait()
+    assert calls == [1]
 
 
 def test_size_hints_are_one_formula():

@@ -26,6 +26,12 @@ class EventOverlap:
     """
 
     def __init__(self, event=None, extra_tensors=None, *, finish: Callable[[], None] | None = None):
+        if isinstance(event, EventOverlap):
+            # Upstream's capture() returns a bare event handle that callers wrap in an
+            # EventOverlap; ours returns an EventOverlap already: wrapping it again is the same.
+            extra_tensors = event.extra_tensors if extra_tensors is None else extra_tensors
+            finish = finish or event._finish
+            event = event.event
         self.event = event
         self.extra_tensors = extra_tensors
         self._finish = finish
