@@ -270,6 +270,17 @@ void EpHtBuffer::with_one_copy(Args& a, cudaStream_t stream, const char* what, b
   a.counts = xcounts_;
 }
 
+std::vector<int32_t> EpHtBuffer::plan_head(const int32_t* plan, int64_t n, cudaStream_t stream) {
+  MC_CHECK_ARG(plan != nullptr && n >= 0 && n <= kHeadWords, "plan_head: ", n, " words; at most ",
+               kHeadWords);
+  OnDevice on(device_);
+  cuda_check(cudaMemcpyAsync(head_.host(), plan, static_cast<size_t>(n) * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, stream),
+             "reading the plan's counts");
+  cuda_check(cudaStreamSynchronize(stream), "waiting for the plan's counts");
+  return {head_.host(), head_.host() + n};
+}
+
 std::vector<int64_t> EpHtBuffer::one_copy_counts() const {
   if (xcounts_ == nullptr) return {0, 0, 0, 0};
   OnDevice on(device_);

@@ -94,6 +94,12 @@ class EpHtBuffer {
                 int blocks, cudaStream_t stream);
   void combine(kernels::ep_ht::CombineArgs a, uint64_t seq, int64_t timeout_ns, int32_t* active,
                int blocks, cudaStream_t stream);
+  // The first n words of a plan (device int32: HtRouting::plan; its summary
+  // and each local expert's padded rows, n at most kHeadWords) once `stream`
+  // has run to here: copied into pinned memory, then the stream waited for.
+  static constexpr int64_t kHeadWords =
+      kernels::ep_ht::HtPlan::kSummary + kernels::ep_ht::kMaxLocalExperts;
+  std::vector<int32_t> plan_head(const int32_t* plan, int64_t n, cudaStream_t stream);
   // The layout pass's per-expert scratch (device int32 [kMaxExperts], zero between calls).
   int32_t* expert_scratch() const { return etotal_; }
   // One copy (MOONCAKE_EP_HT_ONE_COPY, read when the buffer is made; the
@@ -145,6 +151,7 @@ class EpHtBuffer {
   unsigned long long* xcounts_ = nullptr;  // device [4]
   HostWords silent_;
   HostWords status_;
+  HostWords head_{kHeadWords};  // plan_head's (pinned: a copy into it is one DMA)
   std::shared_ptr<LostWords> lost_;
   // Calls share the rings, the counters and the scratch: one after another
   // whatever stream each is queued on.

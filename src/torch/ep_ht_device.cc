@@ -16,6 +16,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -382,11 +383,36 @@ void register_ep_ht_device(py::module_& m) {
       .def("combine", &EpHtDevice::combine, py::arg("plan"), py::arg("x"), py::arg("weights"),
            py::arg("active"), py::arg("single"), py::arg("seq"), py::arg("timeout_ns"),
            py::arg("blocks"))
+      .def(
+          "plan_head",
+          [](EpHtDevice& d, const HtPlanTensors& plan, int64_t n) {
+            MC_CHECK_ARG(n <= plan.words.numel(), "plan_head: ", n, " words of a plan of ",
+                         plan.words.numel());
+            const cudaStream_t s =
+                c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(d.buf().device()))
+                    .stream();
+            return d.buf().plan_head(plan.words.data_ptr<int32_t>(), n, s);
+          },
+          py::arg("plan"), py::arg("n"), R())
       .def("set_stamps", &EpHtDevice::set_stamps, py::arg("stamps"))
       .def("one_copy", [](EpHtDevice& d) { return d.buf().one_copy(); })
       .def(
           "one_copy_counts", [](EpHtDevice& d) { return d.buf().one_copy_counts(); }, R())
       .def("one_copy_mapped", [](EpHtDevice& d) { return d.buf().one_copy_mapped(); });
+  m.def(
+      "ep_ht_trim",
+      [](std::vector<at::Tensor> tensors, const std::vector<int64_t>& rows) {
+        // A synced dispatch's outputs cut to their valid rows, in one call (a
+        // slice from Python is a torch op each). A row count below 0 leaves its
+        // tensor as it is.
+        MC_CHECK_ARG(tensors.size() == rows.size(), "ep_ht_trim: ", tensors.size(), " tensors and ",
+                     rows.size(), " row counts");
+        for (size_t i = 0; i < tensors.size(); ++i)
+          if (rows[i] >= 0 && tensors[i].dim() >= 1)
+            tensors[i] = tensors[i].narrow(0, 0, std::min(rows[i], tensors[i].size(0)));
+        return tensors;
+      },
+      py::arg("tensors"), py::arg("rows"));
   m.def(
       "ep_ht_gpu",
       [](int64_t device) {

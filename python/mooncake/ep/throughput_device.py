@@ -449,9 +449,8 @@ class ThroughputDevice:
         if do_cpu_sync and R > 1:
             # Exact sizes from the layout pass's counts (a sync before the data moves):
             # the worst case, R * T rows, is R times the memory at prefill sizes.
-            head = plan.words[:2].cpu()
-            rows = int(head[0])
-            expanded = int(head[1]) if do_expand else 0
+            rows, expanded = self.ext.plan_head(plan, 2)
+            expanded = expanded if do_expand else 0
         elif do_cpu_sync:
             # Alone, the worst case is this rank's own N tokens (the exact sizes when
             # each selects an expert; expanded, plus the alignment padding): the dispatch
@@ -470,21 +469,23 @@ class ThroughputDevice:
         if do_cpu_sync:
             # The counts as the kernels left them (a receiver may have dropped a source
             # that failed while its rows streamed in): outputs trimmed to them.
-            head = plan.words[: 4 + epr].cpu()
-            rows, padded_list = int(head[0]), head[4:].tolist()
-            expanded = int(head[1]) if do_expand else 0
+            # (one pinned copy and a stream sync: a tensor's .cpu() and .tolist() are
+            # several torch ops, a good part of a small call's host time)
+            head = self.ext.plan_head(plan, 4 + epr)
+            rows, padded_list = head[0], head[4:]
+            expanded = head[1] if do_expand else 0
             self._settle(buf)
             code = self.ext.status_code()
             if code and code != pg._ext.EP_STATUS_SILENT_PEER:
                 self.ext.raise_reported("dispatch")
-            recv_idx, metadata = recv_idx[:rows], metadata[:rows]
-            # (each slice is a torch op: the absent outputs, empty, are left as they are)
+            # (one call: a slice from Python is a torch op each; the absent outputs,
+            # empty, are left as they are)
             end = expanded if do_expand else rows
-            recv_x = recv_x[:end]
-            if scales is not None:
-                recv_sf = recv_sf[:end]
-            if weights is not None:
-                recv_w = recv_w[:end]
+            recv_x, recv_sf, recv_idx, recv_w, metadata = pg._ext.ep_ht_trim(
+                [recv_x, recv_sf, recv_idx, recv_w, metadata],
+                [end, end if scales is not None else -1, rows,
+                 end if weights is not None else -1, rows],
+            )  # fmt: skip
         else:
             self._settle(buf)
         dplan = DevicePlan(

@@ -387,8 +387,8 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
     const int64_t e = slot ? expert_at(a.r, t, k) : -1;
     int d = e >= 0 ? static_cast<int>(e / v.epr) : -1;
     // A rank's row serves its first slot (rows one by one: every slot).
-    const unsigned same = __match_any_sync(0xffffffffu, d >= 0 ? d : -1 - k);
-    const bool entry = d >= 0 && (a.single || (same & ((1u << k) - 1)) == 0);
+    const SameRank same = same_rank(d, k);
+    const bool entry = d >= 0 && (a.single || same.first(k));
     if (!slot) continue;
     if (d >= 0 && d != v.me && sh.p.state[d] == 0) d = -1;  // a rank not taking part
     Kind kind = kNone;
@@ -449,13 +449,14 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
           0xffffffffu, k == k0 ? v.plan[v.P.src_off(v.me)] + place_of(a.r, t, k0, v.me) : 0, k0);
     }
     // the row of slot k's rank: its first slot's (its own, one by one)
-    const unsigned same = __match_any_sync(0xffffffffu, d >= 0 ? d : -1 - k);
-    const int k1 = a.single ? k : __ffs(same) - 1;
+    const SameRank same = same_rank(d, k);
+    const int k1 = a.single ? k : same.first_lane();
     if (d < 0) continue;
     const int32_t* own_meta =
         own_row >= 0 ? a.metadata + static_cast<int64_t>(own_row) * (v.K + 2) : nullptr;
+    // slot k's row of this rank's x (slots here alone)
+    const int64_t r = d != v.me ? -1 : !a.expand ? own_row : own_meta[2 + k];
     if (sh.kind[j][k] == kOwnRow) {
-      const int64_t r = !a.expand ? own_row : own_meta[2 + k];
       if (a.expand && !a.single) {
         sh.kind[j][k] = kOwnSum;  // (sum_expanded reads rows past a short x as zero)
         sh.ptr[j][k] = reinterpret_cast<const uint8_t*>(own_meta);
@@ -469,7 +470,6 @@ __device__ void plan_batch(const CombineArgs& a, const View& v, int c, int64_t t
     // rows may pass weights of none, with no storage)
     if (a.out_w == nullptr) continue;
     if (d == v.me) {
-      const int64_t r = !a.expand ? own_row : own_meta[2 + k];
       if (a.weights != nullptr && r < a.rows)
         sh.wptr[j][k] = !a.expand ? a.weights + r * v.K + k : a.weights + r;
     } else if (sh.kind[j][k1] == kPeerX) {

@@ -49,6 +49,18 @@ __device__ __forceinline__ bool live(const Common& c, int r) {
   return ld_volatile(c.active_ranks + r) != 0 && c.peers[r] != nullptr;
 }
 
+// A token's slots, lane k for slot k, going to rank d (-1: none): the lanes
+// whose slots go to the same rank (a lane of none: alone), and whether lane k
+// holds that rank's first slot (which the rank's row serves). A warp's call.
+struct SameRank {
+  unsigned lanes;
+  __device__ bool first(int k) const { return (lanes & ((1u << k) - 1)) == 0; }
+  __device__ int first_lane() const { return __ffs(lanes) - 1; }
+};
+__device__ __forceinline__ SameRank same_rank(int d, int k) {
+  return SameRank{__match_any_sync(0xffffffffu, d >= 0 ? d : -1 - k)};
+}
+
 // A dispatch or combine as every function of it reads it.
 struct View {
   int R, me, K, C;

@@ -166,11 +166,10 @@ __device__ void own_dst_slots(const DispatchArgs& a, const View& v, int64_t t) {
   const int k = v.lane;
   const int64_t e = k < v.K ? expert_at(a.r, t, k) : -1;
   const int d = e >= 0 ? static_cast<int>(e / v.epr) : -1;
-  // The lanes whose slots go to the same rank (a lane with none: alone).
-  const unsigned same = __match_any_sync(0xffffffffu, e >= 0 ? d : -1 - k);
+  const SameRank same = same_rank(d, k);
   if (k >= v.K) return;
   int32_t at = -1;
-  if (e >= 0 && (same & ((1u << k) - 1)) == 0 && v.plan[v.P.mutual(d)] != 0)
+  if (e >= 0 && same.first(k) && v.plan[v.P.mutual(d)] != 0)
     at = static_cast<int32_t>(v.me * v.T + place_of(a.r, t, k, d));
   a.dst_slot[t * v.K + k] = at;
 }
@@ -292,8 +291,8 @@ __device__ void open_offers(const DispatchArgs& a, const View& v, int c, Shared&
     // Masked here (before this call's layout pass too): should it still offer (it
     // may not have masked this rank), it hears at once that this rank reads none
     // of its rows, in place least of all, and does not wait for an answer by the
-    // in-place rule.
-    answer(a, v, s, c, 2u);
+    // in-place rule; an offer already in is taken, as any refused one.
+    refuse_offer(a, v, s, c, sh);
   if (sh.p.offer[s] != 0) poll_offer(a, v, s, c, sh);
 }
 
