@@ -466,6 +466,14 @@ size_t MooncakeCudaBackend::capture_chunk(DirectOps::Op& op, const at::Tensor& t
   return coll_->direct_chunk(op);
 }
 
+std::optional<DirectOps::Op> MooncakeCudaBackend::one_element(DirectOps::Op op,
+                                                              const at::Tensor& t) {
+  if (op.count <= 1) return std::nullopt;  // (then the op itself was the question)
+  op.count = 1;
+  if (!direct_branch(op, t)) return std::nullopt;
+  return op;
+}
+
 bool MooncakeCudaBackend::alone() {
   // (A world of one with spare slots is not: a rank that joins past the world
   // size takes part in its ops, through the plane or staging.)
@@ -646,11 +654,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                               const c10d::BroadcastOptions& opts) {
   const int root = static_cast<int>(opts.rootRank);
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (tensors.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kBroadcast, elems(t), root);
     if (direct_branch(op, t)) warm = op;
+    setup = warm ? warm : one_element(op, t);
     const size_t chunk = warm ? 0 : capture_chunk(op, t);
     if ((warm && checked_now(false)) || chunk > 0) {
       DirectCall call{op,
@@ -680,7 +689,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
             const at::Tensor in = is_root ? t.contiguous() : t;
             c.broadcast(cptr(in), out.data_ptr(), elems(t), dt, root, st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_inout("broadcast", c10d::OpType::BROADCAST, tensors, "tensor",
@@ -689,11 +698,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (tensors.size() == 1) {
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kAllReduce, elems(t));
     if (direct_branch(op, t)) warm = op;
+    setup = warm ? warm : one_element(op, t);
     const size_t chunk = warm ? 0 : capture_chunk(op, t);
     if ((warm && direct_now()) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, t, "all_reduce");
@@ -715,7 +725,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
             const at::Tensor in = input_of(c, t);
             c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_inout("all_reduce", c10d::OpType::ALLREDUCE, tensors, "tensor",
@@ -764,11 +774,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::ReduceOptions& opts) {
   const int root = static_cast<int>(opts.rootRank);
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (tensors.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kReduce, elems(t), root);
     if (direct_branch(op, t)) warm = op;
+    setup = warm ? warm : one_element(op, t);
     const size_t chunk = warm ? 0 : capture_chunk(op, t);
     if ((warm && checked_now(false)) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, t, "reduce");
@@ -801,7 +812,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
             c.reduce(cptr(in), is_root ? out.data_ptr() : nullptr, elems(t), dt, op, root, st,
                      timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_inout("reduce", c10d::OpType::REDUCE, tensors, "tensor",
@@ -814,13 +825,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
   // Eagerly the path depends on the input alone (what every rank shares): a
   // list that does not fit it is this rank's bad call, rejected in step with
   // the others.
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   const bool checked = checked_now(true);
   if (inputs.size() == 1 && outputs.size() == 1 &&
       (checked || list_fits(outputs[0], size_, inputs[0]))) {
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
     if (direct_branch(op, in)) warm = op;
+    setup = warm ? warm : one_element(op, in);
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
     if ((warm && (checked || rooted_now())) || chunk > 0) {
       std::vector<at::Tensor> listed;  // the list, where it fits
@@ -849,7 +861,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
             const at::Tensor src = in.contiguous();
             c.all_gather(cptr(src), elems(in), dt, ptrs(outs).data(), st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_op("all_gather", c10d::OpType::ALLGATHER, flat(outputs), inputs, "tensor", outputs,
@@ -860,10 +872,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (input.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(input));
     if (direct_branch(op, input)) warm = op;
+    setup = warm ? warm : one_element(op, input);
     const size_t chunk = warm ? 0 : capture_chunk(op, input);
     if ((warm && direct_now()) || chunk > 0) {
       std::string reject = misfit("all_gather_into_tensor", "output_tensor (world_size x input)",
@@ -891,7 +904,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
             const auto outs = slices(out.data_ptr(), in.nbytes(), world);
             c.all_gather(cptr(src), elems(in), dt, outs.data(), st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_op("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output}, input,
@@ -1019,11 +1032,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
   // not fit it is a bad call, which the staged path rejects on every rank.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (inputs.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kGather, elems(in), root);
     if (direct_branch(op, in)) warm = op;
+    setup = warm ? warm : one_element(op, in);
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
     if ((warm && checked_now(true)) || chunk > 0) {
       // The root's list is its own: a bad one is rejected there, in step with the others.
@@ -1055,7 +1069,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
             const auto to = ptrs(outs);
             c.gather(cptr(src), elems(in), dt, to.empty() ? nullptr : to.data(), root, st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_op("gather", c10d::OpType::GATHER, flat(outputs), inputs, "tensor", outputs,
@@ -1069,11 +1083,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
   // As gather: the path depends on the output alone.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (outputs.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kScatter, elems(out), root);
     if (direct_branch(op, out)) warm = op;
+    setup = warm ? warm : one_element(op, out);
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
     if ((warm && checked_now(true)) || chunk > 0) {
       std::vector<at::Tensor> all{out};
@@ -1111,7 +1126,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
             c.scatter(from.empty() ? nullptr : from.data(), out.data_ptr(), elems(out), dt, root,
                       st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_op("scatter", c10d::OpType::SCATTER, outputs, inputs, "scatter_list", outputs,
@@ -1123,13 +1138,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   // As all_gather's: eagerly the path depends on the output alone.
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   const bool checked = checked_now(true);
   if (inputs.size() == 1 && outputs.size() == 1 &&
       (checked || list_fits(inputs[0], size_, outputs[0]))) {
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
     if (direct_branch(op, out)) warm = op;
+    setup = warm ? warm : one_element(op, out);
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
     if ((warm && (checked || rooted_now())) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
@@ -1164,7 +1180,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
             for (const at::Tensor& t : srcs) from.push_back(cptr(t));
             c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_op("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, inputs, "input_list",
@@ -1175,10 +1191,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  std::optional<DirectOps::Op> warm;
+  std::optional<DirectOps::Op> warm, setup;
   if (output.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(output));
     if (direct_branch(op, output)) warm = op;
+    setup = warm ? warm : one_element(op, output);
     const size_t chunk = warm ? 0 : capture_chunk(op, output);
     if ((warm && direct_now()) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, output, "reduce_scatter_tensor");
@@ -1209,7 +1226,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
             std::vector<const void*> from(parts.begin(), parts.end());
             c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st, timeout);
           },
-          warm);
+          setup);
     });
   }
   return host_op("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output}, input,

@@ -216,6 +216,11 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // op's dtype set), else 0. Eagerly such an op takes the device plane, whose
   // results a failure cannot split between pieces.
   size_t capture_chunk(DirectOps::Op& op, const at::Tensor& t);
+  // For an op past the device-driven kernels' bound (it takes the device
+  // plane): one element of it, where they serve that, for its plane call to
+  // set them up with (on_device's `warm`), else none. A group whose eager ops
+  // are all large can then capture them (in pieces).
+  std::optional<DirectOps::Op> one_element(DirectOps::Op op, const at::Tensor& t);
   // Runs `calls` in order as one op `name` of `type` whose Work reports
   // `results`: on the caller's stream at once where the kernels are set up
   // (and always under CUDA graph capture), else through the op queue (where

@@ -527,7 +527,9 @@ def graph_capture(ctx):
     input: a reduce_scatter_tensor whose output part is far smaller is past it) take the
     host-driven paths eagerly, and under capture go as one launch per piece of each part
     and replay: all_reduce, reduce_scatter_tensor, all_gather_into_tensor and
-    all_to_all_single; a 4 KiB all_reduce is captured and replayed there. An op under a
+    all_to_all_single; a 4 KiB all_reduce is captured and replayed there; on another
+    such group whose only eager op is a 128 KiB all_reduce (the plane), that op sets the
+    kernels up, and its capture replays. An op under a
     capture that an earlier call broke (a synchronize) raises ValueError saying so. At one rank the
     ops past the bound, and the eager calls above, take the kernels' path (a local copy),
     which captures and replays. Every collective the kernels serve is capturable:
@@ -662,6 +664,27 @@ def graph_capture(ctx):
     y.fill_(1.0)
     g.replay()
     ctx.expect_equal(y.cpu(), torch.full((1024,), float(world)), "4 KiB replay at a 4 KiB bound")
+
+    # A group whose only eager op is past the bound (128 KiB: on the plane, not staged):
+    # that op sets the kernels up too, so that the same op is captured (in pieces) and
+    # replays.
+    large = _group_with({"MOONCAKE_CUDA_DIRECT_BYTES": "4096"})
+    n_big = 32 << 10
+    big_x = torch.full((n_big,), float(me + 1), device="cuda")
+    got = _paths(lambda: dist.all_reduce(big_x, group=large), large, direct=True)
+    ctx.expect(got == (PLANE if world > 1 else DIRECT), f"128 KiB, a group's first op: {got}")
+    total = world * (world + 1) / 2
+    ctx.expect_equal(big_x.cpu(), torch.full((n_big,), total), "eager all_reduce past the bound")
+    g = torch.cuda.CUDAGraph()
+    try:
+        with _graph(g):
+            dist.all_reduce(big_x, group=large)
+    except (ValueError, RuntimeError) as e:
+        ctx.fail(f"capture after only an eager op past the bound: {type(e).__name__}: {e}")
+    else:
+        big_x.fill_(float(me + 1))
+        g.replay()
+        ctx.expect_equal(big_x.cpu(), torch.full((n_big,), total), "its replay")
 
     off = _group_with({"MOONCAKE_CUDA_DIRECT": "off"})
     for name, fn in (
