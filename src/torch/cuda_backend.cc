@@ -825,14 +825,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
   // Eagerly the path depends on the input alone (what every rank shares): a
   // list that does not fit it is this rank's bad call, rejected in step with
   // the others.
-  std::optional<DirectOps::Op> warm, setup;
+  std::optional<DirectOps::Op> warm;
   const bool checked = checked_now(true);
   if (inputs.size() == 1 && outputs.size() == 1 &&
       (checked || list_fits(outputs[0], size_, inputs[0]))) {
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(in));
     if (direct_branch(op, in)) warm = op;
-    setup = warm ? warm : one_element(op, in);
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
     if ((warm && (checked || rooted_now())) || chunk > 0) {
       std::vector<at::Tensor> listed;  // the list, where it fits
@@ -861,7 +860,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
             const at::Tensor src = in.contiguous();
             c.all_gather(cptr(src), elems(in), dt, ptrs(outs).data(), st, timeout);
           },
-          setup);
+          warm);
     });
   }
   return host_op("all_gather", c10d::OpType::ALLGATHER, flat(outputs), inputs, "tensor", outputs,
@@ -1032,12 +1031,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
   // not fit it is a bad call, which the staged path rejects on every rank.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  std::optional<DirectOps::Op> warm, setup;
+  std::optional<DirectOps::Op> warm;
   if (inputs.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& in = inputs[0];
     DirectOps::Op op = direct_op(DirectKind::kGather, elems(in), root);
     if (direct_branch(op, in)) warm = op;
-    setup = warm ? warm : one_element(op, in);
     const size_t chunk = warm ? 0 : capture_chunk(op, in);
     if ((warm && checked_now(true)) || chunk > 0) {
       // The root's list is its own: a bad one is rejected there, in step with the others.
@@ -1069,7 +1067,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::gather(
             const auto to = ptrs(outs);
             c.gather(cptr(src), elems(in), dt, to.empty() ? nullptr : to.data(), root, st, timeout);
           },
-          setup);
+          warm);
     });
   }
   return host_op("gather", c10d::OpType::GATHER, flat(outputs), inputs, "tensor", outputs,
@@ -1083,12 +1081,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
   // As gather: the path depends on the output alone.
   const int root = static_cast<int>(opts.rootRank);
   const bool is_root = rank_ == root;
-  std::optional<DirectOps::Op> warm, setup;
+  std::optional<DirectOps::Op> warm;
   if (outputs.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kScatter, elems(out), root);
     if (direct_branch(op, out)) warm = op;
-    setup = warm ? warm : one_element(op, out);
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
     if ((warm && checked_now(true)) || chunk > 0) {
       std::vector<at::Tensor> all{out};
@@ -1126,7 +1123,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::scatter(
             c.scatter(from.empty() ? nullptr : from.data(), out.data_ptr(), elems(out), dt, root,
                       st, timeout);
           },
-          setup);
+          warm);
     });
   }
   return host_op("scatter", c10d::OpType::SCATTER, outputs, inputs, "scatter_list", outputs,
@@ -1138,14 +1135,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   // As all_gather's: eagerly the path depends on the output alone.
-  std::optional<DirectOps::Op> warm, setup;
+  std::optional<DirectOps::Op> warm;
   const bool checked = checked_now(true);
   if (inputs.size() == 1 && outputs.size() == 1 &&
       (checked || list_fits(inputs[0], size_, outputs[0]))) {
     const at::Tensor& out = outputs[0];
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(out));
     if (direct_branch(op, out)) warm = op;
-    setup = warm ? warm : one_element(op, out);
     const size_t chunk = warm ? 0 : capture_chunk(op, out);
     if ((warm && (checked || rooted_now())) || chunk > 0) {
       op.op = to_redop(opts.reduceOp, out, "reduce_scatter");
@@ -1180,7 +1176,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
             for (const at::Tensor& t : srcs) from.push_back(cptr(t));
             c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st, timeout);
           },
-          setup);
+          warm);
     });
   }
   return host_op("reduce_scatter", c10d::OpType::REDUCE_SCATTER, outputs, inputs, "input_list",
@@ -1296,7 +1292,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter_tensor_coales
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_on_device(
     Staging& s, const char* op, c10d::OpType type, const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs, std::vector<size_t> in_counts,
-    std::vector<size_t> out_counts, int64_t timeout) {
+    std::vector<size_t> out_counts, int64_t timeout, std::optional<DirectOps::Op> setup) {
   DeviceCollectives::check_own_counts(rank_, in_counts.data(), out_counts.data(), op);
   const DType dt = to_dtype(inputs[0].scalar_type(), op, "input");
   for (const at::Tensor& t : inputs) s.keep(t);
@@ -1321,7 +1317,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_on_device(
           }
         }
         c.all_to_all(src.data(), in_counts.data(), dst.data(), out_counts.data(), dt, st, timeout);
-      });
+      },
+      setup);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
@@ -1337,11 +1334,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
   // equal (as functional collectives pass them), and otherwise the device
   // plane (or staging).
   const bool no_splits = input_split_sizes.empty() && output_split_sizes.empty();
+  std::optional<DirectOps::Op> setup;  // the plane's call sets the kernels up (no splits)
   if (input.defined() &&
       (no_splits || (rooted_now() && equal_splits(input, input_split_sizes, size_) &&
                      equal_splits(output, output_split_sizes, size_)))) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(input) / static_cast<size_t>(size_));
     const bool branch = direct_branch(op, input);
+    if (no_splits) setup = branch ? std::optional<DirectOps::Op>(op) : one_element(op, input);
     const size_t chunk = branch ? 0 : capture_chunk(op, input);
     if ((branch && direct_now()) || chunk > 0) {
       std::string reject =
@@ -1370,7 +1369,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
           s, "all_to_all_single", c10d::OpType::ALLTOALL_BASE, {input}, {output},
           split_counts(input, input_split_sizes, size_, "input_split_sizes", "input"),
           split_counts(output, output_split_sizes, size_, "output_split_sizes", "output"),
-          op_timeout_ms(opts.timeout));
+          op_timeout_ms(opts.timeout), setup);
     });
   }
   return host_op("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {output}, input, "input", output,

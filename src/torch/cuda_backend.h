@@ -266,13 +266,13 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // Remembers `work` as the last collective queued.
   void queued(const c10::intrusive_ptr<c10d::Work>& work);
   // all_to_all_single (one tensor each, sliced by the counts) and all_to_all
-  // (one tensor per rank) on the device collectives.
-  c10::intrusive_ptr<c10d::Work> all_to_all_on_device(Staging& s, const char* op, c10d::OpType type,
-                                                      const std::vector<at::Tensor>& inputs,
-                                                      const std::vector<at::Tensor>& outputs,
-                                                      std::vector<size_t> in_counts,
-                                                      std::vector<size_t> out_counts,
-                                                      int64_t timeout);
+  // (one tensor per rank) on the device collectives; `setup` as on_device's
+  // `warm` (only where every rank's parts are alike: no split sizes).
+  c10::intrusive_ptr<c10d::Work> all_to_all_on_device(
+      Staging& s, const char* op, c10d::OpType type, const std::vector<at::Tensor>& inputs,
+      const std::vector<at::Tensor>& outputs, std::vector<size_t> in_counts,
+      std::vector<size_t> out_counts, int64_t timeout,
+      std::optional<DirectOps::Op> setup = std::nullopt);
 
   int device_ = -1;  // -1: this process sees no GPU (CPU tensors only)
   std::optional<c10::cuda::CUDAStream> stream_;

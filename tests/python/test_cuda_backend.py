@@ -529,7 +529,8 @@ def graph_capture(ctx):
     and replay: all_reduce, reduce_scatter_tensor, all_gather_into_tensor and
     all_to_all_single; a 4 KiB all_reduce is captured and replayed there; on another
     such group whose only eager op is a 128 KiB all_reduce (the plane), that op sets the
-    kernels up, and its capture replays. An op under a
+    kernels up, and its capture replays; the same for all_to_all_single without split
+    sizes. An op under a
     capture that an earlier call broke (a synchronize) raises ValueError saying so. At one rank the
     ops past the bound, and the eager calls above, take the kernels' path (a local copy),
     which captures and replays. Every collective the kernels serve is capturable:
@@ -685,6 +686,30 @@ def graph_capture(ctx):
         big_x.fill_(float(me + 1))
         g.replay()
         ctx.expect_equal(big_x.cpu(), torch.full((n_big,), total), "its replay")
+    # The same for all_to_all_single without split sizes (every rank's parts alike).
+    large = _group_with({"MOONCAKE_CUDA_DIRECT_BYTES": "4096"})
+    a_in = torch.arange(n_big, device="cuda", dtype=torch.float32) + 1e6 * me
+    a_out = _garbage((n_big,), torch.float32)
+    got = _paths(lambda: dist.all_to_all_single(a_out, a_in, group=large), large, direct=True)
+    ctx.expect(got == (PLANE if world > 1 else DIRECT), f"128 KiB all_to_all_single: {got}")
+    part = n_big // world
+    want_a = torch.cat(
+        [
+            torch.arange(me * part, (me + 1) * part, dtype=torch.float32) + 1e6 * r
+            for r in range(world)
+        ]
+    )
+    ctx.expect_equal(a_out.cpu(), want_a, "eager all_to_all_single past the bound")
+    g = torch.cuda.CUDAGraph()
+    try:
+        with _graph(g):
+            dist.all_to_all_single(a_out, a_in, group=large)
+    except (ValueError, RuntimeError) as e:
+        ctx.fail(f"capture after an eager all_to_all_single past the bound: {e}")
+    else:
+        a_out.fill_(float("nan"))
+        g.replay()
+        ctx.expect_equal(a_out.cpu(), want_a, "its replay")
 
     off = _group_with({"MOONCAKE_CUDA_DIRECT": "off"})
     for name, fn in (
