@@ -1,6 +1,6 @@
 // One element, or one 16-byte vector of elements, reduced from several
 // sources: the arithmetic every reduction kernel of the CUDA backend shares
-// (coll/reduce.cu, coll/direct.cu), so that their results are the same
+// (coll/reduce.cu, coll/direct_kernel.cuh), so that their results are the same
 // bits, and the host's (collectives/reduce.cc, through common/numeric.h).
 // Sources are combined in order, the first loaded as the accumulator; AVG
 // divides the sum once, at the end.

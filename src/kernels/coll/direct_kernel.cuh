@@ -1,0 +1,503 @@
+// The kernel of launch_direct (coll/direct.h, which says what a launch does
+// and why each rank's area can be reused without a wait at the end). The arithmetic is
+// coll/reduce.cuh's, sources in rank order: the host-driven plane's and the
+// host's results, bit for bit. The kinds that only move data run as bytes
+// (one instantiation for every dtype); the reductions per dtype and op.
+//
+// Memory order: the copies of step 1 (every block) reach block 0 through the
+// grid barrier, which block 0 follows with a system-scope fence and the
+// release of its signal; a peer acquires the signal (system scope) before it
+// reads this rank's area, and passes the decision to its other blocks through
+// its own grid barrier. Data another rank stores during the launch is read
+// with plain loads, never the read-only path.
+//
+// A header of the kernel and its helpers, in an anonymous namespace: each
+// coll/direct_*.cu instantiates a few of the dtypes (direct_parts.h), so that
+// a build compiles them in parallel (in one file they took a cold build's
+// longest step).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/coll/direct.h"
+#include "kernels/coll/direct_parts.h"
+#include "kernels/coll/reduce.cuh"
+#include "kernels/common/grid.cuh"
+#include "kernels/common/ptx.cuh"
+#include "kernels/common/wait.cuh"
+
+namespace mooncake::kernels {
+namespace {
+
+// Wait phases, as the silent-peer reports name them.
+constexpr int kPhaseInput = 1;
+constexpr int kPhaseShare = 2;
+
+// Elements [lo, hi).
+struct Span {
+  size_t lo, hi;
+};
+
+// This block's part of [first, last): whole units of `unit` elements (the
+// last part ends at `last`).
+__device__ __forceinline__ Span block_part(size_t first, size_t last, size_t unit) {
+  const size_t n = last > first ? last - first : 0;
+  const size_t units = (n + unit - 1) / unit;
+  const size_t per = (units + gridDim.x - 1) / gridDim.x * unit;
+  const size_t lo = first + static_cast<size_t>(blockIdx.x) * per;
+  return lo >= last ? Span{last, last} : Span{lo, lo + per < last ? lo + per : last};
+}
+
+// Share `j` of a two-shot op: direct_share_elems elements from j's first.
+__device__ __forceinline__ Span share_of(int j, size_t count, size_t per) {
+  const size_t lo = static_cast<size_t>(j) * per;
+  return lo >= count ? Span{count, count} : Span{lo, lo + per < count ? lo + per : count};
+}
+
+// Vectors a thread moves per round of the copy and reduction loops, every
+// load of a round issued before any store: a launch has few threads (a
+// process's share of the GPU, at most kDirectMaxBlocks blocks), and with one
+// load in flight each they wait on memory most of the time (the EP kernels'
+// copies found the same: kernels/common/copy.cuh).
+constexpr int kUnroll = 4;
+
+// Vectors [0, n) of out from in: the block's thread t takes t, t + blockDim.x, ...,
+// kUnroll of them a round.
+__device__ void copy_vectors(uint4* out, const uint4* in, size_t n) {
+  const size_t step = blockDim.x;
+  size_t i = threadIdx.x;
+  for (; i + (kUnroll - 1) * step < n; i += kUnroll * step) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = in[i + u * step];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) out[i + u * step] = v[u];
+  }
+  for (; i < n; i += step) out[i] = in[i];
+}
+
+// Step 1: this block's part of the input's bytes into the area.
+__device__ void copy_in(uint8_t* dst, const uint8_t* src, size_t bytes, bool vec) {
+  const Span p = block_part(0, bytes, 16);
+  if (vec) {
+    const size_t n = (p.hi - p.lo) / 16;  // whole vectors (p.lo is one)
+    copy_vectors(reinterpret_cast<uint4*>(dst + p.lo), reinterpret_cast<const uint4*>(src + p.lo),
+                 n);
+    if (threadIdx.x == 0)  // the input's last, partial vector
+      for (size_t b = p.lo + n * 16; b < p.hi; ++b) dst[b] = src[b];
+    return;
+  }
+  for (size_t b = p.lo + threadIdx.x; b < p.hi; b += blockDim.x) dst[b] = src[b];
+}
+
+// Elements [s.lo, s.hi) reduced from `n` sources (`srcs[k] + at` bytes are
+// their element arrays) into out[i], and into also[i - also_first] when
+// given. With `vec`, s.lo and also_first are whole vectors and every pointer
+// is 16-byte aligned.
+template <typename T, RedOp Op>
+__device__ void reduce_span(const uint8_t* const* srcs, int n, size_t at, Span s, T* out, T* also,
+                            size_t also_first, bool vec) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  size_t done = s.lo;
+  if (vec) {
+    const size_t first = s.lo / V, last = s.hi / V, step = blockDim.x;
+    auto vsrc = [&](int k) { return reinterpret_cast<const uint4*>(srcs[k] + at); };
+    auto* vout = reinterpret_cast<uint4*>(out);
+    auto* valso = reinterpret_cast<uint4*>(also);  // vector i at valso[i - skip]
+    const size_t skip = also_first / V;
+    size_t i = first + threadIdx.x;
+    for (; i + (kUnroll - 1) * step < last; i += kUnroll * step) {
+      uint4 r[kUnroll];
+      reduce_vectors<T, Op, kUnroll>(vsrc, n, i, step, n, r);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) vout[i + u * step] = r[u];
+      if (valso != nullptr) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) valso[i + u * step - skip] = r[u];
+      }
+    }
+    for (; i < last; i += step) {
+      const uint4 r = reduce_vector<T, Op>(vsrc, n, i, n);
+      vout[i] = r;
+      if (valso != nullptr) valso[i - skip] = r;
+    }
+    done = last * V > s.lo ? last * V : s.lo;
+  }
+  auto src = [&](int k) { return reinterpret_cast<const T*>(srcs[k] + at); };
+  for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) {
+    const T r = reduce_element<T, Op>(src, n, i, n);
+    out[i] = r;
+    if (also != nullptr) also[i - also_first] = r;
+  }
+}
+
+// Elements [s.lo, s.hi) of out from `from`, which holds the elements from `first` on.
+template <typename T>
+__device__ void copy_span(const uint8_t* from, size_t first, Span s, T* out, bool vec) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  const T* f = reinterpret_cast<const T*>(from);
+  size_t done = s.lo;
+  if (vec) {
+    // Vector i of out from vector i - first / V of `from` (first <= s.lo).
+    const size_t lo = s.lo / V, hi = s.hi / V;
+    copy_vectors(reinterpret_cast<uint4*>(out) + lo,
+                 reinterpret_cast<const uint4*>(f) + (lo - first / V), hi - lo);
+    done = hi * V > s.lo ? hi * V : s.lo;
+  }
+  for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) out[i] = f[i - first];
+}
+
+// Elements [s.lo, s.hi) of out zeroed: the part of a rank outside the op.
+template <typename T>
+__device__ void zero_span(Span s, T* out, bool vec) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  size_t done = s.lo;
+  if (vec) {
+    const size_t lo = s.lo / V, hi = s.hi / V;
+    for (size_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+      reinterpret_cast<uint4*>(out)[i] = make_uint4(0, 0, 0, 0);
+    done = hi * V > s.lo ? hi * V : s.lo;
+  }
+  for (size_t i = done + threadIdx.x; i < s.hi; i += blockDim.x) out[i] = T{};
+}
+
+// This block's part of one output part: from `from` (that part's first
+// element) where its rank took part, else zeros.
+template <typename T>
+__device__ void move_part(const uint8_t* from, T* out, size_t n, size_t unit, bool vec) {
+  const Span p = block_part(0, n, unit);
+  if (from != nullptr)
+    copy_span<T>(from, 0, p, out, vec);
+  else
+    zero_span<T>(p, out, vec);
+}
+
+// A peer masked during this launch: the caller's active_ranks say so too.
+__device__ __forceinline__ void report_masked(DirectState* st, int j) {
+  if (st->report != nullptr) *reinterpret_cast<volatile int32_t*>(st->report + j) = 0;
+}
+
+// Publishes this rank's signal of op `seq` unless a peer fenced it (false;
+// `*fence`: the fence's op): by compare-and-swap, so that it never lands over
+// a fence (the header), nor over a newer generation's word.
+__device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq, uint32_t* fence) {
+  uint64_t prev = ld_acquire_sys(signal);
+  for (;;) {
+    if (tag_gen(prev) > gen) return true;  // a straggler of an older setup: not its word now
+    if (tag_fence_of(prev, gen)) {
+      *fence = static_cast<uint32_t>(prev);
+      return false;
+    }
+    const uint64_t seen = cas_sys(signal, prev, direct_tag(gen, seq));
+    if (seen == prev) return true;
+    prev = seen;
+  }
+}
+
+// The last look at a peer's signal of op `seq`: the signal when it came,
+// else a fence swapped in for it (or a peer's fence), so that every rank that
+// looks gets the same answer, however late a dying peer's kernel runs.
+__device__ uint64_t seal_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+  uint64_t v = ld_acquire_sys(signal);
+  for (;;) {
+    if (tag_settled(v, gen, seq) || tag_fenced(v, gen, seq)) break;
+    const uint64_t seen = cas_sys(signal, v, direct_fence(gen, seq));
+    if (seen == v) return direct_fence(gen, seq);
+    v = seen;
+  }
+  __threadfence_system();  // the input behind a signal found by the swap
+  return v;
+}
+
+// Why a peer is out of an op, beside kOut (masked, fenced or retired), for
+// the outcome of a watched launch.
+constexpr int32_t kIn = 1;
+constexpr int32_t kOut = 0;
+constexpr int32_t kOutRejected = -1;
+constexpr int32_t kOutMismatched = -2;
+constexpr int32_t kOutStale = -3;
+// Its signal came (this rank's own: not fenced), but this rank rejected its call.
+constexpr int32_t kOutThisRejected = -4;
+
+// Step 2, for rank j (a thread each): kIn where it takes part in op `seq`,
+// else why not (`fenced`: this rank's own signal was, by a peer).
+__device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t seq, uint32_t gen,
+                          uint64_t deadline, bool fenced) {
+  if (j == st->rank) {
+    if (fenced) return kOut;
+    return a.shape == kShapeRejected ? kOutThisRejected : kIn;  // here, with its data or not
+  }
+  uint8_t* area = st->areas[j];
+  if (area == nullptr) return kOut;
+  auto* signal = reinterpret_cast<uint64_t*>(area + DirectLayout::kInputSignal);
+  const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
+  const auto ready = [gen, seq](uint64_t v) {
+    return tag_settled(v, gen, seq) || tag_fenced(v, gen, seq);
+  };
+  uint64_t v = 0;
+  const bool live = ld_volatile(st->live + j) != 0;
+  const bool came = live && wait_for(a.c, signal, ready, deadline, j, kPhaseInput, &v);
+  if (!came) {
+    // Retired by the host, or masked now (lost, or past the deadline; the
+    // caller's active_ranks say so): in only when its signal came before the
+    // fence this look leaves (the header).
+    if (live) report_masked(st, j);
+    v = seal_signal(signal, gen, seq);
+  }
+  if (!settled(v)) {  // fenced, here or by another rank: out at every rank
+    if (came) report_masked(st, j);
+    return kOut;
+  }
+  if (a.shape == kShapeRejected) return kOutThisRejected;  // this rank only takes part
+  if (tag_gen(v) != gen || tag_ahead(v, seq) > 1) {
+    // A newer generation: the others set up again without this rank. The
+    // same one, two ops ahead: they masked this rank (silent past their
+    // deadline) and went on. take_reports tells the two apart.
+    report(a.c.status, kStatusDirectStale, j, static_cast<int>(tag_gen(v)));
+    return kOutStale;
+  }
+  const uint64_t shape =
+      *reinterpret_cast<const volatile uint64_t*>(area + DirectLayout::shape(seq));
+  if (shape == a.shape) return kIn;
+  const bool rejected = shape == kShapeRejected;
+  report(a.c.status, rejected ? kStatusDirectRejected : kStatusDirectMismatch, j, 0);
+  return rejected ? kOutRejected : kOutMismatched;
+}
+
+// Block 0's thread 0, once every rank is decided (`why`: decide's answers):
+// the outcome of a watched launch, the ticket last.
+__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks) {
+  DirectOutcome o{};
+  for (int j = 0; j < ranks; ++j) {
+    const uint64_t bit = uint64_t{1} << j;
+    if (why[j] == kIn) o.took |= bit;
+    if (why[j] == kOutRejected) o.rejected |= bit;
+    if (why[j] == kOutMismatched) o.mismatched |= bit;
+    if (why[j] == kOutStale) o.stale |= bit;
+    if (why[j] != kOut) o.present |= bit;
+  }
+  volatile DirectOutcome* out = a.outcome;
+  out->took = o.took;
+  out->rejected = o.rejected;
+  out->mismatched = o.mismatched;
+  out->stale = o.stale;
+  out->present = o.present;
+  __threadfence_system();
+  out->ticket = a.ticket;
+}
+
+// Whether rank j's two-shot share of op `seq` is in its area (else this
+// block reduces that share itself: same sources, same bits).
+__device__ bool share_arrived(const DirectArgs& a, DirectState* st, int j, uint64_t seq,
+                              uint32_t gen, uint64_t deadline) {
+  if (ld_volatile(st->live + j) == 0) return false;
+  const auto* signal = reinterpret_cast<const uint64_t*>(st->areas[j] + DirectLayout::kShareSignal);
+  const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
+  uint64_t v = 0;
+  if (!wait_for(a.c, signal, settled, deadline, j, kPhaseShare, &v)) {
+    report_masked(st, j);
+    return false;
+  }
+  return tag_gen(v) == gen && tag_ahead(v, seq) <= 1;
+}
+
+// kMove: the kinds that only move data, with T = uint8_t (counts in bytes);
+// else the reductions, T the dtype's element.
+template <typename T, RedOp Op, bool kMove>
+__global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  DirectState* st = a.state;
+  __shared__ uint64_t s_seq;
+  __shared__ uint32_t s_gen;
+  __shared__ int s_n;
+  __shared__ int s_ok;
+  __shared__ const uint8_t* s_src[kDirectMaxRanks];
+  __shared__ int32_t s_in[kDirectMaxRanks];
+  if (threadIdx.x == 0) {
+    s_seq = *reinterpret_cast<volatile uint64_t*>(&st->seq) + 1;
+    s_gen = st->gen;
+  }
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  const uint32_t gen = s_gen;
+  const int R = st->ranks, me = st->rank;
+  const DirectLayout& L = a.layout;
+  uint8_t* own = st->areas[me];
+  const bool multi = gridDim.x > 1;
+  const size_t unit = a.vec ? V : 1;
+
+  const bool data = a.shape != kShapeRejected;
+  const bool root = me == a.root;
+  // One part: its bytes, and its elements as this instantiation counts them.
+  const size_t part_bytes = a.count * a.esize;
+  const size_t part = part_bytes / sizeof(T);
+  // From one part of `in` or `out` to the next (the area's parts are back to back).
+  const size_t stride_bytes = a.stride * a.esize;
+  const size_t stride = stride_bytes / sizeof(T);
+
+  // 1. The input into this rank's area.
+  if (data && a.list == DirectList::kIn) {
+    const size_t parts = direct_in_parts(a.kind, R, root);
+    for (size_t p = 0; p < parts; ++p)
+      copy_in(own + L.input(seq) + p * part_bytes, static_cast<const uint8_t*>(a.parts[p]),
+              part_bytes, a.vec);
+  } else if (data && a.in != nullptr) {
+    const size_t parts = direct_in_parts(a.kind, R, root);
+    const auto* in = static_cast<const uint8_t*>(a.in);
+    if (stride_bytes == part_bytes)
+      copy_in(own + L.input(seq), in, parts * part_bytes, a.vec);
+    else
+      for (size_t p = 0; p < parts; ++p)
+        copy_in(own + L.input(seq) + p * part_bytes, in + p * stride_bytes, part_bytes, a.vec);
+  }
+  __syncthreads();
+  uint32_t bar = 0;
+  if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
+
+  // 2. Block 0 publishes, then decides who takes part.
+  if (blockIdx.x == 0) {
+    __shared__ bool s_fenced;
+    if (threadIdx.x == 0) {
+      if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+      *reinterpret_cast<volatile uint64_t*>(&st->seq) = seq;  // every block has read it
+      *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::shape(seq)) = a.shape;
+      __threadfence_system();
+      uint32_t fence = 0;
+      s_fenced = !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen,
+                                 seq, &fence);
+      // Once, at the op the fence began (its own active_ranks entry stays: the
+      // view, not a launch, says whether this process is in the group).
+      if (s_fenced && fence == static_cast<uint32_t>(seq))
+        report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
+    }
+    __syncthreads();
+    __shared__ int32_t s_why[kDirectMaxRanks];
+    const uint64_t deadline = deadline_of(a.c.timeout_ns);
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+      s_why[j] = decide(a, st, j, seq, gen, deadline, s_fenced);
+      st->sources[j] = s_why[j] == kIn ? 1 : 0;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && a.outcome != nullptr) write_outcome(a, s_why, R);
+  }
+  if (multi && threadIdx.x == 0) {
+    if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+    const uint32_t bar2 = grid_arrive(st->grid_sync);
+    // Block 0 arrives once its waits are over: up to the whole budget.
+    grid_wait(st->grid_sync, bar2, 2 * a.c.timeout_ns + 1000000000, a.c.status);
+  }
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int j = 0; j < R; ++j) {
+      s_in[j] = ld_volatile(st->sources + j);
+      if (s_in[j] != 0) s_src[n++] = st->areas[j];
+    }
+    s_n = n;
+  }
+  __syncthreads();
+  const int n = s_n;
+  if (!data || n == 0) return;  // a rejected call only takes part
+  T* out = static_cast<T*>(a.out);
+  // Output part j of a multi-part output: in the caller's list, or `stride` apart.
+  auto out_part = [&](int j) -> T* {
+    return a.list == DirectList::kOut ? static_cast<T*>(a.parts[j])
+                                      : out + static_cast<size_t>(j) * stride;
+  };
+  const uint8_t* const* areas = st->areas;
+  // Where rank j's input starts in its area, when j takes part (else null).
+  auto input_of = [&](int j) -> const uint8_t* {
+    return s_in[j] != 0 ? areas[j] + L.input(seq) : nullptr;
+  };
+
+  // 3. The moves: each output part from the area it comes from.
+  if constexpr (kMove) {
+    switch (a.kind) {
+      case DirectKind::kBroadcast:
+        if (root && a.in == a.out) return;  // in place: nothing moves here
+        move_part<T>(input_of(a.root), out, part, unit, a.vec);
+        return;
+      case DirectKind::kScatter: {
+        const uint8_t* from = input_of(a.root);
+        move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr, out,
+                     part, unit, a.vec);
+        return;
+      }
+      case DirectKind::kGather:
+        if (!root) return;
+        [[fallthrough]];
+      case DirectKind::kAllGather:
+        for (int j = 0; j < R; ++j) move_part<T>(input_of(j), out_part(j), part, unit, a.vec);
+        return;
+      case DirectKind::kAllToAll:
+        for (int j = 0; j < R; ++j) {
+          const uint8_t* from = input_of(j);
+          move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr,
+                       out_part(j), part, unit, a.vec);
+        }
+        return;
+      default: return;
+    }
+  } else {
+    // 3. The reductions of one part: reduce's at the root, reduce_scatter's
+    // from this rank's part of each input, all_reduce's one-shot.
+    if (a.kind == DirectKind::kReduce && !root) return;
+    if (a.kind != DirectKind::kAllReduce || !a.two_shot) {
+      const size_t at =
+          L.input(seq) +
+          (a.kind == DirectKind::kReduceScatter ? static_cast<size_t>(me) * part_bytes : 0);
+      reduce_span<T, Op>(s_src, n, at, block_part(0, part, unit), out, nullptr, 0, a.vec);
+      return;
+    }
+    // all_reduce two-shot: this rank's share, into its area and the output...
+    const size_t per = direct_share_elems(part, R, sizeof(T));
+    const Span mine = share_of(me, part, per);
+    reduce_span<T, Op>(s_src, n, L.input(seq), block_part(mine.lo, mine.hi, unit), out,
+                       reinterpret_cast<T*>(own + L.share(seq)), mine.lo, a.vec);
+    __syncthreads();
+    uint32_t bar3 = 0;
+    if (multi && threadIdx.x == 0) bar3 = grid_arrive(st->grid_sync);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (multi) grid_wait(st->grid_sync, bar3, a.c.timeout_ns, a.c.status);
+      __threadfence_system();
+      st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kShareSignal),
+                     direct_tag(gen, seq));
+    }
+    // ...then every other share: from its owner's area where it came, else
+    // reduced here from the sources, which are all still in place.
+    __shared__ uint64_t s_deadline;
+    if (threadIdx.x == 0) s_deadline = deadline_of(a.c.timeout_ns);
+    for (int j = 0; j < R; ++j) {
+      if (j == me) continue;
+      const Span share = share_of(j, part, per);
+      const Span piece = block_part(share.lo, share.hi, unit);
+      if (piece.lo >= piece.hi) continue;  // the same for every thread of the block
+      __syncthreads();                     // s_ok's last use is over
+      if (threadIdx.x == 0) s_ok = s_in[j] != 0 && share_arrived(a, st, j, seq, gen, s_deadline);
+      __syncthreads();
+      if (s_ok)
+        copy_span<T>(st->areas[j] + L.share(seq), share.lo, piece, out, a.vec);
+      else
+        reduce_span<T, Op>(s_src, n, L.input(seq), piece, out, nullptr, 0, a.vec);
+    }
+  }
+}
+
+// The reductions of `a`, for every op they define, when its dtype's element
+// is one of Ts; else kDirectNotMine (another file's).
+template <typename... Ts>
+int launch_reductions(const DirectArgs& a, unsigned grid, CUstream_st* stream) {
+  return with_dtype_op(a.dtype, a.op, [&]<typename T, RedOp Op>() {
+    if constexpr ((std::is_same_v<T, Ts> || ...)) {
+      direct_op<T, Op, false><<<grid, kDirectThreads, 0, stream>>>(a);
+      return static_cast<int>(cudaGetLastError());
+    } else {
+      return kDirectNotMine;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace mooncake::kernels
