@@ -231,7 +231,8 @@ BUILD_TARGET=()
 [ "${GPU_BUILD:-all}" = module ] && BUILD_TARGET=(--target mooncake_module)
 cmake --build build-gpu -j"$(nproc)" "${BUILD_TARGET[@]}" 2>&1 | tee -a "$OUT/build.log" | tail -3 || status=1
 # Where a cold build's minutes go (a device call's budget): each target's compile time,
-# the slowest first (ninja's log: start and end in ms, then the output).
+# the slowest first (ninja's log: start and end in ms, then the output; it appends, so
+# after an incremental build the list mixes that build's lines with the cold one's).
 [ -f build-gpu/.ninja_log ] && awk -F'\t' 'NR > 1 { printf "%7.1f s  %s\n", ($2 - $1) / 1000, $4 }' \
   build-gpu/.ninja_log | sort -rn | head -25 > "$OUT/build_times.txt"
 # A second C++ runtime inside the module crashes in iostreams: say so plainly.

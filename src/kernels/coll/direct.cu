@@ -19,7 +19,7 @@ int launch_direct(const DirectArgs& a, int blocks, CUstream_st* stream) {
     const int err = part(a, grid, stream);
     if (err != kDirectNotMine) return err;
   }
-  return static_cast<int>(cudaErrorInvalidValue);  // (a dtype no reduction defines)
+  return static_cast<int>(cudaErrorInvalidValue);  // (not reached: the first answers it)
 }
 
 }  // namespace mooncake::kernels
