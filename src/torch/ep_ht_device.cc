@@ -255,6 +255,14 @@ class EpHtDevice {
     return {out, out_w};
   }
 
+  // The first n words of `plan` once the current stream has run to here
+  // (EpHtBuffer::plan_head; the GIL released by the binding).
+  std::vector<int32_t> plan_head(const HtPlanTensors& plan, int64_t n) {
+    MC_CHECK_ARG(n <= plan.words.numel(), "plan_head: ", n, " words of a plan of ",
+                 plan.words.numel());
+    return buf_.plan_head(plan.words.data_ptr<int32_t>(), n, stream());
+  }
+
   // Profiling (bench/profile_elastic_buffer.py): later dispatches and combines
   // write each block's start and end (%globaltimer ns) into `stamps`, an int64
   // tensor on the device of at least 2 * blocks (None: off).
@@ -383,17 +391,7 @@ void register_ep_ht_device(py::module_& m) {
       .def("combine", &EpHtDevice::combine, py::arg("plan"), py::arg("x"), py::arg("weights"),
            py::arg("active"), py::arg("single"), py::arg("seq"), py::arg("timeout_ns"),
            py::arg("blocks"))
-      .def(
-          "plan_head",
-          [](EpHtDevice& d, const HtPlanTensors& plan, int64_t n) {
-            MC_CHECK_ARG(n <= plan.words.numel(), "plan_head: ", n, " words of a plan of ",
-                         plan.words.numel());
-            const cudaStream_t s =
-                c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(d.buf().device()))
-                    .stream();
-            return d.buf().plan_head(plan.words.data_ptr<int32_t>(), n, s);
-          },
-          py::arg("plan"), py::arg("n"), R())
+      .def("plan_head", &EpHtDevice::plan_head, py::arg("plan"), py::arg("n"), R())
       .def("set_stamps", &EpHtDevice::set_stamps, py::arg("stamps"))
       .def("one_copy", [](EpHtDevice& d) { return d.buf().one_copy(); })
       .def(

@@ -346,8 +346,7 @@ __device__ void take_offers(const CombineArgs& a, const View& v, int c, Shared& 
         p.row0[d] = value - 3;
         p.xn[d] = r.rows;
       }
-      st_release_sys(word_at(cm.peers[d], a.h.ws.answer(v.me, c)),
-                     signal(v.tag, xb != nullptr ? 1u : 2u));
+      answer(a, v, d, c, xb != nullptr ? 1u : 2u);
       p.took[d] = xb != nullptr;
       if (a.counts != nullptr) atomicAdd(a.counts + (xb != nullptr ? 2 : 3), 1ull);
     } else if (gives_up(cm, d, round, p.deadline[d], kRecv)) {

@@ -92,6 +92,13 @@ __device__ __forceinline__ View view_of(const Args& a) {
               static_cast<int>(threadIdx.x) % 32};
 }
 
+// This rank's answer to peer s's offer of channel c (one copy: a dispatch's
+// source, a combine's replier): 1 it reads s's x in place, 2 its rows' bytes.
+template <typename Args>  // DispatchArgs or CombineArgs
+__device__ __forceinline__ void answer(const Args& a, const View& v, int s, int c, uint32_t how) {
+  st_release_sys(word_at(a.h.c.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, how));
+}
+
 // Whether peer s takes part in this call: another rank, counted in both ways
 // by the layout pass, and live.
 __device__ __forceinline__ bool takes_part(const Common& c, const View& v, int s) {

@@ -241,12 +241,6 @@ __device__ const uint8_t* take_offer(const DispatchArgs& a, const View& v, int s
   return xb;
 }
 
-// Source s's answer from this rank: 1 it reads s's x in place, 2 its rows' bytes.
-__device__ __forceinline__ void answer(const DispatchArgs& a, const View& v, int s, int c,
-                                       uint32_t how) {
-  st_release_sys(word_at(a.h.c.peers[s], a.h.ws.answer(v.me, c)), signal(v.tag, how));
-}
-
 // Source s's offer of channel c, when in (its thread's call): taken, and
 // answered whether this rank reads its x in place (it has it mapped); where
 // it lies goes in sh.p.
