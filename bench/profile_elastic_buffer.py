@@ -67,8 +67,9 @@ def python_profile(fn, calls: int = 200, top: int = 14) -> list[str]:
 def block_stamps(dev, fn, blocks: int, calls: int = 5) -> list[list[int]]:
     """Each block's start and end (%globaltimer ns, one clock for every process on the
     GPU) in ``calls`` calls of ``fn`` one at a time: [2 * blocks] per call, senders
-    (or repliers) first."""
-    stamps = torch.zeros(2 * blocks, dtype=torch.int64, device="cuda")
+    (or repliers) first; a layout pass's blocks end when their chunks are counted, and
+    its last block's end follows them (one more)."""
+    stamps = torch.zeros(2 * blocks + 1, dtype=torch.int64, device="cuda")
     dev.ext.set_stamps(stamps)
     out = []
     try:
@@ -80,6 +81,28 @@ def block_stamps(dev, fn, blocks: int, calls: int = 5) -> list[list[int]]:
     finally:
         dev.ext.set_stamps(None)
     return out
+
+
+def layout_phases(calls: list[list[int]]) -> dict:
+    """A layout pass's phases from its stamps (the blocks that ran: a grid may be
+    smaller than the stamps' room), median over the calls (us): its blocks counting
+    their chunks (first start to last end) and its last block's plan after them."""
+    count, last, grid = [], [], 0
+    for c in calls:
+        grid = 0  # the blocks that ran: pairs up to the first empty one, then the last stamp
+        while 2 * grid + 1 < len(c) and c[2 * grid + 1]:
+            grid += 1
+        final = c[2 * grid] if 2 * grid < len(c) else 0
+        if grid == 0 or not final:
+            return {"error": "the layout pass wrote no stamps"}
+        t0, t1 = min(c[0 : 2 * grid : 2]), max(c[1 : 2 * grid : 2])
+        count.append((t1 - t0) / 1e3)
+        last.append((final - t1) / 1e3)
+    return {
+        "blocks": grid,
+        "chunks counted us": round(harness.median(count), 1),
+        "last block us": round(harness.median(last), 1),
+    }
 
 
 def stamps_summary(ranks: list[dict]) -> dict:
@@ -191,6 +214,8 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
             row[f"kernels: {name}"] = kernel_table(calls[name])
         row["python: dispatch, CPU sync"] = python_profile(calls["dispatch, CPU sync"])
         row["python: combine"] = python_profile(calls["combine"])
+        if world == 1:
+            row["stamps: layout"] = layout_phases(block_stamps(dev, layout, blocks))
         if world > 1:
             for name in ("dispatch, cached", "combine"):
                 row[f"stamps: {name}"] = block_stamps(dev, calls[name], blocks)

@@ -22,8 +22,9 @@
 #            device benchmark (world 1, and COMPARE_EP_WORLDS under MPS) and the CUDA
 #            backend's (COMPARE_PG_WORLDS (2) under MPS; COMPARE_PG_OPS, COMPARE_PG_SIZES)
 #            run for old and new in turn, COMPARE_ROUNDS times
-#            (COMPARE_BENCHES picks among "ep1 ep pg"),
-#            so that both meet the same machine; JSON under $OUT/compare/{old,new}N-{ep1,ep,pg}/.
+#            (COMPARE_BENCHES picks among "ep1 ep pg eb"; eb, the ElasticBuffer's benchmark
+#            at COMPARE_EB_WORLDS (1,2) under MPS with COMPARE_EB_ARGS, only when named),
+#            so that both meet the same machine; JSON under $OUT/compare/{old,new}N-{ep1,ep,pg,eb}/.
 #   device:  the device library without torch (build-gpu-core: no torch on its include
 #            path): tests/cpp/device (1-3 processes on the GPU) and the C++ example (3
 #            processes, a rank killed), without MPS as every kill test here (MPS reports a
@@ -596,6 +597,11 @@ if gpu_wants compare; then
         if [[ " $COMPARE " == *" ep "* ]]; then
           compare_run "$1" "$2$round-ep" bench/bench_ep_device.py --worlds "${COMPARE_EP_WORLDS:-4}" \
             --experts 256 --quick
+        fi
+        if [[ " $COMPARE " == *" eb "* ]]; then
+          compare_run "$1" "$2$round-eb" bench/bench_elastic_buffer.py --device cuda --quick \
+            --worlds "${COMPARE_EB_WORLDS:-1,2}" --launch-timeout 100 \
+            ${COMPARE_EB_ARGS:---tokens 4096 --no-buffer --fp8 0}
         fi
         if [[ " $COMPARE " == *" pg "* ]]; then
           compare_run "$1" "$2$round-pg" bench/bench_pg_cuda.py --worlds "${COMPARE_PG_WORLDS:-2}" \

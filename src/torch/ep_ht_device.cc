@@ -11,7 +11,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/util/accumulate.h>
 #include <cuda_runtime.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -35,34 +34,41 @@ namespace {
 
 namespace ht = kernels::ep_ht;
 
-// A fresh dispatch's routing as the kernels keep it (int32 tensors on the
-// device), held by its EPHandle for cached dispatches and combine.
+// A fresh dispatch's routing as the kernels keep it (int32 arrays on the
+// device, all in one allocation), held by its EPHandle for cached dispatches
+// and combine. The tensors are the handle's fields; the kernels' own arrays
+// are pointers into `block` (a tensor view costs host time on every call).
 struct HtPlanTensors {
-  at::Tensor topk;       // the dispatch's topk_idx [N, K] (the handle's copy)
-  at::Tensor chunk_tab;  // [R (+ E expanding), chunks]
-  at::Tensor inpos;      // [N, K]
-  at::Tensor inrank;     // [N, K] expanding, else [1]
-  at::Tensor words;      // ht::HtPlan
-  at::Tensor metadata;   // recv_src_metadata [R * T, K + 2]
-  at::Tensor dst_slot;   // dst_buffer_slot_idx [N, K]
+  at::Tensor block;     // every array below
+  at::Tensor topk;      // the dispatch's topk_idx [N, K] (the handle's copy)
+  at::Tensor metadata;  // recv_src_metadata [R * T, K + 2]
+  at::Tensor dst_slot;  // dst_buffer_slot_idx [N, K]
   at::Tensor psum_rank, psum_expert, unaligned;  // [R], [E/R], [E/R]
+  void* topk_words = nullptr;                    // topk's data
+  int32_t* chunk_tab = nullptr;                  // [R (+ E expanding), chunks]
+  int32_t* inpos = nullptr;                      // [N, K]
+  int32_t* inrank = nullptr;                     // [N, K] expanding, else [1]
+  int32_t* words = nullptr;                      // ht::HtPlan
+  int64_t num_words = 0;
+  int64_t num_tokens = 0, topk_n = 0;
+  bool topk_int64 = true;
   int64_t num_experts = 0, max_tokens = 0, alignment = 1, chunk_tokens = 1, num_chunks = 0;
   bool expand = false;
 
   ht::HtRouting routing() const {
     ht::HtRouting r;
-    r.topk_idx = topk.data_ptr();
-    r.topk_int64 = topk.scalar_type() == at::kLong;
-    r.num_tokens = topk.size(0);
-    r.topk = static_cast<int32_t>(topk.size(1));
+    r.topk_idx = topk_words;
+    r.topk_int64 = topk_int64;
+    r.num_tokens = num_tokens;
+    r.topk = static_cast<int32_t>(topk_n);
     r.num_experts = num_experts;
     r.max_tokens = max_tokens;
     r.chunk_tokens = chunk_tokens;
     r.num_chunks = num_chunks;
-    r.chunk_tab = chunk_tab.data_ptr<int32_t>();
-    r.inpos = inpos.data_ptr<int32_t>();
-    r.inrank = inrank.data_ptr<int32_t>();
-    r.plan = words.data_ptr<int32_t>();
+    r.chunk_tab = chunk_tab;
+    r.inpos = inpos;
+    r.inrank = inrank;
+    r.plan = words;
     return r;
   }
 };
@@ -93,6 +99,7 @@ class EpHtDevice {
                                         bool expand, int64_t signature, int64_t seq,
                                         int64_t timeout_ns, int64_t blocks) {
     const char* what = "dispatch";
+    check_stamps(blocks, what, 1);
     check_index(topk, what);
     check_active(active, what);
     const int64_t R = buf_.ranks(), N = topk.size(0), K = topk.size(1);
@@ -111,50 +118,58 @@ class EpHtDevice {
     plan->chunk_tokens = std::max<int64_t>(1, ht::kThreads / K);
     plan->num_chunks = (N + plan->chunk_tokens - 1) / plan->chunk_tokens;
     const int64_t epr = num_experts / R;
-    // The plan's int32 arrays and the copy of `topk` in one allocation
-    // (each an allocator call otherwise, and the copy a torch op: a good part
-    // of a small dispatch's host time), each at a 16-byte boundary.
-    const int64_t topk_words = N * K * static_cast<int64_t>(topk.element_size()) / 4;
-    at::Tensor topk_block;
-    const std::pair<at::Tensor*, std::vector<int64_t>> arrays[] = {
-        {&topk_block, {topk_words}},
-        {&plan->chunk_tab,
-         {R + (expand ? num_experts : 0), std::max<int64_t>(plan->num_chunks, 1)}},
-        {&plan->inpos, {N, K}},
-        {&plan->inrank, expand ? std::vector<int64_t>{N, K} : std::vector<int64_t>{1}},
-        {&plan->words, {ht::HtPlan(R, epr, buf_.channels()).words()}},
-        {&plan->metadata, {R * max_tokens, K + 2}},
-        {&plan->dst_slot, {N, K}},
-        {&plan->psum_rank, {R}},
-        {&plan->psum_expert, {epr}},
-        {&plan->unaligned, {epr}}};
-    auto padded = [](const std::vector<int64_t>& shape) {
-      return (c10::multiply_integers(shape) + 3) / 4 * 4;
-    };
-    int64_t total = 0;
-    for (const auto& [array, shape] : arrays) total += padded(shape);
-    const at::Tensor block = at::empty({total}, topk.options().dtype(at::kInt));
-    int64_t offset = 0;
-    for (const auto& [array, shape] : arrays) {
-      *array = block.narrow(0, offset, c10::multiply_integers(shape)).view(shape);
-      offset += padded(shape);
+    plan->num_tokens = N;
+    plan->topk_n = K;
+    plan->topk_int64 = topk.scalar_type() == at::kLong;
+    // The plan's int32 arrays and its copy of `topk` in one allocation (each
+    // an allocator call otherwise), each at a 16-byte boundary; the kernel is
+    // queued before the handle's tensor views are made.
+    enum Part { kTopk, kTab, kInpos, kInrank, kWords, kMeta, kDst, kPsumR, kPsumE, kUnal, kParts };
+    const int64_t words[kParts] = {
+        N * K * static_cast<int64_t>(topk.element_size()) / 4,
+        (R + (expand ? num_experts : 0)) * std::max<int64_t>(plan->num_chunks, 1),
+        N * K,
+        expand ? N * K : 1,
+        ht::HtPlan(R, epr, buf_.channels()).words(),
+        R * max_tokens * (K + 2),
+        N * K,
+        R,
+        epr,
+        epr};
+    int64_t offset[kParts], total = 0;
+    for (int p = 0; p < kParts; ++p) {
+      offset[p] = total;
+      total += (words[p] + 3) / 4 * 4;
     }
-    plan->topk = topk_block.view(topk.scalar_type()).view({N, K});
-    if (topk_words > 0)
-      cuda_check(
-          cudaMemcpyAsync(plan->topk.data_ptr(), topk.data_ptr(),
-                          static_cast<size_t>(topk_words) * 4, cudaMemcpyDeviceToDevice, stream()),
-          "dispatch: copying topk_idx");
+    plan->block = at::empty({total}, topk.options().dtype(at::kInt));
+    int32_t* base = plan->block.data_ptr<int32_t>();
+    plan->topk_words = base + offset[kTopk];
+    plan->chunk_tab = base + offset[kTab];
+    plan->inpos = base + offset[kInpos];
+    plan->inrank = base + offset[kInrank];
+    plan->words = base + offset[kWords];
+    plan->num_words = words[kWords];
     ht::LayoutArgs a;
     a.r = plan->routing();
+    a.r.topk_idx = topk.data_ptr();  // read here, copied into the plan's by the kernel
+    a.topk_copy = plan->topk_words;
     a.alignment = alignment;
     a.expand = expand;
     a.signature = static_cast<uint32_t>(signature);
-    a.psum_rank = plan->psum_rank.data_ptr<int32_t>();
-    a.psum_expert = plan->psum_expert.data_ptr<int32_t>();
-    a.unaligned = plan->unaligned.data_ptr<int32_t>();
+    a.psum_rank = base + offset[kPsumR];
+    a.psum_expert = base + offset[kPsumE];
+    a.unaligned = base + offset[kUnal];
     buf_.layout(a, static_cast<uint64_t>(seq), timeout_ns, active.data_ptr<int32_t>(),
                 static_cast<int>(blocks), stream());
+    const auto part = [&](Part p, at::IntArrayRef shape) {
+      return plan->block.narrow(0, offset[p], words[p]).view(shape);
+    };
+    plan->topk = part(kTopk, {words[kTopk]}).view(topk.scalar_type()).view({N, K});
+    plan->metadata = part(kMeta, {R * max_tokens, K + 2});
+    plan->dst_slot = part(kDst, {N, K});
+    plan->psum_rank = part(kPsumR, {R});
+    plan->psum_expert = part(kPsumE, {epr});
+    plan->unaligned = part(kUnal, {epr});
     return plan;
   }
 
@@ -258,14 +273,14 @@ class EpHtDevice {
   // The first n words of `plan` once the current stream has run to here
   // (EpHtBuffer::plan_head; the GIL released by the binding).
   std::vector<int32_t> plan_head(const HtPlanTensors& plan, int64_t n) {
-    MC_CHECK_ARG(n <= plan.words.numel(), "plan_head: ", n, " words of a plan of ",
-                 plan.words.numel());
-    return buf_.plan_head(plan.words.data_ptr<int32_t>(), n, stream());
+    MC_CHECK_ARG(n <= plan.num_words, "plan_head: ", n, " words of a plan of ", plan.num_words);
+    return buf_.plan_head(plan.words, n, stream());
   }
 
-  // Profiling (bench/profile_elastic_buffer.py): later dispatches and combines
-  // write each block's start and end (%globaltimer ns) into `stamps`, an int64
-  // tensor on the device of at least 2 * blocks (None: off).
+  // Profiling (bench/profile_elastic_buffer.py): later launches write each
+  // block's start and end (%globaltimer ns) into `stamps`, an int64 tensor on
+  // the device of at least 2 * blocks (a layout pass: 2 * blocks + 1, its last
+  // block's end after them; api.h: HtCommon::stamps) (None: off).
   void set_stamps(const std::optional<at::Tensor>& stamps) {
     if (stamps) {
       MC_CHECK_ARG(
@@ -279,9 +294,11 @@ class EpHtDevice {
   }
 
  private:
-  void check_stamps(int64_t blocks, const char* what) const {
-    MC_CHECK_ARG(!stamps_ || stamps_->numel() >= 2 * blocks, what, ": ", blocks, " blocks need ",
-                 2 * blocks, " stamps, the tensor set has ", stamps_ ? stamps_->numel() : 0);
+  // (The layout pass writes one stamp more: `extra`.)
+  void check_stamps(int64_t blocks, const char* what, int64_t extra = 0) const {
+    MC_CHECK_ARG(!stamps_ || stamps_->numel() >= 2 * blocks + extra, what, ": ", blocks,
+                 " blocks need ", 2 * blocks + extra, " stamps, the tensor set has ",
+                 stamps_ ? stamps_->numel() : 0);
   }
 
   cudaStream_t stream() const {
@@ -336,7 +353,6 @@ void register_ep_ht_device(py::module_& m) {
   py::class_<HtPlanTensors, std::shared_ptr<HtPlanTensors>>(
       m, "HtPlan", "A fresh ElasticBuffer dispatch's routing on the device (its handle keeps it).")
       .def_readonly("topk", &HtPlanTensors::topk)
-      .def_readonly("words", &HtPlanTensors::words)
       .def_readonly("metadata", &HtPlanTensors::metadata)
       .def_readonly("dst_slot", &HtPlanTensors::dst_slot)
       .def_readonly("psum_rank", &HtPlanTensors::psum_rank)

@@ -37,6 +37,30 @@ __device__ inline void warp_exclusive_scan(const int32_t* v, int32_t* out, int n
   if (lane == 0) out[n] = total;
 }
 
+// Exclusive prefix sums of v[0, n) in place, by the whole block (every thread
+// calls it; v in shared memory), two values a thread: n <= 2 * blockDim.x, and
+// v[n] = the total. warp_total: shared scratch of blockDim.x / 32 ints. Ends
+// with a barrier, so every thread may read any sum.
+__device__ inline void block_exclusive_scan(int32_t* v, int n, int32_t* warp_total) {
+  const int i = static_cast<int>(threadIdx.x), lane = i % 32, warp = i / 32;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  const int a = 2 * i < n ? v[2 * i] : 0, b = 2 * i + 1 < n ? v[2 * i + 1] : 0;
+  const int incl = warp_inclusive_sum(a + b, lane);
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int t = lane < warps ? warp_total[lane] : 0;
+    const int before = warp_inclusive_sum(t, lane) - t;
+    if (lane < warps) warp_total[lane] = before;
+  }
+  __syncthreads();
+  const int before = warp_total[warp] + incl - (a + b);
+  if (2 * i < n) v[2 * i] = before;
+  if (2 * i + 1 < n) v[2 * i + 1] = before + a;
+  if (i == static_cast<int>(blockDim.x) - 1) v[n] = before + a + b;
+  __syncthreads();
+}
+
 // The last i with offsets[i] <= g, for offsets[0] == 0 <= g < offsets[n].
 __device__ __forceinline__ int find_segment(const int32_t* offsets, int n, int g) {
   int lo = 0, hi = n - 1;

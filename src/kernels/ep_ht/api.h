@@ -283,7 +283,9 @@ struct HtCommon {
   HtLayout ws;
   uint32_t* counter = nullptr;  // device, zero between launches: the last block's ticket
   // Profiling (null: off): device [2 * blocks], each block's %globaltimer (ns)
-  // at its start and when its channels are done, in dispatch and combine.
+  // at its start and when its channels are done, in dispatch and combine; the
+  // layout pass's at its start and when its chunks are counted, and [2 * grid]
+  // when its last block is done ([2 * blocks + 1] then).
   uint64_t* stamps = nullptr;
 };
 
@@ -308,7 +310,8 @@ struct HtRouting {
 
 struct LayoutArgs {
   HtCommon h;
-  HtRouting r;
+  HtRouting r;  // topk_idx: the caller's entries, copied into topk_copy as they are read
+  void* topk_copy = nullptr;  // [N, K], topk_idx's dtype: the plan's own (the handle's)
   int64_t alignment = 1;
   bool expand = false;
   // The call's shape (T, E, K, row bytes, weights, expanding, alignment) as 31

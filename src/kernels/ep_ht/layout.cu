@@ -1,14 +1,15 @@
 // The layout pass of a fresh dispatch (api.h: LayoutArgs, launch_layout).
 //
 // Blocks take chunks of this rank's tokens (chunk_tokens each, one entry of
-// topk_idx per thread) and count, per chunk, the tokens sent to each rank and
-// (expanding) those of each expert; each token's place within its chunk at
-// every rank (and expert) it goes to is written beside. The last block to
-// finish (no block waits for another) turns the counts into places before
-// each chunk, tells every peer how many tokens it will get (the notify
-// record), waits for every peer's record, and lays out what this rank
-// receives: sources in rank order, and with do_expand each local expert's
-// rows, padded to the alignment. What a peer said it sends is the plan.
+// topk_idx per thread, copied into the plan's own as it is read) and count,
+// per chunk, the tokens sent to each rank and (expanding) those of each
+// expert; each token's place within its chunk at every rank (and expert) it
+// goes to is written beside. The last block to finish (no block waits for
+// another) turns the counts into places before each chunk, tells every peer
+// how many tokens it will get (the notify record), waits for every peer's
+// record, and lays out what this rank receives: sources in rank order, and
+// with do_expand each local expert's rows, padded to the alignment. What a
+// peer said it sends is the plan.
 #include <cuda_runtime.h>
 
 #include "kernels/common/scan.cuh"
@@ -24,8 +25,14 @@ struct LayoutShared {
   int32_t warp_count[kMaxRanks][kWarps];
   int32_t sends[kMaxRanks];  // tokens sent to each rank, all chunks
   int32_t gets[kMaxRanks];   // tokens each rank sends here
+  // The last block's plan per local expert: counts, and the padded counts
+  // scanned into first rows (kept here, not read back from the plan's words).
+  int32_t cnt[kMaxLocalExperts];
+  int32_t start[kMaxLocalExperts + 1];
+  int32_t warp_total[kWarps];
   bool last;
 };
+static_assert(kMaxLocalExperts <= 2 * kThreads, "block_exclusive_scan takes two values a thread");
 
 // One chunk: its entries, each token's ranks, the places within the chunk.
 __device__ void count_chunk(const LayoutArgs& a, int64_t ch, LayoutShared& sh, int32_t* s_ecnt) {
@@ -38,7 +45,12 @@ __device__ void count_chunk(const LayoutArgs& a, int64_t ch, LayoutShared& sh, i
   const int nt = static_cast<int>(imin<int64_t>(L, r.num_tokens - t0)), ne = nt * K;
 
   if (i < ne) {
+    // The plan's copy of the entry as it came (the dispatch and combine read it).
     int64_t e = load_idx(r.topk_idx, t0 * K + i, r.topk_int64);
+    if (r.topk_int64)
+      static_cast<int64_t*>(a.topk_copy)[t0 * K + i] = e;
+    else
+      static_cast<int32_t*>(a.topk_copy)[t0 * K + i] = static_cast<int32_t>(e);
     if (e < -1 || e >= E) {
       report(a.h.c.status, kStatusBadExpert, static_cast<int>(e), static_cast<int>(t0 + i / K));
       e = -1;
@@ -124,12 +136,33 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
   int32_t* plan = r.plan;
   uint8_t* own = c.peers[me];
 
-  // Counts per chunk -> places before each chunk (exclusive sums, a warp per column).
+  // Counts per chunk -> places before each chunk (exclusive sums, a warp per
+  // column, kCols columns at a time: their loads in flight together).
+  constexpr int kCols = 4;
   const int64_t cols = R + (a.expand ? E : 0), n = r.num_chunks;
-  for (int64_t col = warp; col < cols; col += kWarps) {
-    int32_t* v = r.chunk_tab + col * n;
-    const int total = warp_scan(v, v, n, lane);
-    if (lane == 0 && col < R) sh.sends[col] = total;
+  for (int64_t col0 = warp; col0 < cols; col0 += kWarps * kCols) {
+    int carry[kCols] = {};
+    for (int64_t b = 0; b < n; b += 32) {
+      const bool in = b + lane < n;
+      int x[kCols];
+#pragma unroll
+      for (int u = 0; u < kCols; ++u) {
+        const int64_t col = col0 + u * kWarps;
+        x[u] = in && col < cols ? r.chunk_tab[col * n + b + lane] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kCols; ++u) {
+        const int64_t col = col0 + u * kWarps;
+        const int incl = warp_inclusive_sum(x[u], lane);
+        if (in && col < cols) r.chunk_tab[col * n + b + lane] = carry[u] + incl - x[u];
+        carry[u] += __shfl_sync(0xffffffffu, incl, 31);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCols; ++u) {
+      const int64_t col = col0 + u * kWarps;
+      if (lane == 0 && col < R) sh.sends[col] = carry[u];
+    }
   }
   __syncthreads();
 
@@ -234,23 +267,29 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
   for (int64_t j = i; j < epr; j += kThreads) {
     int cnt = 0;
     for (int s = 0; s < R; ++s) cnt += plan[P.cnt_se(s, j)];
+    const auto padded = static_cast<int32_t>((cnt + a.alignment - 1) / a.alignment * a.alignment);
     plan[P.count(j)] = cnt;
-    plan[P.padded(j)] = static_cast<int32_t>((cnt + a.alignment - 1) / a.alignment * a.alignment);
+    plan[P.padded(j)] = padded;
     a.unaligned[j] = cnt;
+    sh.cnt[j] = cnt;
+    sh.start[j] = padded;
   }
   __syncthreads();
-  if (warp == 0)
-    warp_exclusive_scan(plan + P.padded(0), plan + P.start(0), static_cast<int>(epr), lane);
-  __syncthreads();
+  block_exclusive_scan(sh.start, static_cast<int>(epr), sh.warp_total);
   for (int64_t j = i; j < epr; j += kThreads) {
-    int run = plan[P.start(j)];
+    const int first = sh.start[j];
+    plan[P.start(j)] = first;
+    int run = first;
     for (int s = 0; s < R; ++s) {
       plan[P.ebase(s, j)] = run;
       run += plan[P.cnt_se(s, j)];
     }
-    a.psum_expert[j] = a.expand ? plan[P.start(j)] + plan[P.count(j)] : plan[P.start(j + 1)];
+    a.psum_expert[j] = a.expand ? first + sh.cnt[j] : sh.start[j + 1];
   }
-  if (i == 0) plan[HtPlan::kExpanded] = plan[P.start(epr)];
+  if (i == 0) {
+    plan[P.start(epr)] = sh.start[epr];
+    plan[HtPlan::kExpanded] = sh.start[epr];
+  }
   for (int64_t e = i; e < E; e += kThreads) a.etotal[e] = 0;  // zero for the next call
 }
 
@@ -260,9 +299,16 @@ __global__ void __launch_bounds__(kThreads, 1) layout_kernel(const LayoutArgs a)
   if (a.expand)
     for (int64_t e = threadIdx.x; e < a.r.num_experts; e += kThreads) s_ecnt[e] = 0;
   __syncthreads();
+  stamp(a.h, 0);
   for (int64_t ch = blockIdx.x; ch < a.r.num_chunks; ch += gridDim.x)
     count_chunk(a, ch, sh, s_ecnt);
-  if (last_block(a.h.counter, &sh.last)) finish(a, sh);
+  stamp(a.h, 1);
+  if (!last_block(a.h.counter, &sh.last)) return;
+  finish(a, sh);
+  if (a.h.stamps != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) a.h.stamps[2 * gridDim.x] = now_ns();
+  }
 }
 
 }  // namespace
