@@ -175,8 +175,8 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         blocks = dev._blocks(sms)
         res["blocks"] = blocks
         if "host us: small calls" not in res:
-            # Without cProfile, which charges _present 6-7 us a call on the GPU machine
-            # (its own time above its cumulative time: a profiler artefact or not).
+            # Without cProfile, which charged _present 6-7 us a call on the GPU machine
+            # (its own time above its cumulative time) when it called view_version.
             backend = dev._backend or None
             small = {
                 "_present": dev._present,
@@ -186,7 +186,10 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
                 "ext.take_masked": dev.ext.take_masked,
             }
             if backend is not None:
+                from mooncake import pg
+
                 small["backend.view_version"] = backend.view_version
+                small["view_version, its word"] = pg._view_version_reader(backend)
             res["host us: small calls"] = {n: round(host_us(f), 2) for n, f in small.items()}
 
         def layout(T=T, idx=idx, dev=dev, blocks=blocks):

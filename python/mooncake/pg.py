@@ -30,10 +30,11 @@ the application instead (:func:`sync_after_failure`, :func:`deactivate_ranks`).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -278,6 +279,18 @@ def _backend_of(backend) -> MooncakeBackend:
     raise ValueError(
         f"backend must be a ProcessGroup or a mooncake backend, got {type(backend).__name__}"
     )
+
+
+def _view_version_reader(backend: MooncakeBackend) -> Callable[[], int]:
+    """``backend.view_version`` as a function that reads the backend's word in place
+    (ctypes), for callers that read it on every call; the function keeps the backend
+    (and so the word) alive."""
+    word = ctypes.c_int64.from_address(backend.view_version_address())
+
+    def read(word=word, keep=backend) -> int:
+        return word.value
+
+    return read
 
 
 def get_preferred_hca(backend, location: str) -> str:

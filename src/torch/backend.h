@@ -147,6 +147,9 @@ class MooncakeBackend : public c10d::Backend {
   // Changes whenever active_ranks is rewritten: lets a caller keep a copy (on the
   // GPU, say) and refresh it only when the view changed.
   int64_t view_version() const { return view_version_.load(); }
+  // Its word, for callers that read it on every call (Python through ctypes:
+  // a bound method's call costs microseconds on a slow host).
+  const std::atomic<int64_t>* view_version_word() const { return &view_version_; }
   void extend_group_size_to(int64_t size);
   // Collective among the members: whether a process waits to join as each rank.
   std::vector<bool> get_peer_state(const std::vector<int64_t>& ranks);

@@ -7,7 +7,9 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <climits>
+#include <cstdint>
 
 #include "core/error.h"
 #include "torch/backend.h"
@@ -165,6 +167,12 @@ void register_backend(py::module_& m) {
       .def("active_ranks", &MooncakeBackend::active_ranks)
       .def("num_synced_ranks", &MooncakeBackend::num_synced_ranks)
       .def("view_version", &MooncakeBackend::view_version)
+      .def("view_version_address",
+           [](const MooncakeBackend& b) {
+             static_assert(std::atomic<int64_t>::is_always_lock_free &&
+                           sizeof(std::atomic<int64_t>) == sizeof(int64_t));
+             return reinterpret_cast<uintptr_t>(b.view_version_word());
+           })
       .def("extend_group_size_to", &MooncakeBackend::extend_group_size_to, py::arg("size"),
            py::call_guard<py::gil_scoped_release>())
       .def("get_peer_state", &MooncakeBackend::get_peer_state, py::arg("ranks"),

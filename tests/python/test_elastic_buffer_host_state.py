@@ -65,6 +65,7 @@ def path(monkeypatch):
         return backend
 
     monkeypatch.setattr(pg, "_backend_of", backend_of)
+    monkeypatch.setattr(pg, "_view_version_reader", lambda b: b.view_version)
     # The CPU build has no device path, nor its constants.
     monkeypatch.setattr(pg._ext, "EP_HT_MIN_SLOTS", 2, raising=False)
     members, ext = Members(), Ext()

@@ -536,6 +536,10 @@ def test_activate_and_recover_responses(elastic):
         assert res["after_doomed"] == (("ok", 13), ([1, 0, 1, 1], 4)), r
         assert res["recover"] == ("Applied", 5, [], ""), r
         assert res["after"] == (("ok", 15), ([1, 1, 1, 1], 5)), r
+        # The word read in place is the backend's view_version, and moves with the view.
+        versions = res["versions"]
+        assert all(a == b for a, b in versions), (r, versions)
+        assert versions[0][0] < versions[1][0] < versions[2][0], (r, versions)
     assert elastic["3"]["joined"] == ([1, 1, 1, 1], 1)
     assert elastic["1.2"]["joined"] == ([1, 1, 1, 1], 5)
     for r in ("3", "1.2"):

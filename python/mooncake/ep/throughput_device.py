@@ -209,6 +209,7 @@ class ThroughputDevice:
         self._checked: tuple | None = None
         self._view: tuple = (None, None)  # (the group's view version, present ranks)
         self._backend = None  # the group's mooncake backend (False: it has none)
+        self._version = None  # reads its view_version (pg._view_version_reader)
         # What the last fold of the view (_settle) and the last mask (_mask) were made
         # from: the buffer's mask tensor, its change count (and the view's version).
         self._folded: tuple = (None, None, None)
@@ -268,12 +269,10 @@ class ThroughputDevice:
         if self._backend is None:  # looked up once: a lookup costs more than a call's launches
             try:
                 self._backend = pg._backend_of(self.members.group)
+                self._version = pg._view_version_reader(self._backend)
             except (AttributeError, RuntimeError, ValueError):  # a group without our backend
                 self._backend = False
-        try:
-            version = self._backend.view_version() if self._backend else None
-        except (AttributeError, RuntimeError):
-            version = None
+        version = self._version() if self._backend else None
         if version is None:
             self._view = (None, self.members.present(self.R))
         elif self._view[0] != version:

@@ -227,7 +227,11 @@ def elastic_rank(rank, world_size, port, plan):
         if role == "replacement":
             out["after"] = (attempt(lambda: mask(W)), view(W))
             return out
-    # Ranks 0-2 and the joiner.
+    # Ranks 0-2 and the joiner. The view version as the backend says it and as its
+    # word reads in place (pg._view_version_reader), at each view.
+    backend = pg._backend_of(W)
+    reader = pg._view_version_reader(backend)
+    out["versions"] = [(reader(), backend.view_version())]
     out["mask4"] = (attempt(lambda: mask(W)), view(W))
     if rank == 1:
         store.set("dying", "1")
@@ -235,6 +239,7 @@ def elastic_rank(rank, world_size, port, plan):
     while not store.check(["dead"]):
         time.sleep(0.005)
     out["mask3"] = (attempt(lambda: mask(W)), view(W))
+    out["versions"].append((reader(), backend.view_version()))
     if rank == 0:
         store.set("spawn-doomed", "1")
     out["recover_doomed"] = _admit(W, store, 1, pg.recover_ranks, key="doomed-gone")
@@ -243,6 +248,7 @@ def elastic_rank(rank, world_size, port, plan):
         store.set("spawn-replacement", "1")
     out["recover"] = _admit(W, store, 1, pg.recover_ranks)
     out["after"] = (attempt(lambda: mask(W)), view(W))
+    out["versions"].append((reader(), backend.view_version()))
     return out
 
 
