@@ -189,6 +189,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
                 from mooncake import pg
 
                 small["backend.view_version"] = backend.view_version
+                small["backend.left_out"] = backend.left_out
                 small["view_version, its word"] = pg._view_version_reader(backend)
             res["host us: small calls"] = {n: round(host_us(f), 2) for n, f in small.items()}
 
