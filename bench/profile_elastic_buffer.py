@@ -64,12 +64,12 @@ def python_profile(fn, calls: int = 200, top: int = 14) -> list[str]:
     ]
 
 
-def block_stamps(dev, fn, blocks: int, calls: int = 5) -> list[list[int]]:
+def block_stamps(dev, fn, blocks: int, calls: int = 5, extra: int = 0) -> list[list[int]]:
     """Each block's start and end (%globaltimer ns, one clock for every process on the
-    GPU) in ``calls`` calls of ``fn`` one at a time: [2 * blocks] per call, senders
-    (or repliers) first; a layout pass's blocks end when their chunks are counted, and
-    its last block's end follows them (one more)."""
-    stamps = torch.zeros(2 * blocks + 1, dtype=torch.int64, device="cuda")
+    GPU) in ``calls`` calls of ``fn`` one at a time: [2 * blocks + extra] per call,
+    senders (or repliers) first; a layout pass (``extra`` 1) ends its blocks when their
+    chunks are counted, and its last block's end follows them."""
+    stamps = torch.zeros(2 * blocks + extra, dtype=torch.int64, device="cuda")
     dev.ext.set_stamps(stamps)
     out = []
     try:
@@ -233,7 +233,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         row["python: dispatch, CPU sync"] = python_profile(calls["dispatch, CPU sync"])
         row["python: combine"] = python_profile(calls["combine"])
         if world == 1:
-            row["stamps: layout"] = layout_phases(block_stamps(dev, layout, blocks))
+            row["stamps: layout"] = layout_phases(block_stamps(dev, layout, blocks, extra=1))
         if world > 1:
             for name in ("dispatch, cached", "combine"):
                 row[f"stamps: {name}"] = block_stamps(dev, calls[name], blocks)
