@@ -99,7 +99,7 @@ class EpHtDevice {
                                         bool expand, int64_t signature, int64_t seq,
                                         int64_t timeout_ns, int64_t blocks) {
     const char* what = "dispatch";
-    check_stamps(blocks, what, 1);
+    check_stamps(std::max<int64_t>(blocks, 1), what, 1);  // (launch_layout's grid is >= 1)
     check_index(topk, what);
     check_active(active, what);
     const int64_t R = buf_.ranks(), N = topk.size(0), K = topk.size(1);
