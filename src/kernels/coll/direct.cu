@@ -1,5 +1,5 @@
 // launch_direct (coll/direct.h). The kernel is coll/direct_kernel.cuh's; its
-// instantiations lie in coll/direct_*.cu, a few element types a file
+// instantiations lie in coll/direct_*.cu, one element type a file
 // (direct_parts.h).
 #include <cuda_runtime.h>
 
@@ -14,8 +14,10 @@ int launch_direct(const DirectArgs& a, int blocks, CUstream_st* stream) {
   if (blocks < 1 || blocks > kDirectMaxBlocks) return static_cast<int>(cudaErrorInvalidValue);
   const auto grid = static_cast<unsigned>(blocks);
   if (!direct_reduces(a.kind)) return launch_direct_moves(a, grid, stream);
-  for (auto* part : {launch_direct_half, launch_direct_float, launch_direct_int8,
-                     launch_direct_int16, launch_direct_int64}) {
+  for (auto* part :
+       {launch_direct_half, launch_direct_bfloat, launch_direct_float, launch_direct_bool,
+        launch_direct_uint8, launch_direct_int8, launch_direct_int16, launch_direct_uint16,
+        launch_direct_int32, launch_direct_uint32, launch_direct_int64, launch_direct_uint64}) {
     const int err = part(a, grid, stream);
     if (err != kDirectNotMine) return err;
   }

@@ -1,0 +1,10 @@
+// launch_direct's reductions of uint64 (direct_parts.h).
+#include "kernels/coll/direct_kernel.cuh"
+
+namespace mooncake::kernels {
+
+int launch_direct_uint64(const DirectArgs& a, unsigned grid, CUstream_st* stream) {
+  return launch_reductions<uint64_t>(a, grid, stream);
+}
+
+}  // namespace mooncake::kernels

@@ -1,0 +1,10 @@
+// launch_direct's reductions of uint8 (direct_parts.h).
+#include "kernels/coll/direct_kernel.cuh"
+
+namespace mooncake::kernels {
+
+int launch_direct_uint8(const DirectArgs& a, unsigned grid, CUstream_st* stream) {
+  return launch_reductions<uint8_t>(a, grid, stream);
+}
+
+}  // namespace mooncake::kernels
