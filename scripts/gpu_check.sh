@@ -13,7 +13,8 @@
 #           on an H100 (11b192d), to split it over device calls of at most 10 minutes: a cold
 #           build 144 s, doctor + cpp 13, device 94, epdev 220, ephtdev 104, py 280, elastic
 #           17, pgcuda 208, epelastic 264, chaos 50 (e.g. "doctor cpp device ephtdev epdev",
-#           then "py elastic pgcuda", then "epelastic chaos");
+#           then "py elastic pgcuda", then "epelastic chaos"); a cold build of the module alone
+#           (GPU_BUILD=module) 76 s on c08b030, each target's time in $OUT/build_times.txt;
 #   benches (make gpu-bench): bench pgbench epelasticbench epprof ebprof epbench epfail epht.
 #   smoke:   (not in the default) the code built but not yet run on a GPU, a few minutes: see below;
 #   compare: (not in the default) an older commit against this tree, side by side: a
