@@ -177,20 +177,19 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         if "host us: small calls" not in res:
             # Without cProfile, which charged _present 6-7 us a call on the GPU machine
             # (its own time above its cumulative time) when it called view_version.
-            backend = dev._backend or None
+            from mooncake import pg
+
+            backend = pg._backend_of(dist.group.WORLD)
             small = {
                 "_present": dev._present,
                 "_settle": lambda dev=dev: dev._settle(eb),
                 "_mask": lambda dev=dev: dev._mask(eb),
                 "ext.status_code": dev.ext.status_code,
                 "ext.take_masked": dev.ext.take_masked,
+                "backend.view_version": backend.view_version,
+                "backend.left_out": backend.left_out,
+                "view_version, its word": pg._view_version_reader(backend),
             }
-            if backend is not None:
-                from mooncake import pg
-
-                small["backend.view_version"] = backend.view_version
-                small["backend.left_out"] = backend.left_out
-                small["view_version, its word"] = pg._view_version_reader(backend)
             res["host us: small calls"] = {n: round(host_us(f), 2) for n, f in small.items()}
 
         def layout(T=T, idx=idx, dev=dev, blocks=blocks):

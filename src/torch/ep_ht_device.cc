@@ -44,23 +44,24 @@ struct HtPlanTensors {
   at::Tensor metadata;  // recv_src_metadata [R * T, K + 2]
   at::Tensor dst_slot;  // dst_buffer_slot_idx [N, K]
   at::Tensor psum_rank, psum_expert, unaligned;  // [R], [E/R], [E/R]
-  void* topk_words = nullptr;                    // topk's data
   int32_t* chunk_tab = nullptr;                  // [R (+ E expanding), chunks]
   int32_t* inpos = nullptr;                      // [N, K]
   int32_t* inrank = nullptr;                     // [N, K] expanding, else [1]
   int32_t* words = nullptr;                      // ht::HtPlan
   int64_t num_words = 0;
-  int64_t num_tokens = 0, topk_n = 0;
-  bool topk_int64 = true;
   int64_t num_experts = 0, max_tokens = 0, alignment = 1, chunk_tokens = 1, num_chunks = 0;
   bool expand = false;
 
-  ht::HtRouting routing() const {
+  ht::HtRouting routing() const { return routing(topk); }
+  // The routing over `entries` ([N, K] topk_idx): the plan's own copy, or in
+  // the layout pass (before that copy's view is made) the caller's, which
+  // the pass copies into it.
+  ht::HtRouting routing(const at::Tensor& entries) const {
     ht::HtRouting r;
-    r.topk_idx = topk_words;
-    r.topk_int64 = topk_int64;
-    r.num_tokens = num_tokens;
-    r.topk = static_cast<int32_t>(topk_n);
+    r.topk_idx = entries.data_ptr();
+    r.topk_int64 = entries.scalar_type() == at::kLong;
+    r.num_tokens = entries.size(0);
+    r.topk = static_cast<int32_t>(entries.size(1));
     r.num_experts = num_experts;
     r.max_tokens = max_tokens;
     r.chunk_tokens = chunk_tokens;
@@ -118,9 +119,6 @@ class EpHtDevice {
     plan->chunk_tokens = std::max<int64_t>(1, ht::kThreads / K);
     plan->num_chunks = (N + plan->chunk_tokens - 1) / plan->chunk_tokens;
     const int64_t epr = num_experts / R;
-    plan->num_tokens = N;
-    plan->topk_n = K;
-    plan->topk_int64 = topk.scalar_type() == at::kLong;
     // The plan's int32 arrays and its copy of `topk` in one allocation (each
     // an allocator call otherwise), each at a 16-byte boundary; the kernel is
     // queued before the handle's tensor views are made.
@@ -143,16 +141,14 @@ class EpHtDevice {
     }
     plan->block = at::empty({total}, topk.options().dtype(at::kInt));
     int32_t* base = plan->block.data_ptr<int32_t>();
-    plan->topk_words = base + offset[kTopk];
     plan->chunk_tab = base + offset[kTab];
     plan->inpos = base + offset[kInpos];
     plan->inrank = base + offset[kInrank];
     plan->words = base + offset[kWords];
     plan->num_words = words[kWords];
     ht::LayoutArgs a;
-    a.r = plan->routing();
-    a.r.topk_idx = topk.data_ptr();  // read here, copied into the plan's by the kernel
-    a.topk_copy = plan->topk_words;
+    a.r = plan->routing(topk);
+    a.topk_copy = base + offset[kTopk];
     a.alignment = alignment;
     a.expand = expand;
     a.signature = static_cast<uint32_t>(signature);

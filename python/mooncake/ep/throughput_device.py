@@ -208,8 +208,9 @@ class ThroughputDevice:
         # them too (they cost more host time than the launches).
         self._checked: tuple | None = None
         self._view: tuple = (None, None)  # (the group's view version, present ranks)
-        self._backend = None  # the group's mooncake backend (False: it has none)
-        self._version = None  # reads its view_version (pg._view_version_reader)
+        # Reads the group's view version (pg._view_version_reader; False: the group has
+        # no backend of ours).
+        self._version = None
         # What the last fold of the view (_settle) and the last mask (_mask) were made
         # from: the buffer's mask tensor, its change count (and the view's version).
         self._folded: tuple = (None, None, None)
@@ -266,13 +267,12 @@ class ThroughputDevice:
     def _present(self) -> torch.Tensor:
         """bool [R] on the CPU: the ranks the group counts present (read again only when
         its view changes; ``_view[0]`` is None where the group cannot say when)."""
-        if self._backend is None:  # looked up once: a lookup costs more than a call's launches
+        if self._version is None:  # looked up once: a lookup costs more than a call's launches
             try:
-                self._backend = pg._backend_of(self.members.group)
-                self._version = pg._view_version_reader(self._backend)
+                self._version = pg._view_version_reader(pg._backend_of(self.members.group))
             except (AttributeError, RuntimeError, ValueError):  # a group without our backend
-                self._backend = False
-        version = self._version() if self._backend else None
+                self._version = False
+        version = self._version() if self._version else None
         if version is None:
             self._view = (None, self.members.present(self.R))
         elif self._view[0] != version:
