@@ -20,6 +20,7 @@ rank's next call raises what they found).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -43,8 +44,17 @@ MAX_TIMEOUT_MS = 2**40
 
 
 def is_int(v) -> bool:
-    """An int that is not a bool."""
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer that is not a bool: Python's, or any other that registers as
+    ``numbers.Integral`` (numpy's, which engines read out of configs and arrays), as
+    upstream's bindings take them."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def plain(v):
+    """``v`` as a Python int where it is another kind of integer (numpy's); else ``v``
+    itself, for the rules to judge. Entry points pass their int arguments through it,
+    so that what they keep and hand on is a plain int."""
+    return v if type(v) is int or not is_int(v) else int(v)
 
 
 def is_int64(v) -> bool:
@@ -59,7 +69,7 @@ def int_arg(what: str, name: str, v, low: int, high: int = MAX_INT) -> int:
             f"{what}: {name} must be an int >= {low} and below 2**{high.bit_length() - 1}, "
             f"got {v!r}"
         )
-    return v
+    return int(v)
 
 
 def int_list(what: str, name: str, v) -> list[int]:
@@ -72,7 +82,7 @@ def int_list(what: str, name: str, v) -> list[int]:
     v = list(v)
     if not all(is_int64(r) for r in v):
         raise ValueError(f"{what}: {name} must be a list of ints, got {v!r}")
-    return v
+    return [int(r) for r in v]
 
 
 def timeout_error(timeout_us) -> str | None:

@@ -274,6 +274,8 @@ std::vector<int32_t> EpHtBuffer::plan_head(const int32_t* plan, int64_t n, cudaS
   MC_CHECK_ARG(plan != nullptr && n >= 0 && n <= kHeadWords, "plan_head: ", n, " words; at most ",
                kHeadWords);
   OnDevice on(device_);
+  // Calls from several threads would share the one pinned buffer.
+  const std::lock_guard<std::mutex> lock(head_mu_);
   cuda_check(cudaMemcpyAsync(head_.host(), plan, static_cast<size_t>(n) * sizeof(int32_t),
                              cudaMemcpyDeviceToHost, stream),
              "reading the plan's counts");

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -152,6 +153,7 @@ class EpHtBuffer {
   HostWords silent_;
   HostWords status_;
   HostWords head_{kHeadWords};  // plan_head's (pinned: a copy into it is one DMA)
+  std::mutex head_mu_;          // held from that copy until its words are read
   std::shared_ptr<LostWords> lost_;
   // Calls share the rings, the counters and the scratch: one after another
   // whatever stream each is queued on.

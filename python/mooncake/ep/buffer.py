@@ -156,6 +156,7 @@ class Buffer(ElasticMethods):
                 f"Buffer: group must be a torch.distributed ProcessGroup, got "
                 f"{type(group).__name__}"
             )
+        num_ep_buffer_bytes = _checks.plain(num_ep_buffer_bytes)
         if not _checks.is_int(num_ep_buffer_bytes) or not 0 <= num_ep_buffer_bytes < 2**63:
             raise ValueError(
                 f"Buffer: num_ep_buffer_bytes must be an int in [0, 2**63), got "
@@ -418,6 +419,9 @@ class Buffer(ElasticMethods):
         """
         if use_fp8 is None:
             use_fp8 = True
+        T, E, timeout_us = map(
+            _checks.plain, (num_max_dispatch_tokens_per_rank, num_experts, timeout_us)
+        )
         device = self._device
         path = device if device is not None and device.takes(x) else self._portable
         out = path.dispatch_call(
@@ -425,8 +429,8 @@ class Buffer(ElasticMethods):
             x,
             topk_idx,
             active_ranks,
-            num_max_dispatch_tokens_per_rank,
-            num_experts,
+            T,
+            E,
             timeout_us,
             use_fp8,
             async_finish,
@@ -580,6 +584,7 @@ class Buffer(ElasticMethods):
         # A combine runs on its dispatch's path (a bad handle: the portable path, which
         # says why on every rank).
         handle = self._handle_of(handle)
+        timeout_us = _checks.plain(timeout_us)
         state = handle.state if isinstance(handle, DispatchHandle) else None
         device = self._device
         on_device = state is not None and state.on_device and device is not None

@@ -54,6 +54,7 @@ from .._checks import (
     int_arg,
     int_list,
     is_int,
+    plain,
     tensor_error,
 )
 from . import device as device_path
@@ -102,13 +103,16 @@ class Slots:
         disable_device: bool = False,
     ):
         what = "create_elastic"
-        int_arg(what, "rank", rank, 0)
+        rank = int_arg(what, "rank", rank, 0)
+        timeout_ms = plain(timeout_ms)
         _check_store(what, store)
         if not is_int(timeout_ms) or not (timeout_ms == -1 or 0 < timeout_ms < MAX_TIMEOUT_MS):
             raise ValueError(
                 f"{what}: timeout_ms must be an int in [1, 2**40) or -1, got {timeout_ms!r}"
             )
-        int_arg(what, "metadata_timeout_ms", metadata_timeout_ms, 1, MAX_TIMEOUT_MS)
+        metadata_timeout_ms = int_arg(
+            what, "metadata_timeout_ms", metadata_timeout_ms, 1, MAX_TIMEOUT_MS
+        )
         if not isinstance(store_prefix, str) or not store_prefix:
             raise ValueError(f"{what}: store_prefix must be a non-empty str, got {store_prefix!r}")
         self.rank = rank
@@ -133,9 +137,9 @@ class Slots:
         ``num_rdma_bytes > 0`` and CUDA, allocates the device workspace."""
         what = "update_memory_buffers"
         self._check_alive(what)
-        int_arg(what, "num_ranks", num_ranks, 1)
-        int_arg(what, "num_experts_per_rank", num_experts_per_rank, 1)
-        int_arg(what, "num_rdma_bytes", num_rdma_bytes, 0, 2**63)
+        num_ranks = int_arg(what, "num_ranks", num_ranks, 1)
+        num_experts_per_rank = int_arg(what, "num_experts_per_rank", num_experts_per_rank, 1)
+        num_rdma_bytes = int_arg(what, "num_rdma_bytes", num_rdma_bytes, 0, 2**63)
         if num_ranks <= self.rank:
             raise ValueError(
                 f"{what}: num_ranks ({num_ranks}) must be above this buffer's rank ({self.rank})"
@@ -262,7 +266,7 @@ class Slots:
                 f"{what}: {name} must be an int in [0, {self.num_ranks}) (the capacity), "
                 f"got {slot!r}"
             )
-        return slot
+        return int(slot)
 
     def connect(self, peers, activate, calls: int = 0) -> None:
         slots = self._slot_list("connect_ranks", peers)
@@ -285,6 +289,7 @@ class Slots:
     def set_masked(self, peer, mask, calls: int = 0) -> None:
         what = "update_mask_buffer"
         self.need_peers(what)
+        peer = plain(peer)
         if not is_int(peer):
             raise ValueError(f"{what}: rank_to_mask must be an int, got {peer!r}")
         self._check_int_slot(what, peer)
@@ -339,6 +344,7 @@ class Slots:
 
     def barrier(self, timeout_ms) -> list[int]:
         peers = self.need_peers("barrier")
+        timeout_ms = plain(timeout_ms)
         if timeout_ms is not None and (
             not is_int(timeout_ms) or not 1 <= timeout_ms < MAX_TIMEOUT_MS
         ):

@@ -168,6 +168,13 @@ class ElasticBuffer:
                 f"ElasticBuffer: group must be a torch.distributed ProcessGroup, got "
                 f"{type(group).__name__}"
             )
+        num_bytes, num_max_tokens_per_rank, hidden, num_topk, sl_idx, num_allocated_qps = map(
+            _checks.plain,
+            (num_bytes, num_max_tokens_per_rank, hidden, num_topk, sl_idx, num_allocated_qps),
+        )
+        num_cpu_timeout_secs, num_gpu_timeout_secs = map(
+            _checks.plain, (num_cpu_timeout_secs, num_gpu_timeout_secs)
+        )
         _checks.throughput_buffer_args(
             num_bytes=num_bytes, num_max_tokens_per_rank=num_max_tokens_per_rank,
             hidden=hidden, num_topk=num_topk, use_fp8_dispatch=use_fp8_dispatch,
@@ -383,7 +390,7 @@ class ElasticBuffer:
         H = _checks.int_arg(what, "hidden", hidden, 1)
         if not (_checks.is_int(num_topk) and 0 <= num_topk <= _checks.MAX_TOPK):
             raise ValueError(f"{what}: num_topk must be an int in [0, 32], got {num_topk!r}")
-        K = num_topk or _checks.MAX_TOPK
+        K = int(num_topk) or _checks.MAX_TOPK
         err = _checks.flags_error(
             use_fp8_dispatch=use_fp8_dispatch, allow_hybrid_mode=allow_hybrid_mode,
             allow_multiple_reduction=allow_multiple_reduction,
@@ -582,6 +589,9 @@ class ElasticBuffer:
             mooncake.LeftOutError: this rank was left out of the group.
         """
         self._alive("dispatch")
+        num_experts, num_max_tokens_per_rank, expert_alignment, num_sms = map(
+            _checks.plain, (num_experts, num_max_tokens_per_rank, expert_alignment, num_sms)
+        )
         path = self._path_for(x, topk_idx, topk_weights, num_experts, do_expand, handle)
         self.path, self.transport = path.name, path.transport
         return path.dispatch_call(
@@ -640,6 +650,7 @@ class ElasticBuffer:
             mooncake.LeftOutError: this rank was left out of the group.
         """
         self._alive("combine")
+        num_sms = _checks.plain(num_sms)
         # A combine runs on its dispatch's path (a device handle of an earlier membership
         # generation goes to the portable path, which refuses it alike on every rank).
         path = self._portable

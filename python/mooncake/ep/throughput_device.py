@@ -233,7 +233,7 @@ class ThroughputDevice:
             return False
         if scales is not None and (not isinstance(scales, torch.Tensor) or scales.dim() != 2):
             return False
-        if isinstance(num_experts, int) and (
+        if _checks.is_int(num_experts) and (
             num_experts > pg._ext.EP_HT_MAX_EXPERTS
             or num_experts // self.R > pg._ext.EP_HT_MAX_LOCAL_EXPERTS
         ):

@@ -24,6 +24,7 @@ import time
 import zlib
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,6 +53,7 @@ class Spec:
     idx_dtype: torch.dtype = torch.int64
     timeout_us: int = -1
     strided: bool = False  # x and topk_idx as non-contiguous views
+    numpy_ints: bool = False  # T, E and timeout_us as numpy ints, as an engine reads them
 
     def n_of(self, rank: int) -> int:
         return self.ns[rank % len(self.ns)]
@@ -291,14 +293,17 @@ class Round:
         waited on."""
         ins, spec = self.ins[self.me], self.spec
         self.before = None if self.act is None else self.act.tolist()
+        T, E, timeout_us = spec.T, self.E, spec.timeout_us
+        if spec.numpy_ints:
+            T, E, timeout_us = np.int32(T), np.int64(E), np.int64(timeout_us)
         t0 = time.monotonic()
         out = self.buf.dispatch(
             ins.x,
             ins.idx,
             self.act,
-            spec.T,
-            self.E,
-            spec.timeout_us,
+            T,
+            E,
+            timeout_us,
             use_fp8=spec.fp8,
             cumulative_local_expert_recv_stats=stats,
             **mode_flags(mode),
@@ -961,6 +966,10 @@ def route_cases(world: int) -> list[Case]:
             P(c_round, spec=Spec(K=3, ns=(5, 4), wdtype=torch.float16, fp8=True)),
         ),
         Case("route/strided_inputs", P(c_round, spec=Spec(K=3, ns=(5, 4), strided=True))),
+        Case(
+            "route/numpy_ints",
+            P(c_round, spec=Spec(K=3, ns=(5, 4), numpy_ints=True, timeout_us=5_000_000)),
+        ),
         Case(
             "route/strided_inputs_fp8",
             P(c_round, spec=Spec(K=3, ns=(5, 4), strided=True, fp8=True)),

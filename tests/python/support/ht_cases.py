@@ -11,6 +11,7 @@ import functools
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -92,6 +93,7 @@ def _extra(world: int) -> dict[str, HSpec]:
         "align128-tokens": HSpec(align=128),
         "many-experts": HSpec(epr=16, K=4, T=16, ns=(16, 9), expand=True, align=4),
         "cached-three-times": HSpec(cached=3),
+        "numpy-ints": HSpec(numpy_ints=True, align=4, cached=1),
         "trimmed-combine-x": HSpec(sync=False, trim=True, cached=1),
         "trimmed-combine-x-expand": HSpec(sync=False, expand=True, align=8, trim=True),
         # with sync the rows are exact but for the last expert's padding, which goes
@@ -173,6 +175,15 @@ def c_attributes(ctx):
     sized = get_ebuf(ctx, num_max_tokens_per_rank=8, hidden=256, num_topk=4)
     hint = ElasticBuffer.get_buffer_size_hint(dist.group.WORLD, 8, 256, 4)
     ctx.expect(sized.num_bytes == hint > 0, f"num_bytes {sized.num_bytes}, hint {hint}")
+    # numpy ints, as an engine reads its settings out of arrays: taken as the same ints
+    T, H, K = np.int64(8), np.int32(256), np.int64(4)
+    np_hint = ElasticBuffer.get_buffer_size_hint(dist.group.WORLD, T, H, K)
+    ctx.expect(np_hint == hint and type(np_hint) is int, f"hint of numpy ints {np_hint!r}")
+    by_np = ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=T, hidden=H, num_topk=K)
+    for name in ("num_bytes", "num_max_tokens_per_rank", "hidden", "num_topk"):
+        got, want = getattr(by_np, name), getattr(sized, name)
+        ctx.expect(type(got) is int and got == want, f"{name} of numpy ints {got!r}, want {want}")
+    HRound(ctx, by_np, replace(SMALL, T=8, numpy_ints=True, cached=1), "numpy").run()
 
 
 def _a(v: int, a: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 import ht_model as model
@@ -49,6 +50,7 @@ class HSpec:
     cdtype: torch.dtype | None = None  # the experts' output dtype (None: x's, bf16 for FP8)
     combine_weights: bool = True
     trim: bool = False  # combine's x (and weights) trimmed to the valid rows, as upstream's callers
+    numpy_ints: bool = False  # the int arguments as numpy ints, as an engine reads them from arrays
 
     def n_of(self, rank: int) -> int:
         return self.ns[rank % len(self.ns)]
@@ -186,10 +188,13 @@ class HRound:
         ins = ins or self.ins
         mine = ins[self.me]
         t0 = time.monotonic()
+        E, T, align = self.E, spec.T, spec.align
+        if spec.numpy_ints:
+            E, T, align = np.int64(E), np.int32(T), np.int64(align)
         if handle is None:
             out = self.buf.dispatch(
-                mine.x_in, mine.idx, mine.w, num_experts=self.E, num_max_tokens_per_rank=spec.T,
-                expert_alignment=spec.align, do_expand=spec.expand, do_cpu_sync=spec.sync,
+                mine.x_in, mine.idx, mine.w, num_experts=E, num_max_tokens_per_rank=T,
+                expert_alignment=align, do_expand=spec.expand, do_cpu_sync=spec.sync,
             )  # fmt: skip
         else:
             out = self.buf.dispatch(mine.x_in, topk_weights=mine.w, handle=handle)
