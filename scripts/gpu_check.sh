@@ -66,6 +66,9 @@
 #            at 2 processes under MPS (whole calls), and again with each grid size in
 #            EBPROF_SMS (num_sms; none by default); EBPROF_W2_TOKENS: the 2-process run's
 #            tokens (512,4096); EBPROF_NO_MPS=1: that run again without MPS;
+#   mapceil: (not in the default) bench/mapped_ceiling.py: a large all_reduce's candidate
+#            algorithms' data movement alone (torch's kernels, peers' tensors mapped), under
+#            MPS at MAPCEIL_WORLDS (2,4), MAPCEIL_MIB (64) MiB;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   killsoak: (not in the default) the GPU kill tests run again and again, without MPS, to
 #            measure how often a rare timing fails: KILLSOAK_RUNS (10) runs of each of
@@ -517,6 +520,19 @@ if gpu_wants epprof; then
   step "EP device path: profile"
   mkdir -p "$OUT/bench"
   timeout 300 "$PY" bench/profile_ep_device.py --out "$OUT/bench/ep_profile.json" 2>&1 | tee "$OUT/ep_profile.log" | tail -60 || status=1
+fi
+
+# mapceil: (not in the default) bench/mapped_ceiling.py under MPS at MAPCEIL_WORLDS (2,4),
+# 64 MiB: the data movement alone of the large all_reduce's candidate algorithms.
+if wants mapceil; then
+  step "large all_reduce: the candidates' data movement"
+  mkdir -p "$OUT/bench"
+  start_mps
+  for w in $(echo "${MAPCEIL_WORLDS:-2,4}" | tr , ' '); do
+    timeout 200 "$PY" bench/mapped_ceiling.py --world "$w" --mib "${MAPCEIL_MIB:-64}" \
+      --out "$OUT/bench/mapceil_w$w.json" 2>&1 | tee "$OUT/mapceil_w$w.log" | tail -8 || status=1
+  done
+  stop_mps
 fi
 
 if gpu_wants ebprof; then
