@@ -6,7 +6,9 @@ all_to_all_single, the rooted ops and the list forms of all_gather and reduce_sc
 up to 8 MiB, and the device plane above that and for all_to_all's list form; at world
 1 the kernels' path for every op at any size, a local copy), with ``MOONCAKE_CUDA_DIRECT=off`` (every
 op on the host-driven plane, or staged below 64 KiB, as before the device-driven
-kernels): column "plane" (on request: ``--backends mooncake,plane``), and with
+kernels): column "plane" (on request: ``--backends mooncake,plane``), with
+``MOONCAKE_CUDA_MAPPED=1`` (all_reduce past the kernels' bound reads the ranks' tensors
+in place): column "mapped" (on request), and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
 
@@ -77,6 +79,8 @@ FLOOR = "copy"
 COLUMNS = {
     "mooncake": ("mooncake", {}),
     "plane": ("mooncake", {"MOONCAKE_CUDA_DIRECT": "off"}),
+    # all_reduce past the device-driven bound read in place (on request)
+    "mapped": ("mooncake", {"MOONCAKE_CUDA_MAPPED": "1"}),
     "staged": ("mooncake", {"MOONCAKE_CUDA_SEGMENT_BYTES": "0"}),
     "gloo": ("gloo", {}),
     "nccl": ("nccl", {}),
@@ -289,9 +293,10 @@ def problems_of(results: dict) -> list[str]:
 def write_table(args, ops, sizes, results: dict) -> str:
     """Writes the JSON and the table of ``results`` so far; returns the table."""
     harness.write_outputs(args.out_dir, {"pg_cuda.json": results})
-    header = ["op", "bytes", "world", "mooncake µs", "plane µs", "staged µs", "gloo µs", "nccl µs"]
+    header = ["op", "bytes", "world", "mooncake µs", "plane µs", "mapped µs", "staged µs"]
+    header += ["gloo µs", "nccl µs"]
     header += ["mooncake / gloo", "mooncake busbw / copy rate", "floor µs", "floor / mooncake"]
-    header += ["mooncake / its all_reduce"]
+    header += ["mooncake / its all_reduce", "floor / mapped"]
     rows = []
     for world in harness.csv_ints(args.worlds):
         for op in ops:
@@ -303,7 +308,7 @@ def write_table(args, ops, sizes, results: dict) -> str:
                             return row["us"]
                     return None
 
-                m, h, st = get("mooncake"), get("plane"), get("staged")
+                m, h, mp, st = get("mooncake"), get("plane"), get("mapped"), get("staged")
                 g, n = get("gloo"), get("nccl")
                 floor = get("mooncake", op=FLOOR)
                 rate = results.get(f"mooncake/w{world}", {}).get("copy_rate")
@@ -312,7 +317,7 @@ def write_table(args, ops, sizes, results: dict) -> str:
                     if m and rate
                     else "-"
                 )
-                cells = [f"{v:.1f}" if v else "-" for v in (m, h, st, g, n)]
+                cells = [f"{v:.1f}" if v else "-" for v in (m, h, mp, st, g, n)]
                 ratio = f"{m / g:.2f}" if m and g else "-"
                 of_floor = f"{floor / m:.1%}" if m and floor else "-"
                 floor_cell = f"{floor:.1f}" if floor else "-"
@@ -320,7 +325,8 @@ def write_table(args, ops, sizes, results: dict) -> str:
                 ar = get("mooncake", op="all_reduce")
                 of_ar = f"{m / ar:.2f}" if m and ar else "-"
                 row = [op, harness.fmt_bytes(nbytes), str(world), *cells]
-                rows.append(row + [ratio, bus, floor_cell, of_floor, of_ar])
+                of_floor_mapped = f"{floor / mp:.1%}" if mp and floor else "-"
+                rows.append(row + [ratio, bus, floor_cell, of_floor, of_ar, of_floor_mapped])
     lines = harness.markdown_table(header, rows, "l" + "r" * (len(header) - 1))
     rate = next((r.get("copy_rate") for r in results.values() if r.get("copy_rate")), None)
     if rate:

@@ -367,12 +367,15 @@ def get_op_paths(backend=None) -> dict[str, int]:
     and ops staged through host memory (a size or op the plane does not serve, or a peer
     it cannot reach); ``direct`` counts the device plane's ops that ran on the
     device-driven kernels (no host round; a captured one counts once, when captured; a
-    coalesced call counts one device op and one direct op per tensor). Counted as the ops
-    are issued, on this rank. Zeros for a ``mooncake-cpu`` group."""
+    coalesced call counts one device op and one direct op per tensor). With
+    ``MOONCAKE_CUDA_MAPPED=1``, ``mapped`` and ``mapped_planed`` count the pieces of
+    all_reduces past the device-driven bound that read the ranks' tensors in place, and
+    those that ran on the plane instead (a tensor's first op, or a failure). Counted as
+    the ops are issued, on this rank. Zeros for a ``mooncake-cpu`` group."""
     b = _backend_of(backend)
     if hasattr(b, "op_paths"):
         return b.op_paths()
-    return {"device": 0, "staged": 0, "direct": 0}
+    return {"device": 0, "staged": 0, "direct": 0, "mapped": 0, "mapped_planed": 0}
 
 
 def watch_loss_times(backend=None):

@@ -92,6 +92,11 @@ const std::vector<EnvVar>& env_registry() {
        "input: every part of a reduce_scatter's or all_to_all's; at most "
        "MOONCAKE_CUDA_SEGMENT_BYTES); each rank's device segment grows by about 3x this. "
        "Larger ones take the host-driven device plane. 0: none (as MOONCAKE_CUDA_DIRECT=off)."},
+      {"MOONCAKE_CUDA_MAPPED", "0",
+       "Backend mooncake: 1: an all_reduce past MOONCAKE_CUDA_DIRECT_BYTES reads each rank's "
+       "tensor where it lies (mapped through CUDA IPC) instead of copying it into the segments: "
+       "one launch per piece, 3N + N/R bytes moved per rank where the plane moves (3 + R) N; "
+       "a tensor's first such op maps it and runs on the plane. Every rank alike. 0: off."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

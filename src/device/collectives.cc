@@ -67,6 +67,9 @@ std::optional<DeviceCollectives::Options> DeviceCollectives::Options::from_env()
     throw_error(ErrorKind::kInvalidArgument, -1,
                 "MOONCAKE_CUDA_DIRECT must be auto, oneshot, twoshot or off, got '", mode, "'");
   if (o.direct_bytes == 0) o.direct = Direct::kOff;
+  const int64_t mapped = env_int("MOONCAKE_CUDA_MAPPED");
+  MC_CHECK_ARG(mapped == 0 || mapped == 1, "MOONCAKE_CUDA_MAPPED must be 0 or 1, got ", mapped);
+  o.mapped = mapped == 1 && o.direct != Direct::kOff;
   return o;
 }
 
@@ -605,18 +608,86 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   const bool two_shot =
       world >= 2 && (options_.direct == Direct::kTwoShot ||
                      (options_.direct == Direct::kAuto && world > 2 && bytes > kOneShotBytes));
+  const int blocks = direct_grid(bytes);
+  direct_order_->before(stream);
+  direct_->launch(op, two_shot, reject != nullptr, timeout_ms, blocks, stream);
+  direct_order_->after(stream);
+}
+
+int DeviceCollectives::direct_grid(size_t bytes) {
   // The group's ranks on this GPU (every rank, where serves() was not asked)
   // each take their share of it: every block of each launch must be resident.
   if (direct_blocks_ == 0)
     direct_blocks_ =
-        std::clamp(device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : world), 1,
+        std::clamp(device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : comm_.size()), 1,
                    kernels::kDirectMaxBlocks);
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
-  const int blocks =
-      static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
-  direct_order_->before(stream);
-  direct_->launch(op, two_shot, reject != nullptr, timeout_ms, blocks, stream);
-  direct_order_->after(stream);
+  return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
+}
+
+bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
+                                          cudaStream_t stream, int64_t timeout_ms) {
+  const int world = comm_.size();
+  if (!options_.mapped || world < 2 || count == 0 || !redop_supported(op, dtype)) return false;
+  OnDevice on(device_);
+  if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
+  // Set up as a one-element all_reduce would be (every member decides alike:
+  // the same options, the same view, the same op queue order).
+  DirectOp probe;
+  probe.kind = kernels::DirectKind::kAllReduce;
+  probe.count = 1;
+  probe.dtype = dtype;
+  probe.op = op;
+  if (!direct_serves(probe, timeout_ms) || !direct_set_up(probe, stream, timeout_ms)) return false;
+  const size_t esize = dtype_size(dtype);
+  const kernels::DirectLayout& L = direct_->layout();
+  // A piece whose share at the world's size fits a parity of the area (with
+  // fewer members its launch writes nothing: the plane serves it), and whose
+  // plane fallback may be in place (at most a segment).
+  const size_t vec = 16 / esize;
+  const size_t share = (L.parity_bytes / esize / vec - 1) * vec;
+  const size_t per =
+      std::min(share * static_cast<size_t>(world), options_.segment_bytes / esize) / vec * vec;
+  if (per == 0) return false;
+  direct_poll();
+  // The exports earlier launches lacked, mapped before these launches read the table.
+  direct_->map_offers(*direct_order_, stream);
+  auto* base = static_cast<uint8_t*>(t);
+  struct Launched {
+    size_t first, n;
+    DirectOutcomes::Lease lease;
+  };
+  std::vector<Launched> pieces;
+  for (size_t first = 0; first < count; first += per) {
+    const size_t n = std::min(per, count - first);
+    DirectOp piece = probe;
+    piece.count = n;
+    piece.in = piece.out = base + first * esize;
+    piece.mapped = true;
+    piece.offer = direct_->offer(piece.out, n * esize, stream);
+    DirectOutcomes::Lease lease = outcomes_->lease();
+    piece.outcome = lease.device();
+    piece.ticket = lease.ticket();
+    direct_order_->before(stream);
+    direct_->launch(piece, false, false, timeout_ms, direct_grid(n * esize), stream);
+    direct_order_->after(stream);
+    pieces.push_back({first, n, std::move(lease)});
+  }
+  finish(stream);
+  direct_poll();
+  // Every member finds the same outcome for each piece (kernels/coll/direct.h):
+  // the pieces one wrote nothing for run on the plane, in place, at every member.
+  for (const Launched& p : pieces) {
+    const std::optional<kernels::DirectOutcome> o = p.lease.read();
+    if (o && o->mapped == 1) {
+      ++mapped_done_;
+      continue;
+    }
+    ++mapped_planed_;
+    uint8_t* at = base + p.first * esize;
+    reduce(at, at, p.n, dtype, op, -1, stream, timeout_ms);
+  }
+  return true;
 }
 
 void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,

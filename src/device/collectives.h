@@ -31,6 +31,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -61,9 +62,12 @@ class DeviceCollectives {
     // segment grows by about 3x this) and all_reduce's algorithm.
     size_t direct_bytes = 8 << 20;
     Direct direct = Direct::kAuto;
+    // all_reduce past direct_bytes reads the members' tensors where they lie
+    // (mapped_all_reduce), where the device-driven ops are on.
+    bool mapped = false;
     // MOONCAKE_CUDA_SEGMENT_BYTES (0 or MOONCAKE_TRANSPORT=tcp: no device
-    // collectives), MOONCAKE_CUDA_PLANE_MIN_BYTES, MOONCAKE_CUDA_DIRECT and
-    // MOONCAKE_CUDA_DIRECT_BYTES; nullopt when off.
+    // collectives), MOONCAKE_CUDA_PLANE_MIN_BYTES, MOONCAKE_CUDA_DIRECT,
+    // MOONCAKE_CUDA_DIRECT_BYTES and MOONCAKE_CUDA_MAPPED; nullopt when off.
     static std::optional<Options> from_env();
   };
 
@@ -75,6 +79,7 @@ class DeviceCollectives {
 
   int device() const { return device_; }
   size_t capacity() const { return options_.segment_bytes; }
+  const Options& options() const { return options_; }
 
   // Whether an op whose every rank moves `bytes` (nullopt: sizes that differ
   // between ranks) runs here: every rank of the world on this host, on GPUs
@@ -93,6 +98,20 @@ class DeviceCollectives {
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
                   cudaStream_t stream, int64_t timeout_ms = -1);
+  // all_reduce of `t` in place, each member's tensor read where it lies
+  // (kernels/coll/direct.h, the mapped all_reduce): one launch per piece whose
+  // share fits an area, then a wait for them; where a launch wrote nothing (a
+  // member's tensor not mapped yet, which the next call maps, or a member
+  // failed before its share was reduced) that piece runs on the plane, on
+  // every member alike. False (nothing done): the option is off, or the
+  // device-driven ops do not serve the group; the caller runs the plane.
+  bool mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op, cudaStream_t stream,
+                         int64_t timeout_ms = -1);
+  // Pieces mapped_all_reduce ran by its launch, and on the plane (tests).
+  std::pair<int64_t, int64_t> mapped_pieces() const {
+    return {mapped_done_.load(), mapped_planed_.load()};
+  }
+
   // all_reduce whose result only `root` writes (to `out`; others pass null).
   void reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, int root,
               cudaStream_t stream, int64_t timeout_ms = -1);
@@ -230,6 +249,8 @@ class DeviceCollectives {
   bool direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
   // `op` on the host-driven plane (blocking), where direct() cannot launch.
   void direct_on_plane(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
+  // The blocks a launch of `bytes` takes.
+  int direct_grid(size_t bytes);
   // The segments of `members`, in order (this rank's own among them).
   std::vector<const uint8_t*> segments(const std::vector<int>& members, int64_t timeout_ms);
   // Waits until `stream` has run what is queued on it.
@@ -253,6 +274,7 @@ class DeviceCollectives {
   // the world size): its ops run on the host-driven plane.
   uint64_t direct_unfit_epoch_ = UINT64_MAX;
   int direct_blocks_ = 0;  // the most blocks a launch takes (0: not asked yet)
+  std::atomic<int64_t> mapped_done_{0}, mapped_planed_{0};  // read from any thread
   // The device-driven launches one after another, on whatever streams (FSDP-style
   // use gathers on one and reduces on another): they share the op count, the grid
   // barrier and the areas' parities.

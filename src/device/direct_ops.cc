@@ -185,6 +185,17 @@ void DirectOps::install(const std::vector<uint8_t*>& areas,
   }
   lost_->settle();
   for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;
+  // The members' exports anew: a new generation's peers (a replacement's
+  // tensors are others) offer theirs again, and every launch is over.
+  areas_.assign(areas.begin(), areas.end());
+  if (imports_) imports_->forget();
+  imports_.reset();
+  exports_.reset();
+  if (areas[static_cast<size_t>(rank_)] != nullptr) {
+    exports_ =
+        std::make_unique<UserExports>(areas[static_cast<size_t>(rank_)] + layout_.exports, device_);
+    imports_ = std::make_unique<UserImports>(ranks_, device_);
+  }
   gen_ = gen;
   epoch_ = epoch;
   installed_ = true;
@@ -223,10 +234,22 @@ size_t DirectOps::input_bytes(const Op& op) const {
   return k::direct_in_parts(op.kind, ranks_, rank_ == op.root) * op.count * dtype_size(op.dtype);
 }
 
+UserExports::Offer DirectOps::offer(const void* p, size_t bytes, cudaStream_t stream) {
+  if (!exports_ || (reinterpret_cast<uintptr_t>(p) & 15) != 0) return {};
+  return exports_->offer(p, bytes, stream, false);
+}
+
+void DirectOps::map_offers(LaunchOrder& launches, cudaStream_t stream) {
+  if (imports_) imports_->resolve(areas_, layout_.exports, launches, stream, false);
+}
+
 void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout_ms, int blocks,
                        cudaStream_t stream) {
+  // (A mapped op's input stays where it lies: only its share must fit a parity of the area.)
   MC_ASSERT(installed_ && timeout_ms > 0 && op.count < k::kDirectMaxCount &&
-            input_bytes(op) <= layout_.max_bytes);
+            (op.mapped || input_bytes(op) <= layout_.max_bytes));
+  MC_ASSERT(!op.mapped || (op.kind == k::DirectKind::kAllReduce && op.in == op.out &&
+                           op.list == k::DirectList::kNone && !reject && imports_));
   MC_ASSERT(!k::direct_rooted(op.kind) || (op.root >= 0 && op.root < ranks_));
   MC_ASSERT(op.stride == 0 || op.stride >= op.count);  // parts never overlap
   const int root = k::direct_rooted(op.kind) ? op.root : 0;
@@ -253,9 +276,9 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.esize = dtype_size(op.dtype);
   a.dtype = op.dtype;
   a.op = red;
-  a.two_shot = two_shot && op.kind == k::DirectKind::kAllReduce;
+  a.two_shot = two_shot && op.kind == k::DirectKind::kAllReduce && !op.mapped;
   a.shape = reject ? k::kShapeRejected
-                   : k::direct_shape(op.kind, root, op.count, op.dtype, red, a.two_shot);
+                   : k::direct_shape(op.kind, root, op.count, op.dtype, red, a.two_shot, op.mapped);
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   // Parts after the first start at whole vectors only when a part and the
   // stride are whole vectors.
@@ -276,6 +299,15 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   }
   a.outcome = op.outcome;
   a.ticket = op.ticket;
+  a.mapped = op.mapped;
+  if (op.mapped) {
+    a.vec = true;  // an offer's tensor is 16-byte aligned (offer()); without one nothing is read
+    a.offer_gen = op.offer.gen;
+    a.offer_slot = op.offer.slot;
+    a.offer_off = op.offer.off;
+    a.imports = imports_->table();
+    a.misses = imports_->misses();
+  }
   cuda_check(static_cast<cudaError_t>(k::launch_direct(a, blocks, stream)),
              "the device-driven collective kernel");
 }

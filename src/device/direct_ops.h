@@ -25,6 +25,7 @@
 
 #include "core/dtype.h"
 #include "device/ep.h"
+#include "device/user_memory.h"
 #include "kernels/coll/direct.h"
 
 namespace mooncake {
@@ -140,11 +141,25 @@ class DirectOps {
     // in or out unused; no stride: an op in pieces offsets each).
     kernels::DirectList list = kernels::DirectList::kNone;
     std::vector<void*> parts;
+    // all_reduce in place, read where each member's tensor lies
+    // (kernels::DirectArgs::mapped; in == out): this rank's offer of it.
+    bool mapped = false;
+    UserExports::Offer offer;
     // `stride` as it applies: count where it is 0.
     size_t part_stride() const { return stride != 0 ? stride : count; }
   };
   // Bytes of `op`'s input at this rank (every rank's input fits the area).
   size_t input_bytes(const Op& op) const;
+
+  // The mapped all_reduce's tensors (kernels/coll/direct.h), from the first
+  // install on: `p`'s `bytes` offered to the members (its export made on its
+  // first offer, into this rank's area, on `stream`; gen 0: it cannot be),
+  // and the members' exports that earlier launches lacked mapped here before
+  // the next launch (`launches`: this group's, which may read the table).
+  UserExports::Offer offer(const void* p, size_t bytes, cudaStream_t stream);
+  void map_offers(LaunchOrder& launches, cudaStream_t stream);
+  // How many members' exports are mapped here now (tests).
+  int mapped_exports() const { return imports_ ? imports_->mapped() : 0; }
 
   // Queues `op` (kernels/coll/direct.h) as one launch of `blocks` blocks on
   // `stream`; `reject`: this rank takes part without data; two_shot:
@@ -175,6 +190,9 @@ class DirectOps {
   int32_t* silent_dev_ = nullptr;
   std::shared_ptr<LostWords> lost_;
   std::vector<uint32_t> incarnations_;
+  std::vector<const uint8_t*> areas_;     // the last install's
+  std::unique_ptr<UserExports> exports_;  // into this rank's area
+  std::unique_ptr<UserImports> imports_;
   bool installed_ = false;
   bool left_behind_ = false;
   uint64_t epoch_ = 0;

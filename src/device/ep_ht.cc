@@ -255,7 +255,7 @@ void EpHtBuffer::with_one_copy(Args& a, cudaStream_t stream, const char* what, b
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cuda_check(cudaStreamIsCapturing(stream, &capture), what);
   const bool capturing = capture != cudaStreamCaptureStatusNone;
-  imports_->resolve(bases_, layout_, *order_, stream, capturing);
+  imports_->resolve(bases_, layout_.exported(0), *order_, stream, capturing);
   if (offer && rows > 0 && stride >= row_bytes) {
     const auto bytes = static_cast<size_t>((rows - 1) * stride + row_bytes);
     const UserExports::Offer x = exports_->offer(p, bytes, stream, capturing);

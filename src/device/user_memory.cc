@@ -11,7 +11,7 @@
 
 namespace mooncake {
 
-namespace ht = kernels::ep_ht;
+namespace ht = kernels;  // the export and import records
 
 namespace {
 
@@ -149,7 +149,7 @@ int UserImports::mapped() const {
   return n;
 }
 
-void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::HtLayout& layout,
+void UserImports::resolve(const std::vector<const uint8_t*>& peers, size_t table,
                           LaunchOrder& launches, cudaStream_t stream, bool capturing) {
   if (capturing) return;
   bool any = false;
@@ -168,7 +168,7 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, const ht::Ht
           peers[s] == nullptr || stale_.count({s, miss}) != 0)
         continue;
       // Its generation, the rest, its generation again: the same twice, a whole entry.
-      const uint8_t* entry = peers[s] + layout.exported(slot);
+      const uint8_t* entry = peers[s] + table + ht::kXExportBytes * static_cast<size_t>(slot);
       uint64_t gen = 0, again = 0;
       ht::XExport e{};
       if (reads_ == nullptr &&

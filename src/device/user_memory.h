@@ -27,7 +27,7 @@
 
 #include "device/cuda.h"
 #include "device/export_slots.h"
-#include "kernels/ep_ht/api.h"
+#include "kernels/common/exports.h"
 
 namespace mooncake {
 
@@ -48,7 +48,7 @@ class UserExports {
  private:
   uint8_t* table_;
   int device_;
-  ExportSlots<kernels::ep_ht::kXSlots> slots_;
+  ExportSlots<kernels::kXSlots> slots_;
 };
 
 class UserImports {
@@ -60,37 +60,35 @@ class UserImports {
 
   // For the kernels: the mappings (device [R][kXSlots]) and the misses
   // (host-mapped [R][2]).
-  const kernels::ep_ht::XImport* table() const { return dev_; }
+  const kernels::XImport* table() const { return dev_; }
   uint64_t* misses() const { return misses_dev_; }
 
   // Maps the exports that earlier launches were offered and could not read:
-  // peer s's, from its workspace at `peers[s] + layout.exported(slot)` (null:
-  // not mapped). Before it changes the table it waits for `launches`' last
-  // eager one (which may read it), and queues the new table on `stream`
-  // (before the next launch); the mappings it replaces are closed at the
-  // next change (or by forget()), so a graph's replay must not run across
-  // two eager calls of the same buffer (the caller orders replays against
-  // eager calls, as LaunchOrder says). A miss of an export that is gone (a captured
-  // graph offers what it offered when captured) is remembered and costs
-  // nothing again. Nothing under a capture.
-  void resolve(const std::vector<const uint8_t*>& peers, const kernels::ep_ht::HtLayout& layout,
-               LaunchOrder& launches, cudaStream_t stream, bool capturing);
+  // peer s's, from its table `table` bytes into its memory as this process
+  // maps it (`peers[s]`, null: not mapped; slot i kXExportBytes further each). Before it changes
+  // the table it waits for `launches`' last eager one (which may read it), and queues the new table
+  // on `stream` (before the next launch); the mappings it replaces are closed at the next change
+  // (or by forget()), so a graph's replay must not run across two eager calls of the same buffer
+  // (the caller orders replays against eager calls, as LaunchOrder says). A miss of an export that
+  // is gone (a captured graph offers what it offered when captured) is remembered and costs nothing
+  // again. Nothing under a capture.
+  void resolve(const std::vector<const uint8_t*>& peers, size_t table, LaunchOrder& launches,
+               cudaStream_t stream, bool capturing);
   // Closes every mapping; the device must be idle (a new set of peers).
   void forget();
   // How many exports are mapped now (tests).
   int mapped() const;
 
  private:
-  void close(kernels::ep_ht::XImport& im);
+  void close(kernels::XImport& im);
 
   int64_t ranks_;
   int device_;
-  std::vector<kernels::ep_ht::XImport> host_;      // the table's copy
+  std::vector<kernels::XImport> host_;             // the table's copy
   std::set<std::tuple<int64_t, uint64_t>> stale_;  // (peer, miss) that map nothing new
-  std::vector<kernels::ep_ht::XImport>
-      retired_;                   // replaced in the table, closed at the next change
-  cudaStream_t reads_ = nullptr;  // the exports' reads (made on the first)
-  kernels::ep_ht::XImport* dev_ = nullptr;
+  std::vector<kernels::XImport> retired_;  // replaced in the table, closed at the next change
+  cudaStream_t reads_ = nullptr;           // the exports' reads (made on the first)
+  kernels::XImport* dev_ = nullptr;
   uint64_t* misses_host_ = nullptr;
   uint64_t* misses_dev_ = nullptr;
 };

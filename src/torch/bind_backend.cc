@@ -209,6 +209,9 @@ void register_backend(py::module_& m) {
         d["device"] = device;
         d["staged"] = staged;
         d["direct"] = b.direct_ops();
+        const auto [mapped, mapped_planed] = b.mapped_pieces();
+        d["mapped"] = mapped;
+        d["mapped_planed"] = mapped_planed;
         return d;
       });
 #endif

@@ -722,6 +722,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
       return on_device(
           s, c10d::OpType::ALLREDUCE, {t},
           [t, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
+            // Read in place where the option is on, at any size (every rank
+            // alike: the output holds the input first where they differ).
+            if (c.options().mapped) {
+              if (!out.is_same(t)) out.copy_(t);
+              if (c.mapped_all_reduce(out.data_ptr(), elems(t), dt, op, st, timeout)) return;
+            }
             const at::Tensor in = input_of(c, t);
             c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
           },

@@ -149,6 +149,11 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // Of the device plane's ops, those that ran on the device-driven kernels
   // (a captured one is counted once, when captured).
   int64_t direct_ops() const { return direct_ops_.load(); }
+  // The mapped all_reduce's pieces (DeviceCollectives::mapped_pieces): run by
+  // its launch, and on the plane.
+  std::pair<int64_t, int64_t> mapped_pieces() const {
+    return coll_ ? coll_->mapped_pieces() : std::pair<int64_t, int64_t>{0, 0};
+  }
 
  protected:
   void view_changed(const at::Tensor& active) override;

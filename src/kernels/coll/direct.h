@@ -65,6 +65,28 @@
 // rank that the others lapped by two ops (they went on without waiting for
 // it, and its reads of their areas may be torn) leaves them out of the ops
 // it was behind in (kStatusDirectStale).
+//
+// The mapped all_reduce (DirectArgs::mapped: eager, in place, past the bound
+// of the areas' inputs) reads the members' tensors where they lie, each
+// mapped through CUDA IPC (kernels/common/exports.h): no input is copied. A
+// launch publishes its offer (which export holds its tensor, and where) with
+// its shape, before its input signal, and the members are decided as above.
+// Then each member reduces its share (1/n of the elements, the n members in
+// rank order) from every member's tensor into its own area, writing no
+// tensor, and publishes by compare-and-swap, on its mapped signal, whether it
+// could (it maps every member's export; a miss is left for its host to map).
+// Every member waits for every other's mapped signal and seals it where it
+// does not come (a fence, as for the input signal), so every survivor finds
+// the same set landed. Only where every member's landed saying it reduced
+// does each copy every share from its owner's area into its tensor, the op's
+// only write to a tensor (every read of the tensors was over before); else
+// none writes anything, and every member's caller runs the op another way
+// (the host-driven plane) on inputs that are untouched. A member that dies
+// after its mapped signal landed left its share whole in its area, read as a
+// live one's. A member reads no tensor after its mapped signal, so each
+// returns once it has every member's. Bytes a member moves: N read and N/n
+// written (its share), N read and N written (the shares): 3N + N/n, against
+// the plane's (3 + R) N.
 #pragma once
 
 #include <cstddef>
@@ -73,6 +95,7 @@
 #include "core/dtype.h"
 #include "core/hd.h"
 #include "kernels/api.h"
+#include "kernels/common/exports.h"
 
 struct CUstream_st;
 
@@ -198,19 +221,24 @@ constexpr size_t kDirectMaxCount = size_t{1} << 36;
 // `two_shot` (all_reduce's algorithm) is in it too: ranks that chose
 // differently leave each other out at once, rather than wait for a share
 // that never comes.
+// `mapped` (all_reduce reading the members' tensors in place, below) too.
 MC_HD inline uint64_t direct_shape(DirectKind kind, int root, size_t count, DType dtype, RedOp op,
-                                   bool two_shot = false) {
+                                   bool two_shot = false, bool mapped = false) {
   return (static_cast<uint64_t>(count) << 28) | (static_cast<uint64_t>(root & 0xff) << 20) |
-         (static_cast<uint64_t>(two_shot) << 19) | (static_cast<uint64_t>(kind) << 16) |
-         (static_cast<uint64_t>(dtype) << 8) | static_cast<uint64_t>(op);
+         (static_cast<uint64_t>(two_shot) << 19) | (static_cast<uint64_t>(mapped) << 18) |
+         (static_cast<uint64_t>(kind) << 16) | (static_cast<uint64_t>(dtype) << 8) |
+         static_cast<uint64_t>(op);
 }
 constexpr uint64_t kShapeRejected = ~uint64_t{0};
 
 struct DirectLayout {
   static constexpr size_t kAlign = 256;
-  static constexpr size_t kInputSignal = 0;  // uint64
-  static constexpr size_t kShareSignal = 8;  // uint64
-  static constexpr size_t kShapes = 16;      // uint64 [2], by parity
+  static constexpr size_t kInputSignal = 0;    // uint64
+  static constexpr size_t kShareSignal = 8;    // uint64
+  static constexpr size_t kShapes = 16;        // uint64 [2], by parity
+  static constexpr size_t kOffers = 32;        // uint64 [2][2], by parity: a mapped op's offer
+  static constexpr size_t kMappedSignal = 64;  // uint64: a mapped op's share is in the area
+  static constexpr size_t kMappedOk = 72;      // uint64 [2], by parity: 1 reduced, 0 could not
 
   // The area of a path serving inputs of up to `max_bytes` (a whole input:
   // every part of a reduce_scatter's, all_to_all's or scatter's).
@@ -221,7 +249,8 @@ struct DirectLayout {
     // A share is ceil(count / R) elements rounded up to 16 bytes, R >= 2.
     l.share_bytes = round_up(max_bytes / 2 + 32);
     l.parity_bytes = l.input_bytes + l.share_bytes;
-    l.total_bytes = kAlign + 2 * l.parity_bytes;
+    l.exports = kAlign + 2 * l.parity_bytes;
+    l.total_bytes = l.exports + round_up(kXSlots * kXExportBytes);
     return l;
   }
   static constexpr size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -230,11 +259,14 @@ struct DirectLayout {
   size_t input_bytes = 0;
   size_t share_bytes = 0;
   size_t parity_bytes = 0;
+  size_t exports = 0;  // the table of this rank's exported tensors (kXSlots XExports)
   size_t total_bytes = 0;
 
   MC_HD size_t input(uint64_t seq) const { return kAlign + (seq & 1) * parity_bytes; }
   MC_HD size_t share(uint64_t seq) const { return input(seq) + input_bytes; }
   MC_HD static size_t shape(uint64_t seq) { return kShapes + 8 * (seq & 1); }
+  MC_HD static size_t offer(uint64_t seq) { return kOffers + 16 * (seq & 1); }
+  MC_HD static size_t mapped_ok(uint64_t seq) { return kMappedOk + 8 * (seq & 1); }
 };
 
 // Elements of each two-shot share: ceil(count / ranks), rounded up to whole
@@ -258,6 +290,12 @@ struct DirectState {
   uint8_t* areas[kDirectMaxRanks];   // each rank's area as this process maps it (null: none)
   int32_t live[kDirectMaxRanks];     // 1: takes part (a launch masks a lost or silent rank)
   int32_t sources[kDirectMaxRanks];  // this launch's decision (block 0 writes, the grid reads)
+  // A mapped all_reduce's (block 0 writes, the grid reads): each member's tensor
+  // as this process maps it, whether every one of them is mapped here, and
+  // whether every member reduced its share (the output is written).
+  const uint8_t* mapped[kDirectMaxRanks];
+  int32_t mapped_here;
+  int32_t mapped_all;
 };
 
 // What a watched launch found (host-mapped; DirectOutcomes leases one per
@@ -272,6 +310,10 @@ struct DirectOutcome {
   // Peers whose signal of this op came (whatever their call), also where this
   // rank rejected its own: who was there, for the host's view of the members.
   uint64_t present;
+  // A mapped all_reduce: 1 it wrote the output; 0 it wrote nothing (a member
+  // could not map another's tensor, or failed before its share was reduced):
+  // the caller runs the op another way, every member alike.
+  uint64_t mapped;
   uint64_t ticket;  // written last
 };
 static_assert(kDirectMaxRanks <= 64, "DirectOutcome holds a bit per rank");
@@ -321,6 +363,16 @@ struct DirectArgs {
   // `count` elements each; `vec` then holds for every part.
   DirectList list;
   void* parts[kDirectMaxRanks];
+  // all_reduce in place (in == out), read where each member's tensor lies
+  // (below): this rank's offer of `out` (its export's generation, 0: none,
+  // slot and byte offset), this process's mappings of the members' exports
+  // ([ranks][kXSlots]) and where a launch leaves the exports it lacks
+  // (host-mapped [ranks][2], x_miss; the host maps them for the next op).
+  bool mapped;
+  uint32_t offer_gen, offer_slot;
+  int64_t offer_off;
+  const XImport* imports;
+  uint64_t* misses;
 };
 
 // Queues one launch of `blocks` blocks on `stream`; returns its cudaError_t.

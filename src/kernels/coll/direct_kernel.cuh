@@ -35,6 +35,7 @@ namespace {
 // Wait phases, as the silent-peer reports name them.
 constexpr int kPhaseInput = 1;
 constexpr int kPhaseShare = 2;
+constexpr int kPhaseMapped = 3;
 
 // Elements [lo, hi).
 struct Span {
@@ -269,7 +270,8 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
 
 // Block 0's thread 0, once every rank is decided (`why`: decide's answers):
 // the outcome of a watched launch, the ticket last.
-__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks) {
+__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks,
+                              bool mapped = false) {
   DirectOutcome o{};
   for (int j = 0; j < ranks; ++j) {
     const uint64_t bit = uint64_t{1} << j;
@@ -285,8 +287,36 @@ __device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks
   out->mismatched = o.mismatched;
   out->stale = o.stale;
   out->present = o.present;
+  out->mapped = mapped ? 1 : 0;
   __threadfence_system();
   out->ticket = a.ticket;
+}
+
+// A mapped all_reduce (direct.h), block 0's thread for member j once it is
+// decided (`in`): j's tensor as this process maps it, or null where it is not
+// mapped here (a miss left for the host where j offered an export this
+// process has not opened). This rank's own is `out`.
+__device__ const uint8_t* mapped_tensor(const DirectArgs& a, const DirectState* st, int j,
+                                        uint64_t seq) {
+  const size_t bytes = a.count * a.esize;
+  if (j == st->rank) return a.offer_gen != 0 ? static_cast<const uint8_t*>(a.out) : nullptr;
+  const auto* offer =
+      reinterpret_cast<const volatile uint64_t*>(st->areas[j] + DirectLayout::offer(seq));
+  const uint64_t which = offer[0];
+  const auto off = static_cast<int64_t>(offer[1]);
+  const auto gen = static_cast<uint32_t>(which), slot = static_cast<uint32_t>(which >> 32);
+  if (gen == 0 || slot >= static_cast<uint32_t>(kXSlots)) return nullptr;
+  const XImport im = a.imports[j * kXSlots + static_cast<int>(slot)];
+  if (im.gen != gen) {
+    if (a.misses != nullptr)
+      *reinterpret_cast<volatile uint64_t*>(a.misses + 2 * j) = x_miss(slot, gen);
+    return nullptr;
+  }
+  // (16-byte aligned, as this rank's own: every share starts at a whole vector)
+  if (im.base == nullptr || off < 0 || (off & 15) != 0 ||
+      static_cast<uint64_t>(off) + bytes > im.size)
+    return nullptr;
+  return im.base + off;
 }
 
 // Whether rank j's two-shot share of op `seq` is in its area (else this
@@ -302,6 +332,107 @@ __device__ bool share_arrived(const DirectArgs& a, DirectState* st, int j, uint6
     return false;
   }
   return tag_gen(v) == gen && tag_ahead(v, seq) <= 1;
+}
+
+// Whether member j's mapped signal of op `seq` landed saying it reduced its
+// share (block 0's thread for j); else it is sealed (a fence), so that every
+// survivor finds the same.
+__device__ bool mapped_arrived(const DirectArgs& a, DirectState* st, int j, uint64_t seq,
+                               uint32_t gen, uint64_t deadline) {
+  auto* signal = reinterpret_cast<uint64_t*>(st->areas[j] + DirectLayout::kMappedSignal);
+  const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
+  const auto ready = [gen, seq](uint64_t v) {
+    return tag_settled(v, gen, seq) || tag_fenced(v, gen, seq);
+  };
+  uint64_t v = 0;
+  const bool live = ld_volatile(st->live + j) != 0;
+  if (!live || !wait_for(a.c, signal, ready, deadline, j, kPhaseMapped, &v)) {
+    if (live) report_masked(st, j);
+    v = seal_signal(signal, gen, seq);
+  }
+  if (!settled(v) || tag_gen(v) != gen || tag_ahead(v, seq) > 1) return false;
+  return *reinterpret_cast<const volatile uint64_t*>(st->areas[j] + DirectLayout::mapped_ok(seq)) ==
+         1;
+}
+
+// A mapped all_reduce (direct.h), every block, once the members are decided
+// (`in`, and `src`: the n members' tensors in rank order, as mapped here).
+template <typename T, RedOp Op>
+__device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t seq, uint32_t gen,
+                                  const int32_t* in, const uint8_t* const* src, int n, bool multi) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  const int R = st->ranks, me = st->rank;
+  const DirectLayout& L = a.layout;
+  uint8_t* own = st->areas[me];
+  const size_t count = a.count * a.esize / sizeof(T);
+  const size_t per = n > 0 ? direct_share_elems(count, n, sizeof(T)) : 0;
+  // This rank's place among the members (-1: it is not one: fenced).
+  int k = -1;
+  for (int j = 0, i = 0; j < R; ++j)
+    if (in[j] != 0) {
+      if (j == me) k = i;
+      ++i;
+    }
+  __shared__ int s_here;
+  if (threadIdx.x == 0) s_here = ld_volatile(&st->mapped_here);
+  __syncthreads();
+  const bool reduce = k >= 0 && s_here != 0;
+  // Its share, from every member's tensor into its area (no tensor written).
+  if (reduce) {
+    const Span mine = share_of(k, count, per);
+    T* area = reinterpret_cast<T*>(own + L.input(seq));
+    reduce_span<T, Op>(src, n, 0, block_part(mine.lo, mine.hi, V), area - mine.lo, nullptr, 0,
+                       true);
+  }
+  __syncthreads();
+  uint32_t bar = 0;
+  if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
+  if (blockIdx.x == 0) {
+    __shared__ int s_ok;
+    if (threadIdx.x == 0) {
+      if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+      s_ok = s_here;
+      if (k >= 0) {
+        *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::mapped_ok(seq)) = reduce ? 1 : 0;
+        __threadfence_system();
+        uint32_t fence = 0;
+        if (!publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kMappedSignal), gen,
+                            seq, &fence))
+          s_ok = 0;  // a peer stopped waiting for this rank: nobody writes
+      }
+    }
+    __syncthreads();
+    const uint64_t deadline = deadline_of(a.c.timeout_ns);
+    for (int j = threadIdx.x; j < R; j += blockDim.x)
+      if (in[j] != 0 && j != me && !mapped_arrived(a, st, j, seq, gen, deadline))
+        atomicAnd(&s_ok, 0);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      st->mapped_all = s_ok;
+      if (a.outcome != nullptr) {
+        int32_t why[kDirectMaxRanks];
+        for (int j = 0; j < R; ++j) why[j] = in[j] != 0 ? kIn : kOut;
+        write_outcome(a, why, R, s_ok != 0);
+      }
+    }
+  }
+  if (multi && threadIdx.x == 0) {
+    if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+    const uint32_t bar2 = grid_arrive(st->grid_sync);
+    grid_wait(st->grid_sync, bar2, 2 * a.c.timeout_ns + 1000000000, a.c.status);
+  }
+  __shared__ int s_all;
+  if (threadIdx.x == 0) s_all = ld_volatile(&st->mapped_all);
+  __syncthreads();
+  if (s_all == 0) return;
+  // Every share from its owner's area into this rank's tensor (its own too).
+  T* out = static_cast<T*>(a.out);
+  for (int j = 0, i = 0; j < R; ++j) {
+    if (in[j] == 0) continue;
+    const Span share = share_of(i++, count, per);
+    const Span piece = block_part(share.lo, share.hi, V);
+    if (piece.lo < piece.hi) copy_span<T>(st->areas[j] + L.input(seq), share.lo, piece, out, true);
+  }
 }
 
 // kMove: the kinds that only move data, with T = uint8_t (counts in bytes);
@@ -338,8 +469,9 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   const size_t stride_bytes = a.stride * a.esize;
   const size_t stride = stride_bytes / sizeof(T);
 
-  // 1. The input into this rank's area.
-  if (data && a.list == DirectList::kIn) {
+  // 1. The input into this rank's area (a mapped op's stays where it lies).
+  if (a.mapped) {
+  } else if (data && a.list == DirectList::kIn) {
     const size_t parts = direct_in_parts(a.kind, R, root);
     for (size_t p = 0; p < parts; ++p)
       copy_in(own + L.input(seq) + p * part_bytes, static_cast<const uint8_t*>(a.parts[p]),
@@ -363,6 +495,11 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
       *reinterpret_cast<volatile uint64_t*>(&st->seq) = seq;  // every block has read it
+      if (a.mapped) {
+        auto* offer = reinterpret_cast<volatile uint64_t*>(own + DirectLayout::offer(seq));
+        offer[0] = x_miss(a.offer_slot, a.offer_gen);
+        offer[1] = static_cast<uint64_t>(a.offer_off);
+      }
       *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::shape(seq)) = a.shape;
       __threadfence_system();
       uint32_t fence = 0;
@@ -379,9 +516,25 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
       s_why[j] = decide(a, st, j, seq, gen, deadline, s_fenced);
       st->sources[j] = s_why[j] == kIn ? 1 : 0;
+      if (a.mapped) st->mapped[j] = s_why[j] == kIn ? mapped_tensor(a, st, j, seq) : nullptr;
     }
     __syncthreads();
-    if (threadIdx.x == 0 && a.outcome != nullptr) write_outcome(a, s_why, R);
+    if (a.mapped) {
+      if (threadIdx.x == 0) {
+        // Every member's tensor mapped here, and a share that fits the area.
+        int n = 0, here = 1;
+        for (int j = 0; j < R; ++j)
+          if (s_why[j] == kIn) {
+            ++n;
+            here &= st->mapped[j] != nullptr ? 1 : 0;
+          }
+        const size_t per = n > 0 ? direct_share_elems(a.count, n, a.esize) : 0;
+        if (n == 0 || per * a.esize > L.parity_bytes) here = 0;
+        st->mapped_here = here;
+      }
+    } else if (threadIdx.x == 0 && a.outcome != nullptr) {
+      write_outcome(a, s_why, R);
+    }
   }
   if (multi && threadIdx.x == 0) {
     if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
@@ -393,12 +546,20 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
     int n = 0;
     for (int j = 0; j < R; ++j) {
       s_in[j] = ld_volatile(st->sources + j);
-      if (s_in[j] != 0) s_src[n++] = st->areas[j];
+      if (s_in[j] != 0)
+        s_src[n++] = a.mapped ? *reinterpret_cast<const uint8_t* const volatile*>(st->mapped + j)
+                              : st->areas[j];
     }
     s_n = n;
   }
   __syncthreads();
   const int n = s_n;
+  if constexpr (!kMove) {
+    if (a.mapped) {
+      mapped_all_reduce<T, Op>(a, st, seq, gen, s_in, s_src, n, multi);
+      return;
+    }
+  }
   if (!data || n == 0) return;  // a rejected call only takes part
   T* out = static_cast<T*>(a.out);
   // Output part j of a multi-part output: in the caller's list, or `stride` apart.

@@ -42,6 +42,7 @@
 
 #include "core/hd.h"
 #include "kernels/api.h"
+#include "kernels/common/exports.h"
 
 struct CUstream_st;
 
@@ -86,16 +87,12 @@ MC_HD inline uint64_t signal(uint32_t tag, uint32_t value) {
 // the mappings as XImports. The source still stages each row's routing; the
 // bytes too until every dest of the channel has answered that it reads x in
 // place (a dest slow to answer, or one that cannot, reads them from the ring).
-constexpr int kXSlots = 8;            // exports per rank (and imports per peer)
-constexpr size_t kXExportBytes = 96;  // an XExport, padded
-constexpr size_t kIpcBytes = 64;      // a cudaIpcMemHandle_t
-
-struct XExport {
-  uint64_t gen;  // 0: empty, or being rewritten
-  uint64_t size;
-  uint8_t handle[kIpcBytes];
-};
-static_assert(sizeof(XExport) <= kXExportBytes);
+// (The export and import records: kernels/common/exports.h.)
+using kernels::kIpcBytes;
+using kernels::kXExportBytes;
+using kernels::kXSlots;
+using kernels::XExport;
+using kernels::XImport;
 
 // Where a call's x and scales lie: export `slot` of generation `gen` (0: not
 // offered), `off` bytes in; `rows` rows `stride` bytes apart (scales: contiguous).
@@ -104,14 +101,6 @@ struct XShare {
   int64_t off = 0, stride = 0, rows = 0;
   uint32_t sgen = 0, sslot = 0;
   int64_t soff = 0;
-};
-
-// A dest's mapping of a peer's export (gen 0: none; base null: it cannot be
-// opened here, so the dest answers "stage the bytes" without a new miss).
-struct XImport {
-  uint32_t gen = 0, pad = 0;
-  const uint8_t* base = nullptr;
-  uint64_t size = 0;
 };
 
 // The workspace every rank maps: signals, then the rings.

@@ -280,8 +280,7 @@ __device__ const uint8_t* imported(const Args& a, int s, uint32_t gen, uint32_t 
   const XImport im = a.imports[s * kXSlots + slot];
   if (im.gen != gen) {
     if (a.misses != nullptr)
-      *reinterpret_cast<volatile uint64_t*>(a.misses + 2 * s + which) =
-          static_cast<uint64_t>(slot) << 32 | gen;
+      *reinterpret_cast<volatile uint64_t*>(a.misses + 2 * s + which) = x_miss(slot, gen);
     return nullptr;
   }
   if (im.base == nullptr || off < 0 || need < 0 || static_cast<uint64_t>(off + need) > im.size)

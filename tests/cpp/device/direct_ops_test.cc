@@ -300,7 +300,10 @@ TEST(DirectLayout, EveryShareFitsItsSlot) {
   for (size_t max : {size_t{1}, size_t{1000}, size_t{4096}, size_t{65536}, size_t{8} << 20}) {
     const auto l = mooncake::kernels::DirectLayout::of(max);
     EXPECT_EQ(l.input(1) - l.input(0), l.parity_bytes);
-    EXPECT_EQ(l.total_bytes, l.input(1) + l.parity_bytes);
+    EXPECT_EQ(l.exports, l.input(1) + l.parity_bytes);
+    EXPECT_EQ(l.exports % 256, 0u);
+    EXPECT_GE(l.total_bytes,
+              l.exports + mooncake::kernels::kXSlots * mooncake::kernels::kXExportBytes);
     EXPECT_EQ(l.share(0) % 256, 0u);
     for (size_t esize : {size_t{1}, size_t{2}, size_t{4}, size_t{8}})
       for (int ranks : {2, 3, 4, 7, 8, 64})
@@ -311,6 +314,27 @@ TEST(DirectLayout, EveryShareFitsItsSlot) {
           EXPECT_GE(per * static_cast<size_t>(ranks), count);
           EXPECT_LE(per * esize, l.share_bytes) << max << " " << esize << " " << ranks;
         }
+  }
+}
+
+// No GPU needed: the control block's words, each parity's apart, fit before
+// the first parity and overlap nowhere.
+TEST(DirectLayout, ControlWordsApart) {
+  using L = mooncake::kernels::DirectLayout;
+  std::set<size_t> words;
+  for (uint64_t seq : {0, 1}) {
+    words.insert(L::shape(seq));
+    words.insert(L::offer(seq));
+    words.insert(L::offer(seq) + 8);
+    words.insert(L::mapped_ok(seq));
+  }
+  words.insert(L::kInputSignal);
+  words.insert(L::kShareSignal);
+  words.insert(L::kMappedSignal);
+  EXPECT_EQ(words.size(), 11u);
+  for (size_t w : words) {
+    EXPECT_EQ(w % 8, 0u);
+    EXPECT_LE(w + 8, L::kAlign);
   }
 }
 
@@ -392,6 +416,13 @@ TEST(DirectLayout, ShapeWordsDifferInEveryField) {
   EXPECT_NE(base, direct_shape(DirectKind::kAllGather, 1, 1000, DType::kFloat32, RedOp::kMax));
   // all_reduce's algorithm: ranks that chose differently leave each other out.
   EXPECT_NE(direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, false),
+            direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, true));
+  // Read in place or not: the same.
+  const uint64_t mapped =
+      direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, false, true);
+  EXPECT_NE(mapped,
+            direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, false));
+  EXPECT_NE(mapped,
             direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, true));
 }
 
