@@ -1,6 +1,7 @@
 #include "device/collectives.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "collectives/layout.h"
 #include "core/env.h"
@@ -641,13 +642,13 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
   if (!direct_serves(probe, timeout_ms) || !direct_set_up(probe, stream, timeout_ms)) return false;
   const size_t esize = dtype_size(dtype);
   const kernels::DirectLayout& L = direct_->layout();
-  // A piece whose share at the world's size fits a parity of the area (with
-  // fewer members its launch writes nothing: the plane serves it), and whose
-  // plane fallback may be in place (at most a segment).
+  // A piece whose share among the members the setup took in fits a parity of
+  // the area (with fewer left at its launch it writes nothing: the plane
+  // serves it), and whose plane fallback may be in place (one piece there).
   const size_t vec = 16 / esize;
   const size_t share = (L.parity_bytes / esize / vec - 1) * vec;
-  const size_t per =
-      std::min(share * static_cast<size_t>(world), options_.segment_bytes / esize) / vec * vec;
+  const auto members = static_cast<size_t>(std::max(1, std::popcount(direct_members())));
+  const size_t per = std::min(share * members, per_piece(1, esize)) / vec * vec;
   if (per == 0) return false;
   direct_poll();
   // The exports earlier launches lacked, mapped before these launches read the table.
@@ -677,11 +678,21 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
   direct_poll();
   // Every member finds the same outcome for each piece (kernels/coll/direct.h):
   // the pieces one wrote nothing for run on the plane, in place, at every member.
+  const uint64_t mine = uint64_t{1} << comm_.rank();
   for (const Launched& p : pieces) {
     const std::optional<kernels::DirectOutcome> o = p.lease.read();
     if (o && o->mapped == 1) {
       ++mapped_done_;
       continue;
+    }
+    if (o && (o->took & mine) == 0) {
+      // The members went on without this rank (slow past the op's timeout),
+      // and it cannot tell whether they run this piece on the plane: it does
+      // not meet them there alone. The next op sets up again with them.
+      direct_resync();
+      throw_error(ErrorKind::kTimeout, -1,
+                  "all_reduce: the other ranks went on without this rank (it was silent past "
+                  "the op's timeout); its tensor is partly reduced or as it was");
     }
     ++mapped_planed_;
     uint8_t* at = base + p.first * esize;

@@ -221,11 +221,12 @@ constexpr size_t kDirectMaxCount = size_t{1} << 36;
 // `two_shot` (all_reduce's algorithm) is in it too: ranks that chose
 // differently leave each other out at once, rather than wait for a share
 // that never comes.
-// `mapped` (all_reduce reading the members' tensors in place, below) too.
+// `mapped` (all_reduce reading the members' tensors in place, below) too, in
+// the root's top bit (a root is below kDirectMaxRanks, 64).
 MC_HD inline uint64_t direct_shape(DirectKind kind, int root, size_t count, DType dtype, RedOp op,
                                    bool two_shot = false, bool mapped = false) {
-  return (static_cast<uint64_t>(count) << 28) | (static_cast<uint64_t>(root & 0xff) << 20) |
-         (static_cast<uint64_t>(two_shot) << 19) | (static_cast<uint64_t>(mapped) << 18) |
+  return (static_cast<uint64_t>(count) << 28) | (static_cast<uint64_t>(mapped) << 27) |
+         (static_cast<uint64_t>(root & 0x7f) << 20) | (static_cast<uint64_t>(two_shot) << 19) |
          (static_cast<uint64_t>(kind) << 16) | (static_cast<uint64_t>(dtype) << 8) |
          static_cast<uint64_t>(op);
 }

@@ -377,12 +377,13 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
   if (threadIdx.x == 0) s_here = ld_volatile(&st->mapped_here);
   __syncthreads();
   const bool reduce = k >= 0 && s_here != 0;
-  // Its share, from every member's tensor into its area (no tensor written).
+  // Its share, from every member's tensor into its area (no tensor written):
+  // elements from the share's first on (a whole vector in).
   if (reduce) {
     const Span mine = share_of(k, count, per);
     T* area = reinterpret_cast<T*>(own + L.input(seq));
-    reduce_span<T, Op>(src, n, 0, block_part(mine.lo, mine.hi, V), area - mine.lo, nullptr, 0,
-                       true);
+    reduce_span<T, Op>(src, n, mine.lo * sizeof(T), block_part(0, mine.hi - mine.lo, V), area,
+                       nullptr, 0, true);
   }
   __syncthreads();
   uint32_t bar = 0;
@@ -391,14 +392,20 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
     __shared__ int s_ok;
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
-      s_ok = s_here;
+      // A member: its own answer counts. A rank left out of the op reads no
+      // tensor: the members' answers alone say what it finds, as they find.
+      s_ok = k >= 0 ? s_here : (n > 0 ? 1 : 0);
       if (k >= 0) {
         *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::mapped_ok(seq)) = reduce ? 1 : 0;
         __threadfence_system();
         uint32_t fence = 0;
         if (!publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kMappedSignal), gen,
-                            seq, &fence))
+                            seq, &fence)) {
           s_ok = 0;  // a peer stopped waiting for this rank: nobody writes
+          // Once, at the op the fence began: mapped ops go to the plane until the next setup.
+          if (fence == static_cast<uint32_t>(seq))
+            report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
+        }
       }
     }
     __syncthreads();
@@ -425,13 +432,15 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
   if (threadIdx.x == 0) s_all = ld_volatile(&st->mapped_all);
   __syncthreads();
   if (s_all == 0) return;
-  // Every share from its owner's area into this rank's tensor (its own too).
+  // Every share from its owner's area into this rank's tensor (its own too;
+  // a rank left out may hold an unaligned one: its offer was not needed).
   T* out = static_cast<T*>(a.out);
+  const bool vec = (reinterpret_cast<uintptr_t>(out) & 15) == 0;
   for (int j = 0, i = 0; j < R; ++j) {
     if (in[j] == 0) continue;
     const Span share = share_of(i++, count, per);
-    const Span piece = block_part(share.lo, share.hi, V);
-    if (piece.lo < piece.hi) copy_span<T>(st->areas[j] + L.input(seq), share.lo, piece, out, true);
+    const Span piece = block_part(share.lo, share.hi, vec ? V : 1);
+    if (piece.lo < piece.hi) copy_span<T>(st->areas[j] + L.input(seq), share.lo, piece, out, vec);
   }
 }
 

@@ -424,6 +424,12 @@ TEST(DirectLayout, ShapeWordsDifferInEveryField) {
             direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, false));
   EXPECT_NE(mapped,
             direct_shape(DirectKind::kAllReduce, 0, 1000, DType::kFloat32, RedOp::kSum, true));
+  // ...nor any other kind's word, at any root (the bit is a field of its own).
+  for (DirectKind kind : kKinds)
+    for (int root = 0; root < mooncake::kernels::kDirectMaxRanks; ++root)
+      for (RedOp op : ops)
+        for (bool two_shot : {false, true})
+          EXPECT_NE(mapped, direct_shape(kind, root, 1000, DType::kFloat32, op, two_shot));
 }
 
 // No GPU needed: the parts of `count` elements in each kind's input and
