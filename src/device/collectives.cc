@@ -615,15 +615,14 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   direct_order_->after(stream);
 }
 
-int DeviceCollectives::direct_grid(size_t bytes) {
+int DeviceCollectives::direct_grid(size_t bytes, bool mapped) {
   // The group's ranks on this GPU (every rank, where serves() was not asked)
   // each take their share of it: every block of each launch must be resident.
-  if (direct_blocks_ == 0)
-    direct_blocks_ =
-        std::clamp(device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : comm_.size()), 1,
-                   kernels::kDirectMaxBlocks);
+  const int share = device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : comm_.size());
+  if (direct_blocks_ == 0) direct_blocks_ = std::clamp(share, 1, kernels::kDirectMaxBlocks);
+  const int most = mapped ? std::clamp(share, 1, kernels::kDirectMaxMappedBlocks) : direct_blocks_;
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
-  return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(direct_blocks_)));
+  return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(most)));
 }
 
 bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
@@ -670,7 +669,7 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
     piece.outcome = lease.device();
     piece.ticket = lease.ticket();
     direct_order_->before(stream);
-    direct_->launch(piece, false, false, timeout_ms, direct_grid(n * esize), stream);
+    direct_->launch(piece, false, false, timeout_ms, direct_grid(n * esize, true), stream);
     direct_order_->after(stream);
     pieces.push_back({first, n, std::move(lease)});
   }

@@ -249,8 +249,8 @@ class DeviceCollectives {
   bool direct_set_up(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
   // `op` on the host-driven plane (blocking), where direct() cannot launch.
   void direct_on_plane(const DirectOp& op, cudaStream_t stream, int64_t timeout_ms);
-  // The blocks a launch of `bytes` takes.
-  int direct_grid(size_t bytes);
+  // The blocks a launch of `bytes` takes (a mapped all_reduce's: more).
+  int direct_grid(size_t bytes, bool mapped = false);
   // The segments of `members`, in order (this rank's own among them).
   std::vector<const uint8_t*> segments(const std::vector<int>& members, int64_t timeout_ms);
   // Waits until `stream` has run what is queued on it.

@@ -11,7 +11,8 @@
 namespace mooncake::kernels {
 
 int launch_direct(const DirectArgs& a, int blocks, CUstream_st* stream) {
-  if (blocks < 1 || blocks > kDirectMaxBlocks) return static_cast<int>(cudaErrorInvalidValue);
+  if (blocks < 1 || blocks > (a.mapped ? kDirectMaxMappedBlocks : kDirectMaxBlocks))
+    return static_cast<int>(cudaErrorInvalidValue);
   const auto grid = static_cast<unsigned>(blocks);
   if (!direct_reduces(a.kind)) return launch_direct_moves(a, grid, stream);
   for (auto* part :

@@ -104,6 +104,9 @@ namespace mooncake::kernels {
 // Threads per block; blocks per launch at most.
 constexpr int kDirectThreads = 512;
 constexpr int kDirectMaxBlocks = 32;
+// A mapped all_reduce's (below): it moves a large op's bytes, at the memory's
+// rate only with most of this process's share of the GPU.
+constexpr int kDirectMaxMappedBlocks = 128;
 // The largest group the state holds (as the host-driven reduction's).
 constexpr int kDirectMaxRanks = kMaxReduceSources;
 
