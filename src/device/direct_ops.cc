@@ -91,12 +91,15 @@ std::optional<k::DirectOutcome> DirectOutcomes::Lease::read() const {
   const volatile k::DirectOutcome* v = h;
   if (v->ticket != ticket_) return std::nullopt;
   std::atomic_thread_fence(std::memory_order_acquire);
+  // Every field copied (a new one must be added here too).
+  static_assert(sizeof(k::DirectOutcome) == 7 * sizeof(uint64_t));
   k::DirectOutcome o{};
   o.took = v->took;
   o.rejected = v->rejected;
   o.mismatched = v->mismatched;
   o.stale = v->stale;
   o.present = v->present;
+  o.mapped = v->mapped;
   o.ticket = ticket_;
   return o;
 }
