@@ -14,7 +14,8 @@
 #           build 144 s, doctor + cpp 13, device 94, epdev 220, ephtdev 104, py 280, elastic
 #           17, pgcuda 208, epelastic 264, chaos 50 (e.g. "doctor cpp device ephtdev epdev",
 #           then "py elastic pgcuda", then "epelastic chaos"); a cold build of the module alone
-#           (GPU_BUILD=module) 76 s on c08b030, each target's time in $OUT/build_times.txt;
+#           (GPU_BUILD=module) 76 s on c08b030, 115 s on 853277e (the mapped all_reduce in
+#           every reduction's kernel: 35-54 s a type file), each target's in $OUT/build_times.txt;
 #   benches (make gpu-bench): bench pgbench epelasticbench epprof ebprof epbench epfail epht.
 #   smoke:   (not in the default) the code built but not yet run on a GPU, a few minutes: see below;
 #   compare: (not in the default) an older commit against this tree, side by side: a
