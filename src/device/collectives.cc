@@ -618,9 +618,12 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
 int DeviceCollectives::direct_grid(size_t bytes, bool mapped) {
   // The group's ranks on this GPU (every rank, where serves() was not asked)
   // each take their share of it: every block of each launch must be resident.
-  const int share = device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : comm_.size());
-  if (direct_blocks_ == 0) direct_blocks_ = std::clamp(share, 1, kernels::kDirectMaxBlocks);
-  const int most = mapped ? std::clamp(share, 1, kernels::kDirectMaxMappedBlocks) : direct_blocks_;
+  // (Asked of the driver once: launches of small ops go through here.)
+  if (sm_share_ == 0)
+    sm_share_ =
+        std::max(1, device_sm_count(device_) / (gpu_sharers_ > 0 ? gpu_sharers_ : comm_.size()));
+  const int most =
+      std::min(sm_share_, mapped ? kernels::kDirectMaxMappedBlocks : kernels::kDirectMaxBlocks);
   const size_t want = (bytes + kDirectBytesPerBlock - 1) / kDirectBytesPerBlock;
   return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(most)));
 }

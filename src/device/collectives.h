@@ -273,7 +273,8 @@ class DeviceCollectives {
   // The epoch whose view the device-driven ops cannot serve (a member past
   // the world size): its ops run on the host-driven plane.
   uint64_t direct_unfit_epoch_ = UINT64_MAX;
-  int direct_blocks_ = 0;  // the most blocks a launch takes (0: not asked yet)
+  int sm_share_ =
+      0;  // this rank's share of the GPU's SMs, a launch's most blocks (0: not asked yet)
   std::atomic<int64_t> mapped_done_{0}, mapped_planed_{0};  // read from any thread
   // The device-driven launches one after another, on whatever streams (FSDP-style
   // use gathers on one and reduces on another): they share the op count, the grid

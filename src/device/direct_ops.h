@@ -158,8 +158,6 @@ class DirectOps {
   // the next launch (`launches`: this group's, which may read the table).
   UserExports::Offer offer(const void* p, size_t bytes, cudaStream_t stream);
   void map_offers(LaunchOrder& launches, cudaStream_t stream);
-  // How many members' exports are mapped here now (tests).
-  int mapped_exports() const { return imports_ ? imports_->mapped() : 0; }
 
   // Queues `op` (kernels/coll/direct.h) as one launch of `blocks` blocks on
   // `stream`; `reject`: this rank takes part without data; two_shot:

@@ -11,11 +11,9 @@
 
 namespace mooncake {
 
-namespace ht = kernels;  // the export and import records
-
 namespace {
 
-static_assert(sizeof(cudaIpcMemHandle_t) == ht::kIpcBytes);
+static_assert(sizeof(cudaIpcMemHandle_t) == kernels::kIpcBytes);
 
 using PointerAttributes = CUresult (*)(unsigned, CUpointer_attribute*, void**, CUdeviceptr);
 
@@ -104,10 +102,10 @@ UserExports::Offer UserExports::offer(const void* p, size_t bytes, cudaStream_t 
   // Its generation 0, the rest, then its generation, each a copy of its own
   // (in stream order, before the launch that offers it): a reader that reads
   // the same non-zero generation before and after the rest has a whole entry.
-  uint8_t* entry = table_ + ht::kXExportBytes * static_cast<size_t>(pick.slot);
+  uint8_t* entry = table_ + kernels::kXExportBytes * static_cast<size_t>(pick.slot);
   const uint64_t none = 0, gen = pick.gen;
   copy_to(entry, &none, sizeof(none), stream, "writing an export");
-  ht::XExport e{};
+  kernels::XExport e{};
   e.size = r.size;
   std::memcpy(e.handle, &handle, sizeof(handle));
   copy_to(entry + sizeof(gen), reinterpret_cast<const uint8_t*>(&e) + sizeof(gen),
@@ -117,9 +115,9 @@ UserExports::Offer UserExports::offer(const void* p, size_t bytes, cudaStream_t 
 }
 
 UserImports::UserImports(int64_t ranks, int device)
-    : ranks_(ranks), device_(device), host_(static_cast<size_t>(ranks) * ht::kXSlots) {
+    : ranks_(ranks), device_(device), host_(static_cast<size_t>(ranks) * kernels::kXSlots) {
   OnDevice on(device_);
-  dev_ = device_zeros<ht::XImport>(host_.size(), "cudaMalloc of the import table");
+  dev_ = device_zeros<kernels::XImport>(host_.size(), "cudaMalloc of the import table");
   void* md = nullptr;
   misses_host_ = static_cast<uint64_t*>(mapped_bytes(
       static_cast<size_t>(2 * ranks) * sizeof(uint64_t), &md, "cudaHostAlloc of the misses"));
@@ -128,24 +126,24 @@ UserImports::UserImports(int64_t ranks, int device)
 
 UserImports::~UserImports() {
   OnDevice on(device_);
-  for (ht::XImport& im : host_) close(im);
-  for (ht::XImport& im : retired_) close(im);
+  for (kernels::XImport& im : host_) close(im);
+  for (kernels::XImport& im : retired_) close(im);
   if (reads_ != nullptr) cudaStreamDestroy(reads_);
   cudaFree(dev_);
   cudaFreeHost(misses_host_);
 }
 
-void UserImports::close(ht::XImport& im) {
+void UserImports::close(kernels::XImport& im) {
   if (im.base != nullptr && cudaIpcCloseMemHandle(const_cast<uint8_t*>(im.base)) != cudaSuccess) {
     cudaGetLastError();
     MC_LOG(kWarn, "ep: cudaIpcCloseMemHandle of a peer's x failed");
   }
-  im = ht::XImport{};
+  im = kernels::XImport{};
 }
 
 int UserImports::mapped() const {
   int n = 0;
-  for (const ht::XImport& im : host_) n += im.base != nullptr;
+  for (const kernels::XImport& im : host_) n += im.base != nullptr;
   return n;
 }
 
@@ -157,20 +155,20 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, size_t table
     any = std::atomic_ref<uint64_t>(misses_host_[i]).load(std::memory_order_acquire) != 0;
   if (!any) return;
   OnDevice on(device_);
-  std::vector<ht::XImport> next = host_;
-  std::vector<ht::XImport> closing;
+  std::vector<kernels::XImport> next = host_;
+  std::vector<kernels::XImport> closing;
   for (int64_t s = 0; s < ranks_; ++s)
     for (int which = 0; which < 2; ++which) {
       // (a launch still running may record the same miss again: harmless)
       const uint64_t miss = std::atomic_ref<uint64_t>(misses_host_[2 * s + which]).exchange(0);
       const auto slot = static_cast<int64_t>(miss >> 32);
-      if (miss == 0 || slot >= ht::kXSlots || static_cast<size_t>(s) >= peers.size() ||
+      if (miss == 0 || slot >= kernels::kXSlots || static_cast<size_t>(s) >= peers.size() ||
           peers[s] == nullptr || stale_.count({s, miss}) != 0)
         continue;
       // Its generation, the rest, its generation again: the same twice, a whole entry.
-      const uint8_t* entry = peers[s] + table + ht::kXExportBytes * static_cast<size_t>(slot);
+      const uint8_t* entry = peers[s] + table + kernels::kXExportBytes * static_cast<size_t>(slot);
       uint64_t gen = 0, again = 0;
-      ht::XExport e{};
+      kernels::XExport e{};
       if (reads_ == nullptr &&
           cudaStreamCreateWithFlags(&reads_, cudaStreamNonBlocking) != cudaSuccess) {
         cudaGetLastError();
@@ -182,7 +180,7 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, size_t table
           !read_from(&again, entry, sizeof(again), reads_) || gen == 0 || gen != again ||
           e.gen != gen)
         continue;  // being written: the next miss tries again
-      ht::XImport& im = next[static_cast<size_t>(s * ht::kXSlots + slot)];
+      kernels::XImport& im = next[static_cast<size_t>(s * kernels::kXSlots + slot)];
       if (im.gen == static_cast<uint32_t>(gen)) {
         if (stale_.size() >= 256) stale_.clear();  // (bounded: a few graphs' offers)
         stale_.insert({s, miss});  // an older export of the slot: mapping again gives nothing
@@ -197,8 +195,8 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, size_t table
         base = nullptr;  // recorded as such: this rank stages that export's bytes
         MC_LOG(kDebug, "ep: rank ", s, "'s x cannot be mapped here: its rows come staged");
       }
-      im = ht::XImport{static_cast<uint32_t>(gen), 0, static_cast<const uint8_t*>(base),
-                       base != nullptr ? e.size : 0};
+      im = kernels::XImport{static_cast<uint32_t>(gen), 0, static_cast<const uint8_t*>(base),
+                            base != nullptr ? e.size : 0};
     }
   if (std::equal(next.begin(), next.end(), host_.begin(), [](const auto& a, const auto& b) {
         return a.gen == b.gen && a.base == b.base && a.size == b.size;
@@ -210,23 +208,23 @@ void UserImports::resolve(const std::vector<const uint8_t*>& peers, size_t table
   // replay the caller queued before this call has had the time between (the
   // caller orders replays against eager calls, LaunchOrder).
   launches.wait_eager();
-  for (ht::XImport& im : retired_) close(im);
+  for (kernels::XImport& im : retired_) close(im);
   retired_ = std::move(closing);
   host_ = std::move(next);
-  copy_to(dev_, host_.data(), host_.size() * sizeof(ht::XImport), stream,
+  copy_to(dev_, host_.data(), host_.size() * sizeof(kernels::XImport), stream,
           "copying the import table");
 }
 
 void UserImports::forget() {
   OnDevice on(device_);
-  for (ht::XImport& im : host_) close(im);
-  for (ht::XImport& im : retired_) close(im);
+  for (kernels::XImport& im : host_) close(im);
+  for (kernels::XImport& im : retired_) close(im);
   retired_.clear();
   for (int64_t i = 0; i < 2 * ranks_; ++i) std::atomic_ref<uint64_t>(misses_host_[i]).store(0);
   stale_.clear();
-  cuda_check(
-      cudaMemcpy(dev_, host_.data(), host_.size() * sizeof(ht::XImport), cudaMemcpyHostToDevice),
-      "copying the import table");
+  cuda_check(cudaMemcpy(dev_, host_.data(), host_.size() * sizeof(kernels::XImport),
+                        cudaMemcpyHostToDevice),
+             "copying the import table");
   cuda_check(cudaDeviceSynchronize(), "copying the import table");
 }
 

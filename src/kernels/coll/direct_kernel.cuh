@@ -319,6 +319,16 @@ __device__ const uint8_t* mapped_tensor(const DirectArgs& a, const DirectState* 
   return im.base + off;
 }
 
+// Thread 0 of every block, after block 0's decision (every block arrived at
+// `bar` first; block 0 has waited for it): the grid waits for block 0 to
+// arrive again, which it does once its waits are over (up to the whole budget).
+__device__ void after_block0(const DirectArgs& a, DirectState* st, uint32_t bar, bool multi) {
+  if (!multi || threadIdx.x != 0) return;
+  if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+  const uint32_t bar2 = grid_arrive(st->grid_sync);
+  grid_wait(st->grid_sync, bar2, 2 * a.c.timeout_ns + 1000000000, a.c.status);
+}
+
 // Whether rank j's two-shot share of op `seq` is in its area (else this
 // block reduces that share itself: same sources, same bits).
 __device__ bool share_arrived(const DirectArgs& a, DirectState* st, int j, uint64_t seq,
@@ -423,11 +433,7 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
       }
     }
   }
-  if (multi && threadIdx.x == 0) {
-    if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
-    const uint32_t bar2 = grid_arrive(st->grid_sync);
-    grid_wait(st->grid_sync, bar2, 2 * a.c.timeout_ns + 1000000000, a.c.status);
-  }
+  after_block0(a, st, bar, multi);
   __shared__ int s_all;
   if (threadIdx.x == 0) s_all = ld_volatile(&st->mapped_all);
   __syncthreads();
@@ -545,12 +551,7 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
       write_outcome(a, s_why, R);
     }
   }
-  if (multi && threadIdx.x == 0) {
-    if (blockIdx.x != 0) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
-    const uint32_t bar2 = grid_arrive(st->grid_sync);
-    // Block 0 arrives once its waits are over: up to the whole budget.
-    grid_wait(st->grid_sync, bar2, 2 * a.c.timeout_ns + 1000000000, a.c.status);
-  }
+  after_block0(a, st, bar, multi);
   if (threadIdx.x == 0) {
     int n = 0;
     for (int j = 0; j < R; ++j) {
