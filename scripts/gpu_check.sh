@@ -70,6 +70,9 @@
 #   mapceil: (not in the default) bench/mapped_ceiling.py: a large all_reduce's candidate
 #            algorithms' data movement alone (torch's kernels, peers' tensors mapped), under
 #            MPS at MAPCEIL_WORLDS (2,4), MAPCEIL_MIB (64) MiB;
+#   mapprof: (not in the default) bench/profile_mapped.py: where a large eager all_reduce's
+#            time goes (host, kernels, a call's timeline) on the plane and the mapped path,
+#            under MPS at MAPPROF_WORLDS (2,4), MAPPROF_MIB (64) MiB;
 #   epncu:   (not in the default) Nsight Compute sections over a few EP kernel launches;
 #   killsoak: (not in the default) the GPU kill tests run again and again, without MPS, to
 #            measure how often a rare timing fails: KILLSOAK_RUNS (10) runs of each of
@@ -532,6 +535,20 @@ if wants mapceil; then
   for w in $(echo "${MAPCEIL_WORLDS:-2,4}" | tr , ' '); do
     timeout 200 "$PY" bench/mapped_ceiling.py --world "$w" --mib "${MAPCEIL_MIB:-64}" \
       --out "$OUT/bench/mapceil_w$w.json" 2>&1 | tee "$OUT/mapceil_w$w.log" | tail -8 || status=1
+  done
+  stop_mps
+fi
+
+# mapprof: (not in the default) bench/profile_mapped.py under MPS: the plane and the mapped
+# all_reduce split into host time, kernel time and one call's timeline.
+if wants mapprof; then
+  step "large all_reduce: where its time goes"
+  mkdir -p "$OUT/bench"
+  start_mps
+  for w in $(echo "${MAPPROF_WORLDS:-2,4}" | tr , ' '); do
+    timeout 200 "$PY" bench/profile_mapped.py --world "$w" --mib "${MAPPROF_MIB:-64}" \
+      ${MAPPROF_ARGS:-} --out "$OUT/bench/mapprof_w$w.json" 2>&1 | tee "$OUT/mapprof_w$w.log" |
+      tail -60 || status=1
   done
   stop_mps
 fi
