@@ -61,7 +61,7 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
     from mooncake.launch import init_rank
 
     torch.cuda.set_device(0)
-    init_rank(rank, world, port)
+    init_rank(rank, world, port, "mooncake", timeout_s=120)
     n = cfg["mib"] * (1 << 20) // 2
     t = torch.ones(n, dtype=torch.bfloat16, device="cuda")
     # Right first: a sum of ones is the world size (a first op maps the tensor).
