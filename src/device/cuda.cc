@@ -99,8 +99,8 @@ void CudaEvent::synchronize() {
   cuda_check(cudaEventSynchronize(event_), "cudaEventSynchronize");
 }
 
-void CudaEvent::wait() {
-  const int64_t poll_until = now_us() + 50;
+void CudaEvent::wait(int64_t poll_us) {
+  const int64_t poll_until = now_us() + poll_us;
   while (!query()) {
     if (now_us() > poll_until) {
       synchronize();
