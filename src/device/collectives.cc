@@ -468,7 +468,8 @@ void DeviceCollectives::direct_setup(const DirectOp& op, cudaStream_t stream, in
   cuda_check(cudaDeviceSynchronize(), "waiting for the earlier device-driven launches");
   const int world = comm_.size();
   if (!direct_) {
-    direct_ = std::make_unique<DirectOps>(device_, comm_.rank(), world, direct_layout());
+    direct_ =
+        std::make_unique<DirectOps>(device_, comm_.rank(), world, direct_layout(), direct_offset());
     direct_order_ = std::make_unique<LaunchOrder>();  // here, never under capture
     watch_lost(comm_.endpoint(), direct_->lost_words(), comm_.config().hang_ms);
   }
@@ -643,10 +644,22 @@ int DeviceCollectives::direct_grid(size_t bytes, bool mapped) {
   return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(most)));
 }
 
-bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
-                                          cudaStream_t stream, int64_t timeout_ms) {
-  const int world = comm_.size();
-  if (!options_.mapped || world < 2 || count == 0 || !redop_supported(op, dtype)) return false;
+bool DeviceCollectives::mapped_serves(size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
+  if (!options_.mapped || comm_.size() < 2 || count == 0 || !redop_supported(op, dtype) ||
+      count * dtype_size(dtype) <= direct_max_bytes())
+    return false;
+  if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
+  DirectOp probe;
+  probe.kind = kernels::DirectKind::kAllReduce;
+  probe.count = 1;
+  probe.dtype = dtype;
+  probe.op = op;
+  return direct_serves(probe, timeout_ms);
+}
+
+void DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
+                                          cudaStream_t stream, int64_t timeout_ms, bool queued,
+                                          const char* reject) {
   OnDevice on(device_);
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
   // Set up as a one-element all_reduce would be (every member decides alike:
@@ -656,66 +669,73 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
   probe.count = 1;
   probe.dtype = dtype;
   probe.op = op;
-  if (!direct_serves(probe, timeout_ms) || !direct_set_up(probe, stream, timeout_ms)) return false;
+  if (queued) direct_poll();
+  if (queued &&
+      (!mapped_serves(count, dtype, op, timeout_ms) || !direct_set_up(probe, stream, timeout_ms))) {
+    // The host-driven plane: it tells a rank left out so, and serves any view.
+    if (reject != nullptr)
+      comm_.reject(reject, timeout_ms);
+    else
+      all_reduce(t, t, count, dtype, op, stream, timeout_ms);
+    return;
+  }
+  if (!queued && !direct_ready()) {
+    throw_error(ErrorKind::kSystem, -1,
+                "device-driven collectives: the group's ranks changed while an op was being "
+                "launched on the caller's stream; call it again");
+  }
   const size_t esize = dtype_size(dtype);
   const kernels::DirectLayout& L = direct_->layout();
   // A piece whose share among the members the setup took in fits a parity of
-  // the area (with fewer left at its launch it writes nothing: the plane
-  // serves it), and whose plane fallback may be in place (one piece there).
+  // the area (with fewer left at its launch the share is larger: that launch
+  // goes through the segments), and that fits a segment (the way through it).
   const size_t vec = 16 / esize;
   const size_t share = (L.parity_bytes / esize / vec - 1) * vec;
   const auto members = static_cast<size_t>(std::max(1, std::popcount(direct_members())));
-  const size_t per = std::min(share * members, per_piece(1, esize)) / vec * vec;
-  if (per == 0) return false;
-  direct_poll();
+  const size_t per = std::max(vec, std::min(share * members, per_piece(1, esize)) / vec * vec);
+  {
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    reap_mapped();
+  }
   // The exports earlier launches lacked, mapped before these launches read the table.
   direct_->map_offers(*direct_order_, stream);
   auto* base = static_cast<uint8_t*>(t);
-  struct Launched {
-    size_t first, n;
-    DirectOutcomes::Lease lease;
-  };
-  std::vector<Launched> pieces;
   for (size_t first = 0; first < count; first += per) {
     const size_t n = std::min(per, count - first);
     DirectOp piece = probe;
     piece.count = n;
-    piece.in = piece.out = base + first * esize;
     piece.mapped = true;
-    piece.offer = direct_->offer(piece.out, n * esize, stream);
+    if (reject == nullptr) {
+      piece.in = piece.out = base + first * esize;
+      piece.offer = direct_->offer(piece.out, n * esize, stream);
+    }
     DirectOutcomes::Lease lease = outcomes_->lease();
     piece.outcome = lease.device();
     piece.ticket = lease.ticket();
     direct_order_->before(stream);
-    direct_->launch(piece, false, false, timeout_ms, direct_grid(n * esize, true), stream);
+    direct_->launch(piece, false, reject != nullptr, timeout_ms, direct_grid(n * esize, true),
+                    stream);
     direct_order_->after(stream);
-    pieces.push_back({first, n, std::move(lease)});
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    mapped_pending_.push_back(std::move(lease));
   }
-  finish(stream);
-  direct_poll();
-  // Every member finds the same outcome for each piece (kernels/coll/direct.h):
-  // the pieces one wrote nothing for run on the plane, in place, at every member.
-  const uint64_t mine = uint64_t{1} << comm_.rank();
-  for (const Launched& p : pieces) {
-    const std::optional<kernels::DirectOutcome> o = p.lease.read();
-    if (o && o->mapped == 1) {
-      ++mapped_done_;
-      continue;
-    }
-    if (o && (o->took & mine) == 0) {
-      // The members went on without this rank (slow past the op's timeout),
-      // and it cannot tell whether they run this piece on the plane: it does
-      // not meet them there alone. The next op sets up again with them.
-      direct_resync();
-      throw_error(ErrorKind::kTimeout, -1,
-                  "all_reduce: the other ranks went on without this rank (it was silent past "
-                  "the op's timeout); its tensor is partly reduced or as it was");
-    }
-    ++mapped_planed_;
-    uint8_t* at = base + p.first * esize;
-    reduce(at, at, p.n, dtype, op, -1, stream, timeout_ms);
+}
+
+void DeviceCollectives::reap_mapped() {
+  // Launches end in order (LaunchOrder): the first unfinished one ends the look.
+  while (!mapped_pending_.empty()) {
+    const std::optional<kernels::DirectOutcome> o = mapped_pending_.front().read();
+    if (!o) break;
+    if (o->mapped == 1) ++mapped_done_;
+    if (o->mapped == 2) ++mapped_planed_;
+    mapped_pending_.pop_front();
   }
-  return true;
+}
+
+std::pair<int64_t, int64_t> DeviceCollectives::mapped_pieces() {
+  std::lock_guard<std::mutex> lock(mapped_mu_);
+  reap_mapped();
+  return {mapped_done_, mapped_planed_};
 }
 
 void DeviceCollectives::direct_view_changed(const std::vector<uint8_t>& active,

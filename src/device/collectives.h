@@ -34,8 +34,10 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -98,19 +100,27 @@ class DeviceCollectives {
 
   void all_reduce(const void* in, void* out, size_t count, DType dtype, RedOp op,
                   cudaStream_t stream, int64_t timeout_ms = -1);
+  // Whether an all_reduce of `count` elements goes through mapped_all_reduce:
+  // the option is on, it is past the device-driven bound, the kernels serve
+  // its dtype and op and the group (at least two ranks). The same answer at
+  // every rank for the same op.
+  bool mapped_serves(size_t count, DType dtype, RedOp op, int64_t timeout_ms);
   // all_reduce of `t` in place, each member's tensor read where it lies
-  // (kernels/coll/direct.h, the mapped all_reduce): one launch per piece whose
-  // share fits an area, then a wait for them; where a launch wrote nothing (a
-  // member's tensor not mapped yet, which the next call maps, or a member
-  // failed before its share was reduced) that piece runs on the plane, on
-  // every member alike. False (nothing done): the option is off, or the
-  // device-driven ops do not serve the group; the caller runs the plane.
-  bool mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op, cudaStream_t stream,
-                         int64_t timeout_ms = -1);
-  // Pieces mapped_all_reduce ran by its launch, and on the plane (tests).
-  std::pair<int64_t, int64_t> mapped_pieces() const {
-    return {mapped_done_.load(), mapped_planed_.load()};
-  }
+  // (kernels/coll/direct.h, the mapped all_reduce): one launch per piece of at
+  // most a segment, queued on `stream` after what it holds, none waited for.
+  // Each launch serves its piece whatever it finds: in place, or through the
+  // segments where a member could not map another's tensor (the exports the
+  // launches lacked are mapped before the next call's) or was lost. `queued`:
+  // called on the op queue, which sets the kernels up first where they are
+  // not, and runs the op on the plane where they cannot be (as direct());
+  // else the caller found mapped_serves() and direct_ready() true. `reject`
+  // (not null): this rank rejected its arguments and takes part without data
+  // (`t` unused; the caller raises it).
+  void mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op, cudaStream_t stream,
+                         int64_t timeout_ms, bool queued, const char* reject = nullptr);
+  // Pieces mapped_all_reduce's finished launches ran in place, and through the
+  // segments (a launch that left this rank out counts in neither; tests).
+  std::pair<int64_t, int64_t> mapped_pieces();
 
   // all_reduce whose result only `root` writes (to `out`; others pass null).
   void reduce(const void* in, void* out, size_t count, DType dtype, RedOp op, int root,
@@ -275,7 +285,12 @@ class DeviceCollectives {
   uint64_t direct_unfit_epoch_ = UINT64_MAX;
   int sm_share_ =
       0;  // this rank's share of the GPU's SMs, a launch's most blocks (0: not asked yet)
-  std::atomic<int64_t> mapped_done_{0}, mapped_planed_{0};  // read from any thread
+  // The mapped launches whose outcome is not read yet, and the counts of
+  // those read (any thread asks).
+  std::mutex mapped_mu_;
+  std::deque<DirectOutcomes::Lease> mapped_pending_;
+  int64_t mapped_done_ = 0, mapped_planed_ = 0;
+  void reap_mapped();  // with mapped_mu_ held
   // The device-driven launches one after another, on whatever streams (FSDP-style
   // use gathers on one and reduces on another): they share the op count, the grid
   // barrier and the areas' parities.

@@ -115,11 +115,13 @@ void DirectOutcomes::Lease::give_back() {
 
 // --- DirectOps ----------------------------------------------------------------------
 
-DirectOps::DirectOps(int device, int rank, int ranks, const k::DirectLayout& layout)
+DirectOps::DirectOps(int device, int rank, int ranks, const k::DirectLayout& layout,
+                     size_t plane_bytes)
     : device_(device),
       rank_(rank),
       ranks_(ranks),
       layout_(layout),
+      plane_bytes_(plane_bytes),
       incarnations_(static_cast<size_t>(ranks), kNone) {
   MC_CHECK_ARG(ranks >= 1 && ranks <= k::kDirectMaxRanks && rank >= 0 && rank < ranks,
                "DirectOps: rank ", rank, " of ", ranks, " ranks (at most ", k::kDirectMaxRanks,
@@ -252,7 +254,7 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   MC_ASSERT(installed_ && timeout_ms > 0 && op.count < k::kDirectMaxCount &&
             (op.mapped || input_bytes(op) <= layout_.max_bytes));
   MC_ASSERT(!op.mapped || (op.kind == k::DirectKind::kAllReduce && op.in == op.out &&
-                           op.list == k::DirectList::kNone && !reject && imports_));
+                           op.list == k::DirectList::kNone && imports_));
   MC_ASSERT(!k::direct_rooted(op.kind) || (op.root >= 0 && op.root < ranks_));
   MC_ASSERT(op.stride == 0 || op.stride >= op.count);  // parts never overlap
   const int root = k::direct_rooted(op.kind) ? op.root : 0;
@@ -303,8 +305,11 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
   a.outcome = op.outcome;
   a.ticket = op.ticket;
   a.mapped = op.mapped;
+  a.plane_bytes = plane_bytes_;
   if (op.mapped) {
-    a.vec = true;  // an offer's tensor is 16-byte aligned (offer()); without one nothing is read
+    // An offer's tensor is 16-byte aligned (offer()); one without is read
+    // through the segments only, a vector at a time where it is aligned.
+    a.vec = aligned(op.out);
     a.offer_gen = op.offer.gen;
     a.offer_slot = op.offer.slot;
     a.offer_off = op.offer.off;
@@ -356,6 +361,11 @@ std::vector<std::string> DirectOps::take_reports() {
                           " (silent past its timeout, or seen lost, or dropped from the view) "
                           "and fenced it: every rank, this one too, leaves its input out until "
                           "the group's ranks next change"));
+        break;
+      case k::kStatusDirectMappedOut:
+        out.push_back(str("a peer stopped waiting for this rank in a mapped all_reduce (op ", d1,
+                          ", silent past its timeout): this rank wrote nothing there, its "
+                          "tensor holds its own input"));
         break;
       default: out.push_back(str("status ", code, " (", d0, ", ", d1, ")"));
     }

@@ -84,8 +84,12 @@ class DirectOps {
   static constexpr uint32_t kNone = UINT32_MAX;
 
   // For a world of `ranks` processes (this one `rank`, at most
-  // kernels::kDirectMaxRanks) whose areas are laid out as `layout`.
-  DirectOps(int device, int rank, int ranks, const kernels::DirectLayout& layout);
+  // kernels::kDirectMaxRanks) whose areas are laid out as `layout`, each
+  // `plane_bytes` into its segment (kernels::DirectArgs::plane_bytes; 0: a
+  // mapped all_reduce cannot go through the segments, and writes nothing where
+  // it cannot go in place).
+  DirectOps(int device, int rank, int ranks, const kernels::DirectLayout& layout,
+            size_t plane_bytes = 0);
   ~DirectOps();
   DirectOps(const DirectOps&) = delete;
   DirectOps& operator=(const DirectOps&) = delete;
@@ -180,6 +184,7 @@ class DirectOps {
   const int rank_;
   const int ranks_;
   const kernels::DirectLayout layout_;
+  const size_t plane_bytes_;
   kernels::DirectState* state_ = nullptr;  // device
   int32_t* report_ = nullptr;              // device, the caller's
   int32_t* status_host_ = nullptr;         // host-mapped kernels::kStatusWords

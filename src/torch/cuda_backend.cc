@@ -321,6 +321,11 @@ at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
+  if (op.mapped && !call.reject.empty()) {
+    c.mapped_all_reduce(nullptr, op.count, op.dtype, op.op, stream, timeout, queued,
+                        call.reject.c_str());
+    return;
+  }
   if (!call.reject.empty()) {
     if (!alone) launch_pieces(c, op, call.chunk, stream, timeout, call.reject.c_str(), queued);
     return;
@@ -346,6 +351,11 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   const at::Tensor in = !given.defined() ? at::Tensor() : same ? out : given.contiguous();
   op.in = in.defined() ? in.data_ptr() : nullptr;
   op.out = out.defined() ? out.data_ptr() : nullptr;
+  if (op.mapped && op.in != op.out) {
+    // In place only (the op queue's staging may hand a copy of the output).
+    out.copy_(in);
+    op.in = op.out;
+  }
   if (list_in) {
     op.list = kernels::DirectList::kIn;
     op.parts = ptrs(call.ins);
@@ -353,7 +363,9 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     op.list = kernels::DirectList::kOut;
     op.parts = ptrs(call.outs);
   }
-  if (alone) {
+  if (op.mapped) {
+    c.mapped_all_reduce(op.out, op.count, op.dtype, op.op, stream, timeout, queued);
+  } else if (alone) {
     if (op.in != nullptr && op.out != nullptr && op.in != op.out)
       cuda_check(
           cudaMemcpyAsync(op.out, op.in, static_cast<size_t>(op.count) * dtype_size(op.dtype),
@@ -705,11 +717,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
     if (direct_branch(op, t)) warm = op;
     setup = warm ? warm : one_element(op, t);
     const size_t chunk = warm ? 0 : capture_chunk(op, t);
-    if ((warm && direct_now()) || chunk > 0) {
+    // Past the kernels' bound with MOONCAKE_CUDA_MAPPED, eagerly: read in place,
+    // one launch per piece on the caller's stream (DeviceCollectives::mapped_all_reduce).
+    const bool mapped = !warm && chunk == 0 && setup && size_ > 1 && coll_->options().mapped &&
+                        direct_now() && !capturing();
+    if ((warm && direct_now()) || chunk > 0 || mapped) {
       op.op = to_redop(opts.reduceOp, t, "all_reduce");
-      DirectCall call{op, t, t, {}, wrong_device("all_reduce", "tensor", device_, {t}), chunk};
-      return direct_run("all_reduce", c10d::OpType::ALLREDUCE, {std::move(call)}, {t},
-                        op_timeout_ms(opts.timeout));
+      if (mapped) {
+        op.dtype = setup->dtype;
+        op.mapped = coll_->mapped_serves(op.count, op.dtype, op.op, op_timeout_ms(opts.timeout));
+      }
+      if (!mapped || op.mapped) {
+        DirectCall call{op, t, t, {}, wrong_device("all_reduce", "tensor", device_, {t}), chunk};
+        return direct_run("all_reduce", c10d::OpType::ALLREDUCE, {std::move(call)}, {t},
+                          op_timeout_ms(opts.timeout));
+      }
     }
   }
   if (tensors.size() == 1 && on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
@@ -722,12 +744,6 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
       return on_device(
           s, c10d::OpType::ALLREDUCE, {t},
           [t, out, dt, op, timeout](DeviceCollectives& c, cudaStream_t st) {
-            // Read in place where the option is on, at any size (every rank
-            // alike: the output holds the input first where they differ).
-            if (c.options().mapped) {
-              if (!out.is_same(t)) out.copy_(t);
-              if (c.mapped_all_reduce(out.data_ptr(), elems(t), dt, op, st, timeout)) return;
-            }
             const at::Tensor in = input_of(c, t);
             c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
           },

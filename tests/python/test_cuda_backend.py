@@ -1491,10 +1491,11 @@ def _mapped_paths(fn, group) -> tuple[int, int]:
 
 
 def mapped_all_reduce(ctx):
-    """MOONCAKE_CUDA_MAPPED=1 (a group with a 64 KiB device-driven bound, so that a 1 MiB
-    all_reduce goes in several pieces): an all_reduce past the bound reads the ranks'
-    tensors in place. The group's first op maps its tensor's allocation and runs on the
-    plane (every piece counted so); the next on the same tensor reads in place (every
+    """MOONCAKE_CUDA_MAPPED=1 (a group with a 64 KiB device-driven bound and a 256 KiB
+    segment, so that a 1 MiB all_reduce goes in four pieces): an all_reduce past the bound
+    reads the ranks' tensors in place, one launch per piece that no host waits for. The
+    group's first op maps its tensor's allocation and goes through the segments (every
+    piece counted ``mapped_planed``); the next on the same tensor reads in place (every
     piece mapped). Other tensors may lie in an allocation already mapped (torch's caching
     allocator packs small ones together): their first op runs either way, their second in
     place. Every result equals the reference bit for bit (sources summed in rank order):
@@ -1502,7 +1503,13 @@ def mapped_all_reduce(ctx):
     non-contiguous tensor (which goes through a copy). Alone: the option changes nothing
     (a local op)."""
     world, me = ctx.world_size, ctx.rank
-    g = _group_with({"MOONCAKE_CUDA_MAPPED": "1", "MOONCAKE_CUDA_DIRECT_BYTES": str(64 << 10)})
+    g = _group_with(
+        {
+            "MOONCAKE_CUDA_MAPPED": "1",
+            "MOONCAKE_CUDA_DIRECT_BYTES": str(64 << 10),
+            "MOONCAKE_CUDA_SEGMENT_BYTES": str(256 << 10),
+        }
+    )
     from reference import reduce_ref
 
     def check(x, op, what, expect: str):

@@ -208,6 +208,29 @@ def test_kill_world4_cuda():
     run_chaos(4, plan, env(CHUNKED, MOONCAKE_CUDA_PLANE_MIN_BYTES="0"))
 
 
+@needs_cuda
+@pytest.mark.timeout(200)
+def test_kill_world4_cuda_mapped():
+    """The same with ``MOONCAKE_CUDA_MAPPED=1`` and a 64 KiB device-driven bound, so that the
+    big all_reduce (512 KiB) reads the ranks' tensors in place, one launch on the caller's
+    stream that no host waits for: rank 2 killed inside it, rank 0 right after an op, rank 3
+    inside a p2p ring; each launch serves its op among the survivors by itself (through the
+    segments where a rank was lost before its share was summed), and the survivors agree op
+    by op, as on the CPU."""
+    plan = chaos_plan(4, [([2], "in_big"), ([0], "between"), ([3], "in_p2p")])
+    plan["device"] = "cuda"
+    run_chaos(
+        4,
+        plan,
+        env(
+            CHUNKED,
+            MOONCAKE_CUDA_PLANE_MIN_BYTES="0",
+            MOONCAKE_CUDA_MAPPED="1",
+            MOONCAKE_CUDA_DIRECT_BYTES=str(64 << 10),
+        ),
+    )
+
+
 # --- p2p with a dead peer --------------------------------------------------------------------
 
 

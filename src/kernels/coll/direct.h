@@ -77,16 +77,26 @@
 // could (it maps every member's export; a miss is left for its host to map).
 // Every member waits for every other's mapped signal and seals it where it
 // does not come (a fence, as for the input signal), so every survivor finds
-// the same set landed. Only where every member's landed saying it reduced
-// does each copy every share from its owner's area into its tensor, the op's
-// only write to a tensor (every read of the tensors was over before); else
-// none writes anything, and every member's caller runs the op another way
-// (the host-driven plane) on inputs that are untouched. A member that dies
-// after its mapped signal landed left its share whole in its area, read as a
-// live one's. A member reads no tensor after its mapped signal, so each
-// returns once it has every member's. Bytes a member moves: N read and N/n
-// written (its share), N read and N written (the shares): 3N + N/n, against
-// the plane's (3 + R) N.
+// the same set landed. Where every member's landed saying it reduced, each
+// copies every share from its owner's area into its tensor, the op's only
+// write to a tensor (every read of the tensors was over before). Else (a
+// member could not map another's tensor: a first call with a new
+// allocation; or a member was lost) the launch serves the op itself, on the
+// tensors, which nothing has written yet: each member whose mapped signal
+// landed copies its tensor into its segment's host-driven part (idle during
+// the launch: the plane's ops end with every member done reading it), says
+// so on its copied signal (sealed where it does not come, as above), sums
+// every copied member's segment in rank order into its tensor, and says it
+// is done reading on its done signal, waited for before the launch ends (so
+// no later op overwrites a segment still read). The set that copied is the
+// op's: a member lost before it copied is left out at every survivor, one
+// lost after at none (its segment stays readable). So the caller never waits
+// for the launch and never runs the op again: the launch gives every
+// survivor the same result whichever way it went. A member that dies after
+// its mapped signal landed left its share whole in its area, read as a live
+// one's. Bytes a member moves in place: N read and N/n written (its share), N
+// read and N written (the shares): 3N + N/n, against the plane's (3 + R) N;
+// through the segments 2N + nN + N.
 #pragma once
 
 #include <cstddef>
@@ -175,6 +185,10 @@ enum DirectStatus : int32_t {
   // this one too, leaves its input out until the next setup. Detail: the op
   // the fence keeps it out of, from then on.
   kStatusDirectFenced = 35,
+  // A peer stopped waiting for this rank at one of a mapped all_reduce's own
+  // signals: this rank wrote nothing, and its tensor holds its input. Detail:
+  // this rank, the op.
+  kStatusDirectMappedOut = 36,
 };
 
 // A signal: the generation (agreed by the members at each setup, below 2^31)
@@ -218,6 +232,17 @@ MC_HD inline bool tag_fenced(uint64_t tag, uint32_t gen, uint64_t seq) {
   return tag_fence_of(tag, gen) && !tag_settled(tag, gen, seq);
 }
 
+// A mapped op's own signals (its mapped, copied and done words) are fenced
+// per op: a fence keeps its rank out of the op it names, not of the later
+// ones (membership is the input signal's), so a rank once slow there takes
+// part again in the next op. Whether `tag` is such a fence of generation
+// `gen` at op `seq` or a later one (one of an earlier op is a word its rank
+// publishes over).
+MC_HD inline bool tag_fenced_from(uint64_t tag, uint32_t gen, uint64_t seq) {
+  return tag_fence_of(tag, gen) && static_cast<uint32_t>(static_cast<uint32_t>(tag) -
+                                                         static_cast<uint32_t>(seq)) < 0x80000000u;
+}
+
 // The shape word of an op; the peers' must equal it. Counts below 2^36 (a
 // part's bytes fit the area, DirectOps checks).
 constexpr size_t kDirectMaxCount = size_t{1} << 36;
@@ -243,6 +268,10 @@ struct DirectLayout {
   static constexpr size_t kOffers = 32;        // uint64 [2][2], by parity: a mapped op's offer
   static constexpr size_t kMappedSignal = 64;  // uint64: a mapped op's share is in the area
   static constexpr size_t kMappedOk = 72;      // uint64 [2], by parity: 1 reduced, 0 could not
+  // uint64 signals of a mapped op served through the segments: its tensor
+  // copied into the segment; its reads of the others' segments done.
+  static constexpr size_t kMappedCopied = 88;
+  static constexpr size_t kMappedDone = 96;
 
   // The area of a path serving inputs of up to `max_bytes` (a whole input:
   // every part of a reduce_scatter's, all_to_all's or scatter's).
@@ -296,7 +325,8 @@ struct DirectState {
   int32_t sources[kDirectMaxRanks];  // this launch's decision (block 0 writes, the grid reads)
   // A mapped all_reduce's (block 0 writes, the grid reads): each member's tensor
   // as this process maps it, whether every one of them is mapped here, and
-  // whether every member reduced its share (the output is written).
+  // how the launch goes on: 1 every share in place, 2 through the segments,
+  // 0 writing nothing (DirectOutcome::mapped).
   const uint8_t* mapped[kDirectMaxRanks];
   int32_t mapped_here;
   int32_t mapped_all;
@@ -314,9 +344,9 @@ struct DirectOutcome {
   // Peers whose signal of this op came (whatever their call), also where this
   // rank rejected its own: who was there, for the host's view of the members.
   uint64_t present;
-  // A mapped all_reduce: 1 it wrote the output; 0 it wrote nothing (a member
-  // could not map another's tensor, or failed before its share was reduced):
-  // the caller runs the op another way, every member alike.
+  // A mapped all_reduce: 1 it read the tensors in place; 2 it went through the
+  // segments (a member could not map another's tensor, or was lost before its
+  // share was reduced); 0 it wrote nothing (this rank was left out).
   uint64_t mapped;
   uint64_t ticket;  // written last
 };
@@ -377,6 +407,10 @@ struct DirectArgs {
   int64_t offer_off;
   const XImport* imports;
   uint64_t* misses;
+  // Bytes from a rank's segment to its area, the host-driven plane's part
+  // (each rank's segment is its area less this): a mapped op served through
+  // the segments copies a piece of at most this many bytes there.
+  size_t plane_bytes;
 };
 
 // Queues one launch of `blocks` blocks on `stream`; returns its cudaError_t.

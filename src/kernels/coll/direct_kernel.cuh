@@ -198,6 +198,19 @@ __device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq, uin
   }
 }
 
+// publish_signal for a per-op word (direct.h: tag_fenced_from): refused only
+// by a fence of this op or a later one.
+__device__ bool publish_op_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+  uint64_t prev = ld_acquire_sys(signal);
+  for (;;) {
+    if (tag_gen(prev) > gen) return true;
+    if (tag_fenced_from(prev, gen, seq)) return false;
+    const uint64_t seen = cas_sys(signal, prev, direct_tag(gen, seq));
+    if (seen == prev) return true;
+    prev = seen;
+  }
+}
+
 // The last look at a peer's signal of op `seq`: the signal when it came,
 // else a fence swapped in for it (or a peer's fence), so that every rank that
 // looks gets the same answer, however late a dying peer's kernel runs.
@@ -270,8 +283,7 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
 
 // Block 0's thread 0, once every rank is decided (`why`: decide's answers):
 // the outcome of a watched launch, the ticket last.
-__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks,
-                              bool mapped = false) {
+__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks, int mapped = 0) {
   DirectOutcome o{};
   for (int j = 0; j < ranks; ++j) {
     const uint64_t bit = uint64_t{1} << j;
@@ -287,7 +299,7 @@ __device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks
   out->mismatched = o.mismatched;
   out->stale = o.stale;
   out->present = o.present;
-  out->mapped = mapped ? 1 : 0;
+  out->mapped = static_cast<uint64_t>(mapped);
   __threadfence_system();
   out->ticket = a.ticket;
 }
@@ -344,25 +356,141 @@ __device__ bool share_arrived(const DirectArgs& a, DirectState* st, int j, uint6
   return tag_gen(v) == gen && tag_ahead(v, seq) <= 1;
 }
 
-// Whether member j's mapped signal of op `seq` landed saying it reduced its
-// share (block 0's thread for j); else it is sealed (a fence), so that every
-// survivor finds the same.
-__device__ bool mapped_arrived(const DirectArgs& a, DirectState* st, int j, uint64_t seq,
-                               uint32_t gen, uint64_t deadline) {
-  auto* signal = reinterpret_cast<uint64_t*>(st->areas[j] + DirectLayout::kMappedSignal);
+// Member j's per-op signal at `at` of op `seq` (block 0's thread for j):
+// the signal when it came, else sealed with a fence of this op, so that
+// every survivor finds the same. True where it came (settled in this
+// generation, this op or the next: a member ahead by one took this op).
+__device__ bool signal_came(const DirectArgs& a, DirectState* st, int j, size_t at, uint64_t seq,
+                            uint32_t gen, uint64_t deadline, int phase) {
+  auto* signal = reinterpret_cast<uint64_t*>(st->areas[j] + at);
   const auto settled = [gen, seq](uint64_t v) { return tag_settled(v, gen, seq); };
   const auto ready = [gen, seq](uint64_t v) {
-    return tag_settled(v, gen, seq) || tag_fenced(v, gen, seq);
+    return tag_settled(v, gen, seq) || tag_fenced_from(v, gen, seq);
   };
   uint64_t v = 0;
   const bool live = ld_volatile(st->live + j) != 0;
-  if (!live || !wait_for(a.c, signal, ready, deadline, j, kPhaseMapped, &v)) {
+  if (!live || !wait_for(a.c, signal, ready, deadline, j, phase, &v)) {
     if (live) report_masked(st, j);
-    v = seal_signal(signal, gen, seq);
+    v = ld_acquire_sys(signal);
+    for (;;) {
+      if (ready(v)) break;
+      const uint64_t seen = cas_sys(signal, v, direct_fence(gen, seq));
+      if (seen == v) {
+        v = direct_fence(gen, seq);
+        break;
+      }
+      v = seen;
+    }
+    __threadfence_system();  // what the signal found by the swap stands for
   }
-  if (!settled(v) || tag_gen(v) != gen || tag_ahead(v, seq) > 1) return false;
+  return settled(v) && tag_gen(v) == gen && tag_ahead(v, seq) <= 1;
+}
+
+// Member j's answer in a mapped all_reduce (block 0's thread for j): 1 its
+// mapped signal landed saying it reduced its share, 0 saying it could not,
+// -1 it did not land (sealed: lost at every survivor).
+__device__ int mapped_answer(const DirectArgs& a, DirectState* st, int j, uint64_t seq,
+                             uint32_t gen, uint64_t deadline) {
+  if (!signal_came(a, st, j, DirectLayout::kMappedSignal, seq, gen, deadline, kPhaseMapped))
+    return -1;
   return *reinterpret_cast<const volatile uint64_t*>(st->areas[j] + DirectLayout::mapped_ok(seq)) ==
-         1;
+                 1
+             ? 1
+             : 0;
+}
+
+// Block 0's thread 0: publishes this rank's per-op signal at `at` of op
+// `seq`; false where a peer fenced it (reported).
+__device__ bool publish_own(const DirectArgs& a, DirectState* st, size_t at, uint64_t seq,
+                            uint32_t gen) {
+  __threadfence_system();
+  if (publish_op_signal(reinterpret_cast<uint64_t*>(st->areas[st->rank] + at), gen, seq))
+    return true;
+  report(a.c.status, kStatusDirectMappedOut, st->rank, static_cast<int>(seq));
+  return false;
+}
+
+// The mapped op's members (`in`) as the outcome's reasons: kIn or kOut.
+__device__ void write_members(const DirectArgs& a, const int32_t* in, int R, int via) {
+  if (a.outcome == nullptr) return;
+  int32_t why[kDirectMaxRanks];
+  for (int j = 0; j < R; ++j) why[j] = in[j] != 0 ? kIn : kOut;
+  write_outcome(a, why, R, via);
+}
+
+// A mapped all_reduce served through the segments (direct.h), every block:
+// the members whose mapped signal landed (`in`: st->sources, which block 0
+// rewrote) copy their tensor into their segment, meet on the copied signal,
+// sum the copied members' segments into their tensor, and meet on the done
+// signal. Nothing has written a tensor before: every input is whole.
+template <typename T, RedOp Op>
+__device__ void mapped_through_segments(const DirectArgs& a, DirectState* st, uint64_t seq,
+                                        uint32_t gen, bool multi) {
+  constexpr size_t V = sizeof(uint4) / sizeof(T);
+  const int R = st->ranks, me = st->rank;
+  const size_t count = a.count * a.esize / sizeof(T);
+  T* tensor = static_cast<T*>(a.out);
+  const bool vec = a.vec;
+  // 1. This rank's tensor into its segment.
+  copy_span<T>(static_cast<const uint8_t*>(a.out), 0, block_part(0, count, vec ? V : 1),
+               reinterpret_cast<T*>(st->areas[me] - a.plane_bytes), vec);
+  __syncthreads();
+  uint32_t bar = 0;
+  if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
+  __shared__ int s_go;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+      s_go = publish_own(a, st, DirectLayout::kMappedCopied, seq, gen) ? 1 : 0;
+    }
+    __syncthreads();
+    const uint64_t deadline = deadline_of(a.c.timeout_ns);
+    for (int j = threadIdx.x; j < R; j += blockDim.x)
+      if (j != me && st->sources[j] != 0 &&
+          !signal_came(a, st, j, DirectLayout::kMappedCopied, seq, gen, deadline, kPhaseMapped))
+        st->sources[j] = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) st->mapped_all = s_go;
+  }
+  after_block0(a, st, bar, multi);
+  __shared__ int s_n;
+  __shared__ const uint8_t* s_src[kDirectMaxRanks];
+  __shared__ int32_t s_in[kDirectMaxRanks];
+  if (threadIdx.x == 0) {
+    s_go = ld_volatile(&st->mapped_all);
+    int n = 0;
+    for (int j = 0; j < R; ++j) {
+      s_in[j] = ld_volatile(st->sources + j);
+      if (s_in[j] != 0) s_src[n++] = st->areas[j] - a.plane_bytes;
+    }
+    s_n = n;
+  }
+  __syncthreads();
+  // 2. Every copied member's segment summed, in rank order, into the tensor
+  // (fenced here: this rank is out, and writes nothing).
+  if (s_go != 0)
+    reduce_span<T, Op>(s_src, s_n, 0, block_part(0, count, vec ? V : 1), tensor, nullptr, 0, vec);
+  __syncthreads();
+  // 3. Done reading: said, and every member's said, before the launch ends.
+  bar = 0;
+  if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
+      if (s_go != 0) publish_own(a, st, DirectLayout::kMappedDone, seq, gen);
+    }
+    __syncthreads();
+    const uint64_t deadline = deadline_of(a.c.timeout_ns);
+    for (int j = threadIdx.x; j < R; j += blockDim.x)
+      if (j != me && s_in[j] != 0)
+        signal_came(a, st, j, DirectLayout::kMappedDone, seq, gen, deadline, kPhaseMapped);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (s_go == 0) s_in[me] = 0;
+      write_members(a, s_in, R, s_go != 0 ? 2 : 0);
+    }
+  }
+  after_block0(a, st, bar, multi);
 }
 
 // A mapped all_reduce (direct.h), every block, once the members are decided
@@ -399,44 +527,46 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
   uint32_t bar = 0;
   if (multi && threadIdx.x == 0) bar = grid_arrive(st->grid_sync);
   if (blockIdx.x == 0) {
-    __shared__ int s_ok;
+    // s_via: 1 every share in place; 2 through the segments; 0 neither (this
+    // rank is out, or there is no segment to serve it).
+    __shared__ int s_via;
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
       // A member: its own answer counts. A rank left out of the op reads no
       // tensor: the members' answers alone say what it finds, as they find.
-      s_ok = k >= 0 ? s_here : (n > 0 ? 1 : 0);
+      s_via = k >= 0 ? (s_here != 0 ? 1 : 2) : (n > 0 && a.out != nullptr ? 1 : 0);
       if (k >= 0) {
         *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::mapped_ok(seq)) = reduce ? 1 : 0;
-        __threadfence_system();
-        uint32_t fence = 0;
-        if (!publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kMappedSignal), gen,
-                            seq, &fence)) {
-          s_ok = 0;  // a peer stopped waiting for this rank: nobody writes
-          // Once, at the op the fence began: mapped ops go to the plane until the next setup.
-          if (fence == static_cast<uint32_t>(seq))
-            report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
-        }
+        // A peer stopped waiting for this rank: it writes nothing.
+        if (!publish_own(a, st, DirectLayout::kMappedSignal, seq, gen)) s_via = 0;
       }
     }
     __syncthreads();
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
-    for (int j = threadIdx.x; j < R; j += blockDim.x)
-      if (in[j] != 0 && j != me && !mapped_arrived(a, st, j, seq, gen, deadline))
-        atomicAnd(&s_ok, 0);
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+      if (in[j] == 0 || j == me) continue;
+      const int got = mapped_answer(a, st, j, seq, gen, deadline);
+      if (got != 1) atomicCAS(&s_via, 1, 2);  // (a rank left out: nothing to serve it by)
+      if (got < 0) st->sources[j] = 0;        // lost: out of the way through the segments
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
-      st->mapped_all = s_ok;
-      if (a.outcome != nullptr) {
-        int32_t why[kDirectMaxRanks];
-        for (int j = 0; j < R; ++j) why[j] = in[j] != 0 ? kIn : kOut;
-        write_outcome(a, why, R, s_ok != 0);
-      }
+      // A left-out rank's way through the segments is not its own: nothing.
+      if (k < 0 && s_via == 2) s_via = 0;
+      const size_t bytes = a.count * a.esize;
+      if (s_via == 2 && (a.plane_bytes < bytes || st->areas[me] == nullptr)) s_via = 0;
+      st->mapped_all = s_via;
+      if (s_via != 2) write_members(a, in, R, s_via);
     }
   }
   after_block0(a, st, bar, multi);
   __shared__ int s_all;
   if (threadIdx.x == 0) s_all = ld_volatile(&st->mapped_all);
   __syncthreads();
+  if (s_all == 2) {
+    mapped_through_segments<T, Op>(a, st, seq, gen, multi);
+    return;
+  }
   if (s_all == 0) return;
   // Every share from its owner's area into this rank's tensor (its own too;
   // a rank left out may hold an unaligned one: its offer was not needed).

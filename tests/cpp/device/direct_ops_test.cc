@@ -331,10 +331,35 @@ TEST(DirectLayout, ControlWordsApart) {
   words.insert(L::kInputSignal);
   words.insert(L::kShareSignal);
   words.insert(L::kMappedSignal);
-  EXPECT_EQ(words.size(), 11u);
+  words.insert(L::kMappedCopied);
+  words.insert(L::kMappedDone);
+  EXPECT_EQ(words.size(), 13u);
   for (size_t w : words) {
     EXPECT_EQ(w % 8, 0u);
     EXPECT_LE(w + 8, L::kAlign);
+  }
+}
+
+// A mapped op's per-op fence keeps its rank out of the op it names (and of
+// any later one it names), never of the next ones: the rank publishes over
+// an earlier op's fence; a fence of an older generation is void.
+TEST(DirectLayout, PerOpFencesKeepOutTheirOpOnly) {
+  using mooncake::kernels::direct_fence;
+  using mooncake::kernels::direct_tag;
+  using mooncake::kernels::tag_fenced_from;
+  using mooncake::kernels::tag_settled;
+  const uint32_t gen = 7;
+  for (uint64_t seq : {uint64_t{1}, uint64_t{41}, uint64_t{0xffffffff}}) {
+    EXPECT_TRUE(tag_fenced_from(direct_fence(gen, seq), gen, seq));
+    EXPECT_FALSE(tag_settled(direct_fence(gen, seq), gen, seq));
+    // An earlier op's fence: the next op's signal goes over it.
+    EXPECT_FALSE(tag_fenced_from(direct_fence(gen, seq), gen, seq + 1));
+    EXPECT_FALSE(tag_fenced_from(direct_fence(gen, seq), gen, seq + 1000));
+    // A later op's fence stands for this op's signal, which came.
+    EXPECT_TRUE(tag_settled(direct_fence(gen, seq + 1), gen, seq));
+    // Not a fence, or another generation's.
+    EXPECT_FALSE(tag_fenced_from(direct_tag(gen, seq), gen, seq));
+    EXPECT_FALSE(tag_fenced_from(direct_fence(gen - 1, seq), gen, seq));
   }
 }
 
