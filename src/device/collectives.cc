@@ -121,7 +121,7 @@ kernels::DirectLayout DeviceCollectives::direct_layout() const {
   const size_t most = direct_max_bytes();
   if (!options_.mapped || most == 0) return kernels::DirectLayout::of(most);
   // A mapped all_reduce reduces a member's share into a parity of its area, and
-  // a piece is at most a segment (its plane fallback runs in place): a parity
+  // a piece is at most a segment (its way through the segments): a parity
   // of half a segment serves a segment in one launch at world 2 (in three with
   // the default area, 1.4x the kernel time of one on an H100). The area's
   // parity is its input and half as much again.
