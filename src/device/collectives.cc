@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <utility>
 
 #include "collectives/layout.h"
 #include "core/env.h"
@@ -169,6 +170,12 @@ void DeviceCollectives::finish(cudaStream_t stream) {
   done_->wait(kFinishPollUs);
 }
 
+void DeviceCollectives::after_mapped(cudaStream_t stream) {
+  // A mapped all_reduce that went through the segments used this rank's, on
+  // whatever stream it was launched on, and no host waited for it.
+  if (options_.mapped && direct_order_) direct_order_->join_eager(stream);
+}
+
 void DeviceCollectives::check_width(const std::vector<int>& members, const char* op) const {
   for (int p : members)
     MC_CHECK_ARG(p < comm_.size(), op, ": rank ", p, " joined beyond the world size (",
@@ -180,6 +187,7 @@ void DeviceCollectives::run(OpType type, DType dtype, RedOp op, int root, size_t
                             const std::function<void(const Piece&, uint8_t*)>& copy_in,
                             const Move& move) {
   OnDevice on(device_);
+  after_mapped(stream);
   const size_t pieces = count <= per ? 1 : (count + per - 1) / per;
   auto piece = [&](size_t k) { return Piece{k, k * per, std::min(per, count - k * per)}; };
   // One piece: the segment is free (the last op's commit round said every
@@ -361,6 +369,7 @@ void DeviceCollectives::all_to_all(const void* const* ins, const size_t* in_coun
   // Region p of a rank's segment holds what it sends rank p, one piece per round.
   const size_t region =
       options_.segment_bytes / static_cast<size_t>(world) / kMinRegion * kMinRegion;
+  after_mapped(stream);
   uint8_t* own = mine();
   const auto* const* src = reinterpret_cast<const uint8_t* const*>(ins);
   auto* const* dst = reinterpret_cast<uint8_t* const*>(outs);
@@ -657,7 +666,7 @@ bool DeviceCollectives::mapped_serves(size_t count, DType dtype, RedOp op, int64
   return direct_serves(probe, timeout_ms);
 }
 
-void DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
+bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
                                           cudaStream_t stream, int64_t timeout_ms, bool queued,
                                           const char* reject) {
   OnDevice on(device_);
@@ -669,15 +678,30 @@ void DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
   probe.count = 1;
   probe.dtype = dtype;
   probe.op = op;
+  {
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    reap_mapped();
+    if (mapped_left_ != 0) {
+      // An earlier launch wrote nothing here (the others stopped waiting for
+      // this rank, or left it out): the kernels are set up again with them
+      // before the next op, and this call says so, as the plane would have.
+      const uint64_t number = std::exchange(mapped_left_, 0);
+      direct_resync();
+      throw_error(ErrorKind::kTimeout, -1,
+                  "all_reduce: the other ranks went on without this rank in an earlier mapped "
+                  "all_reduce (this rank's launch ",
+                  number,
+                  "; it was silent past the op's timeout), whose tensor kept this rank's own "
+                  "input; this call did nothing, and the next one sets up again with them");
+    }
+  }
   if (queued) direct_poll();
   if (queued &&
       (!mapped_serves(count, dtype, op, timeout_ms) || !direct_set_up(probe, stream, timeout_ms))) {
     // The host-driven plane: it tells a rank left out so, and serves any view.
-    if (reject != nullptr)
-      comm_.reject(reject, timeout_ms);
-    else
-      all_reduce(t, t, count, dtype, op, stream, timeout_ms);
-    return;
+    if (reject == nullptr) return false;
+    comm_.reject(reject, timeout_ms);
+    return true;
   }
   if (!queued && !direct_ready()) {
     throw_error(ErrorKind::kSystem, -1,
@@ -691,12 +715,9 @@ void DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
   // goes through the segments), and that fits a segment (the way through it).
   const size_t vec = 16 / esize;
   const size_t share = (L.parity_bytes / esize / vec - 1) * vec;
-  const auto members = static_cast<size_t>(std::max(1, std::popcount(direct_members())));
+  // (The setup's members, alike at every rank: not the table a departure changes.)
+  const auto members = static_cast<size_t>(std::max(1, direct_->installed_members()));
   const size_t per = std::max(vec, std::min(share * members, per_piece(1, esize)) / vec * vec);
-  {
-    std::lock_guard<std::mutex> lock(mapped_mu_);
-    reap_mapped();
-  }
   // The exports earlier launches lacked, mapped before these launches read the table.
   direct_->map_offers(*direct_order_, stream);
   auto* base = static_cast<uint8_t*>(t);
@@ -717,17 +738,21 @@ void DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
                     stream);
     direct_order_->after(stream);
     std::lock_guard<std::mutex> lock(mapped_mu_);
-    mapped_pending_.push_back(std::move(lease));
+    mapped_pending_.push_back({std::move(lease), reject != nullptr, ++mapped_launches_});
   }
+  return true;
 }
 
 void DeviceCollectives::reap_mapped() {
   // Launches end in order (LaunchOrder): the first unfinished one ends the look.
   while (!mapped_pending_.empty()) {
-    const std::optional<kernels::DirectOutcome> o = mapped_pending_.front().read();
+    const MappedLaunch& l = mapped_pending_.front();
+    const std::optional<kernels::DirectOutcome> o = l.lease.read();
     if (!o) break;
     if (o->mapped == 1) ++mapped_done_;
     if (o->mapped == 2) ++mapped_planed_;
+    // Wrote nothing here (a rejected call writes nothing by design, and raises).
+    if (o->mapped == 0 && !l.rejected && mapped_left_ == 0) mapped_left_ = l.number;
     mapped_pending_.pop_front();
   }
 }

@@ -112,11 +112,14 @@ class DeviceCollectives {
   // segments where a member could not map another's tensor (the exports the
   // launches lacked are mapped before the next call's) or was lost. `queued`:
   // called on the op queue, which sets the kernels up first where they are
-  // not, and runs the op on the plane where they cannot be (as direct());
-  // else the caller found mapped_serves() and direct_ready() true. `reject`
-  // (not null): this rank rejected its arguments and takes part without data
-  // (`t` unused; the caller raises it).
-  void mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op, cudaStream_t stream,
+  // not; else the caller found mapped_serves() and direct_ready() true.
+  // False where the kernels cannot be set up for the view (queued only): the
+  // caller runs the op on the plane. `reject` (not null): this rank rejected
+  // its arguments and takes part without data (`t` unused; the caller raises
+  // it; on the plane too). Raises kTimeout, doing nothing, where an earlier
+  // launch wrote nothing at this rank (the others stopped waiting for it), and
+  // sets the kernels up again for the next op.
+  bool mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op, cudaStream_t stream,
                          int64_t timeout_ms, bool queued, const char* reject = nullptr);
   // Pieces mapped_all_reduce's finished launches ran in place, and through the
   // segments (a launch that left this rank out counts in neither; tests).
@@ -287,10 +290,22 @@ class DeviceCollectives {
       0;  // this rank's share of the GPU's SMs, a launch's most blocks (0: not asked yet)
   // The mapped launches whose outcome is not read yet, and the counts of
   // those read (any thread asks).
+  struct MappedLaunch {
+    DirectOutcomes::Lease lease;
+    bool rejected;    // this rank took part without data
+    uint64_t number;  // this rank's mapped launches, counted from 1
+  };
   std::mutex mapped_mu_;
-  std::deque<DirectOutcomes::Lease> mapped_pending_;
+  std::deque<MappedLaunch> mapped_pending_;
   int64_t mapped_done_ = 0, mapped_planed_ = 0;
+  uint64_t mapped_launches_ = 0;
+  // The first finished launch that wrote nothing at this rank (0: none), raised
+  // by the next call.
+  uint64_t mapped_left_ = 0;
   void reap_mapped();  // with mapped_mu_ held
+  // Work queued on `stream` from now on waits for the last device-driven
+  // launch where a mapped all_reduce may have used this rank's segment.
+  void after_mapped(cudaStream_t stream);
   // The device-driven launches one after another, on whatever streams (FSDP-style
   // use gathers on one and reduces on another): they share the op count, the grid
   // barrier and the areas' parities.

@@ -130,6 +130,10 @@ void LaunchOrder::wait_eager() {
   if (eager_.any) eager_.done.wait();
 }
 
+void LaunchOrder::join_eager(cudaStream_t stream) {
+  if (eager_.any) eager_.done.block(stream);
+}
+
 std::string device_bus_id(int device) {
   char id[32] = {};
   cuda_check(cudaDeviceGetPCIBusId(id, sizeof(id), device), "cudaDeviceGetPCIBusId");

@@ -125,6 +125,8 @@ class LaunchOrder {
   void after(cudaStream_t stream);
   // Waits on the host until the last eager launch has run.
   void wait_eager();
+  // Work queued on `stream` from now on waits for the last eager launch.
+  void join_eager(cudaStream_t stream);
 
  private:
   struct Last {

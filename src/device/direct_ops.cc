@@ -168,9 +168,11 @@ void DirectOps::install(const std::vector<uint8_t*>& areas,
   h.rank = rank_;
   h.ranks = ranks_;
   h.report = report_;
+  installed_members_ = 0;
   for (int p = 0; p < ranks_; ++p) {
     h.areas[p] = areas[static_cast<size_t>(p)];
     h.live[p] = h.areas[p] != nullptr ? 1 : 0;
+    installed_members_ += h.live[p];
   }
   cuda_check(cudaMemcpyAsync(state_, &h, sizeof(h), cudaMemcpyHostToDevice, stream),
              "writing the device-driven collectives' state");

@@ -111,6 +111,8 @@ class DirectOps {
                const std::vector<LifeRef>& lives, uint32_t gen, uint64_t epoch,
                cudaStream_t stream);
   bool installed() const { return installed_; }
+  // The ranks the last install took in (retire() leaves it as it was).
+  int installed_members() const { return installed_members_; }
   // Until the next install, not installed (DeviceCollectives::direct_resync).
   void invalidate() { installed_ = false; }
   uint64_t epoch() const { return epoch_; }
@@ -197,6 +199,7 @@ class DirectOps {
   std::unique_ptr<UserExports> exports_;  // into this rank's area
   std::unique_ptr<UserImports> imports_;
   bool installed_ = false;
+  int installed_members_ = 0;
   bool left_behind_ = false;
   uint64_t epoch_ = 0;
   uint32_t gen_ = 0;

@@ -364,7 +364,12 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     op.parts = ptrs(call.outs);
   }
   if (op.mapped) {
-    c.mapped_all_reduce(op.out, op.count, op.dtype, op.op, stream, timeout, queued);
+    if (!c.mapped_all_reduce(op.out, op.count, op.dtype, op.op, stream, timeout, queued)) {
+      // The kernels cannot serve the view: the plane, whose inputs must differ
+      // from its output past a segment (a failure re-runs its pieces).
+      const at::Tensor src = input_of(c, out);
+      c.all_reduce(src.data_ptr(), op.out, op.count, op.dtype, op.op, stream, timeout);
+    }
   } else if (alone) {
     if (op.in != nullptr && op.out != nullptr && op.in != op.out)
       cuda_check(

@@ -410,11 +410,13 @@ __device__ bool publish_own(const DirectArgs& a, DirectState* st, size_t at, uin
   return false;
 }
 
-// The mapped op's members (`in`) as the outcome's reasons: kIn or kOut.
-__device__ void write_members(const DirectArgs& a, const int32_t* in, int R, int via) {
+// The mapped op's members (`in`) as the outcome's reasons, kIn or kOut
+// (`out`: a rank counted out, this one where it wrote nothing).
+__device__ void write_members(const DirectArgs& a, const int32_t* in, int R, int via,
+                              int out = -1) {
   if (a.outcome == nullptr) return;
   int32_t why[kDirectMaxRanks];
-  for (int j = 0; j < R; ++j) why[j] = in[j] != 0 ? kIn : kOut;
+  for (int j = 0; j < R; ++j) why[j] = in[j] != 0 && j != out ? kIn : kOut;
   write_outcome(a, why, R, via);
 }
 
@@ -477,18 +479,20 @@ __device__ void mapped_through_segments(const DirectArgs& a, DirectState* st, ui
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
-      if (s_go != 0) publish_own(a, st, DirectLayout::kMappedDone, seq, gen);
+      // (Fenced here only when a reader gave up on it: its result is written.)
+      __threadfence_system();
+      if (s_go != 0)
+        publish_op_signal(reinterpret_cast<uint64_t*>(st->areas[me] + DirectLayout::kMappedDone),
+                          gen, seq);
     }
     __syncthreads();
+    // A rank that read nothing (fenced) holds nothing of the others up.
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
     for (int j = threadIdx.x; j < R; j += blockDim.x)
-      if (j != me && s_in[j] != 0)
+      if (s_go != 0 && j != me && s_in[j] != 0)
         signal_came(a, st, j, DirectLayout::kMappedDone, seq, gen, deadline, kPhaseMapped);
     __syncthreads();
-    if (threadIdx.x == 0) {
-      if (s_go == 0) s_in[me] = 0;
-      write_members(a, s_in, R, s_go != 0 ? 2 : 0);
-    }
+    if (threadIdx.x == 0) write_members(a, s_in, R, s_go != 0 ? 2 : 0, s_go != 0 ? -1 : me);
   }
   after_block0(a, st, bar, multi);
 }
@@ -532,9 +536,10 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
     __shared__ int s_via;
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
-      // A member: its own answer counts. A rank left out of the op reads no
-      // tensor: the members' answers alone say what it finds, as they find.
-      s_via = k >= 0 ? (s_here != 0 ? 1 : 2) : (n > 0 && a.out != nullptr ? 1 : 0);
+      // A member: its own answer counts. A rank left out of the op writes
+      // nothing and waits for none (the members do not wait for it, and may be
+      // ops ahead: its host raises, and sets up again with them).
+      s_via = k >= 0 ? (s_here != 0 ? 1 : 2) : 0;
       if (k >= 0) {
         *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::mapped_ok(seq)) = reduce ? 1 : 0;
         // A peer stopped waiting for this rank: it writes nothing.
@@ -544,19 +549,18 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
     __syncthreads();
     const uint64_t deadline = deadline_of(a.c.timeout_ns);
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
-      if (in[j] == 0 || j == me) continue;
+      if (in[j] == 0 || j == me || k < 0) continue;
       const int got = mapped_answer(a, st, j, seq, gen, deadline);
-      if (got != 1) atomicCAS(&s_via, 1, 2);  // (a rank left out: nothing to serve it by)
-      if (got < 0) st->sources[j] = 0;        // lost: out of the way through the segments
+      if (got != 1) atomicCAS(&s_via, 1, 2);
+      if (got < 0) st->sources[j] = 0;  // lost: out of the way through the segments
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      // A left-out rank's way through the segments is not its own: nothing.
-      if (k < 0 && s_via == 2) s_via = 0;
       const size_t bytes = a.count * a.esize;
       if (s_via == 2 && (a.plane_bytes < bytes || st->areas[me] == nullptr)) s_via = 0;
       st->mapped_all = s_via;
-      if (s_via != 2) write_members(a, in, R, s_via);
+      if (s_via == 1) write_members(a, in, R, 1);
+      if (s_via == 0) write_members(a, in, R, 0, me);
     }
   }
   after_block0(a, st, bar, multi);
