@@ -653,17 +653,28 @@ int DeviceCollectives::direct_grid(size_t bytes, bool mapped) {
   return static_cast<int>(std::clamp<size_t>(want, 1, static_cast<size_t>(most)));
 }
 
+namespace {
+
+// The one-element all_reduce a mapped one is decided and set up as (every
+// member decides alike: the same options, the same view, the same op queue
+// order).
+DirectOps::Op mapped_probe(DType dtype, RedOp op) {
+  DirectOps::Op probe;
+  probe.kind = kernels::DirectKind::kAllReduce;
+  probe.count = 1;
+  probe.dtype = dtype;
+  probe.op = op;
+  return probe;
+}
+
+}  // namespace
+
 bool DeviceCollectives::mapped_serves(size_t count, DType dtype, RedOp op, int64_t timeout_ms) {
   if (!options_.mapped || comm_.size() < 2 || count == 0 || !redop_supported(op, dtype) ||
       count * dtype_size(dtype) <= direct_max_bytes())
     return false;
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
-  DirectOp probe;
-  probe.kind = kernels::DirectKind::kAllReduce;
-  probe.count = 1;
-  probe.dtype = dtype;
-  probe.op = op;
-  return direct_serves(probe, timeout_ms);
+  return direct_serves(mapped_probe(dtype, op), timeout_ms);
 }
 
 bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op,
@@ -671,13 +682,7 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
                                           const char* reject) {
   OnDevice on(device_);
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
-  // Set up as a one-element all_reduce would be (every member decides alike:
-  // the same options, the same view, the same op queue order).
-  DirectOp probe;
-  probe.kind = kernels::DirectKind::kAllReduce;
-  probe.count = 1;
-  probe.dtype = dtype;
-  probe.op = op;
+  const DirectOp probe = mapped_probe(dtype, op);
   {
     std::lock_guard<std::mutex> lock(mapped_mu_);
     reap_mapped();
