@@ -683,32 +683,32 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
   OnDevice on(device_);
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
   const DirectOp probe = mapped_probe(dtype, op);
+  // An earlier launch that wrote nothing here (the others stopped waiting for
+  // this rank): said once this call is launched, as usual (its op count stays
+  // in step with the others'; the view, not this rank alone, sets up again).
+  uint64_t left = 0;
   {
     std::lock_guard<std::mutex> lock(mapped_mu_);
     reap_mapped();
-    if (mapped_left_ != 0) {
-      // An earlier launch wrote nothing here (the others stopped waiting for
-      // this rank, or left it out): the kernels are set up again with them
-      // before the next op, and this call says so, as the plane would have.
-      const uint64_t number = std::exchange(mapped_left_, 0);
-      direct_resync();
-      throw_error(ErrorKind::kTimeout, -1,
-                  "all_reduce: the other ranks went on without this rank in an earlier mapped "
-                  "all_reduce (this rank's launch ",
-                  number,
-                  "; it was silent past the op's timeout), whose tensor kept this rank's own "
-                  "input; this call did nothing, and the next one sets up again with them");
-    }
+    left = std::exchange(mapped_left_, 0);
+    if (left != 0) mapped_said_ = mapped_launches_;  // the rest of that episode: said now
   }
   if (queued) direct_poll();
   if (queued &&
       (!mapped_serves(count, dtype, op, timeout_ms) || !direct_set_up(probe, stream, timeout_ms))) {
-    // The host-driven plane: it tells a rank left out so, and serves any view.
+    // The host-driven plane: it tells a rank left out so, and serves any view
+    // (an earlier launch's word waits for the next call here).
+    if (left != 0) {
+      std::lock_guard<std::mutex> lock(mapped_mu_);
+      mapped_left_ = left;
+    }
     if (reject == nullptr) return false;
     comm_.reject(reject, timeout_ms);
     return true;
   }
   if (!queued && !direct_ready()) {
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    if (left != 0) mapped_left_ = left;
     throw_error(ErrorKind::kSystem, -1,
                 "device-driven collectives: the group's ranks changed while an op was being "
                 "launched on the caller's stream; call it again");
@@ -745,6 +745,11 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
     std::lock_guard<std::mutex> lock(mapped_mu_);
     mapped_pending_.push_back({std::move(lease), reject != nullptr, ++mapped_launches_});
   }
+  if (left != 0)
+    throw_error(ErrorKind::kTimeout, -1,
+                "all_reduce: an earlier all_reduce on this group (this rank's mapped launch ", left,
+                ") went on without this rank, silent past the op's timeout, and left its tensor "
+                "with this rank's own input; this call was launched as usual");
   return true;
 }
 
@@ -757,7 +762,8 @@ void DeviceCollectives::reap_mapped() {
     if (o->mapped == 1) ++mapped_done_;
     if (o->mapped == 2) ++mapped_planed_;
     // Wrote nothing here (a rejected call writes nothing by design, and raises).
-    if (o->mapped == 0 && !l.rejected && mapped_left_ == 0) mapped_left_ = l.number;
+    if (o->mapped == 0 && !l.rejected && l.number > mapped_said_ && mapped_left_ == 0)
+      mapped_left_ = l.number;
     mapped_pending_.pop_front();
   }
 }

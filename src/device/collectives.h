@@ -116,9 +116,9 @@ class DeviceCollectives {
   // False where the kernels cannot be set up for the view (queued only): the
   // caller runs the op on the plane. `reject` (not null): this rank rejected
   // its arguments and takes part without data (`t` unused; the caller raises
-  // it; on the plane too). Raises kTimeout, doing nothing, where an earlier
-  // launch wrote nothing at this rank (the others stopped waiting for it), and
-  // sets the kernels up again for the next op.
+  // it; on the plane too). Raises kTimeout once its launches are queued where
+  // an earlier launch wrote nothing at this rank (the others stopped waiting
+  // for it: its tensor kept this rank's input), once per such episode.
   bool mapped_all_reduce(void* t, size_t count, DType dtype, RedOp op, cudaStream_t stream,
                          int64_t timeout_ms, bool queued, const char* reject = nullptr);
   // Pieces mapped_all_reduce's finished launches ran in place, and through the
@@ -300,8 +300,8 @@ class DeviceCollectives {
   int64_t mapped_done_ = 0, mapped_planed_ = 0;
   uint64_t mapped_launches_ = 0;
   // The first finished launch that wrote nothing at this rank (0: none), raised
-  // by the next call.
-  uint64_t mapped_left_ = 0;
+  // by the next call; launches up to mapped_said_ were pending when one was.
+  uint64_t mapped_left_ = 0, mapped_said_ = 0;
   void reap_mapped();  // with mapped_mu_ held
   // Work queued on `stream` from now on waits for the last device-driven
   // launch where a mapped all_reduce may have used this rank's segment.

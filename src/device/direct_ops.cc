@@ -369,6 +369,12 @@ std::vector<std::string> DirectOps::take_reports() {
                           ", silent past its timeout): this rank wrote nothing there, its "
                           "tensor holds its own input"));
         break;
+      case k::kStatusDirectMappedLate:
+        out.push_back(
+            str("a peer stopped waiting for this rank's reads of the segments in a "
+                "mapped all_reduce (op ",
+                d1, ", silent past its timeout): this rank's result there may be torn"));
+        break;
       default: out.push_back(str("status ", code, " (", d0, ", ", d1, ")"));
     }
     for (int i = 0; i < k::kStatusWords; ++i) status_host_[i] = 0;

@@ -189,6 +189,10 @@ enum DirectStatus : int32_t {
   // signals: this rank wrote nothing, and its tensor holds its input. Detail:
   // this rank, the op.
   kStatusDirectMappedOut = 36,
+  // A peer stopped waiting for this rank's reads of the segments in a mapped
+  // all_reduce (its done signal was fenced): its result may be torn. Detail:
+  // this rank, the op.
+  kStatusDirectMappedLate = 37,
 };
 
 // A signal: the generation (agreed by the members at each setup, below 2^31)

@@ -479,11 +479,13 @@ __device__ void mapped_through_segments(const DirectArgs& a, DirectState* st, ui
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) {
       if (multi) grid_wait(st->grid_sync, bar, a.c.timeout_ns, a.c.status);
-      // (Fenced here only when a reader gave up on it: its result is written.)
+      // Fenced: a peer stopped waiting for these reads, and may write its
+      // segment again under them.
       __threadfence_system();
-      if (s_go != 0)
-        publish_op_signal(reinterpret_cast<uint64_t*>(st->areas[me] + DirectLayout::kMappedDone),
-                          gen, seq);
+      if (s_go != 0 &&
+          !publish_op_signal(reinterpret_cast<uint64_t*>(st->areas[me] + DirectLayout::kMappedDone),
+                             gen, seq))
+        report(a.c.status, kStatusDirectMappedLate, me, static_cast<int>(seq));
     }
     __syncthreads();
     // A rank that read nothing (fenced) holds nothing of the others up.
