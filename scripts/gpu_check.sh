@@ -33,7 +33,8 @@
 #            killed client's fault to all); a test that skips fails the step.
 #   pgcuda:  the "mooncake" backend on CUDA tensors: tests/python/test_cuda_backend.py, the
 #            collective matrix and a rank-kill run on CUDA tensors (1-4 processes on the
-#            GPU), compute-sanitizer over a 2-process round (PG_SANITIZE_TOOLS); the
+#            GPU), compute-sanitizer over a 2-process round and a mapped all_reduce round
+#            (PG_SANITIZE_TOOLS); the
 #            multi_gpu tests (ranks on different GPUs) only with 2 GPUs visible to torch,
 #            else deselected, which the summary says;
 #   pgbench: bench/bench_pg_cuda.py (against gloo and NCCL; again under MPS);
@@ -425,6 +426,8 @@ if gpu_wants pgcuda; then
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
   sanitize tests/python/support/cuda_backend_round.py sanitizer_pg ${PG_SANITIZE_TOOLS-memcheck racecheck}
+  # The mapped all_reduce's kernel (off by default, so not in the round above).
+  sanitize tests/python/support/mapped_round.py sanitizer_mapped ${PG_SANITIZE_TOOLS-memcheck racecheck}
 fi
 
 if gpu_wants pgbench; then
