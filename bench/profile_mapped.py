@@ -9,8 +9,8 @@ mapped path (``MOONCAKE_CUDA_MAPPED=1``, one launch per piece), on one GPU share
   its caller until the device has run it; a mapped one does not);
 - ``back-to-back us``: per call, on the device's clock, over calls back to back (what a
   training or serving loop sees);
-- ``kernels``: per call, each kernel's and copy's count and summed device time (CUDA
-  profiler), and their sum;
+- ``kernels``: per call, each kernel's and copy's count and median device time (CUDA
+  profiler), and the sum of count times median;
 - ``timeline``: one call as this process saw it: the CUDA runtime calls (launches,
   synchronisations) and the device's kernels and copies, microseconds from the call's
   start, so the host's time before the first launch and after the last kernel shows.
@@ -103,11 +103,16 @@ def member(rank: int, world: int, port: int, cfg: dict) -> dict:
         elif ev.device_type == torch.autograd.DeviceType.CUDA:
             per.setdefault(ev.name[:60], []).append(ev.device_time)
     k = cfg["profiled"]
-    res["kernels"] = {
-        name: {"per call": round(len(v) / k, 2), "us per call": round(sum(v) / k, 1)}
+    # Medians, not sums: the profiler's first call is its own warm-up (tens of ms).
+    kern = {
+        name: {"per call": round(len(v) / k, 2), "median us": round(harness.median(v), 1)}
         for name, v in per.items()
+        if not name.startswith("call")
     }
-    res["kernels us per call"] = round(sum(sum(v) for v in per.values()) / k, 1)
+    res["kernels"] = kern
+    res["kernels us per call"] = round(
+        sum(x["per call"] * x["median us"] for x in kern.values()), 1
+    )
     marks.sort()
     if marks:
         mid = marks[len(marks) // 2]
