@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import zlib
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import capture
+from round_ranks import run_round
 
 R = dist.ReduceOp
 #: (dtype, op) pairs of the all_reduce sweep; AVG takes inputs that are multiples of world.
@@ -404,32 +404,7 @@ def main() -> int:
     a = p.parse_args()
     if a.rank is not None:
         return rank_main(a.rank, a.world, a.port)
-    store = dist.TCPStore("127.0.0.1", 0, a.world + 1, is_master=True, wait_for_workers=False)
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--world",
-                str(a.world),
-                "--rank",
-                str(r),
-                "--port",
-                str(store.port),
-            ]
-        )
-        for r in range(a.world)
-    ]
-    codes = []
-    for proc in ranks:
-        try:
-            codes.append(proc.wait(timeout=ROUND_TIMEOUT_S))
-        except subprocess.TimeoutExpired:
-            for q in ranks:
-                q.kill()
-            codes.append("timeout")
-    print("cuda_backend_round:", "ok" if all(c == 0 for c in codes) else f"rank exits {codes}")
-    return 0 if all(c == 0 for c in codes) else 1
+    return run_round(__file__, "cuda_backend_round", a.world, ROUND_TIMEOUT_S)
 
 
 if __name__ == "__main__":

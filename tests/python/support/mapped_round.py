@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 import torch
 import torch.distributed as dist
+
+from round_ranks import run_round
 
 ROUND_TIMEOUT_S = 200
 ENV = {
@@ -87,32 +88,7 @@ def main() -> int:
     a = p.parse_args()
     if a.rank is not None:
         return rank_main(a.rank, a.world, a.port)
-    store = dist.TCPStore("127.0.0.1", 0, a.world + 1, is_master=True, wait_for_workers=False)
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--world",
-                str(a.world),
-                "--rank",
-                str(r),
-                "--port",
-                str(store.port),
-            ]
-        )  # fmt: skip
-        for r in range(a.world)
-    ]
-    codes = []
-    for proc in ranks:
-        try:
-            codes.append(proc.wait(timeout=ROUND_TIMEOUT_S))
-        except subprocess.TimeoutExpired:
-            for q in ranks:
-                q.kill()
-            codes.append("timeout")
-    print("mapped_round:", "ok" if all(c == 0 for c in codes) else f"rank exits {codes}")
-    return 0 if all(c == 0 for c in codes) else 1
+    return run_round(__file__, "mapped_round", a.world, ROUND_TIMEOUT_S)
 
 
 if __name__ == "__main__":
