@@ -22,7 +22,6 @@ ranks, which are its child processes).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import zlib
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import capture
-from round_ranks import run_round
+from round_ranks import round_main
 
 R = dist.ReduceOp
 #: (dtype, op) pairs of the all_reduce sweep; AVG takes inputs that are multiples of world.
@@ -397,14 +396,7 @@ def rank_main(rank: int, world: int, port: int) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.rank is not None:
-        return rank_main(a.rank, a.world, a.port)
-    return run_round(__file__, "cuda_backend_round", a.world, ROUND_TIMEOUT_S)
+    return round_main(__file__, __doc__, "cuda_backend_round", rank_main, ROUND_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ the script itself (compute-sanitizer follows children), with ``--world``, ``--ra
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -40,3 +42,17 @@ def run_round(script: str, name: str, world: int, timeout_s: float) -> int:
     ok = all(c == 0 for c in codes)
     print(f"{name}:", "ok" if ok else f"rank exits {codes}")
     return 0 if ok else 1
+
+
+def round_main(script: str, doc: str, name: str, rank_main: Callable[[int, int, int], int],
+               timeout_s: float) -> int:  # fmt: skip
+    """A round script's main: ``--world N`` runs the round (the parent), and the children it
+    starts (``--rank``, ``--port``) run ``rank_main(rank, world, port)``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.rank is not None:
+        return rank_main(a.rank, a.world, a.port)
+    return run_round(script, name, a.world, timeout_s)
