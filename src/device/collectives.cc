@@ -28,6 +28,16 @@ constexpr size_t kAlignBytes = kernels::DirectLayout::kAlign;
 // longer, one waiting for a late peer, costs a wake-up: 100+ us).
 constexpr int64_t kFinishPollUs = 2000;
 
+// The view changed between a caller's poll and its launch (a peer's hint,
+// another thread's setup; most likely between an op's pieces): an error of
+// the call, not of the library.
+[[noreturn]] void ranks_changed() {
+  throw_error(ErrorKind::kSystem, -1,
+              "device-driven collectives: the group's ranks changed while an op was being "
+              "launched on the caller's stream; call it again (under capture: capture again, "
+              "after one eager call)");
+}
+
 void copy(void* to, const void* from, size_t bytes, cudaStream_t stream, const char* what) {
   if (bytes != 0)
     cuda_check(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream), what);
@@ -606,14 +616,8 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   if (timeout_ms <= 0) timeout_ms = comm_.config().timeout_ms;
   if (!queued) {
     // The caller polled and found the path ready, on this thread: a launch
-    // alone. The view may change since (a peer's hint, another thread's
-    // setup), more likely between the launches of an op in pieces: an error
-    // of the call, not of the library.
-    if (!direct_ready())
-      throw_error(ErrorKind::kSystem, -1,
-                  "device-driven collectives: the group's ranks changed while an op was being "
-                  "launched on the caller's stream; call it again (under capture: capture "
-                  "again, after one eager call)");
+    // alone, unless the view changed since.
+    if (!direct_ready()) ranks_changed();
   } else {
     direct_poll();
   }
@@ -693,25 +697,24 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
     left = std::exchange(mapped_left_, 0);
     if (left != 0) mapped_said_ = mapped_launches_;  // the rest of that episode: said now
   }
+  // Where this call ends before launching, that word waits for the next call.
+  const auto keep_left = [&] {
+    std::lock_guard<std::mutex> lock(mapped_mu_);
+    if (left != 0) mapped_left_ = left;
+  };
   if (queued) direct_poll();
   if (queued &&
       (!mapped_serves(count, dtype, op, timeout_ms) || !direct_set_up(probe, stream, timeout_ms))) {
     // The host-driven plane: it tells a rank left out so, and serves any view
     // (an earlier launch's word waits for the next call here).
-    if (left != 0) {
-      std::lock_guard<std::mutex> lock(mapped_mu_);
-      mapped_left_ = left;
-    }
+    keep_left();
     if (reject == nullptr) return false;
     comm_.reject(reject, timeout_ms);
     return true;
   }
   if (!queued && !direct_ready()) {
-    std::lock_guard<std::mutex> lock(mapped_mu_);
-    if (left != 0) mapped_left_ = left;
-    throw_error(ErrorKind::kSystem, -1,
-                "device-driven collectives: the group's ranks changed while an op was being "
-                "launched on the caller's stream; call it again");
+    keep_left();
+    ranks_changed();
   }
   const size_t esize = dtype_size(dtype);
   const kernels::DirectLayout& L = direct_->layout();

@@ -181,49 +181,45 @@ __device__ __forceinline__ void report_masked(DirectState* st, int j) {
   if (st->report != nullptr) *reinterpret_cast<volatile int32_t*>(st->report + j) = 0;
 }
 
-// Publishes this rank's signal of op `seq` unless a peer fenced it (false;
-// `*fence`: the fence's op): by compare-and-swap, so that it never lands over
-// a fence (the header), nor over a newer generation's word.
-__device__ bool publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq, uint32_t* fence) {
+// Publishes this rank's signal of op `seq` unless a peer fenced it (as
+// `fenced` counts fences: a generation's input word, or a mapped op's
+// per-op words, direct.h): 0 when published, else the fence. By
+// compare-and-swap, so that it never lands over a fence (the header), nor
+// over a newer generation's word.
+template <typename Fenced>
+__device__ uint64_t publish_signal(uint64_t* signal, uint32_t gen, uint64_t seq, Fenced fenced) {
   uint64_t prev = ld_acquire_sys(signal);
   for (;;) {
-    if (tag_gen(prev) > gen) return true;  // a straggler of an older setup: not its word now
-    if (tag_fence_of(prev, gen)) {
-      *fence = static_cast<uint32_t>(prev);
-      return false;
-    }
+    if (tag_gen(prev) > gen) return 0;  // a straggler of an older setup: not its word now
+    if (fenced(prev)) return prev;      // nonzero: a fence has its bit set
     const uint64_t seen = cas_sys(signal, prev, direct_tag(gen, seq));
-    if (seen == prev) return true;
+    if (seen == prev) return 0;
     prev = seen;
   }
 }
 
-// publish_signal for a per-op word (direct.h: tag_fenced_from): refused only
-// by a fence of this op or a later one.
-__device__ bool publish_op_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
-  uint64_t prev = ld_acquire_sys(signal);
-  for (;;) {
-    if (tag_gen(prev) > gen) return true;
-    if (tag_fenced_from(prev, gen, seq)) return false;
-    const uint64_t seen = cas_sys(signal, prev, direct_tag(gen, seq));
-    if (seen == prev) return true;
-    prev = seen;
-  }
-}
-
-// The last look at a peer's signal of op `seq`: the signal when it came,
-// else a fence swapped in for it (or a peer's fence), so that every rank that
-// looks gets the same answer, however late a dying peer's kernel runs.
-__device__ uint64_t seal_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+// The last look at a peer's signal of op `seq`: the signal when it came
+// (`ready`: settled, or fenced as its word counts fences), else a fence
+// swapped in for it, so that every rank that looks gets the same answer,
+// however late a dying peer's kernel runs.
+template <typename Ready>
+__device__ uint64_t seal_signal(uint64_t* signal, uint32_t gen, uint64_t seq, Ready ready) {
   uint64_t v = ld_acquire_sys(signal);
   for (;;) {
-    if (tag_settled(v, gen, seq) || tag_fenced(v, gen, seq)) break;
+    if (ready(v)) break;
     const uint64_t seen = cas_sys(signal, v, direct_fence(gen, seq));
     if (seen == v) return direct_fence(gen, seq);
     v = seen;
   }
   __threadfence_system();  // the input behind a signal found by the swap
   return v;
+}
+
+// publish_signal of a mapped op's per-op word (direct.h: tag_fenced_from):
+// refused only by a fence of this op or a later one.
+__device__ bool publish_op_signal(uint64_t* signal, uint32_t gen, uint64_t seq) {
+  const auto fenced = [gen, seq](uint64_t v) { return tag_fenced_from(v, gen, seq); };
+  return publish_signal(signal, gen, seq, fenced) == 0;
 }
 
 // Why a peer is out of an op, beside kOut (masked, fenced or retired), for
@@ -259,7 +255,7 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
     // caller's active_ranks say so): in only when its signal came before the
     // fence this look leaves (the header).
     if (live) report_masked(st, j);
-    v = seal_signal(signal, gen, seq);
+    v = seal_signal(signal, gen, seq, ready);
   }
   if (!settled(v)) {  // fenced, here or by another rank: out at every rank
     if (came) report_masked(st, j);
@@ -371,17 +367,7 @@ __device__ bool signal_came(const DirectArgs& a, DirectState* st, int j, size_t 
   const bool live = ld_volatile(st->live + j) != 0;
   if (!live || !wait_for(a.c, signal, ready, deadline, j, phase, &v)) {
     if (live) report_masked(st, j);
-    v = ld_acquire_sys(signal);
-    for (;;) {
-      if (ready(v)) break;
-      const uint64_t seen = cas_sys(signal, v, direct_fence(gen, seq));
-      if (seen == v) {
-        v = direct_fence(gen, seq);
-        break;
-      }
-      v = seen;
-    }
-    __threadfence_system();  // what the signal found by the swap stands for
+    v = seal_signal(signal, gen, seq, ready);
   }
   return settled(v) && tag_gen(v) == gen && tag_ahead(v, seq) <= 1;
 }
@@ -653,12 +639,13 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
       }
       *reinterpret_cast<volatile uint64_t*>(own + DirectLayout::shape(seq)) = a.shape;
       __threadfence_system();
-      uint32_t fence = 0;
-      s_fenced = !publish_signal(reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen,
-                                 seq, &fence);
+      const auto fenced = [gen](uint64_t v) { return tag_fence_of(v, gen); };
+      const uint64_t fence = publish_signal(
+          reinterpret_cast<uint64_t*>(own + DirectLayout::kInputSignal), gen, seq, fenced);
+      s_fenced = fence != 0;
       // Once, at the op the fence began (its own active_ranks entry stays: the
       // view, not a launch, says whether this process is in the group).
-      if (s_fenced && fence == static_cast<uint32_t>(seq))
+      if (s_fenced && static_cast<uint32_t>(fence) == static_cast<uint32_t>(seq))
         report(a.c.status, kStatusDirectFenced, me, static_cast<int>(fence));
     }
     __syncthreads();
