@@ -491,6 +491,15 @@ std::optional<DirectOps::Op> MooncakeCudaBackend::one_element(DirectOps::Op op,
   return op;
 }
 
+MooncakeCudaBackend::DirectPlan MooncakeCudaBackend::plan_direct(DirectOps::Op& op,
+                                                                 const at::Tensor& t) {
+  DirectPlan plan;
+  if (direct_branch(op, t)) plan.warm = op;
+  plan.setup = plan.warm ? plan.warm : one_element(op, t);
+  plan.chunk = plan.warm ? 0 : capture_chunk(op, t);
+  return plan;
+}
+
 bool MooncakeCudaBackend::alone() {
   // (A world of one with spare slots is not: a rank that joins past the world
   // size takes part in its ops, through the plane or staging.)
@@ -671,27 +680,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::direct_run(const char* name,
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                               const c10d::BroadcastOptions& opts) {
   const int root = static_cast<int>(opts.rootRank);
-  std::optional<DirectOps::Op> warm, setup;
+  DirectPlan plan;
   if (tensors.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kBroadcast, elems(t), root);
-    if (direct_branch(op, t)) warm = op;
-    setup = warm ? warm : one_element(op, t);
-    const size_t chunk = warm ? 0 : capture_chunk(op, t);
-    if ((warm && checked_now(false)) || chunk > 0) {
+    plan = plan_direct(op, t);
+    if ((plan.warm && checked_now(false)) || plan.chunk > 0) {
       DirectCall call{op,
                       rank_ == root ? t : at::Tensor(),
                       t,
                       {},
                       wrong_device("broadcast", "tensor", device_, {t}),
-                      chunk,
+                      plan.chunk,
                       true};
       return direct_run("broadcast", c10d::OpType::BROADCAST, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }
   }
   if (tensors.size() == 1 && root >= 0 && root < size_ &&
-      on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
+      on_plane({tensors[0]}, plane_bytes(plan.warm, tensors[0].nbytes()))) {
     return staged("broadcast", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "broadcast", "tensor");
@@ -706,7 +713,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
             const at::Tensor in = is_root ? t.contiguous() : t;
             c.broadcast(cptr(in), out.data_ptr(), elems(t), dt, root, st, timeout);
           },
-          setup);
+          plan.setup);
     });
   }
   return host_inout("broadcast", c10d::OpType::BROADCAST, tensors, "tensor",
@@ -715,31 +722,30 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::broadcast(std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                               const c10d::AllreduceOptions& opts) {
-  std::optional<DirectOps::Op> warm, setup;
+  DirectPlan plan;
   if (tensors.size() == 1) {
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kAllReduce, elems(t));
-    if (direct_branch(op, t)) warm = op;
-    setup = warm ? warm : one_element(op, t);
-    const size_t chunk = warm ? 0 : capture_chunk(op, t);
+    plan = plan_direct(op, t);
     // Past the kernels' bound with MOONCAKE_CUDA_MAPPED, eagerly: read in place,
     // one launch per piece on the caller's stream (DeviceCollectives::mapped_all_reduce).
-    const bool mapped = !warm && chunk == 0 && setup && size_ > 1 && coll_->options().mapped &&
-                        direct_now() && !capturing();
-    if ((warm && direct_now()) || chunk > 0 || mapped) {
+    const bool mapped = !plan.warm && plan.chunk == 0 && plan.setup && size_ > 1 &&
+                        coll_->options().mapped && direct_now() && !capturing();
+    if ((plan.warm && direct_now()) || plan.chunk > 0 || mapped) {
       op.op = to_redop(opts.reduceOp, t, "all_reduce");
       if (mapped) {
-        op.dtype = setup->dtype;
+        op.dtype = plan.setup->dtype;
         op.mapped = coll_->mapped_serves(op.count, op.dtype, op.op, op_timeout_ms(opts.timeout));
       }
       if (!mapped || op.mapped) {
-        DirectCall call{op, t, t, {}, wrong_device("all_reduce", "tensor", device_, {t}), chunk};
+        DirectCall call{op,        t, t, {}, wrong_device("all_reduce", "tensor", device_, {t}),
+                        plan.chunk};
         return direct_run("all_reduce", c10d::OpType::ALLREDUCE, {std::move(call)}, {t},
                           op_timeout_ms(opts.timeout));
       }
     }
   }
-  if (tensors.size() == 1 && on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
+  if (tensors.size() == 1 && on_plane({tensors[0]}, plane_bytes(plan.warm, tensors[0].nbytes()))) {
     return staged("all_reduce", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "all_reduce", "tensor");
@@ -752,7 +758,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce(std::vector<at::Te
             const at::Tensor in = input_of(c, t);
             c.all_reduce(cptr(in), out.data_ptr(), elems(t), dt, op, st, timeout);
           },
-          setup);
+          plan.setup);
     });
   }
   return host_inout("all_reduce", c10d::OpType::ALLREDUCE, tensors, "tensor",
@@ -801,28 +807,26 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allreduce_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::ReduceOptions& opts) {
   const int root = static_cast<int>(opts.rootRank);
-  std::optional<DirectOps::Op> warm, setup;
+  DirectPlan plan;
   if (tensors.size() == 1 && root >= 0 && root < size_) {
     const at::Tensor& t = tensors[0];
     DirectOps::Op op = direct_op(DirectKind::kReduce, elems(t), root);
-    if (direct_branch(op, t)) warm = op;
-    setup = warm ? warm : one_element(op, t);
-    const size_t chunk = warm ? 0 : capture_chunk(op, t);
-    if ((warm && checked_now(false)) || chunk > 0) {
+    plan = plan_direct(op, t);
+    if ((plan.warm && checked_now(false)) || plan.chunk > 0) {
       op.op = to_redop(opts.reduceOp, t, "reduce");
       DirectCall call{op,
                       t,
                       rank_ == root ? t : at::Tensor(),
                       {},
                       wrong_device("reduce", "tensor", device_, {t}),
-                      chunk,
+                      plan.chunk,
                       true};
       return direct_run("reduce", c10d::OpType::REDUCE, {std::move(call)}, {t},
                         op_timeout_ms(opts.timeout));
     }
   }
   if (tensors.size() == 1 && root >= 0 && root < size_ &&
-      on_plane({tensors[0]}, plane_bytes(warm, tensors[0].nbytes()))) {
+      on_plane({tensors[0]}, plane_bytes(plan.warm, tensors[0].nbytes()))) {
     return staged("reduce", Kind::kCollective, [&](Staging& s) {
       const at::Tensor t = tensors[0];
       const DType dt = to_dtype(t.scalar_type(), "reduce", "tensor");
@@ -839,7 +843,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce(std::vector<at::Tenso
             c.reduce(cptr(in), is_root ? out.data_ptr() : nullptr, elems(t), dt, op, root, st,
                      timeout);
           },
-          setup);
+          plan.setup);
     });
   }
   return host_inout("reduce", c10d::OpType::REDUCE, tensors, "tensor",
@@ -898,24 +902,22 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::allgather(
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  std::optional<DirectOps::Op> warm, setup;
+  DirectPlan plan;
   if (input.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kAllGather, elems(input));
-    if (direct_branch(op, input)) warm = op;
-    setup = warm ? warm : one_element(op, input);
-    const size_t chunk = warm ? 0 : capture_chunk(op, input);
-    if ((warm && direct_now()) || chunk > 0) {
+    plan = plan_direct(op, input);
+    if ((plan.warm && direct_now()) || plan.chunk > 0) {
       std::string reject = misfit("all_gather_into_tensor", "output_tensor (world_size x input)",
                                   output, input.numel() * size_, input);
       if (reject.empty())
         reject = wrong_device("all_gather_into_tensor", "tensors", device_, {input, output});
-      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject, chunk};
+      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject, plan.chunk};
       return direct_run("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {std::move(call)},
                         {output}, op_timeout_ms(opts.timeout));
     }
   }
   if (output.defined() && input.defined() && output.numel() == input.numel() * size_ &&
-      on_plane({input, output}, plane_bytes(warm, input.nbytes()))) {
+      on_plane({input, output}, plane_bytes(plan.warm, input.nbytes()))) {
     return staged("all_gather_into_tensor", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = input;
       const DType dt = to_dtype(in.scalar_type(), "all_gather_into_tensor", "input_tensor");
@@ -930,7 +932,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_allgather_base(
             const auto outs = slices(out.data_ptr(), in.nbytes(), world);
             c.all_gather(cptr(src), elems(in), dt, outs.data(), st, timeout);
           },
-          setup);
+          plan.setup);
     });
   }
   return host_op("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output}, input,
@@ -1214,25 +1216,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  std::optional<DirectOps::Op> warm, setup;
+  DirectPlan plan;
   if (output.defined()) {
     DirectOps::Op op = direct_op(DirectKind::kReduceScatter, elems(output));
-    if (direct_branch(op, output)) warm = op;
-    setup = warm ? warm : one_element(op, output);
-    const size_t chunk = warm ? 0 : capture_chunk(op, output);
-    if ((warm && direct_now()) || chunk > 0) {
+    plan = plan_direct(op, output);
+    if ((plan.warm && direct_now()) || plan.chunk > 0) {
       op.op = to_redop(opts.reduceOp, output, "reduce_scatter_tensor");
       std::string reject = misfit("reduce_scatter_tensor", "input (world_size x output)", input,
                                   output.numel() * size_, output);
       if (reject.empty())
         reject = wrong_device("reduce_scatter_tensor", "tensors", device_, {input, output});
-      DirectCall call{op, reject.empty() ? input : at::Tensor(), output, {}, reject, chunk};
+      DirectCall call{op, reject.empty() ? input : at::Tensor(), output, {}, reject, plan.chunk};
       return direct_run("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE,
                         {std::move(call)}, {output}, op_timeout_ms(opts.timeout));
     }
   }
   if (output.defined() && input.defined() && input.numel() == output.numel() * size_ &&
-      on_plane({input, output}, plane_bytes(warm, input.nbytes()))) {
+      on_plane({input, output}, plane_bytes(plan.warm, input.nbytes()))) {
     return staged("reduce_scatter_tensor", Kind::kCollective, [&](Staging& s) {
       const at::Tensor in = input;
       const DType dt = to_dtype(in.scalar_type(), "reduce_scatter_tensor", "input");
@@ -1249,7 +1249,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::_reduce_scatter_base(
             std::vector<const void*> from(parts.begin(), parts.end());
             c.reduce_scatter(from.data(), out.data_ptr(), elems(out), dt, op, st, timeout);
           },
-          setup);
+          plan.setup);
     });
   }
   return host_op("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output}, input,
@@ -1366,10 +1366,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
       (no_splits || (rooted_now() && equal_splits(input, input_split_sizes, size_) &&
                      equal_splits(output, output_split_sizes, size_)))) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(input) / static_cast<size_t>(size_));
-    const bool branch = direct_branch(op, input);
-    if (no_splits) setup = branch ? std::optional<DirectOps::Op>(op) : one_element(op, input);
-    const size_t chunk = branch ? 0 : capture_chunk(op, input);
-    if ((branch && direct_now()) || chunk > 0) {
+    const DirectPlan plan = plan_direct(op, input);
+    if (no_splits) setup = plan.setup;
+    if ((plan.warm && direct_now()) || plan.chunk > 0) {
       std::string reject =
           input.numel() % size_ != 0
               ? str("all_to_all_single: input must split into world_size (", size_,
@@ -1377,7 +1376,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
               : misfit("all_to_all_single", "output", output, input.numel(), input);
       if (reject.empty())
         reject = wrong_device("all_to_all_single", "tensors", device_, {input, output});
-      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject, chunk};
+      DirectCall call{op, input, reject.empty() ? output : at::Tensor(), {}, reject, plan.chunk};
       return direct_run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {std::move(call)},
                         {output}, op_timeout_ms(opts.timeout));
     }

@@ -226,6 +226,13 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // set them up with (on_device's `warm`), else none. A group whose eager ops
   // are all large can then capture them (in pieces).
   std::optional<DirectOps::Op> one_element(DirectOps::Op op, const at::Tensor& t);
+  // The three answers above for an op of `t`, asked in that order.
+  struct DirectPlan {
+    std::optional<DirectOps::Op> warm;   // the kernels serve it whole (direct_branch)
+    std::optional<DirectOps::Op> setup;  // its plane call sets them up with this
+    size_t chunk = 0;                    // capture_chunk
+  };
+  DirectPlan plan_direct(DirectOps::Op& op, const at::Tensor& t);
   // Runs `calls` in order as one op `name` of `type` whose Work reports
   // `results`: on the caller's stream at once where the kernels are set up
   // (and always under CUDA graph capture), else through the op queue (where
