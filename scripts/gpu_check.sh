@@ -613,7 +613,14 @@ if gpu_wants compare; then
     step "compare: build the baseline ($(cat .baseline/REV 2>/dev/null || echo '?'))"
     (cd .baseline && cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
       -DCMAKE_CXX_COMPILER="$CXX_BIN" -DCMAKE_CUDA_HOST_COMPILER="$CXX_BIN" -DMOONCAKE_BUILD_TESTS=OFF \
-      -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" >/dev/null && cmake --build build-gpu -j"$(nproc)") \
+      -DMOONCAKE_PYTHON_DIR="$PWD/python/mooncake" >/dev/null &&
+      # The module alone where this tree's is alone (GPU_BUILD=module) and the older
+      # commit names that target (9475732 on), else everything.
+      BASE_TARGET=() &&
+      if [ ${#BUILD_TARGET[@]} -gt 0 ] && cmake --build build-gpu --target help | grep -q '^mooncake_module:'; then
+        BASE_TARGET=("${BUILD_TARGET[@]}")
+      fi &&
+      cmake --build build-gpu -j"$(nproc)" "${BASE_TARGET[@]}") \
       >"$OUT/build_baseline.log" 2>&1 || { status=1; tail -20 "$OUT/build_baseline.log"; }
     # One benchmark for one tree: its own scripts and package.
     compare_run() {  # TREE TAG ARGS...
