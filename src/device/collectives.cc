@@ -697,25 +697,27 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
     left = std::exchange(mapped_left_, 0);
     if (left != 0) mapped_said_ = mapped_launches_;  // the rest of that episode: said now
   }
-  // Where this call ends before launching, that word waits for the next call.
-  const auto keep_left = [&] {
-    std::lock_guard<std::mutex> lock(mapped_mu_);
-    if (left != 0) mapped_left_ = left;
-  };
+  // Until it is said below, the word goes back for the next call on every way
+  // out (the plane instead, or a setup or launch that raises).
+  struct KeepLeft {
+    DeviceCollectives& c;
+    uint64_t word;
+    ~KeepLeft() {
+      if (word == 0) return;
+      std::lock_guard<std::mutex> lock(c.mapped_mu_);
+      c.mapped_left_ = word;
+    }
+  } keep{*this, left};
   if (queued) direct_poll();
   if (queued &&
       (!mapped_serves(count, dtype, op, timeout_ms) || !direct_set_up(probe, stream, timeout_ms))) {
     // The host-driven plane: it tells a rank left out so, and serves any view
     // (an earlier launch's word waits for the next call here).
-    keep_left();
     if (reject == nullptr) return false;
     comm_.reject(reject, timeout_ms);
     return true;
   }
-  if (!queued && !direct_ready()) {
-    keep_left();
-    ranks_changed();
-  }
+  if (!queued && !direct_ready()) ranks_changed();
   const size_t esize = dtype_size(dtype);
   const kernels::DirectLayout& L = direct_->layout();
   // A piece whose share among the members the setup took in fits a parity of
@@ -748,6 +750,7 @@ bool DeviceCollectives::mapped_all_reduce(void* t, size_t count, DType dtype, Re
     std::lock_guard<std::mutex> lock(mapped_mu_);
     mapped_pending_.push_back({std::move(lease), reject != nullptr, ++mapped_launches_});
   }
+  keep.word = 0;
   if (left != 0)
     throw_error(ErrorKind::kTimeout, -1,
                 "all_reduce: an earlier all_reduce on this group (this rank's mapped launch ", left,

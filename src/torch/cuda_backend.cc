@@ -363,8 +363,18 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     op.list = kernels::DirectList::kOut;
     op.parts = ptrs(call.outs);
   }
+  std::exception_ptr left;  // raised once the result is copied back
   if (op.mapped) {
-    if (!c.mapped_all_reduce(op.out, op.count, op.dtype, op.op, stream, timeout, queued)) {
+    bool served = true;
+    try {
+      served = c.mapped_all_reduce(op.out, op.count, op.dtype, op.op, stream, timeout, queued);
+    } catch (const Error& e) {
+      // An earlier launch left this rank out: this one is queued (the copies
+      // below must follow it); a timeout of the setup left `out` as it was.
+      if (e.kind() != ErrorKind::kTimeout) throw;
+      left = std::current_exception();
+    }
+    if (!served) {
       // The kernels cannot serve the view: the plane, whose inputs must differ
       // from its output past a segment (a failure re-runs its pieces).
       const at::Tensor src = input_of(c, out);
@@ -381,6 +391,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   }
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
   if (!list_out) copy_parts(out, call.outs);
+  if (left) std::rethrow_exception(left);
 }
 
 // The rejection of an op some of whose CUDA tensors are not on `device`.
