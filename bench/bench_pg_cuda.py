@@ -8,7 +8,8 @@ up to 8 MiB, and the device plane above that and for all_to_all's list form; at 
 op on the host-driven plane, or staged below 64 KiB, as before the device-driven
 kernels): column "plane" (on request: ``--backends mooncake,plane``), with
 ``MOONCAKE_CUDA_MAPPED=1`` (all_reduce past the kernels' bound reads the ranks' tensors
-in place): column "mapped" (on request), and with
+in place) and ``MOONCAKE_CUDA_P2P_BYTES=65536`` (sends and recvs from 64 KiB up go GPU to
+GPU): column "mapped" (on request: the opt-in device paths), and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
 
@@ -28,9 +29,9 @@ an op must at least read each input and write each output once, so "floor /
 mooncake" is the share of that floor-bound rate the op reaches.
 
 Bus bandwidth as nccl-tests defines it: algbw x 2(n-1)/n for all_reduce, x 1
-for broadcast and reduce, x (n-1)/n for the others (bytes = the per-rank input
-of all_reduce, broadcast, reduce and all_to_all, the gathered output of
-all_gather and gather, the input of reduce_scatter and of scatter's root; the
+for broadcast, reduce and send_recv, x (n-1)/n for the others (bytes = the
+per-rank input of all_reduce, broadcast, reduce and all_to_all, send_recv's
+message, the gathered output of all_gather and gather, the input of reduce_scatter and of scatter's root; the
 list forms move the same bytes as the tensor forms). The last column is each
 op's time over the ``all_reduce`` of the same bytes (the target: at most 2).
 
@@ -68,6 +69,9 @@ OPS = (
     "reduce",
     "gather",
     "scatter",
+    # point to point: each rank sends the next its bytes and receives the previous one's
+    # (isend and irecv, both waited for; two ranks and more)
+    "send_recv",
 )
 SIZES = (8, 4 << 10, 1 << 20, 64 << 20)
 #: the default columns ("plane" on request: --backends mooncake,plane)
@@ -80,7 +84,7 @@ COLUMNS = {
     "mooncake": ("mooncake", {}),
     "plane": ("mooncake", {"MOONCAKE_CUDA_DIRECT": "off"}),
     # all_reduce past the device-driven bound read in place (on request)
-    "mapped": ("mooncake", {"MOONCAKE_CUDA_MAPPED": "1"}),
+    "mapped": ("mooncake", {"MOONCAKE_CUDA_MAPPED": "1", "MOONCAKE_CUDA_P2P_BYTES": "65536"}),
     "staged": ("mooncake", {"MOONCAKE_CUDA_SEGMENT_BYTES": "0"}),
     "gloo": ("gloo", {}),
     "nccl": ("nccl", {}),
@@ -142,6 +146,16 @@ def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
         return lambda: dist.reduce_scatter(outs[0], parts)
     if op == "reduce":
         return lambda: dist.reduce(x, dst=0)
+    if op == "send_recv":
+        me = dist.get_rank()
+        buf = torch.empty(n, device="cuda")
+
+        def ring():
+            works = [dist.isend(x, (me + 1) % world), dist.irecv(buf, (me - 1) % world)]
+            for w in works:
+                w.wait()
+
+        return ring
     root = dist.get_rank() == 0
     if op == "gather":
         return lambda: dist.gather(parts[0], outs if root else None, dst=0)
@@ -151,7 +165,7 @@ def make_op(dist, torch, op: str, nbytes: int, world: int, backend: str):
 
 
 def bus_factor(op: str, world: int) -> float:
-    if world == 1 or op.startswith("broadcast") or op == "reduce":
+    if world == 1 or op.startswith("broadcast") or op in ("reduce", "send_recv"):
         return 1.0
     return 2 * (world - 1) / world if op.startswith("all_reduce") else (world - 1) / world
 
@@ -186,6 +200,8 @@ def worker(rank: int, world: int, port: int, backend: str, ops, sizes=SIZES) -> 
         return f"{type(e).__name__}: {e}"[:200]
 
     for op in (*ops, FLOOR):
+        if op == "send_recv" and world == 1:
+            continue  # (no peer)
         for nbytes in sizes:
             key, seconds, err = f"{op}/{nbytes}", float("nan"), ""
             try:

@@ -370,12 +370,14 @@ def get_op_paths(backend=None) -> dict[str, int]:
     coalesced call counts one device op and one direct op per tensor). With
     ``MOONCAKE_CUDA_MAPPED=1``, ``mapped`` and ``mapped_planed`` count the pieces of
     all_reduces past the device-driven bound that read the ranks' tensors in place, and
-    those that ran on the plane instead (a tensor's first op, or a failure). Counted as
-    the ops are issued, on this rank. Zeros for a ``mooncake-cpu`` group."""
+    those that ran on the plane instead (a tensor's first op, or a failure). With
+    ``MOONCAKE_CUDA_P2P_BYTES`` set, ``p2p_device`` counts the sends and recvs that went
+    device to device. Counted as the ops are issued, on this rank. Zeros for a
+    ``mooncake-cpu`` group."""
     b = _backend_of(backend)
     if hasattr(b, "op_paths"):
         return b.op_paths()
-    return {"device": 0, "staged": 0, "direct": 0, "mapped": 0, "mapped_planed": 0}
+    return {"device": 0, "staged": 0, "direct": 0, "mapped": 0, "mapped_planed": 0, "p2p_device": 0}
 
 
 def watch_loss_times(backend=None):

@@ -97,6 +97,11 @@ const std::vector<EnvVar>& env_registry() {
        "tensor where it lies (mapped through CUDA IPC) instead of copying it into the segments: "
        "one launch per piece, 3N + N/R bytes moved per rank where the plane moves (3 + R) N; "
        "a tensor's first such op maps it and runs on the plane. Every rank alike. 0: off."},
+      {"MOONCAKE_CUDA_P2P_BYTES", "0",
+       "Backend mooncake: send and recv of CUDA tensors of at least this many bytes go device to "
+       "device between ranks on one host (the sender copies into a buffer of its own that the "
+       "receiver maps through CUDA IPC) instead of through host memory. Every rank alike. 0: off "
+       "(not yet run on a GPU)."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

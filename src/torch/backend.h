@@ -199,6 +199,16 @@ class MooncakeBackend : public c10d::Backend {
   // The store namespace of this incarnation of the group.
   const std::string& prefix() const { return prefix_; }
   int64_t timeout_ms() const { return timeout_ms_; }
+  // The group's point-to-point messages (made on first use).
+  P2P& p2p();
+  int64_t p2p_timeout_ms() const { return p2p_timeout_ms_ > 0 ? p2p_timeout_ms_ : timeout_ms_; }
+  // A Work for `request` (counted in a coalescing block); `queue` is the
+  // queue it runs on, if any, so that a waiter can help run it; `failed`,
+  // what its task records of failed peers.
+  c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
+                                      std::vector<at::Tensor> outputs,
+                                      std::weak_ptr<OpQueue> queue = {},
+                                      FailedRanks failed = nullptr);
 
  private:
   // Builds and queues a collective. When this rank rejects its arguments
@@ -225,14 +235,6 @@ class MooncakeBackend : public c10d::Backend {
   // is raised by endCoalescing and the batch posts nothing.
   c10::intrusive_ptr<c10d::Work> p2p_op(c10d::OpType type, std::vector<at::Tensor> outputs,
                                         const std::function<Post()>& check);
-  // A Work for `request` (counted in a coalescing block); `queue` is the
-  // queue it runs on, if any, so that a waiter can help run it; `failed`,
-  // what its task records of failed peers.
-  c10::intrusive_ptr<c10d::Work> wrap(std::shared_ptr<Request> request, c10d::OpType type,
-                                      std::vector<at::Tensor> outputs,
-                                      std::weak_ptr<OpQueue> queue = {},
-                                      FailedRanks failed = nullptr);
-  P2P& p2p();
   // The group's slots (max_world_size): the length of a Work's failed-ranks hint.
   int slots() const { return static_cast<int>(active_ranks_.numel()); }
   // Copies a view into the active_ranks tensor (on the op thread).
@@ -264,7 +266,6 @@ class MooncakeBackend : public c10d::Backend {
   int parts_width(int64_t whole, int64_t part) const;
   int64_t timeout_ms_;
   int64_t p2p_timeout_ms_;  // pg.set_p2p_timeout_us's when > 0, else timeout_ms_
-  int64_t p2p_timeout_ms() const { return p2p_timeout_ms_ > 0 ? p2p_timeout_ms_ : timeout_ms_; }
   bool coalescing_ = false;
   std::vector<std::shared_ptr<Request>> coalesced_;
   std::vector<FailedRanks> coalesced_failed_;

@@ -212,6 +212,8 @@ void register_backend(py::module_& m) {
         const auto [mapped, mapped_planed] = b.mapped_pieces();
         d["mapped"] = mapped;
         d["mapped_planed"] = mapped_planed;
+        d["p2p_device"] = b.p2p_device_ops();
+        d["p2p_lent"] = b.p2p_lent();
         return d;
       });
 #endif

@@ -8,12 +8,15 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
+#include "core/env.h"
 #include "core/error.h"
 #include "torch/cuda_staging.h"
 #include "torch/tensor_args.h"
@@ -99,6 +102,12 @@ MooncakeCudaBackend::MooncakeCudaBackend(const c10::intrusive_ptr<c10d::Store>& 
     if (auto o = DeviceCollectives::Options::from_env())
       coll_ = std::make_unique<DeviceCollectives>(comm(), MooncakeBackend::store(), prefix(),
                                                   device_, *o);
+    const int64_t p2p_bytes = env_int("MOONCAKE_CUDA_P2P_BYTES");
+    MC_CHECK_ARG(p2p_bytes >= 0, "MOONCAKE_CUDA_P2P_BYTES must be >= 0, got ", p2p_bytes);
+    if (coll_ && p2p_bytes > 0) {
+      p2p_bytes_ = static_cast<size_t>(p2p_bytes);
+      p2p_buffers_ = std::make_shared<P2PBuffers>(device_);
+    }
   }
   const at::Tensor given = options ? options->active_ranks : at::Tensor();
   if (given.defined() && given.is_cuda()) {
@@ -115,6 +124,15 @@ MooncakeCudaBackend::MooncakeCudaBackend(const c10::intrusive_ptr<c10d::Store>& 
   if (coll_ && user_active_.defined() && user_active_.is_cuda())
     coll_->direct_report_to(user_active_.data_ptr<int32_t>());
   view_changed(MooncakeBackend::active_ranks());
+}
+
+MooncakeCudaBackend::~MooncakeCudaBackend() {
+  close_acks();
+}
+
+void MooncakeCudaBackend::shutdown() {
+  close_acks();  // before the channel goes
+  MooncakeBackend::shutdown();
 }
 
 at::Tensor MooncakeCudaBackend::active_ranks() const {
@@ -1464,6 +1482,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::barrier(const c10d::BarrierO
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send(std::vector<at::Tensor>& tensors, int dst,
                                                          int tag) {
+  if (p2p_on_device(tensors, dst, false)) return send_on_device(tensors, dst, tag);
   count_staged(has_cuda(tensors));
   return staged("send", Kind::kSend, [&](Staging& s) {
     auto host = s.in(tensors, "tensor");
@@ -1474,12 +1493,187 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::recv(std::vector<at::Tensor>& tensors, int src,
                                                          int tag) {
+  if (p2p_on_device(tensors, src, true)) return recv_on_device(tensors, src, tag);
   count_staged(has_cuda(tensors));
   return staged("recv", Kind::kRecv, [&](Staging& s) {
     auto host = s.out(tensors, "tensor");
     return s.run(c10d::OpType::RECV, tensors,
                  [&] { return MooncakeBackend::recv(host, src, tag); });
   });
+}
+
+// --- point-to-point device to device (p2p_buffers.h) -------------------------------------
+
+namespace {
+
+// How long a sender waits for a receiver's ack before it gives the buffer up
+// for good (the receiver may still read it later: it is never lent again).
+constexpr int64_t kAckWaitMs = int64_t{24} * 3600 * 1000;
+
+at::Tensor note_tensor() {
+  return at::empty({static_cast<int64_t>(sizeof(P2PNote))}, at::TensorOptions().dtype(at::kByte));
+}
+
+struct AckJob {
+  std::shared_ptr<P2PAckPort> port;
+  int dst;
+  uint64_t tag;
+};
+
+// A CUDA host callback: the receiver's copy out of the sender's buffer is
+// done. No CUDA call may be made here (the ack is a host message), and
+// nothing may be thrown.
+void CUDART_CB ack_copied(void* arg) {
+  const std::unique_ptr<AckJob> job(static_cast<AckJob*>(arg));
+  job->port->send(job->dst, job->tag, static_cast<uint64_t>(P2PAck::kCopied));
+}
+
+// A recv's landing (StagedOp::land, on `stream`): the note in `host` names
+// the sender's buffer, whose bytes are copied into `t`; the sender hears
+// once the copy is done, or at once that this rank refused the message.
+void land_note(const at::Tensor& host, const at::Tensor& t, P2PBuffers& buffers,
+               const std::shared_ptr<P2PAckPort>& acks, cudaStream_t stream) {
+  P2PNote note;
+  std::memcpy(&note, host.data_ptr(), sizeof(note));
+  MC_ASSERT(note.magic == P2PNote::kMagic, "recv: a device-to-device note is malformed");
+  const uint64_t ack = p2p_ack_tag(note.id);
+  bool queued = false;
+  try {
+    if (note.bytes != t.nbytes())
+      throw_error(ErrorKind::kInvalidArgument, -1, "recv: rank ", note.src, " sent ", note.bytes,
+                  " bytes, the tensor holds ", t.nbytes());
+    void* from = buffers.open(note.handle);
+    if (t.is_contiguous()) {
+      cuda_check(cudaMemcpyAsync(t.data_ptr(), from, t.nbytes(), cudaMemcpyDeviceToDevice, stream),
+                 "copying a recv out of the sender's buffer");
+    } else {
+      // (its bytes lie in the sender's GPU's memory, which this one maps)
+      const at::Tensor bytes = at::for_blob(from, t.sizes())
+                                   .options(t.options())
+                                   .target_device(t.device())
+                                   .make_tensor();
+      t.copy_(bytes, /*non_blocking=*/true);
+    }
+    queued = true;
+    auto job = std::make_unique<AckJob>(AckJob{acks, note.src, ack});
+    cuda_check(cudaLaunchHostFunc(stream, ack_copied, job.get()),
+               "cudaLaunchHostFunc of a recv's ack");
+    job.release();  // ack_copied owns it now
+  } catch (...) {
+    // The sender's buffer is free once nothing here reads it.
+    if (queued) cudaStreamSynchronize(stream);
+    acks->send(note.src, ack, static_cast<uint64_t>(P2PAck::kRefused));
+    throw;
+  }
+}
+
+}  // namespace
+
+void P2PAckPort::send(int dst, uint64_t tag, uint64_t word) noexcept {
+  try {
+    auto msg = std::make_shared<uint64_t>(word);
+    std::lock_guard<std::mutex> lock(mu);
+    if (p2p == nullptr) return;  // shut down: the sender's buffers go with its group
+    std::shared_ptr<Request> r = p2p->send(msg.get(), sizeof(uint64_t), dst, tag);
+    r->on_complete([msg](std::exception_ptr) {});  // the word lives until sent
+  } catch (...) {
+    // Not sent (shut down meanwhile, out of memory): the sender never lends that
+    // buffer again.
+  }
+}
+
+void P2PAckPort::open(P2P& channel) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!closed) p2p = &channel;
+}
+
+void MooncakeCudaBackend::close_acks() {
+  std::lock_guard<std::mutex> lock(acks_->mu);
+  acks_->p2p = nullptr;
+  acks_->closed = true;
+}
+
+bool MooncakeCudaBackend::p2p_on_device(const std::vector<at::Tensor>& tensors, int peer,
+                                        bool any_source) {
+  if (p2p_bytes_ == 0 || tensors.size() != 1) return false;
+  const at::Tensor& t = tensors[0];
+  if (!t.defined() || !t.is_cuda() || t.device().index() != device_ || t.layout() != at::kStrided ||
+      t.nbytes() < p2p_bytes_)
+    return false;
+  // (A bad peer goes on to the host path's checks, which name it.)
+  if (peer == rank_ || peer < (any_source ? -1 : 0) || peer >= size_ || size_ < 2 ||
+      comm().capacity() != size_)
+    return false;
+  if (capturing()) return false;  // the staged path raises what a capture may not do
+  return coll_->serves(std::nullopt, timeout_ms());
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send_on_device(std::vector<at::Tensor>& tensors,
+                                                                   int dst, int tag) {
+  const at::Tensor& t = tensors[0];
+  acks_->open(p2p());
+  std::shared_ptr<P2PBuffers> buffers = p2p_buffers_;
+  const P2PBuffers::Lent lent = buffers->lend(t.nbytes(), p2p_timeout_ms());
+  const uint64_t id = lent.id;
+  try {
+    P2PNote note;
+    note.bytes = t.nbytes();
+    note.id = id;
+    note.src = rank_;
+    note.handle = lent.handle;
+    at::Tensor host = note_tensor();
+    std::memcpy(host.data_ptr(), &note, sizeof(note));
+    // The ack, posted first. It gives the buffer back (copied or refused);
+    // anything else (a receiver failed, or silent and maybe only stalled, or
+    // no recv within kAckWaitMs) keeps the buffer from being lent again.
+    auto word = std::make_shared<uint64_t>(0);
+    p2p()
+        .recv(word.get(), sizeof(uint64_t), dst, p2p_ack_tag(id), kAckWaitMs)
+        ->on_complete([buffers, word, id](std::exception_ptr e) {
+          if (e)
+            buffers->forget(id);
+          else
+            buffers->give_back(id);
+        });
+    auto work = staged("send", Kind::kSend, [&](Staging& s) {
+      s.copy_into(lent.ptr, t);
+      return s.run(c10d::OpType::SEND, tensors, [&] {
+        std::shared_ptr<Request> r =
+            p2p().send(host.data_ptr(), sizeof(P2PNote), dst, p2p_note_tag(tag));
+        // A note that never went out is never read: its buffer comes back.
+        r->on_complete([host, buffers, id](std::exception_ptr e) {
+          if (e) buffers->give_back(id);
+        });
+        return wrap(r, c10d::OpType::SEND, {host});
+      });
+    });
+    ++p2p_device_ops_;
+    return work;
+  } catch (...) {
+    buffers->give_back(id);  // (before the note went out)
+    throw;
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::recv_on_device(std::vector<at::Tensor>& tensors,
+                                                                   int src, int tag) {
+  const at::Tensor t = tensors[0];
+  acks_->open(p2p());
+  at::Tensor host = note_tensor();
+  std::shared_ptr<P2PBuffers> buffers = p2p_buffers_;
+  std::shared_ptr<P2PAckPort> acks = acks_;
+  auto work = staged("recv", Kind::kRecv, [&](Staging& s) {
+    s.land_with(t, [host, t, buffers, acks](cudaStream_t stream) {
+      land_note(host, t, *buffers, acks, stream);
+    });
+    return s.run(c10d::OpType::RECV, tensors, [&] {
+      std::shared_ptr<Request> r =
+          p2p().recv(host.data_ptr(), sizeof(P2PNote), src, p2p_note_tag(tag));
+      return wrap(r, c10d::OpType::RECV, {host});
+    });
+  });
+  ++p2p_device_ops_;
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::recvAnysource(std::vector<at::Tensor>& tensors,

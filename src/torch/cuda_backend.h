@@ -45,6 +45,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -52,12 +53,24 @@
 
 #include "core/dtype.h"
 #include "device/collectives.h"
+#include "device/p2p_buffers.h"
 #include "torch/backend.h"
 
 namespace mooncake {
 
 class Staging;
 struct StagedOp;
+
+// The p2p channel, for a device-to-device recv's ack sent from a CUDA host
+// callback (no CUDA call there): closed (null) before shutdown takes the
+// channel away.
+struct P2PAckPort {
+  std::mutex mu;
+  P2P* p2p = nullptr;
+  bool closed = false;
+  void open(P2P& channel);  // (unless closed)
+  void send(int dst, uint64_t tag, uint64_t word) noexcept;
+};
 struct WatchedOps;
 
 // One op on the device-driven kernels: its kind, count, reduce op and root
@@ -89,9 +102,11 @@ class MooncakeCudaBackend final : public MooncakeBackend {
                       std::chrono::milliseconds timeout,
                       c10::intrusive_ptr<MooncakeBackendOptions> options,
                       std::shared_ptr<TransferEngine> engine);
+  ~MooncakeCudaBackend() override;
 
   static constexpr const char* kName = "mooncake";
   const std::string getBackendName() const override { return kName; }
+  void shutdown() override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -154,6 +169,10 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   std::pair<int64_t, int64_t> mapped_pieces() const {
     return coll_ ? coll_->mapped_pieces() : std::pair<int64_t, int64_t>{0, 0};
   }
+  // Sends and recvs that went device to device (MOONCAKE_CUDA_P2P_BYTES), and
+  // the buffers of its sends not yet acknowledged.
+  int64_t p2p_device_ops() const { return p2p_device_ops_.load(); }
+  int64_t p2p_lent() const { return p2p_buffers_ ? static_cast<int64_t>(p2p_buffers_->lent()) : 0; }
 
  protected:
   void view_changed(const at::Tensor& active) override;
@@ -286,11 +305,27 @@ class MooncakeCudaBackend final : public MooncakeBackend {
       std::vector<size_t> out_counts, int64_t timeout,
       std::optional<DirectOps::Op> setup = std::nullopt);
 
+  // Whether a send or recv of `tensors` with `peer` goes device to device
+  // (p2p_buffers.h): MOONCAKE_CUDA_P2P_BYTES set, one CUDA tensor of at least
+  // that many bytes on this device, eagerly, every rank of the group on this
+  // host with its GPU mapped (DeviceCollectives::serves) and no rank past
+  // the world size (`any_source`: a recv's -1 too). Inside coalescing blocks
+  // too. Both ends of a message decide alike where both pass CUDA tensors of
+  // one size; a note travels on a tag of its own, so an end that stages never
+  // meets one (its recv times out).
+  bool p2p_on_device(const std::vector<at::Tensor>& tensors, int peer, bool any_source);
+  c10::intrusive_ptr<c10d::Work> send_on_device(std::vector<at::Tensor>& tensors, int dst, int tag);
+  c10::intrusive_ptr<c10d::Work> recv_on_device(std::vector<at::Tensor>& tensors, int src, int tag);
+  void close_acks();
+
   int device_ = -1;  // -1: this process sees no GPU (CPU tensors only)
   std::optional<c10::cuda::CUDAStream> stream_;
   at::Tensor user_active_;                   // what active_ranks() returns
   std::unique_ptr<DeviceCollectives> coll_;  // null: every op is staged through the host
-  std::atomic<int64_t> device_ops_{0}, staged_ops_{0}, direct_ops_{0};
+  std::atomic<int64_t> device_ops_{0}, staged_ops_{0}, direct_ops_{0}, p2p_device_ops_{0};
+  size_t p2p_bytes_ = 0;  // MOONCAKE_CUDA_P2P_BYTES (0: off)
+  std::shared_ptr<P2PBuffers> p2p_buffers_;
+  std::shared_ptr<P2PAckPort> acks_ = std::make_shared<P2PAckPort>();
   // The last collective queued on the op queue (host_idle): its request, and
   // the copies that bring its results back.
   std::shared_ptr<Request> last_request_;

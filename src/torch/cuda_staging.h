@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -45,6 +46,7 @@ struct StagedOp {
     try {
       c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
       c10::cuda::CUDAStreamGuard stream_guard(stream);
+      if (!error && land) land(stream.stream());
       if (!error)
         for (auto& [dev, host] : results) dev.copy_(host, /*non_blocking=*/true);
       done->record(stream);
@@ -53,6 +55,7 @@ struct StagedOp {
     }
     // The pool reuses them only after the copies recorded on the stream have run.
     results.clear();
+    land = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu);
       finished = true;
@@ -82,6 +85,9 @@ struct StagedOp {
   const int device;
   const c10::cuda::CUDAStream stream;
   std::vector<std::pair<at::Tensor, at::Tensor>> results;  // (device tensor, host copy)
+  // A recv whose bytes come device to device (p2p_buffers.h): run first, on
+  // the stream, where the host op succeeded (what it raises fails the op).
+  std::function<void(cudaStream_t)> land;
   std::shared_ptr<CudaEvent> done = make_event(false);
 
  private:
@@ -461,6 +467,24 @@ class Staging {
     at::Tensor tmp = at::empty(t.sizes(), t.options());
     stage_->results.emplace_back(t, tmp);
     return tmp;
+  }
+  // --- point-to-point device to device (p2p_buffers.h) ---
+  // A send's bytes copied into `buf` on the staging stream (a send's ready()
+  // waits for them before its note goes out).
+  void copy_into(void* buf, const at::Tensor& t) {
+    start();
+    keep(t);
+    const at::Tensor src = t.contiguous();  // (on the staging stream, which reuses it in order)
+    cuda_check(cudaMemcpyAsync(buf, src.data_ptr(), t.nbytes(), cudaMemcpyDeviceToDevice,
+                               b_.stream_->stream()),
+               "copying a send into its point-to-point buffer");
+  }
+  // A recv into `t` whose host op brings a note: `land` copies the bytes it
+  // names into `t` once the note is in (StagedOp::land).
+  void land_with(const at::Tensor& t, std::function<void(cudaStream_t)> land) {
+    start();
+    keep(t);
+    stage_->land = std::move(land);
   }
   // Tensors the staging stream reads.
   void keep(const at::Tensor& t) {

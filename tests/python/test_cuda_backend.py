@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 
 import pytest
 import torch
@@ -1551,6 +1552,100 @@ def mapped_all_reduce(ctx):
     dist.destroy_process_group(g)
 
 
+def device_p2p(ctx):
+    """MOONCAKE_CUDA_P2P_BYTES=4096: sends and recvs of 4 KiB and more go device to device
+    (the sender's buffer mapped by the receiver, a note on the host channel), smaller ones
+    through host memory, and every message arrives bit for bit: a ring of blocking
+    send/recv at several sizes and dtypes (one past the 1 MiB buffer size, so a larger
+    buffer is made; repeats reuse them), isend/irecv, a recv into a non-contiguous
+    tensor, a coalesced block and a recv from any source. A recv whose tensor is smaller
+    than the message raises, naming both sizes, and the group goes on; at the end every
+    sender has its buffers back (every receiver acknowledged)."""
+    from mooncake import pg
+
+    world, me = ctx.world_size, ctx.rank
+    if world == 1:
+        return
+    g = _group_with({"MOONCAKE_CUDA_P2P_BYTES": "4096"})
+    nxt, prv = (me + 1) % world, (me - 1) % world
+
+    def ring(shape, dtype, tag: str) -> None:
+        mine = ctx.input(shape, dtype, me, tag).cuda()
+        buf = torch.zeros(shape, dtype=dtype, device="cuda")
+        if me % 2 == 0:
+            dist.send(mine, nxt, group=g)
+            dist.recv(buf, prv, group=g)
+        else:
+            dist.recv(buf, prv, group=g)
+            dist.send(mine, nxt, group=g)
+        ctx.expect_equal(buf.cpu(), ctx.input(shape, dtype, prv, tag), tag)
+
+    before = pg.get_op_paths(g)
+    sizes = [((1024,), torch.float32), ((3, 4099), torch.bfloat16), ((1 << 18) + 5, torch.int64)]
+    for shape, dtype in sizes:
+        for i in range(3):
+            ring(shape, dtype, f"ring {shape} {dtype} #{i}")
+    mid = pg.get_op_paths(g)
+    ctx.expect(mid["p2p_device"] - before["p2p_device"] == 2 * 3 * len(sizes),
+               f"device-to-device sends and recvs: {before} -> {mid}")  # fmt: skip
+    ring((100,), torch.float32, "below the bound")  # 400 bytes: staged
+    after = pg.get_op_paths(g)
+    ctx.expect(after["p2p_device"] == mid["p2p_device"] and after["staged"] > mid["staged"],
+               f"a small message is staged: {mid} -> {after}")  # fmt: skip
+
+    # isend/irecv, and a recv into a non-contiguous tensor.
+    mine = ctx.input((2048, 8), torch.float32, me, "iring").cuda()
+    wide = torch.zeros(2048, 16, device="cuda")
+    view = wide[:, ::2]
+    works = [dist.irecv(view, prv, group=g), dist.isend(mine, nxt, group=g)]
+    for w in works:
+        w.wait()
+    ctx.expect_equal(view.cpu(), ctx.input((2048, 8), torch.float32, prv, "iring"), "irecv")
+    ctx.expect_equal(wide[:, 1::2].cpu(), torch.zeros(2048, 8), "irecv left the rest")
+
+    # A coalesced block, device to device too.
+    buf = torch.zeros(2048, 8, device="cuda")
+    ops = [dist.P2POp(dist.irecv, buf, prv, group=g), dist.P2POp(dist.isend, mine, nxt, group=g)]
+    before_batch = pg.get_op_paths(g)["p2p_device"]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    ctx.expect_equal(buf.cpu(), ctx.input((2048, 8), torch.float32, prv, "iring"), "batch")
+    ctx.expect(
+        pg.get_op_paths(g)["p2p_device"] - before_batch == 2, "the batch went device to device"
+    )
+
+    # Every rank but 0 sends rank 0 64 KiB, which it receives from any source.
+    if me == 0:
+        seen = set()
+        for _ in range(world - 1):
+            b = torch.empty(1 << 14, dtype=torch.int32, device="cuda")
+            src = dist.recv(b, group=g)
+            seen.add(src)
+            ctx.expect_equal(b.cpu(), torch.full((1 << 14,), src, dtype=torch.int32), f"from {src}")
+        ctx.expect(seen == set(range(1, world)), f"any-source recv saw {sorted(seen)}")
+    else:
+        dist.send(torch.full((1 << 14,), me, dtype=torch.int32, device="cuda"), 0, group=g)
+
+    # Rank 0 sends 16 KiB where rank 1 receives 8 KiB: rank 1's recv raises, rank 0's send
+    # completes, and both go on.
+    if me == 0:
+        dist.send(torch.ones(4096, device="cuda"), 1, group=g)
+    elif me == 1:
+        with ctx.expect_raises(ValueError, "16384", "8192"):
+            dist.recv(torch.empty(2048, device="cuda"), 0, group=g)
+    for shape, dtype in sizes:
+        ring(shape, dtype, f"after the mismatch {shape} {dtype}")
+    # Every receiver acknowledged (its copy done, or the mismatch refused): every buffer
+    # came back to its sender (the acks are host messages after the copies: a moment).
+    torch.cuda.synchronize()
+    dist.barrier(group=g)
+    deadline = time.monotonic() + 10
+    while pg.get_op_paths(g)["p2p_lent"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ctx.expect(pg.get_op_paths(g)["p2p_lent"] == 0, f"buffers still lent: {pg.get_op_paths(g)}")
+    dist.destroy_process_group(g)
+
+
 def placement(ctx):
     """Rank r runs on cuda:(r % GPUs), and so does its group (its CUDA active_ranks lie
     there); the ranks' devices, all-gathered on the device-driven kernels, span more than
@@ -1660,6 +1755,7 @@ def cases(world: int) -> list[Case]:
         Case("big", big),
         Case("beyond_segment", beyond_segment),
         Case("mapped_all_reduce", mapped_all_reduce),
+        Case("device_p2p", device_p2p),
     ]
 
 
