@@ -58,6 +58,11 @@ constexpr uint64_t p2p_note_tag(int tag) {
 constexpr uint64_t p2p_ack_tag(uint64_t id) {
   return (uint64_t{0x8000'0001} << 32) | (id & 0xffff'ffffULL);
 }
+// (a torch tag widened: high word 0, or all ones when negative)
+static_assert(p2p_note_tag(-1) >> 32 != 0xffff'ffffULL && p2p_note_tag(0) >> 32 != 0 &&
+                  p2p_ack_tag(~uint64_t{0}) >> 32 != 0xffff'ffffULL &&
+                  p2p_note_tag(7) >> 32 != p2p_ack_tag(7) >> 32,
+              "p2p note and ack tags must match no torch tag, nor each other");
 
 class P2PBuffers {
  public:
