@@ -13,14 +13,13 @@
 // owner freed while it reads. A receiver keeps a peer buffer mapped once it
 // has opened it, until the process ends (its owner lends it out again).
 //
-// What is lent at once is capped (kMaxLentBytes): a send past the cap waits,
-// bounded, for acks to bring buffers back, as a host send waits for a
-// receiver past its unclaimed cap.
+// A send never waits for a buffer (its caller may be about to post the recv
+// its peer's ack waits for): what is lent grows with the sends not yet
+// received, and past kWarnLentBytes a warning says so, once.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -79,10 +78,8 @@ class P2PBuffers {
     cudaIpcMemHandle_t handle{};
   };
   // A buffer of at least `bytes` (a power of two, at least kMinBytes), lent
-  // until give_back(id); made when none is free. Past kMaxLentBytes lent (but
-  // for the first), waits up to timeout_ms for buffers to come back, then
-  // raises kTimeout.
-  Lent lend(size_t bytes, int64_t timeout_ms);
+  // until give_back(id); made when none is free.
+  Lent lend(size_t bytes);
   void give_back(uint64_t id);
   // A lent buffer that may still be read (its ack never came, or its reader
   // failed and might be only stalled): never lent again, nor freed.
@@ -95,7 +92,7 @@ class P2PBuffers {
   size_t lent() const;
 
   static constexpr size_t kMinBytes = size_t{1} << 20;
-  static constexpr size_t kMaxLentBytes = size_t{1} << 30;
+  static constexpr size_t kWarnLentBytes = size_t{1} << 30;
 
  private:
   struct Buffer {
@@ -106,10 +103,10 @@ class P2PBuffers {
   };
   const int device_;
   mutable std::mutex mu_;
-  std::condition_variable back_;  // a buffer came back
   std::vector<Buffer> buffers_;
   std::map<uint64_t, size_t> lent_;  // a lending's id -> its buffer
   size_t lent_bytes_ = 0;            // of lent_'s buffers
+  bool warned_ = false;
   uint64_t next_id_ = 1;
   std::map<std::string, void*> opened_;  // a peer handle's bytes -> its mapping
 };

@@ -1506,9 +1506,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::recv(std::vector<at::Tensor>
 
 namespace {
 
-// How long a sender waits for a receiver's ack before it gives the buffer up
-// for good (the receiver may still read it later: it is never lent again).
-constexpr int64_t kAckWaitMs = int64_t{24} * 3600 * 1000;
+// How many p2p timeouts a sender waits for a receiver's ack before it gives
+// the buffer up for good (a recv may still take the note later: the buffer
+// is never lent again).
+constexpr int64_t kAckWaitTimeouts = 4;
 
 at::Tensor note_tensor() {
   return at::empty({static_cast<int64_t>(sizeof(P2PNote))}, at::TensorOptions().dtype(at::kByte));
@@ -1595,7 +1596,7 @@ void MooncakeCudaBackend::close_acks() {
 
 bool MooncakeCudaBackend::p2p_on_device(const std::vector<at::Tensor>& tensors, int peer,
                                         bool any_source) {
-  if (p2p_bytes_ == 0 || tensors.size() != 1) return false;
+  if (p2p_bytes_ == 0 || tensors.size() != 1 || shut_down()) return false;
   const at::Tensor& t = tensors[0];
   if (!t.defined() || !t.is_cuda() || t.device().index() != device_ || t.layout() != at::kStrided ||
       t.nbytes() < p2p_bytes_)
@@ -1613,7 +1614,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send_on_device(std::vector<a
   const at::Tensor& t = tensors[0];
   acks_->open(p2p());
   std::shared_ptr<P2PBuffers> buffers = p2p_buffers_;
-  const P2PBuffers::Lent lent = buffers->lend(t.nbytes(), p2p_timeout_ms());
+  const P2PBuffers::Lent lent = buffers->lend(t.nbytes());
   const uint64_t id = lent.id;
   try {
     P2PNote note;
@@ -1625,10 +1626,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send_on_device(std::vector<a
     std::memcpy(host.data_ptr(), &note, sizeof(note));
     // The ack, posted first. It gives the buffer back (copied or refused);
     // anything else (a receiver failed, or silent and maybe only stalled, or
-    // no recv within kAckWaitMs) keeps the buffer from being lent again.
+    // no recv for kAckWaitTimeouts timeouts) keeps the buffer from being lent
+    // again.
     auto word = std::make_shared<uint64_t>(0);
     p2p()
-        .recv(word.get(), sizeof(uint64_t), dst, p2p_ack_tag(id), kAckWaitMs)
+        .recv(word.get(), sizeof(uint64_t), dst, p2p_ack_tag(id),
+              kAckWaitTimeouts * p2p_timeout_ms())
         ->on_complete([buffers, word, id](std::exception_ptr e) {
           if (e)
             buffers->forget(id);
@@ -1640,9 +1643,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::send_on_device(std::vector<a
       return s.run(c10d::OpType::SEND, tensors, [&] {
         std::shared_ptr<Request> r =
             p2p().send(host.data_ptr(), sizeof(P2PNote), dst, p2p_note_tag(tag));
-        // A note that never went out is never read: its buffer comes back.
+        // A note whose send failed may have arrived all the same (a transport
+        // can fail after the payload): its buffer is never lent again.
         r->on_complete([host, buffers, id](std::exception_ptr e) {
-          if (e) buffers->give_back(id);
+          if (e) buffers->forget(id);
         });
         return wrap(r, c10d::OpType::SEND, {host});
       });

@@ -1614,17 +1614,18 @@ def device_p2p(ctx):
         pg.get_op_paths(g)["p2p_device"] - before_batch == 2, "the batch went device to device"
     )
 
-    # Every rank but 0 sends rank 0 64 KiB, which it receives from any source.
+    # Every rank but 0 sends rank 0 64 KiB, which it receives from any source (under a tag
+    # of their own: a rank past this block may already send rank 0 its next ring message).
     if me == 0:
         seen = set()
         for _ in range(world - 1):
             b = torch.empty(1 << 14, dtype=torch.int32, device="cuda")
-            src = dist.recv(b, group=g)
+            src = dist.recv(b, group=g, tag=5)
             seen.add(src)
             ctx.expect_equal(b.cpu(), torch.full((1 << 14,), src, dtype=torch.int32), f"from {src}")
         ctx.expect(seen == set(range(1, world)), f"any-source recv saw {sorted(seen)}")
     else:
-        dist.send(torch.full((1 << 14,), me, dtype=torch.int32, device="cuda"), 0, group=g)
+        dist.send(torch.full((1 << 14,), me, dtype=torch.int32, device="cuda"), 0, group=g, tag=5)
 
     # Rank 0 sends 16 KiB where rank 1 receives 8 KiB: rank 1's recv raises, rank 0's send
     # completes, and both go on.
