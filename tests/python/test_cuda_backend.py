@@ -1581,7 +1581,7 @@ def device_p2p(ctx):
         ctx.expect_equal(buf.cpu(), ctx.input(shape, dtype, prv, tag), tag)
 
     before = pg.get_op_paths(g)
-    sizes = [((1024,), torch.float32), ((3, 4099), torch.bfloat16), ((1 << 18) + 5, torch.int64)]
+    sizes = [((1024,), torch.float32), ((3, 4099), torch.bfloat16), (((1 << 18) + 5,), torch.int64)]
     for shape, dtype in sizes:
         for i in range(3):
             ring(shape, dtype, f"ring {shape} {dtype} #{i}")
