@@ -222,7 +222,11 @@ __device__ __forceinline__ int note_rows(const View& v, int32_t& first, int s, i
   const unsigned got = __ballot_sync(0xffffffffu, row >= 0);
   if (got != 0) {
     const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(got) - 1);
-    if (v.lane == 0 && first < 0) first = r - v.plan[v.P.src_off(s)];
+    // Every lane may read `first` (the compiler loads it ahead of the lane
+    // test): the warp's barrier orders those reads before lane 0's store.
+    const bool unset = first < 0;
+    __syncwarp();
+    if (v.lane == 0 && unset) first = r - v.plan[v.P.src_off(s)];
   }
   return __popc(got);
 }
