@@ -1411,16 +1411,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_padded(
     std::vector<at::Tensor> results, int64_t timeout) {
   // Before the counts' round every rank asks only what holds for the whole
   // group, and after it only what the round gave every rank alike, so that
-  // all take the same path (a rank whose sizes differ cannot decide alone).
+  // all take the same path (a rank whose sizes differ cannot decide alone;
+  // one whose arguments are wrong takes part, and raises after).
   if (!a2a_direct_ || size_ < 2 || staging_coalesced_ || capturing() || !checked_now(true))
     return {};
-  const int64_t R = size_, W = 2 * R + 1;  // a rank's record: 1 (2: rejected), in[R], out[R]
+  // A rank's record: 1 (2: rejected), its dtype, in[R], out[R] (elements;
+  // a complex one as two reals, as the kernels move it).
+  const int64_t R = size_, W = 2 * R + 2;
   at::Tensor mine = at::empty({W}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   int64_t* m = mine.data_ptr<int64_t>();
+  std::fill(m, m + W, 0);
   m[0] = reject.empty() ? 1 : 2;
-  for (int64_t p = 0; p < R; ++p) {
-    m[1 + p] = reject.empty() ? static_cast<int64_t>(in_counts[p]) : 0;
-    m[1 + R + p] = reject.empty() ? static_cast<int64_t>(out_counts[p]) : 0;
+  if (reject.empty()) {
+    m[1] = static_cast<int64_t>(ins[0].scalar_type());
+    for (int64_t p = 0; p < R; ++p) {
+      m[2 + p] = static_cast<int64_t>(in_counts[p]);
+      m[2 + R + p] = static_cast<int64_t>(out_counts[p]);
+    }
   }
   const at::Tensor counts = mine.to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)),
                                     /*non_blocking=*/true);
@@ -1435,38 +1442,48 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_padded(
   for (int64_t r = 0; r < R; ++r)
     if (a[r * W] == 0) return {};
   MC_CHECK_ARG(reject.empty(), reject);
-  for (int64_t r = 0; r < R; ++r)
+  for (int64_t r = 0; r < R; ++r) {
     MC_CHECK_ARG(a[r * W] == 1, name, ": rank ", r, " rejected its call (its arguments)");
+    MC_CHECK_ARG(a[r * W + 1] == a[1], name, ": rank ", r, " passes ",
+                 dtype_str(static_cast<at::ScalarType>(a[r * W + 1])), " tensors, rank 0 ",
+                 dtype_str(static_cast<at::ScalarType>(a[1])));
+  }
   int64_t P = 0, total = 0;
   for (int64_t i = 0; i < R; ++i)
     for (int64_t j = 0; j < R; ++j) {
-      const int64_t sent = a[i * W + 1 + j], expected = a[j * W + 1 + R + i];
+      const int64_t sent = a[i * W + 2 + j], expected = a[j * W + 2 + R + i];
       MC_CHECK_ARG(sent == expected, name, ": rank ", i, " sends rank ", j, " ", sent,
                    " elements but rank ", j, " expects ", expected);
       P = std::max(P, sent);
       total += sent;
     }
+  // The kernels move reals: a complex tensor as its pairs.
+  const auto real = [](const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t) : t; };
+  const at::Tensor like = real(ins[0]);
   // (All parts empty: the plane's no-op. Padding past double the bytes, on
   // parts past kPadFreeBytes: the plane, which moves only what is there.)
-  const int64_t esize = ins[0].element_size();
+  const int64_t esize = like.element_size();
   if (P == 0 || (R * R * P > 2 * total && P * esize > kPadFreeBytes)) return {};
   DirectOps::Op op = direct_op(DirectKind::kAllToAll, static_cast<size_t>(P));
-  if (!direct_branch(op, ins[0])) return {};  // past the kernels' bound
+  if (!direct_branch(op, like)) return {};  // past the kernels' bound
   bool even_in = true, even_out = true;
   for (int64_t p = 0; p < R; ++p) {
     even_in = even_in && static_cast<int64_t>(in_counts[p]) == P;
     even_out = even_out && static_cast<int64_t>(out_counts[p]) == P;
   }
+  std::vector<at::Tensor> in_parts, out_parts;
+  for (const at::Tensor& t : ins) in_parts.push_back(real(t));
+  for (const at::Tensor& t : outs) out_parts.push_back(real(t));
   at::Tensor in;
   if (even_in) {
-    in = cat_flat(ins);
+    in = cat_flat(in_parts);
   } else {
-    in = at::empty({R * P}, ins[0].options());  // (the padding is never read back)
+    in = at::empty({R * P}, like.options());  // (the padding is never read back)
     for (int64_t p = 0; p < R; ++p)
       if (in_counts[p] != 0)
-        in.narrow(0, p * P, static_cast<int64_t>(in_counts[p])).copy_(ins[p].reshape({-1}));
+        in.narrow(0, p * P, static_cast<int64_t>(in_counts[p])).copy_(in_parts[p].reshape({-1}));
   }
-  DirectCall call{op, in, {}, outs, {}, 0};
+  DirectCall call{op, in, {}, std::move(out_parts), {}, 0};
   if (!even_out) call.part_stride = static_cast<size_t>(P);
   return direct_run(name, type, {std::move(call)}, std::move(results), timeout);
 }
@@ -1511,13 +1528,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
                "none: equal parts, the input's numel divisible by the world size); parts of "
                "other sizes are not capturable");
   const auto world = static_cast<size_t>(size_);
-  if (!no_splits && a2a_direct_ && on_plane({input, output}, std::nullopt)) {
+  if (!no_splits && a2a_direct_) {
     // Parts that may differ between ranks: the counts first (every rank takes
     // part; one whose arguments are wrong with its error, which it raises).
     std::string reject;
     std::vector<size_t> in_counts, out_counts;
     std::vector<at::Tensor> ins, outs;
     try {
+      MC_CHECK_ARG(on_plane({input, output}, std::nullopt), "all_to_all_single: input and output ",
+                   "must be strided CUDA tensors on cuda:", device_,
+                   " of one dtype the device path serves");
       MC_CHECK_ARG(input.dim() > 0 && output.dim() > 0,
                    "all_to_all_single: input and output must have a dimension to split");
       in_counts = split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");
@@ -1575,22 +1595,32 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Ten
   }
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
-  if (inputs.size() == static_cast<size_t>(size_) && outputs.size() == inputs.size() &&
-      on_plane(all, std::nullopt)) {
-    if (a2a_direct_) {  // parts that may differ between ranks: the counts first
-      std::vector<size_t> in_counts, out_counts;
+  const bool fits = inputs.size() == static_cast<size_t>(size_) &&
+                    outputs.size() == inputs.size() && on_plane(all, std::nullopt);
+  if (a2a_direct_) {
+    // Parts that may differ between ranks: the counts first (every rank takes
+    // part; one whose arguments are wrong with its error, which it raises).
+    std::vector<size_t> in_counts, out_counts;
+    std::string reject;
+    if (!fits) {
+      reject =
+          str("all_to_all: input_tensor_list and output_tensor_list must each hold ",
+              "world_size (", size_, ") strided CUDA tensors on cuda:", device_,
+              " of one dtype the device path serves, got ", inputs.size(), " and ", outputs.size());
+    } else {
       for (const at::Tensor& t : inputs) in_counts.push_back(elems(t));
       for (const at::Tensor& t : outputs) out_counts.push_back(elems(t));
-      std::string reject;
       const auto me = static_cast<size_t>(rank_);
       if (in_counts[me] != out_counts[me])
         reject = str("all_to_all: rank ", rank_, " sends itself ", in_counts[me],
                      " elements but expects ", out_counts[me], " from itself");
-      if (auto work =
-              all_to_all_padded("all_to_all", c10d::OpType::ALLTOALL, inputs, outputs, in_counts,
-                                out_counts, reject, outputs, op_timeout_ms(opts.timeout)))
-        return work;
     }
+    if (auto work =
+            all_to_all_padded("all_to_all", c10d::OpType::ALLTOALL, inputs, outputs, in_counts,
+                              out_counts, reject, outputs, op_timeout_ms(opts.timeout)))
+      return work;
+  }
+  if (fits) {
     return staged("all_to_all", Kind::kCollective, [&](Staging& s) {
       std::vector<size_t> in_counts, out_counts;
       for (const at::Tensor& t : inputs) in_counts.push_back(elems(t));

@@ -1709,12 +1709,13 @@ def all_to_all_direct(ctx):
     all_to_all_single with split sizes, whose parts differ in size between ranks, gather
     every rank's sizes first (one direct op) and then take the device-driven kernels, the
     parts padded to the largest (a second direct op), nothing on the plane: every part
-    arrives bit for bit, lists and splits, float32 and bfloat16, equal splits too, into a
+    arrives bit for bit, lists and splits, float32, bfloat16 and complex64, equal splits too, into a
     non-contiguous output. Sizes so skewed that the padding would more than double the
     bytes of parts past 64 KiB take the plane after the counts (its results alike). A
     size one rank sends that the receiver does not expect raises ValueError on every rank,
-    naming both; a rank whose split sizes are wrong raises its own error and the others
-    hear it was rejected; the group goes on after each."""
+    naming both, as do tensors of different dtypes; a rank whose split sizes are wrong raises
+    its own error and the others hear it was rejected; the
+    group goes on after each."""
     world, me = ctx.world_size, ctx.rank
     if world == 1:
         return
@@ -1735,6 +1736,7 @@ def all_to_all_direct(ctx):
 
     lists(torch.float32, "lists f32")
     lists(torch.bfloat16, "lists bf16")
+    lists(torch.complex64, "lists complex64")  # (moved as pairs of floats)
 
     def rows(sz=size):
         return [sz(me, j) for j in range(world)], [sz(j, me) for j in range(world)]
@@ -1784,6 +1786,14 @@ def all_to_all_direct(ctx):
     with ctx.expect_raises(ValueError, *(("sum to",) if me == 1 else ("rank 1", "rejected"))):
         dist.all_to_all_single(y, x, recv, bad, group=g)
     splits("after a rejected call")
+
+    # Rank 1 passes float64 where the others pass float32: every rank raises, naming both.
+    dt = torch.float64 if me == 1 else torch.float32
+    ins = [torch.ones(size(me, j), dtype=dt, device="cuda") for j in range(world)]
+    outs = [torch.empty(size(j, me), dtype=dt, device="cuda") for j in range(world)]
+    with ctx.expect_raises(ValueError, "rank 1 passes", "float64"):
+        dist.all_to_all(outs, ins, group=g)
+    lists(torch.float32, "after the dtype mismatch")
     dist.destroy_process_group(g)
 
 
