@@ -260,10 +260,7 @@ struct HtPlan {
   MC_HD int64_t chan_count(int64_t s, int64_t c) const { return chan_first(R, 0) + s * C + c; }
   // per source: the rows that arrived in this call (scratch, zero between calls)
   MC_HD int64_t rows_got(int64_t s) const { return chan_count(R, 0) + s; }
-  // per channel: the next batch of this rank's own rows to take (scratch, zero
-  // between calls; dispatch.cu's own_batch)
-  MC_HD int64_t own_next(int64_t c) const { return rows_got(R) + c; }
-  MC_HD int64_t words() const { return own_next(C); }
+  MC_HD int64_t words() const { return rows_got(R); }
 };
 
 enum class Elem : int32_t { kBf16 = 0, kFp16 = 1, kFp32 = 2 };

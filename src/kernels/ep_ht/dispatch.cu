@@ -4,12 +4,10 @@
 // Sender blocks stage, channel by channel, each token that goes to another
 // rank once into this rank's ring (its routing, then its bytes) and publish
 // how far they got to every destination; they reuse a slot only once every
-// destination has read past it. Receiver blocks pull the rows meant for them
-// out of every source's ring, a batch at a time from whichever source has
-// rows, straight into the outputs at the place the source computed. This
-// rank's own rows go from x to the outputs, a batch at a time, by whichever
-// block of the channel is free: the receiver while no source has rows, the
-// sender once it has staged the channel. Every block zeroes its share of the
+// destination has read past it. Receiver blocks copy this rank's own rows
+// from x, then pull the rows meant for them out of every source's ring, a
+// batch at a time from whichever source has rows, straight into the outputs
+// at the place the source computed. Every block zeroes its share of the
 // outputs' rows that no token fills. The last block to finish checks that
 // every source's rows all arrived; a fresh dispatch drops those of a source
 // whose did not and moves the rest up (repair), a cached one zeroes them.
@@ -67,12 +65,8 @@ struct Shared {
   Repair rep;
   uint64_t dests;   // sender: the ranks it serves
   uint32_t staged;  // sender: slots staged so far
-  // This rank's own rows of the channel, as far as this block took them (own_batch).
-  int64_t own_tb;  // the batch's first token (-1: none left)
-  int32_t own_rows, own_first;
-  bool own_out;
-  bool bytes;   // sender: a dest reads the rows' bytes from the ring (or has not answered)
-  bool asking;  // sender: a dest's answer to the offer is awaited
+  bool bytes;       // sender: a dest reads the rows' bytes from the ring (or has not answered)
+  bool asking;      // sender: a dest's answer to the offer is awaited
   int pick, rr;
   bool any, last;
 };
@@ -216,17 +210,12 @@ __device__ void copy_batch(const DispatchArgs& a, const View& v, const Shared& s
 }
 
 // Warp 0's lanes after placing a batch: the number of rows, and the place of
-// the first in `first`, unless set (a receiver's: the channel's first row
-// from source s, for combine).
-__device__ __forceinline__ int note_rows(const View& v, int32_t& first, int s, int32_t row) {
+// the first (the channel's first row from source s, for combine).
+__device__ __forceinline__ int note_rows(const View& v, Shared& sh, int s, int32_t row) {
   const unsigned got = __ballot_sync(0xffffffffu, row >= 0);
   if (got != 0) {
-    const int32_t r = __shfl_sync(0xffffffffu, row, __ffs(got) - 1);
-    // Every lane may read `first` (the compiler loads it ahead of the lane
-    // test): the warp's barrier orders those reads before lane 0's store.
-    const bool unset = first < 0;
-    __syncwarp();
-    if (v.lane == 0 && unset) first = r - v.plan[v.P.src_off(s)];
+    const int32_t first = __shfl_sync(0xffffffffu, row, __ffs(got) - 1);
+    if (v.lane == 0 && sh.p.first[s] < 0) sh.p.first[s] = first - v.plan[v.P.src_off(s)];
   }
   return __popc(got);
 }
@@ -301,68 +290,35 @@ __device__ void open_offers(const DispatchArgs& a, const View& v, int c, Shared&
   if (sh.p.offer[s] != 0) poll_offer(a, v, s, c, sh);
 }
 
-// This rank's own rows of channel c, copied from x, are shared between the
-// channel's receiver block (between its peers' batches) and its sender block
-// (once it has staged the channel: with one copy it stages little, and its
-// SMs would idle): each takes the next batch of kBatch tokens from the plan's
-// own_next(c) until none is left. Rows land where their place says, so who
-// copies a batch changes nothing in the outputs.
-__device__ void own_begin(Shared& sh) {
-  if (threadIdx.x == 0) {
-    sh.own_rows = 0;
-    sh.own_first = -1;
-    sh.own_out = false;
-  }
-}
-
-// Takes and copies one batch (a block's call); false when none is left. A
-// warp places a token at a time; then warp 0 counts the rows while every
-// warp copies.
-__device__ bool own_batch(const DispatchArgs& a, const View& v, int c, Shared& sh) {
+// This rank's own tokens of channel c: copied from x. A warp places a token
+// at a time; then warp 0 counts the batch's rows while every warp copies.
+__device__ void recv_own(const DispatchArgs& a, const View& v, int c, Shared& sh) {
   const Span sp = channel_span(v.N, v.C, c);
-  __syncthreads();  // sh.b and sh.own_tb of the last batch are read
-  if (threadIdx.x == 0) {
-    int64_t tb = -1;
-    if (!sh.own_out) {
-      const unsigned b = atomicAdd(reinterpret_cast<unsigned*>(v.plan + v.P.own_next(c)), 1u);
-      tb = sp.first + static_cast<int64_t>(b) * kBatch;
-      if (tb >= sp.end) {
-        sh.own_out = true;
-        tb = -1;
+  for (int64_t tb = sp.first; tb < sp.end; tb += kBatch) {
+    const int nb = static_cast<int>(imin<int64_t>(kBatch, sp.end - tb));
+    // Offers that came since: answered now, not after all of this rank's own rows
+    // (until then their sources stage the bytes too).
+    if (threadIdx.x < v.R && sh.p.offer[threadIdx.x] != 0)
+      poll_offer(a, v, static_cast<int>(threadIdx.x), c, sh);
+    for (int j = v.warp; j < nb; j += kWarps) {
+      const int64_t t = tb + j;
+      const OwnRow src{&a, v.R, v.epr, t};
+      const int32_t row = place_row(a, v, src, v.me, t, sh.b.exp[j]);
+      if (!a.cached) own_dst_slots(a, v, t);
+      if (v.lane == 0) {
+        sh.b.row[j] = row;
+        sh.b.data[j] = a.x + t * a.x_stride;
+        sh.b.scales[j] = a.scales != nullptr ? a.scales + t * a.slots.scale_bytes : nullptr;
       }
     }
-    sh.own_tb = tb;
-  }
-  __syncthreads();
-  const int64_t tb = sh.own_tb;
-  if (tb < 0) return false;
-  const int nb = static_cast<int>(imin<int64_t>(kBatch, sp.end - tb));
-  for (int j = v.warp; j < nb; j += kWarps) {
-    const int64_t t = tb + j;
-    const OwnRow src{&a, v.R, v.epr, t};
-    const int32_t row = place_row(a, v, src, v.me, t, sh.b.exp[j]);
-    if (!a.cached) own_dst_slots(a, v, t);
-    if (v.lane == 0) {
-      sh.b.row[j] = row;
-      sh.b.data[j] = a.x + t * a.x_stride;
-      sh.b.scales[j] = a.scales != nullptr ? a.scales + t * a.slots.scale_bytes : nullptr;
+    __syncthreads();
+    if (v.warp == 0) {
+      const int n = note_rows(v, sh, v.me, v.lane < nb ? sh.b.row[v.lane] : -1);
+      if (v.lane == 0) sh.p.rows[v.me] += n;
     }
+    copy_batch<false>(a, v, sh, nb);
+    __syncthreads();
   }
-  __syncthreads();
-  if (v.warp == 0) {
-    const int n = note_rows(v, sh.own_first, v.me, v.lane < nb ? sh.b.row[v.lane] : -1);
-    if (v.lane == 0) sh.own_rows += n;  // (own_first: unused, as own_end says)
-  }
-  copy_batch<false>(a, v, sh, nb);
-  return true;
-}
-
-// This block's share of channel c's own rows, counted in. (The plan's
-// chan_first/chan_count of this rank's own rows stay 0, as the layout pass
-// wrote them: combine's repliers serve other ranks only.)
-__device__ void own_end(const View& v, Shared& sh) {
-  __syncthreads();
-  if (threadIdx.x == 0 && sh.own_rows != 0) atomicAdd(v.plan + v.P.rows_got(v.me), sh.own_rows);
 }
 
 // The peers' rows of channel c, pulled from their rings (their bytes from
@@ -421,13 +377,12 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     const int s = sh.pick;
     if (s < 0) {
       if (!sh.any) break;
-      // No source has rows now: a batch of this rank's own instead of a nap.
-      if (!own_batch(a, v, c, sh)) __nanosleep(128);
+      __nanosleep(128);
       continue;
     }
     const uint32_t base = p.cons[s];
     const int n = static_cast<int>(imin<uint32_t>(kBatch, p.tail[s] - base));
-    for (int j = v.warp; j < n; j += kWarps) {  // a warp a row, as own_batch
+    for (int j = v.warp; j < n; j += kWarps) {  // a warp a row, as recv_own
       const uint8_t* slot = cm.peers[s] + a.h.ws.rings +
                             (c * S + static_cast<int64_t>((base + j) % S)) * a.slots.bytes;
       // Read once, for the whole warp: the branches below hold warp collectives (a
@@ -460,7 +415,7 @@ __device__ void recv_peers(const DispatchArgs& a, const View& v, int c, Shared& 
     }
     __syncthreads();
     if (v.warp == 0) {
-      const int got = note_rows(v, p.first[s], s, v.lane < n ? sh.b.row[v.lane] : -1);
+      const int got = note_rows(v, sh, s, v.lane < n ? sh.b.row[v.lane] : -1);
       if (v.lane == 0) sh.b.n = got;
     }
     copy_batch<true>(a, v, sh, n);
@@ -482,17 +437,16 @@ __device__ void recv_channel(const DispatchArgs& a, const View& v, int c, Shared
     sh.p.rows[tid] = 0;
     sh.p.first[tid] = -1;
   }
-  own_begin(sh);
   open_offers(a, v, c, sh);  // first: the sources stage bytes until every dest answers
   __syncthreads();
-  if (v.R > 1) recv_peers(a, v, c, sh);  // (own rows between the peers' batches)
-  while (own_batch(a, v, c, sh)) {
-  }
-  own_end(v, sh);
-  if (!a.cached && tid < v.R && tid != v.me) {  // (this rank's own: own_end)
+  recv_own(a, v, c, sh);
+  if (v.R > 1) recv_peers(a, v, c, sh);
+  __syncthreads();
+  if (!a.cached && tid < v.R) {
     v.plan[v.P.chan_first(tid, c)] = imax<int32_t>(sh.p.first[tid], 0);
     v.plan[v.P.chan_count(tid, c)] = sh.p.rows[tid];
   }
+  if (tid == 0 && sh.p.rows[v.me] != 0) atomicAdd(v.plan + v.P.rows_got(v.me), sh.p.rows[v.me]);
   __syncthreads();
 }
 
@@ -696,12 +650,6 @@ __device__ void send_channel(const DispatchArgs& a, const View& v, int c, Shared
   if (tid < v.R && ((sh.dests >> tid) & 1))
     st_release_sys(word_at(cm.peers[tid], a.h.ws.dispatch_tail(v.me, c)),
                    signal(v.tag, total | kDone));
-  // Staged: this block helps the channel's receiver with this rank's own rows
-  // (before the waits below, which only end as the dests read).
-  own_begin(sh);
-  while (own_batch(a, v, c, sh)) {
-  }
-  own_end(v, sh);
   // A dest that never answers is dropped once lost (host, life page) or a whole
   // timeout past its last progress: were it only slow, it could still take the
   // offer late and read x in place after this call (withdrawing an offer would
@@ -966,7 +914,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(const DispatchArg
     repair(a, v, sh);
   __syncthreads();
   if (threadIdx.x < v.R) v.plan[v.P.rows_got(threadIdx.x)] = 0;  // zero for the next call
-  for (int c = threadIdx.x; c < v.C; c += kThreads) v.plan[v.P.own_next(c)] = 0;
 }
 
 }  // namespace

@@ -264,13 +264,6 @@ __device__ void finish(const LayoutArgs& a, LayoutShared& sh) {
     plan[HtPlan::kDropped] = 0;
     plan[HtPlan::kAlignment] = static_cast<int32_t>(a.alignment);
   }
-  // This rank's own rows of each channel: taken batch by batch from own_next
-  // (dispatch.cu's own_batch); combine's repliers serve other ranks only.
-  for (int64_t ch = i; ch < P.C; ch += kThreads) {
-    plan[P.chan_first(me, ch)] = 0;
-    plan[P.chan_count(me, ch)] = 0;
-    plan[P.own_next(ch)] = 0;
-  }
   for (int64_t j = i; j < epr; j += kThreads) {
     int cnt = 0;
     for (int s = 0; s < R; ++s) cnt += plan[P.cnt_se(s, j)];
