@@ -8,10 +8,8 @@ up to 8 MiB, and the device plane above that and for all_to_all's list form; at 
 op on the host-driven plane, or staged below 64 KiB, as before the device-driven
 kernels): column "plane" (on request: ``--backends mooncake,plane``), with
 ``MOONCAKE_CUDA_MAPPED=1`` (all_reduce past the kernels' bound reads the ranks' tensors
-in place), ``MOONCAKE_CUDA_P2P_BYTES=65536`` (sends and recvs from 64 KiB up go GPU to
-GPU) and ``MOONCAKE_CUDA_ALL_TO_ALL_DIRECT=1`` (all_to_all's list form on the kernels,
-its parts' sizes gathered first): column "mapped" (on request: the opt-in device
-paths), and with
+in place) and ``MOONCAKE_CUDA_P2P_BYTES=65536`` (sends and recvs from 64 KiB up go GPU to
+GPU): column "mapped" (on request: the opt-in device paths), and with
 ``MOONCAKE_CUDA_SEGMENT_BYTES=0`` (every op staged through host memory, the
 path groups that span hosts take): column "staged".
 
@@ -86,14 +84,7 @@ COLUMNS = {
     "mooncake": ("mooncake", {}),
     "plane": ("mooncake", {"MOONCAKE_CUDA_DIRECT": "off"}),
     # all_reduce past the device-driven bound read in place (on request)
-    "mapped": (
-        "mooncake",
-        {
-            "MOONCAKE_CUDA_MAPPED": "1",
-            "MOONCAKE_CUDA_P2P_BYTES": "65536",
-            "MOONCAKE_CUDA_ALL_TO_ALL_DIRECT": "1",
-        },
-    ),
+    "mapped": ("mooncake", {"MOONCAKE_CUDA_MAPPED": "1", "MOONCAKE_CUDA_P2P_BYTES": "65536"}),
     "staged": ("mooncake", {"MOONCAKE_CUDA_SEGMENT_BYTES": "0"}),
     "gloo": ("gloo", {}),
     "nccl": ("nccl", {}),

@@ -102,15 +102,6 @@ const std::vector<EnvVar>& env_registry() {
        "device between ranks on one host (the sender copies into a buffer of its own that the "
        "receiver maps through CUDA IPC) instead of through host memory. Every rank alike. 0: off "
        "(its test passed on an H100; the whole CUDA suite has not yet run with it on)."},
-      {"MOONCAKE_CUDA_ALL_TO_ALL_DIRECT", "0",
-       "Backend mooncake: 1: an eager all_to_all with tensor lists, or all_to_all_single with "
-       "split sizes, first gathers every rank's part sizes (one device-driven all_gather of "
-       "2R + 1 integers, which the host reads) and, where they agree and the parts padded to "
-       "the largest fit the device-driven kernels (padding at most doubling the bytes, or parts "
-       "of at most 64 KiB), takes those kernels in one launch instead of the host-driven device "
-       "plane; a size mismatch between two ranks raises ValueError on every rank. Every rank "
-       "alike. 0: off (its test passed on an H100; the whole CUDA suite has not yet run with it "
-       "on)."},
       {"MOONCAKE_HOST_IP", "",
        "Address the tcp transport listens on and publishes (default: the host's name)."},
   };

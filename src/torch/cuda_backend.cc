@@ -108,7 +108,6 @@ MooncakeCudaBackend::MooncakeCudaBackend(const c10::intrusive_ptr<c10d::Store>& 
       p2p_bytes_ = static_cast<size_t>(p2p_bytes);
       p2p_buffers_ = std::make_shared<P2PBuffers>(device_);
     }
-    a2a_direct_ = coll_ && env_int("MOONCAKE_CUDA_ALL_TO_ALL_DIRECT") != 0;
   }
   const at::Tensor given = options ? options->active_ranks : at::Tensor();
   if (given.defined() && given.is_cuda()) {
@@ -282,18 +281,15 @@ at::Tensor contiguous_out(const DirectCall& call) {
   if (call.out.defined())
     return call.out.is_contiguous() ? call.out : at::empty(call.out.sizes(), call.out.options());
   if (call.outs.empty()) return {};
-  const auto part =
-      call.part_stride != 0 ? static_cast<int64_t>(call.part_stride) : call.outs[0].numel();
-  return at::empty({static_cast<int64_t>(call.outs.size()) * part}, call.outs[0].options());
+  return at::empty({static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()},
+                   call.outs[0].options());
 }
 
-// Each of `outs` from the start of its part of `flat` (parts in order, `stride`
-// elements apart; 0: each one output's size).
-void copy_parts(const at::Tensor& flat, const std::vector<at::Tensor>& outs, size_t stride = 0) {
+// Each of `outs` from its part of `flat` (parts in order, each one output's size).
+void copy_parts(const at::Tensor& flat, const std::vector<at::Tensor>& outs) {
   for (size_t p = 0; p < outs.size(); ++p) {
     const int64_t n = outs[p].numel();
-    const int64_t at = static_cast<int64_t>(p) * (stride != 0 ? static_cast<int64_t>(stride) : n);
-    if (n != 0) outs[p].copy_(flat.narrow(0, at, n).view(outs[p].sizes()));
+    outs[p].copy_(flat.narrow(0, static_cast<int64_t>(p) * n, n).view(outs[p].sizes()));
   }
 }
 
@@ -357,8 +353,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   // the list is contiguous; one side only.
   const bool whole = !alone && call.chunk == 0;
   const bool list_in = whole && !call.ins.empty() && all_contiguous(call.ins);
-  const bool list_out =
-      whole && !list_in && !call.outs.empty() && call.part_stride == 0 && all_contiguous(call.outs);
+  const bool list_out = whole && !list_in && !call.outs.empty() && all_contiguous(call.outs);
   const at::Tensor given = call.ins.empty() || list_in ? call.in : cat_flat(call.ins);
   if (alone && !call.out.defined() && given.defined() && !call.outs.empty() &&
       given.numel() == static_cast<int64_t>(call.outs.size()) * call.outs[0].numel()) {
@@ -413,7 +408,7 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
     launch_pieces(c, op, call.chunk, stream, timeout, nullptr, queued);
   }
   if (call.out.defined() && !out.is_same(call.out)) call.out.copy_(out);
-  if (!list_out) copy_parts(out, call.outs, call.part_stride);
+  if (!list_out) copy_parts(out, call.outs);
   if (left) std::rethrow_exception(left);
 }
 
@@ -1382,112 +1377,6 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_on_device(
       setup);
 }
 
-namespace {
-
-// Parts of at most this many bytes go padded to the largest whatever the
-// padding costs: at that size a launch's time is the kernel's waits, not its bytes.
-constexpr int64_t kPadFreeBytes = int64_t{64} << 10;
-
-// `t`'s rows in parts of `counts` elements each, in order (all_to_all_single's
-// split sizes): views.
-std::vector<at::Tensor> row_parts(const at::Tensor& t, const std::vector<size_t>& counts) {
-  const int64_t rows = t.size(0), row = rows == 0 ? 0 : t.numel() / rows;
-  std::vector<at::Tensor> parts;
-  int64_t first = 0;
-  for (const size_t c : counts) {
-    const int64_t n = row == 0 ? 0 : static_cast<int64_t>(c) / row;
-    parts.push_back(t.narrow(0, first, n));
-    first += n;
-  }
-  return parts;
-}
-
-}  // namespace
-
-c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_padded(
-    const char* name, c10d::OpType type, const std::vector<at::Tensor>& ins,
-    const std::vector<at::Tensor>& outs, const std::vector<size_t>& in_counts,
-    const std::vector<size_t>& out_counts, const std::string& reject,
-    std::vector<at::Tensor> results, int64_t timeout) {
-  // Before the counts' round every rank asks only what holds for the whole
-  // group, and after it only what the round gave every rank alike, so that
-  // all take the same path (a rank whose sizes differ cannot decide alone;
-  // one whose arguments are wrong takes part, and raises after).
-  if (!a2a_direct_ || size_ < 2 || staging_coalesced_ || capturing() || !checked_now(true))
-    return {};
-  // A rank's record: 1 (2: rejected), its dtype, in[R], out[R] (elements;
-  // a complex one as two reals, as the kernels move it).
-  const int64_t R = size_, W = 2 * R + 2;
-  at::Tensor mine = at::empty({W}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* m = mine.data_ptr<int64_t>();
-  std::fill(m, m + W, 0);
-  m[0] = reject.empty() ? 1 : 2;
-  if (reject.empty()) {
-    m[1] = static_cast<int64_t>(ins[0].scalar_type());
-    for (int64_t p = 0; p < R; ++p) {
-      m[2 + p] = static_cast<int64_t>(in_counts[p]);
-      m[2 + R + p] = static_cast<int64_t>(out_counts[p]);
-    }
-  }
-  const at::Tensor counts = mine.to(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)),
-                                    /*non_blocking=*/true);
-  DirectOps::Op cop = direct_op(DirectKind::kAllGather, static_cast<size_t>(W));
-  if (!plan_direct(cop, counts).warm || !direct_now()) return {};
-  const at::Tensor all = at::empty({R * W}, counts.options());
-  direct_run(name, type, {DirectCall{cop, counts, all, {}, {}, 0}}, {all}, timeout)->wait();
-  const at::Tensor host = all.cpu();
-  const int64_t* a = host.data_ptr<int64_t>();
-  // A rank outside the kernels' view (lost, or left out) gave zeros: the
-  // plane, which deals with failures as every op's host path does.
-  for (int64_t r = 0; r < R; ++r)
-    if (a[r * W] == 0) return {};
-  MC_CHECK_ARG(reject.empty(), reject);
-  for (int64_t r = 0; r < R; ++r) {
-    MC_CHECK_ARG(a[r * W] == 1, name, ": rank ", r, " rejected its call (its arguments)");
-    MC_CHECK_ARG(a[r * W + 1] == a[1], name, ": rank ", r, " passes ",
-                 dtype_str(static_cast<at::ScalarType>(a[r * W + 1])), " tensors, rank 0 ",
-                 dtype_str(static_cast<at::ScalarType>(a[1])));
-  }
-  int64_t P = 0, total = 0;
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < R; ++j) {
-      const int64_t sent = a[i * W + 2 + j], expected = a[j * W + 2 + R + i];
-      MC_CHECK_ARG(sent == expected, name, ": rank ", i, " sends rank ", j, " ", sent,
-                   " elements but rank ", j, " expects ", expected);
-      P = std::max(P, sent);
-      total += sent;
-    }
-  // The kernels move reals: a complex tensor as its pairs.
-  const auto real = [](const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t) : t; };
-  const at::Tensor like = real(ins[0]);
-  // (All parts empty: the plane's no-op. Padding past double the bytes, on
-  // parts past kPadFreeBytes: the plane, which moves only what is there.)
-  const int64_t esize = like.element_size();
-  if (P == 0 || (R * R * P > 2 * total && P * esize > kPadFreeBytes)) return {};
-  DirectOps::Op op = direct_op(DirectKind::kAllToAll, static_cast<size_t>(P));
-  if (!direct_branch(op, like)) return {};  // past the kernels' bound
-  bool even_in = true, even_out = true;
-  for (int64_t p = 0; p < R; ++p) {
-    even_in = even_in && static_cast<int64_t>(in_counts[p]) == P;
-    even_out = even_out && static_cast<int64_t>(out_counts[p]) == P;
-  }
-  std::vector<at::Tensor> in_parts, out_parts;
-  for (const at::Tensor& t : ins) in_parts.push_back(real(t));
-  for (const at::Tensor& t : outs) out_parts.push_back(real(t));
-  at::Tensor in;
-  if (even_in) {
-    in = cat_flat(in_parts);
-  } else {
-    in = at::empty({R * P}, like.options());  // (the padding is never read back)
-    for (int64_t p = 0; p < R; ++p)
-      if (in_counts[p] != 0)
-        in.narrow(0, p * P, static_cast<int64_t>(in_counts[p])).copy_(in_parts[p].reshape({-1}));
-  }
-  DirectCall call{op, in, {}, std::move(out_parts), {}, 0};
-  if (!even_out) call.part_stride = static_cast<size_t>(P);
-  return direct_run(name, type, {std::move(call)}, std::move(results), timeout);
-}
-
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
@@ -1528,33 +1417,6 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
                "none: equal parts, the input's numel divisible by the world size); parts of "
                "other sizes are not capturable");
   const auto world = static_cast<size_t>(size_);
-  if (!no_splits && a2a_direct_) {
-    // Parts that may differ between ranks: the counts first (every rank takes
-    // part; one whose arguments are wrong with its error, which it raises).
-    std::string reject;
-    std::vector<size_t> in_counts, out_counts;
-    std::vector<at::Tensor> ins, outs;
-    try {
-      MC_CHECK_ARG(on_plane({input, output}, std::nullopt), "all_to_all_single: input and output ",
-                   "must be strided CUDA tensors on cuda:", device_,
-                   " of one dtype the device path serves");
-      MC_CHECK_ARG(input.dim() > 0 && output.dim() > 0,
-                   "all_to_all_single: input and output must have a dimension to split");
-      in_counts = split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");
-      out_counts = split_counts(output, output_split_sizes, size_, "output_split_sizes", "output");
-      DeviceCollectives::check_own_counts(rank_, in_counts.data(), out_counts.data(),
-                                          "all_to_all_single");
-      ins = row_parts(input, in_counts);
-      outs = row_parts(output, out_counts);
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kInvalidArgument) throw;
-      reject = e.what();
-    }
-    if (auto work =
-            all_to_all_padded("all_to_all_single", c10d::OpType::ALLTOALL_BASE, ins, outs,
-                              in_counts, out_counts, reject, {output}, op_timeout_ms(opts.timeout)))
-      return work;
-  }
   if (input_split_sizes.size() <= world && output_split_sizes.size() <= world &&
       on_plane({input, output}, std::nullopt)) {
     return staged("all_to_all_single", Kind::kCollective, [&](Staging& s) {
@@ -1595,32 +1457,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Ten
   }
   std::vector<at::Tensor> all = inputs;
   all.insert(all.end(), outputs.begin(), outputs.end());
-  const bool fits = inputs.size() == static_cast<size_t>(size_) &&
-                    outputs.size() == inputs.size() && on_plane(all, std::nullopt);
-  if (a2a_direct_) {
-    // Parts that may differ between ranks: the counts first (every rank takes
-    // part; one whose arguments are wrong with its error, which it raises).
-    std::vector<size_t> in_counts, out_counts;
-    std::string reject;
-    if (!fits) {
-      reject =
-          str("all_to_all: input_tensor_list and output_tensor_list must each hold ",
-              "world_size (", size_, ") strided CUDA tensors on cuda:", device_,
-              " of one dtype the device path serves, got ", inputs.size(), " and ", outputs.size());
-    } else {
-      for (const at::Tensor& t : inputs) in_counts.push_back(elems(t));
-      for (const at::Tensor& t : outputs) out_counts.push_back(elems(t));
-      const auto me = static_cast<size_t>(rank_);
-      if (in_counts[me] != out_counts[me])
-        reject = str("all_to_all: rank ", rank_, " sends itself ", in_counts[me],
-                     " elements but expects ", out_counts[me], " from itself");
-    }
-    if (auto work =
-            all_to_all_padded("all_to_all", c10d::OpType::ALLTOALL, inputs, outputs, in_counts,
-                              out_counts, reject, outputs, op_timeout_ms(opts.timeout)))
-      return work;
-  }
-  if (fits) {
+  if (inputs.size() == static_cast<size_t>(size_) && outputs.size() == inputs.size() &&
+      on_plane(all, std::nullopt)) {
     return staged("all_to_all", Kind::kCollective, [&](Staging& s) {
       std::vector<size_t> in_counts, out_counts;
       for (const at::Tensor& t : inputs) in_counts.push_back(elems(t));

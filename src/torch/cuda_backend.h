@@ -93,9 +93,6 @@ struct DirectCall {
   size_t chunk = 0;
   bool watch = false;
   std::vector<at::Tensor> ins;
-  // Elements between the parts of the kernel's flat output that `outs` take
-  // (0: each output's own size): all_to_all of parts padded to one size.
-  size_t part_stride = 0;
 };
 
 class MooncakeCudaBackend final : public MooncakeBackend {
@@ -308,17 +305,6 @@ class MooncakeCudaBackend final : public MooncakeBackend {
       std::vector<size_t> out_counts, int64_t timeout,
       std::optional<DirectOps::Op> setup = std::nullopt);
 
-  // all_to_all whose parts may differ in size between ranks (a list form's,
-  // or split sizes), eagerly on the device-driven kernels where every rank's
-  // sizes allow (MOONCAKE_CUDA_ALL_TO_ALL_DIRECT): `ins` and `outs` the R
-  // parts, `reject` this rank's own error with its arguments (it still takes
-  // part, and raises it). Null where the plane takes the op, alike on every rank.
-  c10::intrusive_ptr<c10d::Work> all_to_all_padded(
-      const char* name, c10d::OpType type, const std::vector<at::Tensor>& ins,
-      const std::vector<at::Tensor>& outs, const std::vector<size_t>& in_counts,
-      const std::vector<size_t>& out_counts, const std::string& reject,
-      std::vector<at::Tensor> results, int64_t timeout);
-
   // Whether a send or recv of `tensors` with `peer` goes device to device
   // (p2p_buffers.h): MOONCAKE_CUDA_P2P_BYTES set, one CUDA tensor of at least
   // that many bytes on this device, eagerly, every rank of the group on this
@@ -337,8 +323,7 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   at::Tensor user_active_;                   // what active_ranks() returns
   std::unique_ptr<DeviceCollectives> coll_;  // null: every op is staged through the host
   std::atomic<int64_t> device_ops_{0}, staged_ops_{0}, direct_ops_{0}, p2p_device_ops_{0};
-  size_t p2p_bytes_ = 0;     // MOONCAKE_CUDA_P2P_BYTES (0: off)
-  bool a2a_direct_ = false;  // MOONCAKE_CUDA_ALL_TO_ALL_DIRECT
+  size_t p2p_bytes_ = 0;  // MOONCAKE_CUDA_P2P_BYTES (0: off)
   std::shared_ptr<P2PBuffers> p2p_buffers_;
   std::shared_ptr<P2PAckPort> acks_ = std::make_shared<P2PAckPort>();
   // The last collective queued on the op queue (host_idle): its request, and

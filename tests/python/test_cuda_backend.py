@@ -1704,99 +1704,6 @@ def _none_staged(fn, ctx) -> None:
     ctx.expect(staged == 0, f"{staged} op(s) staged through host memory, not on the plane")
 
 
-def all_to_all_direct(ctx):
-    """MOONCAKE_CUDA_ALL_TO_ALL_DIRECT=1: eager all_to_all with tensor lists, and
-    all_to_all_single with split sizes, whose parts differ in size between ranks, gather
-    every rank's sizes first (one direct op) and then take the device-driven kernels, the
-    parts padded to the largest (a second direct op), nothing on the plane: every part
-    arrives bit for bit, lists and splits, float32, bfloat16 and complex64, equal splits too, into a
-    non-contiguous output. Sizes so skewed that the padding would more than double the
-    bytes of parts past 64 KiB take the plane after the counts (its results alike). A
-    size one rank sends that the receiver does not expect raises ValueError on every rank,
-    naming both, as do tensors of different dtypes; a rank whose split sizes are wrong raises
-    its own error and the others hear it was rejected; the
-    group goes on after each."""
-    world, me = ctx.world_size, ctx.rank
-    if world == 1:
-        return
-    g = _group_with({"MOONCAKE_CUDA_ALL_TO_ALL_DIRECT": "1"})
-    dist.all_reduce(torch.ones(4, device="cuda"), group=g)  # the kernels set up
-
-    def size(i: int, j: int) -> int:  # what rank i sends rank j (rows, or elements)
-        return 3 + 5 * i + 2 * j
-
-    def lists(dtype, tag: str, sz=size, want=(2, 0, 2)) -> None:
-        ins = [ctx.input((sz(me, j),), dtype, me, f"{tag} to {j}").cuda() for j in range(world)]
-        outs = [torch.full((sz(j, me),), -1, dtype=dtype, device="cuda") for j in range(world)]
-        got = _paths(lambda: dist.all_to_all(outs, ins, group=g), g, direct=True)
-        for j in range(world):
-            ctx.expect_equal(outs[j].cpu(), ctx.input((sz(j, me),), dtype, j, f"{tag} to {me}"),
-                             f"{tag}: the part from {j}")  # fmt: skip
-        ctx.expect(got == want, f"{tag}: (device, staged, direct) ops {got}, want {want}")
-
-    lists(torch.float32, "lists f32")
-    lists(torch.bfloat16, "lists bf16")
-    lists(torch.complex64, "lists complex64")  # (moved as pairs of floats)
-
-    def rows(sz=size):
-        return [sz(me, j) for j in range(world)], [sz(j, me) for j in range(world)]
-
-    def splits(tag: str, sz=size, out_view=False, want=(2, 0, 2)) -> None:
-        send, recv = rows(sz)
-        x = torch.cat([ctx.input((send[j], 3), torch.float32, me, f"{tag} to {j}")
-                       for j in range(world)]).cuda()  # fmt: skip
-        if out_view:
-            wide = torch.full((sum(recv), 6), -1.0, device="cuda")
-            y = wide[:, ::2]
-        else:
-            y = torch.full((sum(recv), 3), -1.0, device="cuda")
-        got = _paths(lambda: dist.all_to_all_single(y, x, recv, send, group=g), g, direct=True)
-        want_y = torch.cat([ctx.input((recv[j], 3), torch.float32, j, f"{tag} to {me}")
-                            for j in range(world)])  # fmt: skip
-        ctx.expect_equal(y.cpu(), want_y, tag)
-        if out_view:
-            ctx.expect_equal(wide[:, 1::2].cpu(), torch.full((sum(recv), 3), -1.0),
-                             f"{tag}: the rest left")  # fmt: skip
-        ctx.expect(got == want, f"{tag}: (device, staged, direct) ops {got}, want {want}")
-
-    splits("splits")
-    splits("splits into a view", out_view=True)
-    splits("equal splits", sz=lambda i, j: 4)
-
-    # One part of 100 000 elements among parts of one: padding all to it would move
-    # world^2 times that, past twice the bytes: the plane after the counts.
-    def skewed(i: int, j: int) -> int:
-        return 100_000 if (i, j) == (world - 1, world - 1) else 1
-
-    lists(torch.float32, "skewed", sz=skewed, want=(2, 0, 1))
-
-    # Rank 0 sends rank 1 one element more than rank 1 expects: every rank raises.
-    ins = [torch.ones(size(me, j) + (me == 0 and j == 1), device="cuda") for j in range(world)]
-    outs = [torch.empty(size(j, me), device="cuda") for j in range(world)]
-    with ctx.expect_raises(ValueError, "rank 0 sends rank 1", "expects"):
-        dist.all_to_all(outs, ins, group=g)
-    lists(torch.float32, "after a mismatch")
-
-    # Rank 1's split sizes do not sum to its input's rows: it raises that, the others
-    # hear it was rejected.
-    send, recv = rows()
-    x = torch.zeros(sum(send), 3, device="cuda")
-    y = torch.zeros(sum(recv), 3, device="cuda")
-    bad = [n + 1 for n in send] if me == 1 else send
-    with ctx.expect_raises(ValueError, *(("sum to",) if me == 1 else ("rank 1", "rejected"))):
-        dist.all_to_all_single(y, x, recv, bad, group=g)
-    splits("after a rejected call")
-
-    # Rank 1 passes float64 where the others pass float32: every rank raises, naming both.
-    dt = torch.float64 if me == 1 else torch.float32
-    ins = [torch.ones(size(me, j), dtype=dt, device="cuda") for j in range(world)]
-    outs = [torch.empty(size(j, me), dtype=dt, device="cuda") for j in range(world)]
-    with ctx.expect_raises(ValueError, "rank 1 passes", "float64"):
-        dist.all_to_all(outs, ins, group=g)
-    lists(torch.float32, "after the dtype mismatch")
-    dist.destroy_process_group(g)
-
-
 def multi_gpu_cases(world: int) -> list[Case]:
     """Ranks on different GPUs of one host: where they run; test_collectives.py's matrix on
     CUDA tensors (sampled dtypes, 0 to 70 000 elements), no op of any case staged; then
@@ -1850,7 +1757,6 @@ def cases(world: int) -> list[Case]:
         Case("beyond_segment", beyond_segment),
         Case("mapped_all_reduce", mapped_all_reduce),
         Case("device_p2p", device_p2p),
-        Case("all_to_all_direct", all_to_all_direct),
     ]
 
 
