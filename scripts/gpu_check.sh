@@ -143,6 +143,19 @@ sel() {
   elif [ -n "${PYTEST_K:-}" ]; then printf '%s\n' -k "$PYTEST_K"
   fi
 }
+# pyt SECONDS ARGS...: pytest under a time limit; where PYTEST_K narrows a step's tests to
+# none (pytest's exit 5), the step ran nothing by request, which is not a failure.
+pyt() {
+  local limit=$1 rc
+  shift
+  timeout "$limit" "$PY" -m pytest "$@"
+  rc=$?
+  if [ "$rc" = 5 ] && [ -n "${PYTEST_K:-}" ]; then
+    echo "(PYTEST_K selected none of these tests)"
+    return 0
+  fi
+  return "$rc"
+}
 mapfile -t SEL_ALL < <(sel "")
 mapfile -t SEL_CUDA < <(sel "cuda")
 mapfile -t SEL_KILLS < <(sel "kills")
@@ -283,7 +296,7 @@ if gpu_wants smoke; then
   step "smoke: device-driven collectives (eager, graph capture and replay)"
   # Worlds 1 and 2 only (the pgcuda step runs world 4 and the plane launches).
   mapfile -t SEL_SMOKE < <(sel "(direct_matches_host or graph_replay or graph_capture) and not multi_gpu and not plane and not w4")
-  MOONCAKE_NO_SKIP=1 timeout 300 "$PY" -m pytest tests/python/test_cuda_backend.py "${SEL_SMOKE[@]}" -q -x \
+  MOONCAKE_NO_SKIP=1 pyt 300 tests/python/test_cuda_backend.py "${SEL_SMOKE[@]}" -q -x \
     -p no:cacheprovider 2>&1 | tee "$OUT/pytest_smoke_direct.log" | tail -8 || status=1
   step "smoke: ElasticBuffer device path, 1 and 2 processes"
   # Deadlines of 20 s: a hang comes back as a masked peer and the kernels' report, well
@@ -294,7 +307,7 @@ if gpu_wants smoke; then
   done
   step "smoke: EP fencing canaries"
   mapfile -t SEL_SMOKE < <(sel "fenced")
-  MOONCAKE_NO_SKIP=1 timeout 300 "$PY" -m pytest tests/python/test_ep_device.py tests/python/test_ep_elastic_device.py \
+  MOONCAKE_NO_SKIP=1 pyt 300 tests/python/test_ep_device.py tests/python/test_ep_elastic_device.py \
     "${SEL_SMOKE[@]}" -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_smoke_fence.log" | tail -8 || status=1
 fi
 
@@ -421,7 +434,7 @@ if gpu_wants pgcuda; then
     echo "$note"
     NOT_RUN_TESTS+="$note"$'\n'
   fi
-  MOONCAKE_NO_SKIP=1 timeout $pgcuda_s "$PY" -m pytest tests/python/test_cuda_backend.py tests/python/test_collectives.py \
+  MOONCAKE_NO_SKIP=1 pyt $pgcuda_s tests/python/test_cuda_backend.py tests/python/test_collectives.py \
     tests/python/test_fault_tolerance.py "${SEL_PGCUDA[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -15 || status=1
   step "CUDA backend: compute-sanitizer"
@@ -448,10 +461,10 @@ fi
 if gpu_wants epdev; then
   step "EP device path: tests (MPS)"
   start_mps
-  MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_ep_device.py "${SEL_ALL[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+  MOONCAKE_NO_SKIP=1 pyt 400 tests/python/test_ep_device.py "${SEL_ALL[@]}" -q -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
     | tee "$OUT/pytest_ep_device.log" | tail -15 || status=1
   step "EP as engines drive it, CUDA tensors (MPS)"
-  MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_engine_pattern.py "${SEL_CUDA[@]}" -q -p no:cacheprovider \
+  MOONCAKE_NO_SKIP=1 pyt 400 tests/python/test_engine_pattern.py "${SEL_CUDA[@]}" -q -p no:cacheprovider \
     ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_engine.log" | tail -15 || status=1
   stop_mps
   step "EP device path: compute-sanitizer"
@@ -464,11 +477,11 @@ if gpu_wants epelastic; then
   # error to every client on the GPU (MPS shares fatal errors among a GPU's clients):
   # the kill test runs without it (docs/failures.md).
   start_mps
-  MOONCAKE_NO_SKIP=1 timeout 900 "$PY" -m pytest tests/python/test_ep_elastic_device.py "${SEL_NOT_KILLS[@]}" -q \
+  MOONCAKE_NO_SKIP=1 pyt 900 tests/python/test_ep_elastic_device.py "${SEL_NOT_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
   stop_mps
-  MOONCAKE_NO_SKIP=1 timeout 400 "$PY" -m pytest tests/python/test_ep_elastic_device.py "${SEL_KILLS[@]}" -q \
+  MOONCAKE_NO_SKIP=1 pyt 400 tests/python/test_ep_elastic_device.py "${SEL_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_ep_elastic_device.log" | tail -8 \
     || status=1
   step "elastic EP buffer, device path: compute-sanitizer"
@@ -479,10 +492,10 @@ if gpu_wants ephtdev; then
   step "ElasticBuffer device path: tests (rounds under MPS, the kill test without it)"
   # As epelastic: MPS reports a killed client's fault to every client on the GPU.
   start_mps
-  MOONCAKE_NO_SKIP=1 timeout 1200 "$PY" -m pytest tests/python/test_elastic_buffer_device.py "${SEL_NOT_KILLS[@]}" -q \
+  MOONCAKE_NO_SKIP=1 pyt 1200 tests/python/test_elastic_buffer_device.py "${SEL_NOT_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_elastic_buffer_device.log" | tail -15 || status=1
   stop_mps
-  MOONCAKE_NO_SKIP=1 timeout 700 "$PY" -m pytest tests/python/test_elastic_buffer_device.py "${SEL_KILLS[@]}" -q \
+  MOONCAKE_NO_SKIP=1 pyt 700 tests/python/test_elastic_buffer_device.py "${SEL_KILLS[@]}" -q \
     -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/pytest_elastic_buffer_device.log" | tail -8 || status=1
   step "ElasticBuffer device path: compute-sanitizer"
   sanitize tests/python/support/ht_device_round.py sanitizer_ht ${EPHT_SANITIZE_TOOLS-memcheck racecheck}
@@ -760,7 +773,7 @@ if gpu_wants killsoak; then
     passed=0 failed=0
     for _ in $(seq "${KILLSOAK_RUNS:-10}"); do
       [ "$SECONDS" -lt "$soak_end" ] || break
-      if MOONCAKE_NO_SKIP=1 timeout 150 "$PY" -m pytest "$t" -q -p no:cacheprovider \
+      if MOONCAKE_NO_SKIP=1 pyt 150 "$t" -q -p no:cacheprovider \
           > "$OUT/killsoak_run.log" 2>&1; then
         passed=$((passed + 1))
       else
