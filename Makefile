@@ -142,6 +142,7 @@ bench: build
 	$(BUILD)/mooncake_reduce_bench
 	$(BUILD)/mooncake_latency_bench
 	$(PY) bench/bench_pg.py
+	$(PY) bench/bench_p2p.py
 	$(PY) bench/bench_recovery.py
 	$(PY) bench/bench_hosts.py
 	$(PY) bench/bench_ep.py

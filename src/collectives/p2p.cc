@@ -79,7 +79,7 @@ P2P::~P2P() {
 
 void P2P::stop() {
   if (stopping_.exchange(true)) return;
-  sender_.stop();
+  sender_->stop();
   ring(ch_.bell());
   if (progress_.joinable()) progress_.join();
   std::list<std::shared_ptr<Posted>> posted;
@@ -96,7 +96,7 @@ std::shared_ptr<Request> P2P::send(const void* data, size_t bytes, int dst, uint
                                    int64_t timeout_ms) {
   MC_CHECK_ARG(dst >= 0 && dst < size_, "send: dst rank must be in [0, ", size_, "), got ", dst);
   const int64_t t = timeout_ms >= 0 ? timeout_ms : default_timeout_ms_;
-  return sender_.submit([this, data, bytes, dst, tag, t] {
+  return sender_->submit([this, data, bytes, dst, tag, t] {
     // Over shared memory a write into a dead process's segment would "succeed".
     const std::string problem = ch_.peer_problem(dst);
     if (!problem.empty()) throw Error(ErrorKind::kPeerFailed, str("send: ", problem), dst);

@@ -44,6 +44,10 @@ class P2P {
   std::shared_ptr<Request> recv(void* data, size_t bytes, int src, uint64_t tag,
                                 int64_t timeout_ms = -1);
   void stop();
+  // The queue sends run on (their requests are its tasks'): a caller that
+  // waits for a send through it runs the send itself where the queue's
+  // thread has not begun it yet.
+  std::weak_ptr<OpQueue> send_queue() const { return sender_; }
 
   // Bytes kept for messages from `src` that no receive has claimed: their
   // payload so far plus kMessageOverheadBytes each. At most the cap plus one
@@ -78,7 +82,9 @@ class P2P {
   int size_;
   int64_t default_timeout_ms_;
   const uint64_t unclaimed_cap_;  // MOONCAKE_P2P_UNCLAIMED_BYTES, per source
-  OpQueue sender_{0};             // sends start at once: their callers rarely wait right away
+  // Sends start at once (their callers rarely wait right away), or on the
+  // caller's thread where it waits first (send_queue).
+  std::shared_ptr<OpQueue> sender_ = std::make_shared<OpQueue>(0);
   std::mutex mu_;
   std::list<std::shared_ptr<Posted>> posted_;
   std::list<std::shared_ptr<Incoming>> unexpected_;

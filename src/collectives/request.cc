@@ -121,7 +121,10 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
       begin_library_thread("mc-ops");
       run();
     });
-  else if (thread_asleep_)
+  else if (thread_asleep_ || (tasks_.size() == 1 && !running_))
+    // Asleep, or between polls (kPollUs, longer than a start delay of 0, as
+    // the p2p sends' queue has): a new head is due at its delay, not at the
+    // next poll. (A task behind another starts when that one ends.)
     cv_.notify_all();
   return request;
 }

@@ -233,8 +233,9 @@ class MooncakeBackend : public c10d::Backend {
   // the op; outside a coalescing block it is posted at once. Inside one it is
   // posted at endCoalescing, with the others, all or none: an argument error
   // is raised by endCoalescing and the batch posts nothing.
+  // `send`: the op is a send, whose Work waits through the sends' queue.
   c10::intrusive_ptr<c10d::Work> p2p_op(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                        const std::function<Post()>& check);
+                                        const std::function<Post()>& check, bool send = false);
   // The group's slots (max_world_size): the length of a Work's failed-ranks hint.
   int slots() const { return static_cast<int>(active_ranks_.numel()); }
   // Copies a view into the active_ranks tensor (on the op thread).

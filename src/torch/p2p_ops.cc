@@ -16,17 +16,20 @@ P2P& MooncakeBackend::p2p() {
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& tensors, int dst,
                                                      int tag) {
-  return p2p_op(c10d::OpType::SEND, {tensors.empty() ? at::Tensor() : tensors[0]}, [&]() -> Post {
-    check_count(tensors.size(), 1, "send", "tensors");
-    check_tensor(tensors[0], "send", "tensor");
-    check_rank(dst, static_cast<int>(extended_size_), "send", "dst");
-    at::Tensor t = tensors[0].contiguous();
-    return [this, t, dst, tag] {
-      auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
-      request->on_complete([t](std::exception_ptr) {});  // keeps the tensor alive until sent
-      return request;
-    };
-  });
+  return p2p_op(
+      c10d::OpType::SEND, {tensors.empty() ? at::Tensor() : tensors[0]},
+      [&]() -> Post {
+        check_count(tensors.size(), 1, "send", "tensors");
+        check_tensor(tensors[0], "send", "tensor");
+        check_rank(dst, static_cast<int>(extended_size_), "send", "dst");
+        at::Tensor t = tensors[0].contiguous();
+        return [this, t, dst, tag] {
+          auto request = p2p().send(t.data_ptr(), t.nbytes(), dst, static_cast<uint64_t>(tag));
+          request->on_complete([t](std::exception_ptr) {});  // keeps the tensor alive until sent
+          return request;
+        };
+      },
+      /*send=*/true);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int src,
@@ -52,8 +55,15 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& te
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::p2p_op(c10d::OpType type,
                                                        std::vector<at::Tensor> outputs,
-                                                       const std::function<Post()>& check) {
-  if (!coalescing_) return wrap(check()(), type, std::move(outputs));
+                                                       const std::function<Post()>& check,
+                                                       bool send) {
+  if (!coalescing_) {
+    std::shared_ptr<Request> request = check()();
+    // A send's Work waits through the sends' queue: a blocking send (its wait
+    // at once) then runs on the caller's thread, one thread hop fewer a message.
+    return wrap(std::move(request), type, std::move(outputs),
+                send ? p2p().send_queue() : std::weak_ptr<OpQueue>());
+  }
   auto done = std::make_shared<Request>();
   try {
     deferred_.push_back({check(), done});
