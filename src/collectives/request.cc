@@ -121,10 +121,11 @@ std::shared_ptr<Request> OpQueue::submit(std::function<void()> task) {
       begin_library_thread("mc-ops");
       run();
     });
-  else if (thread_asleep_ || (tasks_.size() == 1 && !running_))
-    // Asleep, or between polls (kPollUs, longer than a start delay of 0, as
-    // the p2p sends' queue has): a new head is due at its delay, not at the
-    // next poll. (A task behind another starts when that one ends.)
+  else if (thread_asleep_ || (start_delay_us_ == 0 && tasks_.size() == 1 && !running_))
+    // Asleep; or, with no start delay (the p2p sends' queue), between polls
+    // (kPollUs): the new head is due now, not at the next poll. (A task
+    // behind another starts when that one ends; with a delay, the next poll
+    // is soon enough.)
     cv_.notify_all();
   return request;
 }
@@ -196,7 +197,9 @@ void OpQueue::run() {
       continue;
     }
     thread_asleep_ = true;
-    cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+    // (Not while a waiter runs a task inline: the tasks behind it are that
+    // waiter's, or this thread's once it ends, which wakes it.)
+    cv_.wait(lock, [&] { return stopping_ || (!tasks_.empty() && !running_); });
     thread_asleep_ = false;
     last_activity = now_us();
   }

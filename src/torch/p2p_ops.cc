@@ -58,11 +58,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::p2p_op(c10d::OpType type,
                                                        const std::function<Post()>& check,
                                                        bool send) {
   if (!coalescing_) {
-    std::shared_ptr<Request> request = check()();
+    const Post post = check();
     // A send's Work waits through the sends' queue: a blocking send (its wait
     // at once) then runs on the caller's thread, one thread hop fewer a message.
-    return wrap(std::move(request), type, std::move(outputs),
-                send ? p2p().send_queue() : std::weak_ptr<OpQueue>());
+    // (Taken before posting: a shutdown in between fails the call, not a posted send.)
+    const std::weak_ptr<OpQueue> queue = send ? p2p().send_queue() : std::weak_ptr<OpQueue>();
+    return wrap(post(), type, std::move(outputs), queue);
   }
   auto done = std::make_shared<Request>();
   try {
