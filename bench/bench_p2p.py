@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import warnings
 from datetime import timedelta
 
@@ -31,12 +30,6 @@ SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20)
 QUICK_SIZES = (8, 4 << 10, 1 << 20)
 BACKENDS = ("mooncake-cpu", "gloo")
 PATTERNS = ("pingpong", "ring", "all_reduce")
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(text[:-1] if scale != 1 else text) * scale
 
 
 def step_of(pattern: str, t, rank: int, world: int):
@@ -72,23 +65,18 @@ def run_rank(rank: int, world: int, port: int, cfg: dict) -> None:
     for nbytes in cfg["sizes"]:
         t = torch.zeros(max(1, nbytes // 4))
         for pattern in PATTERNS:
-            step = step_of(pattern, t, rank, world)
-            # Calls per loop: as many as take about point_s at the first loop's pace.
-            calls = cfg["warmup"]
+            step = step_of(pattern, t, rank, world) or (lambda: None)
+            dist.barrier()
+            step()  # first touch
+            # Calls per loop: as many as fit in point_seconds at the slowest rank's pace.
+            calls = harness.calls_in_budget(
+                harness.mean_seconds(step, cfg["warmup"]), cfg, torch.float64
+            )
             loops = []
-            for i in range(cfg["repeats"] + 1):
+            for _ in range(cfg["repeats"]):
                 dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    if step is not None:
-                        step()
-                took = (time.perf_counter() - t0) / calls
-                took = harness.rank_max(took, torch.float64)  # the slowest rank's
-                if i == 0:  # the warm-up loop sets the calls of the timed ones
-                    calls = max(5, min(cfg["max_calls"], int(cfg["point_s"] / max(took, 1e-6))))
-                    calls = int(harness.rank_max(float(calls), torch.float64))
-                else:
-                    loops.append(took * 1e6)
+                took = harness.mean_seconds(step, calls)
+                loops.append(harness.rank_max(took, torch.float64) * 1e6)  # the slowest rank's
             # A ping-pong step carries two messages; a ring step one per rank, in turn.
             per = 2 if pattern == "pingpong" else 1
             points.append({"bytes": 4 * t.numel(), "pattern": pattern,
@@ -109,10 +97,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.world < 2:
         p.error("--world must be at least 2")
-    sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else list(
+    sizes = [harness.parse_bytes(s) for s in args.sizes.split(",")] if args.sizes else list(
         QUICK_SIZES if args.quick else SIZES)  # fmt: skip
-    cfg = {"sizes": sizes, "repeats": args.repeats, "warmup": 20,
-           "point_s": 0.1 if args.quick else args.point_s, "max_calls": 5000}  # fmt: skip
+    cfg = {"sizes": sizes, "repeats": args.repeats, "warmup": 20, "min_iters": 5,
+           "max_iters": 5000, "point_seconds": 0.1 if args.quick else args.point_s}  # fmt: skip
     harness.say_host(f"bench_p2p: send/recv at world {args.world}", os.cpu_count() or 1,
                      os.getloadavg())  # fmt: skip
     results = {}

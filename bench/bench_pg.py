@@ -66,13 +66,6 @@ PAIR_ROUNDS = 5
 PAIR_POINT_SECONDS = 0.1
 
 
-def parse_bytes(text: str) -> int:
-    """'8', '4K', '4KiB', '64M', '1G' -> bytes (binary units)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if scale != 1 else t) * scale)
-
-
 def parse_list(text: str, allowed: tuple[str, ...], aliases: dict[str, str]) -> list[str]:
     names = [aliases.get(n.strip(), n.strip()) for n in text.split(",") if n.strip()]
     bad = [n for n in names if n not in allowed]
@@ -731,10 +724,12 @@ def main(argv: list[str] | None = None) -> int:
         ops = parse_list(args.ops, OPS, ALIASES)
         backends = parse_list(args.backends, BACKENDS, {})
         if args.sizes:
-            sizes = sorted({parse_bytes(s) for s in args.sizes.split(",") if s.strip()})
+            sizes = sorted({harness.parse_bytes(s) for s in args.sizes.split(",") if s.strip()})
         else:
             sizes = sizes_between(
-                parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.step_factor
+                harness.parse_bytes(args.min_bytes),
+                harness.parse_bytes(args.max_bytes),
+                args.step_factor,
             )
     except ValueError as e:
         parser.error(str(e))

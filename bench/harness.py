@@ -407,6 +407,13 @@ def add_loop_args(
     )
 
 
+def parse_bytes(text: str) -> int:
+    """'8', '4K', '4KiB', '64M', '1G' -> bytes (binary units)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    return int(float(t[:-1] if scale != 1 else t) * scale)
+
+
 def csv_ints(text: str) -> list[int]:
     """'2,4,8' -> [2, 4, 8], in the order given."""
     return [int(w) for w in text.split(",") if w.strip()]

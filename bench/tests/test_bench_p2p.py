@@ -22,7 +22,3 @@ def test_a_small_run_records_every_point(tmp_path, capsys):
         assert all(p["us"] > 0 for p in got["points"][backend])
     table = capsys.readouterr().out
     assert "| 4 KiB | ring |" in table and "mooncake-cpu / gloo" in table
-
-
-def test_sizes_take_suffixes():
-    assert [bench_p2p.parse_size(s) for s in ("8", "4K", "1M", "2g")] == [8, 4096, 1 << 20, 2 << 30]

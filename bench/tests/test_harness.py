@@ -96,3 +96,8 @@ def test_store_wait_returns_on_the_key_raises_on_abort_and_deadline():
     # A barrier with an abort key ends on the abort as well.
     with pytest.raises(harness.Aborted):
         harness.store_barrier(store, "two", 2, timeout_s=30, abort_key="abort")
+
+
+def test_parse_bytes_takes_binary_suffixes():
+    got = [harness.parse_bytes(s) for s in ("8", "4K", "4KiB", "1M", "2g")]
+    assert got == [8, 4096, 4096, 1 << 20, 2 << 30]
