@@ -183,7 +183,8 @@ void DeviceCollectives::finish(cudaStream_t stream) {
 void DeviceCollectives::after_mapped(cudaStream_t stream) {
   // A mapped all_reduce that went through the segments used this rank's, on
   // whatever stream it was launched on, and no host waited for it.
-  if (options_.mapped && direct_order_) direct_order_->join_eager(stream);
+  // So may an all_to_all with per-pair sizes whose parts went through it.
+  if ((options_.mapped || vary_launched_) && direct_order_) direct_order_->join_eager(stream);
 }
 
 void DeviceCollectives::check_width(const std::vector<int>& members, const char* op) const {
@@ -457,6 +458,11 @@ bool DeviceCollectives::direct_serves(const DirectOp& op, int64_t timeout_ms) {
   if (direct_max_bytes() == 0 || bytes > direct_max_bytes()) return false;
   if (op.count >= kernels::kDirectMaxCount) return false;
   if (comm_.size() > kernels::kDirectMaxRanks) return false;
+  // Per-pair sizes: a table in the area's input, and a region per rank in the
+  // segment's host-driven part for parts past the area's (any size, in rounds).
+  if (op.vary && (direct_layout().input_bytes < kernels::VaryTable::bytes(comm_.size()) ||
+                  direct_offset() < static_cast<size_t>(comm_.size()) * kAlignBytes))
+    return false;
   return serves(std::nullopt, timeout_ms);
 }
 
@@ -567,6 +573,16 @@ void DeviceCollectives::direct_on_plane(const DirectOp& op, cudaStream_t stream,
       return scatter(root ? ins.data() : nullptr, op.out, op.count, op.dtype, op.root, stream,
                      timeout_ms);
     case DirectKind::kAllToAll: {
+      if (op.vary) {
+        const size_t esize = dtype_size(op.dtype);
+        std::vector<size_t> in_counts, out_counts;
+        for (size_t p = 0; p < op.parts.size(); ++p) {
+          in_counts.push_back(op.send_bytes[p] / esize);
+          out_counts.push_back(op.recv_bytes[p] / esize);
+        }
+        return all_to_all(op.in_parts.data(), in_counts.data(), op.parts.data(), out_counts.data(),
+                          op.dtype, stream, timeout_ms);
+      }
       const std::vector<size_t> counts(static_cast<size_t>(world), op.count);
       return all_to_all(ins.data(), counts.data(), outs.data(), counts.data(), op.dtype, stream,
                         timeout_ms);
@@ -632,9 +648,19 @@ void DeviceCollectives::direct(const DirectOp& op, cudaStream_t stream, int64_t 
   const int world = comm_.size();
   const size_t esize = dtype_size(op.dtype);
   const bool root = comm_.rank() == op.root;
-  const size_t bytes = std::max(kernels::direct_in_parts(op.kind, world, root),
-                                kernels::direct_out_parts(op.kind, world, root)) *
-                       op.count * esize;
+  size_t bytes = std::max(kernels::direct_in_parts(op.kind, world, root),
+                          kernels::direct_out_parts(op.kind, world, root)) *
+                 op.count * esize;
+  if (op.vary) {
+    size_t sent = 0, got = 0;
+    for (size_t p = 0; p < op.send_bytes.size(); ++p) {
+      sent += op.send_bytes[p];
+      got += op.recv_bytes[p];
+    }
+    bytes = std::max(sent, got);
+    // Its regions may lie in the segment: the plane's next writer of it waits.
+    vary_launched_ = true;
+  }
   const bool two_shot =
       world >= 2 && (options_.direct == Direct::kTwoShot ||
                      (options_.direct == Direct::kAuto && world > 2 && bytes > kOneShotBytes));

@@ -306,6 +306,7 @@ class DeviceCollectives {
   // Work queued on `stream` from now on waits for the last device-driven
   // launch where a mapped all_reduce may have used this rank's segment.
   void after_mapped(cudaStream_t stream);
+  bool vary_launched_ = false;  // an all_to_all with per-pair sizes was launched
   // The device-driven launches one after another, on whatever streams (FSDP-style
   // use gathers on one and reduces on another): they share the op count, the grid
   // barrier and the areas' parities.

@@ -92,7 +92,7 @@ std::optional<k::DirectOutcome> DirectOutcomes::Lease::read() const {
   if (v->ticket != ticket_) return std::nullopt;
   std::atomic_thread_fence(std::memory_order_acquire);
   // Every field copied (a new one must be added here too).
-  static_assert(sizeof(k::DirectOutcome) == 7 * sizeof(uint64_t));
+  static_assert(sizeof(k::DirectOutcome) == 8 * sizeof(uint64_t));
   k::DirectOutcome o{};
   o.took = v->took;
   o.rejected = v->rejected;
@@ -100,6 +100,7 @@ std::optional<k::DirectOutcome> DirectOutcomes::Lease::read() const {
   o.stale = v->stale;
   o.present = v->present;
   o.mapped = v->mapped;
+  o.sizes = v->sizes;
   o.ticket = ticket_;
   return o;
 }
@@ -259,6 +260,8 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
                            op.list == k::DirectList::kNone && imports_));
   MC_ASSERT(!k::direct_rooted(op.kind) || (op.root >= 0 && op.root < ranks_));
   MC_ASSERT(op.stride == 0 || op.stride >= op.count);  // parts never overlap
+  MC_ASSERT(!op.vary || (plane_bytes_ >= static_cast<size_t>(ranks_) * k::DirectLayout::kAlign &&
+                         layout_.input_bytes >= k::VaryTable::bytes(ranks_)));
   const int root = k::direct_rooted(op.kind) ? op.root : 0;
   const RedOp red = k::direct_reduces(op.kind) ? op.op : RedOp::kSum;
   k::DirectArgs a{};
@@ -302,6 +305,27 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
     for (size_t p = 0; p < n; ++p) {
       a.parts[p] = op.parts[p];
       a.vec = a.vec && aligned(op.parts[p]);
+    }
+  }
+  if (op.vary && !reject) {
+    // Every part at its own address, of its own size (kernels/coll/direct.h:
+    // VaryTable); the shape names neither.
+    MC_ASSERT(op.kind == k::DirectKind::kAllToAll &&
+              op.parts.size() == static_cast<size_t>(ranks_) &&
+              op.in_parts.size() == op.parts.size() && op.send_bytes.size() == op.parts.size() &&
+              op.recv_bytes.size() == op.parts.size() && !op.mapped);
+    a.vary = true;
+    a.count = 0;
+    a.shape = reject ? k::kShapeRejected
+                     : k::direct_shape(op.kind, 0, 0, op.dtype, RedOp::kSum, true, false);
+    a.list = k::DirectList::kOut;
+    a.vec = true;
+    for (int p = 0; p < ranks_; ++p) {
+      a.parts[p] = op.parts[p];
+      a.in_parts[p] = op.in_parts[p];
+      a.send_bytes[p] = op.send_bytes[p];
+      a.recv_bytes[p] = op.recv_bytes[p];
+      a.vec = a.vec && aligned(op.parts[p]) && aligned(op.in_parts[p]);
     }
   }
   a.outcome = op.outcome;
@@ -374,6 +398,11 @@ std::vector<std::string> DirectOps::take_reports() {
             str("a peer stopped waiting for this rank's reads of the segments in a "
                 "mapped all_reduce (op ",
                 d1, ", silent past its timeout): this rank's result there may be torn"));
+        break;
+      case k::kStatusDirectSizes:
+        out.push_back(str("ranks ", d0, " and ", d1,
+                          " disagreed on the sizes of an all_to_all's parts between them: "
+                          "nothing moved, every rank raised ValueError"));
         break;
       default: out.push_back(str("status ", code, " (", d0, ", ", d1, ")"));
     }

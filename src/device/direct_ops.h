@@ -151,6 +151,13 @@ class DirectOps {
     // (kernels::DirectArgs::mapped; in == out): this rank's offer of it.
     bool mapped = false;
     UserExports::Offer offer;
+    // all_to_all with per-pair sizes (kernels::DirectArgs::vary; `count` and
+    // `list` unused): per rank p, the part for it (`in_parts[p]`,
+    // `send_bytes[p]` bytes) and the part from it (`parts[p]`, `recv_bytes[p]`
+    // bytes); null where a part is empty. Served at any size, in rounds.
+    bool vary = false;
+    std::vector<const void*> in_parts;
+    std::vector<size_t> send_bytes, recv_bytes;
     // `stride` as it applies: count where it is 0.
     size_t part_stride() const { return stride != 0 ? stride : count; }
   };

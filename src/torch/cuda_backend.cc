@@ -336,6 +336,62 @@ at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
 // the group has one rank, where every op is the identity: no kernel, a copy
 // where the output is not the input (by the op queue only past the kernels'
 // bound, after direct_prepare; below it the queue's call sets them up).
+// An all_to_all with per-pair sizes (DirectOps::Op::vary): every part at its
+// own address and contiguous (a copy where the caller's is not, an output's
+// copied back after the launch), an input that shares memory with an output
+// copied first (a later round reads the input after an earlier one wrote the
+// outputs). all_to_all_single's parts are slices of `in` and `out`.
+void run_vary(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
+              bool queued, bool alone) {
+  DirectOps::Op op = call.op;
+  const size_t esize = dtype_size(op.dtype);
+  std::vector<at::Tensor> ins, outs;
+  at::Tensor whole;  // all_to_all_single's output, contiguous
+  if (call.in.defined()) {
+    at::Tensor in = call.in.contiguous();
+    if (in.storage().is_alias_of(call.out.storage())) in = in.clone();
+    whole = call.out.is_contiguous() ? call.out : at::empty(call.out.sizes(), call.out.options());
+    const at::Tensor from = in.reshape({-1}), to = whole.view({-1});
+    int64_t a = 0, b = 0;
+    for (size_t p = 0; p < op.send_bytes.size(); ++p) {
+      const auto n = static_cast<int64_t>(op.send_bytes[p] / esize);
+      const auto m = static_cast<int64_t>(op.recv_bytes[p] / esize);
+      ins.push_back(from.narrow(0, a, n));
+      outs.push_back(to.narrow(0, b, m));
+      a += n;
+      b += m;
+    }
+  } else {
+    for (const at::Tensor& t : call.outs)
+      outs.push_back(t.is_contiguous() ? t : at::empty(t.sizes(), t.options()));
+    for (const at::Tensor& t : call.ins) {
+      at::Tensor in = t.contiguous();
+      for (const at::Tensor& o : outs)
+        if (in.storage().is_alias_of(o.storage())) {
+          in = in.clone();
+          break;
+        }
+      ins.push_back(in);
+    }
+  }
+  if (alone) {
+    // A group of one: its own part, a local copy.
+    if (!ins.empty() && ins[0].numel() > 0) outs[0].view({-1}).copy_(ins[0].reshape({-1}));
+  } else {
+    for (size_t p = 0; p < ins.size(); ++p) {
+      op.in_parts.push_back(ins[p].numel() > 0 ? ins[p].data_ptr() : nullptr);
+      op.parts.push_back(outs[p].numel() > 0 ? outs[p].data_ptr() : nullptr);
+    }
+    c.direct(op, stream, timeout, nullptr, queued);
+  }
+  if (call.in.defined()) {
+    if (!whole.is_same(call.out)) call.out.copy_(whole);
+  } else {
+    for (size_t p = 0; p < outs.size(); ++p)
+      if (!outs[p].is_same(call.outs[p])) call.outs[p].copy_(outs[p]);
+  }
+}
+
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;
@@ -346,6 +402,10 @@ void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t strea
   }
   if (!call.reject.empty()) {
     if (!alone) launch_pieces(c, op, call.chunk, stream, timeout, call.reject.c_str(), queued);
+    return;
+  }
+  if (op.vary) {
+    run_vary(c, call, stream, timeout, queued, alone);
     return;
   }
   // A list the kernel reads or writes at its tensors' own addresses (no copy
@@ -1377,9 +1437,66 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::all_to_all_on_device(
       setup);
 }
 
+c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::vary_run(
+    const char* name, c10d::OpType type, const at::Tensor& t, DirectCall call, std::string reject,
+    const std::vector<size_t>& in_counts, const std::vector<size_t>& out_counts,
+    std::vector<at::Tensor> results, int64_t timeout) {
+  if (capturing() || !checked_now(true)) return {};
+  DirectOps::Op op = direct_op(DirectKind::kAllToAll, 0);
+  op.vary = true;
+  if (!direct_branch(op, t)) return {};
+  const auto me = static_cast<size_t>(rank_);
+  if (reject.empty() &&
+      (in_counts.size() != static_cast<size_t>(size_) || out_counts.size() != in_counts.size()))
+    reject = str(name, ": the input and the output must each have world_size (", size_,
+                 ") parts, got ", in_counts.size(), " and ", out_counts.size());
+  if (reject.empty() && in_counts[me] != out_counts[me])
+    reject = str(name, ": rank ", rank_, " sends itself ", in_counts[me], " elements but expects ",
+                 out_counts[me], " from itself");
+  if (reject.empty()) {
+    const size_t esize = dtype_size(op.dtype);
+    for (size_t p = 0; p < in_counts.size(); ++p) {
+      op.send_bytes.push_back(in_counts[p] * esize);
+      op.recv_bytes.push_back(out_counts[p] * esize);
+    }
+  } else {
+    call.in = call.out = at::Tensor();
+    call.ins.clear();
+    call.outs.clear();
+  }
+  call.op = op;
+  call.reject = std::move(reject);
+  call.watch = true;
+  return direct_run(name, type, {std::move(call)}, std::move(results), timeout);
+}
+
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
     at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
     std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) {
+  // Eagerly, with split sizes or without, one launch of per-pair sizes: no
+  // rank needs another's sizes to take it (vary_run).
+  if (input.defined() && output.defined()) {
+    std::string reject = wrong_device("all_to_all_single", "tensors", device_, {input, output});
+    if (reject.empty() && (output.scalar_type() != input.scalar_type() ||
+                           output.layout() != at::kStrided || input.layout() != at::kStrided))
+      reject = str("all_to_all_single: output must be a dense tensor of the input's dtype (",
+                   dtype_str(input.scalar_type()), "), got ", dtype_str(output.scalar_type()));
+    std::vector<size_t> in_counts, out_counts;
+    if (reject.empty()) {
+      try {
+        in_counts = split_counts(input, input_split_sizes, size_, "input_split_sizes", "input");
+        out_counts =
+            split_counts(output, output_split_sizes, size_, "output_split_sizes", "output");
+      } catch (const Error& e) {
+        reject = e.what();
+      }
+    }
+    DirectCall call{{}, input, output, {}, {}, 0, true};
+    auto work =
+        vary_run("all_to_all_single", c10d::OpType::ALLTOALL_BASE, input, std::move(call),
+                 std::move(reject), in_counts, out_counts, {output}, op_timeout_ms(opts.timeout));
+    if (work) return work;
+  }
   // Inputs differ in size from rank to rank, so whether the op takes the
   // plane must not depend on sizes: it does whenever the plane serves the
   // group, for split lists of the world size (longer ones, which reach ranks
@@ -1437,9 +1554,29 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall_base(
 c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllToAllOptions& opts) {
-  // Parts may differ in size between ranks, so eager calls take the device
-  // plane at any size. Under CUDA graph capture, equal parts take the
-  // device-driven kernels (every rank must pass parts of one size).
+  // Eagerly, one launch of per-pair sizes (vary_run). Under CUDA graph
+  // capture, equal parts take the device-driven kernels (every rank must pass
+  // parts of one size).
+  if (!inputs.empty() && !outputs.empty() && inputs[0].defined()) {
+    std::vector<at::Tensor> all = inputs;
+    all.insert(all.end(), outputs.begin(), outputs.end());
+    std::string reject = wrong_device("all_to_all", "tensors", device_, all);
+    for (const at::Tensor& t : all)
+      if (reject.empty() && (!t.defined() || t.layout() != at::kStrided ||
+                             t.scalar_type() != inputs[0].scalar_type()))
+        reject =
+            str("all_to_all: every tensor of input_tensor_list and output_tensor_list "
+                "must be a dense tensor of ",
+                dtype_str(inputs[0].scalar_type()), " (the first input's dtype)");
+    std::vector<size_t> in_counts, out_counts;
+    for (const at::Tensor& t : inputs) in_counts.push_back(t.defined() ? elems(t) : 0);
+    for (const at::Tensor& t : outputs) out_counts.push_back(t.defined() ? elems(t) : 0);
+    DirectCall call{{}, {}, {}, outputs, {}, 0, true, inputs};
+    auto work =
+        vary_run("all_to_all", c10d::OpType::ALLTOALL, inputs[0], std::move(call),
+                 std::move(reject), in_counts, out_counts, outputs, op_timeout_ms(opts.timeout));
+    if (work) return work;
+  }
   if (rooted_now() && !inputs.empty() && inputs.size() == static_cast<size_t>(size_) &&
       list_fits(inputs, inputs.size(), inputs[0]) && list_fits(outputs, inputs.size(), inputs[0])) {
     DirectOps::Op op = direct_op(DirectKind::kAllToAll, elems(inputs[0]));

@@ -276,6 +276,18 @@ class MooncakeCudaBackend final : public MooncakeBackend {
   // list of world-size tensors, which a group with slots past its world size
   // may pass longer (extend_group_size_to): such a group keeps the plane.
   bool checked_now(bool lists);
+  // An eager all_to_all (list form, or all_to_all_single with or without
+  // split sizes) as one launch with per-pair sizes (DirectOps::Op::vary),
+  // watched: where the kernels serve the group, at any sizes, alike at every
+  // rank (the path depends on the group and the dtype only). `op` names the
+  // call; `t` is the tensor whose dtype the op takes; `ins`/`outs` its parts
+  // (all_to_all_single: `in`/`out` with `in_counts`/`out_counts`, elements).
+  // Null where the kernels do not serve it now.
+  c10::intrusive_ptr<c10d::Work> vary_run(const char* name, c10d::OpType type, const at::Tensor& t,
+                                          DirectCall call, std::string reject,
+                                          const std::vector<size_t>& in_counts,
+                                          const std::vector<size_t>& out_counts,
+                                          std::vector<at::Tensor> results, int64_t timeout);
   // Checks every watched launch made since the last call (waiting for those
   // not done yet): whether one found a member lost, which then the op being
   // issued sets right on the op queue (DeviceCollectives::direct_resync). Every

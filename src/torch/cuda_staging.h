@@ -215,6 +215,11 @@ inline void raise_outcome(const WatchedLaunch& w, const kernels::DirectOutcome& 
     throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": rank ", first(o.mismatched),
                 " called another op, or this one with another root, count, dtype or reduce op; "
                 "this rank's result leaves it out");
+  if (o.sizes != 0)
+    throw_error(ErrorKind::kInvalidArgument, -1, w.op, ": ranks ", first(o.sizes), " and ",
+                63 - __builtin_clzll(o.sizes),
+                " disagree on the split sizes of the parts between them (what one sends, in "
+                "elements, the other must expect); no rank's output was written");
   if (o.stale != 0)
     throw_error(ErrorKind::kLeftOut, me, w.op, ": rank ", first(o.stale),
                 " had gone on without this rank: the others left it out");

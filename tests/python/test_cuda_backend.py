@@ -323,6 +323,82 @@ def split_mismatch(ctx):
     _usable(ctx, "a split mismatch")
 
 
+def all_to_all_any_size(ctx):
+    """Eager all_to_all_single with split sizes and without, and all_to_all, on the
+    device-driven kernels at any size (one launch of per-pair sizes), on a group whose
+    segment is 256 KiB (the areas 64 KiB): every rank sends every other a part of its own
+    size, from empty to several rounds of the segment's region, in four dtypes; a
+    transposed input and output (copies); parts into a list of non-contiguous outputs; an
+    input that is a view of the output's storage; and a list whose sizes disagree on one
+    edge (ValueError on every rank, no output written; the group goes on)."""
+    world, me = ctx.world_size, ctx.rank
+    g = _group_with(
+        {"MOONCAKE_CUDA_SEGMENT_BYTES": str(256 << 10), "MOONCAKE_CUDA_DIRECT_BYTES": str(64 << 10)}
+    )
+
+    # Rank s sends rank d rows(s, d) rows: 0 on one edge, past 2 segment regions on another.
+    def rows(s, d):
+        return (0, 1, 7, 3 * 65536 // max(world, 1) + 5)[(s + 2 * d) % 4] + s
+
+    def part(s, d, dt, cols):
+        """What rank s sends rank d: its own rows, any rank can make it."""
+        n = rows(s, d)
+        base = torch.arange(n * cols, dtype=torch.float64).reshape(n, cols)
+        return (base * 0 + (s * 131 + d * 17) % 97 + base % 13).to(dt)
+
+    for dt, cols in ((torch.float32, 3), (torch.bfloat16, 8), (torch.int8, 5), (torch.int64, 1)):
+        send = [rows(me, d) for d in range(world)]
+        recv = [rows(s, me) for s in range(world)]
+        x = torch.cat([part(me, d, dt, cols) for d in range(world)]).cuda()
+        out = _garbage((sum(recv), cols), dt)
+        got = _paths(
+            lambda o=out, i=x, r=recv, w=send: dist.all_to_all_single(o, i, r, w, group=g),
+            g,
+            direct=True,
+        )
+        ctx.expect(got == DIRECT, f"all_to_all_single {dt}: (device, staged, direct) {got}")
+        want = torch.cat([part(s, me, dt, cols) for s in range(world)])
+        ctx.expect_equal(out.cpu(), want, f"all_to_all_single with split sizes, {dt}")
+        outs = [_garbage((rows(s, me), cols), dt) for s in range(world)]
+        ins = [part(me, d, dt, cols).cuda() for d in range(world)]
+        got = _paths(lambda o=outs, i=ins: dist.all_to_all(o, i, group=g), g, direct=True)
+        ctx.expect(got == DIRECT, f"all_to_all {dt}: (device, staged, direct) {got}")
+        for s in range(world):
+            ctx.expect_equal(outs[s].cpu(), part(s, me, dt, cols), f"all_to_all {dt} from {s}")
+    # Equal parts without split sizes, transposed (both copied), past the regions.
+    n = 70_000
+    xt = torch.stack([torch.arange(world * n, dtype=torch.float32) + 1e6 * me] * 2).cuda().t()
+    out = _garbage((2, world * n), torch.float32).t()
+    dist.all_to_all_single(out, xt, group=g)
+    want = torch.cat(
+        [torch.arange(me * n, (me + 1) * n, dtype=torch.float32) + 1e6 * s for s in range(world)]
+    )
+    ctx.expect_equal(out[:, 1].cpu(), want, "transposed all_to_all_single")
+    # Non-contiguous outputs of a list (every other element of a larger tensor).
+    wide = [_garbage((2 * 300,), torch.float32) for _ in range(world)]
+    outs = [w[::2] for w in wide]
+    ins = [torch.full((300,), float(me * 10 + d), device="cuda") for d in range(world)]
+    dist.all_to_all(outs, ins, group=g)
+    for s in range(world):
+        ctx.expect_equal(outs[s].cpu(), torch.full((300,), float(s * 10 + me)), "strided output")
+        ctx.expect(bool(wide[s][1::2].isnan().all()), "strided output: the gaps untouched")
+    # The input a view of the output's storage: the input is read before any output lands.
+    buf = torch.cat([torch.full((n,), float(me * 100 + d)) for d in range(world)] * 2).cuda()
+    dist.all_to_all_single(buf[: world * n], buf[world * n :], group=g)
+    want = torch.cat([torch.full((n,), float(s * 100 + me)) for s in range(world)])
+    ctx.expect_equal(buf[: world * n].cpu(), want, "all_to_all_single into its input's storage")
+    if world > 1:
+        # Rank 0 sends rank 1 a list part of 5 elements; rank 1 expects 4.
+        outs = [_garbage((5 if (me != 1 or s != 0) else 4,), torch.float32) for s in range(world)]
+        ins = [torch.ones(5, device="cuda") for _ in range(world)]
+        with ctx.expect_raises(ValueError, "all_to_all", "split sizes", "ranks 0 and 1"):
+            dist.all_to_all(outs, ins, group=g)
+        for s in range(world):
+            ctx.expect(bool(outs[s].isnan().all()), f"the disagreeing all_to_all wrote [{s}]")
+    dist.destroy_process_group(g)
+    _usable(ctx, "all_to_all at any size")
+
+
 def subgroup(ctx):
     """A subgroup of the even ranks (its own device segments, mapped among its members) and
     the world group, used in turn; 128 KiB all_reduce, on the device-driven kernels of each
@@ -384,15 +460,15 @@ def op_paths(ctx):
     """Which path served each op, asserted (no path may be bypassed silently). On the
     device-driven kernels, at any size up to MOONCAKE_CUDA_DIRECT_BYTES (4 KiB, below
     MOONCAKE_CUDA_PLANE_MIN_BYTES, and 128 KiB): all_reduce, all_gather_into_tensor,
-    reduce_scatter_tensor, all_to_all_single without split sizes, all_reduce_coalesced
-    (one device op, a direct op per tensor), broadcast, reduce, gather, scatter (4 KiB and
-    128 KiB), all_gather and reduce_scatter at 4 KiB, and a reduce_scatter_tensor whose
-    whole input is 8 MiB. On the device plane at any size, also below
-    MOONCAKE_CUDA_PLANE_MIN_BYTES (the kernels serve them under capture only; the eager
-    call sets them up): all_gather_coalesced; all_to_all_single with split sizes and
-    all_to_all at any size; a reduce_scatter_tensor whose whole input is 4 bytes per rank
-    past 8 MiB (the bound counts every part). At one rank all of those take the kernels'
-    path (a local copy). CPU tensors in the same group counted as none."""
+    reduce_scatter_tensor, all_to_all_single with split sizes and without, all_to_all,
+    all_reduce_coalesced (one device op, a direct op per tensor), broadcast, reduce,
+    gather, scatter (4 KiB and 128 KiB), all_gather and reduce_scatter at 4 KiB, and a
+    reduce_scatter_tensor whose whole input is 8 MiB. On the device plane at any size, also
+    below MOONCAKE_CUDA_PLANE_MIN_BYTES (the kernels serve them under capture only; the
+    eager call sets them up): all_gather_coalesced; a reduce_scatter_tensor whose whole
+    input is 4 bytes per rank past 8 MiB (the bound counts every part). At one rank all of
+    those take the kernels' path (a local copy). CPU tensors in the same group counted as
+    none."""
     world, me, last, n = ctx.world_size, ctx.rank, ctx.world_size - 1, 1 << 15
 
     def expect(what, fn, want):
@@ -419,7 +495,7 @@ def op_paths(ctx):
     expect(
         "4 KiB all_to_all_single with split sizes",
         lambda: dist.all_to_all_single(a2a_out, rs_in, splits, splits),
-        ROOTED,
+        DIRECT,
     )
     three = [torch.ones(256, device="cuda") for _ in range(3)]
     expect("all_reduce_coalesced of 3", lambda: dist.all_reduce_coalesced(three), (1, 0, 3))
@@ -435,7 +511,7 @@ def op_paths(ctx):
     expect("4 KiB reduce_scatter", lambda: dist.reduce_scatter(small, listed), DIRECT)
     parts = [torch.ones(m, device="cuda") for _ in range(world)]
     got_parts = [torch.empty(m, device="cuda") for _ in range(world)]
-    expect("4 KiB all_to_all", lambda: dist.all_to_all(got_parts, parts), ROOTED)
+    expect("4 KiB all_to_all", lambda: dist.all_to_all(got_parts, parts), DIRECT)
     for label, k, want in (("8 MiB", 0, DIRECT), ("8 MiB + 4 bytes per rank", 1, ROOTED)):
         m = DIRECT_BYTES // 4 // world + k
         big_in = torch.full((world * m,), float(me + 1), device="cuda")
@@ -519,16 +595,16 @@ def graph_capture(ctx):
     the group goes on: barrier, send and recv (point-to-point); all_to_all_single with
     split sizes that are not all equal; all_to_all whose parts differ in size; any
     collective on a group made with MOONCAKE_CUDA_DIRECT=off; and a collective on a group
-    whose device-driven kernels were never set up (an eager all_to_all_single with split sizes, on the device plane, does
-    not set them up; one eager broadcast, on the device plane too, does, and a captured
-    broadcast then replays; on another group a 4 KiB eager all_gather on the device plane
-    does, and a captured all_gather replays). all_to_all_single with equal split sizes (as
+    whose device-driven kernels were never set up (one eager broadcast, on the device
+    plane, sets them up, and a captured broadcast then replays; on another group a 4 KiB
+    eager all_gather on the device plane does, and a captured all_gather replays). all_to_all_single with equal split sizes (as
     torch's functional collectives pass them) is captured and replays. On a group made with
     MOONCAKE_CUDA_DIRECT_BYTES=4096, ops past the bound (which counts every part of an
     input: a reduce_scatter_tensor whose output part is far smaller is past it) take the
     host-driven paths eagerly, and under capture go as one launch per piece of each part
     and replay: all_reduce, reduce_scatter_tensor, all_gather_into_tensor and
-    all_to_all_single; a 4 KiB all_reduce is captured and replayed there; on another
+    all_to_all_single (whose eager call takes the kernels at any size); a 4 KiB
+    all_reduce is captured and replayed there; on another
     such group whose only eager op is a 128 KiB all_reduce (the plane), that op sets the
     kernels up, and its capture replays; the same for all_to_all_single without split
     sizes. An op under a
@@ -687,12 +763,13 @@ def graph_capture(ctx):
         big_x.fill_(float(me + 1))
         g.replay()
         ctx.expect_equal(big_x.cpu(), torch.full((n_big,), total), "its replay")
-    # The same for all_to_all_single without split sizes (every rank's parts alike).
+    # The same for all_to_all_single without split sizes (every rank's parts alike),
+    # whose eager call takes the kernels at any size (per-pair sizes, in rounds).
     large = _group_with({"MOONCAKE_CUDA_DIRECT_BYTES": "4096"})
     a_in = torch.arange(n_big, device="cuda", dtype=torch.float32) + 1e6 * me
     a_out = _garbage((n_big,), torch.float32)
     got = _paths(lambda: dist.all_to_all_single(a_out, a_in, group=large), large, direct=True)
-    ctx.expect(got == (PLANE if world > 1 else DIRECT), f"128 KiB all_to_all_single: {got}")
+    ctx.expect(got == DIRECT, f"128 KiB all_to_all_single: {got}")
     part = n_big // world
     want_a = torch.cat(
         [
@@ -726,14 +803,6 @@ def graph_capture(ctx):
     fresh = _group_with({})
     not_set_up = ("broadcast", "graph capture", "not set up", "outside the captured")
     _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
-    # Its parts may differ between ranks eagerly: it takes the plane and sets nothing up
-    # (alone it takes the kernels, which sets them up).
-    got = _paths(
-        lambda: dist.all_to_all_single(out, ins, [2] * world, [2] * world, group=fresh),
-        fresh,
-        direct=True,
-    )
-    ctx.expect(got == _plane_or_alone(world), f"eager all_to_all_single with split sizes: {got}")
     if world > 1:
         _capture_raises(ctx, lambda: dist.broadcast(x, last, group=fresh), *not_set_up)
     b = torch.full((4,), float(me + 1), device="cuda")
@@ -1745,6 +1814,7 @@ def cases(world: int) -> list[Case]:
         Case("active_ranks", active_ranks),
         Case("bad_input", bad_input),
         Case("split_mismatch", split_mismatch),
+        Case("all_to_all_any_size", all_to_all_any_size),
         Case("subgroup", subgroup),
         Case("op_paths", op_paths),
         Case("graph_capture", graph_capture),

@@ -193,6 +193,10 @@ enum DirectStatus : int32_t {
   // all_reduce (its done signal was fenced): its result may be torn. Detail:
   // this rank, the op.
   kStatusDirectMappedLate = 37,
+  // Two members of an all_to_all with per-pair sizes disagree on the sizes
+  // between them (what one sends, the other expects): nothing moved, every
+  // member raises. Detail: the two ranks.
+  kStatusDirectSizes = 38,
 };
 
 // A signal: the generation (agreed by the members at each setup, below 2^31)
@@ -254,7 +258,9 @@ constexpr size_t kDirectMaxCount = size_t{1} << 36;
 // differently leave each other out at once, rather than wait for a share
 // that never comes.
 // `mapped` (all_reduce reading the members' tensors in place, below) too, in
-// the root's top bit (a root is below kDirectMaxRanks, 64).
+// the root's top bit (a root is below kDirectMaxRanks, 64). all_to_all with
+// per-pair sizes (DirectArgs::vary) has count 0 and the two-shot bit set: a
+// rank that calls it meets one that calls the equal-parts form as a mismatch.
 MC_HD inline uint64_t direct_shape(DirectKind kind, int root, size_t count, DType dtype, RedOp op,
                                    bool two_shot = false, bool mapped = false) {
   return (static_cast<uint64_t>(count) << 28) | (static_cast<uint64_t>(mapped) << 27) |
@@ -276,6 +282,10 @@ struct DirectLayout {
   // copied into the segment; its reads of the others' segments done.
   static constexpr size_t kMappedCopied = 88;
   static constexpr size_t kMappedDone = 96;
+  // uint64 words of an all_to_all with per-pair sizes (vary_word): the last
+  // round whose parts this rank put out; the last round it read in full.
+  static constexpr size_t kVaryPut = 104;
+  static constexpr size_t kVaryRead = 112;
 
   // The area of a path serving inputs of up to `max_bytes` (a whole input:
   // every part of a reduce_scatter's, all_to_all's or scatter's).
@@ -290,7 +300,7 @@ struct DirectLayout {
     l.total_bytes = l.exports + round_up(kXSlots * kXExportBytes);
     return l;
   }
-  static constexpr size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+  MC_HD static constexpr size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
   size_t max_bytes = 0;
   size_t input_bytes = 0;
@@ -305,6 +315,51 @@ struct DirectLayout {
   MC_HD static size_t offer(uint64_t seq) { return kOffers + 16 * (seq & 1); }
   MC_HD static size_t mapped_ok(uint64_t seq) { return kMappedOk + 8 * (seq & 1); }
 };
+
+// An all_to_all with per-pair sizes (DirectArgs::vary). Parts may be of any
+// size, so each goes through a region per receiver in rounds: round k holds
+// bytes [k * region, (k + 1) * region) of every part, and a pair takes as many
+// rounds as its part needs (a rank loops over the most any of its pairs needs).
+// Each rank publishes, in its area's input of the op's parity, a table: the
+// region's size, where its regions lie (kVaryArea: in that input, past the
+// table, protected by the parity as the other kinds' inputs; kVarySegment: in
+// its segment's host-driven part, for parts past the area's regions, read
+// back before the launch ends), and the bytes it sends and expects from each
+// rank. A receiver reads a sender's table once the sender's input signal came;
+// a pair whose sizes disagree (either way) leaves each other out, at both ends.
+// Round 0 is in place before the input signal; a later round's parts go in
+// once each receiver said it read the round before (kVaryRead), and are said
+// to be in by kVaryPut. Both words are vary_word(gen, seq, round).
+struct VaryTable {
+  static constexpr uint64_t kVaryArea = 0;
+  static constexpr uint64_t kVarySegment = 1;
+  // Bytes of the table for `ranks` (a whole number of vectors, 256 B aligned).
+  MC_HD static constexpr size_t bytes(int ranks) {
+    return DirectLayout::round_up(8 * (2 + 2 * static_cast<size_t>(ranks)));
+  }
+  // Word indices: region, where, then sends [ranks], then expects [ranks].
+  MC_HD static constexpr size_t send(int p) { return 2 + static_cast<size_t>(p); }
+  MC_HD static constexpr size_t expect(int ranks, int p) {
+    return 2 + static_cast<size_t>(ranks) + static_cast<size_t>(p);
+  }
+};
+// Rounds a pair may take (the round fits 16 bits of its word).
+constexpr uint64_t kVaryMaxRounds = uint64_t{1} << 16;
+MC_HD inline uint64_t vary_word(uint32_t gen, uint64_t seq, uint64_t round) {
+  return (static_cast<uint64_t>(gen & 0xffffu) << 48) | ((seq & 0xffffffffu) << 16) |
+         (round & 0xffffu);
+}
+// Whether `word` says round `round` of op `seq` (generation `gen`) or later:
+// `later_op` also takes any later op of the generation (a receiver that went
+// on read everything of this one; a sender that did is not sending it).
+MC_HD inline bool vary_reached(uint64_t word, uint32_t gen, uint64_t seq, uint64_t round,
+                               bool later_op) {
+  if ((word >> 48) != (gen & 0xffffu)) return false;
+  const auto s = static_cast<uint32_t>(word >> 16);
+  const uint32_t ahead = s - static_cast<uint32_t>(seq);
+  if (ahead == 0) return (word & 0xffffu) >= round;
+  return later_op && ahead < 0x80000000u;
+}
 
 // Elements of each two-shot share: ceil(count / ranks), rounded up to whole
 // 16-byte vectors of `esize`-byte elements (so every share starts aligned).
@@ -334,6 +389,9 @@ struct DirectState {
   const uint8_t* mapped[kDirectMaxRanks];
   int32_t mapped_here;
   int32_t mapped_all;
+  // An all_to_all with per-pair sizes (block 0 writes, the grid reads): 1
+  // where a pair of members disagreed on its sizes (nothing moves).
+  int32_t vary_void;
 };
 
 // What a watched launch found (host-mapped; DirectOutcomes leases one per
@@ -352,6 +410,10 @@ struct DirectOutcome {
   // segments (a member could not map another's tensor, or was lost before its
   // share was reduced); 0 it wrote nothing (this rank was left out).
   uint64_t mapped;
+  // An all_to_all with per-pair sizes: the first pair of members (a bit
+  // each) whose sizes disagreed (what one sends, the other expects): the op
+  // moved nothing at any member.
+  uint64_t sizes;
   uint64_t ticket;  // written last
 };
 static_assert(kDirectMaxRanks <= 64, "DirectOutcome holds a bit per rank");
@@ -415,6 +477,14 @@ struct DirectArgs {
   // (each rank's segment is its area less this): a mapped op served through
   // the segments copies a piece of at most this many bytes there.
   size_t plane_bytes;
+  // all_to_all with per-pair sizes (VaryTable): part p of the input is
+  // send_bytes[p] bytes at in_parts[p], for rank p; part p of the output
+  // (parts[p], `list` kOut) expects recv_bytes[p] from rank p (`count` 0,
+  // `vec`: every part's address and size whole vectors).
+  bool vary;
+  const void* in_parts[kDirectMaxRanks];
+  uint64_t send_bytes[kDirectMaxRanks];
+  uint64_t recv_bytes[kDirectMaxRanks];
 };
 
 // Queues one launch of `blocks` blocks on `stream`; returns its cudaError_t.

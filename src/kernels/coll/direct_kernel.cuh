@@ -36,6 +36,7 @@ namespace {
 constexpr int kPhaseInput = 1;
 constexpr int kPhaseShare = 2;
 constexpr int kPhaseMapped = 3;
+constexpr int kPhaseVary = 4;
 
 // Elements [lo, hi).
 struct Span {
@@ -279,7 +280,8 @@ __device__ int32_t decide(const DirectArgs& a, DirectState* st, int j, uint64_t 
 
 // Block 0's thread 0, once every rank is decided (`why`: decide's answers):
 // the outcome of a watched launch, the ticket last.
-__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks, int mapped = 0) {
+__device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks, int mapped = 0,
+                              uint64_t sizes = 0) {
   DirectOutcome o{};
   for (int j = 0; j < ranks; ++j) {
     const uint64_t bit = uint64_t{1} << j;
@@ -296,6 +298,7 @@ __device__ void write_outcome(const DirectArgs& a, const int32_t* why, int ranks
   out->stale = o.stale;
   out->present = o.present;
   out->mapped = static_cast<uint64_t>(mapped);
+  out->sizes = sizes;
   __threadfence_system();
   out->ticket = a.ticket;
 }
@@ -572,6 +575,253 @@ __device__ void mapped_all_reduce(const DirectArgs& a, DirectState* st, uint64_t
   }
 }
 
+// --- all_to_all with per-pair sizes (direct.h: VaryTable) ----------------------------------
+
+// A barrier of the whole grid, every thread (block 0 may have waited up to the
+// budget for its peers before it arrives).
+__device__ void grid_sync_all(const DirectArgs& a, DirectState* st, bool multi) {
+  __syncthreads();
+  if (multi && threadIdx.x == 0) {
+    const uint32_t bar = grid_arrive(st->grid_sync);
+    grid_wait(st->grid_sync, bar, 2 * a.c.timeout_ns + 1000000000, a.c.status);
+  }
+  __syncthreads();
+}
+
+// Rounds of `region`-byte pieces that `bytes` take.
+__device__ __forceinline__ uint64_t vary_rounds(uint64_t bytes, uint64_t region) {
+  return bytes == 0 || region == 0 ? 0 : (bytes + region - 1) / region;
+}
+
+// Where this rank's regions lie in op `seq`, alike in every block: in its
+// area's input, past the table, where every part it sends fits one region
+// there; else in its segment's host-driven part.
+struct VaryPlace {
+  uint8_t* base;    // region p at base + p * region
+  uint64_t region;  // bytes
+  uint64_t back;    // 0: in the area; else the segment lies this far before the area
+};
+
+__device__ VaryPlace vary_place(const DirectArgs& a, const DirectState* st, uint64_t seq) {
+  const int R = st->ranks, me = st->rank;
+  const DirectLayout& L = a.layout;
+  uint8_t* own = st->areas[me];
+  const size_t table = VaryTable::bytes(R);
+  const uint64_t in_area = L.input_bytes > table
+                               ? (L.input_bytes - table) / static_cast<size_t>(R) /
+                                     DirectLayout::kAlign * DirectLayout::kAlign
+                               : 0;
+  bool fits = true;
+  for (int p = 0; p < R; ++p)
+    if (p != me && a.send_bytes[p] > in_area) fits = false;
+  if (fits) return {own + L.input(seq) + table, in_area, 0};
+  const uint64_t region =
+      a.plane_bytes / static_cast<size_t>(R) / DirectLayout::kAlign * DirectLayout::kAlign;
+  return {own - a.plane_bytes, region, a.plane_bytes};
+}
+
+// Step 1 of a vary launch: round 0 of every part into its region (every
+// block), and the table (block 0), before the input signal.
+__device__ void vary_put_first(const DirectArgs& a, const DirectState* st, uint64_t seq) {
+  const int R = st->ranks, me = st->rank;
+  const VaryPlace mine = vary_place(a, st, seq);
+  for (int p = 0; p < R; ++p) {
+    if (p == me) continue;
+    const uint64_t n = a.send_bytes[p] < mine.region ? a.send_bytes[p] : mine.region;
+    if (n != 0)
+      copy_in(mine.base + static_cast<size_t>(p) * mine.region,
+              static_cast<const uint8_t*>(a.in_parts[p]), n, a.vec);
+  }
+  if (blockIdx.x == 0) {
+    auto* t = reinterpret_cast<volatile uint64_t*>(st->areas[me] + a.layout.input(seq));
+    for (int p = threadIdx.x; p < R; p += blockDim.x) {
+      t[VaryTable::send(p)] = a.send_bytes[p];
+      t[VaryTable::expect(R, p)] = a.recv_bytes[p];
+    }
+    if (threadIdx.x == 0) {
+      t[0] = mine.region;
+      t[1] = mine.back;
+    }
+  }
+}
+
+// Whether members i and j agree on the sizes of the parts between them, both
+// ways, and those fit the rounds a word counts: from their tables, so every
+// member that asks finds the same.
+__device__ bool vary_pair_ok(const DirectState* st, const DirectLayout& L, int i, int j,
+                             uint64_t seq) {
+  const int R = st->ranks;
+  const auto* ti = reinterpret_cast<const volatile uint64_t*>(st->areas[i] + L.input(seq));
+  const auto* tj = reinterpret_cast<const volatile uint64_t*>(st->areas[j] + L.input(seq));
+  const uint64_t ij = ti[VaryTable::send(j)], ji = tj[VaryTable::send(i)];
+  return ij == tj[VaryTable::expect(R, i)] && ji == ti[VaryTable::expect(R, j)] &&
+         (ij == 0 || ti[0] != 0) && (ji == 0 || tj[0] != 0) &&
+         vary_rounds(ij, ti[0]) <= kVaryMaxRounds && vary_rounds(ji, tj[0]) <= kVaryMaxRounds;
+}
+
+// Block 0, once every rank is decided (`why`): whether every pair of members
+// agrees on its sizes; else the first pair that does not, as a bit each, and
+// the op moves nothing at any member (each raises ValueError, as the plane's
+// round of sizes has every rank raise).
+__device__ uint64_t vary_check(const DirectArgs& a, DirectState* st, const int32_t* why,
+                               uint64_t seq) {
+  __shared__ int s_bad;
+  const int R = st->ranks;
+  if (threadIdx.x == 0) s_bad = R * R;
+  __syncthreads();
+  for (int j = threadIdx.x; j < R; j += blockDim.x) {
+    if (why[j] != kIn) continue;
+    for (int i = j + 1; i < R; ++i)
+      if (why[i] == kIn && !vary_pair_ok(st, a.layout, j, i, seq)) {
+        atomicMin(&s_bad, j * R + i);
+        break;
+      }
+  }
+  __syncthreads();
+  const int bad = s_bad;
+  __syncthreads();
+  if (bad == R * R) return 0;
+  if (threadIdx.x == 0) report(a.c.status, kStatusDirectSizes, bad / R, bad % R);
+  return (uint64_t{1} << (bad / R)) | (uint64_t{1} << (bad % R));
+}
+
+// Block 0's thread for peer j: waits for j's word at `at` (kVaryPut: round
+// `round` of this op put out; kVaryRead: read, or any later op). False where
+// j is lost, silent past the deadline, or (a put) went on past this op: the
+// caller leaves it out from then on.
+__device__ bool vary_wait(const DirectArgs& a, DirectState* st, int j, size_t at, uint32_t gen,
+                          uint64_t seq, uint64_t round, uint64_t deadline) {
+  if (ld_volatile(st->live + j) == 0) return false;
+  const auto* w = reinterpret_cast<const uint64_t*>(st->areas[j] + at);
+  const auto ready = [gen, seq, round](uint64_t v) {
+    return vary_reached(v, gen, seq, round, true);
+  };
+  uint64_t v = 0;
+  if (!wait_for(a.c, w, ready, deadline, j, kPhaseVary, &v)) {
+    report_masked(st, j);
+    return false;
+  }
+  return at == DirectLayout::kVaryRead ||
+         static_cast<uint32_t>(v >> 16) == static_cast<uint32_t>(seq);
+}
+
+// The moves of a vary launch (every block), once block 0 decided who takes
+// part (st->sources; a peer out gets zeros in its part, and so does one lost
+// while its parts moved).
+__device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, uint32_t gen,
+                           bool multi) {
+  const int R = st->ranks, me = st->rank;
+  const DirectLayout& L = a.layout;
+  uint8_t* own = st->areas[me];
+  // A pair of members disagreed on its sizes: every member raises, and no
+  // output is written.
+  if (ld_volatile(&st->vary_void) != 0) return;
+  const VaryPlace mine = vary_place(a, st, seq);
+  __shared__ const uint8_t* s_from[kDirectMaxRanks];  // j's region for this rank
+  __shared__ uint64_t s_region[kDirectMaxRanks];      // j's region's bytes
+  __shared__ int32_t s_live[kDirectMaxRanks];
+  __shared__ unsigned long long s_rounds;
+  if (threadIdx.x == 0) s_rounds = 0;
+  __syncthreads();
+  for (int j = threadIdx.x; j < R; j += blockDim.x) {
+    s_live[j] = j != me && ld_volatile(st->sources + j) != 0 ? 1 : 0;
+    s_from[j] = nullptr;
+    s_region[j] = 0;
+    if (s_live[j] == 0) continue;
+    const auto* t = reinterpret_cast<const volatile uint64_t*>(st->areas[j] + L.input(seq));
+    const uint64_t region = t[0], back = t[1];
+    const uint8_t* base =
+        back != 0 ? st->areas[j] - back : st->areas[j] + L.input(seq) + VaryTable::bytes(R);
+    s_from[j] = base + static_cast<size_t>(me) * region;
+    s_region[j] = region;
+    const uint64_t in = vary_rounds(a.recv_bytes[j], region);
+    const uint64_t out = vary_rounds(a.send_bytes[j], mine.region);
+    atomicMax(&s_rounds, static_cast<unsigned long long>(in > out ? in : out));
+  }
+  __syncthreads();
+  const uint64_t rounds = s_rounds;
+  // After block 0 may have left a peer out: every block's view of who is in.
+  auto refresh = [&] {
+    grid_sync_all(a, st, multi);
+    for (int j = threadIdx.x; j < R; j += blockDim.x)
+      if (s_live[j] != 0 && ld_volatile(st->sources + j) == 0) s_live[j] = 0;
+    __syncthreads();
+  };
+  auto* out = reinterpret_cast<uint8_t* const*>(a.parts);
+  for (uint64_t k = 0; k < rounds; ++k) {
+    if (k > 0) {
+      // Each receiver of a round k read round k - 1 of its region...
+      if (blockIdx.x == 0) {
+        const uint64_t deadline = deadline_of(a.c.timeout_ns);
+        for (int j = threadIdx.x; j < R; j += blockDim.x)
+          if (s_live[j] != 0 && vary_rounds(a.send_bytes[j], mine.region) > k &&
+              !vary_wait(a, st, j, DirectLayout::kVaryRead, gen, seq, k - 1, deadline))
+            st->sources[j] = 0;
+      }
+      refresh();
+      // ...so round k goes in,
+      for (int j = 0; j < R; ++j) {
+        const uint64_t first = k * mine.region;
+        if (s_live[j] == 0 || a.send_bytes[j] <= first) continue;
+        const uint64_t left = a.send_bytes[j] - first;
+        copy_in(mine.base + static_cast<size_t>(j) * mine.region,
+                static_cast<const uint8_t*>(a.in_parts[j]) + first,
+                left < mine.region ? left : mine.region, a.vec);
+      }
+      grid_sync_all(a, st, multi);
+      // is said to be in, and each sender's is waited for.
+      if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) {
+          __threadfence_system();
+          st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kVaryPut),
+                         vary_word(gen, seq, k));
+        }
+        const uint64_t deadline = deadline_of(a.c.timeout_ns);
+        for (int j = threadIdx.x; j < R; j += blockDim.x)
+          if (s_live[j] != 0 && vary_rounds(a.recv_bytes[j], s_region[j]) > k &&
+              !vary_wait(a, st, j, DirectLayout::kVaryPut, gen, seq, k, deadline))
+            st->sources[j] = 0;
+      }
+      refresh();
+    }
+    // Round k read from each sender's region (and this rank's own part, whole).
+    for (int j = 0; j < R; ++j) {
+      const uint64_t first = k * s_region[j];
+      if (s_live[j] == 0 || a.recv_bytes[j] <= first) continue;
+      const uint64_t left = a.recv_bytes[j] - first;
+      copy_in(out[j] + first, s_from[j], left < s_region[j] ? left : s_region[j], a.vec);
+    }
+    if (k == 0 && a.send_bytes[me] != 0)
+      copy_in(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me], a.vec);
+    grid_sync_all(a, st, multi);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      __threadfence_system();
+      st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kVaryRead),
+                     vary_word(gen, seq, k));
+    }
+  }
+  if (rounds == 0 && a.send_bytes[me] != 0)
+    copy_in(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me], a.vec);
+  // Regions in the segment: every receiver has read its last round before the
+  // launch ends (the segment's next writer does not wait for the peers).
+  if (mine.back != 0) {
+    if (blockIdx.x == 0) {
+      const uint64_t deadline = deadline_of(a.c.timeout_ns);
+      for (int j = threadIdx.x; j < R; j += blockDim.x) {
+        const uint64_t n = vary_rounds(a.send_bytes[j], mine.region);
+        if (s_live[j] != 0 && n > 0 &&
+            !vary_wait(a, st, j, DirectLayout::kVaryRead, gen, seq, n - 1, deadline))
+          st->sources[j] = 0;
+      }
+    }
+  }
+  refresh();
+  // A rank out of the op, or lost while its parts moved: zeros in its part.
+  for (int j = 0; j < R; ++j)
+    if (j != me && s_live[j] == 0 && a.recv_bytes[j] != 0)
+      move_part<uint8_t>(nullptr, out[j], a.recv_bytes[j], a.vec ? 16 : 1, a.vec);
+}
+
 // kMove: the kinds that only move data, with T = uint8_t (counts in bytes);
 // else the reductions, T the dtype's element.
 template <typename T, RedOp Op, bool kMove>
@@ -608,6 +858,8 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
 
   // 1. The input into this rank's area (a mapped op's stays where it lies).
   if (a.mapped) {
+  } else if (data && a.vary) {
+    vary_put_first(a, st, seq);
   } else if (data && a.list == DirectList::kIn) {
     const size_t parts = direct_in_parts(a.kind, R, root);
     for (size_t p = 0; p < parts; ++p)
@@ -670,8 +922,14 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
         if (n == 0 || per * a.esize > L.parity_bytes) here = 0;
         st->mapped_here = here;
       }
-    } else if (threadIdx.x == 0 && a.outcome != nullptr) {
-      write_outcome(a, s_why, R);
+    } else {
+      uint64_t sizes = 0;
+      if (a.vary) {
+        __syncthreads();
+        sizes = vary_check(a, st, s_why, seq);
+        if (threadIdx.x == 0) st->vary_void = sizes != 0 ? 1 : 0;
+      }
+      if (threadIdx.x == 0 && a.outcome != nullptr) write_outcome(a, s_why, R, 0, sizes);
     }
   }
   after_block0(a, st, bar, multi);
@@ -726,6 +984,10 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
         for (int j = 0; j < R; ++j) move_part<T>(input_of(j), out_part(j), part, unit, a.vec);
         return;
       case DirectKind::kAllToAll:
+        if (a.vary) {
+          vary_moves(a, st, seq, gen, multi);
+          return;
+        }
         for (int j = 0; j < R; ++j) {
           const uint8_t* from = input_of(j);
           move_part<T>(from != nullptr ? from + static_cast<size_t>(me) * part_bytes : nullptr,

@@ -5,11 +5,12 @@
 Every op the device plane serves, on inputs that take it (``MOONCAKE_CUDA_PLANE_MIN_BYTES=0``)
 through a 64 KiB segment (``MOONCAKE_CUDA_SEGMENT_BYTES``), so that the larger ones move
 through it in pieces, and isend/irecv (staged) beside them. all_reduce,
-all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes,
-all_reduce_coalesced, the rooted ops and the list forms of all_gather and reduce_scatter
-whose input (every part of it) is at most 16 KiB (``MOONCAKE_CUDA_DIRECT_BYTES``) run on
-the device-driven kernels, the larger ones, all_to_all's list form and all_to_all_single
-with split sizes on the host-driven plane; then the ops the kernels took eagerly under a
+all_gather_into_tensor, reduce_scatter_tensor, all_reduce_coalesced, the rooted ops and
+the list forms of all_gather and reduce_scatter whose input (every part of it) is at most
+16 KiB (``MOONCAKE_CUDA_DIRECT_BYTES``) run on the device-driven kernels, the larger ones
+on the host-driven plane; all_to_all_single (split sizes or none) and all_to_all's list
+form on the kernels at any size (parts past the segment's region in rounds); then the ops
+the kernels took eagerly under a
 watch, or not at all, are captured in a graph and replayed, so that both paths of every
 op are exercised. Each output starts as garbage (NaN, or a sentinel for integers) and is checked against a reference
 computed here from every rank's inputs, which each rank can regenerate (small integers, so
@@ -184,7 +185,7 @@ class Round:
         out = garbage((sum(recv), 5), torch.float32)
         self.path(
             "all_to_all_single uneven",
-            "plane",
+            "direct",
             dist.all_to_all_single,
             out,
             xs[me].cuda(),
@@ -196,16 +197,32 @@ class Round:
         k = 64
         xs = self.inputs("a2a_even", (world * k,), torch.float16)
         out = garbage((world * k,), torch.float16)
-        want = kernel(out.nbytes)
-        self.path("all_to_all_single even", want, dist.all_to_all_single, out, xs[me].cuda())
+        self.path("all_to_all_single even", "direct", dist.all_to_all_single, out, xs[me].cuda())
         self.same("all_to_all_single even", out, torch.cat([x[me * k : (me + 1) * k] for x in xs]))
         ins = [data(me, f"a2al{d}", (d + 3,), torch.int32, world).cuda() for d in range(world)]
         outs = [garbage((me + 3,), torch.int32) for _ in range(world)]
-        self.path("all_to_all", "plane", dist.all_to_all, outs, ins)
+        self.path("all_to_all", "direct", dist.all_to_all, outs, ins)
         for s in range(world):
             self.same(
                 f"all_to_all from {s}", outs[s], data(s, f"a2al{me}", (me + 3,), torch.int32, world)
             )
+        # Parts past the segment's region per rank (32 KiB at 2 ranks, 16 at 4): several
+        # rounds, parts of every size (rank s sends rank d (s + d + 1) * 20000 + 7 int8).
+        sizes = [[(s + d + 1) * 20000 + 7 for d in range(world)] for s in range(world)]
+        xs = [data(s, "a2a_rounds", (sum(sizes[s]),), torch.int8, world) for s in range(world)]
+        recv = [sizes[s][me] for s in range(world)]
+        out = garbage((sum(recv),), torch.int8)
+        self.path(
+            "all_to_all_single in rounds",
+            "direct",
+            dist.all_to_all_single,
+            out,
+            xs[me].cuda(),
+            recv,
+            sizes[me],
+        )
+        want = [xs[s][sum(sizes[s][:me]) : sum(sizes[s][: me + 1])] for s in range(world)]
+        self.same("all_to_all_single in rounds", out, torch.cat(want))
 
     def rooted_ops(self) -> None:
         me, world = self.rank, self.world
