@@ -141,9 +141,22 @@ std::shared_ptr<Request> OpQueue::run_now(std::function<void()> task) {
 
 void OpQueue::run_inline_locked(std::unique_lock<std::mutex>& lock,
                                 const std::shared_ptr<Request>& request) {
+  const auto self = std::this_thread::get_id();
   while (!request->done()) {
     if (run_head_locked(lock)) continue;
     if (!running_) return;  // not queued here any more (stop() failed it)
+    if (completing_ && running_thread_ == self) {
+      // A completion callback of this thread's own task waits for a later one
+      // (a blocking op from a Work's callback): the task itself is over, so the
+      // ones queued behind it run here, nested, rather than wait for this one.
+      running_ = false;
+      const bool ran = run_head_locked(lock);
+      running_ = true;  // (still the lock's: the nested run returns holding it)
+      running_thread_ = self;
+      completing_ = true;
+      if (!ran) return;  // nothing queued: it is not queued here any more
+      continue;
+    }
     // Another thread runs a task: ours (then it finishes it) or one before it
     // (then ours is next, and this thread runs it).
     ++inline_waiters_;
@@ -165,8 +178,12 @@ bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   } catch (...) {
     error = std::current_exception();
   }
+  lock.lock();
+  completing_ = true;
+  lock.unlock();
   item.request->complete(error);
   lock.lock();
+  completing_ = false;
   running_ = false;
   // Only when someone has a use for it: after every synchronous op, a wake-up
   // of an idle queue thread that finds nothing to do costs a context switch.

@@ -91,6 +91,7 @@ class OpQueue {
   bool stopping_ = false;
   bool running_ = false;            // a task is being run (by the thread or a waiter)
   std::thread::id running_thread_;  // the thread running it
+  bool completing_ = false;         // it is over, and its request's callbacks run
   bool thread_asleep_ = false;      // the thread waits without a timeout: submit must wake it
   int inline_waiters_ = 0;          // callers waiting for a running task to finish, to run theirs
   std::thread thread_;

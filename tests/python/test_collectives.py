@@ -25,6 +25,7 @@ share 2 cores.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 
 import pytest
@@ -322,6 +323,28 @@ def barrier(ctx):
     ctx.expect(all(arrived), f"left the barrier before ranks {arrived} had all arrived")
 
 
+def callback_collective(ctx):
+    """A Work's future callback that makes a blocking collective on the same group (a
+    pipeline that reduces a second buffer once the first is done): it completes, with both
+    results right, rather than wait for the op whose callback it is (which hung for ever)."""
+    a = ctx.input((16,), torch.float32, tag="cb_a")
+    b = ctx.input((16,), torch.float32, tag="cb_b")
+
+    def then(_):
+        dist.all_reduce(b)
+        return b
+
+    fut = dist.all_reduce(a, async_op=True).get_future().then(then)
+    waiter = threading.Thread(target=fut.wait, daemon=True)
+    waiter.start()
+    waiter.join(30)
+    ctx.expect(not waiter.is_alive(), "the callback's all_reduce did not finish within 30 s")
+    if waiter.is_alive():
+        return
+    ctx.expect_equal(a, reduce_ref(ctx.inputs((16,), torch.float32, "cb_a"), "SUM"), "first")
+    ctx.expect_equal(b, reduce_ref(ctx.inputs((16,), torch.float32, "cb_b"), "SUM"), "second")
+
+
 def coalesced_all_reduce(ctx, n, async_ops=False):
     """Mixed dtypes in one coalesced all_reduce (the backend's allreduce_coalesced)."""
     dtypes = (torch.float32, torch.int64, torch.bfloat16, torch.uint8)
@@ -595,6 +618,7 @@ def matrix(
                 add(f"gather/{d}/{tail}/root{root}", gather, root=root, **kw)
                 add(f"scatter/{d}/{tail}/root{root}", scatter, root=root, **kw)
     add("barrier", barrier)
+    add("callback_collective", callback_collective)
     add("objects", objects)
     add("latency/all_reduce_x200", latency)
     if world > 1:
@@ -666,7 +690,8 @@ def big(
 
 #: Cases that call torch.distributed in ways DeviceDist does not mirror (coalescing blocks,
 #: functional collectives; test_cuda_backend.py has CUDA versions of them).
-NOT_ON_DEVICE = ("coalesced/", "functional/")
+# (callback_collective: the CUDA backend's futures are not yet run with it on the GPU)
+NOT_ON_DEVICE = ("coalesced/", "functional/", "callback_collective")
 
 
 def _on_device(fn, ctx) -> None:

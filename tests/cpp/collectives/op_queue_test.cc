@@ -273,5 +273,41 @@ TEST(OpQueue, StopCalledFromACompletionCallbackOnTheQueuesThreadReturns) {
             {.timeout_ms = 10000});
 }
 
+TEST(OpQueue, ACompletionCallbackThatRunsAnotherTaskOnTheSameQueueDoesNotWaitForItself) {
+  // A Work's callback that makes a blocking call on the same queue (run_now,
+  // or a wait for ever), on whichever thread ran the task: it runs the next
+  // task nested, rather than wait for the task whose callback it is.
+  run_ranks(1,
+            [](Rank&) {
+              for (int64_t delay_us : {int64_t{0}, kNever}) {
+                OpQueue q(delay_us);
+                std::atomic<int> done{0};
+                std::vector<int> order;
+                auto first = q.submit([&] { order.push_back(1); });
+                auto queued = q.submit([&] { order.push_back(2); });
+                first->on_complete([&](std::exception_ptr) {
+                  q.run_now([&] { order.push_back(3); });
+                  done += 1;
+                });
+                queued->on_complete([&](std::exception_ptr) {
+                  q.wait(q.submit([&] { order.push_back(4); }), -1);
+                  done += 1;
+                });
+                // The thread runs them (no delay), or this waiter does.
+                if (delay_us != 0) q.wait(queued, -1);
+                mooncake::Deadline d = mooncake::Deadline::after_ms(2000);
+                while (done < 2 && !d.expired())
+                  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+                if (done < 2)
+                  fail_rank_now(
+                      "a completion callback's blocking call on its own queue did not "
+                      "return within 2 s (it waits for the task whose callback it is)");
+                if (order != std::vector<int>({1, 2, 3, 4}))
+                  fail_rank_now("tasks ran out of submission order");
+              }
+            },
+            {.timeout_ms = 10000});
+}
+
 }  // namespace
 }  // namespace mctest
