@@ -12,11 +12,11 @@ tensors too, and test_fault_tolerance.py kills ranks of a CUDA group.) Here:
 * which path served an op (``pg.get_op_paths``): the device-driven kernels, the device
   plane or the staged path, each where it should;
 * the device-driven kernels (up to ``MOONCAKE_CUDA_DIRECT_BYTES``: eagerly all_reduce,
-  all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single without split sizes
-  and their coalesced forms, the rooted ops and the list forms of all_gather and
-  reduce_scatter; under CUDA graph capture all_gather_coalesced, all_to_all's list form
-  and all_to_all_single with equal split sizes too, which eagerly take the device plane
-  at any size): all_reduce one-shot and two-shot, and every other op, equal to the
+  all_gather_into_tensor, reduce_scatter_tensor and their coalesced forms, the rooted
+  ops and the list forms of all_gather and reduce_scatter; all_to_all and
+  all_to_all_single eagerly at any size, parts of any sizes; under CUDA graph capture
+  all_gather_coalesced, all_to_all's list form and all_to_all_single with equal split
+  sizes too): all_reduce one-shot and two-shot, and every other op, equal to the
   host-driven paths (a ``MOONCAKE_CUDA_DIRECT=off`` group) and the reference bit for bit;
   one graph of every capturable op replayed with new inputs; which ops cannot be
   captured, and that capture needs one eager call first; and, in a launch of its own
@@ -1188,8 +1188,8 @@ def direct_matches_host_captured(ctx):
     reduce_scatter, all_to_all with parts of one size and all_to_all_single with equal
     split sizes. Each is called eagerly on a MOONCAKE_CUDA_DIRECT=off group (the device
     plane, or staged below 64 KiB) and on the world group (the kernels for the WATCHED
-    ops; the others the device plane, at any size, or at one rank the kernels' path, a
-    local copy);
+    ops and, at any size, the all_to_all forms; the others the device plane, at any
+    size, or at one rank the kernels' path, a local copy);
     then all are captured in one graph on the world group (the capture counts each on the
     device-driven kernels) and replayed once. Every output equals the reference bit for
     bit."""
@@ -1201,9 +1201,11 @@ def direct_matches_host_captured(ctx):
             forms = _capture_only_forms(ctx, dtype, op, n)
             for name, call, want, k in forms:
                 # The rooted ops and the list forms of all_gather and reduce_scatter take the
-                # kernels eagerly too (their eager launches watched).
+                # kernels eagerly too (their eager launches watched); all_to_all and
+                # all_to_all_single at any size (per-pair sizes).
                 watched = name.split()[0] in WATCHED and n * 8 * ctx.world_size <= DIRECT_BYTES
-                eager = ((1, 0, k),) if watched else (_plane_or_alone(ctx.world_size, k),)
+                vary = name.startswith("all_to_all")
+                eager = ((1, 0, k),) if watched or vary else (_plane_or_alone(ctx.world_size, k),)
                 for label, grp, paths in (("off", off, (PLANE, STAGED)), ("eager", None, eager)):
                     outs: list[torch.Tensor] = []
                     got = _paths(lambda c=call, g=grp, o=outs: o.extend(c(g)), grp, direct=True)
@@ -1483,8 +1485,9 @@ def _capture(g, static, grp) -> None:
 
 
 def big(ctx):
-    """16 MiB of bf16 and 64 MiB of float32 all_reduce; a 16 MiB all_to_all_single: past
-    MOONCAKE_CUDA_DIRECT_BYTES, all on the host-driven device plane (alone, a local copy);
+    """16 MiB of bf16 and 64 MiB of float32 all_reduce: past MOONCAKE_CUDA_DIRECT_BYTES,
+    on the host-driven device plane (alone, a local copy); a 16 MiB all_to_all_single, on
+    the kernels (per-pair sizes, any size);
     a 16 MiB all_reduce captured in a CUDA graph (one launch per chunk) and replayed."""
     past = _plane_or_alone(ctx.world_size)
     for dtype, n in ((torch.bfloat16, 8 << 20), (torch.float32, 16 << 20)):
@@ -1498,7 +1501,7 @@ def big(ctx):
     xs = ctx.inputs((n,), torch.float32, tag="a2a")
     out = torch.empty(n, device="cuda")
     got = _paths(lambda: dist.all_to_all_single(out, cuda(xs[ctx.rank])), direct=True)
-    ctx.expect(got == past, f"all_to_all_single of 16 MiB: {got}")
+    ctx.expect(got == DIRECT, f"all_to_all_single of 16 MiB: {got}")
     k = n // world
     want = torch.cat([xs[s][ctx.rank * k : (ctx.rank + 1) * k] for s in range(world)])
     ctx.expect_equal(out.cpu(), want, "all_to_all_single")
