@@ -171,6 +171,7 @@ bool OpQueue::run_head_locked(std::unique_lock<std::mutex>& lock) {
   tasks_.pop_front();
   running_ = true;
   running_thread_ = std::this_thread::get_id();
+  completing_ = false;  // (a nested run's task: its own body runs)
   lock.unlock();
   std::exception_ptr error;
   try {
@@ -225,7 +226,9 @@ void OpQueue::run() {
 bool OpQueue::wait(const std::shared_ptr<Request>& request, int64_t timeout_ms) {
   {
     std::unique_lock<std::mutex> lock(mu_);
-    if (timeout_ms < 0) {
+    // From a completion callback of this thread's own task: the tasks run here,
+    // nested, whatever the timeout (none could start while it waits).
+    if (timeout_ms < 0 || (completing_ && running_thread_ == std::this_thread::get_id())) {
       run_inline_locked(lock, request);
     } else {
       auto it = std::find_if(tasks_.begin(), tasks_.end(),

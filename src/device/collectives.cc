@@ -466,6 +466,12 @@ bool DeviceCollectives::direct_serves(const DirectOp& op, int64_t timeout_ms) {
   return serves(std::nullopt, timeout_ms);
 }
 
+size_t DeviceCollectives::vary_max_part() const {
+  const size_t region =
+      direct_offset() / static_cast<size_t>(comm_.size()) / kAlignBytes * kAlignBytes;
+  return region * kernels::kVaryMaxRounds;
+}
+
 size_t DeviceCollectives::direct_chunk(const DirectOp& op) const {
   const size_t parts = kernels::direct_in_parts(op.kind, comm_.size(), true);
   const size_t n = std::min(direct_max_bytes() / (parts * dtype_size(op.dtype)),

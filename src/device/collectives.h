@@ -181,6 +181,9 @@ class DeviceCollectives {
   void direct_resync() {
     if (direct_) direct_->invalidate();
   }
+  // The largest part an all_to_all with per-pair sizes moves (its rounds of a
+  // region of the segment's plane part per rank; 0: none).
+  size_t vary_max_part() const;
   // The ranks the last setup took in (bit per slot): a launch's members.
   uint64_t direct_members() const;
   // The device-driven kernels' lost words and life pages (null before the

@@ -344,44 +344,50 @@ at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
 void run_vary(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
               bool queued, bool alone) {
   DirectOps::Op op = call.op;
-  const size_t esize = dtype_size(op.dtype);
+  // What the launch reads and writes, kept until it is queued (the allocator
+  // orders a later reuse after it on the stream).
+  at::Tensor in, whole;  // all_to_all_single's input and output, contiguous
   std::vector<at::Tensor> ins, outs;
-  at::Tensor whole;  // all_to_all_single's output, contiguous
+  const auto part = [](const at::Tensor& t) { return t.numel() > 0 ? t.data_ptr() : nullptr; };
   if (call.in.defined()) {
-    at::Tensor in = call.in.contiguous();
+    // Each part's address from its offset (no view per part: a host cost per rank).
+    in = call.in.contiguous();
     if (in.storage().is_alias_of(call.out.storage())) in = in.clone();
-    whole = call.out.is_contiguous() ? call.out : at::empty(call.out.sizes(), call.out.options());
-    const at::Tensor from = in.reshape({-1}), to = whole.view({-1});
-    int64_t a = 0, b = 0;
+    // (A copy of the user's output, not an empty one: an op that moves nothing,
+    // sizes that disagree, leaves it as it was.)
+    whole = call.out.contiguous();
+    size_t a = 0, b = 0;
     for (size_t p = 0; p < op.send_bytes.size(); ++p) {
-      const auto n = static_cast<int64_t>(op.send_bytes[p] / esize);
-      const auto m = static_cast<int64_t>(op.recv_bytes[p] / esize);
-      ins.push_back(from.narrow(0, a, n));
-      outs.push_back(to.narrow(0, b, m));
-      a += n;
-      b += m;
+      op.in_parts.push_back(op.send_bytes[p] > 0 ? static_cast<uint8_t*>(in.data_ptr()) + a
+                                                 : nullptr);
+      op.parts.push_back(op.recv_bytes[p] > 0 ? static_cast<uint8_t*>(whole.data_ptr()) + b
+                                              : nullptr);
+      a += op.send_bytes[p];
+      b += op.recv_bytes[p];
     }
   } else {
-    for (const at::Tensor& t : call.outs)
-      outs.push_back(t.is_contiguous() ? t : at::empty(t.sizes(), t.options()));
+    for (const at::Tensor& t : call.outs) {
+      outs.push_back(t.contiguous());
+      op.parts.push_back(part(outs.back()));
+    }
     for (const at::Tensor& t : call.ins) {
-      at::Tensor in = t.contiguous();
+      at::Tensor one = t.contiguous();
       for (const at::Tensor& o : outs)
-        if (in.storage().is_alias_of(o.storage())) {
-          in = in.clone();
+        if (one.storage().is_alias_of(o.storage())) {
+          one = one.clone();
           break;
         }
-      ins.push_back(in);
+      ins.push_back(one);
+      op.in_parts.push_back(part(one));
     }
   }
   if (alone) {
     // A group of one: its own part, a local copy.
-    if (!ins.empty() && ins[0].numel() > 0) outs[0].view({-1}).copy_(ins[0].reshape({-1}));
+    if (op.send_bytes[0] > 0)
+      cuda_check(cudaMemcpyAsync(op.parts[0], op.in_parts[0], op.send_bytes[0],
+                                 cudaMemcpyDeviceToDevice, stream),
+                 "all_to_all: a lone rank's part");
   } else {
-    for (size_t p = 0; p < ins.size(); ++p) {
-      op.in_parts.push_back(ins[p].numel() > 0 ? ins[p].data_ptr() : nullptr);
-      op.parts.push_back(outs[p].numel() > 0 ? outs[p].data_ptr() : nullptr);
-    }
     c.direct(op, stream, timeout, nullptr, queued);
   }
   if (call.in.defined()) {
@@ -1453,8 +1459,18 @@ c10::intrusive_ptr<c10d::Work> MooncakeCudaBackend::vary_run(
   if (reject.empty() && in_counts[me] != out_counts[me])
     reject = str(name, ": rank ", rank_, " sends itself ", in_counts[me], " elements but expects ",
                  out_counts[me], " from itself");
+  const size_t esize = dtype_size(op.dtype);
+  if (reject.empty() && size_ > 1) {
+    // (The kernel would find such a pair's sizes unfit at both ends.)
+    const size_t most = coll_->vary_max_part();
+    for (size_t p = 0; p < in_counts.size() && reject.empty(); ++p)
+      if (std::max(in_counts[p], out_counts[p]) * esize > most)
+        reject = str(name, ": a part of ", std::max(in_counts[p], out_counts[p]) * esize,
+                     " bytes is past the most one launch moves (", most,
+                     " bytes: 65535 rounds of the segment's region per rank); raise "
+                     "MOONCAKE_CUDA_SEGMENT_BYTES");
+  }
   if (reject.empty()) {
-    const size_t esize = dtype_size(op.dtype);
     for (size_t p = 0; p < in_counts.size(); ++p) {
       op.send_bytes.push_back(in_counts[p] * esize);
       op.recv_bytes.push_back(out_counts[p] * esize);

@@ -469,7 +469,9 @@ class Staging {
     start();
     keep(t);
     if (t.is_contiguous()) return t;
-    at::Tensor tmp = at::empty(t.sizes(), t.options());
+    // The caller's data, not an empty tensor: an op that writes only some
+    // parts (a rooted op, or one that moves nothing) leaves the rest as it was.
+    at::Tensor tmp = t.contiguous();
     stage_->results.emplace_back(t, tmp);
     return tmp;
   }

@@ -330,7 +330,8 @@ def all_to_all_any_size(ctx):
     size, from empty to several rounds of the segment's region, in four dtypes; a
     transposed input and output (copies); parts into a list of non-contiguous outputs; an
     input that is a view of the output's storage; and a list whose sizes disagree on one
-    edge (ValueError on every rank, no output written; the group goes on)."""
+    edge (ValueError on every rank, no output written, a strided one included; the group
+    goes on)."""
     world, me = ctx.world_size, ctx.rank
     g = _group_with(
         {"MOONCAKE_CUDA_SEGMENT_BYTES": str(256 << 10), "MOONCAKE_CUDA_DIRECT_BYTES": str(64 << 10)}
@@ -388,13 +389,17 @@ def all_to_all_any_size(ctx):
     want = torch.cat([torch.full((n,), float(s * 100 + me)) for s in range(world)])
     ctx.expect_equal(buf[: world * n].cpu(), want, "all_to_all_single into its input's storage")
     if world > 1:
-        # Rank 0 sends rank 1 a list part of 5 elements; rank 1 expects 4.
+        # Rank 0 sends rank 1 a list part of 5 elements; rank 1 expects 4. The last part
+        # is a strided view (its copy starts from the caller's data, so stays as it was).
         outs = [_garbage((5 if (me != 1 or s != 0) else 4,), torch.float32) for s in range(world)]
+        wide = _garbage((2 * outs[-1].numel(),), torch.float32)
+        outs[-1] = wide[::2]
         ins = [torch.ones(5, device="cuda") for _ in range(world)]
         with ctx.expect_raises(ValueError, "all_to_all", "split sizes", "ranks 0 and 1"):
             dist.all_to_all(outs, ins, group=g)
         for s in range(world):
             ctx.expect(bool(outs[s].isnan().all()), f"the disagreeing all_to_all wrote [{s}]")
+        ctx.expect(bool(wide.isnan().all()), "the disagreeing all_to_all wrote a strided part")
     dist.destroy_process_group(g)
     _usable(ctx, "all_to_all at any size")
 

@@ -282,10 +282,9 @@ struct DirectLayout {
   // copied into the segment; its reads of the others' segments done.
   static constexpr size_t kMappedCopied = 88;
   static constexpr size_t kMappedDone = 96;
-  // uint64 words of an all_to_all with per-pair sizes (vary_word): the last
-  // round whose parts this rank put out; the last round it read in full.
-  static constexpr size_t kVaryPut = 104;
-  static constexpr size_t kVaryRead = 112;
+  // uint64 word of an all_to_all with per-pair sizes (vary_word): the last
+  // round this rank read in full (its puts are per receiver: VaryTable::put).
+  static constexpr size_t kVaryRead = 104;
 
   // The area of a path serving inputs of up to `max_bytes` (a whole input:
   // every part of a reduce_scatter's, all_to_all's or scatter's).
@@ -321,30 +320,35 @@ struct DirectLayout {
 // bytes [k * region, (k + 1) * region) of every part, and a pair takes as many
 // rounds as its part needs (a rank loops over the most any of its pairs needs).
 // Each rank publishes, in its area's input of the op's parity, a table: the
-// region's size, where its regions lie (kVaryArea: in that input, past the
-// table, protected by the parity as the other kinds' inputs; kVarySegment: in
-// its segment's host-driven part, for parts past the area's regions, read
-// back before the launch ends), and the bytes it sends and expects from each
-// rank. A receiver reads a sender's table once the sender's input signal came;
-// a pair whose sizes disagree (either way) leaves each other out, at both ends.
-// Round 0 is in place before the input signal; a later round's parts go in
-// once each receiver said it read the round before (kVaryRead), and are said
-// to be in by kVaryPut. Both words are vary_word(gen, seq, round).
+// region's size, where its regions lie (0: in that input, past the table,
+// protected by the parity as the other kinds' inputs; else how far before the
+// area its segment lies: in the segment's host-driven part, for parts past the
+// area's regions, read back before the launch ends), the bytes it sends and
+// expects from each rank, and a put word per receiver. Every member reads
+// every member's table once its input signal came; a pair whose sizes disagree
+// (either way) voids the op at every member. Round 0 is in place before the
+// input signal; a later round's parts go in once their receiver said it read
+// the round before (DirectLayout::kVaryRead), and are said to be in by that
+// receiver's put word (a receiver a sender stopped serving never sees it
+// move). Both kinds of word are vary_word(gen, seq, round).
 struct VaryTable {
-  static constexpr uint64_t kVaryArea = 0;
-  static constexpr uint64_t kVarySegment = 1;
   // Bytes of the table for `ranks` (a whole number of vectors, 256 B aligned).
   MC_HD static constexpr size_t bytes(int ranks) {
-    return DirectLayout::round_up(8 * (2 + 2 * static_cast<size_t>(ranks)));
+    return DirectLayout::round_up(8 * (2 + 3 * static_cast<size_t>(ranks)));
   }
-  // Word indices: region, where, then sends [ranks], then expects [ranks].
+  // Word indices: region, where, then sends [ranks], expects [ranks], puts [ranks].
   MC_HD static constexpr size_t send(int p) { return 2 + static_cast<size_t>(p); }
   MC_HD static constexpr size_t expect(int ranks, int p) {
     return 2 + static_cast<size_t>(ranks) + static_cast<size_t>(p);
   }
+  MC_HD static constexpr size_t put(int ranks, int p) {
+    return 2 + 2 * static_cast<size_t>(ranks) + static_cast<size_t>(p);
+  }
 };
-// Rounds a pair may take (the round fits 16 bits of its word).
-constexpr uint64_t kVaryMaxRounds = uint64_t{1} << 16;
+// Rounds a pair may take (the round fits 16 bits of its word, whose top value
+// is a sender's word to a receiver it stopped serving: kVaryStopped).
+constexpr uint64_t kVaryMaxRounds = 0xffff;
+constexpr uint64_t kVaryStopped = 0xffff;
 MC_HD inline uint64_t vary_word(uint32_t gen, uint64_t seq, uint64_t round) {
   return (static_cast<uint64_t>(gen & 0xffffu) << 48) | ((seq & 0xffffffffu) << 16) |
          (round & 0xffffu);
@@ -390,8 +394,12 @@ struct DirectState {
   int32_t mapped_here;
   int32_t mapped_all;
   // An all_to_all with per-pair sizes (block 0 writes, the grid reads): 1
-  // where a pair of members disagreed on its sizes (nothing moves).
+  // where a pair of members disagreed on its sizes (nothing moves); per rank,
+  // 1 where this rank stopped receiving from it (its put did not come) or
+  // sending to it (its read did not).
   int32_t vary_void;
+  int32_t vary_in_cut[kDirectMaxRanks];
+  int32_t vary_out_cut[kDirectMaxRanks];
 };
 
 // What a watched launch found (host-mapped; DirectOutcomes leases one per

@@ -620,23 +620,32 @@ __device__ VaryPlace vary_place(const DirectArgs& a, const DirectState* st, uint
   return {own - a.plane_bytes, region, a.plane_bytes};
 }
 
+// `n` bytes from `src` to `dst` by the grid, a vector at a time where both
+// are 16-byte aligned (a part of all_to_all_single may start anywhere).
+__device__ __forceinline__ void vary_copy(uint8_t* dst, const uint8_t* src, uint64_t n) {
+  copy_in(dst, src, n,
+          ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) == 0);
+}
+
 // Step 1 of a vary launch: round 0 of every part into its region (every
 // block), and the table (block 0), before the input signal.
-__device__ void vary_put_first(const DirectArgs& a, const DirectState* st, uint64_t seq) {
+__device__ void vary_put_first(const DirectArgs& a, const DirectState* st, uint64_t seq,
+                               uint32_t gen) {
   const int R = st->ranks, me = st->rank;
   const VaryPlace mine = vary_place(a, st, seq);
   for (int p = 0; p < R; ++p) {
     if (p == me) continue;
     const uint64_t n = a.send_bytes[p] < mine.region ? a.send_bytes[p] : mine.region;
     if (n != 0)
-      copy_in(mine.base + static_cast<size_t>(p) * mine.region,
-              static_cast<const uint8_t*>(a.in_parts[p]), n, a.vec);
+      vary_copy(mine.base + static_cast<size_t>(p) * mine.region,
+                static_cast<const uint8_t*>(a.in_parts[p]), n);
   }
   if (blockIdx.x == 0) {
     auto* t = reinterpret_cast<volatile uint64_t*>(st->areas[me] + a.layout.input(seq));
     for (int p = threadIdx.x; p < R; p += blockDim.x) {
       t[VaryTable::send(p)] = a.send_bytes[p];
       t[VaryTable::expect(R, p)] = a.recv_bytes[p];
+      t[VaryTable::put(R, p)] = vary_word(gen, seq, 0);  // round 0: in place with the signal
     }
     if (threadIdx.x == 0) {
       t[0] = mine.region;
@@ -685,54 +694,70 @@ __device__ uint64_t vary_check(const DirectArgs& a, DirectState* st, const int32
   return (uint64_t{1} << (bad / R)) | (uint64_t{1} << (bad % R));
 }
 
-// Block 0's thread for peer j: waits for j's word at `at` (kVaryPut: round
-// `round` of this op put out; kVaryRead: read, or any later op). False where
-// j is lost, silent past the deadline, or (a put) went on past this op: the
-// caller leaves it out from then on.
-__device__ bool vary_wait(const DirectArgs& a, DirectState* st, int j, size_t at, uint32_t gen,
-                          uint64_t seq, uint64_t round, uint64_t deadline) {
+// Block 0's thread for peer j: waits for `word` (j's) to say round `round`
+// of this op or later (`exact`: of this op only, a put of round `round`; else
+// a read, where any later op of j's says it read everything of this one).
+// False where j is lost, silent past the deadline, or (exact) went on past
+// this op: the caller stops that direction of the pair.
+__device__ bool vary_wait(const DirectArgs& a, DirectState* st, int j, const uint64_t* word,
+                          uint32_t gen, uint64_t seq, uint64_t round, bool exact,
+                          uint64_t deadline) {
   if (ld_volatile(st->live + j) == 0) return false;
-  const auto* w = reinterpret_cast<const uint64_t*>(st->areas[j] + at);
   const auto ready = [gen, seq, round](uint64_t v) {
     return vary_reached(v, gen, seq, round, true);
   };
   uint64_t v = 0;
-  if (!wait_for(a.c, w, ready, deadline, j, kPhaseVary, &v)) {
+  if (!wait_for(a.c, word, ready, deadline, j, kPhaseVary, &v)) {
     report_masked(st, j);
     return false;
   }
-  return at == DirectLayout::kVaryRead ||
-         static_cast<uint32_t>(v >> 16) == static_cast<uint32_t>(seq);
+  if (!exact) return true;
+  // The sender stopped serving this rank (it was late to read): nothing more
+  // comes, and the sender is not at fault.
+  return static_cast<uint32_t>(v >> 16) == static_cast<uint32_t>(seq) &&
+         (v & 0xffffu) != kVaryStopped;
 }
 
 // The moves of a vary launch (every block), once block 0 decided who takes
-// part (st->sources; a peer out gets zeros in its part, and so does one lost
-// while its parts moved).
+// part (st->sources). Each pair's two directions stop apart: a sender stops
+// sending to a receiver that did not say it read the last round in time
+// (st->vary_out_cut; it no longer moves that receiver's put word, so the
+// receiver never reads a region it did not fill), a receiver stops reading
+// from a sender whose put did not come (st->vary_in_cut). A part from a rank
+// out of the op, or from a sender cut, is zeros; one that arrived whole stays.
 __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, uint32_t gen,
                            bool multi) {
   const int R = st->ranks, me = st->rank;
   const DirectLayout& L = a.layout;
   uint8_t* own = st->areas[me];
-  // A pair of members disagreed on its sizes: every member raises, and no
-  // output is written.
-  if (ld_volatile(&st->vary_void) != 0) return;
+  // A pair of members disagreed on its sizes (every member raises and no
+  // output is written), or this rank was fenced (it is out; it raises).
+  if (ld_volatile(&st->vary_void) != 0 || ld_volatile(st->sources + me) == 0) return;
   const VaryPlace mine = vary_place(a, st, seq);
+  auto* table = reinterpret_cast<uint64_t*>(own + L.input(seq));
   __shared__ const uint8_t* s_from[kDirectMaxRanks];  // j's region for this rank
+  __shared__ const uint64_t* s_put[kDirectMaxRanks];  // j's put word for this rank
   __shared__ uint64_t s_region[kDirectMaxRanks];      // j's region's bytes
-  __shared__ int32_t s_live[kDirectMaxRanks];
+  __shared__ int32_t s_member[kDirectMaxRanks];       // in the op from the start
+  __shared__ int32_t s_send[kDirectMaxRanks];         // still sending to j
+  __shared__ int32_t s_recv[kDirectMaxRanks];         // still receiving from j
   __shared__ unsigned long long s_rounds;
   if (threadIdx.x == 0) s_rounds = 0;
   __syncthreads();
   for (int j = threadIdx.x; j < R; j += blockDim.x) {
-    s_live[j] = j != me && ld_volatile(st->sources + j) != 0 ? 1 : 0;
+    s_member[j] = j != me && ld_volatile(st->sources + j) != 0 ? 1 : 0;
+    s_send[j] = s_recv[j] = s_member[j];
     s_from[j] = nullptr;
+    s_put[j] = nullptr;
     s_region[j] = 0;
-    if (s_live[j] == 0) continue;
+    if (s_member[j] == 0) continue;
     const auto* t = reinterpret_cast<const volatile uint64_t*>(st->areas[j] + L.input(seq));
     const uint64_t region = t[0], back = t[1];
     const uint8_t* base =
         back != 0 ? st->areas[j] - back : st->areas[j] + L.input(seq) + VaryTable::bytes(R);
     s_from[j] = base + static_cast<size_t>(me) * region;
+    s_put[j] =
+        reinterpret_cast<const uint64_t*>(st->areas[j] + L.input(seq)) + VaryTable::put(R, me);
     s_region[j] = region;
     const uint64_t in = vary_rounds(a.recv_bytes[j], region);
     const uint64_t out = vary_rounds(a.send_bytes[j], mine.region);
@@ -740,11 +765,13 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
   }
   __syncthreads();
   const uint64_t rounds = s_rounds;
-  // After block 0 may have left a peer out: every block's view of who is in.
+  // After block 0 may have cut a direction: every block's view of them.
   auto refresh = [&] {
     grid_sync_all(a, st, multi);
-    for (int j = threadIdx.x; j < R; j += blockDim.x)
-      if (s_live[j] != 0 && ld_volatile(st->sources + j) == 0) s_live[j] = 0;
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+      if (ld_volatile(st->vary_out_cut + j) != 0) s_send[j] = 0;
+      if (ld_volatile(st->vary_in_cut + j) != 0) s_recv[j] = 0;
+    }
     __syncthreads();
   };
   auto* out = reinterpret_cast<uint8_t* const*>(a.parts);
@@ -754,45 +781,50 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
       if (blockIdx.x == 0) {
         const uint64_t deadline = deadline_of(a.c.timeout_ns);
         for (int j = threadIdx.x; j < R; j += blockDim.x)
-          if (s_live[j] != 0 && vary_rounds(a.send_bytes[j], mine.region) > k &&
-              !vary_wait(a, st, j, DirectLayout::kVaryRead, gen, seq, k - 1, deadline))
-            st->sources[j] = 0;
+          if (s_send[j] != 0 && vary_rounds(a.send_bytes[j], mine.region) > k &&
+              !vary_wait(a, st, j,
+                         reinterpret_cast<const uint64_t*>(st->areas[j] + DirectLayout::kVaryRead),
+                         gen, seq, k - 1, false, deadline)) {
+            st->vary_out_cut[j] = 1;
+            // Said to it, so that it stops at once rather than wait out its deadline.
+            st_release_sys(table + VaryTable::put(R, j), vary_word(gen, seq, kVaryStopped));
+          }
       }
       refresh();
       // ...so round k goes in,
       for (int j = 0; j < R; ++j) {
         const uint64_t first = k * mine.region;
-        if (s_live[j] == 0 || a.send_bytes[j] <= first) continue;
+        if (s_send[j] == 0 || a.send_bytes[j] <= first) continue;
         const uint64_t left = a.send_bytes[j] - first;
-        copy_in(mine.base + static_cast<size_t>(j) * mine.region,
-                static_cast<const uint8_t*>(a.in_parts[j]) + first,
-                left < mine.region ? left : mine.region, a.vec);
+        vary_copy(mine.base + static_cast<size_t>(j) * mine.region,
+                  static_cast<const uint8_t*>(a.in_parts[j]) + first,
+                  left < mine.region ? left : mine.region);
       }
       grid_sync_all(a, st, multi);
-      // is said to be in, and each sender's is waited for.
+      // is said to be in (to each receiver still served), and each sender's is
+      // waited for.
       if (blockIdx.x == 0) {
-        if (threadIdx.x == 0) {
-          __threadfence_system();
-          st_release_sys(reinterpret_cast<uint64_t*>(own + DirectLayout::kVaryPut),
-                         vary_word(gen, seq, k));
-        }
+        __threadfence_system();
+        for (int j = threadIdx.x; j < R; j += blockDim.x)
+          if (s_send[j] != 0 && vary_rounds(a.send_bytes[j], mine.region) > k)
+            st_release_sys(table + VaryTable::put(R, j), vary_word(gen, seq, k));
         const uint64_t deadline = deadline_of(a.c.timeout_ns);
         for (int j = threadIdx.x; j < R; j += blockDim.x)
-          if (s_live[j] != 0 && vary_rounds(a.recv_bytes[j], s_region[j]) > k &&
-              !vary_wait(a, st, j, DirectLayout::kVaryPut, gen, seq, k, deadline))
-            st->sources[j] = 0;
+          if (s_recv[j] != 0 && vary_rounds(a.recv_bytes[j], s_region[j]) > k &&
+              !vary_wait(a, st, j, s_put[j], gen, seq, k, true, deadline))
+            st->vary_in_cut[j] = 1;
       }
       refresh();
     }
     // Round k read from each sender's region (and this rank's own part, whole).
     for (int j = 0; j < R; ++j) {
       const uint64_t first = k * s_region[j];
-      if (s_live[j] == 0 || a.recv_bytes[j] <= first) continue;
+      if (s_recv[j] == 0 || a.recv_bytes[j] <= first) continue;
       const uint64_t left = a.recv_bytes[j] - first;
-      copy_in(out[j] + first, s_from[j], left < s_region[j] ? left : s_region[j], a.vec);
+      vary_copy(out[j] + first, s_from[j], left < s_region[j] ? left : s_region[j]);
     }
     if (k == 0 && a.send_bytes[me] != 0)
-      copy_in(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me], a.vec);
+      vary_copy(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me]);
     grid_sync_all(a, st, multi);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       __threadfence_system();
@@ -801,25 +833,26 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
     }
   }
   if (rounds == 0 && a.send_bytes[me] != 0)
-    copy_in(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me], a.vec);
+    vary_copy(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me]);
   // Regions in the segment: every receiver has read its last round before the
   // launch ends (the segment's next writer does not wait for the peers).
-  if (mine.back != 0) {
-    if (blockIdx.x == 0) {
-      const uint64_t deadline = deadline_of(a.c.timeout_ns);
-      for (int j = threadIdx.x; j < R; j += blockDim.x) {
-        const uint64_t n = vary_rounds(a.send_bytes[j], mine.region);
-        if (s_live[j] != 0 && n > 0 &&
-            !vary_wait(a, st, j, DirectLayout::kVaryRead, gen, seq, n - 1, deadline))
-          st->sources[j] = 0;
-      }
+  if (mine.back != 0 && blockIdx.x == 0) {
+    const uint64_t deadline = deadline_of(a.c.timeout_ns);
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+      const uint64_t n = vary_rounds(a.send_bytes[j], mine.region);
+      if (s_send[j] != 0 && n > 0)
+        vary_wait(a, st, j,
+                  reinterpret_cast<const uint64_t*>(st->areas[j] + DirectLayout::kVaryRead), gen,
+                  seq, n - 1, false, deadline);
     }
   }
   refresh();
-  // A rank out of the op, or lost while its parts moved: zeros in its part.
+  // A rank out of the op, or a sender cut while its part moved: zeros there.
   for (int j = 0; j < R; ++j)
-    if (j != me && s_live[j] == 0 && a.recv_bytes[j] != 0)
-      move_part<uint8_t>(nullptr, out[j], a.recv_bytes[j], a.vec ? 16 : 1, a.vec);
+    if (j != me && (s_member[j] == 0 || s_recv[j] == 0) && a.recv_bytes[j] != 0)
+      move_part<uint8_t>(nullptr, out[j], a.recv_bytes[j],
+                         (reinterpret_cast<uintptr_t>(out[j]) & 15) == 0 ? 16 : 1,
+                         (reinterpret_cast<uintptr_t>(out[j]) & 15) == 0);
 }
 
 // kMove: the kinds that only move data, with T = uint8_t (counts in bytes);
@@ -859,7 +892,7 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
   // 1. The input into this rank's area (a mapped op's stays where it lies).
   if (a.mapped) {
   } else if (data && a.vary) {
-    vary_put_first(a, st, seq);
+    vary_put_first(a, st, seq, gen);
   } else if (data && a.list == DirectList::kIn) {
     const size_t parts = direct_in_parts(a.kind, R, root);
     for (size_t p = 0; p < parts; ++p)
@@ -906,6 +939,7 @@ __global__ void __launch_bounds__(kDirectThreads) direct_op(DirectArgs a) {
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
       s_why[j] = decide(a, st, j, seq, gen, deadline, s_fenced);
       st->sources[j] = s_why[j] == kIn ? 1 : 0;
+      if (a.vary) st->vary_in_cut[j] = st->vary_out_cut[j] = 0;
       if (a.mapped) st->mapped[j] = s_why[j] == kIn ? mapped_tensor(a, st, j, seq) : nullptr;
     }
     __syncthreads();

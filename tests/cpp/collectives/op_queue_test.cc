@@ -275,8 +275,9 @@ TEST(OpQueue, StopCalledFromACompletionCallbackOnTheQueuesThreadReturns) {
 
 TEST(OpQueue, ACompletionCallbackThatRunsAnotherTaskOnTheSameQueueDoesNotWaitForItself) {
   // A Work's callback that makes a blocking call on the same queue (run_now,
-  // or a wait for ever), on whichever thread ran the task: it runs the next
-  // task nested, rather than wait for the task whose callback it is.
+  // or a wait, for ever or with a timeout), on whichever thread ran the task:
+  // it runs the next task nested, rather than wait for the task whose callback
+  // it is.
   run_ranks(1,
             [](Rank&) {
               for (int64_t delay_us : {int64_t{0}, kNever}) {
@@ -289,8 +290,11 @@ TEST(OpQueue, ACompletionCallbackThatRunsAnotherTaskOnTheSameQueueDoesNotWaitFor
                   q.run_now([&] { order.push_back(3); });
                   done += 1;
                 });
+                std::atomic<bool> timed_ok{false};
                 queued->on_complete([&](std::exception_ptr) {
-                  q.wait(q.submit([&] { order.push_back(4); }), -1);
+                  // With a timeout too (a Work's wait(timeout)): no task could start
+                  // while it waits, so it runs them as well.
+                  timed_ok = q.wait(q.submit([&] { order.push_back(4); }), 5000);
                   done += 1;
                 });
                 // The thread runs them (no delay), or this waiter does.
@@ -304,6 +308,7 @@ TEST(OpQueue, ACompletionCallbackThatRunsAnotherTaskOnTheSameQueueDoesNotWaitFor
                       "return within 2 s (it waits for the task whose callback it is)");
                 if (order != std::vector<int>({1, 2, 3, 4}))
                   fail_rank_now("tasks ran out of submission order");
+                if (!timed_ok) fail_rank_now("the callback's wait with a timeout failed");
               }
             },
             {.timeout_ms = 10000});
