@@ -316,16 +316,13 @@ void DirectOps::launch(const Op& op, bool two_shot, bool reject, int64_t timeout
               op.recv_bytes.size() == op.parts.size() && !op.mapped);
     a.vary = true;
     a.count = 0;
-    a.shape = reject ? k::kShapeRejected
-                     : k::direct_shape(op.kind, 0, 0, op.dtype, RedOp::kSum, true, false);
+    a.shape = k::direct_shape(op.kind, 0, 0, op.dtype, RedOp::kSum, true, false);
     a.list = k::DirectList::kOut;
-    a.vec = true;
     for (int p = 0; p < ranks_; ++p) {
       a.parts[p] = op.parts[p];
       a.in_parts[p] = op.in_parts[p];
       a.send_bytes[p] = op.send_bytes[p];
       a.recv_bytes[p] = op.recv_bytes[p];
-      a.vec = a.vec && aligned(op.parts[p]) && aligned(op.in_parts[p]);
     }
   }
   a.outcome = op.outcome;

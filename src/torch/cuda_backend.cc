@@ -330,12 +330,6 @@ at::Tensor cat_flat(const std::vector<at::Tensor>& list) {
   return at::cat(flat);
 }
 
-// Queues `call` on `stream` (the current one) and, on it, the copies of its
-// results into the user's tensors where they were not the kernel's output.
-// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
-// the group has one rank, where every op is the identity: no kernel, a copy
-// where the output is not the input (by the op queue only past the kernels'
-// bound, after direct_prepare; below it the queue's call sets them up).
 // An all_to_all with per-pair sizes (DirectOps::Op::vary): every part at its
 // own address and contiguous (a copy where the caller's is not, an output's
 // copied back after the launch), an input that shares memory with an output
@@ -398,6 +392,12 @@ void run_vary(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream,
   }
 }
 
+// Queues `call` on `stream` (the current one) and, on it, the copies of its
+// results into the user's tensors where they were not the kernel's output.
+// `queued`: by the op queue (DeviceCollectives::direct's `queued`). `alone`:
+// the group has one rank, where every op is the identity: no kernel, a copy
+// where the output is not the input (by the op queue only past the kernels'
+// bound, after direct_prepare; below it the queue's call sets them up).
 void run_direct(DeviceCollectives& c, const DirectCall& call, cudaStream_t stream, int64_t timeout,
                 bool queued, bool alone = false) {
   DirectOps::Op op = call.op;

@@ -487,8 +487,8 @@ struct DirectArgs {
   size_t plane_bytes;
   // all_to_all with per-pair sizes (VaryTable): part p of the input is
   // send_bytes[p] bytes at in_parts[p], for rank p; part p of the output
-  // (parts[p], `list` kOut) expects recv_bytes[p] from rank p (`count` 0,
-  // `vec`: every part's address and size whole vectors).
+  // (parts[p], `list` kOut) expects recv_bytes[p] from rank p (`count` 0;
+  // `vec` unused: each copy goes by vectors where its two ends are aligned).
   bool vary;
   const void* in_parts[kDirectMaxRanks];
   uint64_t send_bytes[kDirectMaxRanks];

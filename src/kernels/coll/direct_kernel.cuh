@@ -775,6 +775,13 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
     __syncthreads();
   };
   auto* out = reinterpret_cast<uint8_t* const*>(a.parts);
+  // Receiver j's word saying which round it read.
+  auto read_word = [&](int j) {
+    return reinterpret_cast<const uint64_t*>(st->areas[j] + DirectLayout::kVaryRead);
+  };
+  // This rank's own part, whole, straight from its input.
+  if (a.send_bytes[me] != 0)
+    vary_copy(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me]);
   for (uint64_t k = 0; k < rounds; ++k) {
     if (k > 0) {
       // Each receiver of a round k read round k - 1 of its region...
@@ -782,9 +789,7 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
         const uint64_t deadline = deadline_of(a.c.timeout_ns);
         for (int j = threadIdx.x; j < R; j += blockDim.x)
           if (s_send[j] != 0 && vary_rounds(a.send_bytes[j], mine.region) > k &&
-              !vary_wait(a, st, j,
-                         reinterpret_cast<const uint64_t*>(st->areas[j] + DirectLayout::kVaryRead),
-                         gen, seq, k - 1, false, deadline)) {
+              !vary_wait(a, st, j, read_word(j), gen, seq, k - 1, false, deadline)) {
             st->vary_out_cut[j] = 1;
             // Said to it, so that it stops at once rather than wait out its deadline.
             st_release_sys(table + VaryTable::put(R, j), vary_word(gen, seq, kVaryStopped));
@@ -816,15 +821,13 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
       }
       refresh();
     }
-    // Round k read from each sender's region (and this rank's own part, whole).
+    // Round k read from each sender's region.
     for (int j = 0; j < R; ++j) {
       const uint64_t first = k * s_region[j];
       if (s_recv[j] == 0 || a.recv_bytes[j] <= first) continue;
       const uint64_t left = a.recv_bytes[j] - first;
       vary_copy(out[j] + first, s_from[j], left < s_region[j] ? left : s_region[j]);
     }
-    if (k == 0 && a.send_bytes[me] != 0)
-      vary_copy(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me]);
     grid_sync_all(a, st, multi);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       __threadfence_system();
@@ -832,8 +835,6 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
                      vary_word(gen, seq, k));
     }
   }
-  if (rounds == 0 && a.send_bytes[me] != 0)
-    vary_copy(out[me], static_cast<const uint8_t*>(a.in_parts[me]), a.send_bytes[me]);
   // Regions in the segment: every receiver has read its last round before the
   // launch ends (the segment's next writer does not wait for the peers).
   if (mine.back != 0 && blockIdx.x == 0) {
@@ -841,18 +842,16 @@ __device__ void vary_moves(const DirectArgs& a, DirectState* st, uint64_t seq, u
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
       const uint64_t n = vary_rounds(a.send_bytes[j], mine.region);
       if (s_send[j] != 0 && n > 0)
-        vary_wait(a, st, j,
-                  reinterpret_cast<const uint64_t*>(st->areas[j] + DirectLayout::kVaryRead), gen,
-                  seq, n - 1, false, deadline);
+        vary_wait(a, st, j, read_word(j), gen, seq, n - 1, false, deadline);
     }
   }
   refresh();
   // A rank out of the op, or a sender cut while its part moved: zeros there.
   for (int j = 0; j < R; ++j)
-    if (j != me && (s_member[j] == 0 || s_recv[j] == 0) && a.recv_bytes[j] != 0)
-      move_part<uint8_t>(nullptr, out[j], a.recv_bytes[j],
-                         (reinterpret_cast<uintptr_t>(out[j]) & 15) == 0 ? 16 : 1,
-                         (reinterpret_cast<uintptr_t>(out[j]) & 15) == 0);
+    if (j != me && (s_member[j] == 0 || s_recv[j] == 0) && a.recv_bytes[j] != 0) {
+      const bool vec = (reinterpret_cast<uintptr_t>(out[j]) & 15) == 0;
+      move_part<uint8_t>(nullptr, out[j], a.recv_bytes[j], vec ? 16 : 1, vec);
+    }
 }
 
 // kMove: the kinds that only move data, with T = uint8_t (counts in bytes);
